@@ -1,0 +1,45 @@
+"""The few exceptions blobfeed raises, and who causes each.
+
+* :class:`DequeueTimeout` -- the *producer side* was too slow: no batch came
+  within the source's ``timeout``.
+* :class:`FetcherError` -- the *user's* ``fetch_fun`` raised; the original
+  exception is the ``__cause__``.
+* :class:`ChunkError` -- the *user's* ``fetch_fun`` returned a malformed chunk.
+* :class:`EndOfInput` -- the stream ended normally: every fetcher raised
+  ``StopIteration`` and the last batch was consumed, or the source was
+  stopped.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlobfeedError",
+    "ChunkError",
+    "DequeueTimeout",
+    "EndOfInput",
+    "FetcherError",
+]
+
+
+class BlobfeedError(Exception):
+    """Base class of every error blobfeed raises on purpose."""
+
+
+class DequeueTimeout(BlobfeedError, TimeoutError):
+    """No batch arrived within the allowed time (``Net.run`` / ``BlobsQueue.get``)."""
+
+
+class EndOfInput(BlobfeedError):
+    """The input is exhausted or its source was stopped; no batch will follow."""
+
+
+class FetcherError(BlobfeedError):
+    """A user ``fetch_fun`` raised; ``__cause__`` is the original exception."""
+
+
+class ChunkError(FetcherError, ValueError):
+    """A user ``fetch_fun`` returned a malformed chunk.
+
+    The message names the source, the worker id, the blob and what was
+    expected versus what came.
+    """

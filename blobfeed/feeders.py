@@ -1,0 +1,569 @@
+"""Fetcher workers, chunk validation, re-batching and enqueuers.
+
+Data path for one input source (see SPEC.md)::
+
+    fetch_fun  --chunks-->  InputSource.queue  --Feed (one per net)-->  device queue  -->  Net.run
+
+An :class:`InputSource` owns the bounded internal queue shared by every net
+fed from that source name, so each chunk goes to exactly one net.  A
+:class:`Feed` re-batches the chunks it takes into batches of exactly
+``batch_size`` samples and puts them, placed on the net's device, on its
+device queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Sequence
+
+import numpy as np
+
+from .errors import ChunkError, DequeueTimeout, EndOfInput, FetcherError
+from .metrics import AssembleStats, ConsumeStats, FetchStats, MetricsHub
+from .queues import BlobsQueue
+
+if TYPE_CHECKING:
+    from .net import Net
+
+__all__ = ["Batch", "Chunk", "ChunkValidator", "Feed", "InputSource", "Rebatcher"]
+
+logger = logging.getLogger("blobfeed.feeders")
+
+OnError = Literal["raise", "skip"]
+FetchFun = Callable[[int, int], Any]
+
+#: Seconds a consumer waits with no data before "data input is slow".
+SLOW_INPUT_WARN_S = 10.0
+#: At most one "data loading lagging behind" per this many seconds.
+LAGGING_WARN_S = 60.0
+
+
+class Chunk(NamedTuple):
+    """One validated fetcher result: an array per blob, ``n`` samples each."""
+
+    arrays: tuple[np.ndarray, ...]
+    n: int
+    worker_id: int
+
+
+class Batch(NamedTuple):
+    """One whole batch: an array (or device value) per blob, ``n`` samples each."""
+
+    arrays: tuple[Any, ...]
+    n: int
+
+
+class _SourceStopped(EndOfInput):
+    """Internal: the source was stopped; enqueuers must not flush leftovers."""
+
+
+def _slicer(axis: int) -> Callable[[np.ndarray, int, int], np.ndarray]:
+    if axis == 0:
+        return lambda a, lo, hi: a[lo:hi]
+    lead = (slice(None),) * axis
+    return lambda a, lo, hi: a[lead + (slice(lo, hi),)]
+
+
+def _bad_chunk(where: str, detail: str, kind: type[Exception] = ValueError) -> ChunkError:
+    """A ChunkError whose ``__cause__`` is the plain TypeError/ValueError of the check."""
+    err = ChunkError(f"{where}: {detail}")
+    err.__cause__ = kind(detail)
+    return err
+
+
+class ChunkValidator:
+    """Checks fetcher results against the blobs' layout; thread-safe.
+
+    The first accepted chunk fixes each blob's dtype and per-sample shape for
+    the whole source; later chunks must match.
+    """
+
+    def __init__(self, source: str, blob_names: Sequence[str], axes: Sequence[int]) -> None:
+        self.source = source
+        self.blob_names = tuple(blob_names)
+        self.axes = tuple(axes)
+        self._expected: tuple[tuple[np.dtype, tuple[int, ...]], ...] | None = None
+        self._lock = threading.Lock()
+
+    def check(self, raw: Any, worker_id: int, blob_names: Sequence[str] | None = None) -> Chunk | str:
+        """Validate one fetcher result.
+
+        Returns:
+            A :class:`Chunk`, or ``"none"`` / ``"empty"`` for a result to skip.
+
+        Raises:
+            ChunkError: the result is malformed; the message says where and how.
+        """
+        names = self.blob_names if blob_names is None else tuple(blob_names)
+        if raw is None:
+            return "none"
+        where = f"source {self.source!r}, worker {worker_id}"
+        if not isinstance(raw, (list, tuple)):
+            raise _bad_chunk(
+                where,
+                f"fetch_fun must return a list or tuple of {len(names)} numpy arrays "
+                f"({', '.join(names)}), got {type(raw).__name__}",
+                TypeError,
+            )
+        if len(raw) != len(names):
+            raise _bad_chunk(
+                where, f"expected {len(names)} arrays ({', '.join(names)}), got {len(raw)}"
+            )
+        n = -1
+        for i, arr in enumerate(raw):
+            if not isinstance(arr, np.ndarray):
+                raise _bad_chunk(
+                    f"{where}, blob {names[i]!r}",
+                    f"expected a numpy.ndarray, got {type(arr).__name__}",
+                    TypeError,
+                )
+            axis = self.axes[i]
+            if arr.ndim <= axis:
+                raise _bad_chunk(
+                    f"{where}, blob {names[i]!r}",
+                    f"expected an array with a batch axis {axis}, got shape {arr.shape}",
+                )
+            k = arr.shape[axis]
+            if n < 0:
+                n = k
+            elif k != n:
+                raise _bad_chunk(
+                    f"{where}, blob {names[i]!r}",
+                    f"expected {n} samples (as blob {names[0]!r}), got {k} (shape {arr.shape})",
+                )
+        if n == 0:
+            return "empty"
+        expected = self._expected
+        if expected is None:
+            with self._lock:
+                if self._expected is None:
+                    self._expected = tuple(
+                        (a.dtype, a.shape[:ax] + a.shape[ax + 1 :]) for a, ax in zip(raw, self.axes)
+                    )
+                expected = self._expected
+        for i, arr in enumerate(raw):
+            dtype, sample_shape = expected[i]
+            ax = self.axes[i]
+            shape = arr.shape
+            if arr.dtype != dtype or shape[:ax] + shape[ax + 1 :] != sample_shape:
+                raise _bad_chunk(
+                    f"{where}, blob {names[i]!r}",
+                    f"expected dtype {dtype} and per-sample shape {sample_shape} (as earlier "
+                    f"chunks), got dtype {arr.dtype} and per-sample shape "
+                    f"{shape[:ax] + shape[ax + 1 :]} (array shape {shape})",
+                )
+        return Chunk(tuple(raw), n, worker_id)
+
+
+class Rebatcher:
+    """Cuts a stream of chunks into batches of exactly ``batch_size`` samples.
+
+    Not thread-safe: one owner at a time.  Guarantees (SPEC.md): samples keep
+    their order, a chunk's leftover goes first into the next batch, and each
+    byte is copied at most once -- not at all when a batch lies inside one
+    chunk (the batch is then a view of the chunk).
+    """
+
+    def __init__(self, axes: Sequence[int], batch_size: int) -> None:
+        self.axes = tuple(axes)
+        self.batch_size = batch_size
+        self._slicers = [_slicer(ax) for ax in self.axes]
+        # (arrays, start) with start the first sample not yet handed out
+        self._pieces: collections.deque[list[Any]] = collections.deque()
+        self.pending = 0
+
+    def push(self, chunk: Chunk) -> None:
+        self._pieces.append([chunk.arrays, 0, chunk.n])
+        self.pending += chunk.n
+
+    def pop(self) -> Batch | None:
+        """A full batch if enough samples are pending, else None."""
+        if self.pending < self.batch_size:
+            return None
+        return self._take(self.batch_size)
+
+    def pop_partial(self) -> Batch | None:
+        """Everything pending as one (smaller) batch, or None when empty."""
+        if self.pending == 0:
+            return None
+        return self._take(self.pending)
+
+    def _take(self, bs: int) -> Batch:
+        head = self._pieces[0]
+        arrays, start, n = head
+        self.pending -= bs
+        if n - start >= bs:
+            # The whole batch lies inside one chunk: views, no copy.
+            out = tuple(sl(a, start, start + bs) for sl, a in zip(self._slicers, arrays))
+            if n - start == bs:
+                self._pieces.popleft()
+            else:
+                head[1] = start + bs
+            return Batch(out, bs)
+        parts: list[list[np.ndarray]] = [[] for _ in arrays]
+        need = bs
+        while need:
+            head = self._pieces[0]
+            arrays, start, n = head
+            take = min(need, n - start)
+            for i, (sl, a) in enumerate(zip(self._slicers, arrays)):
+                parts[i].append(sl(a, start, start + take))
+            need -= take
+            if start + take == n:
+                self._pieces.popleft()
+            else:
+                head[1] = start + take
+        out = tuple(np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes))
+        return Batch(out, bs)
+
+
+class InputSource:
+    """Everything behind one ``input_source_name``: the internal queue, the
+    fetchers' lifecycle and the feeds (one per net) that share it.
+
+    Thread-safe.
+    """
+
+    def __init__(self, name: str, capacity: int, n_blobs: int, axes: Sequence[int], hub: MetricsHub) -> None:
+        self.name = name
+        self.queue: BlobsQueue[Chunk] = BlobsQueue(capacity, name=f"{name}/internal")
+        self.n_blobs = n_blobs
+        self.axes = tuple(axes)
+        self.validator = ChunkValidator(name, [f"#{i}" for i in range(n_blobs)], axes)
+        self.feeds: list[Feed] = []
+        self.stop_event = threading.Event()
+        self.hub = hub
+        self._lock = threading.Lock()
+        self._fetchers_registered = 0
+        self._fetchers_running = 0
+        self._fetchers_finished = 0
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.started_at: float | None = None
+        hub.attach_source(self)
+
+    # -- fetcher lifecycle -------------------------------------------------
+    def register_fetchers(self, n: int) -> None:
+        with self._lock:
+            self._fetchers_registered += n
+
+    def fetcher_started(self) -> None:
+        with self._lock:
+            self._fetchers_running += 1
+            if self.started_at is None:
+                self.started_at = time.monotonic()
+
+    def fetcher_finished(self, exhausted: bool) -> None:
+        """A fetcher thread ends; when the last one of the source raised
+        StopIteration the stream ends after what is queued."""
+        with self._lock:
+            self._fetchers_running -= 1
+            if exhausted:
+                self._fetchers_finished += 1
+            last = self._fetchers_finished == self._fetchers_registered
+        if last and exhausted:
+            logger.info("source %r: every fetcher finished; draining", self.name)
+            self.queue.close()
+
+    @property
+    def finished(self) -> bool:
+        """True once every fetcher raised StopIteration."""
+        return self._fetchers_registered > 0 and self._fetchers_finished == self._fetchers_registered
+
+    def workers_alive(self) -> int:
+        return self._fetchers_running
+
+    # -- ending --------------------------------------------------------------
+    def fail(self, error: FetcherError) -> None:
+        """on_error="raise": abort the source; every net gets ``error``."""
+        with self._lock:
+            if self.error is not None or self.stopped:
+                return
+            self.error = error
+        logger.error("source %r stopped by a fetcher error: %s", self.name, error)
+        self.stop_event.set()
+        lost = self._samples_in(self.queue.close(error))
+        for feed in list(self.feeds):
+            lost += feed.abort(error)
+        self.hub.count_dropped(self.name, "error", lost)
+
+    def stop(self) -> None:
+        """Stop fetchers and enqueuers; queued data is discarded. Idempotent."""
+        with self._lock:
+            if self.stopped:
+                return
+            self.stopped = True
+        self.stop_event.set()
+        err = _SourceStopped(f"source {self.name!r} was stopped")
+        lost = self._samples_in(self.queue.close(err))
+        for feed in list(self.feeds):
+            lost += feed.abort(EndOfInput(f"source {self.name!r} was stopped"))
+        self.hub.count_dropped(self.name, "stopped", lost)
+
+    @property
+    def lost_reason(self) -> str:
+        """Why data still inside blobfeed will never reach a net now."""
+        return "error" if self.error is not None else "stopped"
+
+    @staticmethod
+    def _samples_in(items: Sequence[Any]) -> int:
+        return sum(item.n for item in items)
+
+    # -- metrics -------------------------------------------------------------
+    def device_queue_depths(self) -> list[tuple[str, int]]:
+        return [(f.net_name, f.device_queue.qsize()) for f in list(self.feeds)]
+
+    def buffered_samples(self) -> int:
+        total = self._samples_in(self.queue.snapshot())
+        for f in list(self.feeds):
+            total += f.buffered_samples()
+        return total
+
+
+class Feed:
+    """Re-batches one source's chunks for one net: the enqueuer.
+
+    ``run()`` is the body of the enqueuer thread.  Thread-safe where it
+    matters: ``abort``/``buffered_samples`` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        source: InputSource,
+        net: "Net",
+        blob_names: Sequence[str],
+        batch_size: int,
+        *,
+        timeout: float,
+        device_queue_capacity: int,
+        dont_rebatch: bool,
+        drop_last: bool,
+        hub: MetricsHub,
+    ) -> None:
+        self.source = source
+        self.net = net
+        self.net_name = net.name
+        self.blob_names = tuple(blob_names)
+        self.timeout = timeout
+        self.dont_rebatch = dont_rebatch
+        self.drop_last = drop_last
+        self.rebatcher = Rebatcher(source.axes, batch_size)
+        self.device_queue: BlobsQueue[Batch] = BlobsQueue(
+            device_queue_capacity, name=f"{source.name}/{net.name}"
+        )
+        self.stats: AssembleStats = hub.assemble_stats(source.name, net.name)
+        self.consume_stats: ConsumeStats = hub.consume_stats(source.name, net.name)
+        self._lagging_warned_at = time.monotonic()
+
+    @property
+    def batch_size(self) -> int:
+        return self.rebatcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        # Read by the enqueuer once per batch; an int store is atomic.
+        self.rebatcher.batch_size = value
+
+    def buffered_samples(self) -> int:
+        return self.rebatcher.pending + sum(b.n for b in self.device_queue.snapshot())
+
+    def abort(self, error: BaseException) -> int:
+        """Close the device queue with ``error``; returns samples discarded."""
+        return sum(b.n for b in self.device_queue.close(error))
+
+    # -- the enqueuer thread ---------------------------------------------------
+    def run(self) -> None:
+        src = self.source
+        place = self.net._place
+        try:
+            while True:
+                try:
+                    chunk = src.queue.get()
+                except _SourceStopped:
+                    self._lose_pending()
+                    return
+                except EndOfInput:
+                    self._finish(place)
+                    return
+                # any other exception: the source failed; fail() closed our queue
+                if self.dont_rebatch:
+                    t0 = time.perf_counter()
+                    batch = Batch(place(chunk.arrays), chunk.n)
+                    if not self._put(batch, t0):
+                        return
+                    continue
+                self.rebatcher.push(chunk)
+                while True:
+                    t0 = time.perf_counter()
+                    b = self.rebatcher.pop()
+                    if b is None:
+                        break
+                    if not self._put(Batch(place(b.arrays), b.n), t0):
+                        return
+        except FetcherError:
+            self._lose_pending()
+        except BaseException as exc:  # our bug or a device error: never hang the net
+            logger.exception("enqueuer %s/%s failed", src.name, self.net_name)
+            err = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
+            err.__cause__ = exc
+            self.device_queue.close(err)
+
+    def _lose_pending(self) -> None:
+        n = self.rebatcher.pending
+        if n:
+            self.rebatcher.pop_partial()
+            self.stats.dropped[self.source.lost_reason] += n
+
+    def _put(self, batch: Batch, t0: float) -> bool:
+        stats = self.stats
+        stats.enqueue.observe(time.perf_counter() - t0)
+        now = time.monotonic()
+        if now - self._lagging_warned_at >= LAGGING_WARN_S and self.source.queue.qsize() < 2:
+            self._lagging_warned_at = now
+            logger.warning(
+                "data loading lagging behind: source %r internal queue holds %d chunks (net %r)",
+                self.source.name, self.source.queue.qsize(), self.net_name,
+            )
+        if self.device_queue.put(batch):
+            stats.batches += 1
+            stats.samples += batch.n
+            return True
+        stats.dropped[self.source.lost_reason] += batch.n
+        self._lose_pending()
+        return False
+
+    def _finish(self, place: Callable[[tuple[np.ndarray, ...]], tuple[Any, ...]]) -> None:
+        if not self.dont_rebatch:
+            if self.drop_last:
+                dropped = self.rebatcher.pending
+                if dropped:
+                    self.rebatcher.pop_partial()
+                    self.stats.dropped["drop_last"] += dropped
+                    logger.info(
+                        "source %r, net %r: dropped a last partial batch of %d samples (drop_last=True)",
+                        self.source.name, self.net_name, dropped,
+                    )
+            else:
+                t0 = time.perf_counter()
+                last = self.rebatcher.pop_partial()
+                if last is not None and not self._put(Batch(place(last.arrays), last.n), t0):
+                    return
+        self.device_queue.close()
+
+    # -- the consumer side ---------------------------------------------------------
+    def dequeue(self, timeout: float | None) -> Batch:
+        """Take the next batch for ``Net.run`` (called in the net's thread)."""
+        limit = self.timeout if timeout is None else timeout
+        cs = self.consume_stats
+        t0 = time.perf_counter()
+        try:
+            ok, batch = self.device_queue.get_nowait()
+            if not ok:
+                deadline = t0 + limit
+                while True:
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        cs.timeouts += 1
+                        raise DequeueTimeout(
+                            f"source {self.source.name!r}, net {self.net_name!r}: "
+                            f"no batch within {limit:g} s"
+                        ) from None
+                    try:
+                        batch = self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))
+                        break
+                    except DequeueTimeout:
+                        waited = time.perf_counter() - t0
+                        if waited >= SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
+                            logger.warning(
+                                "data input is slow: net %r has waited %.0f s for source %r "
+                                "(internal queue %d chunks, %d fetchers alive)",
+                                self.net_name, waited, self.source.name,
+                                self.source.queue.qsize(), self.source.workers_alive(),
+                            )
+        finally:
+            cs.wait.observe(time.perf_counter() - t0)
+        assert batch is not None
+        cs.batches += 1
+        cs.samples += batch.n
+        return batch
+
+
+def fetcher_loop(
+    source: InputSource,
+    worker_id: int,
+    fetch_fun: FetchFun,
+    blob_names: Sequence[str],
+    get_batch_size: Callable[[], int],
+    on_error: OnError,
+    stats: FetchStats,
+) -> None:
+    """The body of one fetcher thread."""
+    stop = source.stop_event
+    queue = source.queue
+    validator = source.validator
+    perf = time.perf_counter
+    fetch_hist = stats.fetch
+    exhausted = False
+    source.fetcher_started()
+    try:
+        while not stop.is_set():
+            t0 = perf()
+            try:
+                raw = fetch_fun(worker_id, get_batch_size())
+            except StopIteration:
+                exhausted = True
+                logger.debug("source %r, worker %d: StopIteration", source.name, worker_id)
+                return
+            except Exception as exc:
+                fetch_hist.observe(perf() - t0)
+                stats.errors["exception"] += 1
+                if stop.is_set():
+                    return
+                err = FetcherError(
+                    f"source {source.name!r}, worker {worker_id}: fetch_fun raised {exc!r}"
+                )
+                err.__cause__ = exc
+                if on_error == "skip":
+                    logger.warning("%s; skipped (on_error='skip')", err, exc_info=exc)
+                    continue
+                source.fail(err)
+                return
+            fetch_hist.observe(perf() - t0)
+            try:
+                chunk = validator.check(raw, worker_id, blob_names)
+            except ChunkError as err:
+                stats.errors["invalid"] += 1
+                if on_error == "skip":
+                    stats.skipped_samples += _guess_samples(raw, source.axes)
+                    logger.warning("%s; chunk skipped (on_error='skip')", err)
+                    continue
+                source.fail(err)
+                return
+            if chunk.__class__ is str:
+                stats.errors[chunk] += 1  # type: ignore[index]
+                logger.warning(
+                    "source %r, worker %d: fetch_fun returned %s; skipped",
+                    source.name, worker_id, "None" if chunk == "none" else "a chunk with no samples",
+                )
+                continue
+            assert isinstance(chunk, Chunk)
+            stats.chunks += 1
+            stats.samples += chunk.n
+            stats.bytes += sum(a.nbytes for a in chunk.arrays)
+            if not queue.put(chunk):
+                stats.dropped[source.lost_reason] += chunk.n
+                return
+    finally:
+        source.fetcher_finished(exhausted)
+
+
+def _guess_samples(raw: Any, axes: Sequence[int]) -> int:
+    """Best-effort sample count of a malformed chunk, for the skip counter."""
+    try:
+        first = raw[0]
+        return int(first.shape[axes[0]])
+    except Exception:
+        return 0

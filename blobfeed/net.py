@@ -1,0 +1,244 @@
+"""``Net``: runs an ONNX model on batches dequeued from its input sources."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+    from .feeders import Feed
+
+__all__ = ["Net", "Workspace"]
+
+logger = logging.getLogger("blobfeed.net")
+
+
+class Workspace:
+    """Named blobs of one net: the last inputs and outputs of ``run()``, and
+    anything fed by hand.  Thread-safe."""
+
+    def __init__(self) -> None:
+        self._blobs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def feed_blob(self, name: str, array: Any) -> None:
+        """Store ``array`` under ``name`` (a model input nothing else feeds may come from here)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"blob name must be a non-empty str, got {name!r}")
+        with self._lock:
+            self._blobs[name] = array
+
+    def fetch_blob(self, name: str) -> Any:
+        """The blob stored under ``name``.
+
+        Raises:
+            KeyError: no such blob; the message lists the blobs there are.
+        """
+        with self._lock:
+            try:
+                return self._blobs[name]
+            except KeyError:
+                raise KeyError(
+                    f"no blob {name!r} in the workspace (has: {sorted(self._blobs)})"
+                ) from None
+
+    def has_blob(self, name: str) -> bool:
+        with self._lock:
+            return name in self._blobs
+
+    def blobs(self) -> list[str]:
+        """Names of the stored blobs, sorted."""
+        with self._lock:
+            return sorted(self._blobs)
+
+    def _update(self, blobs: dict[str, Any]) -> None:
+        with self._lock:
+            self._blobs.update(blobs)
+
+
+def _parse_device(device: str) -> tuple[str, int]:
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+    if device == "cpu":
+        return "cpu", 0
+    if device == "cuda":
+        return "cuda", 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return "cuda", int(device[5:])
+    raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+
+
+class Net:
+    """A model fed by blobfeed input sources.
+
+    Args:
+        model: path to an ``.onnx`` file, the model's bytes, or ``None`` for a
+            net that only dequeues (``run()`` then returns the input blobs).
+        name: the ``net`` label of its metrics; distinct per source.
+        device: ``"cpu"``, or ``"cuda:N"`` to have the enqueuer place batches
+            on GPU N as onnxruntime ``OrtValue`` s bound with IO binding
+            (needs onnxruntime with the CUDA execution provider).
+        providers: onnxruntime execution providers; default from ``device``.
+        session_options: an ``onnxruntime.SessionOptions``.
+
+    ``run()`` is meant for one thread at a time (one consumer per net, as in
+    Caffe2); the workspace itself is thread-safe.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | bytes | None = None,
+        *,
+        name: str = "net",
+        device: str = "cpu",
+        providers: Sequence[Any] | None = None,
+        session_options: "ort.SessionOptions | None" = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Net name must be a non-empty str, got {name!r}")
+        self.name = name
+        self.device = device
+        self._device_type, self._device_id = _parse_device(device)
+        self.workspace = Workspace()
+        self._feeds: list[Feed] = []
+        self._session: ort.InferenceSession | None = None
+        self.input_names: list[str] = []
+        self.output_names: list[str] = []
+        if model is not None:
+            self._session = self._load(model, providers, session_options)
+            self.input_names = [i.name for i in self._session.get_inputs()]
+            self.output_names = [o.name for o in self._session.get_outputs()]
+
+    def _load(
+        self, model: Any, providers: Sequence[Any] | None, options: Any
+    ) -> "ort.InferenceSession":
+        import onnxruntime as ort
+
+        if not isinstance(model, (str, bytes, os.PathLike)):
+            raise TypeError(
+                f"Net model must be a path, bytes or None, got {type(model).__name__}"
+            )
+        if isinstance(model, (str, os.PathLike)) and not os.path.exists(model):
+            raise ValueError(f"Net {self.name!r}: model file {os.fspath(model)!r} does not exist")
+        if providers is None:
+            if self._device_type == "cuda":
+                available = ort.get_available_providers()
+                if "CUDAExecutionProvider" not in available:
+                    raise ValueError(
+                        f"Net {self.name!r}: device {self.device!r} needs onnxruntime with "
+                        f"CUDAExecutionProvider; this onnxruntime has {available}"
+                    )
+                providers = [
+                    ("CUDAExecutionProvider", {"device_id": self._device_id}),
+                    "CPUExecutionProvider",
+                ]
+            else:
+                providers = ["CPUExecutionProvider"]
+        return ort.InferenceSession(
+            os.fspath(model) if not isinstance(model, bytes) else model,
+            sess_options=options,
+            providers=list(providers),
+        )
+
+    # Called by the enqueuer thread: puts a batch on this net's device, so
+    # the copy to the GPU overlaps with the model running the previous batch.
+    def _place(self, arrays: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
+        if self._device_type == "cpu":
+            return arrays
+        import onnxruntime as ort
+
+        return tuple(
+            ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", self._device_id)
+            for a in arrays
+        )
+
+    def _attach(self, feed: "Feed") -> None:
+        for old in list(self._feeds):
+            if old.source.name == feed.source.name:
+                if not old.source.stopped:
+                    raise ValueError(
+                        f"net {self.name!r} is already fed from source {feed.source.name!r}"
+                    )
+                self._feeds.remove(old)
+        fed = {n for f in self._feeds for n in f.blob_names}
+        clash = fed.intersection(feed.blob_names)
+        if clash:
+            raise ValueError(
+                f"net {self.name!r}: blobs {sorted(clash)} are already fed by another source"
+            )
+        self._feeds.append(feed)
+
+    def _detach(self, feed: "Feed") -> None:
+        if feed in self._feeds:
+            self._feeds.remove(feed)
+
+    def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Dequeue one batch from every source feeding this net and run the model.
+
+        Args:
+            timeout: seconds to wait for each source's batch; default the
+                ``timeout`` given to ``init_data_input_workers``.
+
+        Returns:
+            The model's outputs by name, or the dequeued blobs when the net
+            has no model.  Inputs and outputs are also stored in ``workspace``.
+
+        Raises:
+            DequeueTimeout: a source had no batch within the timeout.
+            EndOfInput: a source is exhausted (its last batch was consumed) or stopped.
+            FetcherError / ChunkError: a fetcher of a source failed (``on_error="raise"``).
+            ValueError: a model input is fed by no source and not in the workspace,
+                or the net has no model and no source.
+        """
+        feeds = self._feeds
+        session = self._session
+        if session is not None:
+            fed = {n for f in feeds for n in f.blob_names}
+            missing = [n for n in self.input_names if n not in fed and not self.workspace.has_blob(n)]
+            if missing:
+                raise ValueError(
+                    f"net {self.name!r}: model inputs {missing} are fed by no input source "
+                    f"(sources feed {sorted(fed)}) and are not in the workspace"
+                )
+        elif not feeds:
+            raise ValueError(f"net {self.name!r} has no model and no input source to dequeue from")
+        blobs: dict[str, Any] = {}
+        for feed in feeds:
+            batch = feed.dequeue(timeout)
+            blobs.update(zip(feed.blob_names, batch.arrays))
+        if session is None:
+            self.workspace._update(blobs)
+            return blobs  # type: ignore[return-value]
+        inputs = {n: blobs[n] if n in blobs else self.workspace.fetch_blob(n) for n in self.input_names}
+        if self._device_type == "cpu":
+            outputs = dict(zip(self.output_names, session.run(self.output_names, inputs)))
+        else:
+            outputs = self._run_bound(session, inputs)
+        blobs.update(outputs)
+        self.workspace._update(blobs)
+        return outputs
+
+    def _run_bound(self, session: "ort.InferenceSession", inputs: dict[str, Any]) -> dict[str, np.ndarray]:
+        import onnxruntime as ort
+
+        binding = session.io_binding()
+        for name, value in inputs.items():
+            if not isinstance(value, ort.OrtValue):
+                value = ort.OrtValue.ortvalue_from_numpy(
+                    np.ascontiguousarray(value), "cuda", self._device_id
+                )
+            binding.bind_ortvalue_input(name, value)
+        for name in self.output_names:
+            binding.bind_output(name, "cuda", self._device_id)
+        session.run_with_iobinding(binding)
+        return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
+
+    def __repr__(self) -> str:
+        model = "no model" if self._session is None else f"inputs {self.input_names}"
+        return f"<Net {self.name!r} {self.device} {model}, {len(self._feeds)} source(s)>"

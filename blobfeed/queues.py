@@ -1,0 +1,184 @@
+"""A bounded, closable, thread-safe queue of whole batches."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Generic, TypeVar
+
+from .errors import DequeueTimeout, EndOfInput
+
+__all__ = ["BlobsQueue"]
+
+T = TypeVar("T")
+
+
+class BlobsQueue(Generic[T]):
+    """A bounded FIFO of whole batches that can be closed from either side.
+
+    Thread-safe: any number of producers and consumers.  Blocked calls wake
+    because something woke them (an item, a free slot, ``close``), never by
+    polling.
+
+    Closing semantics, as in Caffe2's ``BlobsQueue`` and trio's channels:
+
+    * ``close()`` (end of stream): ``put`` fails fast (returns ``False``);
+      readers still get what is queued, then :class:`EndOfInput`.
+    * ``close(error)`` (abort): what is queued is discarded and every reader,
+      now and later, gets ``error`` raised at once.
+
+    Args:
+        capacity: maximum number of queued items, at least 1.
+        name: used in error messages and thread dumps.
+    """
+
+    def __init__(self, capacity: int, *, name: str = "") -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"BlobsQueue capacity must be an int, got {type(capacity).__name__}")
+        if capacity < 1:
+            raise ValueError(f"BlobsQueue capacity must be >= 1, got {capacity}")
+        self._capacity = capacity
+        self.name = name
+        self._items: collections.deque[T] = collections.deque()
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
+        self._closed = False
+        self._error: BaseException | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The bound given at construction."""
+        return self._capacity
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error the queue was closed with, if any."""
+        return self._error
+
+    def qsize(self) -> int:
+        """Number of items queued now (a snapshot)."""
+        return len(self._items)
+
+    def snapshot(self) -> list[T]:
+        """A copy of the queued items, oldest first (for metrics and accounting)."""
+        with self._lock:
+            return list(self._items)
+
+    def put(self, blobs: T, timeout: float | None = None) -> bool:
+        """Queue ``blobs``, waiting for a free slot.
+
+        Args:
+            blobs: one whole batch (any object; blobfeed queues tuples of arrays).
+            timeout: seconds to wait for a slot; ``None`` waits until one frees
+                or the queue is closed.
+
+        Returns:
+            True once queued; False when the queue is closed (before or while
+            waiting) or the timeout passed.
+        """
+        with self._not_full:
+            if not self._closed and len(self._items) >= self._capacity:
+                if timeout is None:
+                    while not self._closed and len(self._items) >= self._capacity:
+                        self._not_full.wait()
+                else:
+                    deadline = time.monotonic() + timeout
+                    while not self._closed and len(self._items) >= self._capacity:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            return False
+                        self._not_full.wait(remaining)
+            if self._closed:
+                return False
+            self._items.append(blobs)
+            self._not_empty.notify()
+            return True
+
+    def get(self, timeout: float | None = None) -> T:
+        """Dequeue the oldest batch, waiting for one.
+
+        Args:
+            timeout: seconds to wait; ``None`` waits until a batch comes or
+                the queue is closed.
+
+        Raises:
+            DequeueTimeout: nothing came within ``timeout``.
+            EndOfInput: the queue was closed and is drained.
+            BaseException: the error given to ``close(error)``.
+        """
+        with self._not_empty:
+            if not self._items and not self._closed:
+                if timeout is None:
+                    while not self._items and not self._closed:
+                        self._not_empty.wait()
+                else:
+                    deadline = time.monotonic() + timeout
+                    while not self._items and not self._closed:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise DequeueTimeout(
+                                f"queue {self.name!r}: no batch within {timeout:g} s"
+                            )
+                        self._not_empty.wait(remaining)
+            if self._error is not None:
+                # A fresh traceback per raise: the useful one is on __cause__.
+                raise self._error.with_traceback(None)
+            if self._items:
+                item = self._items.popleft()
+                self._not_full.notify()
+                return item
+            raise EndOfInput(f"queue {self.name!r} is closed and drained")
+
+    def get_nowait(self) -> tuple[bool, T | None]:
+        """Dequeue without waiting.
+
+        Returns:
+            ``(True, item)``, or ``(False, None)`` when the queue is empty and open.
+
+        Raises:
+            EndOfInput / the close error: as :meth:`get`.
+        """
+        with self._lock:
+            if self._error is not None:
+                raise self._error.with_traceback(None)
+            if self._items:
+                item = self._items.popleft()
+                self._not_full.notify()
+                return True, item
+            if self._closed:
+                raise EndOfInput(f"queue {self.name!r} is closed and drained")
+            return False, None
+
+    def close(self, error: BaseException | None = None) -> list[T]:
+        """Close the queue and wake every blocked caller.  Idempotent.
+
+        Args:
+            error: ``None`` for end of stream (readers drain, then get
+                :class:`EndOfInput`); an exception to abort (queued items are
+                discarded and readers get ``error``).  A queue closed without
+                error can later be aborted; the first error stands.
+
+        Returns:
+            The items discarded by this call (empty unless ``error`` is given).
+        """
+        with self._lock:
+            discarded: list[T] = []
+            if error is not None and self._error is None:
+                self._error = error
+                discarded = list(self._items)
+                self._items.clear()
+            self._closed = True
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+            return discarded
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<BlobsQueue {self.name!r} {len(self._items)}/{self._capacity} {state}>"
