@@ -37,7 +37,7 @@ InitFun = Callable[["WorkerCoordinator", "GlobalCoordinator"], Any]
 #: Default seconds ``stop()`` waits for threads to end.
 DEFAULT_JOIN_TIMEOUT = 5.0
 #: At interpreter exit nothing should hold the process for long.
-ATEXIT_JOIN_TIMEOUT = 1.0
+ATEXIT_JOIN_TIMEOUT = 0.25
 
 
 class WorkerCoordinator:

@@ -514,6 +514,7 @@ def fetcher_loop(
             try:
                 raw = fetch_fun(worker_id, get_batch_size())
             except StopIteration:
+                fetch_hist.observe(perf() - t0)
                 exhausted = True
                 logger.debug("source %r, worker %d: StopIteration", source.name, worker_id)
                 return

@@ -74,6 +74,17 @@ def _parse_device(device: str) -> tuple[str, int]:
     raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
 
 
+def _require_cuda(name: str, device: str) -> None:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise ValueError(
+            f"Net {name!r}: device {device!r} needs onnxruntime with CUDAExecutionProvider "
+            f"(pip install onnxruntime-gpu); this onnxruntime has {available}"
+        )
+
+
 class Net:
     """A model fed by blobfeed input sources.
 
@@ -105,6 +116,8 @@ class Net:
         self.name = name
         self.device = device
         self._device_type, self._device_id = _parse_device(device)
+        if self._device_type == "cuda":
+            _require_cuda(name, device)
         self.workspace = Workspace()
         self._feeds: list[Feed] = []
         self._session: ort.InferenceSession | None = None
@@ -128,12 +141,6 @@ class Net:
             raise ValueError(f"Net {self.name!r}: model file {os.fspath(model)!r} does not exist")
         if providers is None:
             if self._device_type == "cuda":
-                available = ort.get_available_providers()
-                if "CUDAExecutionProvider" not in available:
-                    raise ValueError(
-                        f"Net {self.name!r}: device {self.device!r} needs onnxruntime with "
-                        f"CUDAExecutionProvider; this onnxruntime has {available}"
-                    )
                 providers = [
                     ("CUDAExecutionProvider", {"device_id": self._device_id}),
                     "CPUExecutionProvider",

@@ -1,0 +1,101 @@
+"""Fetchers and consumers used across the tests."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+import blobfeed
+from blobfeed import EndOfInput
+
+WAIT = 5.0
+
+
+class ChunkPlan:
+    """Deterministic fetchers: worker w returns the chunk sizes in ``sizes[w]``,
+    then raises StopIteration.  Sample ids are unique across workers, so the
+    consumer can check exactly-once delivery and order within a chunk.
+
+    Blob ``ids``: int64 ``(n,)``; blob ``feat``: float32 ``(n, 2)`` with
+    ``feat[:, 0] == ids`` and ``feat[:, 1] == worker``; so row alignment
+    across blobs is checkable too.
+    """
+
+    def __init__(self, sizes: dict[int, Sequence[int]]) -> None:
+        self.sizes = {w: list(s) for w, s in sizes.items()}
+        self._pos = dict.fromkeys(self.sizes, 0)
+        self._next_id = itertools.count()
+        self._lock = threading.Lock()
+        self.issued: list[np.ndarray] = []
+
+    @property
+    def total(self) -> int:
+        return sum(sum(s) for s in self.sizes.values())
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        sizes = self.sizes[worker_id]
+        i = self._pos[worker_id]
+        if i >= len(sizes):
+            raise StopIteration
+        self._pos[worker_id] = i + 1
+        n = sizes[i]
+        with self._lock:
+            start = next(self._next_id) * 100_000
+        ids = np.arange(start, start + n, dtype=np.int64)
+        self.issued.append(ids)
+        feat = np.stack([ids.astype(np.float32), np.full(n, worker_id, np.float32)], axis=1)
+        return [ids, feat]
+
+
+def drain(net: blobfeed.Net, timeout: float = WAIT) -> list[dict[str, np.ndarray]]:
+    """Run ``net`` until EndOfInput; returns every batch (copied)."""
+    out = []
+    while True:
+        try:
+            blobs = net.run(timeout=timeout)
+        except EndOfInput:
+            return out
+        out.append({k: np.array(v, copy=True) for k, v in blobs.items()})
+
+
+def drain_in_threads(nets: Sequence[blobfeed.Net]) -> dict[str, list[dict[str, np.ndarray]]]:
+    """Drain several nets concurrently (one consumer thread each)."""
+    results: dict[str, list[dict[str, np.ndarray]]] = {}
+    errors: list[BaseException] = []
+
+    def consume(net: blobfeed.Net) -> None:
+        try:
+            results[net.name] = drain(net)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(n,), name=f"test-consumer-{n.name}") for n in nets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 3)
+        assert not t.is_alive(), f"consumer {t.name} hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def blocking_fetcher(release: threading.Event, entered: threading.Event | None = None) -> Callable[[int, int], list]:
+    """A fetch_fun stuck until ``release`` is set (bounded so tests never hang)."""
+
+    def fetch(worker_id: int, batch_size: int) -> list:
+        if entered is not None:
+            entered.set()
+        release.wait(30)
+        raise StopIteration
+
+    return fetch
+
+
+def sample(gc: blobfeed.GlobalCoordinator, name: str, **labels: str) -> float:
+    """A metric's value through the public registry surface (0 when absent)."""
+    value = gc.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value

@@ -1,0 +1,232 @@
+"""Error paths: fetcher failures, malformed chunks, timeouts, bad arguments."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed import ChunkError, DequeueTimeout, EndOfInput, FetcherError, Net, init_data_input_workers
+
+from .helpers import WAIT, sample
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def good(n: int = 4) -> list[np.ndarray]:
+    return [np.zeros((n, 3), np.float32), np.zeros(n, np.int64)]
+
+
+def test_fetcher_exception_reaches_waiting_run_within_a_second(gc: blobfeed.GlobalCoordinator) -> None:
+    go = threading.Event()
+
+    def fetch(w: int, b: int) -> list[np.ndarray]:
+        go.wait(WAIT)
+        raise Boom("disk on fire")
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], fetch, 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    result: dict[str, Any] = {}
+
+    def consume() -> None:
+        t0 = time.monotonic()
+        try:
+            net.run()  # the default timeout is 600 s: only the error can end this wait
+        except BaseException as exc:
+            result["exc"], result["dt"] = exc, time.monotonic() - t0
+
+    t = threading.Thread(target=consume)
+    t.start()
+    t0 = time.monotonic()
+    go.set()
+    t.join(WAIT)
+    assert not t.is_alive()
+    exc = result["exc"]
+    assert isinstance(exc, FetcherError) and not isinstance(exc, ChunkError)
+    assert isinstance(exc.__cause__, Boom)
+    assert "source 'train'" in str(exc) and "worker 0" in str(exc) and "disk on fire" in str(exc)
+    assert time.monotonic() - t0 < 1.0
+    # the source stays failed: the next run raises the same error at once
+    with pytest.raises(FetcherError, match="disk on fire"):
+        net.run(timeout=WAIT)
+    assert sample(gc, "blobfeed_fetch_errors_total", source="train", kind="exception") == 1
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("not a list", r"worker 0: fetch_fun must return a list or tuple of 2 numpy arrays \(x, y\), got str"),
+        ([np.zeros((4, 3), np.float32)], r"expected 2 arrays \(x, y\), got 1"),
+        ([np.zeros((4, 3), np.float32), [1, 2, 3, 4]], r"blob 'y': expected a numpy.ndarray, got list"),
+        ([np.zeros((4, 3), np.float32), np.zeros(5, np.int64)], r"blob 'y': expected 4 samples \(as blob 'x'\), got 5"),
+        ([np.zeros((4, 3), np.float64), np.zeros(4, np.int64)], r"blob 'x': expected dtype float32 .* got dtype float64"),
+        ([np.zeros((4, 5), np.float32), np.zeros(4, np.int64)], r"blob 'x': expected dtype float32 and per-sample shape \(3,\).* per-sample shape \(5,\)"),
+        ([np.zeros((4, 3), np.float32), np.array(7)], r"blob 'y': expected an array with a batch axis 0, got shape \(\)"),
+    ],
+)
+def test_malformed_chunk_raises_chunk_error_in_run(gc: blobfeed.GlobalCoordinator, bad: Any, match: str) -> None:
+    calls = [good(), bad]  # the first, good chunk fixes dtypes and shapes
+
+    def fetch(w: int, b: int) -> Any:
+        return calls.pop(0) if calls else good()
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], fetch, 8, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    with pytest.raises(ChunkError, match=match) as info:
+        net.run(timeout=WAIT)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, FetcherError)
+    assert "source 'train'" in str(err)
+    assert isinstance(err.__cause__, (TypeError, ValueError))
+    assert sample(gc, "blobfeed_fetch_errors_total", source="train", kind="invalid") == 1
+
+
+def test_on_error_skip_drops_logs_counts_and_carries_on(gc: blobfeed.GlobalCoordinator, caplog: pytest.LogCaptureFixture) -> None:
+    script: list[Any] = [good(2), Boom("flaky"), None, good(0), [np.zeros((2, 3)), np.zeros(2, np.int64)], good(2), StopIteration]
+
+    def fetch(w: int, b: int) -> Any:
+        item = script.pop(0)
+        if isinstance(item, BaseException) or item is StopIteration:
+            raise item
+        return item
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], fetch, 4, num_worker_threads=1, on_error="skip", coordinator=gc)
+    with caplog.at_level("WARNING", logger="blobfeed"):
+        gc.start()
+        batch = net.run(timeout=WAIT)
+        assert batch["x"].shape == (4, 3)
+        with pytest.raises(EndOfInput):
+            net.run(timeout=WAIT)
+    for kind, n in [("exception", 1), ("none", 1), ("empty", 1), ("invalid", 1)]:
+        assert sample(gc, "blobfeed_fetch_errors_total", source="train", kind=kind) == n, kind
+    assert sample(gc, "blobfeed_skipped_samples_total", source="train") == 2
+    text = caplog.text
+    assert "flaky" in text and "returned None" in text and "no samples" in text and "float64" in text
+
+
+def test_none_and_empty_are_skipped_even_with_raise(gc: blobfeed.GlobalCoordinator) -> None:
+    script: list[Any] = [None, good(0), good(3), StopIteration]
+
+    def fetch(w: int, b: int) -> Any:
+        item = script.pop(0)
+        if item is StopIteration:
+            raise StopIteration
+        return item
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], fetch, 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    assert net.run(timeout=WAIT)["x"].shape == (3, 3)
+    assert sample(gc, "blobfeed_fetch_errors_total", source="train", kind="none") == 1
+    assert sample(gc, "blobfeed_fetch_errors_total", source="train", kind="empty") == 1
+
+
+def test_dequeue_timeout_is_raised_and_counted(gc: blobfeed.GlobalCoordinator) -> None:
+    release = threading.Event()
+
+    def fetch(w: int, b: int) -> Any:
+        release.wait(WAIT)
+        raise StopIteration
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], fetch, 4, num_worker_threads=1, timeout=0.05, coordinator=gc)
+    gc.start()
+    try:
+        with pytest.raises(DequeueTimeout, match=r"source 'train', net 'n': no batch within 0.05 s"):
+            net.run()
+        with pytest.raises(TimeoutError):
+            net.run(timeout=0.01)
+        assert sample(gc, "blobfeed_dequeue_timeouts_total", source="train", net="n") == 2
+    finally:
+        release.set()
+
+
+def test_model_input_nothing_feeds_is_named() -> None:
+    from blobfeed.models import mlp_onnx
+
+    model, _ = mlp_onnx([3, 2], input_name="pixels")
+    net = Net(model, name="m")
+    with pytest.raises(ValueError, match=r"model inputs \['pixels'\] are fed by no input source"):
+        net.run(timeout=0.1)
+
+
+def test_net_without_model_or_source() -> None:
+    with pytest.raises(ValueError, match="no model and no input source"):
+        Net(name="empty").run(timeout=0.1)
+
+
+def fetch_ok(w: int, b: int) -> list[np.ndarray]:
+    return good()
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1, got 0"),
+        ({"batch_size": 2.5}, TypeError, "batch_size must be an int"),
+        ({"input_blob_names": []}, ValueError, "input_blob_names is empty"),
+        ({"input_blob_names": ["x", "x"]}, ValueError, r"duplicates: \['x'\]"),
+        ({"input_blob_names": "xy"}, TypeError, "input_blob_names must be a list or tuple"),
+        ({"batch_columns": [0]}, ValueError, "batch_columns has 1 entries but there are 2 blobs"),
+        ({"batch_columns": [0, -1]}, ValueError, "batch_columns entries must be ints >= 0"),
+        ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
+        ({"timeout": -1.0}, ValueError, "timeout must be"),
+        ({"fetch_fun": 42}, TypeError, "fetch_fun must be callable, got int"),
+        ({"net": "net"}, TypeError, "net must be a blobfeed.Net, got str"),
+        ({"num_worker_threads": 0}, ValueError, "num_worker_threads must be >= 1"),
+        ({"max_buffered_batches": 0}, ValueError, "max_buffered_batches must be >= 1"),
+        ({"device_queue_capacity": 0}, ValueError, "device_queue_capacity must be >= 1"),
+        ({"on_error": "ignore"}, ValueError, "on_error must be 'raise' or 'skip'"),
+        ({"init_fun": 3}, TypeError, "init_fun must be callable"),
+        ({"external_loggers": [object()]}, TypeError, r"has no callable log\(metrics\) method"),
+        ({"coordinator": object()}, TypeError, "coordinator must be a GlobalCoordinator"),
+        ({"input_source_name": ""}, ValueError, "name must be a non-empty str"),
+    ],
+)
+def test_bad_arguments_fail_at_once(gc: blobfeed.GlobalCoordinator, kwargs: dict[str, Any], exc: type, match: str) -> None:
+    args: dict[str, Any] = {
+        "net": Net(name="n"), "input_blob_names": ["x", "y"], "fetch_fun": fetch_ok,
+        "batch_size": 4, "coordinator": gc,
+    }
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        init_data_input_workers(**args)
+    assert gc.get_worker_ids() == [], "a failed call must not allocate worker ids"
+
+
+def test_shared_source_mismatch_and_same_net_twice(gc: blobfeed.GlobalCoordinator, caplog: pytest.LogCaptureFixture) -> None:
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], fetch_ok, 4, coordinator=gc)
+    with pytest.raises(ValueError, match="already feeds a net named 'n'"):
+        init_data_input_workers(Net(name="n"), ["x", "y"], fetch_ok, 4, coordinator=gc)
+    with pytest.raises(ValueError, match="carries 2 blobs"):
+        init_data_input_workers(Net(name="m"), ["x"], fetch_ok, 4, coordinator=gc)
+    with caplog.at_level("WARNING", logger="blobfeed"):
+        init_data_input_workers(Net(name="k"), ["x", "y"], fetch_ok, 4, max_buffered_batches=7, coordinator=gc)
+    assert "max_buffered_batches=7 ignored" in caplog.text
+    assert sample(gc, "blobfeed_internal_queue_capacity", source="train") == 800
+
+
+def test_bad_generic_worker_arguments() -> None:
+    with pytest.raises(TypeError, match="worker_fun must be callable"):
+        blobfeed.init_workers(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shutdown_fun must be callable"):
+        blobfeed.init_workers(lambda w: None, shutdown_fun=1)  # type: ignore[arg-type]
+
+
+def test_bad_net_arguments() -> None:
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda:N'"):
+        Net(device="tpu")
+    with pytest.raises(TypeError, match="model must be a path, bytes or None"):
+        Net(model=123)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not exist"):
+        Net(model="/nonexistent/model.onnx")

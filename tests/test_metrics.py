@@ -1,0 +1,198 @@
+"""Metrics: the SPEC.md table, the HTTP endpoint, external loggers, log warnings."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed import Net, feeders, init_data_input_workers
+from blobfeed.metrics import start_http_server
+
+from .helpers import WAIT, ChunkPlan, drain, sample
+
+SPEC_METRICS = {
+    # name: (type, labels)
+    "blobfeed_fetched_chunks_total": ("counter", {"source"}),
+    "blobfeed_fetched_samples_total": ("counter", {"source"}),
+    "blobfeed_fetched_bytes_total": ("counter", {"source"}),
+    "blobfeed_fetch_seconds": ("histogram", {"source"}),
+    "blobfeed_fetch_errors_total": ("counter", {"source", "kind"}),
+    "blobfeed_batches_total": ("counter", {"source", "net"}),
+    "blobfeed_enqueue_seconds": ("histogram", {"source", "net"}),
+    "blobfeed_internal_queue_depth": ("gauge", {"source"}),
+    "blobfeed_internal_queue_capacity": ("gauge", {"source"}),
+    "blobfeed_device_queue_depth": ("gauge", {"source", "net"}),
+    "blobfeed_dequeue_wait_seconds": ("histogram", {"source", "net"}),
+    "blobfeed_dequeue_timeouts_total": ("counter", {"source", "net"}),
+    "blobfeed_workers_alive": ("gauge", {"source"}),
+    "blobfeed_inputs_per_second": ("gauge", {"source"}),
+}
+
+
+def families(gc: blobfeed.GlobalCoordinator) -> dict[str, Any]:
+    out = {}
+    for fam in gc.registry.collect():
+        for s in fam.samples:
+            out.setdefault(s.name, (fam.type, set(s.labels) - {"le"}))
+    return out
+
+
+def test_every_spec_metric_with_its_labels(gc: blobfeed.GlobalCoordinator) -> None:
+    plan = ChunkPlan({0: [3, 5, 8], 1: [4]})  # 20 samples
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], plan, 4, coordinator=gc)
+    gc.start()
+    batches = drain(net)
+    seen = families(gc)
+    for name, (kind, labels) in SPEC_METRICS.items():
+        probe = name + "_count" if kind == "histogram" else name
+        assert probe in seen, f"missing metric {name}"
+        assert seen[probe] == (kind, labels), f"{name}: {seen[probe]} != {(kind, labels)}"
+    assert sample(gc, "blobfeed_fetched_chunks_total", source="train") == 4
+    assert sample(gc, "blobfeed_fetched_samples_total", source="train") == 20
+    assert sample(gc, "blobfeed_fetched_bytes_total", source="train") == 20 * (8 + 8)
+    assert sample(gc, "blobfeed_fetch_seconds_count", source="train") == 4 + 2  # + the two StopIterations
+    assert sample(gc, "blobfeed_batches_total", source="train", net="n") == len(batches) == 5
+    assert sample(gc, "blobfeed_enqueue_seconds_count", source="train", net="n") == 5
+    assert sample(gc, "blobfeed_dequeue_wait_seconds_count", source="train", net="n") >= 5
+    assert sample(gc, "blobfeed_internal_queue_capacity", source="train") == 800
+    assert sample(gc, "blobfeed_internal_queue_depth", source="train") == 0
+    assert sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 0
+    assert sample(gc, "blobfeed_delivered_samples_total", source="train", net="n") == 20
+    assert sample(gc, "blobfeed_buffered_samples", source="train") == 0
+
+
+def test_queue_depth_and_workers_alive_are_live(gc: blobfeed.GlobalCoordinator) -> None:
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], lambda w, b: [np.zeros(2)], 4, num_worker_threads=2,
+                            max_buffered_batches=3, device_queue_capacity=2, coordinator=gc)
+    gc.start()
+    deadline = __import__("time").monotonic() + WAIT
+    while sample(gc, "blobfeed_internal_queue_depth", source="train") < 3:
+        assert __import__("time").monotonic() < deadline
+        threading.Event().wait(0.002)
+    assert sample(gc, "blobfeed_workers_alive", source="train") == 2
+    assert sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 2
+    # 3 chunks queued + 2 batches of 4 + what the enqueuer holds
+    assert sample(gc, "blobfeed_buffered_samples", source="train") >= 3 * 2 + 2 * 4
+
+
+def test_inputs_per_second_and_external_loggers(gc: blobfeed.GlobalCoordinator) -> None:
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[dict[str, Any]] = []
+            self.twice = threading.Event()
+
+        def log(self, metrics: dict[str, Any]) -> None:
+            self.calls.append(metrics)
+            if len(self.calls) >= 2:
+                self.twice.set()
+
+    class Broken:
+        def log(self, metrics: dict[str, Any]) -> None:
+            raise RuntimeError("logger down")
+
+    rec = Recorder()
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], lambda w, b: [np.zeros(4)], 4, external_loggers=[Broken(), rec], coordinator=gc)
+    gc.start()
+    stop_consuming = threading.Event()
+
+    def consume() -> None:
+        while not stop_consuming.is_set():
+            net.run(timeout=WAIT)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    try:
+        assert rec.twice.wait(WAIT), "external loggers were not called per interval"
+        assert sample(gc, "blobfeed_inputs_per_second", source="train") > 0
+    finally:
+        stop_consuming.set()
+        t.join(WAIT)
+    n_before = len(rec.calls)
+    assert gc.stop()
+    assert len(rec.calls) == n_before + 1, "loggers are called once more at stop"
+    keys = {"inputs_per_sec", "queue_size", "time_elapsed", "fetcher_time", "fetcher_time_count",
+            "enqueue_time", "enqueue_time_count"}
+    for call in rec.calls:
+        assert keys <= set(call)
+    assert any(c["fetcher_time_count"] > 0 for c in rec.calls)
+    assert any(c["inputs_per_sec"] > 0 for c in rec.calls)
+
+
+def test_http_endpoint_on_loopback(gc: blobfeed.GlobalCoordinator) -> None:
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], lambda w, b: [np.zeros(4)], 4, coordinator=gc)
+    gc.start()
+    net.run(timeout=WAIT)
+    with start_http_server(0, registry=gc.registry) as server:
+        assert server.addr == "127.0.0.1" and server.port > 0
+        with urllib.request.urlopen(server.url, timeout=WAIT) as resp:
+            body = resp.read().decode()
+    assert 'blobfeed_batches_total{net="n",source="train"}' in body
+    assert "blobfeed_internal_queue_capacity" in body
+    server.close()  # idempotent
+
+
+def test_default_endpoint_serves_the_global_registry() -> None:
+    with start_http_server(0) as server:
+        with urllib.request.urlopen(server.url, timeout=WAIT) as resp:
+            assert resp.status == 200
+            # families are described even before any source exists
+            assert "# TYPE blobfeed_fetched_chunks_total counter" in resp.read().decode()
+
+
+def test_registry_shared_by_two_coordinators_is_refused() -> None:
+    reg = blobfeed.GlobalCoordinator().registry
+    with pytest.raises(ValueError, match="already holds blobfeed metrics"):
+        blobfeed.GlobalCoordinator(registry=reg)
+
+
+def test_data_input_is_slow_warning(gc: blobfeed.GlobalCoordinator, monkeypatch: pytest.MonkeyPatch,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(feeders, "SLOW_INPUT_WARN_S", 0.05)
+    release = threading.Event()
+
+    def fetch(w: int, b: int) -> list[np.ndarray]:
+        release.wait(WAIT)
+        raise StopIteration
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], fetch, 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    try:
+        with caplog.at_level("WARNING", logger="blobfeed"), pytest.raises(blobfeed.DequeueTimeout):
+            net.run(timeout=0.18)
+    finally:
+        release.set()
+    slow = [r for r in caplog.records if "data input is slow" in r.getMessage()]
+    assert 2 <= len(slow) <= 4, [r.getMessage() for r in slow]  # once per 0.05 s of waiting
+    assert "net 'n'" in slow[0].getMessage() and "source 'train'" in slow[0].getMessage()
+
+
+def test_lagging_behind_warning_is_rate_limited(gc: blobfeed.GlobalCoordinator, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(feeders, "LAGGING_WARN_S", 0.0)
+    plan = ChunkPlan({0: [4] * 5})
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], plan, 4, num_worker_threads=1, coordinator=gc)
+    with caplog.at_level("WARNING", logger="blobfeed"):
+        gc.start()
+        drain(net)
+    lagging = [r for r in caplog.records if "data loading lagging behind" in r.getMessage()]
+    assert lagging and "source 'train'" in lagging[0].getMessage()
+    monkeypatch.setattr(feeders, "LAGGING_WARN_S", 3600.0)
+    caplog.clear()
+    gc.stop()
+    net2 = Net(name="m")
+    init_data_input_workers(net2, ["ids", "feat"], ChunkPlan({1: [4] * 5}), 4, num_worker_threads=1, coordinator=gc)
+    with caplog.at_level("WARNING", logger="blobfeed"):
+        gc.start()
+        drain(net2)
+    assert not [r for r in caplog.records if "lagging" in r.getMessage()], "not more than once per interval"
