@@ -63,10 +63,14 @@ class WorkerCoordinator:
         self._init_done = init_fun is None
         self._shutdown_fun = shutdown_fun
         self._loggers = list(external_loggers)
+        self._hub = global_coordinator._hub
         self._threads: list[threading.Thread] = []
         self._stop_event = threading.Event()
         self.started = False
         self._started_at = 0.0
+        self._shutdown_done = False
+        self._log_lock = threading.Lock()
+        self._final_logged = False
 
     @property
     def is_active(self) -> bool:
@@ -95,7 +99,12 @@ class WorkerCoordinator:
         self._stop_event.set()
 
     def _shutdown(self) -> None:
-        if self.started and self._shutdown_fun is not None:
+        """Call ``shutdown_fun`` once, if this coordinator was started."""
+        with self._log_lock:
+            if self._shutdown_done or not self.started:
+                return
+            self._shutdown_done = True
+        if self._shutdown_fun is not None:
             try:
                 self._shutdown_fun()
             except Exception:
@@ -116,10 +125,13 @@ class WorkerCoordinator:
     def _log_metrics(self) -> dict[str, Any]:
         return {"worker_name": self.name, "time_elapsed": time.monotonic() - self._started_at}
 
-    def _call_loggers(self) -> None:
-        if not self._loggers or not self.started:
-            return
-        metrics = self._log_metrics()
+    def _call_loggers(self, final: bool = False) -> None:
+        """Per interval (monitor thread), and once more at the end (``final``)."""
+        with self._log_lock:
+            if not self._loggers or not self.started or self._final_logged:
+                return
+            self._final_logged = final
+            metrics = self._log_metrics()
         for ext in self._loggers:
             try:
                 ext.log(dict(metrics))
@@ -151,7 +163,11 @@ class _GenericCoordinator(WorkerCoordinator):
                 logger.exception(
                     "worker %d of %r raised; stopping coordinator %r", worker_id, self.name, self.name
                 )
-                self._gc._stop_coordinators([self], DEFAULT_JOIN_TIMEOUT)
+                # Stop, but stay registered: the global stop() still joins
+                # the siblings and reports whether they ended.
+                stop.set()
+                self._shutdown()
+                self._call_loggers(final=True)
                 return
 
 
@@ -194,7 +210,7 @@ class DataInputCoordinator(WorkerCoordinator):
         return self.started and not self.source.stop_event.is_set()
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
-        hub = self._gc._hub
+        hub = self._hub
         out: list[tuple[str, Callable[[], None]]] = []
         for wid in self.worker_ids:
             stats = hub.fetch_stats(self.name)
@@ -206,8 +222,16 @@ class DataInputCoordinator(WorkerCoordinator):
                     lambda: self.feed.batch_size, self._on_error, stats,
                 ),
             ))
-        out.append((f"blobfeed-enqueue-{self.name}-{self.net.name}", self.feed.run))
+        out.append((f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue))
         return out
+
+    def _enqueue(self) -> None:
+        try:
+            self.feed.run()
+        finally:
+            if self.source.finished or self.source.error is not None:
+                # the source ended by itself: the loggers' last call is now
+                self._call_loggers(final=True)
 
     def _start(self) -> None:
         self._last_log = (time.monotonic(), 0.0, 0, 0.0, 0)
@@ -236,11 +260,14 @@ class DataInputCoordinator(WorkerCoordinator):
         }
 
     def _retire(self) -> None:
-        hub = self._gc._hub
+        hub = self._hub
         ended = [s for s, t in zip(self._fetch_stats, self._threads) if not t.is_alive()]
         hub.retire(self.name, ended)
         if self._threads and not self._threads[-1].is_alive():
             hub.retire(self.name, [self.feed.stats], net=self.net.name)
+        # A consumer may still call run() on the stopped net; what it records
+        # after this point (the wait of a run that raises) is not counted.
+        hub.retire(self.name, [self.feed.consume_stats], net=self.net.name)
         hub.detach_source(self.source)
 
 
@@ -279,6 +306,7 @@ class GlobalCoordinator:
         self._hub = MetricsHub(self._registry)
         self.log_interval = float(log_interval)
         self._lock = threading.RLock()
+        self._start_lock = threading.RLock()  # serialises start(); init_funs run under it, not under _lock
         self._coordinators: list[WorkerCoordinator] = []
         self._sources: dict[str, InputSource] = {}
         self._next_worker_id = 0
@@ -292,9 +320,9 @@ class GlobalCoordinator:
         return self._registry
 
     def get_worker_ids(self) -> list[int]:
-        """Worker ids of every coordinator not yet stopped, in allocation order."""
+        """Every worker id allocated so far (0, 1, 2, ...), stopped workers included, as in Caffe2."""
         with self._lock:
-            return [w for c in self._coordinators for w in c.worker_ids]
+            return list(range(self._next_worker_id))
 
     # -- building ------------------------------------------------------------------
     def _allocate(self, n: int) -> list[int]:
@@ -317,15 +345,20 @@ class GlobalCoordinator:
         Raises:
             Exception: whatever an ``init_fun`` raised; then no thread starts.
         """
-        with self._lock:
-            pending = [c for c in self._coordinators if not c.started]
+        with self._start_lock:
+            with self._lock:
+                pending = [c for c in self._coordinators if not c.started]
+            # init_funs run outside _lock: one may wait on a thread that
+            # calls into this coordinator.
             for c in pending:
                 c._run_init()
-            for c in pending:
-                c._start()
-            if pending:
-                _live_coordinators.add(self)
-                self._start_monitor()
+            with self._lock:
+                for c in pending:
+                    if c in self._coordinators:  # not stopped meanwhile
+                        c._start()
+                if pending:
+                    _live_coordinators.add(self)
+                    self._start_monitor()
 
     def stop(self, timeout: float = DEFAULT_JOIN_TIMEOUT) -> bool:
         """Stop every coordinator and join its threads.  Idempotent.
@@ -345,8 +378,14 @@ class GlobalCoordinator:
             victims = list(self._coordinators)
         ok = self._stop_coordinators(victims, timeout)
         with self._lock:
-            if not self._coordinators:
-                self._stop_monitor()
+            monitor = self._monitor if not self._coordinators else None
+            if monitor is not None:
+                self._monitor_stop.set()
+                self._monitor = None
+        # joined outside the lock: a tick in progress may be waiting for it
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(timeout=max(timeout, 0.1))
+            ok = ok and not monitor.is_alive()
         return ok
 
     def stop_coordinator(self, name: str, timeout: float = DEFAULT_JOIN_TIMEOUT) -> bool:
@@ -375,7 +414,7 @@ class GlobalCoordinator:
         for c in victims:
             stuck += c._join(deadline)
         for c in victims:
-            c._call_loggers()
+            c._call_loggers(final=True)
             c._retire()
         if stuck:
             logger.error(
@@ -416,12 +455,6 @@ class GlobalCoordinator:
         )
         self._monitor.start()
 
-    def _stop_monitor(self) -> None:
-        self._monitor_stop.set()
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=2.0)
-        self._monitor = None
-
     def _monitor_loop(self, stop: threading.Event) -> None:
         last: dict[str, tuple[float, int]] = {}
         # Event.wait as a timer: a stop wakes it at once.
@@ -434,7 +467,7 @@ class GlobalCoordinator:
     def _tick(self, last: dict[str, tuple[float, int]]) -> None:
         now = time.monotonic()
         with self._lock:
-            sources = list(self._sources)
+            sources = [n for n, src in self._sources.items() if not (src.finished or src.stopped)]
             coordinators = list(self._coordinators)
         for name in sources:
             samples = self._hub.fetch_totals(name).samples
@@ -621,15 +654,10 @@ def init_data_input_workers(
         num_worker_threads, input_source_name, init_fun, external_loggers, coordinator
     )
     with gc._lock:
+        # Every check first, so a refused call leaves nothing behind.
         source = gc._sources.get(input_source_name)
-        if source is None:
-            source = InputSource(input_source_name, max_buffered_batches, len(names), axes, gc._hub)
-        else:
-            if source.finished or source.error is not None:
-                raise ValueError(
-                    f"source {input_source_name!r} has ended; stop_coordinator({input_source_name!r}) "
-                    "before feeding from that name again"
-                )
+        net._check_attach(input_source_name, names)
+        if source is not None:
             if (source.n_blobs, source.axes) != (len(names), tuple(axes)):
                 raise ValueError(
                     f"source {input_source_name!r} carries {source.n_blobs} blobs with batch axes "
@@ -642,10 +670,15 @@ def init_data_input_workers(
                     input_source_name, source.queue.capacity, max_buffered_batches,
                 )
             if any(f.net_name == net.name for f in source.feeds):
-                raise ValueError(
-                    f"source {input_source_name!r} already feeds a net named {net.name!r}; "
-                    "give each Net a distinct name"
+                logger.warning(
+                    "source %r already feeds a net named %r: their metrics share the label "
+                    "net=%r; give each Net a distinct name to tell them apart",
+                    input_source_name, net.name, net.name,
                 )
+            source.register_fetchers(num_worker_threads)  # atomic with the source's end
+        else:
+            source = InputSource(input_source_name, max_buffered_batches, len(names), axes, gc._hub)
+            source.register_fetchers(num_worker_threads)
         feed = Feed(
             source, net, names, batch_size,
             timeout=float(timeout), device_queue_capacity=device_queue_capacity,
@@ -653,7 +686,6 @@ def init_data_input_workers(
         )
         net._attach(feed)
         source.feeds.append(feed)
-        source.register_fetchers(num_worker_threads)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
         gc._add(DataInputCoordinator(gc, source, feed, fetch_fun, ids, init_fun, loggers, on_error))

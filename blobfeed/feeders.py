@@ -181,9 +181,10 @@ class Rebatcher:
 
     def pop(self) -> Batch | None:
         """A full batch if enough samples are pending, else None."""
-        if self.pending < self.batch_size:
+        bs = self.batch_size  # once: another thread may reset it (reset_data_input)
+        if self.pending < bs:
             return None
-        return self._take(self.batch_size)
+        return self._take(bs)
 
     def pop_partial(self) -> Batch | None:
         """Everything pending as one (smaller) batch, or None when empty."""
@@ -243,11 +244,25 @@ class InputSource:
         self.error: BaseException | None = None
         self.stopped = False
         self.started_at: float | None = None
+        #: samples a fetcher holds while blocked putting them (worker id -> n);
+        #: each fetcher writes only its own key
+        self.inflight: dict[int, int] = {}
+        self.lagging_warned_at = time.monotonic()
         hub.attach_source(self)
 
     # -- fetcher lifecycle -------------------------------------------------
     def register_fetchers(self, n: int) -> None:
+        """Count ``n`` more fetchers in; refuses a source that has ended.
+
+        Raises:
+            ValueError: the source ended (every fetcher finished), failed or was stopped.
+        """
         with self._lock:
+            if self.finished or self.error is not None or self.stopped or self.queue.closed:
+                raise ValueError(
+                    f"source {self.name!r} has ended; stop_coordinator({self.name!r}) "
+                    "before feeding from that name again"
+                )
             self._fetchers_registered += n
 
     def fetcher_started(self) -> None:
@@ -317,7 +332,7 @@ class InputSource:
         return [(f.net_name, f.device_queue.qsize()) for f in list(self.feeds)]
 
     def buffered_samples(self) -> int:
-        total = self._samples_in(self.queue.snapshot())
+        total = self._samples_in(self.queue.snapshot()) + sum(list(self.inflight.values()))
         for f in list(self.feeds):
             total += f.buffered_samples()
         return total
@@ -356,7 +371,8 @@ class Feed:
         )
         self.stats: AssembleStats = hub.assemble_stats(source.name, net.name)
         self.consume_stats: ConsumeStats = hub.consume_stats(source.name, net.name)
-        self._lagging_warned_at = time.monotonic()
+        #: samples of a batch the enqueuer holds while blocked putting it
+        self._inflight = 0
 
     @property
     def batch_size(self) -> int:
@@ -368,7 +384,7 @@ class Feed:
         self.rebatcher.batch_size = value
 
     def buffered_samples(self) -> int:
-        return self.rebatcher.pending + sum(b.n for b in self.device_queue.snapshot())
+        return self.rebatcher.pending + self._inflight + sum(b.n for b in self.device_queue.snapshot())
 
     def abort(self, error: BaseException) -> int:
         """Close the device queue with ``error``; returns samples discarded."""
@@ -409,7 +425,10 @@ class Feed:
             logger.exception("enqueuer %s/%s failed", src.name, self.net_name)
             err = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
             err.__cause__ = exc
-            self.device_queue.close(err)
+            lost = self.rebatcher.pending + self._inflight + sum(b.n for b in self.device_queue.close(err))
+            self.rebatcher = Rebatcher(src.axes, self.rebatcher.batch_size)
+            self._inflight = 0
+            self.stats.dropped["error"] += lost
 
     def _lose_pending(self) -> None:
         n = self.rebatcher.pending
@@ -417,21 +436,27 @@ class Feed:
             self.rebatcher.pop_partial()
             self.stats.dropped[self.source.lost_reason] += n
 
-    def _put(self, batch: Batch, t0: float) -> bool:
+    def _put(self, batch: Batch, t0: float, *, final: bool = False) -> bool:
         stats = self.stats
         stats.enqueue.observe(time.perf_counter() - t0)
+        src = self.source
         now = time.monotonic()
-        if now - self._lagging_warned_at >= LAGGING_WARN_S and self.source.queue.qsize() < 2:
-            self._lagging_warned_at = now
+        # Once a minute per source, and not while flushing the end of input,
+        # when an empty queue is expected.
+        if not final and now - src.lagging_warned_at >= LAGGING_WARN_S and src.queue.qsize() < 2:
+            src.lagging_warned_at = now
             logger.warning(
                 "data loading lagging behind: source %r internal queue holds %d chunks (net %r)",
-                self.source.name, self.source.queue.qsize(), self.net_name,
+                src.name, src.queue.qsize(), self.net_name,
             )
-        if self.device_queue.put(batch):
+        self._inflight = batch.n
+        ok = self.device_queue.put(batch)
+        self._inflight = 0
+        if ok:
             stats.batches += 1
             stats.samples += batch.n
             return True
-        stats.dropped[self.source.lost_reason] += batch.n
+        stats.dropped[src.lost_reason] += batch.n
         self._lose_pending()
         return False
 
@@ -449,11 +474,16 @@ class Feed:
             else:
                 t0 = time.perf_counter()
                 last = self.rebatcher.pop_partial()
-                if last is not None and not self._put(Batch(place(last.arrays), last.n), t0):
+                if last is not None and not self._put(Batch(place(last.arrays), last.n), t0, final=True):
                     return
         self.device_queue.close()
 
     # -- the consumer side ---------------------------------------------------------
+    def delivered(self, batch: Batch) -> None:
+        """Count ``batch`` as handed to the user (the net's thread)."""
+        self.consume_stats.batches += 1
+        self.consume_stats.samples += batch.n
+
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the net's thread)."""
         limit = self.timeout if timeout is None else timeout
@@ -486,8 +516,6 @@ class Feed:
         finally:
             cs.wait.observe(time.perf_counter() - t0)
         assert batch is not None
-        cs.batches += 1
-        cs.samples += batch.n
         return batch
 
 
@@ -506,6 +534,7 @@ def fetcher_loop(
     validator = source.validator
     perf = time.perf_counter
     fetch_hist = stats.fetch
+    inflight = source.inflight
     exhausted = False
     source.fetcher_started()
     try:
@@ -518,7 +547,9 @@ def fetcher_loop(
                 exhausted = True
                 logger.debug("source %r, worker %d: StopIteration", source.name, worker_id)
                 return
-            except Exception as exc:
+            except BaseException as exc:
+                # BaseException too: a fetcher dying silently would leave the
+                # consumer waiting for its timeout instead of seeing the cause.
                 fetch_hist.observe(perf() - t0)
                 stats.errors["exception"] += 1
                 if stop.is_set():
@@ -527,7 +558,7 @@ def fetcher_loop(
                     f"source {source.name!r}, worker {worker_id}: fetch_fun raised {exc!r}"
                 )
                 err.__cause__ = exc
-                if on_error == "skip":
+                if on_error == "skip" and isinstance(exc, Exception):
                     logger.warning("%s; skipped (on_error='skip')", err, exc_info=exc)
                     continue
                 source.fail(err)
@@ -554,10 +585,14 @@ def fetcher_loop(
             stats.chunks += 1
             stats.samples += chunk.n
             stats.bytes += sum(a.nbytes for a in chunk.arrays)
-            if not queue.put(chunk):
+            inflight[worker_id] = chunk.n
+            ok = queue.put(chunk)
+            inflight[worker_id] = 0
+            if not ok:
                 stats.dropped[source.lost_reason] += chunk.n
                 return
     finally:
+        inflight.pop(worker_id, None)
         source.fetcher_finished(exhausted)
 
 

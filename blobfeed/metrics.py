@@ -366,7 +366,11 @@ class _Collector:
                 iq_cap.add_metric([name], live.queue.capacity)
                 alive.add_metric([name], live.workers_alive())
                 buffered.add_metric([name], live.buffered_samples())
+                depths: dict[str, int] = {}
                 for net, depth in live.device_queue_depths():
+                    # nets that share a name share the label: sum them
+                    depths[net] = depths.get(net, 0) + depth
+                for net, depth in sorted(depths.items()):
                     dq_depth.add_metric([name, net], depth)
             else:
                 alive.add_metric([name], 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -120,6 +121,9 @@ class Net:
             _require_cuda(name, device)
         self.workspace = Workspace()
         self._feeds: list[Feed] = []
+        # Batches dequeued by a run() that then failed on another source:
+        # handed out first next time, so sources never shift against each other.
+        self._held: dict[int, Any] = {}
         self._session: ort.InferenceSession | None = None
         self.input_names: list[str] = []
         self.output_names: list[str] = []
@@ -165,25 +169,23 @@ class Net:
             for a in arrays
         )
 
-    def _attach(self, feed: "Feed") -> None:
-        for old in list(self._feeds):
-            if old.source.name == feed.source.name:
-                if not old.source.stopped:
-                    raise ValueError(
-                        f"net {self.name!r} is already fed from source {feed.source.name!r}"
-                    )
-                self._feeds.remove(old)
-        fed = {n for f in self._feeds for n in f.blob_names}
-        clash = fed.intersection(feed.blob_names)
+    def _check_attach(self, source_name: str, blob_names: Sequence[str]) -> None:
+        """Raise ValueError if a feed from ``source_name`` of ``blob_names`` cannot attach."""
+        live = [f for f in self._feeds if not f.source.stopped]
+        if any(f.source.name == source_name for f in live):
+            raise ValueError(f"net {self.name!r} is already fed from source {source_name!r}")
+        clash = {n for f in live for n in f.blob_names}.intersection(blob_names)
         if clash:
             raise ValueError(
                 f"net {self.name!r}: blobs {sorted(clash)} are already fed by another source"
             )
-        self._feeds.append(feed)
 
-    def _detach(self, feed: "Feed") -> None:
-        if feed in self._feeds:
-            self._feeds.remove(feed)
+    def _attach(self, feed: "Feed") -> None:
+        # feeds of stopped sources go: their run() would only raise EndOfInput
+        for old in [f for f in self._feeds if f.source.stopped]:
+            self._feeds.remove(old)
+            self._held.pop(id(old), None)
+        self._feeds.append(feed)
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Dequeue one batch from every source feeding this net and run the model.
@@ -216,9 +218,23 @@ class Net:
         elif not feeds:
             raise ValueError(f"net {self.name!r} has no model and no input source to dequeue from")
         blobs: dict[str, Any] = {}
-        for feed in feeds:
+        if len(feeds) == 1:
+            feed = feeds[0]
             batch = feed.dequeue(timeout)
+            feed.delivered(batch)
             blobs.update(zip(feed.blob_names, batch.arrays))
+        else:
+            # one deadline for the whole call, however many sources
+            deadline = None if timeout is None else time.monotonic() + timeout
+            held = self._held
+            for feed in feeds:
+                if id(feed) not in held:
+                    left = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
+                    held[id(feed)] = feed.dequeue(left)
+            for feed in feeds:
+                batch = held.pop(id(feed))
+                feed.delivered(batch)
+                blobs.update(zip(feed.blob_names, batch.arrays))
         if session is None:
             self.workspace._update(blobs)
             return blobs  # type: ignore[return-value]

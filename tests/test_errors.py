@@ -206,14 +206,77 @@ def test_bad_arguments_fail_at_once(gc: blobfeed.GlobalCoordinator, kwargs: dict
 def test_shared_source_mismatch_and_same_net_twice(gc: blobfeed.GlobalCoordinator, caplog: pytest.LogCaptureFixture) -> None:
     net = Net(name="n")
     init_data_input_workers(net, ["x", "y"], fetch_ok, 4, coordinator=gc)
-    with pytest.raises(ValueError, match="already feeds a net named 'n'"):
-        init_data_input_workers(Net(name="n"), ["x", "y"], fetch_ok, 4, coordinator=gc)
+    with pytest.raises(ValueError, match="net 'n' is already fed from source 'train'"):
+        init_data_input_workers(net, ["x", "y"], fetch_ok, 4, coordinator=gc)
+    with pytest.raises(ValueError, match=r"blobs \['y'\] are already fed by another source"):
+        init_data_input_workers(net, ["y"], fetch_ok, 4, input_source_name="val", coordinator=gc)
+    # the refused call left nothing behind: no source "val" in the metrics
+    assert gc.registry.get_sample_value("blobfeed_internal_queue_capacity", {"source": "val"}) is None
     with pytest.raises(ValueError, match="carries 2 blobs"):
         init_data_input_workers(Net(name="m"), ["x"], fetch_ok, 4, coordinator=gc)
     with caplog.at_level("WARNING", logger="blobfeed"):
         init_data_input_workers(Net(name="k"), ["x", "y"], fetch_ok, 4, max_buffered_batches=7, coordinator=gc)
+        # data parallel with default-named nets works; the metrics share a label
+        init_data_input_workers(Net(name="k"), ["x", "y"], fetch_ok, 4, coordinator=gc)
     assert "max_buffered_batches=7 ignored" in caplog.text
+    assert "already feeds a net named 'k'" in caplog.text
     assert sample(gc, "blobfeed_internal_queue_capacity", source="train") == 800
+    assert gc.get_worker_ids() == [0, 1, 2, 3, 4, 5]
+
+
+def test_fetch_fun_raising_base_exception_fails_the_source(gc: blobfeed.GlobalCoordinator) -> None:
+    def fetch(w: int, b: int) -> list[np.ndarray]:
+        raise KeyboardInterrupt("interrupted inside fetch_fun")
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], fetch, 4, num_worker_threads=1, on_error="skip", coordinator=gc)
+    gc.start()
+    t0 = time.monotonic()
+    with pytest.raises(FetcherError, match="KeyboardInterrupt") as info:
+        net.run(timeout=WAIT)
+    assert time.monotonic() - t0 < 1.0
+    assert isinstance(info.value.__cause__, KeyboardInterrupt)
+
+
+def test_two_sources_stay_aligned_when_one_times_out(gc: blobfeed.GlobalCoordinator) -> None:
+    counters = {"a": 0, "b": 0}
+    gate = threading.Event()
+
+    def make(key: str):
+        def fetch(w: int, b: int) -> list[np.ndarray]:
+            if key == "b" and counters["b"] >= 1:
+                gate.wait(WAIT)
+            counters[key] += 1
+            return [np.array([counters[key]], np.int64)]
+        return fetch
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["a"], make("a"), 1, num_worker_threads=1, input_source_name="sa", coordinator=gc)
+    init_data_input_workers(net, ["b"], make("b"), 1, num_worker_threads=1, input_source_name="sb", coordinator=gc)
+    gc.start()
+    first = net.run(timeout=WAIT)
+    assert (first["a"][0], first["b"][0]) == (1, 1)
+    with pytest.raises(DequeueTimeout):
+        net.run(timeout=0.05)  # "a" had its second batch; "b" had none
+    gate.set()
+    second = net.run(timeout=WAIT)
+    assert (second["a"][0], second["b"][0]) == (2, 2), "sources shifted against each other"
+    assert sample(gc, "blobfeed_delivered_samples_total", source="sa", net="n") == 2
+
+
+def test_feeding_a_source_that_has_ended_is_refused(gc: blobfeed.GlobalCoordinator) -> None:
+    def ended(w: int, b: int) -> list[np.ndarray]:
+        raise StopIteration
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], ended, 4, coordinator=gc)
+    gc.start()
+    with pytest.raises(EndOfInput):
+        net.run(timeout=WAIT)
+    with pytest.raises(ValueError, match="source 'train' has ended; stop_coordinator"):
+        init_data_input_workers(Net(name="m"), ["x"], fetch_ok, 4, coordinator=gc)
+    assert gc.stop_coordinator("train")
+    init_data_input_workers(Net(name="m"), ["x", "y"], fetch_ok, 4, coordinator=gc)
 
 
 def test_bad_generic_worker_arguments() -> None:

@@ -128,7 +128,7 @@ def test_stop_coordinator_stops_only_that_name(gc: blobfeed.GlobalCoordinator) -
     with pytest.raises(EndOfInput):
         a.run(timeout=WAIT)
     assert b.run(timeout=WAIT)["x"].shape == (4, 3)
-    assert gc.get_worker_ids() == [2, 3]
+    assert gc.get_worker_ids() == [0, 1, 2, 3]  # allocated ids stay listed, as in Caffe2
     assert gc.stop_coordinator("nothing-by-that-name") is True
 
 
@@ -180,15 +180,31 @@ def test_generic_worker_that_raises_stops_its_coordinator(gc: blobfeed.GlobalCoo
     def work(worker_id: int) -> None:
         raise RuntimeError("worker exploded")
 
+    sibling_release = threading.Event()
+    sibling_calls: list[int] = []
+
+    def sibling(worker_id: int) -> None:
+        # the failed coordinator's other worker: busy until released
+        sibling_calls.append(worker_id)
+        sibling_release.wait(WAIT)
+
     other = threading.Event()
-    init_workers(work, num_worker_threads=1, worker_name="bad", shutdown_fun=shut.set, coordinator=gc)
+    gen = init_workers(work, num_worker_threads=1, worker_name="bad", shutdown_fun=shut.set, coordinator=gc)
+    init_workers(sibling, num_worker_threads=1, worker_name="bad", coordinator=gc)
     init_workers(lambda w: other.set() or time.sleep(0.001), num_worker_threads=1, worker_name="good", coordinator=gc)
     with caplog.at_level("ERROR", logger="blobfeed"):
         gc.start()
         assert shut.wait(WAIT), "shutdown_fun of the failed coordinator was not called"
     assert "worker exploded" in caplog.text and "Traceback" in caplog.text
-    wait_until(lambda: gc.get_worker_ids() == [1], "the failed coordinator to be removed")
-    assert other.wait(WAIT)
+    assert other.wait(WAIT), "the other coordinator must keep running"
+    bad = [c for c in gen._coordinators if c.name == "bad"]
+    assert not bad[0].is_active
+    # stop() still joins every thread, including those of the failed coordinator
+    wait_until(lambda: sibling_calls, "the sibling worker to be busy")
+    threading.Timer(0.1, sibling_release.set).start()
+    t0 = time.monotonic()
+    assert gc.stop() is True
+    assert time.monotonic() - t0 >= 0.05, "stop() returned before the busy worker ended"
 
 
 def run_script(code: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,573 @@
+"""``blobfeed bench``: the workloads of BENCH.md, blobfeed beside its baselines.
+
+Every (workload, runner) measurement runs in a fresh child process so that
+peak RSS belongs to that runner alone; repetitions are interleaved (A B A B
+...) so slow drift of a shared machine hits every runner alike; the median
+of the repetitions is reported, and ratios are taken between runners of the
+same invocation.
+
+Runners:
+
+* ``blobfeed``   -- the library, a ``Net`` with no model (W5: the MLP).
+* ``caffe2``     -- Caffe2's original re-batching, written from BENCH.md's
+  description: ``np.append`` growth, ``np.split``, leftover put back with
+  ``put(block=False)`` and dropped when the queue is full.  It counts the
+  samples it drops.
+* ``copy``       -- the copy bound (W2): one ``np.copyto`` per batch into
+  buffers rotated through more memory than the last-level cache.
+* ``model``      -- the model alone (W5): ``InferenceSession.run`` on pre-made batches.
+* ``torch0`` / ``torch2`` -- torch's DataLoader with 0 / 2 workers, where torch is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["main"]
+
+Fetch = Callable[[int, int], list]
+
+
+# --------------------------------------------------------------------------- workloads
+class Finite:
+    """Wraps a fetch function: counts what it returns and ends on request."""
+
+    def __init__(self, fetch: Fetch) -> None:
+        self._fetch = fetch
+        self.finish = threading.Event()
+        self._counts: dict[int, int] = {}
+
+    def __call__(self, worker_id: int, batch_size: int) -> list:
+        if self.finish.is_set():
+            raise StopIteration
+        chunk = self._fetch(worker_id, batch_size)
+        # one writer per key: each worker thread counts its own samples
+        self._counts[worker_id] = self._counts.get(worker_id, 0) + len(chunk[0])
+        return chunk
+
+    @property
+    def fetched(self) -> int:
+        return sum(self._counts.values())
+
+
+def _sizes(rng: np.random.Generator, lo: int, hi: int) -> np.ndarray:
+    return rng.integers(lo, hi + 1, size=8192)
+
+
+def _cycling(sizes: np.ndarray, make: Callable[[int, int], list]) -> Fetch:
+    pos: dict[int, int] = {}
+
+    def fetch(worker_id: int, batch_size: int) -> list:
+        i = pos.get(worker_id, worker_id * 977) % len(sizes)
+        pos[worker_id] = i + 1
+        return make(worker_id, int(sizes[i]))
+
+    return fetch
+
+
+def make_w1() -> Fetch:
+    rng = np.random.default_rng(1)
+    pools = {}
+    for w in range(8):
+        data = np.repeat(np.arange(64, dtype=np.float64)[:, None] + w, 3, axis=1)
+        pools[w] = (data, data[:, 0].copy())
+    return _cycling(_sizes(rng, 1, 64), lambda w, n: [pools[w][0][:n], pools[w][1][:n]])
+
+
+def make_w2() -> Fetch:
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 255, size=(16, 3, 224, 224), dtype=np.uint8)
+    labels = np.arange(16, dtype=np.int64)
+    return _cycling(_sizes(rng, 1, 16), lambda w, n: [images[:n], labels[:n]])
+
+
+def make_w3() -> Fetch:
+    rng = np.random.default_rng(3)
+    data = rng.standard_normal((4096, 256)).astype(np.float32)
+    labels = np.arange(4096, dtype=np.int64)
+    return lambda w, b: [data, labels]
+
+
+def _busy(iterations: int) -> int:
+    acc = 0
+    for i in range(iterations):
+        acc += i * i % 7
+    return acc
+
+
+def calibrate_w4(target_s: float = 0.005) -> tuple[int, float]:
+    """Iterations of pure-Python work taking ``target_s``, and the measured time."""
+    n = 10_000
+    while True:
+        t0 = time.perf_counter()
+        _busy(n)
+        dt = time.perf_counter() - t0
+        if dt > 0.002:
+            break
+        n *= 2
+    n = int(n * target_s / dt)
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        _busy(n)
+        times.append(time.perf_counter() - t0)
+    return n, statistics.median(times)
+
+
+def make_w4() -> Fetch:
+    n, _ = calibrate_w4()
+    data = np.random.default_rng(4).standard_normal((32, 1024)).astype(np.float32)
+    labels = np.arange(32, dtype=np.int64)
+
+    def fetch(w: int, b: int) -> list:
+        _busy(n)
+        return [data, labels]
+
+    return fetch
+
+
+def make_w5() -> Fetch:
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((256, 784)).astype(np.float32)
+    return _cycling(_sizes(rng, 1, 256), lambda w, n: [data[:n]])
+
+
+@dataclass(frozen=True)
+class Workload:
+    id: str
+    batch: int
+    blobs: tuple[str, ...]
+    make: Callable[[], Fetch]
+    runners: tuple[str, ...]
+    what: str
+
+
+WORKLOADS = {
+    "W1": Workload("W1", 32, ("data", "label"), make_w1, ("blobfeed", "caffe2", "torch0", "torch2"), "per-batch overhead"),
+    "W2": Workload("W2", 64, ("data", "label"), make_w2, ("blobfeed", "caffe2", "copy", "torch0", "torch2"), "bandwidth"),
+    "W3": Workload("W3", 32, ("data", "label"), make_w3, ("blobfeed", "caffe2"), "big chunks"),
+    "W4": Workload("W4", 32, ("data", "label"), make_w4, ("blobfeed", "caffe2"), "CPU-bound fetchers"),
+    "W5": Workload("W5", 128, ("data",), make_w5, ("blobfeed", "model"), "end to end with a model"),
+}
+
+
+def _mlp_bytes() -> bytes:
+    from .models import mlp_onnx
+
+    return mlp_onnx([784, 256, 10], seed=0)[0]
+
+
+def _session_options() -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    return so
+
+
+# --------------------------------------------------------------------------- measurement
+@dataclass
+class Meter:
+    """Counts batches in a timed window after a warm-up."""
+
+    seconds: float
+    warmup: float = 0.5
+    batches: int = 0
+    samples: int = 0
+    nbytes: int = 0
+    t_start: float = 0.0
+    t_first: float | None = None
+    t_window: float = 0.0
+    t_end: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def begin(self) -> None:
+        self.t_start = time.perf_counter()
+
+    def tick(self, arrays: Any) -> bool:
+        """Record one batch; False once the window is over."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+            self.t_window = now + self.warmup
+            return True
+        if now < self.t_window:
+            return True
+        if self.batches == 0:
+            self.t_window = now  # the window starts at the first batch after warm-up
+        self.batches += 1
+        self.samples += len(arrays[0])
+        self.nbytes += sum(a.nbytes for a in arrays)
+        self.t_end = now
+        return now - self.t_window < self.seconds
+
+    def result(self, **extra: Any) -> dict[str, Any]:
+        dt = max(self.t_end - self.t_window, 1e-9)
+        out = {
+            "batches_per_s": self.batches / dt,
+            "gb_per_s": self.nbytes / dt / 1e9,
+            "first_batch_ms": ((self.t_first or self.t_start) - self.t_start) * 1e3,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        out.update(self.extra)
+        out.update(extra)
+        return out
+
+
+def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
+    import blobfeed
+
+    fetch = Finite(wl.make())
+    model = _mlp_bytes() if wl.id == "W5" else None
+    net = blobfeed.Net(model, name="bench", session_options=_session_options() if model else None)
+    gc = blobfeed.GlobalCoordinator()
+    blobfeed.init_data_input_workers(net, list(wl.blobs), fetch, wl.batch, num_worker_threads=2, coordinator=gc)
+    m = Meter(seconds)
+    wait_key = ("blobfeed_dequeue_wait_seconds_sum", {"source": "train", "net": "bench"})
+    delivered = 0
+    m.begin()
+    gc.start()
+    wait0 = 0.0
+    while True:
+        out = net.run(timeout=60)
+        arrays = [out[n] for n in wl.blobs] if model is None else [net.workspace.fetch_blob("data")]
+        delivered += len(arrays[0])
+        before = m.batches
+        going = m.tick(arrays)
+        if before == 0 and m.batches == 1:
+            wait0 = gc.registry.get_sample_value(*wait_key) or 0.0
+        if not going:
+            break
+    waited = (gc.registry.get_sample_value(*wait_key) or 0.0) - wait0
+    window = max(m.t_end - m.t_window, 1e-9)
+    # Drain to the end: every fetched sample must come out exactly once.
+    fetch.finish.set()
+    while True:
+        try:
+            out = net.run(timeout=60)
+        except blobfeed.EndOfInput:
+            break
+        delivered += len(out[wl.blobs[0]]) if model is None else len(net.workspace.fetch_blob("data"))
+    gc.stop()
+    return m.result(samples_lost=int(fetch.fetched - delivered), wait_share=waited / window)
+
+
+def _caffe2_pipeline(wl: Workload, fetch: Finite) -> tuple[Callable[[], list | None], Callable[[], dict[str, int]], Callable[[], None]]:
+    """Caffe2's data_workers re-batching (see the module docstring)."""
+    internal: queue.Queue = queue.Queue(800)
+    device: queue.Queue = queue.Queue(4)
+    stop = threading.Event()
+    stats = {"dropped": 0, "held": 0}
+    bs = wl.batch
+
+    def fetcher(wid: int) -> None:
+        while not stop.is_set():
+            try:
+                chunk = fetch(wid, bs)
+            except StopIteration:
+                return
+            while not stop.is_set():
+                try:
+                    internal.put(chunk, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def enqueuer() -> None:
+        while not stop.is_set():
+            cur: list | None = None
+            while cur is None or len(cur[0]) < bs:
+                try:
+                    chunk = internal.get(timeout=0.1)
+                except queue.Empty:
+                    if stop.is_set():
+                        stats["held"] = 0 if cur is None else len(cur[0])
+                        return
+                    continue
+                if cur is None:
+                    cur = [a.copy() for a in chunk]
+                else:
+                    cur = [np.append(c, a, axis=0) for c, a in zip(cur, chunk)]
+            if len(cur[0]) > bs:
+                parts = [np.split(c, [bs]) for c in cur]
+                cur = [p[0] for p in parts]
+                leftover = [p[1] for p in parts]
+                try:
+                    internal.put(leftover, block=False)
+                except queue.Full:
+                    stats["dropped"] += len(leftover[0])  # Caffe2 dropped these silently
+            while True:
+                try:
+                    device.put(cur, timeout=0.1)
+                    break
+                except queue.Full:
+                    if stop.is_set():
+                        stats["held"] = len(cur[0])
+                        return
+
+    threads = [threading.Thread(target=fetcher, args=(w,), daemon=True) for w in range(2)]
+    threads.append(threading.Thread(target=enqueuer, daemon=True))
+
+    def start() -> None:
+        for t in threads:
+            t.start()
+
+    def get() -> list | None:
+        return device.get(timeout=60)
+
+    def finish() -> dict[str, int]:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        held = sum(len(item[0]) for item in list(internal.queue)) + sum(len(b[0]) for b in list(device.queue))
+        return {"dropped": stats["dropped"], "held": held + stats["held"]}
+
+    return get, finish, start
+
+
+def run_caffe2(wl: Workload, seconds: float) -> dict[str, Any]:
+    fetch = Finite(wl.make())
+    get, finish, start = _caffe2_pipeline(wl, fetch)
+    m = Meter(seconds)
+    delivered = 0
+    m.begin()
+    start()
+    while True:
+        batch = get()
+        delivered += len(batch[0])
+        if not m.tick(batch):
+            break
+    fetch.finish.set()
+    counts = finish()
+    lost = fetch.fetched - delivered - counts["held"]
+    return m.result(samples_lost=int(lost), dropped_counted=counts["dropped"],
+                    lost_share=lost / max(fetch.fetched, 1))
+
+
+def run_copy(wl: Workload, seconds: float) -> dict[str, Any]:
+    fetch = wl.make()
+    chunk = fetch(0, wl.batch)
+    batch_bytes = wl.batch * chunk[0][0].nbytes
+    src = np.random.default_rng(0).integers(0, 255, size=batch_bytes, dtype=np.uint8)
+    # rotate through 256 MiB of destinations: far more than any last-level cache
+    n_buf = max(2, (256 << 20) // batch_bytes)
+    bufs = [np.empty(batch_bytes, np.uint8) for _ in range(n_buf)]
+    for b in bufs:
+        b.fill(1)  # fault the pages in first: this bound is about copying
+    m = Meter(seconds)
+    m.begin()
+    i = 0
+    while True:
+        dst = bufs[i % n_buf]
+        np.copyto(dst, src)
+        i += 1
+        if not m.tick([dst]):
+            break
+    return m.result(samples_lost=0)
+
+
+def run_model(wl: Workload, seconds: float) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(_mlp_bytes(), sess_options=_session_options(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    batches = [rng.standard_normal((wl.batch, 784)).astype(np.float32) for _ in range(8)]
+    m = Meter(seconds)
+    m.begin()
+    i = 0
+    while True:
+        x = batches[i % len(batches)]
+        sess.run(None, {"data": x})
+        i += 1
+        if not m.tick([x]):
+            break
+    return m.result(samples_lost=0)
+
+
+def run_torch(wl: Workload, seconds: float, workers: int) -> dict[str, Any]:
+    import torch.utils.data as tud
+
+    fetch = wl.make()
+
+    class Chunks(tud.Dataset):
+        """Map-style: one sample per index, drawn from the workload's chunks."""
+
+        def __init__(self) -> None:
+            chunk = fetch(0, wl.batch)
+            self.arrays = [a[:1] for a in chunk]
+
+        def __len__(self) -> int:
+            return 10**9
+
+        def __getitem__(self, i: int) -> tuple:
+            return tuple(a[0] for a in self.arrays)
+
+    loader = tud.DataLoader(Chunks(), batch_size=wl.batch, num_workers=workers, shuffle=False)
+    m = Meter(seconds)
+    m.begin()
+    for batch in loader:
+        if not m.tick([t.numpy() for t in batch]):
+            break
+    return m.result(samples_lost=0)
+
+
+RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
+    "blobfeed": run_blobfeed,
+    "caffe2": run_caffe2,
+    "copy": run_copy,
+    "model": run_model,
+    "torch0": lambda wl, s: run_torch(wl, s, 0),
+    "torch2": lambda wl, s: run_torch(wl, s, 2),
+}
+
+
+def _torch_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+# --------------------------------------------------------------------------- the report
+TARGETS = [
+    # (workload, description, numerator runner, denominator runner or None, metric, threshold)
+    ("W1", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 2.0),
+    ("W2", "GB/s vs the copy bound", "blobfeed", "copy", "gb_per_s", 0.7),
+    ("W2", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 4.0),
+    ("W3", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 6.0),
+    ("W4", "batches/s vs one core's ideal", "blobfeed", "ideal", "batches_per_s", 0.9),
+    ("W5", "batches/s vs the model alone", "blobfeed", "model", "batches_per_s", 0.85),
+]
+
+
+def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = results[0].keys()
+    return {k: statistics.median(r[k] for r in results) for k in keys}
+
+
+def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-m", "blobfeed.bench", "--child", wl_id, runner, str(seconds)],
+        capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{wl_id}/{runner} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = sys.stderr) -> dict[str, Any]:
+    plan: list[tuple[str, str]] = []
+    torch_ok = _torch_available()
+    for w in workloads:
+        for r in WORKLOADS[w].runners:
+            if r.startswith("torch") and not torch_ok:
+                continue
+            plan.append((w, r))
+    raw: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in plan}
+    total = len(plan) * repeats
+    done = 0
+    t0 = time.monotonic()
+    for rep in range(repeats):
+        for w, r in plan:
+            done += 1
+            progress.write(f"\r[{done}/{total}] {w} {r:<9} rep {rep + 1}/{repeats}  {time.monotonic() - t0:5.0f} s elapsed ")
+            progress.flush()
+            raw[(w, r)].append(_child(w, r, seconds))
+    progress.write("\n")
+    results = {f"{w}/{r}": _median(v) for (w, r), v in raw.items()}
+    if "W4" in workloads:
+        _, t = calibrate_w4()
+        results["W4/ideal"] = {"batches_per_s": 1.0 / t}
+    return {"seconds": seconds, "repeats": repeats, "torch": torch_ok, "results": results,
+            "python": sys.version.split()[0], "cpus": os.cpu_count()}
+
+
+def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
+    res = report["results"]
+    rows = []
+    for wl, what, num, den, metric, threshold in TARGETS:
+        a, b = res.get(f"{wl}/{num}"), res.get(f"{wl}/{den}")
+        if a is None or b is None:
+            continue
+        ratio = a[metric] / b[metric]
+        rows.append({"workload": wl, "target": f"{what} >= {threshold}", "ratio": ratio, "ok": ratio >= threshold})
+    for wl in ("W2", "W3"):
+        a, b = res.get(f"{wl}/blobfeed"), res.get(f"{wl}/caffe2")
+        if a and b:
+            rows.append({"workload": wl, "target": "samples lost == 0", "ratio": a["samples_lost"],
+                         "ok": a["samples_lost"] == 0})
+            rows.append({"workload": wl, "target": "peak RSS <= Caffe2's", "ratio": a["peak_rss_mb"] / b["peak_rss_mb"],
+                         "ok": a["peak_rss_mb"] <= b["peak_rss_mb"]})
+    w5 = res.get("W5/blobfeed")
+    if w5:
+        rows.append({"workload": "W5", "target": "model waits for input < 10 %", "ratio": w5["wait_share"],
+                     "ok": w5["wait_share"] < 0.10})
+    w1 = res.get("W1/blobfeed")
+    if w1:
+        rows.append({"workload": "W1", "target": "first batch <= 50 ms", "ratio": w1["first_batch_ms"],
+                     "ok": w1["first_batch_ms"] <= 50})
+    return rows
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"blobfeed bench: {report['seconds']:g} s per measurement, median of {report['repeats']}, "
+        f"python {report['python']}, {report['cpus']} cpus, torch {'yes' if report['torch'] else 'not installed (skipped)'}",
+        "",
+        f"{'workload/runner':<18}{'batches/s':>12}{'GB/s':>9}{'peak RSS MB':>13}{'first ms':>10}{'lost':>10}",
+    ]
+    for key, r in report["results"].items():
+        if key.endswith("/ideal"):
+            lines.append(f"{key:<18}{r['batches_per_s']:>12.1f}{'':>9}{'':>13}{'':>10}{'':>10}")
+            continue
+        lines.append(
+            f"{key:<18}{r['batches_per_s']:>12.1f}{r['gb_per_s']:>9.2f}{r['peak_rss_mb']:>13.0f}"
+            f"{r['first_batch_ms']:>10.1f}{int(r['samples_lost']):>10d}"
+        )
+    lines += ["", f"{'target':<46}{'measured':>10}  result"]
+    for row in evaluate(report):
+        lines.append(f"{row['workload'] + ' ' + row['target']:<46}{row['ratio']:>10.2f}  {'ok' if row['ok'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="blobfeed bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="W1,W2,W3,W4,W5", help="comma-separated subset of W1..W5")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run (after a warm-up)")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions; the median is reported")
+    p.add_argument("--json", metavar="PATH", help="also write the raw results here")
+    p.add_argument("--child", nargs=3, metavar=("WORKLOAD", "RUNNER", "SECONDS"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        wl_id, runner, secs = args.child
+        print(json.dumps(RUNNERS[runner](WORKLOADS[wl_id], float(secs))))
+        return 0
+    wls = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in wls if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
+    report = run_all(wls, args.seconds, args.repeats)
+    print(format_report(report))
+    if args.json:
+        report["targets"] = evaluate(report)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

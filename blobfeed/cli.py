@@ -1,0 +1,29 @@
+"""The ``blobfeed`` console command."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: blobfeed COMMAND [options]
+
+commands:
+  bench   run the BENCH.md workloads against blobfeed and its baselines
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"blobfeed: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
