@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -99,3 +100,14 @@ def sample(gc: blobfeed.GlobalCoordinator, name: str, **labels: str) -> float:
     """A metric's value through the public registry surface (0 when absent)."""
     value = gc.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    """Bounded wait for a state that only metrics or queue sizes show.
+
+    Prefer events; this is for states inside blobfeed the test cannot hook.
+    """
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.002)

@@ -13,7 +13,7 @@ import blobfeed
 from blobfeed import Net, feeders, init_data_input_workers
 from blobfeed.metrics import start_http_server
 
-from .helpers import WAIT, ChunkPlan, drain, sample
+from .helpers import WAIT, ChunkPlan, drain, sample, wait_until
 
 SPEC_METRICS = {
     # name: (type, labels)
@@ -72,12 +72,9 @@ def test_queue_depth_and_workers_alive_are_live(gc: blobfeed.GlobalCoordinator) 
     init_data_input_workers(net, ["x"], lambda w, b: [np.zeros(2)], 4, num_worker_threads=2,
                             max_buffered_batches=3, device_queue_capacity=2, coordinator=gc)
     gc.start()
-    deadline = __import__("time").monotonic() + WAIT
-    while sample(gc, "blobfeed_internal_queue_depth", source="train") < 3:
-        assert __import__("time").monotonic() < deadline
-        threading.Event().wait(0.002)
+    wait_until(lambda: sample(gc, "blobfeed_internal_queue_depth", source="train") == 3
+               and sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 2, "full queues")
     assert sample(gc, "blobfeed_workers_alive", source="train") == 2
-    assert sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 2
     # 3 chunks queued + 2 batches of 4 + what the enqueuer holds
     assert sample(gc, "blobfeed_buffered_samples", source="train") >= 3 * 2 + 2 * 4
 
@@ -230,11 +227,11 @@ def test_accounting_identity_holds_under_backpressure(gc: blobfeed.GlobalCoordin
     gc.start()
     for _ in range(3):
         net.run(timeout=WAIT)
-    deadline = __import__("time").monotonic() + WAIT
-    while sample(gc, "blobfeed_internal_queue_depth", source="train") < 2:
-        assert __import__("time").monotonic() < deadline
-        threading.Event().wait(0.002)
-    threading.Event().wait(0.05)  # let the blocked puts settle; the identity must hold at rest
+    # at rest: the internal queue full, so both fetchers and the enqueuer are blocked
+    wait_until(lambda: sample(gc, "blobfeed_internal_queue_depth", source="train") == 2
+               and sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 1
+               and sample(gc, "blobfeed_fetched_samples_total", source="train") >= 3 * 5 + 2 * 7 + 2 * 7,
+               "every thread blocked on a full queue")
 
     def parts() -> tuple[float, float]:
         fetched = sample(gc, "blobfeed_fetched_samples_total", source="train")

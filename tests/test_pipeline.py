@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -167,13 +169,17 @@ def test_dont_rebatch_delivers_chunks_as_they_are(gc: blobfeed.GlobalCoordinator
 
 def test_reset_data_input_changes_later_batches_and_the_hint(gc: blobfeed.GlobalCoordinator) -> None:
     hints: list[int] = []
+    new_hint = threading.Event()
 
     def fetch(w: int, b: int) -> list[np.ndarray]:
         hints.append(b)
+        if b == 6:
+            new_hint.set()
         return [np.zeros(2, np.int64), np.zeros((2, 2), np.float32)]
 
     net = Net(name="n")
-    init_data_input_workers(net, ["ids", "feat"], fetch, 4, num_worker_threads=1, device_queue_capacity=1, coordinator=gc)
+    init_data_input_workers(net, ["ids", "feat"], fetch, 4, num_worker_threads=1, device_queue_capacity=1,
+                            max_buffered_batches=2, coordinator=gc)
     gc.start()
     assert len(net.run(timeout=WAIT)["ids"]) == 4
     gc.reset_data_input("train", net, 6)
@@ -181,7 +187,7 @@ def test_reset_data_input_changes_later_batches_and_the_hint(gc: blobfeed.Global
     # at most the device queue (1) plus the batch the enqueuer holds keep the old size
     assert sizes[-1] == 6 and sizes[-2] == 6, sizes
     assert set(sizes) <= {4, 6}
-    assert hints[-1] == 6
+    assert new_hint.wait(WAIT), "fetchers never got the new batch size as their hint"
     with pytest.raises(ValueError, match="not fed from source 'other'"):
         gc.reset_data_input("other", net, 6)
     with pytest.raises(ValueError, match="batch_size"):

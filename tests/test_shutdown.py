@@ -15,19 +15,11 @@ import pytest
 import blobfeed
 from blobfeed import EndOfInput, Net, init_data_input_workers, init_workers
 
-from .helpers import WAIT, sample
+from .helpers import WAIT, sample, wait_until
 
 
 def chunk(n: int = 4) -> list[np.ndarray]:
     return [np.zeros((n, 3), np.float32)]
-
-
-def wait_until(pred: Any, what: str) -> None:
-    """Bounded wait for a state observable only through metrics/queues."""
-    deadline = time.monotonic() + WAIT
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
 
 
 def test_stop_with_fetchers_blocked_on_full_internal_queue(gc: blobfeed.GlobalCoordinator) -> None:
