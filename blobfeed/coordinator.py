@@ -267,7 +267,7 @@ class DataInputCoordinator(WorkerCoordinator):
             hub.retire(self.name, [self.feed.stats], net=self.net.name)
         # A consumer may still call run() on the stopped net; what it records
         # after this point (the wait of a run that raises) is not counted.
-        hub.retire(self.name, [self.feed.consume_stats], net=self.net.name)
+        hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.net.name)
         hub.detach_source(self.source)
 
 

@@ -167,9 +167,11 @@ class Rebatcher:
     chunk (the batch is then a view of the chunk).
     """
 
-    def __init__(self, axes: Sequence[int], batch_size: int) -> None:
+    def __init__(self, axes: Sequence[int], batch_size: int, *, whole_chunks: bool = False) -> None:
         self.axes = tuple(axes)
         self.batch_size = batch_size
+        #: dont_rebatch: every chunk is one batch, whatever its size
+        self.whole_chunks = whole_chunks
         self._slicers = [_slicer(ax) for ax in self.axes]
         # (arrays, start) with start the first sample not yet handed out
         self._pieces: collections.deque[list[Any]] = collections.deque()
@@ -181,6 +183,12 @@ class Rebatcher:
 
     def pop(self) -> Batch | None:
         """A full batch if enough samples are pending, else None."""
+        if self.whole_chunks:
+            if not self._pieces:
+                return None
+            arrays, start, n = self._pieces.popleft()
+            self.pending -= n - start
+            return Batch(arrays, n - start)
         bs = self.batch_size  # once: another thread may reset it (reset_data_input)
         if self.pending < bs:
             return None
@@ -230,7 +238,11 @@ class InputSource:
 
     def __init__(self, name: str, capacity: int, n_blobs: int, axes: Sequence[int], hub: MetricsHub) -> None:
         self.name = name
-        self.queue: BlobsQueue[Chunk] = BlobsQueue(capacity, name=f"{name}/internal")
+        # Fetchers blocked on a full queue sleep until it is half empty, then
+        # refill it in a burst: far fewer wake-ups than one per chunk.
+        self.queue: BlobsQueue[Chunk] = BlobsQueue(
+            capacity, name=f"{name}/internal", low_water=capacity // 2
+        )
         self.n_blobs = n_blobs
         self.axes = tuple(axes)
         self.validator = ChunkValidator(name, [f"#{i}" for i in range(n_blobs)], axes)
@@ -339,10 +351,24 @@ class InputSource:
 
 
 class Feed:
-    """Re-batches one source's chunks for one net: the enqueuer.
+    """Re-batches one source's chunks for one net.
 
-    ``run()`` is the body of the enqueuer thread.  Thread-safe where it
-    matters: ``abort``/``buffered_samples`` may be called from any thread.
+    Two threads assemble batches, under one lock (``_lock``) that guards the
+    re-batcher and the order of batches:
+
+    * the enqueuer thread (:meth:`run`) takes chunks from the internal queue
+      and puts batches on the device queue, so that a net busy running its
+      model finds the next batch ready;
+    * the net's own thread (:meth:`dequeue`), finding the device queue empty,
+      assembles the next batch itself instead of sleeping until the enqueuer
+      has done it.  Every thread hand-off costs far more than assembling a
+      small batch (a wake-up plus a GIL transfer), so when the consumer is
+      faster than the enqueuer can be scheduled this path carries the feed.
+
+    Order and exactly-once hold because a batch is only ever taken from the
+    re-batcher under the lock, the enqueuer puts it on the device queue
+    before releasing the lock, and the consumer assembles only after finding
+    the device queue empty under that same lock.
     """
 
     def __init__(
@@ -365,14 +391,21 @@ class Feed:
         self.timeout = timeout
         self.dont_rebatch = dont_rebatch
         self.drop_last = drop_last
-        self.rebatcher = Rebatcher(source.axes, batch_size)
+        self.rebatcher = Rebatcher(source.axes, batch_size, whole_chunks=dont_rebatch)
+        # low_water=0: the enqueuer sleeps until the net has taken every
+        # queued batch, then refills in one go -- one wake-up per
+        # `capacity` batches instead of one per batch.
         self.device_queue: BlobsQueue[Batch] = BlobsQueue(
-            device_queue_capacity, name=f"{source.name}/{net.name}"
+            device_queue_capacity, name=f"{source.name}/{net.name}", low_water=0
         )
+        self._lock = threading.Lock()
+        #: the enqueuer's next batch, waiting for room in the device queue
+        self._staged: Batch | None = None
+        self._place = net._place
         self.stats: AssembleStats = hub.assemble_stats(source.name, net.name)
+        #: batches the net's thread assembled itself (that thread writes them)
+        self.direct_stats: AssembleStats = hub.assemble_stats(source.name, net.name, direct=True)
         self.consume_stats: ConsumeStats = hub.consume_stats(source.name, net.name)
-        #: samples of a batch the enqueuer holds while blocked putting it
-        self._inflight = 0
 
     @property
     def batch_size(self) -> int:
@@ -380,102 +413,127 @@ class Feed:
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        # Read by the enqueuer once per batch; an int store is atomic.
+        # Read once per batch under the lock; an int store is atomic.
         self.rebatcher.batch_size = value
 
     def buffered_samples(self) -> int:
-        return self.rebatcher.pending + self._inflight + sum(b.n for b in self.device_queue.snapshot())
+        staged = self._staged
+        return self.rebatcher.pending + (staged.n if staged is not None else 0) + sum(
+            b.n for b in self.device_queue.snapshot()
+        )
 
     def abort(self, error: BaseException) -> int:
         """Close the device queue with ``error``; returns samples discarded."""
         return sum(b.n for b in self.device_queue.close(error))
 
+    def _assemble(self, stats: AssembleStats, *, partial: bool = False) -> Batch | None:
+        """Pop one batch and place it on the device; None when none is complete.
+
+        Under the lock.  ``stats`` belongs to the calling thread; ``partial``
+        takes whatever is pending (the end of input).
+        """
+        t0 = time.perf_counter()
+        b = self.rebatcher.pop_partial() if partial else self.rebatcher.pop()
+        if b is None:
+            return None
+        batch = Batch(self._place(b.arrays), b.n)
+        stats.enqueue.observe(time.perf_counter() - t0)
+        stats.batches += 1
+        stats.samples += b.n
+        return batch
+
     # -- the enqueuer thread ---------------------------------------------------
     def run(self) -> None:
+        """Body of the enqueuer thread."""
         src = self.source
-        place = self.net._place
         try:
             while True:
                 try:
                     chunk = src.queue.get()
                 except _SourceStopped:
-                    self._lose_pending()
+                    with self._lock:
+                        self._lose_all()
                     return
                 except EndOfInput:
-                    self._finish(place)
+                    self._finish()
                     return
-                # any other exception: the source failed; fail() closed our queue
-                if self.dont_rebatch:
-                    t0 = time.perf_counter()
-                    batch = Batch(place(chunk.arrays), chunk.n)
-                    if not self._put(batch, t0):
-                        return
-                    continue
-                self.rebatcher.push(chunk)
-                while True:
-                    t0 = time.perf_counter()
-                    b = self.rebatcher.pop()
-                    if b is None:
-                        break
-                    if not self._put(Batch(place(b.arrays), b.n), t0):
-                        return
+                # any other exception: the source failed and fail() closed our queue
+                with self._lock:
+                    self.rebatcher.push(chunk)
+                if not self._drain():
+                    return
         except FetcherError:
-            self._lose_pending()
+            with self._lock:
+                self._lose_all()
         except BaseException as exc:  # our bug or a device error: never hang the net
             logger.exception("enqueuer %s/%s failed", src.name, self.net_name)
             err = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
             err.__cause__ = exc
-            lost = self.rebatcher.pending + self._inflight + sum(b.n for b in self.device_queue.close(err))
-            self.rebatcher = Rebatcher(src.axes, self.rebatcher.batch_size)
-            self._inflight = 0
-            self.stats.dropped["error"] += lost
+            with self._lock:
+                self.stats.dropped["error"] += sum(b.n for b in self.device_queue.close(err))
+                self._lose_all()
 
-    def _lose_pending(self) -> None:
-        n = self.rebatcher.pending
-        if n:
+    def _drain(self, *, final: bool = False) -> bool:
+        """Move every complete batch to the device queue; False once it is closed.
+
+        Never blocks holding the lock: the batch waiting for room stays in
+        ``_staged``, where the net's thread may take it.
+        """
+        dq = self.device_queue
+        while True:
+            with self._lock:
+                if self._staged is None:
+                    self._staged = self._assemble(self.stats)
+                    if self._staged is None:
+                        return True
+                    if not final:  # an empty queue is expected while flushing the end
+                        self._warn_if_lagging()
+                if dq.put(self._staged, timeout=0):
+                    self._staged = None
+                    continue
+                if dq.closed:
+                    self._lose_all()
+                    return False
+            dq.wait_for_room()  # woken when the net has emptied the queue, or it closes
+
+    def _lose_all(self) -> None:
+        """The device queue is closed: count what this feed still holds as dropped.  Under the lock."""
+        reason = self.source.lost_reason
+        n = self.rebatcher.pending + (self._staged.n if self._staged is not None else 0)
+        self._staged = None
+        if self.rebatcher.pending:
             self.rebatcher.pop_partial()
-            self.stats.dropped[self.source.lost_reason] += n
+        if n:
+            self.stats.dropped[reason] += n
 
-    def _put(self, batch: Batch, t0: float, *, final: bool = False) -> bool:
-        stats = self.stats
-        stats.enqueue.observe(time.perf_counter() - t0)
+    def _warn_if_lagging(self) -> None:
         src = self.source
         now = time.monotonic()
-        # Once a minute per source, and not while flushing the end of input,
-        # when an empty queue is expected.
-        if not final and now - src.lagging_warned_at >= LAGGING_WARN_S and src.queue.qsize() < 2:
+        # once a minute per source; the first minute is warm-up
+        if now - src.lagging_warned_at >= LAGGING_WARN_S and src.queue.qsize() < 2:
             src.lagging_warned_at = now
             logger.warning(
                 "data loading lagging behind: source %r internal queue holds %d chunks (net %r)",
                 src.name, src.queue.qsize(), self.net_name,
             )
-        self._inflight = batch.n
-        ok = self.device_queue.put(batch)
-        self._inflight = 0
-        if ok:
-            stats.batches += 1
-            stats.samples += batch.n
-            return True
-        stats.dropped[src.lost_reason] += batch.n
-        self._lose_pending()
-        return False
 
-    def _finish(self, place: Callable[[tuple[np.ndarray, ...]], tuple[Any, ...]]) -> None:
-        if not self.dont_rebatch:
-            if self.drop_last:
-                dropped = self.rebatcher.pending
-                if dropped:
-                    self.rebatcher.pop_partial()
-                    self.stats.dropped["drop_last"] += dropped
-                    logger.info(
-                        "source %r, net %r: dropped a last partial batch of %d samples (drop_last=True)",
-                        self.source.name, self.net_name, dropped,
-                    )
-            else:
-                t0 = time.perf_counter()
-                last = self.rebatcher.pop_partial()
-                if last is not None and not self._put(Batch(place(last.arrays), last.n), t0, final=True):
-                    return
+    def _finish(self) -> None:
+        """End of input: the leftover becomes one last batch, then the queue ends."""
+        if not self._drain(final=True):
+            return
+        with self._lock:
+            left = self.rebatcher.pending
+            if left and self.drop_last:
+                self.rebatcher.pop_partial()
+                self.stats.dropped["drop_last"] += left
+                logger.info(
+                    "source %r, net %r: dropped a last partial batch of %d samples (drop_last=True)",
+                    self.source.name, self.net_name, left,
+                )
+            elif left:
+                self._staged = self._assemble(self.stats, partial=True)
+        if not self._drain(final=True):
+            return
         self.device_queue.close()
 
     # -- the consumer side ---------------------------------------------------------
@@ -484,6 +542,38 @@ class Feed:
         self.consume_stats.batches += 1
         self.consume_stats.samples += batch.n
 
+    def _assemble_here(self) -> Batch | None:
+        """The net's thread takes or assembles the next batch, if it can without waiting.
+
+        Order: what the device queue holds, then the enqueuer's staged batch,
+        then new batches from the re-batcher.
+        """
+        if not self._lock.acquire(blocking=False):
+            return None  # the enqueuer is at work: its batch is coming
+        try:
+            ok, batch = self.device_queue.get_nowait()
+            if ok:
+                return batch
+            if self._staged is not None:
+                batch, self._staged = self._staged, None
+                return batch
+            queue = self.source.queue
+            while True:
+                batch = self._assemble(self.direct_stats)
+                if batch is not None:
+                    return batch
+                try:
+                    ok, chunk = queue.get_nowait()
+                except BaseException:
+                    # ended, stopped or failed: the enqueuer settles the end
+                    # (last batch, or the error) through the device queue
+                    return None
+                if not ok:
+                    return None
+                self.rebatcher.push(chunk)
+        finally:
+            self._lock.release()
+
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the net's thread)."""
         limit = self.timeout if timeout is None else timeout
@@ -491,32 +581,33 @@ class Feed:
         t0 = time.perf_counter()
         try:
             ok, batch = self.device_queue.get_nowait()
-            if not ok:
-                deadline = t0 + limit
-                while True:
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        cs.timeouts += 1
-                        raise DequeueTimeout(
-                            f"source {self.source.name!r}, net {self.net_name!r}: "
-                            f"no batch within {limit:g} s"
-                        ) from None
-                    try:
-                        batch = self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))
-                        break
-                    except DequeueTimeout:
-                        waited = time.perf_counter() - t0
-                        if waited >= SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
-                            logger.warning(
-                                "data input is slow: net %r has waited %.0f s for source %r "
-                                "(internal queue %d chunks, %d fetchers alive)",
-                                self.net_name, waited, self.source.name,
-                                self.source.queue.qsize(), self.source.workers_alive(),
-                            )
+            if ok:
+                return batch  # type: ignore[return-value]
+            batch = self._assemble_here()
+            if batch is not None:
+                return batch
+            deadline = t0 + limit
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    cs.timeouts += 1
+                    raise DequeueTimeout(
+                        f"source {self.source.name!r}, net {self.net_name!r}: "
+                        f"no batch within {limit:g} s"
+                    ) from None
+                try:
+                    return self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))
+                except DequeueTimeout:
+                    waited = time.perf_counter() - t0
+                    if waited >= SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
+                        logger.warning(
+                            "data input is slow: net %r has waited %.0f s for source %r "
+                            "(internal queue %d chunks, %d fetchers alive)",
+                            self.net_name, waited, self.source.name,
+                            self.source.queue.qsize(), self.source.workers_alive(),
+                        )
         finally:
             cs.wait.observe(time.perf_counter() - t0)
-        assert batch is not None
-        return batch
 
 
 def fetcher_loop(

@@ -151,9 +151,15 @@ class ConsumeStats:
 @dataclass
 class _FeedEntry:
     assemble: list[AssembleStats] = field(default_factory=list)
+    #: the subset of ``assemble`` written by the net's own thread
+    direct: list[AssembleStats] = field(default_factory=list)
+    direct_retired: int = 0
     consume: list[ConsumeStats] = field(default_factory=list)
     assemble_retired: AssembleStats = field(default_factory=AssembleStats)
     consume_retired: ConsumeStats = field(default_factory=ConsumeStats)
+
+    def direct_batches(self) -> int:
+        return self.direct_retired + sum(s.batches for s in list(self.direct))
 
     def totals(self) -> tuple[AssembleStats, ConsumeStats]:
         a, c = AssembleStats(), ConsumeStats()
@@ -228,10 +234,14 @@ class MetricsHub:
             self._entry(source).fetch.append(s)
         return s
 
-    def assemble_stats(self, source: str, net: str) -> AssembleStats:
+    def assemble_stats(self, source: str, net: str, *, direct: bool = False) -> AssembleStats:
+        """Stats for one thread assembling batches; ``direct`` for the net's own thread."""
         s = AssembleStats()
         with self._lock:
-            self._entry(source).feeds.setdefault(net, _FeedEntry()).assemble.append(s)
+            fe = self._entry(source).feeds.setdefault(net, _FeedEntry())
+            fe.assemble.append(s)
+            if direct:
+                fe.direct.append(s)
         return s
 
     def consume_stats(self, source: str, net: str) -> ConsumeStats:
@@ -252,6 +262,9 @@ class MetricsHub:
                     fe = entry.feeds[net]
                     fe.assemble.remove(s)
                     fe.assemble_retired.add(s)
+                    if s in fe.direct:
+                        fe.direct.remove(s)
+                        fe.direct_retired += s.batches
                 elif isinstance(s, ConsumeStats) and net is not None:
                     fe = entry.feeds[net]
                     fe.consume.remove(s)
@@ -303,7 +316,14 @@ class _Collector:
             "Chunks not accepted from fetchers, by kind (exception, invalid, none, empty).",
             labels=["source", "kind"],
         )
-        batches = CounterMetricFamily("blobfeed_batches", "Batches put on a net's device queue.", labels=SN)
+        batches = CounterMetricFamily(
+            "blobfeed_batches", "Batches assembled for a net (put on its device queue or taken by it).", labels=SN
+        )
+        direct = CounterMetricFamily(
+            "blobfeed_consumer_assembled_batches",
+            "Of blobfeed_batches_total: assembled by the net's own thread, which found its device queue empty.",
+            labels=SN,
+        )
         enqueue_s = HistogramMetricFamily(
             "blobfeed_enqueue_seconds", "Time to assemble and place one batch.", labels=SN
         )
@@ -351,6 +371,7 @@ class _Collector:
             for net, fe in sorted(entry.feeds.items()):
                 a, c = fe.totals()
                 batches.add_metric([name, net], a.batches)
+                direct.add_metric([name, net], fe.direct_batches())
                 enqueue_s.add_metric([name, net], _hist_buckets(a.enqueue), a.enqueue.total)
                 wait_s.add_metric([name, net], _hist_buckets(c.wait), c.wait.total)
                 timeouts.add_metric([name, net], c.timeouts)
@@ -376,7 +397,7 @@ class _Collector:
                 alive.add_metric([name], 0)
                 buffered.add_metric([name], 0)
         yield from (
-            chunks, samples, nbytes, fetch_s, errors, batches, enqueue_s, iq_depth, iq_cap,
+            chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap,
             dq_depth, wait_s, timeouts, alive, ips, delivered, dropped, skipped, buffered,
         )
 

@@ -31,14 +31,23 @@ class BlobsQueue(Generic[T]):
     Args:
         capacity: maximum number of queued items, at least 1.
         name: used in error messages and thread dumps.
+        low_water: a producer blocked on a full queue is woken once the queue
+            has drained to this many items (default ``capacity - 1``: at the
+            first free slot).  A lower mark wakes producers less often, each
+            time for more work: fewer thread hand-offs per item.
     """
 
-    def __init__(self, capacity: int, *, name: str = "") -> None:
+    def __init__(self, capacity: int, *, name: str = "", low_water: int | None = None) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int):
             raise TypeError(f"BlobsQueue capacity must be an int, got {type(capacity).__name__}")
         if capacity < 1:
             raise ValueError(f"BlobsQueue capacity must be >= 1, got {capacity}")
         self._capacity = capacity
+        if low_water is None:
+            low_water = capacity - 1
+        if not 0 <= low_water < capacity:
+            raise ValueError(f"low_water must be in [0, capacity), got {low_water} for capacity {capacity}")
+        self._low_water = low_water
         self.name = name
         self._items: collections.deque[T] = collections.deque()
         self._lock = threading.Lock()
@@ -101,6 +110,30 @@ class BlobsQueue(Generic[T]):
             self._not_empty.notify()
             return True
 
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Wait until a ``put`` would not block (the low-water mark was reached).
+
+        For a producer that must not block while holding a lock of its own:
+        try ``put(x, timeout=0)`` under the lock, and on a full queue release
+        the lock and wait here.
+
+        Returns:
+            True when there is room; False when the queue is closed or the
+            timeout passed.
+        """
+        with self._not_full:
+            if timeout is None:
+                while not self._closed and len(self._items) >= self._capacity:
+                    self._not_full.wait()
+            else:
+                deadline = time.monotonic() + timeout
+                while not self._closed and len(self._items) >= self._capacity:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._not_full.wait(remaining)
+            return not self._closed
+
     def get(self, timeout: float | None = None) -> T:
         """Dequeue the oldest batch, waiting for one.
 
@@ -132,7 +165,8 @@ class BlobsQueue(Generic[T]):
                 raise self._error.with_traceback(None)
             if self._items:
                 item = self._items.popleft()
-                self._not_full.notify()
+                if len(self._items) <= self._low_water:
+                    self._not_full.notify()
                 return item
             raise EndOfInput(f"queue {self.name!r} is closed and drained")
 
@@ -150,7 +184,8 @@ class BlobsQueue(Generic[T]):
                 raise self._error.with_traceback(None)
             if self._items:
                 item = self._items.popleft()
-                self._not_full.notify()
+                if len(self._items) <= self._low_water:
+                    self._not_full.notify()
                 return True, item
             if self._closed:
                 raise EndOfInput(f"queue {self.name!r} is closed and drained")

@@ -279,3 +279,34 @@ def test_default_global_coordinator_is_returned() -> None:
         assert net.run(timeout=WAIT)["x"].shape == (1,)
     finally:
         assert blobfeed.global_coordinator.stop(timeout=WAIT)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_strict_order_whoever_assembles(gc: blobfeed.GlobalCoordinator, seed: int) -> None:
+    """One fetcher, one net: samples come out in exactly the order fetched,
+    whether the enqueuer or the net's own thread assembled each batch, and
+    across the enqueuer's staged batch.  The consumer alternates bursts of
+    fast runs (it assembles itself) with pauses (the enqueuer fills the
+    device queue and stages its next batch)."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(x) for x in rng.integers(1, 30, size=300)]
+    plan = ChunkPlan({0: sizes})
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], plan, 16, num_worker_threads=1,
+                            device_queue_capacity=2, max_buffered_batches=8, coordinator=gc)
+    gc.start()
+    pause = threading.Event()  # never set: a bounded pause, not synchronisation
+    got = []
+    while True:
+        try:
+            got.append(net.run(timeout=WAIT)["ids"].copy())
+        except EndOfInput:
+            break
+        if rng.random() < 0.05:
+            pause.wait(0.003)
+    ids = np.concatenate(got)
+    np.testing.assert_array_equal(ids, np.concatenate(plan.issued))
+    assert [len(g) for g in got[:-1]] == [16] * (len(got) - 1)
+    assert sample(gc, "blobfeed_batches_total", source="train", net="n") == len(got)
+    direct = sample(gc, "blobfeed_consumer_assembled_batches_total", source="train", net="n")
+    assert 0 < direct < len(got), "both the enqueuer and the net's thread should have assembled batches"
