@@ -268,6 +268,10 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
             break
     waited = (gc.registry.get_sample_value(*wait_key) or 0.0) - wait0
     window = max(m.t_end - m.t_window, 1e-9)
+    extra: dict[str, Any] = {}
+    if model is not None:
+        extra = _interleaved_model_ratio(net, model, wl, seconds)
+        delivered += extra.pop("delivered")
     # Drain to the end: every fetched sample must come out exactly once.
     fetch.finish.set()
     while True:
@@ -277,11 +281,40 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
             break
         delivered += len(out[wl.blobs[0]]) if model is None else len(net.workspace.fetch_blob("data"))
     gc.stop()
-    extra = {}
     if isinstance(fetch._fetch, W4Fetch):
         ideal = fetch._fetch.ideal()
         extra = {"ideal_batches_per_s": ideal, "ideal_ratio": m.result()["batches_per_s"] / ideal}
     return m.result(samples_lost=int(fetch.fetched - delivered), wait_share=waited / window, **extra)
+
+
+def _interleaved_model_ratio(net: Any, model: bytes, wl: Workload, seconds: float) -> dict[str, Any]:
+    """W5: alternate short slices of the fed net and of the model alone on
+    pre-made batches, in this process, so that both see the same machine.
+
+    While the model-alone slice runs, blobfeed's queues are full and its
+    threads asleep: that slice is the model alone.
+    """
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model, sess_options=_session_options(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((wl.batch, 784)).astype(np.float32)
+    fed = alone = 0
+    t_fed = t_alone = 0.0
+    delivered = 0
+    slice_s = 0.25
+    for _ in range(max(4, int(seconds / slice_s / 2))):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < slice_s:
+            net.run(timeout=60)
+            delivered += len(net.workspace.fetch_blob("data"))
+            fed += 1
+        t_fed += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < slice_s:
+            sess.run(None, {"data": x})
+            alone += 1
+        t_alone += time.perf_counter() - t0
+    return {"model_ratio": (fed / t_fed) / (alone / t_alone), "delivered": delivered}
 
 
 def _caffe2_pipeline(wl: Workload, fetch: Finite) -> tuple[Callable[[], list | None], Callable[[], dict[str, int]], Callable[[], None]]:
@@ -470,7 +503,7 @@ TARGETS = [
     ("W2", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 4.0),
     ("W3", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 6.0),
     ("W4", "batches/s vs one core's ideal", "blobfeed", "ideal", "batches_per_s", 0.9),
-    ("W5", "batches/s vs the model alone", "blobfeed", "model", "batches_per_s", 0.85),
+    ("W5", "batches/s vs the model alone (interleaved)", "blobfeed", "model", "batches_per_s", 0.85),
 ]
 
 
@@ -523,8 +556,14 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         a, b = res.get(f"{wl}/{num}"), res.get(f"{wl}/{den}")
         if a is None or b is None:
             continue
-        # W4: the ratio of each run to its own ideal, then the median
-        ratio = a["ideal_ratio"] if den == "ideal" else a[metric] / b[metric]
+        # W4: each run against its own ideal; W5: against the model alone in
+        # interleaved slices of the same run; then the median of the runs
+        if den == "ideal":
+            ratio = a["ideal_ratio"]
+        elif den == "model":
+            ratio = a["model_ratio"]
+        else:
+            ratio = a[metric] / b[metric]
         rows.append({"workload": wl, "target": f"{what} >= {threshold}", "ratio": ratio, "ok": ratio >= threshold})
     for wl in ("W2", "W3"):
         a, b = res.get(f"{wl}/blobfeed"), res.get(f"{wl}/caffe2")

@@ -131,6 +131,7 @@ class Net:
             self._session = self._load(model, providers, session_options)
             self.input_names = [i.name for i in self._session.get_inputs()]
             self.output_names = [o.name for o in self._session.get_outputs()]
+        self._unfed: list[str] = list(self.input_names)
 
     def _load(
         self, model: Any, providers: Sequence[Any] | None, options: Any
@@ -186,6 +187,8 @@ class Net:
             self._feeds.remove(old)
             self._held.pop(id(old), None)
         self._feeds.append(feed)
+        fed = {n for f in self._feeds for n in f.blob_names}
+        self._unfed = [n for n in self.input_names if n not in fed]
 
     def run(self, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Dequeue one batch from every source feeding this net and run the model.
@@ -208,12 +211,14 @@ class Net:
         feeds = self._feeds
         session = self._session
         if session is not None:
-            fed = {n for f in feeds for n in f.blob_names}
-            missing = [n for n in self.input_names if n not in fed and not self.workspace.has_blob(n)]
+            # inputs no source feeds must come from the workspace (the list is
+            # kept up to date by _attach, off the per-batch path)
+            missing = [n for n in self._unfed if not self.workspace.has_blob(n)]
             if missing:
+                fed = sorted({n for f in feeds for n in f.blob_names})
                 raise ValueError(
                     f"net {self.name!r}: model inputs {missing} are fed by no input source "
-                    f"(sources feed {sorted(fed)}) and are not in the workspace"
+                    f"(sources feed {fed}) and are not in the workspace"
                 )
         elif not feeds:
             raise ValueError(f"net {self.name!r} has no model and no input source to dequeue from")

@@ -310,3 +310,26 @@ def test_strict_order_whoever_assembles(gc: blobfeed.GlobalCoordinator, seed: in
     assert sample(gc, "blobfeed_batches_total", source="train", net="n") == len(got)
     direct = sample(gc, "blobfeed_consumer_assembled_batches_total", source="train", net="n")
     assert 0 < direct < len(got), "both the enqueuer and the net's thread should have assembled batches"
+
+
+def test_batches_the_user_holds_are_never_overwritten(gc: blobfeed.GlobalCoordinator) -> None:
+    """No buffer reuse may alias a batch still referenced by the caller,
+    whichever thread assembled it."""
+    rng = np.random.default_rng(7)
+    plan = ChunkPlan({0: [int(x) for x in rng.integers(1, 40, size=200)], 1: [int(x) for x in rng.integers(1, 40, size=200)]})
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], plan, 24, device_queue_capacity=2, coordinator=gc)
+    gc.start()
+    held, snapshots = [], []
+    while True:
+        try:
+            out = net.run(timeout=WAIT)
+        except EndOfInput:
+            break
+        held.append(out)  # no copy: the very arrays blobfeed handed out
+        snapshots.append({k: v.copy() for k, v in out.items()})
+    for kept, snap in zip(held, snapshots):
+        np.testing.assert_array_equal(kept["ids"], snap["ids"])
+        np.testing.assert_array_equal(kept["feat"], snap["feat"])
+    ids = np.concatenate([h["ids"] for h in held])
+    assert len(ids) == plan.total == len(np.unique(ids))
