@@ -317,7 +317,7 @@ def _interleaved_model_ratio(net: Any, model: bytes, wl: Workload, seconds: floa
     return {"model_ratio": (fed / t_fed) / (alone / t_alone), "delivered": delivered}
 
 
-def _caffe2_pipeline(wl: Workload, fetch: Finite) -> tuple[Callable[[], list | None], Callable[[], dict[str, int]], Callable[[], None]]:
+def _caffe2_pipeline(wl: Workload, fetch: Finite) -> tuple[Callable[[], list], Callable[[], dict[str, int]], Callable[[], None]]:
     """Caffe2's data_workers re-batching (see the module docstring)."""
     internal: queue.Queue = queue.Queue(800)
     device: queue.Queue = queue.Queue(4)
@@ -379,7 +379,7 @@ def _caffe2_pipeline(wl: Workload, fetch: Finite) -> tuple[Callable[[], list | N
         for t in threads:
             t.start()
 
-    def get() -> list | None:
+    def get() -> list:
         return device.get(timeout=60)
 
     def finish() -> dict[str, int]:

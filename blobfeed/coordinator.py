@@ -8,6 +8,7 @@ daemon: a program that never calls ``stop()`` still exits.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
@@ -149,7 +150,7 @@ class _GenericCoordinator(WorkerCoordinator):
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
         return [
-            (f"blobfeed-worker-{self.name}-{wid}", lambda wid=wid: self._loop(wid))
+            (f"blobfeed-worker-{self.name}-{wid}", functools.partial(self._loop, wid))
             for wid in self.worker_ids
         ]
 
@@ -217,9 +218,9 @@ class DataInputCoordinator(WorkerCoordinator):
             self._fetch_stats.append(stats)
             out.append((
                 f"blobfeed-fetch-{self.name}-{wid}",
-                lambda wid=wid, stats=stats: fetcher_loop(
-                    self.source, wid, self._fetch_fun, self.feed.blob_names,
-                    lambda: self.feed.batch_size, self._on_error, stats,
+                functools.partial(
+                    fetcher_loop, self.source, wid, self._fetch_fun, self.feed.blob_names,
+                    self._batch_size_hint, self._on_error, stats,
                 ),
             ))
         out.append((f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue))
@@ -232,6 +233,9 @@ class DataInputCoordinator(WorkerCoordinator):
             if self.source.finished or self.source.error is not None:
                 # the source ended by itself: the loggers' last call is now
                 self._call_loggers(final=True)
+
+    def _batch_size_hint(self) -> int:
+        return self.feed.batch_size
 
     def _start(self) -> None:
         self._last_log = (time.monotonic(), 0.0, 0, 0.0, 0)

@@ -568,7 +568,7 @@ class Feed:
                     # ended, stopped or failed: the enqueuer settles the end
                     # (last batch, or the error) through the device queue
                     return None
-                if not ok:
+                if not ok or chunk is None:
                     return None
                 self.rebatcher.push(chunk)
         finally:
@@ -665,8 +665,8 @@ def fetcher_loop(
                     continue
                 source.fail(err)
                 return
-            if chunk.__class__ is str:
-                stats.errors[chunk] += 1  # type: ignore[index]
+            if isinstance(chunk, str):
+                stats.errors[chunk] += 1
                 logger.warning(
                     "source %r, worker %d: fetch_fun returned %s; skipped",
                     source.name, worker_id, "None" if chunk == "none" else "a chunk with no samples",

@@ -242,7 +242,7 @@ class Net:
                 blobs.update(zip(feed.blob_names, batch.arrays))
         if session is None:
             self.workspace._update(blobs)
-            return blobs  # type: ignore[return-value]
+            return blobs
         inputs = {n: blobs[n] if n in blobs else self.workspace.fetch_blob(n) for n in self.input_names}
         if self._device_type == "cpu":
             outputs = dict(zip(self.output_names, session.run(self.output_names, inputs)))
