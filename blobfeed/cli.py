@@ -7,6 +7,7 @@ import sys
 USAGE = """usage: blobfeed COMMAND [options]
 
 commands:
+  demo    score a real dataset with a real ONNX model, fed by blobfeed (no network)
   bench   run the BENCH.md workloads against blobfeed and its baselines
 """
 
@@ -17,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
     if command == "bench":
         from .bench import main as bench_main
 

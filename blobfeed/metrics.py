@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import socket
 import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, runtime_checkable
 
@@ -433,6 +436,24 @@ class MetricsServer:
         self.close()
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a log line each."""
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+#: How often the server loop looks for ``close()``.  socketserver's loop can
+#: only poll; prometheus-client's 0.5 s made every close() take half a second.
+_SHUTDOWN_POLL_S = 0.02
+
+
 def start_http_server(
     port: int, addr: str = "127.0.0.1", registry: CollectorRegistry | None = None
 ) -> MetricsServer:
@@ -448,12 +469,19 @@ def start_http_server(
     Returns:
         A :class:`MetricsServer` with ``port``, ``url`` and ``close()``.
     """
-    import prometheus_client
+    from prometheus_client import make_wsgi_app
 
     if registry is None:
         from .coordinator import global_coordinator
 
         registry = global_coordinator.registry
-    httpd, thread = prometheus_client.start_http_server(port, addr=addr, registry=registry)
-    thread.name = f"blobfeed-metrics-http-{httpd.server_address[1]}"
+    server_class = _ThreadingWSGIServer6 if ":" in addr else _ThreadingWSGIServer
+    httpd = make_server(addr, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    thread = threading.Thread(
+        target=httpd.serve_forever,
+        kwargs={"poll_interval": _SHUTDOWN_POLL_S},
+        name=f"blobfeed-metrics-http-{httpd.server_address[1]}",
+        daemon=True,
+    )
+    thread.start()
     return MetricsServer(httpd, thread)

@@ -1,0 +1,696 @@
+"""``blobfeed demo``: a real dataset and a real ONNX model, fed by blobfeed.
+
+With no arguments it needs no network: scikit-learn's bundled digits images
+(1 797 images of 8x8 pixels, shipped inside the scikit-learn wheel) train a
+small MLP classifier in well under a second; its weights are exported to ONNX
+with ``onnx.helper`` and checked against scikit-learn; then fetcher threads
+read the images in variable-size chunks, blobfeed re-batches them and a
+``Net`` scores them with onnxruntime, for several passes over the data.  The
+metrics are served on 127.0.0.1 while it runs.  At the end it reports the
+throughput, the share of the run the model spent waiting for input, and the
+accuracy, which must match scoring the same images directly with
+onnxruntime, sample by sample (exit status 1 otherwise).
+
+``--model PATH`` runs any ONNX model with float inputs instead, fed with
+synthetic random data of the right shapes (no accuracy then).
+
+Needs ``pip install 'blobfeed[demo]'`` (onnx, scikit-learn, tqdm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import blobfeed
+from blobfeed.metrics import start_http_server
+
+__all__ = ["InputSpec", "TrainedDigits", "digits_mlp_onnx", "inspect_model_inputs", "main", "train_digits"]
+
+SOURCE = "demo"
+NET_NAME = "demo"
+#: Seconds ``Net.run()`` may wait for one batch before the demo gives up.
+RUN_TIMEOUT = 120.0
+#: Extra blob carrying each sample's position in the run (pass * N + sample).
+INDEX_BLOB = "blobfeed_demo_index"
+
+_FLOAT_TYPES: dict[str, np.dtype[Any]] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(double)": np.dtype(np.float64),
+    "tensor(float16)": np.dtype(np.float16),
+}
+
+
+class DemoError(Exception):
+    """A problem the user can fix (bad model, missing package, busy port); exit status 2."""
+
+
+# --------------------------------------------------------------------------- the data
+def decode_pixels(raw: np.ndarray) -> np.ndarray:
+    """Images stored as uint8 intensities 0..16 -> float32 ``[n, 64]`` in [0, 1].
+
+    The fetchers, the training and the direct scoring all use this, so the
+    model sees exactly the same numbers on every path.
+    """
+    return np.divide(raw.reshape(len(raw), -1), 16, dtype=np.float32)
+
+
+class PositionReader:
+    """Hands out spans of a run of ``passes`` passes over ``n`` samples.
+
+    A position ``p`` in ``[0, passes * n)`` is sample ``p % n`` of pass
+    ``p // n``.  Each call to :meth:`take` returns the next span, never
+    crossing a pass boundary, so every sample is read exactly once per pass.
+    Thread-safe: the fetcher threads share one reader.
+    """
+
+    def __init__(self, n: int, passes: int) -> None:
+        self.n = n
+        self.total = n * passes
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self, count: int) -> tuple[int, int] | None:
+        """The next span ``(start, stop)`` of at most ``count`` positions, or None at the end."""
+        with self._lock:
+            start = self._next
+            if start >= self.total:
+                return None
+            stop = min(start + count, (start // self.n + 1) * self.n, self.total)
+            self._next = stop
+        return start, stop
+
+
+def _chunk_sizes(seed: int, worker_id: int, batch_size: int) -> Callable[[], int]:
+    """Chunk sizes for one worker: uniform in 1 .. 2 * batch_size, seeded per worker."""
+    rng = np.random.default_rng([seed, worker_id])
+    hi = 2 * batch_size
+
+    def next_size() -> int:
+        return int(rng.integers(1, hi + 1))
+
+    return next_size
+
+
+# --------------------------------------------------------------------------- the model
+def digits_mlp_onnx(coefs: Sequence[np.ndarray], intercepts: Sequence[np.ndarray]) -> bytes:
+    """A ReLU MLP's weights as an ONNX model: ``pixels`` float32 ``[N, in]`` -> ``logits``.
+
+    Args:
+        coefs: weight matrices ``[in, out]`` per layer (scikit-learn's ``coefs_``).
+        intercepts: bias vectors per layer (``intercepts_``).
+
+    Returns:
+        The serialized model: ``Gemm -> Relu -> ... -> Gemm``, opset 13.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    if len(coefs) != len(intercepts) or not coefs:
+        raise ValueError("need one intercept per weight matrix, and at least one layer")
+    nodes, inits = [], []
+    prev = "pixels"
+    for i, (w, b) in enumerate(zip(coefs, intercepts)):
+        inits += [
+            numpy_helper.from_array(np.asarray(w, np.float32), f"W{i}"),
+            numpy_helper.from_array(np.asarray(b, np.float32), f"B{i}"),
+        ]
+        last = i == len(coefs) - 1
+        gemm_out = "logits" if last else f"g{i}"
+        nodes.append(helper.make_node("Gemm", [prev, f"W{i}", f"B{i}"], [gemm_out]))
+        if not last:
+            nodes.append(helper.make_node("Relu", [gemm_out], [f"h{i}"]))
+            prev = f"h{i}"
+    graph = helper.make_graph(
+        nodes,
+        "digits_mlp",
+        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["N", int(coefs[0].shape[0])])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", int(coefs[-1].shape[1])])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8  # readable by every onnxruntime >= 1.11
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+@dataclass(frozen=True)
+class TrainedDigits:
+    """The digits data and the classifier trained on it."""
+
+    #: uint8 intensities 0..16, ``[1797, 8, 8]``: what the fetchers read
+    raw: np.ndarray
+    #: the true digit of each image
+    labels: np.ndarray
+    #: indices of the images held out from training
+    test_idx: np.ndarray
+    #: the ONNX model
+    model: bytes
+    #: e.g. ``"64-64-10"``
+    layers: str
+    train_seconds: float
+    #: max |probability difference| between the ONNX model and scikit-learn
+    max_prob_diff: float
+    #: a note when training stopped before converging, else ""
+    note: str
+
+
+def train_digits(seed: int) -> TrainedDigits:
+    """Train a small MLP on scikit-learn's bundled digits and export it to ONNX.
+
+    Raises:
+        DemoError: the exported model does not reproduce scikit-learn.
+    """
+    import onnxruntime as ort
+    from sklearn.datasets import load_digits
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.model_selection import train_test_split
+    from sklearn.neural_network import MLPClassifier
+    from threadpoolctl import threadpool_limits  # a scikit-learn dependency
+
+    digits = load_digits()  # bundled in the wheel: no download
+    raw = digits.images.astype(np.uint8)
+    labels = digits.target.astype(np.int64)
+    x = decode_pixels(raw)
+    train_idx, test_idx = train_test_split(
+        np.arange(len(labels)), test_size=0.25, random_state=seed, stratify=labels
+    )
+    clf = MLPClassifier(hidden_layer_sizes=(64,), tol=1e-3, max_iter=500, random_state=seed)
+    t0 = time.perf_counter()
+    # One BLAS thread: these matrices are tiny, and multi-threaded BLAS on a
+    # busy machine spends more time spinning than computing (4x slower here).
+    with threadpool_limits(1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConvergenceWarning)
+        clf.fit(x[train_idx], labels[train_idx])
+    train_seconds = time.perf_counter() - t0
+    note = "" if not any(issubclass(w.category, ConvergenceWarning) for w in caught) else (
+        f"training stopped after {clf.n_iter_} iterations before converging"
+    )
+    model = digits_mlp_onnx(clf.coefs_, clf.intercepts_)
+
+    # The exported model must reproduce scikit-learn on every image.
+    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    logits = sess.run(["logits"], {"pixels": x})[0]
+    diff = float(np.abs(_softmax(logits) - clf.predict_proba(x)).max())
+    disagree = int((clf.classes_[logits.argmax(axis=1)] != clf.predict(x)).sum())
+    if diff > 1e-4 or disagree:
+        raise DemoError(
+            f"the exported ONNX model does not reproduce scikit-learn: max probability "
+            f"difference {diff:.2g}, {disagree} of {len(x)} predictions differ"
+        )
+    if not np.array_equal(clf.classes_, np.arange(len(clf.classes_))):
+        raise DemoError(f"unexpected classes {clf.classes_}")  # argmax == class relies on it
+    layers = "-".join(str(n) for n in [x.shape[1], *clf.hidden_layer_sizes, len(clf.classes_)])
+    return TrainedDigits(raw, labels, np.sort(test_idx), model, layers, train_seconds, diff, note)
+
+
+# --------------------------------------------------------------------------- --model
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input the demo feeds with synthetic data."""
+
+    #: the input's name (also the blob's name)
+    name: str
+    #: numpy dtype of the data
+    dtype: np.dtype
+    #: shape of one sample (the input's shape without the batch axis)
+    sample_shape: tuple[int, ...]
+    #: the input's first dimension when the model fixes it, else None
+    fixed_batch: int | None
+
+
+def inspect_model_inputs(session: Any) -> list[InputSpec]:
+    """What to feed an onnxruntime ``InferenceSession``: one :class:`InputSpec` per input.
+
+    Axis 0 is the batch axis: symbolic or unknown there, any batch size
+    works; a number there fixes the batch size.  Every other dimension must
+    be a number.
+
+    Raises:
+        DemoError: an input is not float, float16 or double, is a scalar, or
+            has a symbolic dimension past axis 0; or the model has no inputs.
+    """
+    specs = []
+    inputs = session.get_inputs()
+    if not inputs:
+        raise DemoError("the model has no inputs to feed")
+    for arg in inputs:
+        dtype = _FLOAT_TYPES.get(arg.type)
+        if dtype is None:
+            raise DemoError(
+                f"model input {arg.name!r} has type {arg.type}: --model feeds synthetic float "
+                f"data, so every input must be float, double or float16"
+            )
+        shape = list(arg.shape) if arg.shape is not None else None
+        if not shape:
+            raise DemoError(
+                f"model input {arg.name!r} is a scalar or has no known rank: the demo needs "
+                f"a batch axis at position 0"
+            )
+        for axis, dim in enumerate(shape[1:], start=1):
+            if not (isinstance(dim, int) and dim >= 0):
+                raise DemoError(
+                    f"model input {arg.name!r} has shape {shape}: dimension {axis} is "
+                    f"{dim!r}, not a number; only axis 0 (the batch axis) may be symbolic. "
+                    f"Fix the other dimensions first (e.g. python -m "
+                    f"onnxruntime.tools.make_dynamic_shape_fixed)"
+                )
+        d0 = shape[0]
+        fixed = d0 if isinstance(d0, int) and d0 > 0 else None
+        specs.append(InputSpec(arg.name, dtype, tuple(int(d) for d in shape[1:]), fixed))
+    fixed_sizes = {s.fixed_batch for s in specs if s.fixed_batch is not None}
+    if len(fixed_sizes) > 1:
+        raise DemoError(
+            f"the model's inputs fix different batch sizes {sorted(fixed_sizes)} on axis 0"
+        )
+    return specs
+
+
+# --------------------------------------------------------------------------- the run
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(enabled: str, total: int, desc: str) -> Any:
+    show = sys.stderr.isatty() if enabled == "auto" else enabled == "on"
+    if not show:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if enabled == "on":
+            raise DemoError("--progress on needs tqdm: pip install 'blobfeed[demo]'") from None
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, mininterval=0.1, dynamic_ncols=True)
+
+
+@dataclass
+class RunStats:
+    """What one fed run measured."""
+
+    #: samples returned by ``Net.run()``
+    samples: int
+    #: batches returned by ``Net.run()``
+    batches: int
+    #: seconds from ``start()`` to the end of input
+    wall: float
+    #: seconds ``Net.run()`` waited for input (``blobfeed_dequeue_wait_seconds_sum``)
+    wait: float
+    #: ``blobfeed_delivered_samples_total`` at the end
+    metric_samples: float
+    #: did ``stop()`` join every thread
+    clean_stop: bool
+    #: how many times each position was delivered
+    seen: np.ndarray
+
+
+def _feed_and_run(
+    *,
+    net: blobfeed.Net,
+    blob_names: list[str],
+    fetch_fun: Callable[[int, int], list[np.ndarray]],
+    total: int,
+    args: argparse.Namespace,
+    batch_size: int,
+    drop_last: bool,
+    consume: Callable[[dict[str, np.ndarray], blobfeed.Workspace], None],
+    on_running: Callable[[str], None] | None,
+) -> RunStats:
+    """Serve the metrics, feed ``net`` from ``fetch_fun`` until the data ends, stop."""
+    gc = blobfeed.GlobalCoordinator()  # isolated: its own registry
+    blobfeed.init_data_input_workers(
+        net,
+        blob_names,
+        fetch_fun,
+        batch_size=batch_size,
+        num_worker_threads=args.workers,
+        input_source_name=SOURCE,
+        timeout=RUN_TIMEOUT,
+        drop_last=drop_last,
+        coordinator=gc,
+    )
+    try:
+        server = start_http_server(args.metrics_port, addr="127.0.0.1", registry=gc.registry)
+    except OSError as exc:
+        gc.stop()
+        raise DemoError(f"cannot serve metrics on 127.0.0.1:{args.metrics_port}: {exc}") from exc
+    print(f"metrics     {server.url}  (served while the demo runs)", flush=True)
+    seen = np.zeros(total, np.int64)
+    samples = batches = 0
+    bar = _progress(args.progress, total, "scoring")
+    clean = False
+    try:
+        t0 = time.perf_counter()
+        gc.start()
+        while True:
+            try:
+                outputs = net.run()
+            except blobfeed.EndOfInput:
+                break
+            pos = net.workspace.fetch_blob(INDEX_BLOB)
+            np.add.at(seen, pos, 1)
+            consume(outputs, net.workspace)
+            samples += len(pos)
+            batches += 1
+            bar.update(len(pos))
+            if batches == 1 and on_running is not None:
+                on_running(server.url)
+        wall = time.perf_counter() - t0
+        labels = {"source": SOURCE, "net": NET_NAME}
+        wait = gc.registry.get_sample_value("blobfeed_dequeue_wait_seconds_sum", labels) or 0.0
+        delivered = gc.registry.get_sample_value("blobfeed_delivered_samples_total", labels) or 0.0
+    finally:
+        bar.close()
+        clean = gc.stop()
+        server.close()
+    return RunStats(samples, batches, wall, wait, delivered, clean, seen)
+
+
+def _report_run(stats: RunStats, expected: int) -> tuple[list[str], list[str]]:
+    """The report lines every run shares, and the problems found (second list)."""
+    problems = []
+    lines = [
+        f"samples     {stats.samples}",
+        f"batches     {stats.batches}",
+        f"wall time   {stats.wall:.3f} s",
+        f"throughput  {stats.samples / stats.wall:,.0f} samples/s" if stats.wall > 0 else "throughput  n/a",
+        f"model wait  {stats.wait / stats.wall:.1%} of the run waiting for input "
+        f"({stats.wait:.3f} s of {stats.wall:.3f} s, blobfeed_dequeue_wait_seconds_sum)"
+        if stats.wall > 0 else "model wait  n/a",
+    ]
+    if stats.samples != expected:
+        problems.append(f"expected {expected} samples, blobfeed delivered {stats.samples}")
+    if int(stats.metric_samples) != stats.samples:
+        problems.append(
+            f"blobfeed_delivered_samples_total says {stats.metric_samples:g}, "
+            f"Net.run() returned {stats.samples}"
+        )
+    if not stats.clean_stop:
+        problems.append("stop() did not join every thread")
+    return lines, problems
+
+
+def _run_digits(args: argparse.Namespace, on_running: Callable[[str], None] | None) -> int:
+    try:
+        import onnx  # noqa: F401
+        import sklearn  # noqa: F401
+    except ImportError as exc:
+        raise DemoError(f"blobfeed demo needs {exc.name}: pip install 'blobfeed[demo]'") from exc
+    t0 = time.perf_counter()
+    data = train_digits(args.seed)
+    n = len(data.labels)
+    held = data.test_idx
+    x = decode_pixels(data.raw)
+
+    # Direct scoring: the whole data set in one onnxruntime call, no blobfeed.
+    import onnxruntime as ort
+
+    direct = ort.InferenceSession(data.model, providers=["CPUExecutionProvider"])
+    direct_pred = direct.run(["logits"], {"pixels": x})[0].argmax(axis=1)
+    direct_correct = int((direct_pred == data.labels).sum())
+    held_acc = float((direct_pred[held] == data.labels[held]).mean())
+
+    print(
+        f"dataset     scikit-learn digits: {n} images of 8x8 pixels, 10 classes (bundled, no download)"
+    )
+    print(
+        f"model       MLP {data.layers} trained in {data.train_seconds:.2f} s on {n - len(held)} images, "
+        f"held-out accuracy {held_acc:.4f} on {len(held)}; exported to ONNX "
+        f"(matches scikit-learn: max |dprob| {data.max_prob_diff:.1e})"
+    )
+    if data.note:
+        print(f"note        {data.note}")
+    print(
+        f"feeding     {args.passes} passes x {n} images, batch size {args.batch_size}, "
+        f"{args.workers} fetcher workers, chunks of 1..{2 * args.batch_size} images "
+        f"(setup {time.perf_counter() - t0:.2f} s)",
+        flush=True,
+    )
+
+    reader = PositionReader(n, args.passes)
+    raw_flat = data.raw.reshape(n, -1)
+    sizes: dict[int, Callable[[], int]] = {}
+
+    def fetch_fun(worker_id: int, batch_size: int) -> list[np.ndarray]:
+        # one entry per worker, written only by that worker's thread
+        next_size = sizes.get(worker_id)
+        if next_size is None:
+            next_size = sizes[worker_id] = _chunk_sizes(args.seed, worker_id, batch_size)
+        span = reader.take(next_size())
+        if span is None:
+            raise StopIteration
+        start, stop = span
+        s0 = start % n
+        s1 = s0 + (stop - start)
+        return [
+            decode_pixels(raw_flat[s0:s1]),
+            data.labels[s0:s1],
+            np.arange(start, stop, dtype=np.int64),
+        ]
+
+    total = reader.total
+    pred = np.full(total, -1, np.int64)
+    label_seen = np.full(total, -1, np.int64)
+
+    def consume(outputs: dict[str, np.ndarray], ws: blobfeed.Workspace) -> None:
+        pos = ws.fetch_blob(INDEX_BLOB)
+        pred[pos] = outputs["logits"].argmax(axis=1)
+        label_seen[pos] = ws.fetch_blob("label")
+
+    net = blobfeed.Net(data.model, name=NET_NAME)
+    stats = _feed_and_run(
+        net=net,
+        blob_names=["pixels", "label", INDEX_BLOB],
+        fetch_fun=fetch_fun,
+        total=total,
+        args=args,
+        batch_size=args.batch_size,
+        drop_last=False,
+        consume=consume,
+        on_running=on_running,
+    )
+    lines, problems = _report_run(stats, total)
+    if (stats.seen != 1).any():
+        problems.append(
+            f"{int((stats.seen == 0).sum())} samples never scored, "
+            f"{int((stats.seen > 1).sum())} scored more than once"
+        )
+    expected_pred = np.tile(direct_pred, args.passes)
+    expected_labels = np.tile(data.labels, args.passes)
+    if (label_seen != expected_labels).any():
+        problems.append(f"{int((label_seen != expected_labels).sum())} labels arrived out of step")
+    fed_correct = int((pred == label_seen).sum())
+    same = int((pred == expected_pred).sum())
+    acc_fed = fed_correct / total
+    acc_direct = direct_correct / n
+    match = same == total and fed_correct == direct_correct * args.passes
+    if not match:
+        problems.append(f"{total - same} of {total} predictions differ from direct scoring")
+    lines += [
+        f"accuracy    blobfeed {acc_fed:.4f} ({fed_correct}/{total})  "
+        f"direct onnxruntime {acc_direct:.4f} ({direct_correct}/{n} x {args.passes} passes)",
+        f"predictions {same}/{total} identical to direct scoring: {'MATCH' if match else 'MISMATCH'}",
+        f"clean stop  {'yes' if stats.clean_stop else 'NO'}",
+    ]
+    return _finish(lines, problems)
+
+
+def _run_model(args: argparse.Namespace, on_running: Callable[[str], None] | None) -> int:
+    import onnxruntime as ort
+
+    path = args.model
+    if not os.path.isfile(path):
+        raise DemoError(f"--model {path!r}: no such file")
+    try:
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise DemoError(f"--model {path!r}: onnxruntime cannot load it: {exc}") from exc
+    specs = inspect_model_inputs(session)
+    fixed = next((s.fixed_batch for s in specs if s.fixed_batch is not None), None)
+    batch_size = fixed if fixed is not None else args.batch_size
+    del session
+    n = args.samples
+    print(f"model       {path}")
+    for s in specs:
+        dims = ", ".join(str(d) for d in ("N" if s.fixed_batch is None else s.fixed_batch, *s.sample_shape))
+        print(f"input       {s.name}: {s.dtype.name} [{dims}]  synthetic standard normal data")
+    if fixed is not None and fixed != args.batch_size:
+        print(f"note        the model fixes the batch size at {fixed}: using it, and dropping a last smaller batch")
+    print(
+        f"feeding     {args.passes} passes x {n} samples, batch size {batch_size}, "
+        f"{args.workers} fetcher workers, chunks of 1..{2 * batch_size} samples",
+        flush=True,
+    )
+    reader = PositionReader(n, args.passes)
+    rngs: dict[int, tuple[np.random.Generator, Callable[[], int]]] = {}
+
+    def fetch_fun(worker_id: int, hint: int) -> list[np.ndarray]:
+        state = rngs.get(worker_id)
+        if state is None:
+            state = rngs[worker_id] = (
+                np.random.default_rng([args.seed, worker_id, 1]),
+                _chunk_sizes(args.seed, worker_id, hint),
+            )
+        rng, next_size = state
+        span = reader.take(next_size())
+        if span is None:
+            raise StopIteration
+        start, stop = span
+        k = stop - start
+        arrays = [
+            rng.standard_normal((k, *s.sample_shape), dtype=np.float32).astype(s.dtype, copy=False)
+            for s in specs
+        ]
+        return [*arrays, np.arange(start, stop, dtype=np.int64)]
+
+    total = reader.total
+    out_shapes: dict[str, tuple[int, ...]] = {}
+
+    def consume(outputs: dict[str, np.ndarray], ws: blobfeed.Workspace) -> None:
+        if not out_shapes:
+            out_shapes.update({k: tuple(np.shape(v)) for k, v in outputs.items()})
+
+    try:
+        net = blobfeed.Net(path, name=NET_NAME)
+        stats = _feed_and_run(
+            net=net,
+            blob_names=[s.name for s in specs] + [INDEX_BLOB],
+            fetch_fun=fetch_fun,
+            total=total,
+            args=args,
+            batch_size=batch_size,
+            drop_last=fixed is not None,
+            consume=consume,
+            on_running=on_running,
+        )
+    except (blobfeed.BlobfeedError, DemoError):
+        raise
+    except Exception as exc:  # the model failed on the data: onnxruntime's own types
+        raise DemoError(f"--model {path!r}: running it failed: {exc}") from exc
+    expected = total - total % batch_size if fixed is not None else total
+    lines, problems = _report_run(stats, expected)
+    if fixed is None and (stats.seen != 1).any():
+        problems.append("some samples were not scored exactly once")
+    for name, shape in out_shapes.items():
+        lines.append(f"output      {name}: {list(shape)} (first batch)")
+    if fixed is not None and expected != total:
+        lines.append(f"dropped     {total - expected} samples (not a whole batch of {fixed})")
+    lines.append(f"clean stop  {'yes' if stats.clean_stop else 'NO'}")
+    return _finish(lines, problems)
+
+
+def _finish(lines: list[str], problems: list[str]) -> int:
+    print("\n".join(lines))
+    for p in problems:
+        print(f"FAILED      {p}")
+    return 1 if problems else 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``blobfeed demo`` command line."""
+    p = argparse.ArgumentParser(
+        prog="blobfeed demo",
+        description="Score scikit-learn's bundled digits with an MLP trained on the spot and "
+        "exported to ONNX, fed by blobfeed; or, with --model, any ONNX model with float inputs "
+        "fed with synthetic data. No network needed.",
+    )
+    p.add_argument("--batch-size", type=_positive, default=64, help="samples per batch (default 64)")
+    p.add_argument("--workers", type=_positive, default=2, help="fetcher threads (default 2)")
+    p.add_argument("--passes", type=_positive, default=50, help="passes over the data (default 50: about a second of scoring)")
+    p.add_argument(
+        "--metrics-port", type=_port, default=0,
+        help="port for the metrics on 127.0.0.1 (default 0: a free port, printed)",
+    )
+    p.add_argument(
+        "--model", metavar="PATH",
+        help="an ONNX model with float inputs to feed synthetic data instead of the digits classifier",
+    )
+    p.add_argument(
+        "--samples", type=_positive, default=None,
+        help="samples per pass with --model (default 1024)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for training, chunk sizes and synthetic data")
+    p.add_argument(
+        "--progress", choices=("auto", "on", "off"), default="auto",
+        help="progress bar on stderr (default auto: when stderr is a terminal)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, on_running: Callable[[str], None] | None = None) -> int:
+    """Run ``blobfeed demo``.
+
+    Args:
+        argv: the command-line arguments after ``demo``; default ``sys.argv[1:]``.
+        on_running: called once with the metrics URL, in the calling thread,
+            right after the first batch has been scored (the pipeline is
+            running and the endpoint is up): for tests and embedding.
+
+    Returns:
+        The exit status: 0 when the run checked out, 1 when a check failed
+        (e.g. accuracy differs from direct scoring), 2 for a usage problem
+        (bad model, missing package, busy port).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exc:  # argparse exits on --help and on errors
+        return int(exc.code or 0)
+    if args.samples is not None and args.model is None:
+        parser.print_usage(sys.stderr)
+        print("blobfeed demo: error: --samples only applies with --model", file=sys.stderr)
+        return 2
+    if args.samples is None:
+        args.samples = 1024
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.model is not None:
+            return _run_model(args, on_running)
+        return _run_digits(args, on_running)
+    except DemoError as exc:
+        print(f"blobfeed demo: error: {exc}", file=sys.stderr)
+        return 2
+    except blobfeed.BlobfeedError as exc:
+        print(f"blobfeed demo: the feed failed: {exc!r}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("blobfeed demo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
