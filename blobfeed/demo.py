@@ -629,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch-size", type=_positive, default=64, help="samples per batch (default 64)")
     p.add_argument("--workers", type=_positive, default=2, help="fetcher threads (default 2)")
-    p.add_argument("--passes", type=_positive, default=50, help="passes over the data (default 50: about a second of scoring)")
+    p.add_argument("--passes", type=_positive, default=100, help="passes over the data (default 100)")
     p.add_argument(
         "--metrics-port", type=_port, default=0,
         help="port for the metrics on 127.0.0.1 (default 0: a free port, printed)",
