@@ -184,6 +184,7 @@ class DataInputCoordinator(WorkerCoordinator):
         self,
         global_coordinator: "GlobalCoordinator",
         source: InputSource,
+        net: Net,
         feed: Feed,
         fetch_fun: FetchFun,
         worker_ids: list[int],
@@ -194,7 +195,7 @@ class DataInputCoordinator(WorkerCoordinator):
         super().__init__(global_coordinator, source.name, worker_ids, init_fun, None, external_loggers)
         self.source = source
         self.feed = feed
-        self.net = feed.net
+        self.net = net
         self.input_blob_names = feed.blob_names
         self._fetch_fun = fetch_fun
         self._on_error = on_error
@@ -269,6 +270,7 @@ class DataInputCoordinator(WorkerCoordinator):
         hub.retire(self.name, ended)
         if self._threads and not self._threads[-1].is_alive():
             hub.retire(self.name, [self.feed.stats], net=self.net.name)
+            self.feed.release_net()
         # A consumer may still call run() on the stopped net; what it records
         # after this point (the wait of a run that raises) is not counted.
         hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.net.name)
@@ -692,5 +694,5 @@ def init_data_input_workers(
         source.feeds.append(feed)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
-        gc._add(DataInputCoordinator(gc, source, feed, fetch_fun, ids, init_fun, loggers, on_error))
+        gc._add(DataInputCoordinator(gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error))
     return gc

@@ -385,7 +385,8 @@ class Feed:
         hub: MetricsHub,
     ) -> None:
         self.source = source
-        self.net = net
+        # No reference to the net itself: the net refers to its feeds, and a
+        # cycle would keep a discarded net's onnxruntime session alive.
         self.net_name = net.name
         self.blob_names = tuple(blob_names)
         self.timeout = timeout
@@ -398,9 +399,14 @@ class Feed:
         self.device_queue: BlobsQueue[Batch] = BlobsQueue(
             device_queue_capacity, name=f"{source.name}/{net.name}", low_water=0
         )
-        self._lock = threading.Lock()
+        # An RLock for its _is_owned(), which threading.Condition relies on
+        # too: see _assemble_here.  No thread takes it twice.
+        self._lock = threading.RLock()
         #: the enqueuer's next batch, waiting for room in the device queue
         self._staged: Batch | None = None
+        #: a batch the net took while another of its sources failed or timed
+        #: out; it is handed out first next time (see Net.run)
+        self._held: Batch | None = None
         self._place = net._place
         self.stats: AssembleStats = hub.assemble_stats(source.name, net.name)
         #: batches the net's thread assembled itself (that thread writes them)
@@ -417,14 +423,36 @@ class Feed:
         self.rebatcher.batch_size = value
 
     def buffered_samples(self) -> int:
-        staged = self._staged
-        return self.rebatcher.pending + (staged.n if staged is not None else 0) + sum(
-            b.n for b in self.device_queue.snapshot()
+        staged, held = self._staged, self._held
+        return (
+            self.rebatcher.pending
+            + (staged.n if staged is not None else 0)
+            + (held.n if held is not None else 0)
+            + sum(b.n for b in self.device_queue.snapshot())
         )
 
     def abort(self, error: BaseException) -> int:
         """Close the device queue with ``error``; returns samples discarded."""
-        return sum(b.n for b in self.device_queue.close(error))
+        with self._lock:  # never held while blocking, so this cannot wait long
+            held, self._held = self._held, None
+        lost = held.n if held is not None else 0
+        return lost + sum(b.n for b in self.device_queue.close(error))
+
+    def hold(self, batch: Batch) -> None:
+        """Keep a batch the net took for its next run (another source failed)."""
+        with self._lock:
+            self._held = batch
+
+    def take_held(self) -> Batch | None:
+        with self._lock:
+            held, self._held = self._held, None
+            return held
+
+    def release_net(self) -> None:
+        """Drop the references to the net once the enqueuer has ended, so a
+        discarded Net (and its onnxruntime session) is freed at once rather
+        than at the next garbage collection."""
+        self._place = _unplaced
 
     def _assemble(self, stats: AssembleStats, *, partial: bool = False) -> Batch | None:
         """Pop one batch and place it on the device; None when none is complete.
@@ -446,23 +474,34 @@ class Feed:
     def run(self) -> None:
         """Body of the enqueuer thread."""
         src = self.source
+        queue = src.queue
         try:
             while True:
-                try:
-                    chunk = src.queue.get()
-                except _SourceStopped:
-                    with self._lock:
+                # Take and push under the lock, so chunks enter the re-batcher
+                # in queue order whichever thread takes them; wait outside it.
+                with self._lock:
+                    try:
+                        ok, chunk = queue.get_nowait()
+                    except _SourceStopped:
                         self._lose_all()
-                    return
-                except EndOfInput:
+                        return
+                    except EndOfInput:
+                        ok, chunk = False, None
+                        ended = True
+                    else:
+                        ended = False
+                        if ok and chunk is not None:
+                            self.rebatcher.push(chunk)
+                if ended:
                     self._finish()
                     return
-                # any other exception: the source failed and fail() closed our queue
-                with self._lock:
-                    self.rebatcher.push(chunk)
-                if not self._drain():
-                    return
+                if ok:
+                    if not self._drain():
+                        return
+                else:
+                    queue.wait_for_item()  # woken by a put or a close
         except FetcherError:
+            # the source failed; fail() closed our queue with the error
             with self._lock:
                 self._lose_all()
         except BaseException as exc:  # our bug or a device error: never hang the net
@@ -548,9 +587,10 @@ class Feed:
         Order: what the device queue holds, then the enqueuer's staged batch,
         then new batches from the re-batcher.
         """
-        if not self._lock.acquire(blocking=False):
-            return None  # the enqueuer is at work: its batch is coming
+        lock = self._lock
         try:
+            if not lock.acquire(blocking=False):
+                return None  # the enqueuer is at work: its batch is coming
             ok, batch = self.device_queue.get_nowait()
             if ok:
                 return batch
@@ -572,7 +612,11 @@ class Feed:
                     return None
                 self.rebatcher.push(chunk)
         finally:
-            self._lock.release()
+            # Not a flag set after acquire(): CPython runs signal handlers
+            # right after a call returns, so a Ctrl-C can land before the
+            # flag is stored.  The lock itself knows whether we hold it.
+            if lock._is_owned():  # type: ignore[attr-defined]
+                lock.release()
 
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the net's thread)."""
@@ -608,6 +652,10 @@ class Feed:
                         )
         finally:
             cs.wait.observe(time.perf_counter() - t0)
+
+
+def _unplaced(arrays: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
+    raise RuntimeError("this feed's enqueuer has ended")
 
 
 def fetcher_loop(

@@ -193,6 +193,15 @@ class _SourceEntry:
         return t
 
 
+@dataclass
+class _SourceTotals:
+    fetch: FetchStats
+    feeds: dict[str, tuple[tuple[AssembleStats, ConsumeStats], int]]
+    dropped: dict[str, int]
+    inputs_per_second: float
+    live: "InputSource | None"
+
+
 class MetricsHub:
     """Every counter of one :class:`~blobfeed.GlobalCoordinator`, by source.
 
@@ -281,9 +290,17 @@ class MetricsHub:
         with self._lock:
             return self._entry(source).fetch_totals()
 
-    def snapshot(self) -> dict[str, _SourceEntry]:
+    def totals(self) -> dict[str, "_SourceTotals"]:
+        """Every counter, summed under the lock: a scrape sees a stats object
+        either live or retired, never neither (counters never go back)."""
         with self._lock:
-            return dict(self._sources)
+            out = {}
+            for name, entry in self._sources.items():
+                feeds = {net: (fe.totals(), fe.direct_batches()) for net, fe in entry.feeds.items()}
+                out[name] = _SourceTotals(
+                    entry.fetch_totals(), feeds, dict(entry.dropped), entry.inputs_per_second, entry.live
+                )
+            return out
 
 
 def _hist_buckets(h: Hist) -> list[tuple[str, float]]:
@@ -306,9 +323,9 @@ class _Collector:
         return list(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        return self._families(self._hub.snapshot())
+        return self._families(self._hub.totals())
 
-    def _families(self, sources: dict[str, _SourceEntry] | None = None) -> Iterator[Metric]:
+    def _families(self, sources: dict[str, _SourceTotals] | None = None) -> Iterator[Metric]:
         S, SN = ["source"], ["source", "net"]
         chunks = CounterMetricFamily("blobfeed_fetched_chunks", "Chunks accepted from fetchers.", labels=S)
         samples = CounterMetricFamily("blobfeed_fetched_samples", "Samples accepted from fetchers.", labels=S)
@@ -360,7 +377,7 @@ class _Collector:
             labels=S,
         )
         for name, entry in sorted((sources or {}).items()):
-            f = entry.fetch_totals()
+            f = entry.fetch
             chunks.add_metric([name], f.chunks)
             samples.add_metric([name], f.samples)
             nbytes.add_metric([name], f.bytes)
@@ -371,10 +388,9 @@ class _Collector:
             drops = dict(entry.dropped)
             for k, v in f.dropped.items():
                 drops[k] += v
-            for net, fe in sorted(entry.feeds.items()):
-                a, c = fe.totals()
+            for net, ((a, c), n_direct) in sorted(entry.feeds.items()):
                 batches.add_metric([name, net], a.batches)
-                direct.add_metric([name, net], fe.direct_batches())
+                direct.add_metric([name, net], n_direct)
                 enqueue_s.add_metric([name, net], _hist_buckets(a.enqueue), a.enqueue.total)
                 wait_s.add_metric([name, net], _hist_buckets(c.wait), c.wait.total)
                 timeouts.add_metric([name, net], c.timeouts)

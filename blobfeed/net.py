@@ -121,9 +121,6 @@ class Net:
             _require_cuda(name, device)
         self.workspace = Workspace()
         self._feeds: list[Feed] = []
-        # Batches dequeued by a run() that then failed on another source:
-        # handed out first next time, so sources never shift against each other.
-        self._held: dict[int, Any] = {}
         self._session: ort.InferenceSession | None = None
         self.input_names: list[str] = []
         self.output_names: list[str] = []
@@ -185,7 +182,6 @@ class Net:
         # feeds of stopped sources go: their run() would only raise EndOfInput
         for old in [f for f in self._feeds if f.source.stopped]:
             self._feeds.remove(old)
-            self._held.pop(id(old), None)
         self._feeds.append(feed)
         fed = {n for f in self._feeds for n in f.blob_names}
         self._unfed = [n for n in self.input_names if n not in fed]
@@ -229,17 +225,26 @@ class Net:
             feed.delivered(batch)
             blobs.update(zip(feed.blob_names, batch.arrays))
         else:
-            # one deadline for the whole call, however many sources
+            # One deadline for the whole call, however many sources.  A batch
+            # taken from one source while another fails or times out is held
+            # by its feed and handed out first next time, so sources never
+            # shift against each other.
             deadline = None if timeout is None else time.monotonic() + timeout
-            held = self._held
-            for feed in feeds:
-                if id(feed) not in held:
-                    left = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
-                    held[id(feed)] = feed.dequeue(left)
-            for feed in feeds:
-                batch = held.pop(id(feed))
-                feed.delivered(batch)
-                blobs.update(zip(feed.blob_names, batch.arrays))
+            taken: list[Any] = []
+            try:
+                for feed in feeds:
+                    got = feed.take_held()
+                    if got is None:
+                        left = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
+                        got = feed.dequeue(left)
+                    taken.append(got)
+            except BaseException:
+                for feed, got in zip(feeds, taken):
+                    feed.hold(got)
+                raise
+            for feed, got in zip(feeds, taken):
+                feed.delivered(got)
+                blobs.update(zip(feed.blob_names, got.arrays))
         if session is None:
             self.workspace._update(blobs)
             return blobs

@@ -134,6 +134,30 @@ class BlobsQueue(Generic[T]):
                     self._not_full.wait(remaining)
             return not self._closed
 
+    def wait_for_item(self, timeout: float | None = None) -> bool:
+        """Wait until an item is queued or the queue is closed, without taking it.
+
+        For a consumer that must take items while holding a lock of its own:
+        ``get_nowait()`` under the lock, and on an empty queue release the
+        lock and wait here.
+
+        Returns:
+            True when an item is queued or the queue is closed (``get_nowait``
+            then tells which); False when the timeout passed.
+        """
+        with self._not_empty:
+            if timeout is None:
+                while not self._items and not self._closed:
+                    self._not_empty.wait()
+                return True
+            deadline = time.monotonic() + timeout
+            while not self._items and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._not_empty.wait(remaining)
+            return True
+
     def get(self, timeout: float | None = None) -> T:
         """Dequeue the oldest batch, waiting for one.
 
