@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from typing import Generic, TypeVar
 
 from .errors import DequeueTimeout, EndOfInput
@@ -71,6 +70,13 @@ class BlobsQueue(Generic[T]):
         """The error the queue was closed with, if any."""
         return self._error
 
+    # Wait predicates, called with the lock held.
+    def _room_or_closed(self) -> bool:
+        return self._closed or len(self._items) < self._capacity
+
+    def _item_or_closed(self) -> bool:
+        return self._closed or bool(self._items)
+
     def qsize(self) -> int:
         """Number of items queued now (a snapshot)."""
         return len(self._items)
@@ -93,17 +99,8 @@ class BlobsQueue(Generic[T]):
             waiting) or the timeout passed.
         """
         with self._not_full:
-            if not self._closed and len(self._items) >= self._capacity:
-                if timeout is None:
-                    while not self._closed and len(self._items) >= self._capacity:
-                        self._not_full.wait()
-                else:
-                    deadline = time.monotonic() + timeout
-                    while not self._closed and len(self._items) >= self._capacity:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            return False
-                        self._not_full.wait(remaining)
+            if not self._room_or_closed() and not self._not_full.wait_for(self._room_or_closed, timeout):
+                return False
             if self._closed:
                 return False
             self._items.append(blobs)
@@ -122,17 +119,7 @@ class BlobsQueue(Generic[T]):
             timeout passed.
         """
         with self._not_full:
-            if timeout is None:
-                while not self._closed and len(self._items) >= self._capacity:
-                    self._not_full.wait()
-            else:
-                deadline = time.monotonic() + timeout
-                while not self._closed and len(self._items) >= self._capacity:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return False
-                    self._not_full.wait(remaining)
-            return not self._closed
+            return self._not_full.wait_for(self._room_or_closed, timeout) and not self._closed
 
     def wait_for_item(self, timeout: float | None = None) -> bool:
         """Wait until an item is queued or the queue is closed, without taking it.
@@ -146,17 +133,7 @@ class BlobsQueue(Generic[T]):
             then tells which); False when the timeout passed.
         """
         with self._not_empty:
-            if timeout is None:
-                while not self._items and not self._closed:
-                    self._not_empty.wait()
-                return True
-            deadline = time.monotonic() + timeout
-            while not self._items and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._not_empty.wait(remaining)
-            return True
+            return self._not_empty.wait_for(self._item_or_closed, timeout)
 
     def get(self, timeout: float | None = None) -> T:
         """Dequeue the oldest batch, waiting for one.
@@ -171,19 +148,8 @@ class BlobsQueue(Generic[T]):
             BaseException: the error given to ``close(error)``.
         """
         with self._not_empty:
-            if not self._items and not self._closed:
-                if timeout is None:
-                    while not self._items and not self._closed:
-                        self._not_empty.wait()
-                else:
-                    deadline = time.monotonic() + timeout
-                    while not self._items and not self._closed:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            raise DequeueTimeout(
-                                f"queue {self.name!r}: no batch within {timeout:g} s"
-                            )
-                        self._not_empty.wait(remaining)
+            if not self._item_or_closed() and not self._not_empty.wait_for(self._item_or_closed, timeout):
+                raise DequeueTimeout(f"queue {self.name!r}: no batch within {timeout:g} s")
             if self._error is not None:
                 # A fresh traceback per raise: the useful one is on __cause__.
                 raise self._error.with_traceback(None)
