@@ -458,17 +458,22 @@ def run_torch(wl: Workload, seconds: float, workers: int) -> dict[str, Any]:
     fetch = wl.make()
 
     class Chunks(tud.Dataset):
-        """Map-style: one sample per index, drawn from the workload's chunks."""
+        """Map-style: sample ``i`` is row ``i % len(pool)`` of a pool made of
+        the workload's own chunks (at least a batch of them), so samples come
+        from as much memory as blobfeed's fetchers read."""
 
         def __init__(self) -> None:
-            chunk = fetch(0, wl.batch)
-            self.arrays = [a[:1] for a in chunk]
+            chunks = []
+            while sum(len(c[0]) for c in chunks) < wl.batch:
+                chunks.append(fetch(0, wl.batch))
+            self.pool = [np.concatenate([c[k] for c in chunks]) for k in range(len(chunks[0]))]
 
         def __len__(self) -> int:
             return 10**9
 
         def __getitem__(self, i: int) -> tuple:
-            return tuple(a[0] for a in self.arrays)
+            j = i % len(self.pool[0])
+            return tuple(a[j] for a in self.pool)
 
     loader = tud.DataLoader(Chunks(), batch_size=wl.batch, num_workers=workers, shuffle=False)
     m = Meter(seconds)
