@@ -463,8 +463,8 @@ def run_torch(wl: Workload, seconds: float, workers: int) -> dict[str, Any]:
         from as much memory as blobfeed's fetchers read."""
 
         def __init__(self) -> None:
-            chunks = []
-            while sum(len(c[0]) for c in chunks) < wl.batch:
+            chunks: list[list[np.ndarray]] = []
+            while sum(int(len(c[0])) for c in chunks) < wl.batch:
                 chunks.append(fetch(0, wl.batch))
             self.pool = [np.concatenate([c[k] for c in chunks]) for k in range(len(chunks[0]))]
 

@@ -399,14 +399,14 @@ class Feed:
         self.device_queue: BlobsQueue[Batch] = BlobsQueue(
             device_queue_capacity, name=f"{source.name}/{net.name}", low_water=0
         )
-        # An RLock for its _is_owned(), which threading.Condition relies on
-        # too: see _assemble_here.  No thread takes it twice.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         #: the enqueuer's next batch, waiting for room in the device queue
         self._staged: Batch | None = None
         #: a batch the net took while another of its sources failed or timed
         #: out; it is handed out first next time (see Net.run)
         self._held: Batch | None = None
+        #: set by abort(): the source stopped or failed; nothing is handed out
+        self._aborted = False
         self._place = net._place
         self.stats: AssembleStats = hub.assemble_stats(source.name, net.name)
         #: batches the net's thread assembled itself (that thread writes them)
@@ -434,14 +434,23 @@ class Feed:
     def abort(self, error: BaseException) -> int:
         """Close the device queue with ``error``; returns samples discarded."""
         with self._lock:  # never held while blocking, so this cannot wait long
+            self._aborted = True
             held, self._held = self._held, None
-        lost = held.n if held is not None else 0
-        return lost + sum(b.n for b in self.device_queue.close(error))
+            lost = held.n if held is not None else 0
+            return lost + sum(b.n for b in self.device_queue.close(error))
 
     def hold(self, batch: Batch) -> None:
-        """Keep a batch the net took for its next run (another source failed)."""
+        """Keep a batch the net took for its next run (another source failed).
+
+        After abort() the batch is counted as dropped instead: a stopped
+        source hands nothing out.
+        """
         with self._lock:
-            self._held = batch
+            if not self._aborted:
+                self._held = batch
+                return
+        src = self.source
+        src.hub.count_dropped(src.name, src.lost_reason, batch.n)
 
     def take_held(self) -> Batch | None:
         with self._lock:
@@ -495,10 +504,11 @@ class Feed:
                 if ended:
                     self._finish()
                     return
-                if ok:
-                    if not self._drain():
-                        return
-                else:
+                # Complete batches may be waiting even without a new chunk
+                # (the net's thread pushed one it did not use up): prefetch them.
+                if not self._drain():
+                    return
+                if not ok:
                     queue.wait_for_item()  # woken by a put or a close
         except FetcherError:
             # the source failed; fail() closed our queue with the error
@@ -582,15 +592,18 @@ class Feed:
         self.consume_stats.samples += batch.n
 
     def _assemble_here(self) -> Batch | None:
-        """The net's thread takes or assembles the next batch, if it can without waiting.
+        """The net's thread takes or assembles the next batch, if it can without waiting for data.
 
         Order: what the device queue holds, then the enqueuer's staged batch,
         then new batches from the re-batcher.
         """
-        lock = self._lock
-        try:
-            if not lock.acquire(blocking=False):
-                return None  # the enqueuer is at work: its batch is coming
+        # Blocking on the lock is cheap: nobody holds it across a wait.  Not
+        # waiting would be wrong: the enqueuer may hold it only to find the
+        # internal queue empty while complete batches the net's own thread
+        # left sit in the re-batcher.  A `with` block, not acquire/try: a
+        # Ctrl-C can land right after a call returns, and only `with`
+        # guarantees the release.
+        with self._lock:
             ok, batch = self.device_queue.get_nowait()
             if ok:
                 return batch
@@ -604,19 +617,13 @@ class Feed:
                     return batch
                 try:
                     ok, chunk = queue.get_nowait()
-                except BaseException:
+                except (EndOfInput, FetcherError):
                     # ended, stopped or failed: the enqueuer settles the end
                     # (last batch, or the error) through the device queue
                     return None
                 if not ok or chunk is None:
                     return None
                 self.rebatcher.push(chunk)
-        finally:
-            # Not a flag set after acquire(): CPython runs signal handlers
-            # right after a call returns, so a Ctrl-C can land before the
-            # flag is stored.  The lock itself knows whether we hold it.
-            if lock._is_owned():  # type: ignore[attr-defined]
-                lock.release()
 
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the net's thread)."""

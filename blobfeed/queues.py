@@ -52,6 +52,14 @@ class BlobsQueue(Generic[T]):
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
+        # wait_for_item / wait_for_room take nothing, so they must not share
+        # get's and put's notify(): one of them could swallow the wake-up a
+        # blocked get() or put() needed.  Woken with notify_all, only when
+        # someone waits there.
+        self._item_watch = threading.Condition(self._lock)
+        self._room_watch = threading.Condition(self._lock)
+        self._item_watchers = 0
+        self._room_watchers = 0
         self._closed = False
         self._error: BaseException | None = None
 
@@ -105,6 +113,8 @@ class BlobsQueue(Generic[T]):
                 return False
             self._items.append(blobs)
             self._not_empty.notify()
+            if self._item_watchers:
+                self._item_watch.notify_all()
             return True
 
     def wait_for_room(self, timeout: float | None = None) -> bool:
@@ -118,8 +128,12 @@ class BlobsQueue(Generic[T]):
             True when there is room; False when the queue is closed or the
             timeout passed.
         """
-        with self._not_full:
-            return self._not_full.wait_for(self._room_or_closed, timeout) and not self._closed
+        with self._lock:
+            self._room_watchers += 1
+            try:
+                return self._room_watch.wait_for(self._room_or_closed, timeout) and not self._closed
+            finally:
+                self._room_watchers -= 1
 
     def wait_for_item(self, timeout: float | None = None) -> bool:
         """Wait until an item is queued or the queue is closed, without taking it.
@@ -132,8 +146,12 @@ class BlobsQueue(Generic[T]):
             True when an item is queued or the queue is closed (``get_nowait``
             then tells which); False when the timeout passed.
         """
-        with self._not_empty:
-            return self._not_empty.wait_for(self._item_or_closed, timeout)
+        with self._lock:
+            self._item_watchers += 1
+            try:
+                return self._item_watch.wait_for(self._item_or_closed, timeout)
+            finally:
+                self._item_watchers -= 1
 
     def get(self, timeout: float | None = None) -> T:
         """Dequeue the oldest batch, waiting for one.
@@ -157,6 +175,8 @@ class BlobsQueue(Generic[T]):
                 item = self._items.popleft()
                 if len(self._items) <= self._low_water:
                     self._not_full.notify()
+                    if self._room_watchers:
+                        self._room_watch.notify_all()
                 return item
             raise EndOfInput(f"queue {self.name!r} is closed and drained")
 
@@ -176,6 +196,8 @@ class BlobsQueue(Generic[T]):
                 item = self._items.popleft()
                 if len(self._items) <= self._low_water:
                     self._not_full.notify()
+                    if self._room_watchers:
+                        self._room_watch.notify_all()
                 return True, item
             if self._closed:
                 raise EndOfInput(f"queue {self.name!r} is closed and drained")
@@ -200,8 +222,8 @@ class BlobsQueue(Generic[T]):
                 discarded = list(self._items)
                 self._items.clear()
             self._closed = True
-            self._not_empty.notify_all()
-            self._not_full.notify_all()
+            for cond in (self._not_empty, self._not_full, self._item_watch, self._room_watch):
+                cond.notify_all()
             return discarded
 
     def __repr__(self) -> str:

@@ -12,7 +12,7 @@ import pytest
 import blobfeed
 from blobfeed import ChunkError, DequeueTimeout, EndOfInput, FetcherError, Net, init_data_input_workers
 
-from .helpers import WAIT, sample
+from .helpers import WAIT, sample, wait_until
 
 
 class Boom(RuntimeError):
@@ -293,3 +293,51 @@ def test_bad_net_arguments() -> None:
         Net(model=123)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not exist"):
         Net(model="/nonexistent/model.onnx")
+
+
+def test_a_stopped_source_hands_out_nothing_not_even_a_held_batch(gc: blobfeed.GlobalCoordinator) -> None:
+    """A two-source net took A's batch and waits on B; A is stopped meanwhile,
+    then B times out.  A's batch must not come back from a later run(), and
+    must be counted as dropped (the accounting identity holds)."""
+    b_may_start = threading.Event()
+    entered_b = threading.Event()
+
+    def fetch_a(w: int, b: int) -> list[np.ndarray]:
+        return [np.arange(8, dtype=np.int64)]
+
+    def fetch_b(w: int, b: int) -> list[np.ndarray]:
+        entered_b.set()
+        b_may_start.wait(WAIT)
+        return [np.arange(8, dtype=np.int64) + 1000]
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["a"], fetch_a, 8, num_worker_threads=1, input_source_name="A",
+                            max_buffered_batches=2, device_queue_capacity=1, coordinator=gc)
+    init_data_input_workers(net, ["b"], fetch_b, 8, num_worker_threads=1, input_source_name="B", coordinator=gc)
+    gc.start()
+    assert entered_b.wait(WAIT)
+    outcome: dict[str, BaseException] = {}
+    waiting_on_b = threading.Event()
+
+    def consume() -> None:
+        waiting_on_b.set()
+        try:
+            net.run(timeout=1.0)  # takes A's batch, then waits on B until the timeout
+        except BaseException as exc:
+            outcome["exc"] = exc
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert waiting_on_b.wait(WAIT)
+    # A's batch is taken almost at once; the consumer then waits on B
+    wait_until(lambda: sample(gc, "blobfeed_dequeue_wait_seconds_count", source="A", net="n") >= 1, "A dequeued")
+    assert gc.stop_coordinator("A", timeout=WAIT)
+    t.join(WAIT)
+    assert not t.is_alive() and isinstance(outcome.get("exc"), DequeueTimeout)
+    b_may_start.set()
+    with pytest.raises(EndOfInput, match="source 'A' was stopped"):
+        net.run(timeout=WAIT)
+    fetched = sample(gc, "blobfeed_fetched_samples_total", source="A")
+    delivered = sample(gc, "blobfeed_delivered_samples_total", source="A", net="n")
+    dropped = sum(sample(gc, "blobfeed_dropped_samples_total", source="A", reason=r) for r in ("drop_last", "stopped", "error"))
+    assert delivered == 0 and fetched == dropped > 0, (fetched, delivered, dropped)

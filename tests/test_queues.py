@@ -469,3 +469,34 @@ def test_many_producers_and_consumers_deliver_every_item_exactly_once() -> None:
             seq = [i for (pp, i) in items if pp == p]
             assert seq == sorted(seq)
     assert q.qsize() == 0
+
+
+def test_wait_helpers_never_swallow_a_wakeup_meant_for_get_or_put() -> None:
+    """wait_for_item()/wait_for_room() take nothing; a blocked get() or put()
+    must still wake when an item or a slot arrives while one of them waits."""
+    q: BlobsQueue[str] = BlobsQueue(1, name="mixed")
+    watch = Call(lambda: q.wait_for_item(timeout=WAIT), "watch-item")
+    wait_until_parked(watch, "wait_for_item")
+    getter = Call(lambda: q.get(timeout=WAIT), "get")
+    wait_until_parked(getter, "get")
+    assert q.put("item", timeout=WAIT)
+    getter.join()
+    assert (getter.error, getter.result) == (None, "item")
+    # the getter took the item, so the watcher rightly waits on; a close releases it
+    q.close()
+    watch.join()
+    assert watch.result is True
+
+    full: BlobsQueue[str] = BlobsQueue(1, name="full")
+    assert full.put("x")
+    room = Call(lambda: full.wait_for_room(timeout=WAIT), "watch-room")
+    wait_until_parked(room, "wait_for_room")
+    putter = Call(lambda: full.put("y", timeout=WAIT), "put")
+    wait_until_parked(putter, "put")
+    assert full.get(timeout=WAIT) == "x"
+    putter.join()
+    assert (putter.error, putter.result) == (None, True)
+    # the put took the slot, so the watcher waits on until the next get frees one
+    assert full.get(timeout=WAIT) == "y"
+    room.join()
+    assert room.result is True
