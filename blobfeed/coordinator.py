@@ -255,7 +255,7 @@ class DataInputCoordinator(WorkerCoordinator):
         self._last_log = (now, fetch_time, fetch_count, enq.total, enq.count)
         return {
             "source": self.name,
-            "inputs_per_sec": self._gc._rates.get(self.name, 0.0),
+            "inputs_per_sec": self._hub.inputs_per_second(self.name),
             "queue_size": self.source.queue.qsize(),
             "time_elapsed": now - self._started_at,
             "fetcher_time": fetch_time - prev[1],
@@ -316,7 +316,6 @@ class GlobalCoordinator:
         self._coordinators: list[WorkerCoordinator] = []
         self._sources: dict[str, InputSource] = {}
         self._next_worker_id = 0
-        self._rates: dict[str, float] = {}
         self._monitor: threading.Thread | None = None
         self._monitor_stop = threading.Event()
 
@@ -480,7 +479,6 @@ class GlobalCoordinator:
             t0, s0 = last.get(name, (now - self.log_interval, 0))
             rate = (samples - s0) / max(now - t0, 1e-9)
             last[name] = (now, samples)
-            self._rates[name] = rate
             self._hub.set_inputs_per_second(name, rate)
         for c in coordinators:
             c._call_loggers()

@@ -255,7 +255,6 @@ class InputSource:
         self._fetchers_finished = 0
         self.error: BaseException | None = None
         self.stopped = False
-        self.started_at: float | None = None
         #: samples a fetcher holds while blocked putting them (worker id -> n);
         #: each fetcher writes only its own key
         self.inflight: dict[int, int] = {}
@@ -280,8 +279,6 @@ class InputSource:
     def fetcher_started(self) -> None:
         with self._lock:
             self._fetchers_running += 1
-            if self.started_at is None:
-                self.started_at = time.monotonic()
 
     def fetcher_finished(self, exhausted: bool) -> None:
         """A fetcher thread ends; when the last one of the source raised
@@ -365,10 +362,12 @@ class Feed:
       small batch (a wake-up plus a GIL transfer), so when the consumer is
       faster than the enqueuer can be scheduled this path carries the feed.
 
-    Order and exactly-once hold because a batch is only ever taken from the
-    re-batcher under the lock, the enqueuer puts it on the device queue
-    before releasing the lock, and the consumer assembles only after finding
-    the device queue empty under that same lock.
+    Order and exactly-once hold because everything that hands data out
+    happens under the lock: chunks go from the internal queue into the
+    re-batcher, a batch the enqueuer cannot yet put waits in ``_staged``, and
+    the net's thread takes the device queue first, then ``_staged``, then a
+    new batch.  Nobody holds the lock while waiting, so it is never held
+    long.
     """
 
     def __init__(

@@ -282,6 +282,10 @@ class MetricsHub:
                     fe.consume.remove(s)
                     fe.consume_retired.add(s)
 
+    def inputs_per_second(self, source: str) -> float:
+        with self._lock:
+            return self._entry(source).inputs_per_second
+
     def set_inputs_per_second(self, source: str, value: float) -> None:
         with self._lock:
             self._entry(source).inputs_per_second = value
