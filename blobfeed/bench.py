@@ -1,4 +1,4 @@
-"""``blobfeed bench``: the workloads of BENCH.md, blobfeed beside its baselines.
+"""``blobfeed bench``: workloads W1-W5 (docs/BENCHMARKS.md), blobfeed beside its baselines.
 
 Every (workload, runner) measurement runs in a fresh child process so that
 peak RSS belongs to that runner alone; repetitions are interleaved (A B A B
@@ -9,7 +9,7 @@ same invocation.
 Runners:
 
 * ``blobfeed``   -- the library, a ``Net`` with no model (W5: the MLP).
-* ``caffe2``     -- Caffe2's original re-batching, written from BENCH.md's
+* ``caffe2``     -- Caffe2's original re-batching, written from its
   description: ``np.append`` growth, ``np.split``, leftover put back with
   ``put(block=False)`` and dropped when the queue is full.  It counts the
   samples it drops.
@@ -17,6 +17,10 @@ Runners:
   buffers rotated through more memory than the last-level cache.
 * ``model``      -- the model alone (W5): ``InferenceSession.run`` on pre-made batches.
 * ``torch0`` / ``torch2`` -- torch's DataLoader with 0 / 2 workers, where torch is installed.
+
+Exit status: 0 when every evaluated target is met; 1 when any is missed,
+including blobfeed losing a sample in any repetition (the missed targets are
+listed); 2 for a usage error or a measurement that crashed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["main"]
+__all__ = ["build_parser", "estimate_seconds", "evaluate", "main", "summarize", "verdict"]
 
 Fetch = Callable[[int, int], list]
 
@@ -517,6 +521,40 @@ def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: statistics.median(r[k] for r in results) for k in keys}
 
 
+#: Meter's warm-up before each measured window, seconds.
+WARMUP_S = Meter.warmup
+#: Per-measurement cost beyond warm-up and window: a child's start-up, set-up
+#: and drain.  With ``W5_SLICE_S``, ``COPY_SETUP_S`` and ``TORCH_EXTRA_S``
+#: it makes ``estimate_seconds`` match the default run without torch on this
+#: project's 2-core machine (about 212 s); ``TORCH_EXTRA_S`` is a guess.
+CHILD_OVERHEAD_S = 0.4
+#: W5/blobfeed's interleaved slices (see ``_interleaved_model_ratio``).
+W5_SLICE_S = 0.25
+#: W2/copy faults in 256 MiB of buffers first.
+COPY_SETUP_S = 0.6
+#: torch's import and, for torch2, its worker processes.
+TORCH_EXTRA_S = 3.0
+
+
+def _plan(workloads: list[str], torch: bool) -> list[tuple[str, str]]:
+    """The (workload, runner) measurements of one repetition, in order."""
+    return [(w, r) for w in workloads for r in WORKLOADS[w].runners if torch or not r.startswith("torch")]
+
+
+def estimate_seconds(workloads: list[str], seconds: float, repeats: int, torch: bool) -> float:
+    """Approximate wall time of a run: a model of it, not a measurement."""
+    one = 0.0
+    for w, r in _plan(workloads, torch):
+        one += CHILD_OVERHEAD_S + WARMUP_S + seconds
+        if (w, r) == ("W5", "blobfeed"):
+            one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2))
+        elif r == "copy":
+            one += COPY_SETUP_S
+        elif r.startswith("torch"):
+            one += TORCH_EXTRA_S
+    return one * repeats
+
+
 def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
     env = dict(os.environ)
     proc = subprocess.run(
@@ -528,14 +566,25 @@ def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def summarize(raw: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every measurement's repetitions -> ``{"W1/blobfeed": {...}}``.
+
+    Each figure is the median of the repetitions, except
+    ``samples_lost_total``: the samples lost summed over all of them, so a
+    loss in one repetition cannot hide behind the median.
+    """
+    results = {}
+    for (w, r), runs in raw.items():
+        results[f"{w}/{r}"] = _median(runs)
+        results[f"{w}/{r}"]["samples_lost_total"] = int(sum(run["samples_lost"] for run in runs))
+    if "W4/blobfeed" in results:
+        results["W4/ideal"] = {"batches_per_s": results["W4/blobfeed"]["ideal_batches_per_s"]}
+    return results
+
+
 def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = sys.stderr) -> dict[str, Any]:
-    plan: list[tuple[str, str]] = []
     torch_ok = _torch_available()
-    for w in workloads:
-        for r in WORKLOADS[w].runners:
-            if r.startswith("torch") and not torch_ok:
-                continue
-            plan.append((w, r))
+    plan = _plan(workloads, torch_ok)
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in plan}
     total = len(plan) * repeats
     done = 0
@@ -547,14 +596,13 @@ def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = 
             progress.flush()
             raw[(w, r)].append(_child(w, r, seconds))
     progress.write("\n")
-    results = {f"{w}/{r}": _median(v) for (w, r), v in raw.items()}
-    if "W4/blobfeed" in results:
-        results["W4/ideal"] = {"batches_per_s": results["W4/blobfeed"]["ideal_batches_per_s"]}
+    results = summarize(raw)
     return {"seconds": seconds, "repeats": repeats, "torch": torch_ok, "results": results,
             "python": sys.version.split()[0], "cpus": os.cpu_count()}
 
 
 def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets that the report's results allow to evaluate, each with ``ok``."""
     res = report["results"]
     rows = []
     for wl, what, num, den, metric, threshold in TARGETS:
@@ -570,11 +618,14 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             ratio = a[metric] / b[metric]
         rows.append({"workload": wl, "target": f"{what} >= {threshold}", "ratio": ratio, "ok": ratio >= threshold})
+    for wl in WORKLOADS:
+        a = res.get(f"{wl}/blobfeed")
+        if a:
+            lost = a.get("samples_lost_total", a["samples_lost"])
+            rows.append({"workload": wl, "target": "samples lost == 0", "ratio": lost, "ok": lost == 0})
     for wl in ("W2", "W3"):
         a, b = res.get(f"{wl}/blobfeed"), res.get(f"{wl}/caffe2")
         if a and b:
-            rows.append({"workload": wl, "target": "samples lost == 0", "ratio": a["samples_lost"],
-                         "ok": a["samples_lost"] == 0})
             rows.append({"workload": wl, "target": "peak RSS <= Caffe2's", "ratio": a["peak_rss_mb"] / b["peak_rss_mb"],
                          "ok": a["peak_rss_mb"] <= b["peak_rss_mb"]})
     w5 = res.get("W5/blobfeed")
@@ -586,6 +637,26 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"workload": "W1", "target": "first batch <= 50 ms", "ratio": w1["first_batch_ms"],
                      "ok": w1["first_batch_ms"] <= 50})
     return rows
+
+
+def _measured(value: Any) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.2f}"
+
+
+def verdict(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
+    """The exit status for the evaluated ``rows``, and the lines that say why.
+
+    0 when every row is met; 1 when any is missed, or when there is no row
+    at all (nothing was checked: not a pass).
+    """
+    if not rows:
+        return 1, ["verdict: no target could be evaluated"]
+    missed = [row for row in rows if not row["ok"]]
+    if not missed:
+        return 0, [f"verdict: all {len(rows)} targets met"]
+    return 1, [f"verdict: MISSED {len(missed)} of {len(rows)} targets:"] + [
+        f"  {row['workload']} {row['target']}: measured {_measured(row['ratio'])}" for row in missed
+    ]
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -605,17 +676,79 @@ def format_report(report: dict[str, Any]) -> str:
         )
     lines += ["", f"{'target':<46}{'measured':>10}  result"]
     for row in evaluate(report):
-        lines.append(f"{row['workload'] + ' ' + row['target']:<46}{row['ratio']:>10.2f}  {'ok' if row['ok'] else 'MISSED'}")
+        lines.append(
+            f"{row['workload'] + ' ' + row['target']:<46}{_measured(row['ratio']):>10}  {'ok' if row['ok'] else 'MISSED'}"
+        )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="blobfeed bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="W1,W2,W3,W4,W5", help="comma-separated subset of W1..W5")
-    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run (after a warm-up)")
-    p.add_argument("--repeats", type=int, default=3, help="repetitions; the median is reported")
-    p.add_argument("--json", metavar="PATH", help="also write the raw results here")
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+DEFAULT_WORKLOADS = "W1,W2,W3,W4,W5"
+DEFAULT_SECONDS = 5.0
+DEFAULT_REPEATS = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``blobfeed bench`` command line; its epilog estimates the default run's length."""
+    torch_ok = _torch_available()
+    wls = DEFAULT_WORKLOADS.split(",")
+    per_repeat = len(_plan(wls, torch_ok))
+    est = estimate_seconds(wls, DEFAULT_SECONDS, DEFAULT_REPEATS, torch_ok)
+    if torch_ok:
+        torch_note = "torch is installed, so its DataLoader rows are included"
+    else:
+        with_torch = estimate_seconds(wls, DEFAULT_SECONDS, DEFAULT_REPEATS, True)
+        torch_note = (
+            f"torch is not installed, so its DataLoader rows are skipped (with torch: "
+            f"{len(_plan(wls, True)) * DEFAULT_REPEATS} measurements, about {with_torch / 60:.1f} min)"
+        )
+    epilog = (
+        f"The default invocation runs {per_repeat * DEFAULT_REPEATS} measurements ({per_repeat} per "
+        f"repeat x {DEFAULT_REPEATS} repeats) and takes about {est:.0f} s ({est / 60:.1f} min) on a "
+        f"2-core machine; {torch_note}. Each measurement is a child process: start-up, a "
+        f"{WARMUP_S:g} s warm-up, then the measured window. Exit status: 0 when every evaluated "
+        f"target is met; 1 when any target is missed, including blobfeed losing a sample in any "
+        f"repetition (the missed targets are listed); 2 for a usage error or a measurement that crashed."
+    )
+    p = argparse.ArgumentParser(
+        prog="blobfeed bench",
+        description="Run workloads W1-W5 (docs/BENCHMARKS.md) against blobfeed and its baselines, "
+        "print one table and the targets, and exit with the verdict.",
+        epilog=epilog,
+    )
+    p.add_argument(
+        "--workloads", default=DEFAULT_WORKLOADS,
+        help=f"comma-separated subset of W1..W5 (default: {DEFAULT_WORKLOADS})",
+    )
+    p.add_argument(
+        "--seconds", type=_positive_float, default=DEFAULT_SECONDS,
+        help=f"measured seconds per measurement, after a {WARMUP_S:g} s warm-up (default: {DEFAULT_SECONDS:g} s)",
+    )
+    p.add_argument(
+        "--repeats", type=_positive_int, default=DEFAULT_REPEATS,
+        help=f"repetitions of every measurement; the median is reported (default: {DEFAULT_REPEATS})",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the raw results and the verdict here (default: none)")
     p.add_argument("--child", nargs=3, metavar=("WORKLOAD", "RUNNER", "SECONDS"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``blobfeed bench``; returns the exit status (see the module docstring)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.child:
         wl_id, runner, secs = args.child
@@ -625,13 +758,26 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in wls if w not in WORKLOADS]
     if unknown:
         p.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
-    report = run_all(wls, args.seconds, args.repeats)
+    torch_ok = _torch_available()
+    n = len(_plan(wls, torch_ok)) * args.repeats
+    est = estimate_seconds(wls, args.seconds, args.repeats, torch_ok)
+    print(f"blobfeed bench: {n} measurements, about {est:.0f} s", file=sys.stderr, flush=True)
+    try:
+        report = run_all(wls, args.seconds, args.repeats)
+    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:  # a child crashed or hung
+        print(f"blobfeed bench: a measurement failed, no verdict: {exc}", file=sys.stderr)
+        return 2
+    rows = evaluate(report)
+    status, why = verdict(rows)
     print(format_report(report))
+    print()
+    print("\n".join(why))
     if args.json:
-        report["targets"] = evaluate(report)
+        report["targets"] = rows
+        report["passed"] = status == 0
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

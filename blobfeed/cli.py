@@ -8,7 +8,7 @@ USAGE = """usage: blobfeed COMMAND [options]
 
 commands:
   demo    score a real dataset with a real ONNX model, fed by blobfeed (no network)
-  bench   run the BENCH.md workloads against blobfeed and its baselines
+  bench   run workloads W1-W5 against blobfeed and its baselines; exit 1 if a target is missed
 """
 
 

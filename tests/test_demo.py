@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
@@ -55,10 +60,24 @@ def test_digits_accuracy_matches_direct_and_metrics_are_served(capsys: pytest.Ca
     total = 2 * 1797
     assert f"samples     {total}\n" in out
     assert f"predictions {total}/{total} identical to direct scoring: MATCH" in out
-    acc = re.search(r"accuracy    blobfeed (\S+) \((\d+)/(\d+)\)  direct onnxruntime (\S+) \((\d+)/1797 x 2", out)
+    # The accuracy is the held-out split's, and says so; the training images'
+    # figure is printed apart and labelled as such.
+    acc = re.search(
+        r"^accuracy    (\S+) on the 450 held-out test images \(25 % split, never seen in training\): "
+        r"blobfeed (\d+)/900 over 2 passes, direct onnxruntime (\d+)/450$",
+        out, re.M,
+    )
     assert acc, out
-    assert acc.group(1) == acc.group(4) and int(acc.group(2)) == 2 * int(acc.group(5))
+    assert int(acc.group(2)) == 2 * int(acc.group(3))
+    assert float(acc.group(1)) == pytest.approx(int(acc.group(3)) / 450, abs=1e-4)
     assert float(acc.group(1)) > 0.9  # a trained classifier, not chance
+    train = re.search(
+        r"^            (\S+) on the 1347 training images \(the model was fitted to them: "
+        r"not a measure of accuracy\)$",
+        out, re.M,
+    )
+    assert train, out
+    assert "trained in" in out and "on 1347 images (450 held out for testing)" in out
 
     # The URL printed is the one that served blobfeed's metrics mid-run.
     url = re.search(r"^metrics     (\S+)", out, re.M).group(1)  # type: ignore[union-attr]
@@ -167,3 +186,94 @@ def test_model_with_symbolic_inner_dim_is_a_clear_error(tmp_path: Path, capsys: 
 def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_help_names_serve_and_the_held_out_split(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--serve [SECONDS]" in out
+    assert "Ctrl-C" in out and "SIGTERM" in out
+    assert "held-out" in out and "never seen in training" in out and "the other 25 %, the held-out test images" in out
+
+
+def _lines(stream: IO[str]) -> "queue.Queue[str | None]":
+    """The lines of ``stream``, read by a daemon thread; None at EOF."""
+    q: "queue.Queue[str | None]" = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, name="test-demo-stdout", daemon=True).start()
+    return q
+
+
+def _read_until(q: "queue.Queue[str | None]", prefix: str, seen: list[str], deadline: float) -> str:
+    """The first line starting with ``prefix``; every line read is appended to ``seen``."""
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no {prefix!r} line in time:\n{''.join(seen)}"
+        try:
+            line = q.get(timeout=remaining)
+        except queue.Empty:
+            continue  # the assert above fails on the next turn
+        assert line is not None, f"stdout closed before a {prefix!r} line:\n{''.join(seen)}"
+        seen.append(line)
+        if line.startswith(prefix):
+            return line
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_keeps_the_metrics_up_after_the_run(stop_signal: signal.Signals) -> None:
+    # --serve with a bound, so a broken signal path cannot hang the suite.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.cli", "demo", "--passes", "2", "--progress", "off", "--serve", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        q = _lines(proc.stdout)  # type: ignore[arg-type]
+        seen: list[str] = []
+        deadline = time.monotonic() + 45
+        url = _read_until(q, "metrics     ", seen, deadline).split()[1]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        # The serving line comes after the whole report: the run is over.
+        serving = _read_until(q, "serving     ", seen, deadline)
+        assert any(line.startswith("clean stop  yes") for line in seen), "".join(seen)
+        assert url in serving and "Ctrl-C" in serving and "SIGTERM" in serving, serving
+        assert proc.poll() is None, "".join(seen)
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        assert _metric(text, "blobfeed_batches_total") >= 1
+        assert _metric(text, "blobfeed_delivered_samples_total") == 2 * 1797
+
+        proc.send_signal(stop_signal)
+        rc = proc.wait(timeout=10)
+        _read_until(q, "serving     stopped", seen, time.monotonic() + 5)
+        err = proc.stderr.read()  # type: ignore[union-attr]
+        # Stopping the serving is the documented way out: the run's status stands.
+        assert rc == 0, "".join(seen) + err
+        assert "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_serve_seconds_ends_by_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = demo.main(["--passes", "1", "--serve", "0.1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert re.search(r"^serving     http://127\.0\.0\.1:\d+/metrics for 0\.1 s", out, re.M), out
+    url = re.search(r"^metrics     (\S+)", out, re.M).group(1)  # type: ignore[union-attr]
+    with pytest.raises(urllib.error.URLError):  # closed once serving ends
+        urllib.request.urlopen(url, timeout=2)
+
+
+def test_serve_is_rejected_when_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--serve", "-1"]) == 2
+    assert "--serve" in capsys.readouterr().err
