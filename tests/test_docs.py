@@ -1,0 +1,356 @@
+"""The repository's Markdown stands alone.
+
+Every ``*.md`` file of the repository (README.md, docs/, examples/, any
+other) is read, and:
+
+* no link or relative path may leave the repository: a target that
+  resolves outside the repository root, an absolute filesystem path, a
+  ``file:`` URL, or any mention of ``../shared``, ``shared/SPEC.md``,
+  ``shared/BENCH.md``, ``SPEC.md`` or ``BENCH.md`` (files that users of the
+  repository never see) is a failure;
+* every relative link target must exist, and a ``#fragment`` must name a
+  heading (or an HTML anchor) of the target Markdown file;
+* a repository path mentioned in prose or in an inline code span
+  (``docs/CONTRACT.md``, ``tests/test_pipeline.py::test_x``) must exist.
+
+Links to public web pages (``http(s)://``, ``mailto:``) are allowed.
+The check is a plain function, :func:`link_problems`; the tests below run
+it on the repository and on planted bad links, to show it catches them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import unicodedata
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Directories that are not part of the repository's documentation.
+SKIP_DIRS = {
+    ".git", ".venv", "venv", "env", "node_modules", "build", "dist", "__pycache__",
+    ".pytest_cache", ".mypy_cache", ".ruff_cache", ".tox", ".hypothesis",
+}
+
+#: Text that points at files outside the repository, wherever it appears
+#: (prose, code spans, fenced code, link targets).
+FORBIDDEN = [
+    (re.compile(r"\.\./+shared\b"), "points into ../shared, outside the repository"),
+    (
+        re.compile(r"(?<![\w.-])(?:shared/)?(?:SPEC|BENCH)\.md\b", re.IGNORECASE),
+        "names SPEC.md / BENCH.md, files outside the repository "
+        "(the contract is docs/CONTRACT.md, the workloads docs/BENCHMARKS.md)",
+    ),
+    (re.compile(r"(?<![\w.-])/work/"), "an absolute path of the development machine"),
+]
+
+_WEB_SCHEME = re.compile(r"^(?:https?|mailto|ftp):", re.IGNORECASE)
+_ANY_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+# [text](target "title") and ![alt](target); the text may hold one level of [brackets]
+_INLINE_LINK = re.compile(
+    r"!?\[(?:[^\[\]\n]|\[[^\[\]\n]*\])*\]\(\s*(<[^>\n]*>|[^)\s]+)(?:\s+(?:\"[^\"]*\"|'[^']*'|\([^)]*\)))?\s*\)"
+)
+_REF_DEFINITION = re.compile(r"^ {0,3}\[[^\]\n]+\]:\s*(<[^>\n]*>|\S+)", re.MULTILINE)
+_AUTOLINK = re.compile(r"<([a-zA-Z][a-zA-Z0-9+.-]*:[^>\s]*)>")
+_HTML_ATTR = re.compile(r"""\b(?:href|src)\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
+_HTML_ANCHOR = re.compile(r"""<a\s[^>]*\b(?:name|id)\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
+_HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)[ \t]*#*[ \t]*$", re.MULTILINE)
+_FENCE_OPEN = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)", re.DOTALL)
+
+
+def _blank(text: str) -> str:
+    """``text`` with every character but newlines replaced by a space (offsets kept)."""
+    return re.sub(r"[^\n]", " ", text)
+
+
+def strip_fences(text: str) -> str:
+    """Blank out fenced code blocks, keeping line numbers."""
+    out: list[str] = []
+    fence: str | None = None
+    for line in text.splitlines(keepends=True):
+        if fence is None:
+            m = _FENCE_OPEN.match(line)
+            if m:
+                fence = m.group(1)
+                out.append(_blank(line))
+                continue
+            out.append(line)
+        else:
+            stripped = line.strip()
+            if stripped.startswith(fence) and set(stripped) == {fence[0]}:
+                fence = None
+            out.append(_blank(line))
+    return "".join(out)
+
+
+def strip_code_spans(text: str) -> str:
+    return _CODE_SPAN.sub(lambda m: _blank(m.group(0)), text)
+
+
+def slugify(heading: str) -> str:
+    """GitHub's anchor for a heading (github-slugger's rule)."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links: their text only
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML
+    kept = []
+    for ch in text.strip().lower():
+        cat = unicodedata.category(ch)
+        if ch in " -" or cat[0] in "LMN" or cat == "Pc":
+            kept.append(ch)
+    return "".join(kept).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """Every ``#fragment`` a Markdown text defines: heading slugs and HTML anchors."""
+    prose = strip_fences(text)
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for m in _HEADING.finditer(prose):
+        slug = slugify(m.group(2))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    out.update(a for a in _HTML_ANCHOR.findall(text))
+    return out
+
+
+def _top_level_names(root: Path) -> list[str]:
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    return sorted(
+        e.name for e in entries
+        if e.is_dir() and e.name not in SKIP_DIRS and not e.name.endswith(".egg-info")
+    )
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def link_problems(text: str, md_path: Path, root: Path = REPO) -> list[str]:
+    """Everything wrong with the links and paths of one Markdown text.
+
+    Args:
+        text: the Markdown.
+        md_path: where it lives (relative links resolve against its folder);
+            it need not exist.
+        root: the repository root no link may leave.
+
+    Returns:
+        One ``"<file>:<line>: <problem>"`` string per problem; empty when all is well.
+    """
+    root = root.resolve()
+    md_path = md_path if md_path.is_absolute() else root / md_path
+    base = md_path.parent.resolve()
+    try:
+        shown = md_path.resolve().relative_to(root).as_posix()
+    except ValueError:
+        shown = str(md_path)
+    found: set[tuple[int, str]] = set()
+
+    def report(offset: int, message: str) -> None:
+        found.add((_line_of(text, offset), message))
+
+    # 1. text that points at files users never see, anywhere in the file
+    for pattern, message in FORBIDDEN:
+        for m in pattern.finditer(text):
+            report(m.start(), f"{message}: {m.group(0)!r}")
+
+    # 2. link targets (not inside code)
+    prose = strip_fences(text)
+    links_text = strip_code_spans(prose)
+    targets: list[tuple[int, str]] = []
+    for regex in (_INLINE_LINK, _REF_DEFINITION, _AUTOLINK, _HTML_ATTR):
+        for m in regex.finditer(links_text):
+            target = m.group(1)
+            if target.startswith("<") and target.endswith(">"):
+                target = target[1:-1]
+            targets.append((m.start(1), target))
+    own_anchors: set[str] | None = None
+    for offset, target in sorted(targets):
+        if _WEB_SCHEME.match(target):
+            continue
+        if _ANY_SCHEME.match(target):
+            report(offset, f"link {target!r}: only web links may leave the repository")
+            continue
+        path_part, _, fragment = target.partition("#")
+        path_part = unquote(path_part.split("?", 1)[0])
+        fragment = unquote(fragment)
+        if not path_part:  # "#section" of this file
+            if own_anchors is None:
+                own_anchors = anchors(text)
+            if fragment and fragment not in own_anchors:
+                report(offset, f"link {target!r}: no heading or anchor #{fragment} in this file")
+            continue
+        if path_part.startswith("/") or re.match(r"^[A-Za-z]:[\\/]", path_part):
+            report(offset, f"link {target!r}: an absolute path; use a path relative to this file")
+            continue
+        resolved = (base / path_part).resolve()
+        if not _inside(resolved, root):
+            report(offset, f"link {target!r} leaves the repository (resolves to {resolved})")
+            continue
+        if not resolved.exists():
+            report(offset, f"link {target!r}: {resolved.relative_to(root).as_posix()} does not exist")
+            continue
+        if fragment and resolved.is_file() and resolved.suffix.lower() == ".md":
+            if fragment not in anchors(resolved.read_text(encoding="utf-8")):
+                report(offset, f"link {target!r}: no heading or anchor #{fragment} in {resolved.name}")
+
+    # 3. repository paths mentioned in prose or code spans, and any ../ path
+    tops = _top_level_names(root)
+    if tops:
+        mention = re.compile(
+            r"(?<![\w./@:-])((?:\.\./)+[\w.-][\w./-]*[\w/]|(?:\./)?(?:"
+            + "|".join(re.escape(t) for t in tops)
+            + r")/[\w./-]*[\w/]|(?:\./)?(?:"
+            + "|".join(re.escape(t) for t in tops)
+            + r")/)"
+        )
+    else:
+        mention = re.compile(r"(?<![\w./@:-])((?:\.\./)+[\w.-][\w./-]*[\w/])")
+    for m in mention.finditer(prose):
+        token = m.group(1)
+        if token.startswith("../"):
+            resolved = (base / token).resolve()
+            if not _inside(resolved, root):
+                report(m.start(1), f"path {token!r} leaves the repository (resolves to {resolved})")
+                continue
+        else:
+            resolved = (root / token).resolve()
+        if not resolved.exists():
+            report(m.start(1), f"path {token!r} does not exist in the repository")
+    return [f"{shown}:{line}: {message}" for line, message in sorted(found)]
+
+
+def markdown_files(root: Path = REPO) -> list[Path]:
+    """Every ``*.md`` file under ``root``, skipping virtualenvs, caches and build output."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")
+        )
+        found += [Path(dirpath) / f for f in sorted(filenames) if f.lower().endswith(".md")]
+    return found
+
+
+def repo_problems(root: Path = REPO) -> list[str]:
+    out: list[str] = []
+    for md in markdown_files(root):
+        out += link_problems(md.read_text(encoding="utf-8"), md, root)
+    return out
+
+
+# --------------------------------------------------------------------------- the repository
+
+
+def test_the_walk_finds_the_documentation() -> None:
+    found = {p.relative_to(REPO).as_posix() for p in markdown_files()}
+    for expected in ("README.md", "docs/CONTRACT.md", "docs/BENCHMARKS.md", "docs/RELIABILITY.md"):
+        assert expected in found, f"{expected} not found by the walk: {sorted(found)}"
+
+
+@pytest.mark.parametrize(
+    "md", markdown_files(), ids=lambda p: p.relative_to(REPO).as_posix()
+)
+def test_no_link_leaves_the_repository_and_none_dangles(md: Path) -> None:
+    problems = link_problems(md.read_text(encoding="utf-8"), md)
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_points_at_the_contract_and_the_benchmarks() -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "](docs/CONTRACT.md)" in text
+    assert "](docs/BENCHMARKS.md)" in text
+
+
+# --------------------------------------------------------------------------- the check itself
+
+
+PLANTED_BAD = [
+    ("The contract is [the spec](../shared/SPEC.md).", "../shared"),
+    ("See `shared/BENCH.md` for the workloads.", "SPEC.md / BENCH.md"),
+    ("As SPEC.md says, batches are exact.", "SPEC.md / BENCH.md"),
+    ("```sh\ncat ../shared/BENCH.md\n```", "../shared"),
+    ("[up and out](../../outside.md)", "leaves the repository"),
+    ("[ref link][r]\n\n[r]: ../elsewhere/x.md", "leaves the repository"),
+    ('<a href="../../x.html">x</a>', "leaves the repository"),
+    ("Copy ../../secrets.txt first.", "leaves the repository"),
+    ("[gone](docs/NO_SUCH_FILE.md)", "does not exist"),
+    ("[bad anchor](docs/CONTRACT.md#no-such-section)", "no heading or anchor"),
+    ("# Title\n\n[here](#not-a-heading)", "no heading or anchor"),
+    ("[abs](/etc/passwd)", "absolute path"),
+    ("[local](file:///work/main/README.md)", "only web links"),
+    ("Read /work/shared/SPEC.md first.", "development machine"),
+    ("See docs/NOPE.md for details.", "does not exist"),
+    ("Run `tests/test_nothing_here.py::test_x`.", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("text, expected", PLANTED_BAD, ids=[t for t, _ in PLANTED_BAD])
+def test_the_check_catches_a_planted_bad_link(text: str, expected: str) -> None:
+    problems = link_problems(text, REPO / "PLANTED.md")
+    assert problems, f"no problem found in {text!r}"
+    assert any(expected in p for p in problems), problems
+
+
+def test_the_check_accepts_good_links() -> None:
+    text = """# Planted
+
+## A section: `with code`
+
+[the contract](docs/CONTRACT.md), [its errors](docs/CONTRACT.md#errors-and-who-causes-each),
+[benchmarks][b], [a web page](https://onnxruntime.ai/docs/), <https://prometheus.io>,
+[this section](#a-section-with-code), [a folder](examples/), docs/RELIABILITY.md,
+`tests/test_pipeline.py::test_batch_inside_one_chunk_is_a_view`, `/tmp/bench.json`,
+`blobfeed-fetch-<source>-<id>`, and in code, which is not a link: `a[0](x)`.
+
+```python
+x = data[lo:hi](1)   # not a link either
+```
+
+[b]: docs/BENCHMARKS.md
+"""
+    assert link_problems(text, REPO / "PLANTED.md") == []
+
+
+def test_links_resolve_from_the_file_that_holds_them() -> None:
+    # from docs/, ../README.md is inside the repository and CONTRACT.md a sibling
+    ok = "[readme](../README.md), [contract](CONTRACT.md#the-data-path)"
+    assert link_problems(ok, REPO / "docs" / "PLANTED.md") == []
+    # the same targets from the root: ../README.md leaves, CONTRACT.md is missing
+    problems = link_problems(ok, REPO / "PLANTED.md")
+    assert any("leaves the repository" in p for p in problems), problems
+    assert any("does not exist" in p for p in problems), problems
+
+
+def test_the_walk_catches_a_planted_bad_file(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "examples").mkdir()
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / "README.md").write_text("# R\n\nSee [the guide](docs/GUIDE.md).\n")
+    (tmp_path / "docs" / "GUIDE.md").write_text("# Guide\n\nBack to [the readme](../README.md).\n")
+    (tmp_path / "examples" / "NOTES.md").write_text("The spec: [spec](../../shared/SPEC.md)\n")
+    (tmp_path / ".venv" / "IGNORED.md").write_text("[x](../../../nowhere.md)\n")
+    problems = repo_problems(tmp_path)
+    assert problems, "the planted bad link was not caught"
+    assert all(p.startswith("examples/NOTES.md:1:") for p in problems), problems
+    assert any("leaves the repository" in p for p in problems), problems
+    assert any("../shared" in p for p in problems), problems
+    # and the same tree without the bad file is clean
+    (tmp_path / "examples" / "NOTES.md").write_text("See [the guide](../docs/GUIDE.md#guide).\n")
+    assert repo_problems(tmp_path) == []
