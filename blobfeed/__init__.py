@@ -4,6 +4,8 @@ device queues and an ONNX ``Net``, with Prometheus metrics.
 The work lives in modules named for what they do; this file only re-exports.
 """
 
+import logging as _logging
+
 from .coordinator import (
     DataInputCoordinator,
     GlobalCoordinator,
@@ -15,6 +17,12 @@ from .coordinator import (
 from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfInput, FetcherError
 from .net import Net, Workspace
 from .queues import BlobsQueue
+from .worker_info import WorkerInfo, get_worker_info
+
+# A library never configures logging; without this, Python's last-resort
+# handler would print blobfeed's warnings to stderr of an application that
+# chose not to log.
+_logging.getLogger("blobfeed").addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
 
@@ -29,7 +37,9 @@ __all__ = [
     "GlobalCoordinator",
     "Net",
     "WorkerCoordinator",
+    "WorkerInfo",
     "Workspace",
+    "get_worker_info",
     "global_coordinator",
     "init_data_input_workers",
     "init_workers",

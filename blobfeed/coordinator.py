@@ -8,19 +8,27 @@ daemon: a program that never calls ``stop()`` still exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
+import os
+import queue
+import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
 
+from . import arguments, feeders, metrics, queues, worker_info
+from . import net as net_module
+from .arguments import check_flag, check_index, check_timeout
 from .feeders import Feed, FetchFun, InputSource, fetcher_loop
 from .metrics import ExternalLogger, FetchStats, MetricsHub
 from .net import Net
+from .worker_info import WorkerInfo, draw_base_seed, worker_seeds
 
 __all__ = [
     "DataInputCoordinator",
@@ -39,6 +47,39 @@ InitFun = Callable[["WorkerCoordinator", "GlobalCoordinator"], Any]
 DEFAULT_JOIN_TIMEOUT = 5.0
 #: At interpreter exit nothing should hold the process for long.
 ATEXIT_JOIN_TIMEOUT = 0.25
+#: Seconds between updates of ``blobfeed_inputs_per_second``.
+RATE_TICK_S = 1.0
+
+
+class _LogRunner:
+    """Calls a coordinator's external loggers on a thread of their own.
+
+    A logger is user code: one that is slow or hangs must never hold up the
+    monitor, ``stop(timeout)`` or the interpreter's exit, so nobody else ever
+    waits on it beyond a deadline.  ``None`` on the queue ends the thread.
+    """
+
+    def __init__(self, name: str, loggers: Sequence[ExternalLogger], on_exit: Callable[[], None]) -> None:
+        self._loggers = list(loggers)
+        # SimpleQueue: put() never blocks and is safe from any thread.
+        self._todo: "queue.SimpleQueue[dict[str, Any] | None]" = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=_thread_main, args=(name, self._loop, on_exit), name=name, daemon=True
+        )
+
+    def post(self, metrics: dict[str, Any] | None) -> None:
+        self._todo.put(metrics)
+
+    def _loop(self) -> None:
+        while True:
+            metrics = self._todo.get()
+            if metrics is None:
+                return
+            for ext in self._loggers:
+                try:
+                    ext.log(dict(metrics))
+                except Exception:
+                    logger.exception("external logger %r of %r raised; ignored", ext, self.thread.name)
 
 
 class WorkerCoordinator:
@@ -66,6 +107,7 @@ class WorkerCoordinator:
         self._loggers = list(external_loggers)
         self._hub = global_coordinator._hub
         self._threads: list[threading.Thread] = []
+        self._log_runner: _LogRunner | None = None
         self._stop_event = threading.Event()
         self.started = False
         self._started_at = 0.0
@@ -88,15 +130,21 @@ class WorkerCoordinator:
 
     def _start(self) -> None:
         self._started_at = time.monotonic()
+        on_exit = self._gc._thread_ended
         self._threads = [
-            threading.Thread(target=_thread_main, args=(name, fn), name=name, daemon=True)
+            threading.Thread(target=_thread_main, args=(name, fn, on_exit), name=name, daemon=True)
             for name, fn in self._targets()
         ]
+        if self._loggers:
+            self._log_runner = _LogRunner(f"blobfeed-log-{self.name}", self._loggers, on_exit)
+            self._threads.append(self._log_runner.thread)
         self.started = True
         for t in self._threads:
             t.start()
 
     def _request_stop(self) -> None:
+        """Ask every thread to end and wake whatever blocks.  Idempotent,
+        never waits for a thread."""
         self._stop_event.set()
 
     def _shutdown(self) -> None:
@@ -111,33 +159,41 @@ class WorkerCoordinator:
             except Exception:
                 logger.exception("shutdown_fun of coordinator %r raised", self.name)
 
-    def _join(self, deadline: float) -> list[str]:
-        """Join our threads until ``deadline``; returns the names still alive."""
+    def _join(self, deadline: float | None) -> list[str]:
+        """Join our threads until ``deadline`` (None: no bound); returns the names still alive."""
         me = threading.current_thread()
         stuck = []
         for t in self._threads:
             if t is me:
+                stuck.append(t.name)
                 continue
-            t.join(max(0.0, deadline - time.monotonic()))
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 stuck.append(t.name)
         return stuck
+
+    def _alive(self) -> list[str]:
+        """Names of our threads still running."""
+        return [t.name for t in self._threads if t.is_alive()]
 
     def _log_metrics(self) -> dict[str, Any]:
         return {"worker_name": self.name, "time_elapsed": time.monotonic() - self._started_at}
 
     def _call_loggers(self, final: bool = False) -> None:
-        """Per interval (monitor thread), and once more at the end (``final``)."""
+        """Per interval (monitor thread), and once more at the end (``final``).
+
+        Never waits for the loggers: they run on their own thread, which the
+        final call ends once they are done.
+        """
         with self._log_lock:
-            if not self._loggers or not self.started or self._final_logged:
+            runner = self._log_runner
+            if runner is None or self._final_logged:
                 return
             self._final_logged = final
             metrics = self._log_metrics()
-        for ext in self._loggers:
-            try:
-                ext.log(dict(metrics))
-            except Exception:
-                logger.exception("external logger %r of %r raised; ignored", ext, self.name)
+        runner.post(metrics)
+        if final:
+            runner.post(None)
 
     def _retire(self) -> None:
         pass
@@ -191,6 +247,7 @@ class DataInputCoordinator(WorkerCoordinator):
         init_fun: InitFun | None,
         external_loggers: Sequence[ExternalLogger],
         on_error: Literal["raise", "skip"],
+        seed: int,
     ) -> None:
         super().__init__(global_coordinator, source.name, worker_ids, init_fun, None, external_loggers)
         self.source = source
@@ -199,6 +256,7 @@ class DataInputCoordinator(WorkerCoordinator):
         self.input_blob_names = feed.blob_names
         self._fetch_fun = fetch_fun
         self._on_error = on_error
+        self.seed = seed
         self._fetch_stats: list[FetchStats] = []
         self._last_log: tuple[float, float, int, float, int] | None = None
 
@@ -214,14 +272,17 @@ class DataInputCoordinator(WorkerCoordinator):
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
         hub = self._hub
         out: list[tuple[str, Callable[[], None]]] = []
-        for wid in self.worker_ids:
+        n = len(self.worker_ids)
+        for index, wid in enumerate(self.worker_ids):
             stats = hub.fetch_stats(self.name)
             self._fetch_stats.append(stats)
+            seed, rng = worker_seeds(self.seed, wid)
+            info = WorkerInfo(wid, index, n, self.name, seed, rng)
             out.append((
                 f"blobfeed-fetch-{self.name}-{wid}",
                 functools.partial(
                     fetcher_loop, self.source, wid, self._fetch_fun, self.feed.blob_names,
-                    self._batch_size_hint, self._on_error, stats,
+                    self._batch_size_hint, self._on_error, stats, info,
                 ),
             ))
         out.append((f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue))
@@ -240,6 +301,7 @@ class DataInputCoordinator(WorkerCoordinator):
 
     def _start(self) -> None:
         self._last_log = (time.monotonic(), 0.0, 0, 0.0, 0)
+        self.feed.mark_started()
         super()._start()
 
     def _request_stop(self) -> None:
@@ -265,26 +327,61 @@ class DataInputCoordinator(WorkerCoordinator):
         }
 
     def _retire(self) -> None:
+        """Fold the counts into the source's totals; every thread has ended."""
         hub = self._hub
-        ended = [s for s, t in zip(self._fetch_stats, self._threads) if not t.is_alive()]
-        hub.retire(self.name, ended)
-        if self._threads and not self._threads[-1].is_alive():
-            hub.retire(self.name, [self.feed.stats], net=self.net.name)
-            self.feed.release_net()
+        hub.retire(self.name, self._fetch_stats)
+        hub.retire(self.name, [self.feed.stats], net=self.net.name)
+        self.feed.release_net()
         # A consumer may still call run() on the stopped net; what it records
         # after this point (the wait of a run that raises) is not counted.
         hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.net.name)
         hub.detach_source(self.source)
 
 
-def _thread_main(name: str, fn: Callable[[], None]) -> None:
+def _thread_main(name: str, fn: Callable[[], None], on_exit: Callable[[], None]) -> None:
     try:
         fn()
     except BaseException:
         logger.exception("blobfeed thread %s died", name)
+    finally:
+        on_exit()
 
 
 _live_coordinators: "weakref.WeakSet[GlobalCoordinator]" = weakref.WeakSet()
+
+
+class _Stopper:
+    """A thread that carries out ``request_stop()``.
+
+    ``request_stop`` may run in a signal handler that interrupted this very
+    process while it held one of blobfeed's locks (inside ``run()``, say): it
+    must not take a lock itself, so it only puts a token on a
+    ``queue.SimpleQueue`` (whose ``put`` is safe there) and this thread, which
+    holds nothing, does the closing.
+    """
+
+    def __init__(self, work: Callable[[str | None], None]) -> None:
+        #: a source or worker name to stop, None for all, False to end
+        self._todo: "queue.SimpleQueue[str | None | bool]" = queue.SimpleQueue()
+        self._work = work
+        self.thread = threading.Thread(target=self._loop, name="blobfeed-stopper", daemon=True)
+        self.thread.start()
+
+    def post(self, name: str | None = None) -> None:
+        self._todo.put(name)
+
+    def close(self) -> None:
+        self._todo.put(False)
+
+    def _loop(self) -> None:
+        while True:
+            name = self._todo.get()
+            if name is False:
+                return
+            try:
+                self._work(name)  # type: ignore[arg-type]
+            except Exception:
+                logger.exception("blobfeed: carrying out request_stop() failed")
 
 
 class GlobalCoordinator:
@@ -295,29 +392,44 @@ class GlobalCoordinator:
             in; default a fresh one (the module-level
             ``blobfeed.global_coordinator`` uses prometheus-client's default
             registry).
-        log_interval: seconds between ``inputs_per_second`` updates and
-            external logger calls.
+        log_interval: seconds between external logger calls.
 
     Thread-safe.  Reusable: after ``stop()`` new workers can be added and
     started.  A context manager: ``with GlobalCoordinator() as gc:`` stops it
-    on exit.
+    on exit.  TF's ``Coordinator`` vocabulary works too: ``request_stop``,
+    ``should_stop``, ``join``, ``stop_on_exception``.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, *, log_interval: float = 60.0) -> None:
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise TypeError(f"registry must be a CollectorRegistry, got {type(registry).__name__}")
-        if not log_interval > 0:
-            raise ValueError(f"log_interval must be > 0, got {log_interval!r}")
+        self.log_interval = check_timeout("log_interval", log_interval)
         self._registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._hub = MetricsHub(self._registry)
-        self.log_interval = float(log_interval)
-        self._lock = threading.RLock()
-        self._start_lock = threading.RLock()  # serialises start(); init_funs run under it, not under _lock
+        self._make_locks()
+        #: every coordinator not yet known to have ended: pending, running,
+        #: or stopped with threads still alive.  A coordinator leaves this list
+        #: only once all its threads have ended, so a stop that was cut short
+        #: (a timeout, a Ctrl-C) is finished by the next one.
         self._coordinators: list[WorkerCoordinator] = []
         self._sources: dict[str, InputSource] = {}
         self._next_worker_id = 0
         self._monitor: threading.Thread | None = None
         self._monitor_stop = threading.Event()
+        self._stopper: _Stopper | None = None
+        # Plain attributes, written without a lock: request_stop() must be
+        # safe in a signal handler, and a store of a reference is atomic.
+        self._stop_requested = False
+        self._stop_exc: BaseException | None = None
+        self._first_error: BaseException | None = None
+        #: a stop() ended every thread: the run is over until the next start()
+        self._run_ended = False
+
+    def _make_locks(self) -> None:
+        self._lock = threading.RLock()
+        self._start_lock = threading.RLock()  # serialises start(); init_funs run under it, not under _lock
+        #: notified when a thread ends, a stop was requested or a source failed (join waits on it)
+        self._changed = threading.Condition(threading.Lock())
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -345,7 +457,8 @@ class GlobalCoordinator:
         """Run every pending ``init_fun`` serially, then start every thread.
 
         Coordinators added since the last ``start()`` start now; calling it
-        again with nothing pending is harmless.
+        again with nothing pending is harmless.  A ``request_stop()`` made
+        before ``start()`` applies: what starts is stopped at once.
 
         Raises:
             Exception: whatever an ``init_fun`` raised; then no thread starts.
@@ -358,39 +471,169 @@ class GlobalCoordinator:
             for c in pending:
                 c._run_init()
             with self._lock:
+                if not pending:
+                    return
+                if self._run_ended:
+                    # the previous run was stopped for good: a new one begins
+                    self._run_ended = False
+                    self._stop_requested = False
+                    self._stop_exc = self._first_error = None
+                if self._stopper is None:
+                    self._stopper = _Stopper(self._stop_requested_work)
                 for c in pending:
                     if c in self._coordinators:  # not stopped meanwhile
                         c._start()
-                if pending:
-                    _live_coordinators.add(self)
-                    self._start_monitor()
+                _live_coordinators.add(self)
+                self._start_monitor()
+                if self._stop_requested:
+                    self._stopper.post()
+
+    def request_stop(self, exc: BaseException | None = None) -> None:
+        """Ask every coordinator to stop, and return at once without joining.
+
+        Safe from a signal handler, a fetcher, any thread, at any moment (also
+        while ``run()`` is in progress in the calling thread): the closing is
+        done by a helper thread.  Nets waiting in ``run()`` then raise
+        ``EndOfInput``.  Use :meth:`join` or :meth:`stop` to wait for the
+        threads.
+
+        Args:
+            exc: an exception for :meth:`join` to raise once everything ended
+                (the first one given stands).
+        """
+        if exc is not None and self._stop_exc is None:
+            self._stop_exc = exc
+        self._stop_requested = True
+        stopper = self._stopper
+        if stopper is not None:
+            stopper.post()
+
+    def should_stop(self) -> bool:
+        """True once a stop was requested or done, or a source failed; a
+        ``start()`` after a completed stop begins a new run (False again)."""
+        return self._stop_requested or self._first_error is not None or self._run_ended
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until a stop is requested (or every thread ended by itself),
+        then stop everything and wait for every thread.
+
+        Args:
+            timeout: seconds in all; ``None`` waits as long as it takes.
+
+        Returns:
+            True when every thread ended; False on timeout (the threads
+            still running are named in the log).
+
+        Raises:
+            BaseException: once everything ended, the ``exc`` given to
+                :meth:`request_stop`, else the first fetcher error of any
+                source (``FetcherError``).
+        """
+        t = None if timeout is None else check_timeout("timeout", timeout, allow_zero=True)
+        deadline = None if t is None else time.monotonic() + t
+        with self._changed:
+            woke = self._changed.wait_for(lambda: self.should_stop() or not self._alive_threads(), t)
+        if not woke:
+            logger.error(
+                "join: no stop was requested within %.1f s; still running: %s",
+                t, ", ".join(self._alive_threads()),
+            )
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._stop(left, "join"):
+            return False
+        exc = self._stop_exc if self._stop_exc is not None else self._first_error
+        if exc is not None:
+            raise exc
+        return True
+
+    @contextlib.contextmanager
+    def stop_on_exception(self) -> Iterator[None]:
+        """A context manager: an exception raised inside it requests a stop
+        with that exception (which :meth:`join` then raises) and propagates;
+        it is never swallowed."""
+        try:
+            yield
+        except BaseException as exc:
+            self.request_stop(exc)
+            raise
+
+    def _stop_requested_work(self, name: str | None) -> None:
+        """On the stopper thread: close everything (of ``name``) so its threads end."""
+        with self._lock:
+            coordinators = [c for c in self._coordinators if name is None or c.name == name]
+        for c in coordinators:
+            c._request_stop()
+        self._thread_ended()  # wake join()
+
+    def _on_source_failed(self, error: BaseException) -> None:
+        if self._first_error is None:
+            self._first_error = error
+        self._thread_ended()
+
+    def _thread_ended(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _alive_threads(self) -> list[str]:
+        return [name for c in list(self._coordinators) for name in c._alive()]
 
     def stop(self, timeout: float = DEFAULT_JOIN_TIMEOUT) -> bool:
         """Stop every coordinator and join its threads.  Idempotent.
 
         Queues are closed and what they hold is discarded; a net waiting in
-        ``run()`` and every later ``run()`` raise ``EndOfInput``.
+        ``run()`` and every later ``run()`` raise ``EndOfInput``.  A stop cut
+        short (timeout, Ctrl-C) leaves the coordinators listed: the next
+        ``stop()`` finishes it.
+
+        Called from inside blobfeed's own code (a ``fetch_fun``, an
+        ``init_fun``, an external logger, or a signal handler that
+        interrupted ``run()``), it cannot wait without risking a deadlock on
+        the lock the interrupted code holds: it then does what
+        :meth:`request_stop` does and returns False at once.
 
         Args:
-            timeout: seconds to wait for the threads, in all.
+            timeout: seconds to wait for the threads, in all (>= 0).
 
         Returns:
-            True when every thread ended; False when some did not (a
+            True only when every thread ended; False when some did not (a
             ``fetch_fun`` that never returns cannot be interrupted), which
             are named in the log.
         """
+        return self._stop(check_timeout("timeout", timeout, allow_zero=True), "stop")
+
+    def _stop(self, timeout: float | None, what: str) -> bool:
+        inside = _inside_blobfeed()
+        if inside is not None:
+            self.request_stop()
+            logger.error(
+                "%s() called from inside blobfeed (%s: a fetch_fun, init_fun or logger, or a "
+                "signal handler that interrupted blobfeed): it cannot wait here; the stop was "
+                "requested and proceeds in the background. Call join() or stop() from the "
+                "main program to wait for it, or request_stop() in a signal handler.",
+                what, inside,
+            )
+            return False
+        self._stop_requested = True
         with self._lock:
             victims = list(self._coordinators)
         ok = self._stop_coordinators(victims, timeout)
         with self._lock:
-            monitor = self._monitor if not self._coordinators else None
-            if monitor is not None:
-                self._monitor_stop.set()
-                self._monitor = None
+            if any(c not in victims for c in self._coordinators):
+                return ok  # added meanwhile: theirs is a new run
+            # What is still listed has threads stuck in user code: they end by
+            # themselves (or never); the helpers have nothing left to do.
+            self._run_ended = True
+            monitor, self._monitor = self._monitor, None
+            stopper, self._stopper = self._stopper, None
+            self._monitor_stop.set()
+        if stopper is not None:
+            stopper.close()
         # joined outside the lock: a tick in progress may be waiting for it
-        if monitor is not None and monitor is not threading.current_thread():
-            monitor.join(timeout=max(timeout, 0.1))
-            ok = ok and not monitor.is_alive()
+        for t in (monitor, stopper.thread if stopper is not None else None):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=None if timeout is None else max(timeout, 0.1))
+                ok = ok and not t.is_alive()
         return ok
 
     def stop_coordinator(self, name: str, timeout: float = DEFAULT_JOIN_TIMEOUT) -> bool:
@@ -399,34 +642,46 @@ class GlobalCoordinator:
         Returns:
             As :meth:`stop`; True also when no coordinator has that name.
         """
+        t = check_timeout("timeout", timeout, allow_zero=True)
+        inside = _inside_blobfeed()
+        if inside is not None:
+            stopper = self._stopper
+            if stopper is not None:
+                stopper.post(name)
+            logger.error(
+                "stop_coordinator(%r) called from inside blobfeed (%s): requested, not waited for",
+                name, inside,
+            )
+            return False
         with self._lock:
             victims = [c for c in self._coordinators if c.name == name]
-        return self._stop_coordinators(victims, timeout)
+        return self._stop_coordinators(victims, t)
 
-    def _stop_coordinators(self, victims: Sequence[WorkerCoordinator], timeout: float) -> bool:
-        with self._lock:
-            victims = [c for c in victims if c in self._coordinators]
-            for c in victims:
-                self._coordinators.remove(c)
-                if isinstance(c, DataInputCoordinator) and self._sources.get(c.name) is c.source:
-                    del self._sources[c.name]
+    def _stop_coordinators(self, victims: Sequence[WorkerCoordinator], timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
         for c in victims:
             c._request_stop()
         for c in victims:
             c._shutdown()
-        deadline = time.monotonic() + timeout
+        for c in victims:
+            c._call_loggers(final=True)
         stuck: list[str] = []
         for c in victims:
             stuck += c._join(deadline)
-        for c in victims:
-            c._call_loggers(final=True)
-            c._retire()
+        with self._lock:
+            for c in victims:
+                if c in self._coordinators and not c._alive():
+                    self._coordinators.remove(c)
+                    if isinstance(c, DataInputCoordinator) and self._sources.get(c.name) is c.source:
+                        if not any(getattr(o, "source", None) is c.source for o in self._coordinators):
+                            del self._sources[c.name]
+                    c._retire()
         if stuck:
             logger.error(
-                "stop: %d thread(s) still running after %.1f s: %s -- a fetch_fun or "
-                "worker_fun that never returns cannot be interrupted; the threads are "
-                "daemons and will not keep the process alive",
-                len(stuck), timeout, ", ".join(stuck),
+                "stop: %d thread(s) still running after %.1f s: %s -- a fetch_fun, worker_fun "
+                "or external logger that never returns cannot be interrupted; the threads are "
+                "daemons and will not keep the process alive; stop() again to wait for them",
+                len(stuck), timeout if timeout is not None else float("inf"), ", ".join(stuck),
             )
         return not stuck
 
@@ -439,11 +694,12 @@ class GlobalCoordinator:
         Raises:
             ValueError: bad ``batch_size``, or ``net`` is not fed from ``name``.
         """
-        _check_positive_int("batch_size", batch_size)
+        batch_size = check_index("batch_size", batch_size)
         with self._lock:
             found = [
                 c for c in self._coordinators
                 if isinstance(c, DataInputCoordinator) and c.name == name and c.net is net
+                and not c.source.stopped
             ]
         if not found:
             raise ValueError(f"net {getattr(net, 'name', net)!r} is not fed from source {name!r}")
@@ -461,27 +717,35 @@ class GlobalCoordinator:
         self._monitor.start()
 
     def _monitor_loop(self, stop: threading.Event) -> None:
-        last: dict[str, tuple[float, int]] = {}
+        tick = min(RATE_TICK_S, self.log_interval)
+        next_log = time.monotonic() + self.log_interval
         # Event.wait as a timer: a stop wakes it at once.
-        while not stop.wait(self.log_interval):
+        while not stop.wait(tick):
             try:
-                self._tick(last)
+                now = time.monotonic()
+                self._hub.update_rates(now)
+                if now >= next_log:
+                    next_log = now + self.log_interval
+                    with self._lock:
+                        coordinators = list(self._coordinators)
+                    for c in coordinators:
+                        c._call_loggers()
             except Exception:
                 logger.exception("blobfeed monitor tick failed")
 
-    def _tick(self, last: dict[str, tuple[float, int]]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            sources = [n for n, src in self._sources.items() if not (src.finished or src.stopped)]
-            coordinators = list(self._coordinators)
-        for name in sources:
-            samples = self._hub.fetch_totals(name).samples
-            t0, s0 = last.get(name, (now - self.log_interval, 0))
-            rate = (samples - s0) / max(now - t0, 1e-9)
-            last[name] = (now, samples)
-            self._hub.set_inputs_per_second(name, rate)
-        for c in coordinators:
-            c._call_loggers()
+    def _reset_after_fork(self) -> None:
+        """In a child made by ``os.fork()``: the parent's threads do not exist
+        here and any lock one of them held stays locked forever.  Forget the
+        parent's pipelines (their nets refuse to run) and start clean."""
+        for c in self._coordinators:
+            if isinstance(c, DataInputCoordinator):
+                c.feed.mark_forked()
+        self._make_locks()
+        self._coordinators = []
+        self._sources = {}
+        self._monitor = None
+        self._stopper = None
+        self._hub.reset_after_fork()
 
     def __enter__(self) -> "GlobalCoordinator":
         return self
@@ -493,7 +757,6 @@ class GlobalCoordinator:
         return f"<GlobalCoordinator {len(self._coordinators)} coordinator(s), sources {sorted(self._sources)}>"
 
 
-@atexit.register
 def _stop_all_at_exit() -> None:
     for gc in list(_live_coordinators):
         try:
@@ -502,21 +765,59 @@ def _stop_all_at_exit() -> None:
             logger.exception("stopping %r at exit failed", gc)
 
 
+atexit.register(_stop_all_at_exit)
+
+
+def _forget_parent_pipelines() -> None:
+    global _live_coordinators
+    for gc in list(_live_coordinators):
+        gc._reset_after_fork()
+    _live_coordinators = weakref.WeakSet()
+
+
+os.register_at_fork(after_in_child=_forget_parent_pipelines)
+
+#: The ways into a stop: the frames on top of the stack when one was called
+#: from user code (they hold no lock of the pipeline at that point).
+_STOP_ENTRIES = frozenset({
+    GlobalCoordinator.stop.__code__,
+    GlobalCoordinator._stop.__code__,
+    GlobalCoordinator.stop_coordinator.__code__,
+    GlobalCoordinator.join.__code__,
+    GlobalCoordinator.__exit__.__code__,
+    _stop_all_at_exit.__code__,
+})
+_CORE_FILES = frozenset(
+    m.__file__ for m in (arguments, feeders, metrics, net_module, queues, worker_info, sys.modules[__name__])
+    if m.__file__
+)
+
+
+def _inside_blobfeed() -> str | None:
+    """Where, if anywhere, the calling thread is inside blobfeed's own code.
+
+    A signal handler runs on top of the frame it interrupted, so a handler
+    that called ``stop()`` while ``run()`` held a feed's lock shows that
+    frame below it; so does a ``fetch_fun``, an ``init_fun`` or a logger.
+    """
+    f: Any = sys._getframe(1)
+    while f is not None and f.f_code in _STOP_ENTRIES:
+        f = f.f_back
+    while f is not None:
+        code = f.f_code
+        if code.co_filename in _CORE_FILES:
+            return f"{code.co_name}() in {os.path.basename(code.co_filename)}"
+        f = f.f_back
+    return None
+
+
 global_coordinator = GlobalCoordinator(registry=prometheus_client.REGISTRY)
 
 
 # -- argument checks: at the public boundary, never assert ---------------------------------
-def _check_positive_int(what: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
-
-
 def _check_common(
     num_worker_threads: Any, name: Any, init_fun: Any, external_loggers: Any, coordinator: Any
 ) -> tuple[GlobalCoordinator, list[ExternalLogger]]:
-    _check_positive_int("num_worker_threads", num_worker_threads)
     if not isinstance(name, str) or not name:
         raise ValueError(f"the source / worker name must be a non-empty str, got {name!r}")
     if init_fun is not None and not callable(init_fun):
@@ -557,6 +858,7 @@ def init_workers(
         raise TypeError(f"worker_fun must be callable, got {type(worker_fun).__name__}")
     if shutdown_fun is not None and not callable(shutdown_fun):
         raise TypeError(f"shutdown_fun must be callable, got {type(shutdown_fun).__name__}")
+    num_worker_threads = check_index("num_worker_threads", num_worker_threads)
     gc, loggers = _check_common(num_worker_threads, worker_name, init_fun, external_loggers, coordinator)
     ids = gc._allocate(num_worker_threads)
     gc._add(_GenericCoordinator(worker_fun, gc, worker_name, ids, init_fun, shutdown_fun, loggers))
@@ -581,6 +883,7 @@ def init_data_input_workers(
     drop_last: bool = False,
     on_error: Literal["raise", "skip"] = "raise",
     coordinator: GlobalCoordinator | None = None,
+    seed: int | None = None,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
 
@@ -612,12 +915,17 @@ def init_data_input_workers(
         on_error: ``"raise"``: a fetcher error stops the source and reaches
             ``Net.run()``; ``"skip"``: the chunk is dropped, logged, counted.
         coordinator: an isolated :class:`GlobalCoordinator`; default the global one.
+        seed: base of the workers' seeds (``get_worker_info().seed`` / ``.rng``:
+            one child of ``numpy.random.SeedSequence(seed)`` per worker id);
+            ``None`` draws one and logs it.
 
     Returns:
         The global coordinator; call its ``start()``.
 
     Raises:
-        TypeError / ValueError: bad arguments, at once, in the caller's thread.
+        TypeError / ValueError: bad arguments, at once, in the caller's thread;
+            also a blob named like one of the model's outputs (the output would
+            replace it in the workspace), and a net already fed from this source.
     """
     if not isinstance(net, Net):
         raise TypeError(f"net must be a blobfeed.Net, got {type(net).__name__}")
@@ -636,30 +944,44 @@ def init_data_input_workers(
         raise ValueError(f"input_blob_names has duplicates: {dupes}")
     if not callable(fetch_fun):
         raise TypeError(f"fetch_fun must be callable, got {type(fetch_fun).__name__}")
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("max_buffered_batches", max_buffered_batches)
-    _check_positive_int("device_queue_capacity", device_queue_capacity)
+    batch_size = check_index("batch_size", batch_size)
+    num_worker_threads = check_index("num_worker_threads", num_worker_threads)
+    max_buffered_batches = check_index("max_buffered_batches", max_buffered_batches)
+    device_queue_capacity = check_index("device_queue_capacity", device_queue_capacity)
     if batch_columns is None:
         axes = [0] * len(names)
     else:
-        axes = list(batch_columns)
-        if len(axes) != len(names):
+        if isinstance(batch_columns, str) or not isinstance(batch_columns, Sequence):
+            raise TypeError(f"batch_columns must be a list of ints, got {type(batch_columns).__name__}")
+        if len(batch_columns) != len(names):
             raise ValueError(
-                f"batch_columns has {len(axes)} entries but there are {len(names)} blobs {names}"
+                f"batch_columns has {len(batch_columns)} entries but there are {len(names)} blobs {names}"
             )
-        for a in axes:
-            if isinstance(a, bool) or not isinstance(a, int) or a < 0:
-                raise ValueError(f"batch_columns entries must be ints >= 0, got {batch_columns!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        axes = [check_index(f"batch_columns[{i}]", a, minimum=0) for i, a in enumerate(batch_columns)]
+    timeout = check_timeout("timeout", timeout)
+    dont_rebatch = check_flag("dont_rebatch", dont_rebatch)
+    drop_last = check_flag("drop_last", drop_last)
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if seed is not None:
+        seed = check_index("seed", seed, minimum=0)
+    clash = sorted(set(names).intersection(net.output_names))
+    if clash:
+        raise ValueError(
+            f"net {net.name!r}: blobs {clash} have the names of model outputs "
+            f"(outputs {list(net.output_names)}): run() would replace the fed values with the "
+            "predictions in the workspace; feed them under other names"
+        )
     gc, loggers = _check_common(
         num_worker_threads, input_source_name, init_fun, external_loggers, coordinator
     )
     with gc._lock:
         # Every check first, so a refused call leaves nothing behind.
         source = gc._sources.get(input_source_name)
+        if source is not None and source.stopped:
+            # stopped, its threads not all ended yet (a stuck fetcher): the
+            # name starts afresh; the old source ends on its own
+            source = None
         net._check_attach(input_source_name, names)
         if source is not None:
             if (source.n_blobs, source.axes) != (len(names), tuple(axes)):
@@ -681,16 +1003,22 @@ def init_data_input_workers(
                 )
             source.register_fetchers(num_worker_threads)  # atomic with the source's end
         else:
-            source = InputSource(input_source_name, max_buffered_batches, len(names), axes, gc._hub)
+            source = InputSource(
+                input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_source_failed
+            )
             source.register_fetchers(num_worker_threads)
         feed = Feed(
-            source, net, names, batch_size,
-            timeout=float(timeout), device_queue_capacity=device_queue_capacity,
-            dont_rebatch=bool(dont_rebatch), drop_last=bool(drop_last), hub=gc._hub,
+            source, net.name, net._place, names, batch_size,
+            timeout=timeout, device_queue_capacity=device_queue_capacity,
+            dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
+            model_inputs=net.input_specs,
         )
         net._attach(feed)
         source.feeds.append(feed)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
-        gc._add(DataInputCoordinator(gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error))
+        base_seed = draw_base_seed(input_source_name) if seed is None else seed
+        gc._add(DataInputCoordinator(
+            gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed
+        ))
     return gc

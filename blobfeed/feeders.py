@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import ChunkError, DequeueTimeout, EndOfInput, FetcherError
+from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfInput, FetcherError
 from .metrics import AssembleStats, ConsumeStats, FetchStats, MetricsHub
 from .queues import BlobsQueue
+from .worker_info import WorkerInfo, set_worker_info
 
-if TYPE_CHECKING:
-    from .net import Net
-
-__all__ = ["Batch", "Chunk", "ChunkValidator", "Feed", "InputSource", "Rebatcher"]
+__all__ = [
+    "Batch", "Chunk", "ChunkValidator", "Feed", "FeedGroup", "InputSource", "ModelInput", "Rebatcher",
+]
 
 logger = logging.getLogger("blobfeed.feeders")
 
@@ -74,6 +75,79 @@ def _bad_chunk(where: str, detail: str, kind: type[Exception] = ValueError) -> C
     return err
 
 
+def _plain(arr: Any, where: str) -> np.ndarray:
+    """The one rule for what a blob may be: a plain ``numpy.ndarray`` in
+    native byte order.
+
+    A masked array is refused: its mask cannot reach a model, and a batch cut
+    from several chunks would come back unmasked.  Any other ndarray subclass
+    (recarray, memmap, matrix) is taken as a plain view of the same memory, so
+    every batch is a plain ndarray whether it is a view of one chunk or a
+    concatenation.  Non-native byte order (a ``'>f4'`` file) is converted:
+    passed on as is, onnxruntime would read wrong numbers.
+    """
+    if not isinstance(arr, np.ndarray):
+        raise _bad_chunk(where, f"expected a numpy.ndarray, got {type(arr).__name__}", TypeError)
+    if isinstance(arr, np.ma.MaskedArray):
+        raise _bad_chunk(
+            where,
+            "got a numpy.ma.MaskedArray: masks are not carried to the model; fill it "
+            "(arr.filled(value)) and pass the mask as a blob of its own if the model needs it",
+            TypeError,
+        )
+    arr = arr.view(np.ndarray) if type(arr) is not np.ndarray else arr
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return arr
+
+
+#: ONNX tensor element types and the numpy dtype a chunk must have for them.
+_ONNX_DTYPES = {
+    "tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
+    "tensor(float16)": np.dtype(np.float16), "tensor(bool)": np.dtype(np.bool_),
+    "tensor(int8)": np.dtype(np.int8), "tensor(int16)": np.dtype(np.int16),
+    "tensor(int32)": np.dtype(np.int32), "tensor(int64)": np.dtype(np.int64),
+    "tensor(uint8)": np.dtype(np.uint8), "tensor(uint16)": np.dtype(np.uint16),
+    "tensor(uint32)": np.dtype(np.uint32), "tensor(uint64)": np.dtype(np.uint64),
+}
+
+
+class ModelInput(NamedTuple):
+    """What a model declares for one of its inputs (from ``Net.input_specs``)."""
+
+    name: str
+    #: e.g. ``"tensor(float)"``
+    onnx_type: str
+    #: the declared dimensions: an int where fixed, None or a name where free
+    shape: tuple[Any, ...] | None
+
+    def check(self, arr: np.ndarray, axis: int) -> str | None:
+        """What is wrong with feeding chunks like ``arr`` to this input, or None."""
+        if self.onnx_type == "tensor(string)":
+            if arr.dtype.kind not in "OUS":
+                return f"the model's input is {self.onnx_type}, the chunk's dtype is {arr.dtype}"
+        else:
+            want = _ONNX_DTYPES.get(self.onnx_type)
+            if arr.dtype.kind == "O" or (want is not None and arr.dtype != want):
+                return (
+                    f"the model's input is {self.onnx_type} (numpy {want}), "
+                    f"the chunk's dtype is {arr.dtype}"
+                )
+        if self.shape is not None:
+            if arr.ndim != len(self.shape):
+                return (
+                    f"the model's input has rank {len(self.shape)} {list(self.shape)}, "
+                    f"the chunk has rank {arr.ndim} (shape {arr.shape})"
+                )
+            for d, (want_d, got_d) in enumerate(zip(self.shape, arr.shape)):
+                if d != axis and isinstance(want_d, int) and want_d > 0 and want_d != got_d:
+                    return (
+                        f"the model's input has shape {list(self.shape)}, the chunk has "
+                        f"{arr.shape} (axis {d}: {got_d} instead of {want_d})"
+                    )
+        return None
+
+
 class ChunkValidator:
     """Checks fetcher results against the blobs' layout; thread-safe.
 
@@ -88,8 +162,17 @@ class ChunkValidator:
         self._expected: tuple[tuple[np.dtype, tuple[int, ...]], ...] | None = None
         self._lock = threading.Lock()
 
-    def check(self, raw: Any, worker_id: int, blob_names: Sequence[str] | None = None) -> Chunk | str:
+    def check(
+        self,
+        raw: Any,
+        worker_id: int,
+        blob_names: Sequence[str] | None = None,
+        model_checks: Sequence[tuple[int, str, ModelInput]] | None = None,
+    ) -> Chunk | str:
         """Validate one fetcher result.
+
+        ``model_checks``: model inputs to check the chunk against too, before
+        its layout can become the source's.
 
         Returns:
             A :class:`Chunk`, or ``"none"`` / ``"empty"`` for a result to skip.
@@ -113,13 +196,10 @@ class ChunkValidator:
                 where, f"expected {len(names)} arrays ({', '.join(names)}), got {len(raw)}"
             )
         n = -1
-        for i, arr in enumerate(raw):
-            if not isinstance(arr, np.ndarray):
-                raise _bad_chunk(
-                    f"{where}, blob {names[i]!r}",
-                    f"expected a numpy.ndarray, got {type(arr).__name__}",
-                    TypeError,
-                )
+        arrays = list(raw)
+        for i, arr in enumerate(arrays):
+            if type(arr) is not np.ndarray or not arr.dtype.isnative:
+                arr = arrays[i] = _plain(arr, f"{where}, blob {names[i]!r}")
             axis = self.axes[i]
             if arr.ndim <= axis:
                 raise _bad_chunk(
@@ -136,15 +216,17 @@ class ChunkValidator:
                 )
         if n == 0:
             return "empty"
+        if model_checks:
+            check_model_inputs(Chunk(tuple(arrays), n, worker_id), model_checks, self.axes, where)
         expected = self._expected
         if expected is None:
             with self._lock:
                 if self._expected is None:
                     self._expected = tuple(
-                        (a.dtype, a.shape[:ax] + a.shape[ax + 1 :]) for a, ax in zip(raw, self.axes)
+                        (a.dtype, a.shape[:ax] + a.shape[ax + 1 :]) for a, ax in zip(arrays, self.axes)
                     )
                 expected = self._expected
-        for i, arr in enumerate(raw):
+        for i, arr in enumerate(arrays):
             dtype, sample_shape = expected[i]
             ax = self.axes[i]
             shape = arr.shape
@@ -155,7 +237,22 @@ class ChunkValidator:
                     f"chunks), got dtype {arr.dtype} and per-sample shape "
                     f"{shape[:ax] + shape[ax + 1 :]} (array shape {shape})",
                 )
-        return Chunk(tuple(raw), n, worker_id)
+        return Chunk(tuple(arrays), n, worker_id)
+
+
+def check_model_inputs(chunk: Chunk, checks: Sequence[tuple[int, str, ModelInput]], axes: Sequence[int], where: str) -> None:
+    """Check one chunk against the model inputs its blobs feed.
+
+    Args:
+        checks: ``(position in the chunk, blob name, model input)``.
+
+    Raises:
+        ChunkError: naming the blob, the model's type and the chunk's dtype.
+    """
+    for pos, blob, spec in checks:
+        problem = spec.check(chunk.arrays[pos], axes[pos])
+        if problem is not None:
+            raise _bad_chunk(f"{where}, blob {blob!r}", f"does not fit the model: {problem}")
 
 
 class Rebatcher:
@@ -200,6 +297,14 @@ class Rebatcher:
             return None
         return self._take(self.pending)
 
+    def clear(self) -> int:
+        """Discard everything pending without assembling it; returns the
+        number of samples discarded."""
+        n = self.pending
+        self._pieces.clear()
+        self.pending = 0
+        return n
+
     def _take(self, bs: int) -> Batch:
         head = self._pieces[0]
         arrays, start, n = head
@@ -236,8 +341,18 @@ class InputSource:
     Thread-safe.
     """
 
-    def __init__(self, name: str, capacity: int, n_blobs: int, axes: Sequence[int], hub: MetricsHub) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity: int,
+        n_blobs: int,
+        axes: Sequence[int],
+        hub: MetricsHub,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.name = name
+        #: told of the first fetcher error (the coordinator's should_stop/join)
+        self._on_failure = on_failure
         # Fetchers blocked on a full queue sleep until it is half empty, then
         # refill it in a burst: far fewer wake-ups than one per chunk.
         self.queue: BlobsQueue[Chunk] = BlobsQueue(
@@ -313,6 +428,8 @@ class InputSource:
         for feed in list(self.feeds):
             lost += feed.abort(error)
         self.hub.count_dropped(self.name, "error", lost)
+        if self._on_failure is not None:
+            self._on_failure(error)
 
     def stop(self) -> None:
         """Stop fetchers and enqueuers; queued data is discarded. Idempotent."""
@@ -326,6 +443,11 @@ class InputSource:
         for feed in list(self.feeds):
             lost += feed.abort(EndOfInput(f"source {self.name!r} was stopped"))
         self.hub.count_dropped(self.name, "stopped", lost)
+
+    def model_checks(self) -> list[tuple[int, str, ModelInput]]:
+        """What a worker's first chunk is checked against: every model input
+        that a blob of this source feeds, in every net the source feeds."""
+        return [c for f in list(self.feeds) for c in f.model_checks]
 
     @property
     def lost_reason(self) -> str:
@@ -345,6 +467,26 @@ class InputSource:
         for f in list(self.feeds):
             total += f.buffered_samples()
         return total
+
+
+class FeedGroup:
+    """The feeds of one net.
+
+    A net fed by several sources waits on one at a time; when another of its
+    sources fails, that error must still reach the waiting ``run()`` at once,
+    so a failing feed aborts its siblings with the same error.  Holds no
+    reference to the net (a cycle would keep its onnxruntime session alive).
+    """
+
+    def __init__(self) -> None:
+        self.feeds: list[Feed] = []
+
+    def failed(self, origin: "Feed", error: BaseException) -> None:
+        for f in list(self.feeds):
+            if f is not origin:
+                lost = f.abort(error)
+                if lost:
+                    f.source.hub.count_dropped(f.source.name, "error", lost)
 
 
 class Feed:
@@ -373,7 +515,8 @@ class Feed:
     def __init__(
         self,
         source: InputSource,
-        net: "Net",
+        net_name: str,
+        place: Callable[[tuple[np.ndarray, ...]], tuple[Any, ...]],
         blob_names: Sequence[str],
         batch_size: int,
         *,
@@ -382,11 +525,12 @@ class Feed:
         dont_rebatch: bool,
         drop_last: bool,
         hub: MetricsHub,
+        model_inputs: dict[str, ModelInput] | None = None,
     ) -> None:
         self.source = source
         # No reference to the net itself: the net refers to its feeds, and a
         # cycle would keep a discarded net's onnxruntime session alive.
-        self.net_name = net.name
+        self.net_name = net_name
         self.blob_names = tuple(blob_names)
         self.timeout = timeout
         self.dont_rebatch = dont_rebatch
@@ -396,7 +540,7 @@ class Feed:
         # queued batch, then refills in one go -- one wake-up per
         # `capacity` batches instead of one per batch.
         self.device_queue: BlobsQueue[Batch] = BlobsQueue(
-            device_queue_capacity, name=f"{source.name}/{net.name}", low_water=0
+            device_queue_capacity, name=f"{source.name}/{net_name}", low_water=0
         )
         self._lock = threading.Lock()
         #: the enqueuer's next batch, waiting for room in the device queue
@@ -406,11 +550,23 @@ class Feed:
         self._held: Batch | None = None
         #: set by abort(): the source stopped or failed; nothing is handed out
         self._aborted = False
-        self._place = net._place
-        self.stats: AssembleStats = hub.assemble_stats(source.name, net.name)
+        #: why what this feed still holds is lost, once aborted
+        self._lost_reason = "stopped"
+        #: set when the coordinator starts the enqueuer: run() before that is a user error
+        self._started = False
+        self._group: FeedGroup | None = None
+        #: (position, blob, model input) for each blob that feeds a model input
+        self.model_checks: tuple[tuple[int, str, ModelInput], ...] = tuple(
+            (i, b, model_inputs[b]) for i, b in enumerate(self.blob_names) if model_inputs and b in model_inputs
+        )
+        #: puts a batch on the net's device (the net's method; dropped by release_net)
+        self._place = place
+        #: set in a child made by os.fork(): the parent's threads and locks are not here
+        self._forked_from: int | None = None
+        self.stats: AssembleStats = hub.assemble_stats(source.name, net_name)
         #: batches the net's thread assembled itself (that thread writes them)
-        self.direct_stats: AssembleStats = hub.assemble_stats(source.name, net.name, direct=True)
-        self.consume_stats: ConsumeStats = hub.consume_stats(source.name, net.name)
+        self.direct_stats: AssembleStats = hub.assemble_stats(source.name, net_name, direct=True)
+        self.consume_stats: ConsumeStats = hub.consume_stats(source.name, net_name)
 
     @property
     def batch_size(self) -> int:
@@ -430,13 +586,35 @@ class Feed:
             + sum(b.n for b in self.device_queue.snapshot())
         )
 
+    def join_group(self, group: FeedGroup) -> None:
+        """Become one of a net's feeds (called by the net when wired)."""
+        self._group = group
+
+    def mark_forked(self) -> None:
+        """In a child made by ``os.fork()``: this feed belongs to the parent."""
+        self._forked_from = os.getppid()
+
+    def mark_started(self) -> None:
+        """The enqueuer and the fetchers are starting."""
+        self._started = True
+
     def abort(self, error: BaseException) -> int:
-        """Close the device queue with ``error``; returns samples discarded."""
+        """Close the device queue with ``error``; returns samples discarded.
+
+        A fetcher error also aborts the net's other feeds, so a ``run()``
+        waiting on another source sees it at once.  Idempotent.
+        """
         with self._lock:  # never held while blocking, so this cannot wait long
+            if self._aborted:
+                return 0
             self._aborted = True
+            self._lost_reason = "error" if isinstance(error, FetcherError) else "stopped"
             held, self._held = self._held, None
             lost = held.n if held is not None else 0
-            return lost + sum(b.n for b in self.device_queue.close(error))
+            lost += sum(b.n for b in self.device_queue.close(error))
+        if isinstance(error, FetcherError) and self._group is not None:
+            self._group.failed(self, error)
+        return lost
 
     def hold(self, batch: Batch) -> None:
         """Keep a batch the net took for its next run (another source failed).
@@ -449,7 +627,7 @@ class Feed:
                 self._held = batch
                 return
         src = self.source
-        src.hub.count_dropped(src.name, src.lost_reason, batch.n)
+        src.hub.count_dropped(src.name, self._lost_reason, batch.n)
 
     def take_held(self) -> Batch | None:
         with self._lock:
@@ -545,12 +723,14 @@ class Feed:
             dq.wait_for_room()  # woken when the net has emptied the queue, or it closes
 
     def _lose_all(self) -> None:
-        """The device queue is closed: count what this feed still holds as dropped.  Under the lock."""
-        reason = self.source.lost_reason
-        n = self.rebatcher.pending + (self._staged.n if self._staged is not None else 0)
+        """The device queue is closed: count what this feed still holds as dropped.  Under the lock.
+
+        Discarded, never assembled: a stop must not copy up to a batch only
+        to throw it away.
+        """
+        reason = self._lost_reason if self._aborted else self.source.lost_reason
+        n = self.rebatcher.clear() + (self._staged.n if self._staged is not None else 0)
         self._staged = None
-        if self.rebatcher.pending:
-            self.rebatcher.pop_partial()
         if n:
             self.stats.dropped[reason] += n
 
@@ -572,7 +752,7 @@ class Feed:
         with self._lock:
             left = self.rebatcher.pending
             if left and self.drop_last:
-                self.rebatcher.pop_partial()
+                self.rebatcher.clear()
                 self.stats.dropped["drop_last"] += left
                 logger.info(
                     "source %r, net %r: dropped a last partial batch of %d samples (drop_last=True)",
@@ -626,6 +806,12 @@ class Feed:
 
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the net's thread)."""
+        if self._forked_from is not None:
+            raise BlobfeedError(
+                f"source {self.source.name!r}, net {self.net_name!r}: this pipeline was built in "
+                f"process {self._forked_from}; a child made by os.fork() cannot use it (its "
+                "threads exist only in the parent): build a new pipeline in the child"
+            )
         limit = self.timeout if timeout is None else timeout
         cs = self.consume_stats
         t0 = time.perf_counter()
@@ -636,6 +822,12 @@ class Feed:
             batch = self._assemble_here()
             if batch is not None:
                 return batch
+            if not self._started and not self._aborted:
+                raise BlobfeedError(
+                    f"source {self.source.name!r}, net {self.net_name!r}: the pipeline was never "
+                    "started; call start() on the coordinator that init_data_input_workers "
+                    "returned before Net.run()"
+                )
             deadline = t0 + limit
             while True:
                 remaining = deadline - time.perf_counter()
@@ -672,8 +864,10 @@ def fetcher_loop(
     get_batch_size: Callable[[], int],
     on_error: OnError,
     stats: FetchStats,
+    info: WorkerInfo | None = None,
 ) -> None:
     """The body of one fetcher thread."""
+    set_worker_info(info)
     stop = source.stop_event
     queue = source.queue
     validator = source.validator
@@ -681,6 +875,7 @@ def fetcher_loop(
     fetch_hist = stats.fetch
     inflight = source.inflight
     exhausted = False
+    model_checked = False
     source.fetcher_started()
     try:
         while not stop.is_set():
@@ -710,7 +905,13 @@ def fetcher_loop(
                 return
             fetch_hist.observe(perf() - t0)
             try:
-                chunk = validator.check(raw, worker_id, blob_names)
+                # The first chunk of each worker is checked against the
+                # model; later ones must match the source's layout, so one
+                # check covers them.
+                chunk = validator.check(
+                    raw, worker_id, blob_names, None if model_checked else source.model_checks()
+                )
+                model_checked = model_checked or isinstance(chunk, Chunk)
             except ChunkError as err:
                 stats.errors["invalid"] += 1
                 if on_error == "skip":
@@ -738,6 +939,7 @@ def fetcher_loop(
                 return
     finally:
         inflight.pop(worker_id, None)
+        set_worker_info(None)
         source.fetcher_finished(exhausted)
 
 

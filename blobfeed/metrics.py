@@ -13,7 +13,9 @@ and stopped pipelines leave no objects behind.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
+import time
 import socket
 import threading
 from socketserver import ThreadingMixIn
@@ -41,6 +43,8 @@ __all__ = [
 logger = logging.getLogger("blobfeed.metrics")
 
 FETCH_ERROR_KINDS = ("exception", "invalid", "none", "empty")
+#: ``blobfeed_inputs_per_second`` is the rate over this many seconds.
+RATE_WINDOW_S = 5.0
 #: Reasons a sample that a fetcher returned may not reach a net.
 DROP_REASONS = ("drop_last", "stopped", "error")
 
@@ -183,6 +187,8 @@ class _SourceEntry:
     #: samples discarded from queues when the source stopped or failed
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     inputs_per_second: float = 0.0
+    #: (monotonic time, samples fetched) over the last RATE_WINDOW_S
+    rate_points: "collections.deque[tuple[float, int]]" = field(default_factory=collections.deque)
     live: "InputSource | None" = None
 
     def fetch_totals(self) -> FetchStats:
@@ -228,13 +234,45 @@ class MetricsHub:
 
     def attach_source(self, source: "InputSource") -> None:
         with self._lock:
-            self._entry(source.name).live = source
+            entry = self._entry(source.name)
+            entry.live = source
+            entry.rate_points.clear()
+            entry.rate_points.append((time.monotonic(), entry.fetch_totals().samples))
 
     def detach_source(self, source: "InputSource") -> None:
         with self._lock:
             entry = self._entry(source.name)
             if entry.live is source:
                 entry.live = None
+                entry.inputs_per_second = 0.0
+                entry.rate_points.clear()
+
+    def update_rates(self, now: float) -> None:
+        """Recompute ``inputs_per_second`` of every live source: samples
+        fetched over the last :data:`RATE_WINDOW_S` (less right after the
+        start), so a dashboard sees a change, a stall or an end within
+        seconds.  Called about once a second by the monitor thread."""
+        with self._lock:
+            for entry in self._sources.values():
+                if entry.live is None:
+                    entry.inputs_per_second = 0.0
+                    continue
+                samples = entry.fetch_totals().samples
+                pts = entry.rate_points
+                pts.append((now, samples))
+                while len(pts) > 2 and now - pts[1][0] >= RATE_WINDOW_S:
+                    pts.popleft()
+                t0, s0 = pts[0]
+                entry.inputs_per_second = (samples - s0) / (now - t0) if now > t0 else 0.0
+
+    def reset_after_fork(self) -> None:
+        """In a child made by ``os.fork()``: the parent's sources live on in
+        the parent only; a parent thread may have held the lock."""
+        self._lock = threading.Lock()
+        for entry in self._sources.values():
+            entry.live = None
+            entry.inputs_per_second = 0.0
+            entry.rate_points.clear()
 
     def count_dropped(self, source: str, reason: str, samples: int) -> None:
         with self._lock:
@@ -285,10 +323,6 @@ class MetricsHub:
     def inputs_per_second(self, source: str) -> float:
         with self._lock:
             return self._entry(source).inputs_per_second
-
-    def set_inputs_per_second(self, source: str, value: float) -> None:
-        with self._lock:
-            self._entry(source).inputs_per_second = value
 
     def fetch_totals(self, source: str) -> FetchStats:
         with self._lock:
@@ -360,7 +394,7 @@ class _Collector:
         timeouts = CounterMetricFamily("blobfeed_dequeue_timeouts", "DequeueTimeouts raised.", labels=SN)
         alive = GaugeMetricFamily("blobfeed_workers_alive", "Fetcher threads running.", labels=S)
         ips = GaugeMetricFamily(
-            "blobfeed_inputs_per_second", "Samples/s fetched over the last logging interval.", labels=S
+            "blobfeed_inputs_per_second", "Samples/s fetched over the last few seconds.", labels=S
         )
         delivered = CounterMetricFamily(
             "blobfeed_delivered_samples", "Samples returned by Net.run().", labels=SN

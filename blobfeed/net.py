@@ -6,14 +6,16 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
+from .arguments import check_timeout
+from .errors import EndOfInput
+from .feeders import Feed, FeedGroup, ModelInput
+
 if TYPE_CHECKING:
     import onnxruntime as ort
-
-    from .feeders import Feed
 
 __all__ = ["Net", "Workspace"]
 
@@ -100,7 +102,8 @@ class Net:
         session_options: an ``onnxruntime.SessionOptions``.
 
     ``run()`` is meant for one thread at a time (one consumer per net, as in
-    Caffe2); the workspace itself is thread-safe.
+    Caffe2); the workspace itself is thread-safe.  ``for outputs in net:``
+    calls ``run()`` until the input ends.
     """
 
     def __init__(
@@ -120,15 +123,37 @@ class Net:
         if self._device_type == "cuda":
             _require_cuda(name, device)
         self.workspace = Workspace()
-        self._feeds: list[Feed] = []
+        self._group = FeedGroup()
         self._session: ort.InferenceSession | None = None
-        self.input_names: list[str] = []
-        self.output_names: list[str] = []
+        self._input_specs: dict[str, ModelInput] = {}
+        self._output_names: tuple[str, ...] = ()
         if model is not None:
             self._session = self._load(model, providers, session_options)
-            self.input_names = [i.name for i in self._session.get_inputs()]
-            self.output_names = [o.name for o in self._session.get_outputs()]
-        self._unfed: list[str] = list(self.input_names)
+            self._input_specs = {
+                i.name: ModelInput(i.name, i.type, tuple(i.shape) if i.shape is not None else None)
+                for i in self._session.get_inputs()
+            }
+            self._output_names = tuple(o.name for o in self._session.get_outputs())
+        self._unfed: list[str] = list(self._input_specs)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The model's input names, in the model's order (empty without a model)."""
+        return tuple(self._input_specs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """The model's output names, in the model's order (empty without a model)."""
+        return self._output_names
+
+    @property
+    def input_specs(self) -> dict[str, ModelInput]:
+        """What the model declares for each input: ONNX type and shape."""
+        return dict(self._input_specs)
+
+    @property
+    def _feeds(self) -> list[Feed]:
+        return self._group.feeds
 
     def _load(
         self, model: Any, providers: Sequence[Any] | None, options: Any
@@ -171,7 +196,11 @@ class Net:
         """Raise ValueError if a feed from ``source_name`` of ``blob_names`` cannot attach."""
         live = [f for f in self._feeds if not f.source.stopped]
         if any(f.source.name == source_name for f in live):
-            raise ValueError(f"net {self.name!r} is already fed from source {source_name!r}")
+            raise ValueError(
+                f"net {self.name!r} is already fed from source {source_name!r}; to feed it again "
+                f"(a new epoch, a new fetcher), first call stop_coordinator({source_name!r}) on the "
+                "coordinator, then init_data_input_workers again"
+            )
         clash = {n for f in live for n in f.blob_names}.intersection(blob_names)
         if clash:
             raise ValueError(
@@ -183,6 +212,7 @@ class Net:
         for old in [f for f in self._feeds if f.source.stopped]:
             self._feeds.remove(old)
         self._feeds.append(feed)
+        feed.join_group(self._group)
         fed = {n for f in self._feeds for n in f.blob_names}
         self._unfed = [n for n in self.input_names if n not in fed]
 
@@ -202,8 +232,12 @@ class Net:
             EndOfInput: a source is exhausted (its last batch was consumed) or stopped.
             FetcherError / ChunkError: a fetcher of a source failed (``on_error="raise"``).
             ValueError: a model input is fed by no source and not in the workspace,
-                or the net has no model and no source.
+                or the net has no model and no source; a negative ``timeout``.
+            TypeError: a ``timeout`` that is not a number.
+            BlobfeedError: the coordinator of a source was never started.
         """
+        if timeout is not None:
+            timeout = check_timeout("timeout", timeout, allow_zero=True)
         feeds = self._feeds
         session = self._session
         if session is not None:
@@ -256,6 +290,19 @@ class Net:
         blobs.update(outputs)
         self.workspace._update(blobs)
         return outputs
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """Yield what each ``run()`` returns until the input ends (``EndOfInput``).
+
+        Errors other than the end (``FetcherError``, ``DequeueTimeout``)
+        propagate.
+        """
+        while True:
+            try:
+                out = self.run()
+            except EndOfInput:
+                return
+            yield out
 
     def _run_bound(self, session: "ort.InferenceSession", inputs: dict[str, Any]) -> dict[str, np.ndarray]:
         import onnxruntime as ort

@@ -177,7 +177,7 @@ def fetch_ok(w: int, b: int) -> list[np.ndarray]:
         ({"input_blob_names": ["x", "x"]}, ValueError, r"duplicates: \['x'\]"),
         ({"input_blob_names": "xy"}, TypeError, "input_blob_names must be a list or tuple"),
         ({"batch_columns": [0]}, ValueError, "batch_columns has 1 entries but there are 2 blobs"),
-        ({"batch_columns": [0, -1]}, ValueError, "batch_columns entries must be ints >= 0"),
+        ({"batch_columns": [0, -1]}, ValueError, r"batch_columns\[1\] must be >= 0"),
         ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
         ({"timeout": -1.0}, ValueError, "timeout must be"),
         ({"fetch_fun": 42}, TypeError, "fetch_fun must be callable, got int"),

@@ -35,7 +35,7 @@ def test_model_outputs_match_numpy(gc: blobfeed.GlobalCoordinator, tmp_path, fro
         net = Net(str(path), name="mlp")
     else:
         net = Net(model, name="mlp")
-    assert net.input_names == ["data"] and net.output_names == ["logits"]
+    assert net.input_names == ("data",) and net.output_names == ("logits",)
     fetch, data = make_fetch(30, 6)
     init_data_input_workers(net, ["data"], fetch, 8, num_worker_threads=1, coordinator=gc)
     gc.start()

@@ -1,0 +1,74 @@
+"""``get_worker_info()``: who am I, for code running inside a fetcher.
+
+Like PyTorch's ``torch.utils.data.get_worker_info``: a fetcher that shards
+its data asks for its ``index`` within its own ``init_data_input_workers``
+call rather than relying on the global worker id, which keeps growing across
+calls (a second epoch, a second net).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["WorkerInfo", "get_worker_info", "worker_seeds"]
+
+logger = logging.getLogger("blobfeed.worker_info")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a fetcher may know about itself.  Frozen.
+
+    Attributes:
+        worker_id: the id ``fetch_fun`` receives (global, from the
+            coordinator's sequence 0, 1, 2, ...).
+        index: this worker's position, 0 ... ``num_workers`` - 1, within its
+            own ``init_data_input_workers`` call: use it to pick a shard.
+        num_workers: how many workers that call made.
+        source: the ``input_source_name``.
+        seed: this worker's seed: one child of
+            ``numpy.random.SeedSequence(base seed)`` per worker id.
+        rng: a ``numpy.random.Generator`` seeded from ``seed``; it belongs to
+            this worker alone.
+    """
+
+    worker_id: int
+    index: int
+    num_workers: int
+    source: str
+    seed: int
+    rng: np.random.Generator = field(compare=False, repr=False)
+
+
+_current = threading.local()
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """The :class:`WorkerInfo` of the worker calling this, inside ``fetch_fun``
+    (and ``worker_init_fun``); ``None`` anywhere else."""
+    return getattr(_current, "info", None)
+
+
+def set_worker_info(info: WorkerInfo | None) -> None:
+    """Bind ``info`` to the calling thread (the worker's own)."""
+    _current.info = info
+
+
+def draw_base_seed(source: str) -> int:
+    """A fresh base seed, logged so that a run can be repeated with ``seed=``."""
+    seed = secrets.randbits(63)
+    logger.info("source %r: seed=None, drew seed=%d (pass seed=%d to repeat this run)", source, seed, seed)
+    return seed
+
+
+def worker_seeds(base: int, worker_id: int) -> tuple[int, np.random.Generator]:
+    """The seed and generator of worker ``worker_id``: child ``worker_id`` of
+    ``SeedSequence(base)`` (the same child ``spawn`` would give it)."""
+    child = np.random.SeedSequence(base, spawn_key=(worker_id,))
+    seed = int(child.generate_state(1, np.uint64)[0])
+    return seed, np.random.default_rng(child)
