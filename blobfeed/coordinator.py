@@ -109,6 +109,8 @@ class WorkerCoordinator:
         self._threads: list[threading.Thread] = []
         self._log_runner: _LogRunner | None = None
         self._stop_event = threading.Event()
+        #: set without a lock by request_stop (see InputSource.halted)
+        self._halted = False
         self.started = False
         self._started_at = 0.0
         self._shutdown_done = False
@@ -118,7 +120,7 @@ class WorkerCoordinator:
     @property
     def is_active(self) -> bool:
         """True between ``start()`` and stop."""
-        return self.started and not self._stop_event.is_set()
+        return self.started and not (self._halted or self._stop_event.is_set())
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
         raise NotImplementedError
@@ -142,9 +144,15 @@ class WorkerCoordinator:
         for t in self._threads:
             t.start()
 
+    def _halt(self) -> None:
+        """Tell the workers to stop working, by plain stores only: safe from
+        a signal handler.  Waking what blocks is :meth:`_request_stop`'s job."""
+        self._halted = True
+
     def _request_stop(self) -> None:
         """Ask every thread to end and wake whatever blocks.  Idempotent,
         never waits for a thread."""
+        self._halted = True
         self._stop_event.set()
 
     def _shutdown(self) -> None:
@@ -213,7 +221,7 @@ class _GenericCoordinator(WorkerCoordinator):
     def _loop(self, worker_id: int) -> None:
         stop = self._stop_event
         fun = self._worker_fun
-        while not stop.is_set():
+        while not (self._halted or stop.is_set()):
             try:
                 fun(worker_id)
             except Exception:
@@ -267,7 +275,11 @@ class DataInputCoordinator(WorkerCoordinator):
 
     @property
     def is_active(self) -> bool:
-        return self.started and not self.source.stop_event.is_set()
+        return self.started and not self.source.halted
+
+    def _halt(self) -> None:
+        super()._halt()
+        self.source.halted = True
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
         hub = self._hub
@@ -504,6 +516,10 @@ class GlobalCoordinator:
         if exc is not None and self._stop_exc is None:
             self._stop_exc = exc
         self._stop_requested = True
+        # Fetchers stop at once (plain stores); the stopper thread then wakes
+        # whatever blocks, which needs locks.
+        for c in list(self._coordinators):
+            c._halt()
         stopper = self._stopper
         if stopper is not None:
             stopper.post()

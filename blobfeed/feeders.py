@@ -1,6 +1,6 @@
 """Fetcher workers, chunk validation, re-batching and enqueuers.
 
-Data path for one input source (see SPEC.md)::
+Data path for one input source (see docs/CONTRACT.md)::
 
     fetch_fun  --chunks-->  InputSource.queue  --Feed (one per net)-->  device queue  -->  Net.run
 
@@ -258,7 +258,7 @@ def check_model_inputs(chunk: Chunk, checks: Sequence[tuple[int, str, ModelInput
 class Rebatcher:
     """Cuts a stream of chunks into batches of exactly ``batch_size`` samples.
 
-    Not thread-safe: one owner at a time.  Guarantees (SPEC.md): samples keep
+    Not thread-safe: one owner at a time.  Guarantees (docs/CONTRACT.md): samples keep
     their order, a chunk's leftover goes first into the next batch, and each
     byte is copied at most once -- not at all when a batch lies inside one
     chunk (the batch is then a view of the chunk).
@@ -362,7 +362,10 @@ class InputSource:
         self.axes = tuple(axes)
         self.validator = ChunkValidator(name, [f"#{i}" for i in range(n_blobs)], axes)
         self.feeds: list[Feed] = []
-        self.stop_event = threading.Event()
+        #: fetchers stop fetching once this is True.  A plain attribute, not
+        #: an Event: request_stop() sets it from a signal handler, where even
+        #: an Event's internal lock could be held by the interrupted code.
+        self.halted = False
         self.hub = hub
         self._lock = threading.Lock()
         self._fetchers_registered = 0
@@ -423,7 +426,7 @@ class InputSource:
                 return
             self.error = error
         logger.error("source %r stopped by a fetcher error: %s", self.name, error)
-        self.stop_event.set()
+        self.halted = True
         lost = self._samples_in(self.queue.close(error))
         for feed in list(self.feeds):
             lost += feed.abort(error)
@@ -437,7 +440,7 @@ class InputSource:
             if self.stopped:
                 return
             self.stopped = True
-        self.stop_event.set()
+        self.halted = True
         err = _SourceStopped(f"source {self.name!r} was stopped")
         lost = self._samples_in(self.queue.close(err))
         for feed in list(self.feeds):
@@ -868,7 +871,6 @@ def fetcher_loop(
 ) -> None:
     """The body of one fetcher thread."""
     set_worker_info(info)
-    stop = source.stop_event
     queue = source.queue
     validator = source.validator
     perf = time.perf_counter
@@ -878,7 +880,7 @@ def fetcher_loop(
     model_checked = False
     source.fetcher_started()
     try:
-        while not stop.is_set():
+        while not source.halted:
             t0 = perf()
             try:
                 raw = fetch_fun(worker_id, get_batch_size())
@@ -892,7 +894,7 @@ def fetcher_loop(
                 # consumer waiting for its timeout instead of seeing the cause.
                 fetch_hist.observe(perf() - t0)
                 stats.errors["exception"] += 1
-                if stop.is_set():
+                if source.halted:
                     return
                 err = FetcherError(
                     f"source {source.name!r}, worker {worker_id}: fetch_fun raised {exc!r}"

@@ -44,7 +44,7 @@ logger = logging.getLogger("blobfeed.metrics")
 
 FETCH_ERROR_KINDS = ("exception", "invalid", "none", "empty")
 #: ``blobfeed_inputs_per_second`` is the rate over this many seconds.
-RATE_WINDOW_S = 5.0
+RATE_WINDOW_S = 3.0
 #: Reasons a sample that a fetcher returned may not reach a net.
 DROP_REASONS = ("drop_last", "stopped", "error")
 
@@ -254,7 +254,9 @@ class MetricsHub:
         seconds.  Called about once a second by the monitor thread."""
         with self._lock:
             for entry in self._sources.values():
-                if entry.live is None:
+                live = entry.live
+                if live is None or live.finished or live.stopped or live.error is not None:
+                    # no fetcher will add a sample: say so now, not a window later
                     entry.inputs_per_second = 0.0
                     continue
                 samples = entry.fetch_totals().samples

@@ -71,4 +71,5 @@ def worker_seeds(base: int, worker_id: int) -> tuple[int, np.random.Generator]:
     ``SeedSequence(base)`` (the same child ``spawn`` would give it)."""
     child = np.random.SeedSequence(base, spawn_key=(worker_id,))
     seed = int(child.generate_state(1, np.uint64)[0])
-    return seed, np.random.default_rng(child)
+    # from the int, so that default_rng(info.seed) in user code is the same stream
+    return seed, np.random.default_rng(seed)

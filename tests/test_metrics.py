@@ -1,4 +1,4 @@
-"""Metrics: the SPEC.md table, the HTTP endpoint, external loggers, log warnings."""
+"""Metrics: the contract's table (docs/CONTRACT.md), the HTTP endpoint, external loggers, log warnings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Re-batching guarantees through the whole pipeline (SPEC.md)."""
+"""Re-batching guarantees through the whole pipeline (docs/CONTRACT.md)."""
 
 from __future__ import annotations
 

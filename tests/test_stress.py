@@ -1,4 +1,4 @@
-"""Randomized fault injection: the invariants of SPEC.md under faulty fetchers
+"""Randomized fault injection: the invariants of docs/CONTRACT.md under faulty fetchers
 and consumers (marked ``stress``; bounded by sample counts, part of CI).
 
 Every case draws its whole scenario from one seed -- nets sharing the source,
