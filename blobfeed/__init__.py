@@ -15,6 +15,7 @@ from .coordinator import (
     init_workers,
 )
 from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfInput, FetcherError
+from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
 from .net import Net, Workspace
 from .queues import BlobsQueue
 from .worker_info import WorkerInfo, get_worker_info
@@ -33,9 +34,12 @@ __all__ = [
     "DataInputCoordinator",
     "DequeueTimeout",
     "EndOfInput",
+    "FetcherBackend",
     "FetcherError",
     "GlobalCoordinator",
     "Net",
+    "ProcessBackend",
+    "ThreadBackend",
     "WorkerCoordinator",
     "WorkerInfo",
     "Workspace",

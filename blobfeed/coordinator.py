@@ -22,12 +22,23 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 import prometheus_client
 from prometheus_client import CollectorRegistry
 
-from . import arguments, feeders, metrics, queues, worker_info
-from . import net as net_module
 from .arguments import check_flag, check_index, check_timeout
-from .feeders import Feed, FetchFun, InputSource, fetcher_loop
-from .metrics import ExternalLogger, FetchStats, MetricsHub
+from .feeders import (
+    Feed,
+    FetcherBackend,
+    FetchFun,
+    InputSource,
+    LaunchPlan,
+    ProcessBackend,
+    ThreadBackend,
+    WorkerGroup,
+    WorkerIntake,
+    WorkerPlan,
+    thread_main,
+)
+from .metrics import ExternalLogger, register_collector
 from .net import Net
+from .stats import FetchStats, MetricsHub
 from .worker_info import WorkerInfo, draw_base_seed, worker_seeds
 
 __all__ = [
@@ -64,7 +75,7 @@ class _LogRunner:
         # SimpleQueue: put() never blocks and is safe from any thread.
         self._todo: "queue.SimpleQueue[dict[str, Any] | None]" = queue.SimpleQueue()
         self.thread = threading.Thread(
-            target=_thread_main, args=(name, self._loop, on_exit), name=name, daemon=True
+            target=thread_main, args=(name, self._loop, on_exit), name=name, daemon=True
         )
 
     def post(self, metrics: dict[str, Any] | None) -> None:
@@ -107,6 +118,8 @@ class WorkerCoordinator:
         self._loggers = list(external_loggers)
         self._hub = global_coordinator._hub
         self._threads: list[threading.Thread] = []
+        #: workers started by a backend (data input), besides our own threads
+        self._group: WorkerGroup | None = None
         self._log_runner: _LogRunner | None = None
         self._stop_event = threading.Event()
         #: set without a lock by request_stop (see InputSource.halted)
@@ -133,8 +146,11 @@ class WorkerCoordinator:
     def _start(self) -> None:
         self._started_at = time.monotonic()
         on_exit = self._gc._thread_ended
+        # Workers first: a backend that cannot start (no room for its shared
+        # memory, say) raises here, before any thread of ours runs.
+        self._group = self._launch_workers()
         self._threads = [
-            threading.Thread(target=_thread_main, args=(name, fn, on_exit), name=name, daemon=True)
+            threading.Thread(target=thread_main, args=(name, fn, on_exit), name=name, daemon=True)
             for name, fn in self._targets()
         ]
         if self._loggers:
@@ -143,6 +159,9 @@ class WorkerCoordinator:
         self.started = True
         for t in self._threads:
             t.start()
+
+    def _launch_workers(self) -> WorkerGroup | None:
+        return None
 
     def _halt(self) -> None:
         """Tell the workers to stop working, by plain stores only: safe from
@@ -168,9 +187,10 @@ class WorkerCoordinator:
                 logger.exception("shutdown_fun of coordinator %r raised", self.name)
 
     def _join(self, deadline: float | None) -> list[str]:
-        """Join our threads until ``deadline`` (None: no bound); returns the names still alive."""
+        """Join our threads and workers until ``deadline`` (None: no bound);
+        returns the names still alive."""
         me = threading.current_thread()
-        stuck = []
+        stuck = [] if self._group is None else self._group.join(deadline)
         for t in self._threads:
             if t is me:
                 stuck.append(t.name)
@@ -181,8 +201,9 @@ class WorkerCoordinator:
         return stuck
 
     def _alive(self) -> list[str]:
-        """Names of our threads still running."""
-        return [t.name for t in self._threads if t.is_alive()]
+        """Names of our threads and workers still running."""
+        alive = [t.name for t in self._threads if t.is_alive()]
+        return alive if self._group is None else alive + self._group.alive()
 
     def _log_metrics(self) -> dict[str, Any]:
         return {"worker_name": self.name, "time_elapsed": time.monotonic() - self._started_at}
@@ -256,8 +277,12 @@ class DataInputCoordinator(WorkerCoordinator):
         external_loggers: Sequence[ExternalLogger],
         on_error: Literal["raise", "skip"],
         seed: int,
+        backend: FetcherBackend,
+        worker_init_fun: Callable[[int], Any] | None,
     ) -> None:
         super().__init__(global_coordinator, source.name, worker_ids, init_fun, None, external_loggers)
+        self.backend = backend
+        self._worker_init_fun = worker_init_fun
         self.source = source
         self.feed = feed
         self.net = net
@@ -282,23 +307,23 @@ class DataInputCoordinator(WorkerCoordinator):
         self.source.halted = True
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        return [(f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue)]
+
+    def _launch_workers(self) -> WorkerGroup:
         hub = self._hub
-        out: list[tuple[str, Callable[[], None]]] = []
+        backend = self.backend
+        workers = []
         n = len(self.worker_ids)
         for index, wid in enumerate(self.worker_ids):
-            stats = hub.fetch_stats(self.name)
+            stats = hub.fetch_stats(self.name, backend.name)
             self._fetch_stats.append(stats)
             seed, rng = worker_seeds(self.seed, wid)
-            info = WorkerInfo(wid, index, n, self.name, seed, rng)
-            out.append((
-                f"blobfeed-fetch-{self.name}-{wid}",
-                functools.partial(
-                    fetcher_loop, self.source, wid, self._fetch_fun, self.feed.blob_names,
-                    self._batch_size_hint, self._on_error, stats, info,
-                ),
-            ))
-        out.append((f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue))
-        return out
+            intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
+            workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
+        return backend.launch(LaunchPlan(
+            self.name, self._fetch_fun, self._worker_init_fun, workers,
+            self._batch_size_hint, self._gc._thread_ended,
+        ))
 
     def _enqueue(self) -> None:
         try:
@@ -319,6 +344,8 @@ class DataInputCoordinator(WorkerCoordinator):
     def _request_stop(self) -> None:
         super()._request_stop()
         self.source.stop()
+        if self._group is not None:
+            self._group.request_stop()
 
     def _log_metrics(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -350,13 +377,6 @@ class DataInputCoordinator(WorkerCoordinator):
         hub.detach_source(self.source)
 
 
-def _thread_main(name: str, fn: Callable[[], None], on_exit: Callable[[], None]) -> None:
-    try:
-        fn()
-    except BaseException:
-        logger.exception("blobfeed thread %s died", name)
-    finally:
-        on_exit()
 
 
 _live_coordinators: "weakref.WeakSet[GlobalCoordinator]" = weakref.WeakSet()
@@ -417,7 +437,8 @@ class GlobalCoordinator:
             raise TypeError(f"registry must be a CollectorRegistry, got {type(registry).__name__}")
         self.log_interval = check_timeout("log_interval", log_interval)
         self._registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self._hub = MetricsHub(self._registry)
+        self._hub = MetricsHub()
+        register_collector(self._registry, self._hub)
         self._make_locks()
         #: every coordinator not yet known to have ended: pending, running,
         #: or stopped with threads still alive.  A coordinator leaves this list
@@ -803,9 +824,13 @@ _STOP_ENTRIES = frozenset({
     GlobalCoordinator.__exit__.__code__,
     _stop_all_at_exit.__code__,
 })
+#: The library's own code, where a thread may hold a pipeline lock; the
+#: applications (cli, bench, demo, models) call stop() like any user.
 _CORE_FILES = frozenset(
-    m.__file__ for m in (arguments, feeders, metrics, net_module, queues, worker_info, sys.modules[__name__])
-    if m.__file__
+    os.path.join(dirpath, f)
+    for dirpath, _, files in os.walk(os.path.dirname(os.path.abspath(__file__)))
+    for f in files
+    if f.endswith(".py") and f not in ("bench.py", "cli.py", "demo.py", "models.py")
 )
 
 
@@ -831,6 +856,20 @@ global_coordinator = GlobalCoordinator(registry=prometheus_client.REGISTRY)
 
 
 # -- argument checks: at the public boundary, never assert ---------------------------------
+def resolve_backend(backend: Any) -> FetcherBackend:
+    """The backend object for ``backend=`` ("threads", "processes" or an object)."""
+    if backend == "threads":
+        return ThreadBackend()
+    if backend == "processes":
+        return ProcessBackend()
+    if isinstance(backend, str) or not isinstance(backend, FetcherBackend):
+        raise ValueError(
+            f"backend must be 'threads', 'processes' or a backend object (such as "
+            f"blobfeed.ProcessBackend(...) or blobfeed.ray.RayBackend(...)), got {backend!r}"
+        )
+    return backend
+
+
 def _check_common(
     num_worker_threads: Any, name: Any, init_fun: Any, external_loggers: Any, coordinator: Any
 ) -> tuple[GlobalCoordinator, list[ExternalLogger]]:
@@ -900,6 +939,8 @@ def init_data_input_workers(
     on_error: Literal["raise", "skip"] = "raise",
     coordinator: GlobalCoordinator | None = None,
     seed: int | None = None,
+    backend: Literal["threads", "processes"] | FetcherBackend = "threads",
+    worker_init_fun: Callable[[int], Any] | None = None,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
 
@@ -934,6 +975,13 @@ def init_data_input_workers(
         seed: base of the workers' seeds (``get_worker_info().seed`` / ``.rng``:
             one child of ``numpy.random.SeedSequence(seed)`` per worker id);
             ``None`` draws one and logs it.
+        backend: what runs the workers: ``"threads"`` (this process),
+            ``"processes"`` (one child process per worker, chunks through
+            shared memory; ``fetch_fun`` must pickle), or a backend object
+            (``blobfeed.ProcessBackend(...)`` with options,
+            ``blobfeed.ray.RayBackend(...)``).
+        worker_init_fun: ``worker_init_fun(worker_id)``, run in the worker
+            (thread, process or actor) before its first fetch.
 
     Returns:
         The global coordinator; call its ``start()``.
@@ -981,6 +1029,10 @@ def init_data_input_workers(
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if seed is not None:
         seed = check_index("seed", seed, minimum=0)
+    if worker_init_fun is not None and not callable(worker_init_fun):
+        raise TypeError(f"worker_init_fun must be callable, got {type(worker_init_fun).__name__}")
+    runner = resolve_backend(backend)
+    runner.check(fetch_fun, worker_init_fun)
     clash = sorted(set(names).intersection(net.output_names))
     if clash:
         raise ValueError(
@@ -1035,6 +1087,7 @@ def init_data_input_workers(
         ids = gc._allocate(num_worker_threads)
         base_seed = draw_base_seed(input_source_name) if seed is None else seed
         gc._add(DataInputCoordinator(
-            gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed
+            gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
+            runner, worker_init_fun,
         ))
     return gc

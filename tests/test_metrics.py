@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import blobfeed
-from blobfeed import Net, feeders, init_data_input_workers
+from blobfeed import Net, init_data_input_workers
+from blobfeed.feeders import enqueuer
 from blobfeed.metrics import start_http_server
 
 from .helpers import WAIT, ChunkPlan, drain, sample, wait_until
@@ -153,7 +154,7 @@ def test_registry_shared_by_two_coordinators_is_refused() -> None:
 
 def test_data_input_is_slow_warning(gc: blobfeed.GlobalCoordinator, monkeypatch: pytest.MonkeyPatch,
                                     caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(feeders, "SLOW_INPUT_WARN_S", 0.05)
+    monkeypatch.setattr(enqueuer, "SLOW_INPUT_WARN_S", 0.05)
     release = threading.Event()
 
     def fetch(w: int, b: int) -> list[np.ndarray]:
@@ -175,7 +176,7 @@ def test_data_input_is_slow_warning(gc: blobfeed.GlobalCoordinator, monkeypatch:
 
 def test_lagging_behind_warning_is_rate_limited(gc: blobfeed.GlobalCoordinator, monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(feeders, "LAGGING_WARN_S", 0.0)
+    monkeypatch.setattr(enqueuer, "LAGGING_WARN_S", 0.0)
     plan = ChunkPlan({0: [4] * 5})
     net = Net(name="n")
     init_data_input_workers(net, ["ids", "feat"], plan, 4, num_worker_threads=1, coordinator=gc)
@@ -184,7 +185,7 @@ def test_lagging_behind_warning_is_rate_limited(gc: blobfeed.GlobalCoordinator, 
         drain(net)
     lagging = [r for r in caplog.records if "data loading lagging behind" in r.getMessage()]
     assert lagging and "source 'train'" in lagging[0].getMessage()
-    monkeypatch.setattr(feeders, "LAGGING_WARN_S", 3600.0)
+    monkeypatch.setattr(enqueuer, "LAGGING_WARN_S", 3600.0)
     caplog.clear()
     gc.stop()
     net2 = Net(name="m")

@@ -1,0 +1,34 @@
+"""Workers, chunk validation, re-batching and enqueuers: everything between a
+user's ``fetch_fun`` and a net's device queue.
+
+Data path for one input source (see docs/ARCHITECTURE.md)::
+
+    backend (threads / processes / Ray) -- WorkerIntake --> InputSource.queue
+        --Feed (one per net: re-batching)--> device queue --> Net.run
+
+Modules, each using only those above it: ``chunks`` (what a worker hands
+over, and its checks), ``rebatch``, ``source`` (the internal queue, worker
+lifecycle, intakes), ``enqueuer`` (``Feed``), ``backends`` (the seam and the
+thread backend), ``processes`` (process workers).
+"""
+
+from .backends import (
+    FetcherBackend,
+    FetchFun,
+    LaunchPlan,
+    ThreadBackend,
+    WorkerGroup,
+    WorkerPlan,
+    thread_main,
+)
+from .chunks import Batch, Chunk, ChunkValidator, ModelInput, Pin
+from .enqueuer import Feed, FeedGroup
+from .processes import ProcessBackend
+from .rebatch import Rebatcher
+from .source import InputSource, OnError, WorkerIntake
+
+__all__ = [
+    "Batch", "Chunk", "ChunkValidator", "Feed", "FeedGroup", "FetchFun", "FetcherBackend",
+    "InputSource", "LaunchPlan", "ModelInput", "OnError", "Pin", "ProcessBackend", "Rebatcher", "ThreadBackend",
+    "WorkerGroup", "WorkerIntake", "WorkerPlan", "thread_main",
+]

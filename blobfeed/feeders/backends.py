@@ -1,0 +1,192 @@
+"""Fetcher backends: what runs the workers of a source.
+
+A backend is a plug-in of one seam.  :func:`init_data_input_workers` builds a
+:class:`LaunchPlan` (the source's name, ``fetch_fun``, and for each worker its
+id, :class:`~blobfeed.WorkerInfo` and :class:`WorkerIntake`); the backend's
+``launch`` starts the workers and returns a :class:`WorkerGroup` the
+coordinator stops and joins.  Whatever the backend, a worker hands every
+result of ``fetch_fun`` to its intake, which validates, counts and queues it,
+so the contract (exact batches, errors, accounting, metrics) lives in one
+place and a backend only moves data.
+
+Backends: :class:`ThreadBackend` (``"threads"``, here), ``ProcessBackend``
+(``"processes"``, :mod:`blobfeed.feeders.processes`), and any object with the
+same two methods (``blobfeed.ray.RayBackend``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
+
+from ..worker_info import WorkerInfo, set_worker_info
+from .source import WorkerIntake
+
+__all__ = ["FetchFun", "FetcherBackend", "LaunchPlan", "ThreadBackend", "WorkerGroup", "WorkerPlan"]
+
+logger = logging.getLogger("blobfeed.feeders")
+
+FetchFun = Callable[[int, int], Any]
+WorkerInitFun = Callable[[int], Any]
+
+
+class WorkerPlan(NamedTuple):
+    """One worker to start."""
+
+    worker_id: int
+    info: WorkerInfo
+    intake: WorkerIntake
+
+
+class LaunchPlan(NamedTuple):
+    """Everything a backend needs to start the workers of one ``init`` call."""
+
+    source: str
+    fetch_fun: FetchFun
+    worker_init_fun: WorkerInitFun | None
+    workers: Sequence[WorkerPlan]
+    #: the current batch size, the fetchers' hint (reset_data_input changes it)
+    batch_size_hint: Callable[[], int]
+    #: to be called by every thread the backend starts, when it ends
+    on_thread_exit: Callable[[], None]
+
+
+class WorkerGroup(Protocol):
+    """Running workers, as the coordinator sees them.  Thread-safe."""
+
+    def request_stop(self) -> None:
+        """Make every worker end soon and wake what blocks; never waits."""
+
+    def join(self, deadline: float | None) -> list[str]:
+        """Wait for the workers until ``deadline`` (``time.monotonic()``;
+        None: no bound).  Returns the names of those still running."""
+
+    def alive(self) -> list[str]:
+        """Names of the workers (and helper threads) still running."""
+
+
+@runtime_checkable
+class FetcherBackend(Protocol):
+    """A way to run workers: ``"threads"``, ``"processes"``, a Ray cluster."""
+
+    #: the ``backend`` label of its metrics
+    name: str
+
+    def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:
+        """Refuse, at ``init_data_input_workers`` time, what this backend
+        cannot run (``TypeError`` naming what does not pickle, say)."""
+
+    def launch(self, plan: LaunchPlan) -> WorkerGroup:
+        """Start the workers of ``plan``."""
+
+
+def run_worker(
+    intake: WorkerIntake,
+    fetch_fun: FetchFun,
+    worker_init_fun: WorkerInitFun | None,
+    hint: Callable[[], int],
+    info: WorkerInfo | None,
+) -> None:
+    """One worker's loop, in the thread that runs it: call ``fetch_fun`` and
+    hand each result to the intake, until StopIteration, an error, or a stop."""
+    set_worker_info(info)
+    perf = time.perf_counter
+    observe = intake.stats.fetch.observe
+    source = intake.source
+    worker_id = intake.worker_id
+    exhausted = False
+    intake.started()
+    try:
+        if worker_init_fun is not None:
+            try:
+                worker_init_fun(worker_id)
+            except BaseException as exc:
+                intake.exception(exc, fatal=True)
+                return
+        while not source.halted:
+            t0 = perf()
+            try:
+                raw = fetch_fun(worker_id, hint())
+            except StopIteration:
+                observe(perf() - t0)
+                exhausted = True
+                logger.debug("source %r, worker %d: StopIteration", source.name, worker_id)
+                return
+            except BaseException as exc:
+                observe(perf() - t0)
+                if intake.exception(exc):
+                    continue
+                return
+            observe(perf() - t0)
+            if not intake.result(raw):
+                return
+    finally:
+        set_worker_info(None)
+        intake.finished(exhausted)
+
+
+def thread_main(name: str, fn: Callable[[], None], on_exit: Callable[[], None]) -> None:
+    """The body of every thread blobfeed starts: nothing escapes unlogged,
+    and the coordinator hears of the end (``join()`` waits on it)."""
+    try:
+        fn()
+    except BaseException:
+        logger.exception("blobfeed thread %s died", name)
+    finally:
+        on_exit()
+
+
+class _ThreadGroup:
+    def __init__(self, threads: list[threading.Thread]) -> None:
+        self._threads = threads
+
+    def request_stop(self) -> None:
+        # The source's halt and the closing of its queue already end them:
+        # a thread cannot be interrupted inside fetch_fun.
+        pass
+
+    def join(self, deadline: float | None) -> list[str]:
+        me = threading.current_thread()
+        stuck = []
+        for t in self._threads:
+            if t is not me:
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                stuck.append(t.name)
+        return stuck
+
+    def alive(self) -> list[str]:
+        return [t.name for t in self._threads if t.is_alive()]
+
+
+class ThreadBackend:
+    """Workers are daemon threads of this process (``backend="threads"``).
+
+    Nothing is copied or pickled; a ``fetch_fun`` that holds the GIL gets one
+    core however many workers it has.
+    """
+
+    name = "threads"
+
+    def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:
+        pass
+
+    def launch(self, plan: LaunchPlan) -> WorkerGroup:
+        threads = []
+        for w in plan.workers:
+            name = f"blobfeed-fetch-{plan.source}-{w.worker_id}"
+            body = functools.partial(
+                run_worker, w.intake, plan.fetch_fun, plan.worker_init_fun, plan.batch_size_hint, w.info
+            )
+            threads.append(threading.Thread(
+                target=thread_main, args=(name, body, plan.on_thread_exit), name=name, daemon=True
+            ))
+        for t in threads:
+            t.start()
+        return _ThreadGroup(threads)
+
+    def __repr__(self) -> str:
+        return "ThreadBackend()"

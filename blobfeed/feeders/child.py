@@ -1,0 +1,192 @@
+"""The body of a worker process: call ``fetch_fun`` and ship what it returns.
+
+Runs in the child.  Large chunks (plain arrays, at least
+``SHM_MIN_BYTES``) are written once into a free slot of the worker's shared
+memory and announced by index; everything else (small chunks, ``None``,
+malformed results) is pickled, several results to one message, because for
+small arrays a pipe beats shared memory.  The parent validates everything:
+the child only moves data, so every backend behaves the same.
+
+Messages (pickled tuples on the connection):
+
+* ``("items", [(seconds, result), ...])``: results in call order;
+* ``("slot", seconds, index, [(dtype, shape, offset), ...], is_tuple)``;
+* ``("error", seconds, exception bytes, traceback, fatal)``;
+* ``("done", seconds)``: ``fetch_fun`` raised StopIteration.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+from ..worker_info import WorkerInfo, set_worker_info
+from .transport import SLOT_INDEX, FdHandle, SlotArea, align, pack_exception
+
+__all__ = ["child_main"]
+
+#: chunks at least this big (all plain arrays) travel through shared memory
+SHM_MIN_BYTES = 32 * 1024
+#: small results are sent once this many bytes are pending ...
+INLINE_MAX_BYTES = 256 * 1024
+#: ... or once the oldest has waited this long (counting the next fetch)
+INLINE_MAX_DELAY_S = 0.005
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux): no orphan survives
+    a SIGKILL of the program.  The parent is the forkserver, which exits
+    when the program does."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _plain_arrays(raw: Any) -> list[np.ndarray] | None:
+    """The arrays of a chunk that can go through shared memory, else None."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        return None
+    for a in raw:
+        if type(a) is not np.ndarray or a.dtype.hasobject or not a.dtype.isnative:
+            return None
+    return list(raw)
+
+
+def child_main(
+    worker_id: int,
+    index: int,
+    num_workers: int,
+    source: str,
+    seed: int,
+    payload: bytes,
+    on_error: str,
+    area_fd: FdHandle,
+    slots: int,
+    slot_bytes: int,
+    free_fd: FdHandle,
+    conn: Any,
+) -> None:
+    """Entry point of a worker process (``multiprocessing`` target)."""
+    _die_with_parent()
+    parent = os.getppid()
+    area = SlotArea(area_fd.fd, slots, slot_bytes)
+    os.close(area_fd.fd)
+    free_r = free_fd.fd
+    fetch_fun, worker_init_fun = pickle.loads(payload)
+    # the same seed and generator the worker would have as a thread
+    set_worker_info(WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed)))
+    send = conn.send_bytes
+    dumps = pickle.dumps
+    perf = time.perf_counter
+    free = list(range(slots))
+
+    def take_slot() -> int:
+        while not free:
+            data = os.read(free_r, SLOT_INDEX.size * slots)
+            if not data:
+                return -1  # the parent closed its end
+            for (i,) in SLOT_INDEX.iter_unpack(data):
+                if i < 0:
+                    return -1
+                free.append(i)
+        return free.pop()
+
+    def report(exc: BaseException, seconds: float, fatal: bool) -> None:
+        data, tb = pack_exception(exc)
+        send(dumps(("error", seconds, data, tb, fatal), protocol=5))
+
+    if worker_init_fun is not None:
+        try:
+            worker_init_fun(worker_id)
+        except BaseException as exc:
+            report(exc, 0.0, True)
+            return
+
+    pending: list[tuple[float, Any]] = []
+    pending_bytes = 0
+    oldest = 0.0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        try:
+            msg = dumps(("items", pending), protocol=5)
+        except Exception:
+            # one unpicklable result: send the others, and a stand-in the
+            # parent's validator refuses with a clear message
+            msg = dumps(("items", [(s, _sendable(r)) for s, r in pending]), protocol=5)
+        send(msg)
+        pending = []
+        pending_bytes = 0
+
+    while not area.stopping() and os.getppid() == parent:
+        t0 = perf()
+        try:
+            raw = fetch_fun(worker_id, area.hint())
+        except StopIteration:
+            flush()
+            send(dumps(("done", perf() - t0)))
+            return
+        except BaseException as exc:
+            seconds = perf() - t0
+            flush()
+            report(exc, seconds, False)
+            if on_error == "skip" and isinstance(exc, Exception):
+                continue
+            return
+        seconds = perf() - t0
+        arrays = _plain_arrays(raw)
+        nbytes = sum(align(a.nbytes) for a in arrays) if arrays is not None else 0
+        if arrays is not None and SHM_MIN_BYTES <= nbytes <= slot_bytes:
+            flush()
+            slot = take_slot()
+            if slot < 0:
+                return
+            base = area.offset(slot)
+            meta = []
+            off = 0
+            for a in arrays:
+                dst = np.ndarray(a.shape, a.dtype, buffer=area.mm, offset=base + off)
+                np.copyto(dst, a, casting="no")
+                meta.append((a.dtype.str, a.shape, off))
+                off += align(a.nbytes)
+            send(dumps(("slot", seconds, slot, meta, isinstance(raw, tuple))))
+            continue
+        if not pending:
+            oldest = t0
+        pending.append((seconds, raw))
+        pending_bytes += nbytes or 64
+        # another fetch would hold these past the delay bound: send now
+        if pending_bytes >= INLINE_MAX_BYTES or perf() - oldest + seconds >= INLINE_MAX_DELAY_S:
+            flush()
+    flush()
+
+
+class Unsendable:
+    """Stands in for a result that could not be pickled: the parent's
+    validator refuses it, naming its type."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    def __repr__(self) -> str:
+        return f"<unpicklable {self.type_name}>"
+
+
+def _sendable(raw: Any) -> Any:
+    try:
+        pickle.dumps(raw, protocol=5)
+        return raw
+    except Exception:
+        return Unsendable(f"{type(raw).__module__}.{type(raw).__qualname__}")

@@ -1,0 +1,239 @@
+"""What a worker hands over: chunks, their validation, and the model's input checks."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from ..errors import ChunkError
+
+__all__ = ["Batch", "Chunk", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
+
+
+class Pin:
+    """Something a chunk's arrays keep busy while they live (a shared-memory
+    slot of a worker process).  ``views_ok()`` says whether a batch may still
+    be handed out as a view of it, or must be copied out so that batches the
+    user keeps cannot stall the worker."""
+
+    def views_ok(self) -> bool:
+        return True
+
+
+class Chunk(NamedTuple):
+    """One validated fetcher result: an array per blob, ``n`` samples each."""
+
+    arrays: tuple[np.ndarray, ...]
+    n: int
+    worker_id: int
+    #: the index of the worker's fetch_fun call that returned it (0, 1, ...)
+    seq: int = 0
+    #: what the arrays keep busy, if anything (see Pin)
+    pin: Pin | None = None
+
+
+class Batch(NamedTuple):
+    """One whole batch: an array (or device value) per blob, ``n`` samples each."""
+
+    arrays: tuple[Any, ...]
+    n: int
+
+
+def _bad_chunk(where: str, detail: str, kind: type[Exception] = ValueError) -> ChunkError:
+    """A ChunkError whose ``__cause__`` is the plain TypeError/ValueError of the check."""
+    err = ChunkError(f"{where}: {detail}")
+    err.__cause__ = kind(detail)
+    return err
+
+
+def _plain(arr: Any, where: str) -> np.ndarray:
+    """The one rule for what a blob may be: a plain ``numpy.ndarray`` in
+    native byte order.
+
+    A masked array is refused: its mask cannot reach a model, and a batch cut
+    from several chunks would come back unmasked.  Any other ndarray subclass
+    (recarray, memmap, matrix) is taken as a plain view of the same memory, so
+    every batch is a plain ndarray whether it is a view of one chunk or a
+    concatenation.  Non-native byte order (a ``'>f4'`` file) is converted:
+    passed on as is, onnxruntime would read wrong numbers.
+    """
+    if not isinstance(arr, np.ndarray):
+        raise _bad_chunk(where, f"expected a numpy.ndarray, got {type(arr).__name__}", TypeError)
+    if isinstance(arr, np.ma.MaskedArray):
+        raise _bad_chunk(
+            where,
+            "got a numpy.ma.MaskedArray: masks are not carried to the model; fill it "
+            "(arr.filled(value)) and pass the mask as a blob of its own if the model needs it",
+            TypeError,
+        )
+    arr = arr.view(np.ndarray) if type(arr) is not np.ndarray else arr
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return arr
+
+
+#: ONNX tensor element types and the numpy dtype a chunk must have for them.
+_ONNX_DTYPES = {
+    "tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
+    "tensor(float16)": np.dtype(np.float16), "tensor(bool)": np.dtype(np.bool_),
+    "tensor(int8)": np.dtype(np.int8), "tensor(int16)": np.dtype(np.int16),
+    "tensor(int32)": np.dtype(np.int32), "tensor(int64)": np.dtype(np.int64),
+    "tensor(uint8)": np.dtype(np.uint8), "tensor(uint16)": np.dtype(np.uint16),
+    "tensor(uint32)": np.dtype(np.uint32), "tensor(uint64)": np.dtype(np.uint64),
+}
+
+
+class ModelInput(NamedTuple):
+    """What a model declares for one of its inputs (from ``Net.input_specs``)."""
+
+    name: str
+    #: e.g. ``"tensor(float)"``
+    onnx_type: str
+    #: the declared dimensions: an int where fixed, None or a name where free
+    shape: tuple[Any, ...] | None
+
+    def check(self, arr: np.ndarray, axis: int) -> str | None:
+        """What is wrong with feeding chunks like ``arr`` to this input, or None."""
+        if self.onnx_type == "tensor(string)":
+            if arr.dtype.kind not in "OUS":
+                return f"the model's input is {self.onnx_type}, the chunk's dtype is {arr.dtype}"
+        else:
+            want = _ONNX_DTYPES.get(self.onnx_type)
+            if arr.dtype.kind == "O" or (want is not None and arr.dtype != want):
+                return (
+                    f"the model's input is {self.onnx_type} (numpy {want}), "
+                    f"the chunk's dtype is {arr.dtype}"
+                )
+        if self.shape is not None:
+            if arr.ndim != len(self.shape):
+                return (
+                    f"the model's input has rank {len(self.shape)} {list(self.shape)}, "
+                    f"the chunk has rank {arr.ndim} (shape {arr.shape})"
+                )
+            for d, (want_d, got_d) in enumerate(zip(self.shape, arr.shape)):
+                if d != axis and isinstance(want_d, int) and want_d > 0 and want_d != got_d:
+                    return (
+                        f"the model's input has shape {list(self.shape)}, the chunk has "
+                        f"{arr.shape} (axis {d}: {got_d} instead of {want_d})"
+                    )
+        return None
+
+
+class ChunkValidator:
+    """Checks fetcher results against the blobs' layout; thread-safe.
+
+    The first accepted chunk fixes each blob's dtype and per-sample shape for
+    the whole source; later chunks must match.
+    """
+
+    def __init__(self, source: str, blob_names: Sequence[str], axes: Sequence[int]) -> None:
+        self.source = source
+        self.blob_names = tuple(blob_names)
+        self.axes = tuple(axes)
+        self._expected: tuple[tuple[np.dtype, tuple[int, ...]], ...] | None = None
+        self._lock = threading.Lock()
+
+    def check(
+        self,
+        raw: Any,
+        worker_id: int,
+        blob_names: Sequence[str] | None = None,
+        model_checks: Sequence[tuple[int, str, ModelInput]] | None = None,
+        seq: int = 0,
+        pin: Pin | None = None,
+    ) -> Chunk | str:
+        """Validate one fetcher result.
+
+        ``model_checks``: model inputs to check the chunk against too, before
+        its layout can become the source's.
+
+        Returns:
+            A :class:`Chunk`, or ``"none"`` / ``"empty"`` for a result to skip.
+
+        Raises:
+            ChunkError: the result is malformed; the message says where and how.
+        """
+        names = self.blob_names if blob_names is None else tuple(blob_names)
+        if raw is None:
+            return "none"
+        where = f"source {self.source!r}, worker {worker_id}"
+        if not isinstance(raw, (list, tuple)):
+            raise _bad_chunk(
+                where,
+                f"fetch_fun must return a list or tuple of {len(names)} numpy arrays "
+                f"({', '.join(names)}), got {type(raw).__name__}",
+                TypeError,
+            )
+        if len(raw) != len(names):
+            raise _bad_chunk(
+                where, f"expected {len(names)} arrays ({', '.join(names)}), got {len(raw)}"
+            )
+        n = -1
+        arrays = list(raw)
+        for i, arr in enumerate(arrays):
+            if type(arr) is not np.ndarray or not arr.dtype.isnative:
+                arr = arrays[i] = _plain(arr, f"{where}, blob {names[i]!r}")
+            axis = self.axes[i]
+            if arr.ndim <= axis:
+                raise _bad_chunk(
+                    f"{where}, blob {names[i]!r}",
+                    f"expected an array with a batch axis {axis}, got shape {arr.shape}",
+                )
+            k = arr.shape[axis]
+            if n < 0:
+                n = k
+            elif k != n:
+                raise _bad_chunk(
+                    f"{where}, blob {names[i]!r}",
+                    f"expected {n} samples (as blob {names[0]!r}), got {k} (shape {arr.shape})",
+                )
+        if n == 0:
+            return "empty"
+        if model_checks:
+            check_model_inputs(Chunk(tuple(arrays), n, worker_id), model_checks, self.axes, where)
+        expected = self._expected
+        if expected is None:
+            with self._lock:
+                if self._expected is None:
+                    self._expected = tuple(
+                        (a.dtype, a.shape[:ax] + a.shape[ax + 1 :]) for a, ax in zip(arrays, self.axes)
+                    )
+                expected = self._expected
+        for i, arr in enumerate(arrays):
+            dtype, sample_shape = expected[i]
+            ax = self.axes[i]
+            shape = arr.shape
+            if arr.dtype != dtype or shape[:ax] + shape[ax + 1 :] != sample_shape:
+                raise _bad_chunk(
+                    f"{where}, blob {names[i]!r}",
+                    f"expected dtype {dtype} and per-sample shape {sample_shape} (as earlier "
+                    f"chunks), got dtype {arr.dtype} and per-sample shape "
+                    f"{shape[:ax] + shape[ax + 1 :]} (array shape {shape})",
+                )
+        return Chunk(tuple(arrays), n, worker_id, seq, pin)
+
+
+def check_model_inputs(chunk: Chunk, checks: Sequence[tuple[int, str, ModelInput]], axes: Sequence[int], where: str) -> None:
+    """Check one chunk against the model inputs its blobs feed.
+
+    Args:
+        checks: ``(position in the chunk, blob name, model input)``.
+
+    Raises:
+        ChunkError: naming the blob, the model's type and the chunk's dtype.
+    """
+    for pos, blob, spec in checks:
+        problem = spec.check(chunk.arrays[pos], axes[pos])
+        if problem is not None:
+            raise _bad_chunk(f"{where}, blob {blob!r}", f"does not fit the model: {problem}")
+
+
+def guess_samples(raw: Any, axes: Sequence[int]) -> int:
+    """Best-effort sample count of a malformed chunk, for the skip counter."""
+    try:
+        first = raw[0]
+        return int(first.shape[axes[0]])
+    except Exception:
+        return 0

@@ -1,0 +1,418 @@
+"""The enqueuer: re-batches one source's chunks for one net and hands the
+batches to it, on its own thread or the net's."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import BlobfeedError, DequeueTimeout, EndOfInput, FetcherError
+from ..queues import BlobsQueue
+from ..stats import AssembleStats, ConsumeStats, MetricsHub
+from .chunks import Batch, ModelInput
+from .rebatch import Rebatcher
+from .source import InputSource, SourceStopped
+
+__all__ = ["Feed", "FeedGroup"]
+
+logger = logging.getLogger("blobfeed.feeders")
+
+#: Seconds a consumer waits with no data before "data input is slow".
+SLOW_INPUT_WARN_S = 10.0
+#: At most one "data loading lagging behind" per this many seconds.
+LAGGING_WARN_S = 60.0
+
+
+class FeedGroup:
+    """The feeds of one net.
+
+    A net fed by several sources waits on one at a time; when another of its
+    sources fails, that error must still reach the waiting ``run()`` at once,
+    so a failing feed aborts its siblings with the same error.  Holds no
+    reference to the net (a cycle would keep its onnxruntime session alive).
+    """
+
+    def __init__(self) -> None:
+        self.feeds: list[Feed] = []
+
+    def failed(self, origin: "Feed", error: BaseException) -> None:
+        for f in list(self.feeds):
+            if f is not origin:
+                lost = f.abort(error)
+                if lost:
+                    f.source.hub.count_dropped(f.source.name, "error", lost)
+
+
+class Feed:
+    """Re-batches one source's chunks for one net.
+
+    Two threads assemble batches, under one lock (``_lock``) that guards the
+    re-batcher and the order of batches:
+
+    * the enqueuer thread (:meth:`run`) takes chunks from the internal queue
+      and puts batches on the device queue, so that a net busy running its
+      model finds the next batch ready;
+    * the net's own thread (:meth:`dequeue`), finding the device queue empty,
+      assembles the next batch itself instead of sleeping until the enqueuer
+      has done it.  Every thread hand-off costs far more than assembling a
+      small batch (a wake-up plus a GIL transfer), so when the consumer is
+      faster than the enqueuer can be scheduled this path carries the feed.
+
+    Order and exactly-once hold because everything that hands data out
+    happens under the lock: chunks go from the internal queue into the
+    re-batcher, a batch the enqueuer cannot yet put waits in ``_staged``, and
+    the net's thread takes the device queue first, then ``_staged``, then a
+    new batch.  Nobody holds the lock while waiting, so it is never held
+    long.
+    """
+
+    def __init__(
+        self,
+        source: InputSource,
+        net_name: str,
+        place: Callable[[tuple[np.ndarray, ...]], tuple[Any, ...]],
+        blob_names: Sequence[str],
+        batch_size: int,
+        *,
+        timeout: float,
+        device_queue_capacity: int,
+        dont_rebatch: bool,
+        drop_last: bool,
+        hub: MetricsHub,
+        model_inputs: dict[str, ModelInput] | None = None,
+    ) -> None:
+        self.source = source
+        # No reference to the net itself: the net refers to its feeds, and a
+        # cycle would keep a discarded net's onnxruntime session alive.
+        self.net_name = net_name
+        self.blob_names = tuple(blob_names)
+        self.timeout = timeout
+        self.dont_rebatch = dont_rebatch
+        self.drop_last = drop_last
+        self.rebatcher = Rebatcher(source.axes, batch_size, whole_chunks=dont_rebatch)
+        # low_water=0: the enqueuer sleeps until the net has taken every
+        # queued batch, then refills in one go -- one wake-up per
+        # `capacity` batches instead of one per batch.
+        self.device_queue: BlobsQueue[Batch] = BlobsQueue(
+            device_queue_capacity, name=f"{source.name}/{net_name}", low_water=0
+        )
+        self._lock = threading.Lock()
+        #: the enqueuer's next batch, waiting for room in the device queue
+        self._staged: Batch | None = None
+        #: a batch the net took while another of its sources failed or timed
+        #: out; it is handed out first next time (see Net.run)
+        self._held: Batch | None = None
+        #: set by abort(): the source stopped or failed; nothing is handed out
+        self._aborted = False
+        #: why what this feed still holds is lost, once aborted
+        self._lost_reason = "stopped"
+        #: set when the coordinator starts the enqueuer: run() before that is a user error
+        self._started = False
+        self._group: FeedGroup | None = None
+        #: (position, blob, model input) for each blob that feeds a model input
+        self.model_checks: tuple[tuple[int, str, ModelInput], ...] = tuple(
+            (i, b, model_inputs[b]) for i, b in enumerate(self.blob_names) if model_inputs and b in model_inputs
+        )
+        #: puts a batch on the net's device (the net's method; dropped by release_net)
+        self._place = place
+        #: set in a child made by os.fork(): the parent's threads and locks are not here
+        self._forked_from: int | None = None
+        self.stats: AssembleStats = hub.assemble_stats(source.name, net_name)
+        #: batches the net's thread assembled itself (that thread writes them)
+        self.direct_stats: AssembleStats = hub.assemble_stats(source.name, net_name, direct=True)
+        self.consume_stats: ConsumeStats = hub.consume_stats(source.name, net_name)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rebatcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        # Read once per batch under the lock; an int store is atomic.
+        self.rebatcher.batch_size = value
+
+    def device_queue_depth(self) -> int:
+        return self.device_queue.qsize()
+
+    def buffered_samples(self) -> int:
+        staged, held = self._staged, self._held
+        return (
+            self.rebatcher.pending
+            + (staged.n if staged is not None else 0)
+            + (held.n if held is not None else 0)
+            + sum(b.n for b in self.device_queue.snapshot())
+        )
+
+    def join_group(self, group: FeedGroup) -> None:
+        """Become one of a net's feeds (called by the net when wired)."""
+        self._group = group
+
+    def mark_forked(self) -> None:
+        """In a child made by ``os.fork()``: this feed belongs to the parent."""
+        self._forked_from = os.getppid()
+
+    def mark_started(self) -> None:
+        """The enqueuer and the fetchers are starting."""
+        self._started = True
+
+    def abort(self, error: BaseException) -> int:
+        """Close the device queue with ``error``; returns samples discarded.
+
+        A fetcher error also aborts the net's other feeds, so a ``run()``
+        waiting on another source sees it at once.  Idempotent.
+        """
+        with self._lock:  # never held while blocking, so this cannot wait long
+            if self._aborted:
+                return 0
+            self._aborted = True
+            self._lost_reason = "error" if isinstance(error, FetcherError) else "stopped"
+            held, self._held = self._held, None
+            lost = held.n if held is not None else 0
+            lost += sum(b.n for b in self.device_queue.close(error))
+        if isinstance(error, FetcherError) and self._group is not None:
+            self._group.failed(self, error)
+        return lost
+
+    def hold(self, batch: Batch) -> None:
+        """Keep a batch the net took for its next run (another source failed).
+
+        After abort() the batch is counted as dropped instead: a stopped
+        source hands nothing out.
+        """
+        with self._lock:
+            if not self._aborted:
+                self._held = batch
+                return
+        src = self.source
+        src.hub.count_dropped(src.name, self._lost_reason, batch.n)
+
+    def take_held(self) -> Batch | None:
+        with self._lock:
+            held, self._held = self._held, None
+            return held
+
+    def release_net(self) -> None:
+        """Drop the references to the net once the enqueuer has ended, so a
+        discarded Net (and its onnxruntime session) is freed at once rather
+        than at the next garbage collection."""
+        self._place = _unplaced
+
+    def _assemble(self, stats: AssembleStats, *, partial: bool = False) -> Batch | None:
+        """Pop one batch and place it on the device; None when none is complete.
+
+        Under the lock.  ``stats`` belongs to the calling thread; ``partial``
+        takes whatever is pending (the end of input).
+        """
+        t0 = time.perf_counter()
+        b = self.rebatcher.pop_partial() if partial else self.rebatcher.pop()
+        if b is None:
+            return None
+        batch = Batch(self._place(b.arrays), b.n)
+        stats.enqueue.observe(time.perf_counter() - t0)
+        stats.batches += 1
+        stats.samples += b.n
+        return batch
+
+    # -- the enqueuer thread ---------------------------------------------------
+    def run(self) -> None:
+        """Body of the enqueuer thread."""
+        src = self.source
+        queue = src.queue
+        try:
+            while True:
+                # Take and push under the lock, so chunks enter the re-batcher
+                # in queue order whichever thread takes them; wait outside it.
+                with self._lock:
+                    try:
+                        ok, chunk = queue.get_nowait()
+                    except SourceStopped:
+                        self._lose_all()
+                        return
+                    except EndOfInput:
+                        ok, chunk = False, None
+                        ended = True
+                    else:
+                        ended = False
+                        if ok and chunk is not None:
+                            self.rebatcher.push(chunk)
+                if ended:
+                    self._finish()
+                    return
+                # Complete batches may be waiting even without a new chunk
+                # (the net's thread pushed one it did not use up): prefetch them.
+                if not self._drain():
+                    return
+                if not ok:
+                    queue.wait_for_item()  # woken by a put or a close
+        except FetcherError:
+            # the source failed; fail() closed our queue with the error
+            with self._lock:
+                self._lose_all()
+        except BaseException as exc:  # our bug or a device error: never hang the net
+            logger.exception("enqueuer %s/%s failed", src.name, self.net_name)
+            err = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
+            err.__cause__ = exc
+            with self._lock:
+                self.stats.dropped["error"] += sum(b.n for b in self.device_queue.close(err))
+                self._lose_all()
+
+    def _drain(self, *, final: bool = False) -> bool:
+        """Move every complete batch to the device queue; False once it is closed.
+
+        Never blocks holding the lock: the batch waiting for room stays in
+        ``_staged``, where the net's thread may take it.
+        """
+        dq = self.device_queue
+        while True:
+            with self._lock:
+                if self._staged is None:
+                    self._staged = self._assemble(self.stats)
+                    if self._staged is None:
+                        return True
+                    if not final:  # an empty queue is expected while flushing the end
+                        self._warn_if_lagging()
+                if dq.put(self._staged, timeout=0):
+                    self._staged = None
+                    continue
+                if dq.closed:
+                    self._lose_all()
+                    return False
+            dq.wait_for_room()  # woken when the net has emptied the queue, or it closes
+
+    def _lose_all(self) -> None:
+        """The device queue is closed: count what this feed still holds as dropped.  Under the lock.
+
+        Discarded, never assembled: a stop must not copy up to a batch only
+        to throw it away.
+        """
+        reason = self._lost_reason if self._aborted else self.source.lost_reason
+        n = self.rebatcher.clear() + (self._staged.n if self._staged is not None else 0)
+        self._staged = None
+        if n:
+            self.stats.dropped[reason] += n
+
+    def _warn_if_lagging(self) -> None:
+        src = self.source
+        now = time.monotonic()
+        # once a minute per source; the first minute is warm-up
+        if now - src.lagging_warned_at >= LAGGING_WARN_S and src.queue.qsize() < 2:
+            src.lagging_warned_at = now
+            logger.warning(
+                "data loading lagging behind: source %r internal queue holds %d chunks (net %r)",
+                src.name, src.queue.qsize(), self.net_name,
+            )
+
+    def _finish(self) -> None:
+        """End of input: the leftover becomes one last batch, then the queue ends."""
+        if not self._drain(final=True):
+            return
+        with self._lock:
+            left = self.rebatcher.pending
+            if left and self.drop_last:
+                self.rebatcher.clear()
+                self.stats.dropped["drop_last"] += left
+                logger.info(
+                    "source %r, net %r: dropped a last partial batch of %d samples (drop_last=True)",
+                    self.source.name, self.net_name, left,
+                )
+            elif left:
+                self._staged = self._assemble(self.stats, partial=True)
+        if not self._drain(final=True):
+            return
+        self.device_queue.close()
+
+    # -- the consumer side ---------------------------------------------------------
+    def delivered(self, batch: Batch) -> None:
+        """Count ``batch`` as handed to the user (the net's thread)."""
+        self.consume_stats.batches += 1
+        self.consume_stats.samples += batch.n
+
+    def _assemble_here(self) -> Batch | None:
+        """The net's thread takes or assembles the next batch, if it can without waiting for data.
+
+        Order: what the device queue holds, then the enqueuer's staged batch,
+        then new batches from the re-batcher.
+        """
+        # Blocking on the lock is cheap: nobody holds it across a wait.  Not
+        # waiting would be wrong: the enqueuer may hold it only to find the
+        # internal queue empty while complete batches the net's own thread
+        # left sit in the re-batcher.  A `with` block, not acquire/try: a
+        # Ctrl-C can land right after a call returns, and only `with`
+        # guarantees the release.
+        with self._lock:
+            ok, batch = self.device_queue.get_nowait()
+            if ok:
+                return batch
+            if self._staged is not None:
+                batch, self._staged = self._staged, None
+                return batch
+            queue = self.source.queue
+            while True:
+                batch = self._assemble(self.direct_stats)
+                if batch is not None:
+                    return batch
+                try:
+                    ok, chunk = queue.get_nowait()
+                except (EndOfInput, FetcherError):
+                    # ended, stopped or failed: the enqueuer settles the end
+                    # (last batch, or the error) through the device queue
+                    return None
+                if not ok or chunk is None:
+                    return None
+                self.rebatcher.push(chunk)
+
+    def dequeue(self, timeout: float | None) -> Batch:
+        """Take the next batch for ``Net.run`` (called in the net's thread)."""
+        if self._forked_from is not None:
+            raise BlobfeedError(
+                f"source {self.source.name!r}, net {self.net_name!r}: this pipeline was built in "
+                f"process {self._forked_from}; a child made by os.fork() cannot use it (its "
+                "threads exist only in the parent): build a new pipeline in the child"
+            )
+        limit = self.timeout if timeout is None else timeout
+        cs = self.consume_stats
+        t0 = time.perf_counter()
+        try:
+            ok, batch = self.device_queue.get_nowait()
+            if ok:
+                return batch  # type: ignore[return-value]
+            batch = self._assemble_here()
+            if batch is not None:
+                return batch
+            if not self._started and not self._aborted:
+                raise BlobfeedError(
+                    f"source {self.source.name!r}, net {self.net_name!r}: the pipeline was never "
+                    "started; call start() on the coordinator that init_data_input_workers "
+                    "returned before Net.run()"
+                )
+            deadline = t0 + limit
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    cs.timeouts += 1
+                    raise DequeueTimeout(
+                        f"source {self.source.name!r}, net {self.net_name!r}: "
+                        f"no batch within {limit:g} s"
+                    ) from None
+                try:
+                    return self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))
+                except DequeueTimeout:
+                    waited = time.perf_counter() - t0
+                    if waited >= SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
+                        logger.warning(
+                            "data input is slow: net %r has waited %.0f s for source %r "
+                            "(internal queue %d chunks, %d fetchers alive)",
+                            self.net_name, waited, self.source.name,
+                            self.source.queue.qsize(), self.source.workers_alive(),
+                        )
+        finally:
+            cs.wait.observe(time.perf_counter() - t0)
+
+
+def _unplaced(arrays: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
+    raise RuntimeError("this feed's enqueuer has ended")

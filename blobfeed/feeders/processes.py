@@ -1,0 +1,402 @@
+"""Process workers: each worker is a child process, past the GIL.
+
+For each worker the parent keeps:
+
+* a :class:`~blobfeed.feeders.transport.SlotArea` (an anonymous ``memfd``)
+  and a pipe of free slot indexes back to the child;
+* a receiver thread that reads the child's messages and hands each result to
+  the worker's :class:`~blobfeed.feeders.source.WorkerIntake`, blocking when
+  the internal queue is full (so backpressure reaches the child: it cannot
+  get ahead by more than its slots and one pipe buffer);
+
+and one watcher thread per group waits on every child's sentinel, so a child
+that dies is an error within milliseconds, not at the next poll.
+
+Children are started by a ``forkserver`` (never a plain fork of this
+multi-threaded process), die with the program (``PR_SET_PDEATHSIG``), and
+are killed by ``stop()`` if they do not end by themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import BlobfeedError
+from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
+from .child import child_main
+from .chunks import Pin
+from .transport import SLOT_INDEX, FdHandle, SlotArea, mem_available, unpack_exception
+
+__all__ = ["ProcessBackend"]
+
+logger = logging.getLogger("blobfeed.feeders.processes")
+
+#: seconds stop() lets a child end by itself before it is killed
+STOP_GRACE_S = 0.25
+
+
+class ProcessBackend:
+    """Workers are child processes (``backend="processes"``).
+
+    Args:
+        slots: shared-memory slots per worker: how many large chunks a worker
+            can have in flight (in the internal queue, being re-batched, or
+            viewed by batches).
+        slot_bytes: the size of one slot; a larger chunk is pickled through
+            the pipe instead (logged once).
+        start_method: ``"forkserver"`` (default) or ``"spawn"``; never
+            ``"fork"``, which is unsafe in a multi-threaded process.
+
+    ``fetch_fun`` and ``worker_init_fun`` must pickle (a module-level
+    function, or anything cloudpickle handles); each worker process gets its
+    own copy, so state they keep is per worker.
+    """
+
+    name = "processes"
+
+    def __init__(self, *, slots: int = 8, slot_bytes: int = 16 * 1024 * 1024, start_method: str = "forkserver") -> None:
+        from ..arguments import check_index
+
+        self.slots = check_index("slots", slots, minimum=2)
+        self.slot_bytes = check_index("slot_bytes", slot_bytes, minimum=4096)
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+        self.start_method = start_method
+
+    def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:
+        _payload(fetch_fun, worker_init_fun)
+
+    def launch(self, plan: LaunchPlan) -> WorkerGroup:
+        need = len(plan.workers) * self.slots * self.slot_bytes
+        free = mem_available()
+        if free is not None and need > free:
+            raise BlobfeedError(
+                f"source {plan.source!r}: process workers need {need / 2**20:.0f} MiB of shared "
+                f"memory ({len(plan.workers)} workers x {self.slots} slots x "
+                f"{self.slot_bytes / 2**20:.1f} MiB) and the machine has {free / 2**20:.0f} MiB "
+                "available; pass backend=ProcessBackend(slots=..., slot_bytes=...) with less"
+            )
+        return _ProcessGroup(self, plan, _payload(plan.fetch_fun, plan.worker_init_fun))
+
+    def __repr__(self) -> str:
+        return f"ProcessBackend(slots={self.slots}, slot_bytes={self.slot_bytes}, start_method={self.start_method!r})"
+
+
+def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> bytes:
+    """``(fetch_fun, worker_init_fun)`` pickled for the children.
+
+    Raises:
+        TypeError: naming what does not pickle, before anything starts.
+    """
+    try:
+        import cloudpickle
+
+        dumps: Callable[[Any], bytes] = cloudpickle.dumps
+    except ImportError:  # pragma: no cover - a dependency
+        dumps = pickle.dumps
+    for what, obj in (("fetch_fun", fetch_fun), ("worker_init_fun", worker_init_fun)):
+        try:
+            dumps(obj)
+        except Exception as exc:
+            raise TypeError(
+                f"{what} {obj!r} cannot be sent to a worker process: {exc!r}. With "
+                "backend='processes' it must pickle (a module-level function, or anything "
+                "cloudpickle handles) together with what it refers to"
+            ) from exc
+    return dumps((fetch_fun, worker_init_fun))
+
+
+class _SlotPin(Pin):
+    """Keeps one slot busy while any array views it (see :class:`Pin`)."""
+
+    __slots__ = ("_worker",)
+
+    def __init__(self, worker: "_Worker") -> None:
+        self._worker = worker
+
+    def views_ok(self) -> bool:
+        return self._worker.views_ok()
+
+
+class _Worker:
+    """The parent's end of one worker process."""
+
+    def __init__(self, group: "_ProcessGroup", w: WorkerPlan) -> None:
+        self.plan = w
+        self.group = group
+        self.name = f"blobfeed-fetch-{group.source}-{w.worker_id}"
+        backend = group.backend
+        self.area, area_fd = SlotArea.create(self.name, backend.slots, backend.slot_bytes)
+        free_r, self._free_w = os.pipe()
+        os.set_blocking(self._free_w, False)
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._closed = False
+        #: the child said "done" (StopIteration): its exit is not a death
+        self.done = False
+        self._death_reported = False
+        recv_conn, send_conn = group.ctx.Pipe(duplex=False)
+        self.conn = recv_conn
+        info = w.info
+        self.process = group.ctx.Process(
+            target=child_main,
+            name=self.name,
+            args=(
+                w.worker_id, info.index, info.num_workers, info.source, info.seed,
+                group.payload, w.intake.on_error, FdHandle(area_fd), backend.slots,
+                backend.slot_bytes, FdHandle(free_r), send_conn,
+            ),
+            daemon=True,
+        )
+        try:
+            self.area.set_hint(group.plan.batch_size_hint())
+            self.process.start()
+        finally:
+            # the child has its copies now (or never will): ours go
+            os.close(area_fd)
+            os.close(free_r)
+            send_conn.close()
+        self.thread = threading.Thread(
+            target=thread_main,
+            args=(f"blobfeed-recv-{group.source}-{w.worker_id}", self._receive, group.plan.on_thread_exit),
+            name=f"blobfeed-recv-{group.source}-{w.worker_id}",
+            daemon=True,
+        )
+
+    # -- slots --------------------------------------------------------------
+    def views_ok(self) -> bool:
+        # A quarter of the slots must stay free for the child to write into:
+        # past that, batches are copied out instead of viewing a slot.
+        return self._in_use <= self.area.slots - max(1, self.area.slots // 4)
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back to the child: nothing views it any more.  Runs
+        wherever the last view dies (a finalizer), so it never blocks."""
+        with self._lock:
+            self._in_use -= 1
+            if self._closed:
+                return
+            try:
+                os.write(self._free_w, SLOT_INDEX.pack(slot))
+            except OSError:
+                pass  # the child is gone
+
+    def _views(self, slot: int, meta: list[tuple[str, tuple[int, ...], int]], as_tuple: bool) -> tuple[Any, int]:
+        area = self.area
+        used = max(off + int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, off in meta)
+        root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
+        root.flags.writeable = False
+        with self._lock:
+            self._in_use += 1
+        # Every view's base is `root` (numpy collapses view chains to it), so
+        # the slot returns to the child when the last view of it dies.
+        weakref.finalize(root, self.release, slot)
+        arrays = [
+            root[off:off + int(np.prod(shape)) * np.dtype(dt).itemsize].view(dt).reshape(shape)
+            for dt, shape, off in meta
+        ]
+        return (tuple(arrays) if as_tuple else arrays), used
+
+    # -- the receiver thread ----------------------------------------------------
+    def _receive(self) -> None:
+        intake = self.plan.intake
+        observe = intake.stats.fetch.observe
+        hint = self.group.plan.batch_size_hint
+        area = self.area
+        loads = pickle.loads
+        pin = _SlotPin(self)
+        exhausted = False
+        intake.started()
+        try:
+            while True:
+                try:
+                    data = self.conn.recv_bytes()
+                except (EOFError, OSError):
+                    break  # the child ended: its sentinel tells how
+                area.set_hint(hint())
+                msg = loads(data)
+                kind = msg[0]
+                if kind == "items":
+                    share = len(data) // max(1, len(msg[1]))
+                    for seconds, raw in msg[1]:
+                        observe(seconds)
+                        if not intake.result(raw, None, share):
+                            return
+                elif kind == "slot":
+                    _, seconds, slot, meta, as_tuple = msg
+                    observe(seconds)
+                    arrays, used = self._views(slot, meta, as_tuple)
+                    if not intake.result(arrays, pin, used + len(data)):
+                        return
+                elif kind == "error":
+                    _, seconds, exc_data, tb, fatal = msg
+                    observe(seconds)
+                    if not intake.exception(unpack_exception(exc_data, tb), fatal=fatal, remote_tb=tb):
+                        return
+                elif kind == "done":
+                    observe(msg[1])
+                    self.done = exhausted = True
+                    return
+            # EOF without "done": the child died; the watcher may have said so already
+            self.process.join(1.0)
+            self.report_death()
+        finally:
+            intake.finished(exhausted)
+
+    def report_death(self) -> None:
+        with self._lock:
+            if self.done or self._death_reported or self.group.stopping:
+                return
+            self._death_reported = True
+        self.plan.intake.died(f"worker process pid {self.process.pid} {_describe(self.process.exitcode)}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            try:
+                os.close(self._free_w)
+            except OSError:
+                pass
+        self.conn.close()
+        # The mapping stays while batches the user keeps view it; the
+        # memory goes with the last of them (no descriptor is left open).
+        self.area = None  # type: ignore[assignment]
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "is still running but closed its pipe"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} ({-code})"
+    if code == 0:
+        return "exited (code 0) without finishing: os._exit() or sys.exit() inside fetch_fun?"
+    return f"exited with code {code}"
+
+
+class _ProcessGroup:
+    def __init__(self, backend: ProcessBackend, plan: LaunchPlan, payload: bytes) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.payload = payload
+        self.source = plan.source
+        self.ctx = multiprocessing.get_context(backend.start_method)
+        self.stopping = False
+        self._wake_r, self._wake_w = os.pipe()
+        self.workers: list[_Worker] = []
+        try:
+            for w in plan.workers:
+                self.workers.append(_Worker(self, w))
+        except BaseException:
+            self._abort_start()
+            raise
+        for wk in self.workers:
+            wk.thread.start()
+        self.watcher = threading.Thread(
+            target=thread_main,
+            args=(f"blobfeed-watch-{self.source}", self._watch, plan.on_thread_exit),
+            name=f"blobfeed-watch-{self.source}",
+            daemon=True,
+        )
+        self.watcher.start()
+
+    def _abort_start(self) -> None:
+        self.stopping = True
+        for wk in self.workers:
+            if wk.process.is_alive():
+                wk.process.kill()
+            wk.process.join(5.0)
+            wk.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _watch(self) -> None:
+        """Wait on every child's sentinel at once: a death is seen at once."""
+        waiting = {wk.process.sentinel: wk for wk in self.workers}
+        try:
+            while waiting:
+                ready = multiprocessing.connection.wait([*waiting, self._wake_r])
+                if self._wake_r in ready:
+                    return
+                for s in ready:
+                    wk = waiting.pop(s)  # type: ignore[call-overload]
+                    wk.process.join(0)
+                    code = wk.process.exitcode
+                    if code != 0:
+                        # abnormal for sure: do not wait for the receiver,
+                        # which may be blocked on a full queue
+                        wk.report_death()
+        finally:
+            os.close(self._wake_r)
+
+    def request_stop(self) -> None:
+        self.stopping = True
+        for wk in self.workers:
+            if wk.area is not None:
+                wk.area.set_stop()
+            with wk._lock:
+                if not wk._closed:
+                    try:
+                        os.write(wk._free_w, SLOT_INDEX.pack(-1))
+                    except OSError:
+                        pass
+
+    def join(self, deadline: float | None) -> list[str]:
+        now = time.monotonic()
+        grace_end = now + STOP_GRACE_S if deadline is None else min(deadline, now + STOP_GRACE_S)
+        if self.stopping:
+            for wk in self.workers:
+                wk.process.join(max(0.0, grace_end - time.monotonic()))
+            for wk in self.workers:
+                if wk.process.is_alive():
+                    logger.info("stop: killing worker process %s (pid %d)", wk.name, wk.process.pid)
+                    wk.process.kill()
+        stuck = []
+        for wk in self.workers:
+            wk.process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            wk.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if wk.process.is_alive():
+                stuck.append(wk.name)
+            if wk.thread.is_alive():
+                stuck.append(wk.thread.name)
+        if not any(wk.process.is_alive() for wk in self.workers):
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+            self.watcher.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if self.watcher.is_alive():
+                stuck.append(self.watcher.name)
+        if not stuck:
+            self._release()
+        return stuck
+
+    def _release(self) -> None:
+        for wk in self.workers:
+            if wk.area is not None:
+                wk.close()
+        try:
+            os.close(self._wake_w)
+        except OSError:
+            pass
+
+    def alive(self) -> list[str]:
+        out = [wk.name for wk in self.workers if wk.process.is_alive()]
+        out += [wk.thread.name for wk in self.workers if wk.thread.is_alive()]
+        if self.watcher.is_alive():
+            out.append(self.watcher.name)
+        return out

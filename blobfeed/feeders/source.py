@@ -1,0 +1,300 @@
+"""An input source: the internal queue shared by every net fed from one
+source name, the lifecycle of its workers, and each worker's intake."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Literal, Protocol, Sequence
+
+from ..errors import ChunkError, EndOfInput, FetcherError
+from ..queues import BlobsQueue
+from ..stats import FetchStats, MetricsHub
+from .chunks import Chunk, ChunkValidator, ModelInput, Pin, guess_samples
+
+
+class FeedEnd(Protocol):
+    """What a source needs of each feed (one per net) that takes its chunks."""
+
+    net_name: str
+    model_checks: tuple[tuple[int, str, ModelInput], ...]
+
+    def abort(self, error: BaseException) -> int: ...
+    def buffered_samples(self) -> int: ...
+    def device_queue_depth(self) -> int: ...
+
+__all__ = ["FeedEnd", "InputSource", "OnError", "SourceStopped", "WorkerIntake"]
+
+logger = logging.getLogger("blobfeed.feeders")
+
+OnError = Literal["raise", "skip"]
+
+
+class SourceStopped(EndOfInput):
+    """Internal: the source was stopped; enqueuers must not flush leftovers."""
+
+
+class InputSource:
+    """Everything behind one ``input_source_name``: the internal queue, the
+    fetchers' lifecycle and the feeds (one per net) that share it.
+
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        capacity: int,
+        n_blobs: int,
+        axes: Sequence[int],
+        hub: MetricsHub,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.name = name
+        #: told of the first fetcher error (the coordinator's should_stop/join)
+        self._on_failure = on_failure
+        # Fetchers blocked on a full queue sleep until it is half empty, then
+        # refill it in a burst: far fewer wake-ups than one per chunk.
+        self.queue: BlobsQueue[Chunk] = BlobsQueue(
+            capacity, name=f"{name}/internal", low_water=capacity // 2
+        )
+        self.n_blobs = n_blobs
+        self.axes = tuple(axes)
+        self.validator = ChunkValidator(name, [f"#{i}" for i in range(n_blobs)], axes)
+        self.feeds: list[FeedEnd] = []
+        #: fetchers stop fetching once this is True.  A plain attribute, not
+        #: an Event: request_stop() sets it from a signal handler, where even
+        #: an Event's internal lock could be held by the interrupted code.
+        self.halted = False
+        self.hub = hub
+        self._lock = threading.Lock()
+        self._fetchers_registered = 0
+        self._fetchers_running = 0
+        self._fetchers_finished = 0
+        self.error: BaseException | None = None
+        self.stopped = False
+        #: samples a fetcher holds while blocked putting them (worker id -> n);
+        #: each fetcher writes only its own key
+        self.inflight: dict[int, int] = {}
+        self.lagging_warned_at = time.monotonic()
+        hub.attach_source(self)
+
+    # -- fetcher lifecycle -------------------------------------------------
+    def register_fetchers(self, n: int) -> None:
+        """Count ``n`` more fetchers in; refuses a source that has ended.
+
+        Raises:
+            ValueError: the source ended (every fetcher finished), failed or was stopped.
+        """
+        with self._lock:
+            if self.finished or self.error is not None or self.stopped or self.queue.closed:
+                raise ValueError(
+                    f"source {self.name!r} has ended; stop_coordinator({self.name!r}) "
+                    "before feeding from that name again"
+                )
+            self._fetchers_registered += n
+
+    def fetcher_started(self) -> None:
+        with self._lock:
+            self._fetchers_running += 1
+
+    def fetcher_finished(self, exhausted: bool) -> None:
+        """A fetcher thread ends; when the last one of the source raised
+        StopIteration the stream ends after what is queued."""
+        with self._lock:
+            self._fetchers_running -= 1
+            if exhausted:
+                self._fetchers_finished += 1
+            last = self._fetchers_finished == self._fetchers_registered
+        if last and exhausted:
+            logger.info("source %r: every fetcher finished; draining", self.name)
+            self.queue.close()
+
+    @property
+    def finished(self) -> bool:
+        """True once every fetcher raised StopIteration."""
+        return self._fetchers_registered > 0 and self._fetchers_finished == self._fetchers_registered
+
+    def workers_alive(self) -> int:
+        return self._fetchers_running
+
+    def queue_depth(self) -> int:
+        return self.queue.qsize()
+
+    def queue_capacity(self) -> int:
+        return self.queue.capacity
+
+    # -- ending --------------------------------------------------------------
+    def fail(self, error: FetcherError) -> None:
+        """on_error="raise": abort the source; every net gets ``error``."""
+        with self._lock:
+            if self.error is not None or self.stopped:
+                return
+            self.error = error
+        logger.error("source %r stopped by a fetcher error: %s", self.name, error)
+        self.halted = True
+        lost = self._samples_in(self.queue.close(error))
+        for feed in list(self.feeds):
+            lost += feed.abort(error)
+        self.hub.count_dropped(self.name, "error", lost)
+        if self._on_failure is not None:
+            self._on_failure(error)
+
+    def stop(self) -> None:
+        """Stop fetchers and enqueuers; queued data is discarded. Idempotent."""
+        with self._lock:
+            if self.stopped:
+                return
+            self.stopped = True
+        self.halted = True
+        err = SourceStopped(f"source {self.name!r} was stopped")
+        lost = self._samples_in(self.queue.close(err))
+        for feed in list(self.feeds):
+            lost += feed.abort(EndOfInput(f"source {self.name!r} was stopped"))
+        self.hub.count_dropped(self.name, "stopped", lost)
+
+    def model_checks(self) -> list[tuple[int, str, ModelInput]]:
+        """What a worker's first chunk is checked against: every model input
+        that a blob of this source feeds, in every net the source feeds."""
+        return [c for f in list(self.feeds) for c in f.model_checks]
+
+    @property
+    def lost_reason(self) -> str:
+        """Why data still inside blobfeed will never reach a net now."""
+        return "error" if self.error is not None else "stopped"
+
+    @staticmethod
+    def _samples_in(items: Sequence[Any]) -> int:
+        return sum(item.n for item in items)
+
+    # -- metrics -------------------------------------------------------------
+    def device_queue_depths(self) -> list[tuple[str, int]]:
+        return [(f.net_name, f.device_queue_depth()) for f in list(self.feeds)]
+
+    def buffered_samples(self) -> int:
+        total = self._samples_in(self.queue.snapshot()) + sum(list(self.inflight.values()))
+        for f in list(self.feeds):
+            total += f.buffered_samples()
+        return total
+
+
+class WorkerIntake:
+    """The source's end of one worker, whatever runs it (thread, process, actor).
+
+    Every backend hands what the worker's ``fetch_fun`` produced to its
+    intake: a result is validated, counted and queued (blocking while the
+    internal queue is full: that is the backpressure); an exception or a
+    malformed chunk fails the source or is skipped, as ``on_error`` says.
+    One writer: the thread that runs the worker, or that receives from it.
+    """
+
+    def __init__(
+        self,
+        source: InputSource,
+        worker_id: int,
+        blob_names: Sequence[str],
+        on_error: OnError,
+        stats: FetchStats,
+        backend: str,
+    ) -> None:
+        self.source = source
+        self.worker_id = worker_id
+        self.blob_names = tuple(blob_names)
+        self.on_error = on_error
+        self.stats = stats
+        self.backend = backend
+        #: index of the next fetch_fun call (the ``seq`` of its chunk)
+        self.calls = 0
+        self._model_checked = False
+        self._where = f"source {source.name!r}, worker {worker_id}"
+
+    @property
+    def halted(self) -> bool:
+        """True once the source stopped or failed: the worker should stop fetching."""
+        return self.source.halted
+
+    def started(self) -> None:
+        self.source.fetcher_started()
+
+    def finished(self, exhausted: bool) -> None:
+        """The worker ended; ``exhausted``: by StopIteration (its data is done)."""
+        self.source.inflight.pop(self.worker_id, None)
+        self.source.fetcher_finished(exhausted)
+
+    def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0) -> bool:
+        """One value ``fetch_fun`` returned.  Returns False when the worker must stop."""
+        src = self.source
+        stats = self.stats
+        seq = self.calls
+        self.calls = seq + 1
+        if transport_bytes:
+            stats.transport_bytes[self.backend] += transport_bytes
+        try:
+            # The first chunk of each worker is checked against the model;
+            # later ones must match the source's layout, so one check covers them.
+            chunk = src.validator.check(
+                raw, self.worker_id, self.blob_names,
+                None if self._model_checked else src.model_checks(), seq, pin,
+            )
+        except ChunkError as err:
+            stats.errors["invalid"] += 1
+            if self.on_error == "skip":
+                stats.skipped_samples += guess_samples(raw, src.axes)
+                logger.warning("%s; chunk skipped (on_error='skip')", err)
+                return True
+            src.fail(err)
+            return False
+        if isinstance(chunk, str):
+            stats.errors[chunk] += 1
+            logger.warning(
+                "%s: fetch_fun returned %s; skipped",
+                self._where, "None" if chunk == "none" else "a chunk with no samples",
+            )
+            return True
+        self._model_checked = True
+        stats.chunks += 1
+        stats.samples += chunk.n
+        stats.bytes += sum(a.nbytes for a in chunk.arrays)
+        inflight = src.inflight
+        inflight[self.worker_id] = chunk.n
+        ok = src.queue.put(chunk)
+        inflight[self.worker_id] = 0
+        if not ok:
+            stats.dropped[src.lost_reason] += chunk.n
+        return ok
+
+    def exception(self, exc: BaseException, *, fatal: bool = False, remote_tb: str | None = None) -> bool:
+        """``fetch_fun`` (or ``worker_init_fun`` when ``fatal``) raised ``exc``
+        (in another process: ``remote_tb`` is its traceback there).
+
+        Returns True when the worker carries on (``on_error="skip"``).
+        """
+        self.calls += 1
+        self.stats.errors["exception"] += 1
+        if self.halted:
+            return False
+        what = "worker_init_fun" if fatal else "fetch_fun"
+        err = FetcherError(f"{self._where}: {what} raised {exc!r}")
+        err.__cause__ = exc
+        if remote_tb is not None:
+            note = f"traceback in the worker ({self.backend}):\n{remote_tb.rstrip()}"
+            if hasattr(err, "add_note"):
+                err.add_note(note)
+            else:  # Python 3.10
+                err.args = (f"{err.args[0]}\n{note}",)
+        # BaseException too: a worker dying silently would leave the consumer
+        # waiting for its timeout instead of seeing the cause.
+        if self.on_error == "skip" and not fatal and isinstance(exc, Exception):
+            logger.warning("%s; skipped (on_error='skip')", err, exc_info=exc)
+            return True
+        self.source.fail(err)
+        return False
+
+    def died(self, detail: str) -> None:
+        """The worker ended other than by returning (killed, crashed, lost):
+        always an error of the source, whatever ``on_error`` says."""
+        self.stats.deaths[self.backend] += 1
+        if self.halted:
+            return
+        self.source.fail(FetcherError(f"{self._where} died: {detail}"))

@@ -1,0 +1,110 @@
+"""The package's imports run one way (docs/ARCHITECTURE.md).
+
+Every import counts, function-level and ``TYPE_CHECKING`` ones included:
+a module may import only modules of lower layers, and the applications only
+public modules.  A new module must be given its layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "blobfeed"
+
+#: lower imports higher never; same layer never (except a package and its parts)
+LAYERS: dict[str, int] = {
+    "blobfeed.errors": 0, "blobfeed.arguments": 0, "blobfeed.worker_info": 0, "blobfeed.stats": 0,
+    "blobfeed.queues": 1,
+    "blobfeed.feeders.chunks": 2,
+    "blobfeed.feeders.rebatch": 3,
+    "blobfeed.feeders.source": 4,
+    "blobfeed.feeders.enqueuer": 5,
+    "blobfeed.feeders.backends": 6,
+    "blobfeed.feeders.transport": 6,
+    "blobfeed.feeders.child": 7,
+    "blobfeed.feeders.processes": 8,
+    "blobfeed.feeders": 9,
+    "blobfeed.net": 10, "blobfeed.metrics": 10,
+    "blobfeed.coordinator": 11,
+    "blobfeed": 12,
+    "blobfeed.ray": 13,
+    "blobfeed.models": 14, "blobfeed.bench": 14, "blobfeed.demo": 14, "blobfeed.cli": 14,
+}
+APPS = {"blobfeed.models", "blobfeed.bench", "blobfeed.demo", "blobfeed.cli"}
+#: what an application may import of the package
+PUBLIC = {"blobfeed", "blobfeed.metrics", "blobfeed.ray"} | APPS
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, name: str | None = None) -> set[str]:
+    """Every blobfeed module ``path`` (module ``name``) imports, wherever the
+    import statement is."""
+    name = module_name(path) if name is None else name
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "blobfeed")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "blobfeed":
+                continue
+            # `from . import x` / `from .feeders import y`: x may be a module
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in LAYERS else target)
+    found.discard(name)
+    return found
+
+
+def all_modules() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = [module_name(p) for p in all_modules() if module_name(p) not in LAYERS]
+    assert not missing, f"give these modules a layer in tests/test_layers.py: {missing}"
+
+
+@pytest.mark.parametrize("path", all_modules(), ids=module_name)
+def test_imports_run_one_way(path: Path) -> None:
+    me = module_name(path)
+    bad = []
+    for target in sorted(imports_of(path)):
+        if me in APPS:
+            if target not in PUBLIC:
+                bad.append(f"{target} (an application uses public modules only)")
+        elif target not in LAYERS:
+            bad.append(f"{target} (no layer)")
+        elif LAYERS[target] >= LAYERS[me] and not me.startswith(target + "."):
+            bad.append(f"{target} (layer {LAYERS[target]} >= {me}'s {LAYERS[me]})")
+        elif me.startswith(target + "."):
+            bad.append(f"{target} (a module must not import its own package)")
+    assert not bad, f"{me} imports upward: {bad}"
+
+
+def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
+    """The checker itself: planted upward imports, at module and function level, are found."""
+    fake = tmp_path / "queues.py"
+    fake.write_text(
+        (PKG / "queues.py").read_text()
+        + "\ndef f():\n    from .coordinator import GlobalCoordinator\n"
+        + "\nif False:\n    from . import net\n"
+    )
+    found = imports_of(fake, "blobfeed.queues")
+    assert {"blobfeed.coordinator", "blobfeed.net"} <= found
