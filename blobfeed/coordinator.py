@@ -19,10 +19,12 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
+import numpy as np
 import prometheus_client
 from prometheus_client import CollectorRegistry
 
-from .arguments import check_flag, check_index, check_timeout
+from .arguments import check_flag, check_index, check_timeout, wait_bound
+from .errors import EndOfInput
 from .feeders import (
     Feed,
     FetcherBackend,
@@ -175,16 +177,29 @@ class WorkerCoordinator:
         self._stop_event.set()
 
     def _shutdown(self) -> None:
-        """Call ``shutdown_fun`` once, if this coordinator was started."""
+        """Call ``shutdown_fun`` once, if this coordinator was started.
+
+        On a thread of its own, joined like the others: it is user code, and
+        a slow one must not hold up ``stop(timeout)`` or the exit.
+        """
         with self._log_lock:
-            if self._shutdown_done or not self.started:
+            if self._shutdown_done or not self.started or self._shutdown_fun is None:
                 return
             self._shutdown_done = True
-        if self._shutdown_fun is not None:
-            try:
-                self._shutdown_fun()
-            except Exception:
-                logger.exception("shutdown_fun of coordinator %r raised", self.name)
+        name = f"blobfeed-shutdown-{self.name}"
+        t = threading.Thread(
+            target=thread_main, args=(name, self._call_shutdown_fun, self._gc._thread_ended),
+            name=name, daemon=True,
+        )
+        self._threads.append(t)
+        t.start()
+
+    def _call_shutdown_fun(self) -> None:
+        assert self._shutdown_fun is not None
+        try:
+            self._shutdown_fun()
+        except Exception:
+            logger.exception("shutdown_fun of coordinator %r raised", self.name)
 
     def _join(self, deadline: float | None) -> list[str]:
         """Join our threads and workers until ``deadline`` (None: no bound);
@@ -245,12 +260,13 @@ class _GenericCoordinator(WorkerCoordinator):
         while not (self._halted or stop.is_set()):
             try:
                 fun(worker_id)
-            except Exception:
+            except Exception as exc:
                 logger.exception(
                     "worker %d of %r raised; stopping coordinator %r", worker_id, self.name, self.name
                 )
                 # Stop, but stay registered: the global stop() still joins
-                # the siblings and reports whether they ended.
+                # the siblings and reports whether they ended.  join() raises it.
+                self._gc._on_failure(exc)
                 stop.set()
                 self._shutdown()
                 self._call_loggers(final=True)
@@ -457,6 +473,8 @@ class GlobalCoordinator:
         self._first_error: BaseException | None = None
         #: a stop() ended every thread: the run is over until the next start()
         self._run_ended = False
+        #: stop_coordinator() names asked for from inside blobfeed before start()
+        self._pending_stops: list[str] = []
 
     def _make_locks(self) -> None:
         self._lock = threading.RLock()
@@ -504,6 +522,8 @@ class GlobalCoordinator:
             for c in pending:
                 c._run_init()
             with self._lock:
+                # not stopped meanwhile (a stop() during a slow init_fun)
+                pending = [c for c in pending if c in self._coordinators and not c._stop_event.is_set()]
                 if not pending:
                     return
                 if self._run_ended:
@@ -511,15 +531,17 @@ class GlobalCoordinator:
                     self._run_ended = False
                     self._stop_requested = False
                     self._stop_exc = self._first_error = None
-                if self._stopper is None:
+                if self._stopper is None or not self._stopper.thread.is_alive():
                     self._stopper = _Stopper(self._stop_requested_work)
                 for c in pending:
-                    if c in self._coordinators:  # not stopped meanwhile
-                        c._start()
+                    c._start()
                 _live_coordinators.add(self)
                 self._start_monitor()
                 if self._stop_requested:
                     self._stopper.post()
+                for name in self._pending_stops:
+                    self._stopper.post(name)
+                self._pending_stops.clear()
 
     def request_stop(self, exc: BaseException | None = None) -> None:
         """Ask every coordinator to stop, and return at once without joining.
@@ -566,7 +588,11 @@ class GlobalCoordinator:
                 :meth:`request_stop`, else the first fetcher error of any
                 source (``FetcherError``).
         """
-        t = None if timeout is None else check_timeout("timeout", timeout, allow_zero=True)
+        t = None if timeout is None else wait_bound(check_timeout("timeout", timeout, allow_zero=True))
+        inside = _inside_blobfeed()
+        if inside is not None:
+            # waiting here could wait for this very thread
+            return self._stop(t, "join")
         deadline = None if t is None else time.monotonic() + t
         with self._changed:
             woke = self._changed.wait_for(lambda: self.should_stop() or not self._alive_threads(), t)
@@ -591,6 +617,10 @@ class GlobalCoordinator:
         it is never swallowed."""
         try:
             yield
+        except EndOfInput:
+            # the input ended: a clean stop, as TF's OutOfRangeError is
+            self.request_stop()
+            raise
         except BaseException as exc:
             self.request_stop(exc)
             raise
@@ -603,7 +633,8 @@ class GlobalCoordinator:
             c._request_stop()
         self._thread_ended()  # wake join()
 
-    def _on_source_failed(self, error: BaseException) -> None:
+    def _on_failure(self, error: BaseException) -> None:
+        """A source failed or a generic worker raised: join() raises the first."""
         if self._first_error is None:
             self._first_error = error
         self._thread_ended()
@@ -637,7 +668,7 @@ class GlobalCoordinator:
             ``fetch_fun`` that never returns cannot be interrupted), which
             are named in the log.
         """
-        return self._stop(check_timeout("timeout", timeout, allow_zero=True), "stop")
+        return self._stop(wait_bound(check_timeout("timeout", timeout, allow_zero=True)), "stop")
 
     def _stop(self, timeout: float | None, what: str) -> bool:
         inside = _inside_blobfeed()
@@ -652,6 +683,7 @@ class GlobalCoordinator:
             )
             return False
         self._stop_requested = True
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             victims = list(self._coordinators)
         ok = self._stop_coordinators(victims, timeout)
@@ -661,16 +693,23 @@ class GlobalCoordinator:
             # What is still listed has threads stuck in user code: they end by
             # themselves (or never); the helpers have nothing left to do.
             self._run_ended = True
-            monitor, self._monitor = self._monitor, None
-            stopper, self._stopper = self._stopper, None
+            monitor, stopper = self._monitor, self._stopper
             self._monitor_stop.set()
         if stopper is not None:
             stopper.close()
-        # joined outside the lock: a tick in progress may be waiting for it
+        # Joined outside the lock (a tick in progress may be waiting for it),
+        # and forgotten only once ended: a Ctrl-C in between leaves them for
+        # the next stop() to finish.
         for t in (monitor, stopper.thread if stopper is not None else None):
             if t is not None and t is not threading.current_thread():
-                t.join(timeout=None if timeout is None else max(timeout, 0.1))
+                # they end at once when told: a moment past the deadline is theirs
+                t.join(None if deadline is None else max(0.05, deadline - time.monotonic()))
                 ok = ok and not t.is_alive()
+        with self._lock:
+            if self._monitor is monitor and (monitor is None or not monitor.is_alive()):
+                self._monitor = None
+            if self._stopper is stopper and (stopper is None or not stopper.thread.is_alive()):
+                self._stopper = None
         return ok
 
     def stop_coordinator(self, name: str, timeout: float = DEFAULT_JOIN_TIMEOUT) -> bool:
@@ -679,12 +718,17 @@ class GlobalCoordinator:
         Returns:
             As :meth:`stop`; True also when no coordinator has that name.
         """
-        t = check_timeout("timeout", timeout, allow_zero=True)
+        t = wait_bound(check_timeout("timeout", timeout, allow_zero=True))
         inside = _inside_blobfeed()
         if inside is not None:
+            for c in list(self._coordinators):
+                if c.name == name:
+                    c._halt()
             stopper = self._stopper
             if stopper is not None:
                 stopper.post(name)
+            else:  # before the first start(): start() carries it out
+                self._pending_stops.append(name)
             logger.error(
                 "stop_coordinator(%r) called from inside blobfeed (%s): requested, not waited for",
                 name, inside,
@@ -703,8 +747,12 @@ class GlobalCoordinator:
         for c in victims:
             c._call_loggers(final=True)
         stuck: list[str] = []
+        stuck_coordinators = []
         for c in victims:
-            stuck += c._join(deadline)
+            names = c._join(deadline)
+            stuck += names
+            if names:
+                stuck_coordinators.append(c)
         with self._lock:
             for c in victims:
                 if c in self._coordinators and not c._alive():
@@ -713,6 +761,8 @@ class GlobalCoordinator:
                         if not any(getattr(o, "source", None) is c.source for o in self._coordinators):
                             del self._sources[c.name]
                     c._retire()
+            # one that start() started while we joined is still listed: not ended
+            still = [c.name for c in victims if c in self._coordinators and c not in stuck_coordinators]
         if stuck:
             logger.error(
                 "stop: %d thread(s) still running after %.1f s: %s -- a fetch_fun, worker_fun "
@@ -720,7 +770,9 @@ class GlobalCoordinator:
                 "daemons and will not keep the process alive; stop() again to wait for them",
                 len(stuck), timeout if timeout is not None else float("inf"), ", ".join(stuck),
             )
-        return not stuck
+        elif still:
+            logger.error("stop: coordinators %s started while stopping; stop() again", still)
+        return not stuck and not still
 
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None:
         """Change the batch size of source ``name`` into ``net``.
@@ -777,6 +829,8 @@ class GlobalCoordinator:
         for c in self._coordinators:
             if isinstance(c, DataInputCoordinator):
                 c.feed.mark_forked()
+                # plain stores (its lock may be held): the net can be re-wired
+                c.source.stopped = c.source.halted = True
         self._make_locks()
         self._coordinators = []
         self._sources = {}
@@ -824,14 +878,15 @@ _STOP_ENTRIES = frozenset({
     GlobalCoordinator.__exit__.__code__,
     _stop_all_at_exit.__code__,
 })
-#: The library's own code, where a thread may hold a pipeline lock; the
-#: applications (cli, bench, demo, models) call stop() like any user.
-_CORE_FILES = frozenset(
-    os.path.join(dirpath, f)
-    for dirpath, _, files in os.walk(os.path.dirname(os.path.abspath(__file__)))
-    for f in files
-    if f.endswith(".py") and f not in ("bench.py", "cli.py", "demo.py", "models.py")
-)
+#: The applications call stop() like any user: they hold no pipeline lock.
+_APPLICATIONS = frozenset({"blobfeed.bench", "blobfeed.cli", "blobfeed.demo", "blobfeed.models"})
+
+
+def _is_core(module: str) -> bool:
+    """Is ``module`` (a ``__name__``) the library's own code, where a thread
+    may hold a pipeline lock?  By module name, not file name: file names
+    differ from ``co_filename`` in pyc-only and frozen installs."""
+    return (module == "blobfeed" or module.startswith("blobfeed.")) and module not in _APPLICATIONS
 
 
 def _inside_blobfeed() -> str | None:
@@ -845,9 +900,9 @@ def _inside_blobfeed() -> str | None:
     while f is not None and f.f_code in _STOP_ENTRIES:
         f = f.f_back
     while f is not None:
-        code = f.f_code
-        if code.co_filename in _CORE_FILES:
-            return f"{code.co_name}() in {os.path.basename(code.co_filename)}"
+        module = f.f_globals.get("__name__", "")
+        if _is_core(module):
+            return f"{f.f_code.co_name}() in {module}"
         f = f.f_back
     return None
 
@@ -871,7 +926,7 @@ def resolve_backend(backend: Any) -> FetcherBackend:
 
 
 def _check_common(
-    num_worker_threads: Any, name: Any, init_fun: Any, external_loggers: Any, coordinator: Any
+    name: Any, init_fun: Any, external_loggers: Any, coordinator: Any
 ) -> tuple[GlobalCoordinator, list[ExternalLogger]]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"the source / worker name must be a non-empty str, got {name!r}")
@@ -914,7 +969,7 @@ def init_workers(
     if shutdown_fun is not None and not callable(shutdown_fun):
         raise TypeError(f"shutdown_fun must be callable, got {type(shutdown_fun).__name__}")
     num_worker_threads = check_index("num_worker_threads", num_worker_threads)
-    gc, loggers = _check_common(num_worker_threads, worker_name, init_fun, external_loggers, coordinator)
+    gc, loggers = _check_common(worker_name, init_fun, external_loggers, coordinator)
     ids = gc._allocate(num_worker_threads)
     gc._add(_GenericCoordinator(worker_fun, gc, worker_name, ids, init_fun, shutdown_fun, loggers))
     return gc
@@ -1015,6 +1070,8 @@ def init_data_input_workers(
     if batch_columns is None:
         axes = [0] * len(names)
     else:
+        if isinstance(batch_columns, np.ndarray):
+            batch_columns = batch_columns.tolist()
         if isinstance(batch_columns, str) or not isinstance(batch_columns, Sequence):
             raise TypeError(f"batch_columns must be a list of ints, got {type(batch_columns).__name__}")
         if len(batch_columns) != len(names):
@@ -1040,9 +1097,8 @@ def init_data_input_workers(
             f"(outputs {list(net.output_names)}): run() would replace the fed values with the "
             "predictions in the workspace; feed them under other names"
         )
-    gc, loggers = _check_common(
-        num_worker_threads, input_source_name, init_fun, external_loggers, coordinator
-    )
+    gc, loggers = _check_common(input_source_name, init_fun, external_loggers, coordinator)
+    base_seed = draw_base_seed(input_source_name) if seed is None else seed
     with gc._lock:
         # Every check first, so a refused call leaves nothing behind.
         source = gc._sources.get(input_source_name)
@@ -1072,7 +1128,7 @@ def init_data_input_workers(
             source.register_fetchers(num_worker_threads)  # atomic with the source's end
         else:
             source = InputSource(
-                input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_source_failed
+                input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure
             )
             source.register_fetchers(num_worker_threads)
         feed = Feed(
@@ -1082,10 +1138,9 @@ def init_data_input_workers(
             model_inputs=net.input_specs,
         )
         net._attach(feed)
-        source.feeds.append(feed)
+        source.add_feed(feed)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
-        base_seed = draw_base_seed(input_source_name) if seed is None else seed
         gc._add(DataInputCoordinator(
             gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
             runner, worker_init_fun,

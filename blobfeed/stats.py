@@ -260,6 +260,14 @@ class MetricsHub:
                 t0, s0 = pts[0]
                 entry.inputs_per_second = (samples - s0) / (now - t0) if now > t0 else 0.0
 
+    def source_ended(self, source: str) -> None:
+        """``source`` stopped or failed: nothing more comes, say so now
+        (the monitor may not tick again)."""
+        with self._lock:
+            entry = self._entry(source)
+            entry.inputs_per_second = 0.0
+            entry.rate_points.clear()
+
     def reset_after_fork(self) -> None:
         """In a child made by ``os.fork()``: the parent's sources live on in
         the parent only; a parent thread may have held the lock."""

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import BlobfeedError, DequeueTimeout, EndOfInput, FetcherError
 from ..queues import BlobsQueue
 from ..stats import AssembleStats, ConsumeStats, MetricsHub
-from .chunks import Batch, ModelInput
+from .chunks import Batch, Chunk, ModelInput, check_model_inputs
 from .rebatch import Rebatcher
 from .source import InputSource, SourceStopped
 
@@ -113,6 +113,8 @@ class Feed:
         self._lost_reason = "stopped"
         #: set when the coordinator starts the enqueuer: run() before that is a user error
         self._started = False
+        #: the first batch handed to the net was checked against its model
+        self._first_checked = False
         self._group: FeedGroup | None = None
         #: (position, blob, model input) for each blob that feeds a model input
         self.model_checks: tuple[tuple[int, str, ModelInput], ...] = tuple(
@@ -257,9 +259,13 @@ class Feed:
             logger.exception("enqueuer %s/%s failed", src.name, self.net_name)
             err = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
             err.__cause__ = exc
+            # As a fetcher error would: the net's other sources and the
+            # coordinator (should_stop, join) hear of it.
+            lost = self.abort(err)
             with self._lock:
-                self.stats.dropped["error"] += sum(b.n for b in self.device_queue.close(err))
+                self.stats.dropped["error"] += lost
                 self._lose_all()
+            src.report_failure(err)
 
     def _drain(self, *, final: bool = False) -> bool:
         """Move every complete batch to the device queue; False once it is closed.
@@ -274,8 +280,10 @@ class Feed:
                     self._staged = self._assemble(self.stats)
                     if self._staged is None:
                         return True
-                    if not final:  # an empty queue is expected while flushing the end
-                        self._warn_if_lagging()
+                    # an empty queue is expected while flushing the end
+                    lagging = None if final else self._lagging()
+                    if lagging is not None:
+                        break
                 if dq.put(self._staged, timeout=0):
                     self._staged = None
                     continue
@@ -283,6 +291,12 @@ class Feed:
                     self._lose_all()
                     return False
             dq.wait_for_room()  # woken when the net has emptied the queue, or it closes
+        # never log holding the lock: a slow handler would hold up the net
+        logger.warning(
+            "data loading lagging behind: source %r internal queue holds %d chunks (net %r)",
+            self.source.name, lagging, self.net_name,
+        )
+        return self._drain(final=final)
 
     def _lose_all(self) -> None:
         """The device queue is closed: count what this feed still holds as dropped.  Under the lock.
@@ -296,16 +310,16 @@ class Feed:
         if n:
             self.stats.dropped[reason] += n
 
-    def _warn_if_lagging(self) -> None:
+    def _lagging(self) -> int | None:
+        """The internal queue's depth when "data loading lagging behind" is
+        due (at most once a minute per source; the first minute is warm-up)."""
         src = self.source
         now = time.monotonic()
-        # once a minute per source; the first minute is warm-up
-        if now - src.lagging_warned_at >= LAGGING_WARN_S and src.queue.qsize() < 2:
+        depth = src.queue.qsize()
+        if now - src.lagging_warned_at >= LAGGING_WARN_S and depth < 2:
             src.lagging_warned_at = now
-            logger.warning(
-                "data loading lagging behind: source %r internal queue holds %d chunks (net %r)",
-                src.name, src.queue.qsize(), self.net_name,
-            )
+            return depth
+        return None
 
     def _finish(self) -> None:
         """End of input: the leftover becomes one last batch, then the queue ends."""
@@ -313,22 +327,39 @@ class Feed:
             return
         with self._lock:
             left = self.rebatcher.pending
-            if left and self.drop_last:
+            dropped = bool(left and self.drop_last)
+            if dropped:
                 self.rebatcher.clear()
                 self.stats.dropped["drop_last"] += left
-                logger.info(
-                    "source %r, net %r: dropped a last partial batch of %d samples (drop_last=True)",
-                    self.source.name, self.net_name, left,
-                )
             elif left:
                 self._staged = self._assemble(self.stats, partial=True)
+        if dropped:
+            logger.info(
+                "source %r, net %r: dropped a last partial batch of %d samples (drop_last=True)",
+                self.source.name, self.net_name, left,
+            )
         if not self._drain(final=True):
             return
         self.device_queue.close()
 
     # -- the consumer side ---------------------------------------------------------
     def delivered(self, batch: Batch) -> None:
-        """Count ``batch`` as handed to the user (the net's thread)."""
+        """Count ``batch`` as handed to the user (the net's thread).
+
+        The first batch is checked against the net's model too: chunks
+        queued before this net was wired to a shared source were checked
+        against the models of the nets wired then.
+
+        Raises:
+            ChunkError: that batch does not fit the model.
+        """
+        if not self._first_checked:
+            self._first_checked = True
+            if self.model_checks and all(isinstance(a, np.ndarray) for a in batch.arrays):
+                check_model_inputs(
+                    Chunk(batch.arrays, batch.n, -1), self.model_checks, self.source.axes,
+                    f"source {self.source.name!r}, net {self.net_name!r} (a chunk queued before the net was wired)",
+                )
         self.consume_stats.batches += 1
         self.consume_stats.samples += batch.n
 
@@ -397,7 +428,7 @@ class Feed:
                     cs.timeouts += 1
                     raise DequeueTimeout(
                         f"source {self.source.name!r}, net {self.net_name!r}: "
-                        f"no batch within {limit:g} s"
+                        f"no batch within {limit:.3g} s"
                     ) from None
                 try:
                     return self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))

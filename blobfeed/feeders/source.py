@@ -63,6 +63,9 @@ class InputSource:
         self.axes = tuple(axes)
         self.validator = ChunkValidator(name, [f"#{i}" for i in range(n_blobs)], axes)
         self.feeds: list[FeedEnd] = []
+        #: bumped when a feed is added: workers check their next chunk against
+        #: the model of a net wired after their first one
+        self.checks_version = 0
         #: fetchers stop fetching once this is True.  A plain attribute, not
         #: an Event: request_stop() sets it from a signal handler, where even
         #: an Event's internal lock could be held by the interrupted code.
@@ -138,6 +141,7 @@ class InputSource:
         for feed in list(self.feeds):
             lost += feed.abort(error)
         self.hub.count_dropped(self.name, "error", lost)
+        self.hub.source_ended(self.name)
         if self._on_failure is not None:
             self._on_failure(error)
 
@@ -153,6 +157,18 @@ class InputSource:
         for feed in list(self.feeds):
             lost += feed.abort(EndOfInput(f"source {self.name!r} was stopped"))
         self.hub.count_dropped(self.name, "stopped", lost)
+        self.hub.source_ended(self.name)
+
+    def add_feed(self, feed: FeedEnd) -> None:
+        """A net starts taking this source's chunks."""
+        self.feeds.append(feed)
+        self.checks_version += 1
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the coordinator (``should_stop``/``join``) of an error that
+        ended a feed of this source without failing the source."""
+        if self._on_failure is not None:
+            self._on_failure(error)
 
     def model_checks(self) -> list[tuple[int, str, ModelInput]]:
         """What a worker's first chunk is checked against: every model input
@@ -206,7 +222,8 @@ class WorkerIntake:
         self.backend = backend
         #: index of the next fetch_fun call (the ``seq`` of its chunk)
         self.calls = 0
-        self._model_checked = False
+        #: the source's checks_version this worker's chunks were checked at
+        self._checked_at = -1
         self._where = f"source {source.name!r}, worker {worker_id}"
 
     @property
@@ -235,7 +252,7 @@ class WorkerIntake:
             # later ones must match the source's layout, so one check covers them.
             chunk = src.validator.check(
                 raw, self.worker_id, self.blob_names,
-                None if self._model_checked else src.model_checks(), seq, pin,
+                None if self._checked_at == src.checks_version else src.model_checks(), seq, pin,
             )
         except ChunkError as err:
             stats.errors["invalid"] += 1
@@ -252,7 +269,7 @@ class WorkerIntake:
                 self._where, "None" if chunk == "none" else "a chunk with no samples",
             )
             return True
-        self._model_checked = True
+        self._checked_at = src.checks_version
         stats.chunks += 1
         stats.samples += chunk.n
         stats.bytes += sum(a.nbytes for a in chunk.arrays)
