@@ -1,10 +1,13 @@
-"""``blobfeed bench``: workloads W1-W5 (docs/BENCHMARKS.md), blobfeed beside its baselines.
+"""``blobfeed bench``: workloads W1-W6 and W1p-W6p (docs/BENCHMARKS.md), blobfeed beside its baselines and peers.
 
 Every (workload, runner) measurement runs in a fresh child process so that
 peak RSS belongs to that runner alone; repetitions are interleaved (A B A B
 ...) so slow drift of a shared machine hits every runner alike; the median
 of the repetitions is reported, and ratios are taken between runners of the
 same invocation.
+
+Workloads W1-W6 run blobfeed's fetchers as threads; W1p, W2p, W4p and W6p
+are W1, W2, W4 and W6 with ``backend="processes"`` (2 worker processes).
 
 Runners:
 
@@ -16,93 +19,263 @@ Runners:
 * ``copy``       -- the copy bound (W2): one ``np.copyto`` per batch into
   buffers rotated through more memory than the last-level cache.
 * ``model``      -- the model alone (W5): ``InferenceSession.run`` on pre-made batches.
-* ``torch0`` / ``torch2`` -- torch's DataLoader with 0 / 2 workers, where torch is installed.
+* in-process peers (W1, W2), where installed: ``grain0`` (grain, no worker
+  process, chunks re-batched by grain), ``torch0`` (DataLoader, map-style
+  per-sample dataset, ``num_workers=0``), ``torch0it`` (DataLoader over an
+  iterable dataset of the chunks, re-batched in the loop).
+* process peers (W1p, W2p, W4p, W6p): ``grain2`` (``mp_prefetch``, 2
+  workers, chunks re-batched in the parent), ``grain2b`` (the same with the
+  re-batching inside the workers: exact batches per worker), ``torch2``
+  (DataLoader, map-style per-sample, ``num_workers=2``), ``torch2it``
+  (iterable dataset of the chunks, ``num_workers=2``, re-batched in the
+  parent) and ``pool`` (``multiprocessing.Pool(2).imap`` of the fetch
+  function, re-batched in the parent: what one writes by hand).  grain and
+  torch rows are skipped where the package is not installed, and the
+  targets that need them say "not evaluated (peer missing)".
 
 Exit status: 0 when every evaluated target is met; 1 when any is missed,
 including blobfeed losing a sample in any repetition (the missed targets are
-listed); 2 for a usage error or a measurement that crashed.
+listed), or when no target could be evaluated; 2 for a usage error or a
+measurement that crashed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import mmap
+import multiprocessing
 import os
 import queue
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["build_parser", "estimate_seconds", "evaluate", "main", "summarize", "verdict"]
+__all__ = [
+    "build_parser", "ensure_w6_corpus", "estimate_seconds", "evaluate", "main", "summarize", "verdict",
+]
 
-Fetch = Callable[[int, int], list]
+
+# --------------------------------------------------------------------------- a tally shared with workers
+class Tally:
+    """What the workers of one measurement report to its runner, through a
+    small shared file mapping, so that worker processes report as threads do:
+
+    * a stop flag: blobfeed's and Caffe2's fetchers raise ``StopIteration``
+      once it is set;
+    * per worker slot, the samples fetched (each slot has one writer);
+    * per worker slot, a ring of CPU times, in seconds per sample, of the
+      work a fetch did (W4's loop, W6's decodes), from ``time.thread_time``
+      in whichever thread or process did it.
+
+    It pickles as its path: a worker process maps the same file on first use.
+    """
+
+    WORKERS = 16
+    RING = 16384
+    _COUNTS = 1  # int64 words: [0] stop flag, [1..16] samples, [17..32] CPU times recorded
+    _NTIMES = 1 + WORKERS
+    _HEADER = 40  # words before the rings (float64)
+    SIZE = 8 * (_HEADER + WORKERS * RING)
+
+    def __init__(self) -> None:
+        shm = "/dev/shm"
+        folder = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+        fd, self.path = tempfile.mkstemp(prefix="blobfeed-bench-", dir=folder)
+        os.ftruncate(fd, self.SIZE)
+        os.close(fd)
+        self._owner = os.getpid()
+        self._q: Any = None  # memoryview of int64
+        self._d: Any = None  # memoryview of float64
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = state["path"]
+        self._owner = -1
+        self._q = self._d = None
+
+    def _open(self) -> tuple[Any, Any]:
+        if self._q is None or self._d is None:
+            with open(self.path, "r+b") as f:
+                mm = mmap.mmap(f.fileno(), self.SIZE)
+            self._q = memoryview(mm).cast("q")
+            self._d = memoryview(mm)[8 * self._HEADER :].cast("d")
+        return self._q, self._d
+
+    # workers
+    @property
+    def stopping(self) -> bool:
+        q = self._q if self._q is not None else self._open()[0]
+        return q[0] != 0
+
+    def add(self, worker: int, samples: int) -> None:
+        q = self._q if self._q is not None else self._open()[0]
+        q[self._COUNTS + worker % self.WORKERS] += samples
+
+    def cpu(self, worker: int, seconds_per_sample: float) -> None:
+        q, d = self._open() if self._q is None or self._d is None else (self._q, self._d)
+        w = worker % self.WORKERS
+        n = q[self._NTIMES + w]
+        d[w * self.RING + n % self.RING] = seconds_per_sample
+        q[self._NTIMES + w] = n + 1
+
+    # the runner
+    def finish(self) -> None:
+        self._open()[0][0] = 1
+
+    def fetched(self) -> int:
+        q = self._open()[0]
+        return sum(q[self._COUNTS + w] for w in range(self.WORKERS))
+
+    def cpu_median(self) -> float | None:
+        """The median CPU time per sample over every worker, skipping each
+        worker's first quarter (warm-up) while its ring has not wrapped."""
+        q, d = self._open()
+        values: list[float] = []
+        for w in range(self.WORKERS):
+            n = q[self._NTIMES + w]
+            if n == 0:
+                continue
+            ring = d[w * self.RING : w * self.RING + min(n, self.RING)].tolist()
+            values += ring[n // 4 :] if n <= self.RING else ring
+        return statistics.median(values) if values else None
+
+    def close(self) -> None:
+        if self._owner == os.getpid():
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 # --------------------------------------------------------------------------- workloads
-class Finite:
-    """Wraps a fetch function: counts what it returns and ends on request."""
+class Fetcher:
+    """A workload's ``fetch_fun``.  Module-level classes, so that they pickle
+    by reference for worker processes: an instance carries only small
+    parameters and builds its arrays lazily in whichever process calls it.
 
-    def __init__(self, fetch: Fetch) -> None:
-        self._fetch = fetch
-        self.finish = threading.Event()
-        self._counts: dict[int, int] = {}
+    ``fetcher(worker_id, batch_size)`` is blobfeed's (and Caffe2's)
+    ``fetch_fun``: it ends with ``StopIteration`` once the tally is finished
+    and counts what it returns.  The peers call :meth:`chunk` (the same
+    chunks) or :meth:`sample` (one sample, for per-sample datasets).
+    """
+
+    #: work whose CPU time is recorded (W4, W6): the ideal is made from it
+    timed = False
+
+    def __init__(self, tally: Tally | None = None) -> None:
+        self.tally = tally
+        self._pos: dict[int, int] = {}
+        self._data: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_pos"] = {}
+        state["_data"] = None
+        return state
 
     def __call__(self, worker_id: int, batch_size: int) -> list:
-        if self.finish.is_set():
-            raise StopIteration
-        chunk = self._fetch(worker_id, batch_size)
-        # one writer per key: each worker thread counts its own samples
-        self._counts[worker_id] = self._counts.get(worker_id, 0) + len(chunk[0])
-        return chunk
+        tally = self.tally
+        if tally is not None:
+            if tally.stopping:
+                raise StopIteration
+            chunk = self.chunk(worker_id)
+            tally.add(worker_id, len(chunk[0]))
+            return chunk
+        return self.chunk(worker_id)
 
-    @property
-    def fetched(self) -> int:
-        return sum(self._counts.values())
+    def _next(self, worker_id: int, period: int) -> int:
+        """The worker's position in its cycle: each worker starts elsewhere."""
+        i = self._pos.get(worker_id, worker_id * 977) % period
+        self._pos[worker_id] = i + 1
+        return i
 
+    def build(self) -> Any:
+        raise NotImplementedError
 
-def _sizes(rng: np.random.Generator, lo: int, hi: int) -> np.ndarray:
-    return rng.integers(lo, hi + 1, size=8192)
+    def chunk(self, worker_id: int) -> list:
+        raise NotImplementedError
 
+    def sample(self, index: int, worker_id: int) -> tuple:
+        """Sample ``index`` for a map-style dataset: row ``index % len(pool)``
+        of a pool made of the workload's own chunks (at least a batch of them),
+        so samples come from as much memory as the chunks do."""
+        pool = self.__dict__.get("_pool")
+        if pool is None:
+            chunks: list[list[np.ndarray]] = []
+            while sum(len(c[0]) for c in chunks) < self.batch_hint:
+                chunks.append(self.chunk(0))
+            pool = [np.concatenate([c[k] for c in chunks]) for k in range(len(chunks[0]))]
+            self.__dict__["_pool"] = pool
+        j = index % len(pool[0])
+        return tuple(a[j] for a in pool)
 
-def _cycling(sizes: np.ndarray, make: Callable[[int, int], list]) -> Fetch:
-    pos: dict[int, int] = {}
-
-    def fetch(worker_id: int, batch_size: int) -> list:
-        i = pos.get(worker_id, worker_id * 977) % len(sizes)
-        pos[worker_id] = i + 1
-        return make(worker_id, int(sizes[i]))
-
-    return fetch
-
-
-def make_w1() -> Fetch:
-    rng = np.random.default_rng(1)
-    pools = {}
-    for w in range(8):
-        data = np.repeat(np.arange(64, dtype=np.float64)[:, None] + w, 3, axis=1)
-        pools[w] = (data, data[:, 0].copy())
-    return _cycling(_sizes(rng, 1, 64), lambda w, n: [pools[w][0][:n], pools[w][1][:n]])
-
-
-def make_w2() -> Fetch:
-    rng = np.random.default_rng(2)
-    images = rng.integers(0, 255, size=(16, 3, 224, 224), dtype=np.uint8)
-    labels = np.arange(16, dtype=np.int64)
-    return _cycling(_sizes(rng, 1, 16), lambda w, n: [images[:n], labels[:n]])
+    batch_hint = 32
 
 
-def make_w3() -> Fetch:
-    rng = np.random.default_rng(3)
-    data = rng.standard_normal((4096, 256)).astype(np.float32)
-    labels = np.arange(4096, dtype=np.int64)
-    return lambda w, b: [data, labels]
+def _sizes(seed: int, lo: int, hi: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(lo, hi + 1, size=8192)
+
+
+class W1Fetch(Fetcher):
+    """n ~ U[1,64] samples: float64 (n,3) whose row j is j + worker_id; labels its column 0."""
+
+    def build(self) -> Any:
+        pools = {}
+        for w in range(8):
+            data = np.repeat(np.arange(64, dtype=np.float64)[:, None] + w, 3, axis=1)
+            pools[w] = (data, data[:, 0].copy())
+        self._data = (_sizes(1, 1, 64), pools)
+        return self._data
+
+    def chunk(self, worker_id: int) -> list:
+        sizes, pools = self._data or self.build()
+        n = int(sizes[self._next(worker_id, len(sizes))])
+        data, labels = pools[worker_id % 8]
+        return [data[:n], labels[:n]]
+
+
+class W2Fetch(Fetcher):
+    """n ~ U[1,16] images: uint8 (n,3,224,224), int64 labels."""
+
+    batch_hint = 64
+
+    def build(self) -> Any:
+        rng = np.random.default_rng(2)
+        images = rng.integers(0, 255, size=(16, 3, 224, 224), dtype=np.uint8)
+        self._data = (_sizes(2, 1, 16), images, np.arange(16, dtype=np.int64))
+        return self._data
+
+    def chunk(self, worker_id: int) -> list:
+        sizes, images, labels = self._data or self.build()
+        n = int(sizes[self._next(worker_id, len(sizes))])
+        return [images[:n], labels[:n]]
+
+
+class W3Fetch(Fetcher):
+    """4096 samples: float32 (4096,256), int64 labels."""
+
+    def build(self) -> Any:
+        rng = np.random.default_rng(3)
+        self._data = (rng.standard_normal((4096, 256)).astype(np.float32), np.arange(4096, dtype=np.int64))
+        return self._data
+
+    def chunk(self, worker_id: int) -> list:
+        data, labels = self._data or self.build()
+        return [data, labels]
 
 
 def _busy(iterations: int) -> int:
@@ -131,36 +304,166 @@ def calibrate_w4(target_s: float = 0.005) -> tuple[int, float]:
     return n, statistics.median(times)
 
 
-class W4Fetch:
-    """~5 ms of pure-Python work, then 32 samples.  Records the CPU time of
-    each call (``time.thread_time``: GIL waits excluded) so one core's ideal
-    comes from the very calls the pipeline made."""
+class W4Fetch(Fetcher):
+    """~5 ms of pure-Python work (calibrated in the runner's process), then
+    32 samples.  Records the CPU time of each call (``time.thread_time``: GIL
+    waits excluded) so the ideal comes from the very calls the pipeline made."""
 
-    def __init__(self) -> None:
+    timed = True
+
+    def __init__(self, tally: Tally | None = None) -> None:
+        super().__init__(tally)
         self.iterations, _ = calibrate_w4()
-        self.data = np.random.default_rng(4).standard_normal((32, 1024)).astype(np.float32)
-        self.labels = np.arange(32, dtype=np.int64)
-        self.cpu_times: list[float] = []  # list.append is atomic: threads share it safely
 
-    def __call__(self, w: int, b: int) -> list:
+    def build(self) -> Any:
+        data = np.random.default_rng(4).standard_normal((32, 1024)).astype(np.float32)
+        self._data = (data, np.arange(32, dtype=np.int64))
+        return self._data
+
+    def chunk(self, worker_id: int) -> list:
+        data, labels = self._data or self.build()
         t0 = time.thread_time()
         _busy(self.iterations)
-        self.cpu_times.append(time.thread_time() - t0)
-        return [self.data, self.labels]
+        if self.tally is not None:
+            self.tally.cpu(worker_id, (time.thread_time() - t0) / 32)
+        return [data, labels]
 
-    def ideal(self) -> float:
-        """Batches/s one core would give: 1 / the median CPU time of a fetch."""
-        return 1.0 / statistics.median(self.cpu_times[len(self.cpu_times) // 4 :])
+    def sample(self, index: int, worker_id: int) -> tuple:
+        """A 32nd of a fetch's work, then one row."""
+        data, labels = self._data or self.build()
+        t0 = time.thread_time()
+        _busy(self.iterations // 32)
+        if self.tally is not None:
+            self.tally.cpu(worker_id, time.thread_time() - t0)
+        j = index % 32
+        return data[j], labels[j]
 
 
-def make_w4() -> Fetch:
-    return W4Fetch()
+class W5Fetch(Fetcher):
+    """n ~ U[1,256] samples float32 (n,784) for the MLP."""
+
+    def build(self) -> Any:
+        rng = np.random.default_rng(5)
+        self._data = (_sizes(5, 1, 256), rng.standard_normal((256, 784)).astype(np.float32))
+        return self._data
+
+    def chunk(self, worker_id: int) -> list:
+        sizes, data = self._data or self.build()
+        n = int(sizes[self._next(worker_id, len(sizes))])
+        return [data[:n]]
 
 
-def make_w5() -> Fetch:
-    rng = np.random.default_rng(5)
-    data = rng.standard_normal((256, 784)).astype(np.float32)
-    return _cycling(_sizes(rng, 1, 256), lambda w, n: [data[:n]])
+# W6's corpus: generated once, from a fixed seed, into a cache folder
+W6_FILES = 300
+W6_SIZE = (500, 375)  # width, height
+W6_QUALITY = 90
+W6_NOISE_SIGMA = 6.0
+W6_VERSION = "w6-v1"
+
+
+def w6_corpus_dir() -> Path:
+    """``$XDG_CACHE_HOME/blobfeed-bench/w6-v1`` (default ``~/.cache/...``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "blobfeed-bench" / W6_VERSION
+
+
+def _w6_paths(folder: Path | str) -> list[str]:
+    return [os.path.join(folder, f"{i:03d}.jpg") for i in range(W6_FILES)]
+
+
+def _w6_image(rng: np.random.Generator) -> np.ndarray:
+    """One RGB image: a smooth colour gradient, a few soft blobs, Gaussian noise."""
+    w, h = W6_SIZE
+    y = np.linspace(0.0, 1.0, h)[:, None, None]
+    x = np.linspace(0.0, 1.0, w)[None, :, None]
+    img = rng.uniform(70, 185, 3) + rng.uniform(-50, 50, 3) * x + rng.uniform(-50, 50, 3) * y
+    yy = np.arange(h, dtype=np.float64)[:, None]
+    xx = np.arange(w, dtype=np.float64)[None, :]
+    for _ in range(int(rng.integers(2, 6))):
+        cy, cx, s = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(20, 80)
+        blob = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * s * s))[..., None]
+        img = img + blob * rng.uniform(-60, 60, 3)
+    img = img + rng.normal(0.0, W6_NOISE_SIGMA, (h, w, 3))
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+
+
+def ensure_w6_corpus(folder: Path | None = None, progress: Any = None) -> Path:
+    """W6's 300 JPEGs (500x375, quality 90), made once from seed 6 and reused.
+
+    Written to a temporary folder beside the cache folder and renamed into
+    place, so a crash or a concurrent run never leaves half a corpus behind.
+    """
+    folder = w6_corpus_dir() if folder is None else Path(folder)
+    if all(os.path.exists(p) for p in _w6_paths(folder)):
+        return folder
+    from PIL import Image
+
+    if progress is not None:
+        progress.write(f"blobfeed bench: generating W6's corpus ({W6_FILES} JPEGs) in {folder}\n")
+        progress.flush()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{W6_VERSION}-", dir=folder.parent))
+    try:
+        rng = np.random.default_rng(6)
+        for path in _w6_paths(tmp):
+            Image.fromarray(_w6_image(rng), "RGB").save(path, "JPEG", quality=W6_QUALITY)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another run got there first, or a broken folder is in the way
+            if not all(os.path.exists(p) for p in _w6_paths(folder)):
+                raise
+    finally:
+        if tmp.exists():
+            for p in tmp.iterdir():
+                p.unlink()
+            tmp.rmdir()
+    return folder
+
+
+def _decode(path: str) -> Any:
+    from PIL import Image
+
+    return Image.open(path).convert("RGB").resize((224, 224), Image.Resampling.BILINEAR)
+
+
+class W6Fetch(Fetcher):
+    """n ~ U[1,8] JPEGs decoded with Pillow: uint8 (n,224,224,3), int64
+    labels (the file's index).  Records the CPU time of each decode."""
+
+    timed = True
+
+    def __init__(self, tally: Tally | None = None) -> None:
+        super().__init__(tally)
+        self.folder = str(ensure_w6_corpus())
+
+    def build(self) -> Any:
+        self._data = (_sizes(6, 1, 8), _w6_paths(self.folder))
+        return self._data
+
+    def _decode_into(self, out: np.ndarray, k: int, index: int, worker_id: int, paths: list[str]) -> None:
+        t0 = time.thread_time()
+        out[k] = np.asarray(_decode(paths[index]))
+        if self.tally is not None:
+            self.tally.cpu(worker_id, time.thread_time() - t0)
+
+    def chunk(self, worker_id: int) -> list:
+        sizes, paths = self._data or self.build()
+        n = int(sizes[self._next(worker_id, len(sizes))])
+        key = -1 - worker_id  # the worker's own cursor through the files
+        first = self._pos.get(key, worker_id * 150)
+        self._pos[key] = first + n
+        labels = np.arange(first, first + n, dtype=np.int64) % W6_FILES
+        out = np.empty((n, 224, 224, 3), np.uint8)
+        for k in range(n):
+            self._decode_into(out, k, int(labels[k]), worker_id, paths)
+        return [out, labels]
+
+    def sample(self, index: int, worker_id: int) -> tuple:
+        _, paths = self._data or self.build()
+        j = index % W6_FILES
+        out = np.empty((1, 224, 224, 3), np.uint8)
+        self._decode_into(out, 0, j, worker_id, paths)
+        return out[0], np.int64(j)
 
 
 @dataclass(frozen=True)
@@ -168,17 +471,42 @@ class Workload:
     id: str
     batch: int
     blobs: tuple[str, ...]
-    make: Callable[[], Fetch]
+    fetcher: Callable[[Tally | None], Fetcher]
     runners: tuple[str, ...]
     what: str
+    backend: str = "threads"
+    #: cores of the ideal (0: no ideal): W4's threads share one core under
+    #: the GIL; Pillow releases it, so W6's threads may use both
+    ideal_cores: int = 0
+    #: modules the workload itself needs (its rows are skipped without them)
+    needs: tuple[str, ...] = ()
 
+
+IN_PROCESS_PEERS = ("grain0", "torch0", "torch0it")
+PROCESS_PEERS = ("grain2", "grain2b", "torch2", "torch2it", "pool")
 
 WORKLOADS = {
-    "W1": Workload("W1", 32, ("data", "label"), make_w1, ("blobfeed", "caffe2", "torch0", "torch2"), "per-batch overhead"),
-    "W2": Workload("W2", 64, ("data", "label"), make_w2, ("blobfeed", "caffe2", "copy", "torch0", "torch2"), "bandwidth"),
-    "W3": Workload("W3", 32, ("data", "label"), make_w3, ("blobfeed", "caffe2"), "big chunks"),
-    "W4": Workload("W4", 32, ("data", "label"), make_w4, ("blobfeed", "caffe2"), "CPU-bound fetchers"),
-    "W5": Workload("W5", 128, ("data",), make_w5, ("blobfeed", "model"), "end to end with a model"),
+    "W1": Workload("W1", 32, ("data", "label"), W1Fetch, ("blobfeed", "caffe2", *IN_PROCESS_PEERS), "per-batch overhead"),
+    "W2": Workload("W2", 64, ("data", "label"), W2Fetch, ("blobfeed", "caffe2", "copy", *IN_PROCESS_PEERS), "bandwidth"),
+    "W3": Workload("W3", 32, ("data", "label"), W3Fetch, ("blobfeed", "caffe2"), "big chunks"),
+    "W4": Workload("W4", 32, ("data", "label"), W4Fetch, ("blobfeed", "caffe2"), "CPU-bound fetchers", ideal_cores=1),
+    "W5": Workload("W5", 128, ("data",), W5Fetch, ("blobfeed", "model"), "end to end with a model"),
+    "W6": Workload("W6", 32, ("data", "label"), W6Fetch, ("blobfeed",), "JPEG decoding (Pillow frees the GIL)",
+                   ideal_cores=2, needs=("PIL",)),
+    "W1p": Workload("W1p", 32, ("data", "label"), W1Fetch, ("blobfeed", *PROCESS_PEERS), "W1, process workers",
+                    backend="processes"),
+    "W2p": Workload("W2p", 64, ("data", "label"), W2Fetch, ("blobfeed", *PROCESS_PEERS), "W2, process workers",
+                    backend="processes"),
+    "W4p": Workload("W4p", 32, ("data", "label"), W4Fetch, ("blobfeed", *PROCESS_PEERS), "W4, process workers",
+                    backend="processes", ideal_cores=2),
+    "W6p": Workload("W6p", 32, ("data", "label"), W6Fetch, ("blobfeed", *PROCESS_PEERS), "W6, process workers",
+                    backend="processes", ideal_cores=2, needs=("PIL",)),
+}
+
+#: the optional package each peer needs; the others need only the standard library
+RUNNER_NEEDS = {
+    "grain0": "grain", "grain2": "grain", "grain2b": "grain",
+    "torch0": "torch", "torch0it": "torch", "torch2": "torch", "torch2it": "torch",
 }
 
 
@@ -198,12 +526,57 @@ def _session_options() -> Any:
 
 
 # --------------------------------------------------------------------------- measurement
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:  # gone meanwhile, or no such file on this kernel
+        pass
+    return 0
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it (children of children too: the
+    forkserver's workers, grain's and torch's), from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def tree_pss_mb(root: int | None = None) -> float:
+    """Total PSS of ``root`` (default this process) and its descendants, MiB:
+    shared pages (shared memory, the forkserver's) are counted once in all."""
+    return sum(_pss_kb(pid) for pid in _descendants(os.getpid() if root is None else root)) / 1024
+
+
 @dataclass
 class Meter:
-    """Counts batches in a timed window after a warm-up."""
+    """Counts batches in a timed window after a warm-up.
+
+    With ``pss``, the total PSS of this process and its descendants is read
+    about once a second inside the window (the time it takes is left out of
+    the window) and its maximum is reported.
+    """
 
     seconds: float
     warmup: float = 0.5
+    pss: bool = False
     batches: int = 0
     samples: int = 0
     nbytes: int = 0
@@ -211,6 +584,8 @@ class Meter:
     t_first: float | None = None
     t_window: float = 0.0
     t_end: float = 0.0
+    pss_mb: float = 0.0
+    t_pss: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def begin(self) -> None:
@@ -227,11 +602,19 @@ class Meter:
             return True
         if self.batches == 0:
             self.t_window = now  # the window starts at the first batch after warm-up
+            self.t_pss = now
         self.batches += 1
         self.samples += len(arrays[0])
         self.nbytes += sum(a.nbytes for a in arrays)
         self.t_end = now
-        return now - self.t_window < self.seconds
+        going = now - self.t_window < self.seconds
+        if self.pss and (now >= self.t_pss or not going):
+            self.pss_mb = max(self.pss_mb, tree_pss_mb())
+            if going:
+                spent = time.perf_counter() - now
+                self.t_window += spent  # not the pipeline's time
+                self.t_pss = now + spent + 1.0
+        return going
 
     def result(self, **extra: Any) -> dict[str, Any]:
         dt = max(self.t_end - self.t_window, 1e-9)
@@ -241,20 +624,68 @@ class Meter:
             "first_batch_ms": ((self.t_first or self.t_start) - self.t_start) * 1e3,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
+        if self.pss:
+            out["pss_mb"] = self.pss_mb
         out.update(self.extra)
         out.update(extra)
         return out
 
 
+def _ideal(wl: Workload, tally: Tally, batches_per_s: float) -> dict[str, Any]:
+    """``wl``'s ideal from the CPU times its workers recorded in this very
+    run: ``ideal_cores / (batch x the median CPU time of one sample)``."""
+    if not wl.ideal_cores:
+        return {}
+    per_sample = tally.cpu_median()
+    if not per_sample:
+        return {}
+    ideal = wl.ideal_cores / (wl.batch * per_sample)
+    return {"ideal_batches_per_s": ideal, "ideal_ratio": batches_per_s / ideal, "cpu_per_sample_ms": per_sample * 1e3}
+
+
+def _rebatched(chunks: Iterable[Any], batch: int) -> Iterator[list[np.ndarray]]:
+    """Exact batches of ``batch`` samples from chunks of any size, in one
+    plain loop: a batch inside one chunk is a view of it, one that spans
+    chunks is one ``np.concatenate`` of the pieces."""
+    parts: list[list[np.ndarray]] = []
+    have = 0
+    for chunk in chunks:
+        m = len(chunk[0])
+        start = 0
+        while have + m - start >= batch:
+            take = batch - have
+            piece = [a[start : start + take] for a in chunk]
+            if parts:
+                parts.append(piece)
+                yield [np.concatenate(col) for col in zip(*parts)]
+                parts = []
+            else:
+                yield piece
+            have = 0
+            start += take
+        if start < m:
+            parts.append([a[start:] for a in chunk] if start else list(chunk))
+            have += m - start
+
+
 def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
     import blobfeed
 
-    fetch = Finite(wl.make())
+    tally = Tally()
+    try:
+        return _run_blobfeed(wl, seconds, tally, blobfeed)
+    finally:
+        tally.close()
+
+
+def _run_blobfeed(wl: Workload, seconds: float, tally: Tally, blobfeed: Any) -> dict[str, Any]:
+    fetch = wl.fetcher(tally)
     model = _mlp_bytes() if wl.id == "W5" else None
     net = blobfeed.Net(model, name="bench", session_options=_session_options() if model else None)
     gc = blobfeed.GlobalCoordinator()
-    blobfeed.init_data_input_workers(net, list(wl.blobs), fetch, wl.batch, num_worker_threads=2, coordinator=gc)
-    m = Meter(seconds)
+    kwargs: dict[str, Any] = {} if wl.backend == "threads" else {"backend": wl.backend}
+    blobfeed.init_data_input_workers(net, list(wl.blobs), fetch, wl.batch, num_worker_threads=2, coordinator=gc, **kwargs)
+    m = Meter(seconds, pss=wl.backend != "threads")
     wait_key = ("blobfeed_dequeue_wait_seconds_sum", {"source": "train", "net": "bench"})
     delivered = 0
     m.begin()
@@ -277,7 +708,7 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
         extra = _interleaved_model_ratio(net, model, wl, seconds)
         delivered += extra.pop("delivered")
     # Drain to the end: every fetched sample must come out exactly once.
-    fetch.finish.set()
+    tally.finish()
     while True:
         try:
             out = net.run(timeout=60)
@@ -285,10 +716,9 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
             break
         delivered += len(out[wl.blobs[0]]) if model is None else len(net.workspace.fetch_blob("data"))
     gc.stop()
-    if isinstance(fetch._fetch, W4Fetch):
-        ideal = fetch._fetch.ideal()
-        extra = {"ideal_batches_per_s": ideal, "ideal_ratio": m.result()["batches_per_s"] / ideal}
-    return m.result(samples_lost=int(fetch.fetched - delivered), wait_share=waited / window, **extra)
+    bps = m.batches / window
+    extra.update(_ideal(wl, tally, bps))
+    return m.result(samples_lost=int(tally.fetched() - delivered), wait_share=waited / window, **extra)
 
 
 def _interleaved_model_ratio(net: Any, model: bytes, wl: Workload, seconds: float) -> dict[str, Any]:
@@ -321,7 +751,7 @@ def _interleaved_model_ratio(net: Any, model: bytes, wl: Workload, seconds: floa
     return {"model_ratio": (fed / t_fed) / (alone / t_alone), "delivered": delivered}
 
 
-def _caffe2_pipeline(wl: Workload, fetch: Finite) -> tuple[Callable[[], list], Callable[[], dict[str, int]], Callable[[], None]]:
+def _caffe2_pipeline(wl: Workload, fetch: Fetcher) -> tuple[Callable[[], list], Callable[[], dict[str, int]], Callable[[], None]]:
     """Caffe2's data_workers re-batching (see the module docstring)."""
     internal: queue.Queue = queue.Queue(800)
     device: queue.Queue = queue.Queue(4)
@@ -397,28 +827,32 @@ def _caffe2_pipeline(wl: Workload, fetch: Finite) -> tuple[Callable[[], list], C
 
 
 def run_caffe2(wl: Workload, seconds: float) -> dict[str, Any]:
-    fetch = Finite(wl.make())
-    get, finish, start = _caffe2_pipeline(wl, fetch)
-    m = Meter(seconds)
-    delivered = 0
-    m.begin()
-    start()
-    while True:
-        batch = get()
-        delivered += len(batch[0])
-        if not m.tick(batch):
-            break
-    fetch.finish.set()
-    counts = finish()
-    lost = fetch.fetched - delivered - counts["held"]
-    extra = {"ideal_batches_per_s": fetch._fetch.ideal()} if isinstance(fetch._fetch, W4Fetch) else {}
-    return m.result(samples_lost=int(lost), dropped_counted=counts["dropped"],
-                    lost_share=lost / max(fetch.fetched, 1), **extra)
+    tally = Tally()
+    try:
+        fetch = wl.fetcher(tally)
+        get, finish, start = _caffe2_pipeline(wl, fetch)
+        m = Meter(seconds)
+        delivered = 0
+        m.begin()
+        start()
+        while True:
+            batch = get()
+            delivered += len(batch[0])
+            if not m.tick(batch):
+                break
+        tally.finish()
+        counts = finish()
+        fetched = tally.fetched()
+        lost = fetched - delivered - counts["held"]
+        extra = _ideal(wl, tally, m.result()["batches_per_s"])
+        return m.result(samples_lost=int(lost), dropped_counted=counts["dropped"],
+                        lost_share=lost / max(fetched, 1), **extra)
+    finally:
+        tally.close()
 
 
 def run_copy(wl: Workload, seconds: float) -> dict[str, Any]:
-    fetch = wl.make()
-    chunk = fetch(0, wl.batch)
+    chunk = wl.fetcher(None).chunk(0)
     batch_bytes = wl.batch * chunk[0][0].nbytes
     src = np.random.default_rng(0).integers(0, 255, size=batch_bytes, dtype=np.uint8)
     # rotate through 256 MiB of destinations: far more than any last-level cache
@@ -456,36 +890,166 @@ def run_model(wl: Workload, seconds: float) -> dict[str, Any]:
     return m.result(samples_lost=0)
 
 
-def run_torch(wl: Workload, seconds: float, workers: int) -> dict[str, Any]:
+def _peer(wl: Workload, seconds: float, body: Callable[[Fetcher, Meter], Any]) -> dict[str, Any]:
+    """Runs a peer: ``body(fetcher, meter)`` feeds the meter until it says
+    stop; then the result, with the ideal where the workload has one.  Peers
+    do not count samples: they are not checked for losses."""
+    tally = Tally()
+    try:
+        fetcher = wl.fetcher(tally)
+        m = Meter(seconds, pss=wl.backend != "threads")
+        body(fetcher, m)
+        return m.result(samples_lost=0, **_ideal(wl, tally, m.result()["batches_per_s"]))
+    finally:
+        tally.close()
+
+
+def _feed(m: Meter, batches: Iterable[Any]) -> None:
+    for batch in batches:
+        if not m.tick(batch):
+            return
+
+
+def run_torch(wl: Workload, seconds: float, workers: int, iterable: bool) -> dict[str, Any]:
+    """torch's DataLoader.  Map-style (``iterable`` False): one sample per
+    ``__getitem__``, the default collate, batches made in the workers.
+    Iterable: the workload's own chunks, ``batch_size=None``, re-batched in
+    this process by the same plain loop as the other peers.  Worker
+    processes start with ``fork``, torch's default on Linux."""
     import torch.utils.data as tud
 
-    fetch = wl.make()
+    def body(fetcher: Fetcher, m: Meter) -> None:
+        def worker() -> int:
+            info = tud.get_worker_info()
+            return 0 if info is None else info.id
 
-    class Chunks(tud.Dataset):
-        """Map-style: sample ``i`` is row ``i % len(pool)`` of a pool made of
-        the workload's own chunks (at least a batch of them), so samples come
-        from as much memory as blobfeed's fetchers read."""
+        class Chunks(tud.IterableDataset):
+            def __iter__(self) -> Iterator[list]:
+                w = worker()
+                while True:
+                    yield fetcher.chunk(w)
 
-        def __init__(self) -> None:
-            chunks: list[list[np.ndarray]] = []
-            while sum(int(len(c[0])) for c in chunks) < wl.batch:
-                chunks.append(fetch(0, wl.batch))
-            self.pool = [np.concatenate([c[k] for c in chunks]) for k in range(len(chunks[0]))]
+        class Samples(tud.Dataset):
+            def __len__(self) -> int:
+                return 10**9
 
-        def __len__(self) -> int:
-            return 10**9
+            def __getitem__(self, i: int) -> tuple:
+                return fetcher.sample(i, worker() if fetcher.timed else 0)
 
-        def __getitem__(self, i: int) -> tuple:
-            j = i % len(self.pool[0])
-            return tuple(a[j] for a in self.pool)
+        context = "fork" if workers else None
+        if iterable:
+            loader = tud.DataLoader(Chunks(), batch_size=None, num_workers=workers, multiprocessing_context=context)
+        else:
+            loader = tud.DataLoader(Samples(), batch_size=wl.batch, num_workers=workers, shuffle=False,
+                                    multiprocessing_context=context)
+        m.begin()
+        it = iter(loader)
+        try:
+            tensors = ([t.numpy() for t in item] for item in it)
+            _feed(m, _rebatched(tensors, wl.batch) if iterable else tensors)
+        finally:
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
-    loader = tud.DataLoader(Chunks(), batch_size=wl.batch, num_workers=workers, shuffle=False)
-    m = Meter(seconds)
-    m.begin()
-    for batch in loader:
-        if not m.tick([t.numpy() for t in batch]):
-            break
-    return m.result(samples_lost=0)
+    return _peer(wl, seconds, body)
+
+
+#: grain's ``min_shm_size``: smaller arrays are pickled, as blobfeed's process workers do below 32 KiB
+GRAIN_MIN_SHM_BYTES = 32 * 1024
+
+
+class GrainChunk:
+    """grain's map function: element ``i`` is a chunk of worker ``i % workers``
+    (``mp_prefetch`` gives worker ``w`` the elements ``w, w + workers, ...``)."""
+
+    def __init__(self, fetcher: Fetcher, workers: int) -> None:
+        self.fetcher = fetcher
+        self.workers = workers
+
+    def __call__(self, i: Any) -> tuple:
+        return tuple(self.fetcher.chunk(int(i) % self.workers))
+
+
+def run_grain(wl: Workload, seconds: float, workers: int, batch_in_workers: bool) -> dict[str, Any]:
+    """grain: a ``MapDataset`` of the workload's chunks, read without grain's
+    read threads (they only cost here), ``min_shm_size`` 32 KiB, re-batched
+    by grain's own ``RebatchIterDataset`` -- in the parent, or inside each
+    worker before ``mp_prefetch`` (``batch_in_workers``: exact batches per
+    worker)."""
+    grain = importlib.import_module("grain")  # untyped
+
+    def body(fetcher: Fetcher, m: Meter) -> None:
+        ds = grain.MapDataset.range(0, 2**40).map(GrainChunk(fetcher, max(workers, 1)))
+        it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
+        it_ds = grain.experimental.WithOptionsIterDataset(
+            it_ds, grain.experimental.DatasetOptions(min_shm_size=GRAIN_MIN_SHM_BYTES)
+        )
+        if batch_in_workers:
+            it_ds = grain.experimental.RebatchIterDataset(it_ds, wl.batch)
+        if workers:
+            it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        if not batch_in_workers:
+            it_ds = grain.experimental.RebatchIterDataset(it_ds, wl.batch)
+        m.begin()
+        it = iter(it_ds)
+        try:
+            _feed(m, (list(b) for b in it))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    return _peer(wl, seconds, body)
+
+
+_POOL_FETCHER: Fetcher | None = None
+#: chunks asked of the pool and not yet taken: ``imap`` alone would queue
+#: results without bound whenever the workers outrun the parent
+POOL_IN_FLIGHT = 8
+
+
+def _pool_init(fetcher: Fetcher) -> None:
+    global _POOL_FETCHER
+    _POOL_FETCHER = fetcher
+
+
+def _pool_fetch(i: int) -> list:
+    ident = multiprocessing.current_process()._identity
+    assert _POOL_FETCHER is not None
+    return _POOL_FETCHER.chunk(ident[-1] - 1 if ident else 0)
+
+
+def run_pool(wl: Workload, seconds: float) -> dict[str, Any]:
+    """``multiprocessing.Pool(2).imap`` of the fetch function (``fork``, the
+    default on Linux), re-batched in this process: what one writes by hand."""
+
+    def body(fetcher: Fetcher, m: Meter) -> None:
+        in_flight = threading.Semaphore(POOL_IN_FLIGHT)
+        stop = threading.Event()
+
+        def tasks() -> Iterator[int]:
+            i = 0
+            while not stop.is_set():
+                if in_flight.acquire(timeout=0.1):
+                    yield i
+                    i += 1
+
+        m.begin()
+        pool = multiprocessing.get_context("fork").Pool(2, initializer=_pool_init, initargs=(fetcher,))
+        try:
+            def chunks() -> Iterator[list]:
+                for chunk in pool.imap(_pool_fetch, tasks()):
+                    in_flight.release()
+                    yield chunk
+
+            _feed(m, _rebatched(chunks(), wl.batch))
+        finally:
+            stop.set()
+            pool.terminate()
+            pool.join()
+
+    return _peer(wl, seconds, body)
 
 
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
@@ -493,65 +1057,145 @@ RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "caffe2": run_caffe2,
     "copy": run_copy,
     "model": run_model,
-    "torch0": lambda wl, s: run_torch(wl, s, 0),
-    "torch2": lambda wl, s: run_torch(wl, s, 2),
+    "grain0": lambda wl, s: run_grain(wl, s, 0, False),
+    "grain2": lambda wl, s: run_grain(wl, s, 2, False),
+    "grain2b": lambda wl, s: run_grain(wl, s, 2, True),
+    "torch0": lambda wl, s: run_torch(wl, s, 0, False),
+    "torch0it": lambda wl, s: run_torch(wl, s, 0, True),
+    "torch2": lambda wl, s: run_torch(wl, s, 2, False),
+    "torch2it": lambda wl, s: run_torch(wl, s, 2, True),
+    "pool": run_pool,
 }
 
 
-def _torch_available() -> bool:
-    import importlib.util
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
-    return importlib.util.find_spec("torch") is not None
+
+def _torch_available() -> bool:
+    return installed("torch")
+
+
+def available_packages() -> frozenset[str]:
+    """The optional packages of this machine the bench can use."""
+    return frozenset(p for p in ("torch", "grain", "PIL") if installed(p))
 
 
 # --------------------------------------------------------------------------- the report
 TARGETS = [
-    # (workload, description, numerator runner, denominator runner or None, metric, threshold)
+    # (workload, description, numerator runner, denominator runner, metric, threshold);
+    # denominator "ideal": the run's own ideal_ratio; "model": W5's interleaved model_ratio
     ("W1", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 2.0),
     ("W2", "GB/s vs the copy bound", "blobfeed", "copy", "gb_per_s", 0.7),
     ("W2", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 4.0),
     ("W3", "batches/s vs Caffe2", "blobfeed", "caffe2", "batches_per_s", 6.0),
     ("W4", "batches/s vs one core's ideal", "blobfeed", "ideal", "batches_per_s", 0.9),
     ("W5", "batches/s vs the model alone (interleaved)", "blobfeed", "model", "batches_per_s", 0.85),
+    ("W4p", "batches/s vs the two-core ideal", "blobfeed", "ideal", "batches_per_s", 0.85),
+    ("W6p", "batches/s vs the two-core ideal", "blobfeed", "ideal", "batches_per_s", 0.85),
 ]
+
+PEER_TARGETS = [
+    # (workload, description, peers, threshold): blobfeed's batches/s over the best of the peers that ran
+    ("W1", "batches/s vs the best in-process peer", IN_PROCESS_PEERS, 1.0),
+    ("W2", "batches/s vs the best in-process peer", IN_PROCESS_PEERS, 1.0),
+    ("W1p", "batches/s vs the best process peer", PROCESS_PEERS, 1.5),
+    ("W2p", "batches/s vs the best process peer", PROCESS_PEERS, 2.0),
+]
+
+#: first batch after ``start()``, milliseconds
+FIRST_BATCH_TARGETS = [("W1", 50.0), ("W1p", 500.0)]
+
+GRAIN_PEERS = ("grain2", "grain2b")
+
+
+def _keys_in_all(results: list[dict[str, Any]]) -> list[str]:
+    common = set(results[0]).intersection(*results[1:])
+    return [k for k in results[0] if k in common]
 
 
 def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = results[0].keys()
-    return {k: statistics.median(r[k] for r in results) for k in keys}
+    return {k: statistics.median(r[k] for r in results) for k in _keys_in_all(results)}
 
 
 #: Meter's warm-up before each measured window, seconds.
 WARMUP_S = Meter.warmup
 #: Per-measurement cost beyond warm-up and window: a child's start-up, set-up
-#: and drain.  With ``W5_SLICE_S``, ``COPY_SETUP_S`` and ``TORCH_EXTRA_S``
-#: it makes ``estimate_seconds`` match the default run without torch on this
-#: project's 2-core machine (about 212 s); ``TORCH_EXTRA_S`` is a guess.
+#: and drain.  With the constants below it makes ``estimate_seconds`` match
+#: runs on this project's 2-core machine: the default run without torch and
+#: grain took about 212 s; the others were fitted to short runs.
 CHILD_OVERHEAD_S = 0.4
 #: W5/blobfeed's interleaved slices (see ``_interleaved_model_ratio``).
 W5_SLICE_S = 0.25
 #: W2/copy faults in 256 MiB of buffers first.
 COPY_SETUP_S = 0.6
-#: torch's import and, for torch2, its worker processes.
+#: torch's import; its worker processes (``num_workers=2``) on top.
 TORCH_EXTRA_S = 3.0
+TORCH_WORKERS_S = 1.0
+#: grain's import; its worker processes (spawned, importing grain again) on top.
+GRAIN_EXTRA_S = 1.5
+GRAIN_WORKERS_S = 2.5
+#: blobfeed's process workers: the forkserver, the children, the drain.
+PROCESSES_EXTRA_S = 0.6
+#: ``multiprocessing.Pool(2)``: start and terminate.
+POOL_EXTRA_S = 0.3
+#: Pillow's import and W6's first decodes.
+W6_EXTRA_S = 0.2
 
 
-def _plan(workloads: list[str], torch: bool) -> list[tuple[str, str]]:
-    """The (workload, runner) measurements of one repetition, in order."""
-    return [(w, r) for w in workloads for r in WORKLOADS[w].runners if torch or not r.startswith("torch")]
+def _packages(packages: Collection[str] | bool) -> frozenset[str]:
+    """A set of installed optional packages; ``True``/``False`` stand for all/none."""
+    if packages is True:
+        return frozenset({"torch", "grain", "PIL"})
+    if packages is False:
+        return frozenset({"PIL"})
+    return frozenset(packages)
 
 
-def estimate_seconds(workloads: list[str], seconds: float, repeats: int, torch: bool) -> float:
-    """Approximate wall time of a run: a model of it, not a measurement."""
+def _plan(workloads: list[str], packages: Collection[str] | bool) -> list[tuple[str, str]]:
+    """The (workload, runner) measurements of one repetition, in order:
+    those whose packages are installed."""
+    have = _packages(packages)
+    return [
+        (w, r)
+        for w in workloads
+        if all(n in have for n in WORKLOADS[w].needs)
+        for r in WORKLOADS[w].runners
+        if RUNNER_NEEDS.get(r, "numpy") in have | {"numpy"}
+    ]
+
+
+def _skipped_workloads(workloads: list[str], packages: Collection[str] | bool) -> dict[str, str]:
+    have = _packages(packages)
+    return {
+        w: f"{', '.join(n for n in WORKLOADS[w].needs if n not in have)} not installed"
+        for w in workloads
+        if any(n not in have for n in WORKLOADS[w].needs)
+    }
+
+
+def estimate_seconds(workloads: list[str], seconds: float, repeats: int, packages: Collection[str] | bool) -> float:
+    """Approximate wall time of a run: a model of it, not a measurement.
+    ``packages``: the optional packages installed (torch, grain, PIL), or
+    True for all of them, False for none but Pillow."""
     one = 0.0
-    for w, r in _plan(workloads, torch):
+    for w, r in _plan(workloads, packages):
+        wl = WORKLOADS[w]
         one += CHILD_OVERHEAD_S + WARMUP_S + seconds
         if (w, r) == ("W5", "blobfeed"):
             one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2))
         elif r == "copy":
             one += COPY_SETUP_S
         elif r.startswith("torch"):
-            one += TORCH_EXTRA_S
+            one += TORCH_EXTRA_S + (TORCH_WORKERS_S if r.startswith("torch2") else 0.0)
+        elif r.startswith("grain"):
+            one += GRAIN_EXTRA_S + (GRAIN_WORKERS_S if r.startswith("grain2") else 0.0)
+        elif r == "pool":
+            one += POOL_EXTRA_S
+        elif r == "blobfeed" and wl.backend == "processes":
+            one += PROCESSES_EXTRA_S
+        if "PIL" in wl.needs:
+            one += W6_EXTRA_S
     return one * repeats
 
 
@@ -559,7 +1203,7 @@ def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
     env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-m", "blobfeed.bench", "--child", wl_id, runner, str(seconds)],
-        capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
+        check=False, capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{wl_id}/{runner} failed:\n{proc.stderr[-2000:]}")
@@ -571,114 +1215,188 @@ def summarize(raw: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, dic
 
     Each figure is the median of the repetitions, except
     ``samples_lost_total``: the samples lost summed over all of them, so a
-    loss in one repetition cannot hide behind the median.
+    loss in one repetition cannot hide behind the median.  A workload with
+    an ideal gets a ``W4/ideal`` row: blobfeed's yardstick.
     """
     results = {}
     for (w, r), runs in raw.items():
         results[f"{w}/{r}"] = _median(runs)
         results[f"{w}/{r}"]["samples_lost_total"] = int(sum(run["samples_lost"] for run in runs))
-    if "W4/blobfeed" in results:
-        results["W4/ideal"] = {"batches_per_s": results["W4/blobfeed"]["ideal_batches_per_s"]}
+    for w in WORKLOADS:
+        b = results.get(f"{w}/blobfeed")
+        if b and "ideal_batches_per_s" in b:
+            results[f"{w}/ideal"] = {"batches_per_s": b["ideal_batches_per_s"]}
     return results
 
 
 def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = sys.stderr) -> dict[str, Any]:
-    torch_ok = _torch_available()
-    plan = _plan(workloads, torch_ok)
+    packages = available_packages()
+    plan = _plan(workloads, packages)
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in plan}
+    if any(w for w, _ in plan if "PIL" in WORKLOADS[w].needs):
+        ensure_w6_corpus(progress=progress)
     total = len(plan) * repeats
     done = 0
     t0 = time.monotonic()
     for rep in range(repeats):
         for w, r in plan:
             done += 1
-            progress.write(f"\r[{done}/{total}] {w} {r:<9} rep {rep + 1}/{repeats}  {time.monotonic() - t0:5.0f} s elapsed ")
+            progress.write(f"\r[{done}/{total}] {w:<3} {r:<9} rep {rep + 1}/{repeats}  {time.monotonic() - t0:5.0f} s elapsed ")
             progress.flush()
             raw[(w, r)].append(_child(w, r, seconds))
     progress.write("\n")
     results = summarize(raw)
-    return {"seconds": seconds, "repeats": repeats, "torch": torch_ok, "results": results,
-            "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    return {"seconds": seconds, "repeats": repeats, "torch": "torch" in packages, "grain": "grain" in packages,
+            "pillow": "PIL" in packages, "skipped": _skipped_workloads(workloads, packages),
+            "results": results, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+
+
+def _row(wl: str, target: str, ratio: Any, ok: bool | None, detail: str = "") -> dict[str, Any]:
+    return {"workload": wl, "target": target, "ratio": ratio, "ok": ok, "detail": detail}
 
 
 def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The targets that the report's results allow to evaluate, each with ``ok``."""
+    """The targets of the workloads the report holds, each with ``ok``:
+    True (met), False (missed) or None (not evaluated: a peer it needs did
+    not run, because its package is not installed)."""
     res = report["results"]
     rows = []
     for wl, what, num, den, metric, threshold in TARGETS:
-        a, b = res.get(f"{wl}/{num}"), res.get(f"{wl}/{den}")
-        if a is None or b is None:
+        a = res.get(f"{wl}/{num}")
+        if a is None:
             continue
-        # W4: each run against its own ideal; W5: against the model alone in
-        # interleaved slices of the same run; then the median of the runs
+        target = f"{what} >= {threshold}"
+        # ideal: each run against the ideal measured in it; W5: against the
+        # model alone in interleaved slices of the same run; then the median
         if den == "ideal":
+            if "ideal_ratio" not in a:
+                rows.append(_row(wl, target, None, None, "no CPU time recorded"))
+                continue
             ratio = a["ideal_ratio"]
         elif den == "model":
             ratio = a["model_ratio"]
         else:
+            b = res.get(f"{wl}/{den}")
+            if b is None:
+                continue
             ratio = a[metric] / b[metric]
-        rows.append({"workload": wl, "target": f"{what} >= {threshold}", "ratio": ratio, "ok": ratio >= threshold})
+        rows.append(_row(wl, target, ratio, ratio >= threshold))
+    for wl, what, peers, threshold in PEER_TARGETS:
+        a = res.get(f"{wl}/blobfeed")
+        if a is None:
+            continue
+        target = f"{what} >= {threshold}"
+        ran = [p for p in peers if f"{wl}/{p}" in res]
+        missing = [p for p in peers if p not in ran]
+        if not ran:
+            rows.append(_row(wl, target, None, None, f"peer missing: {', '.join(missing)}"))
+            continue
+        best = max(ran, key=lambda p: res[f"{wl}/{p}"]["batches_per_s"])
+        ratio = a["batches_per_s"] / res[f"{wl}/{best}"]["batches_per_s"]
+        detail = f"best: {best}" + (f"; not run: {', '.join(missing)}" if missing else "")
+        rows.append(_row(wl, target, ratio, ratio >= threshold, detail))
     for wl in WORKLOADS:
         a = res.get(f"{wl}/blobfeed")
         if a:
             lost = a.get("samples_lost_total", a["samples_lost"])
-            rows.append({"workload": wl, "target": "samples lost == 0", "ratio": lost, "ok": lost == 0})
+            rows.append(_row(wl, "samples lost == 0", lost, lost == 0))
     for wl in ("W2", "W3"):
         a, b = res.get(f"{wl}/blobfeed"), res.get(f"{wl}/caffe2")
         if a and b:
-            rows.append({"workload": wl, "target": "peak RSS <= Caffe2's", "ratio": a["peak_rss_mb"] / b["peak_rss_mb"],
-                         "ok": a["peak_rss_mb"] <= b["peak_rss_mb"]})
+            rows.append(_row(wl, "peak RSS <= Caffe2's", a["peak_rss_mb"] / b["peak_rss_mb"],
+                             a["peak_rss_mb"] <= b["peak_rss_mb"]))
+    a = res.get("W2p/blobfeed")
+    if a:
+        target = "total PSS <= grain's"
+        grains = [res[f"W2p/{p}"] for p in GRAIN_PEERS if f"W2p/{p}" in res]
+        if not grains:
+            rows.append(_row("W2p", target, None, None, f"peer missing: {', '.join(GRAIN_PEERS)}"))
+        else:
+            least = min(g["pss_mb"] for g in grains)
+            rows.append(_row("W2p", target, a["pss_mb"] / least, a["pss_mb"] <= least,
+                             f"{a['pss_mb']:.0f} MiB against {least:.0f} MiB"))
     w5 = res.get("W5/blobfeed")
     if w5:
-        rows.append({"workload": "W5", "target": "model waits for input < 10 %", "ratio": w5["wait_share"],
-                     "ok": w5["wait_share"] < 0.10})
-    w1 = res.get("W1/blobfeed")
-    if w1:
-        rows.append({"workload": "W1", "target": "first batch <= 50 ms", "ratio": w1["first_batch_ms"],
-                     "ok": w1["first_batch_ms"] <= 50})
+        rows.append(_row("W5", "model waits for input < 10 %", w5["wait_share"], w5["wait_share"] < 0.10))
+    for wl, limit_ms in FIRST_BATCH_TARGETS:
+        a = res.get(f"{wl}/blobfeed")
+        if a:
+            rows.append(_row(wl, f"first batch <= {limit_ms:g} ms", a["first_batch_ms"], a["first_batch_ms"] <= limit_ms))
+    for wl, why in report.get("skipped", {}).items():
+        rows.append(_row(wl, "every target", None, None, f"workload skipped: {why}"))
     return rows
 
 
 def _measured(value: Any) -> str:
+    if value is None:
+        return "-"
     return str(value) if isinstance(value, int) else f"{value:.2f}"
 
 
-def verdict(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
-    """The exit status for the evaluated ``rows``, and the lines that say why.
+def _result_text(row: dict[str, Any]) -> str:
+    if row["ok"] is None:
+        return "not evaluated (peer missing)" if row.get("detail", "").startswith("peer missing") else "not evaluated"
+    return "ok" if row["ok"] else "MISSED"
 
-    0 when every row is met; 1 when any is missed, or when there is no row
-    at all (nothing was checked: not a pass).
+
+def verdict(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
+    """The exit status for the ``rows``, and the lines that say why.
+
+    0 when every evaluated row is met; 1 when any is missed, or when no row
+    was evaluated at all (nothing was checked: not a pass).  Rows not
+    evaluated (a peer missing) neither pass nor fail; they are listed.
     """
-    if not rows:
-        return 1, ["verdict: no target could be evaluated"]
-    missed = [row for row in rows if not row["ok"]]
-    if not missed:
-        return 0, [f"verdict: all {len(rows)} targets met"]
-    return 1, [f"verdict: MISSED {len(missed)} of {len(rows)} targets:"] + [
-        f"  {row['workload']} {row['target']}: measured {_measured(row['ratio'])}" for row in missed
+    evaluated = [row for row in rows if row["ok"] is not None]
+    not_evaluated = [
+        f"  not evaluated: {row['workload']} {row['target']} ({row.get('detail') or 'no data'})"
+        for row in rows if row["ok"] is None
     ]
+    if not evaluated:
+        return 1, ["verdict: no target could be evaluated"] + not_evaluated
+    missed = [row for row in evaluated if not row["ok"]]
+    if not missed:
+        return 0, [f"verdict: all {len(evaluated)} targets met"] + not_evaluated
+    return 1, [f"verdict: MISSED {len(missed)} of {len(evaluated)} targets:"] + [
+        f"  {row['workload']} {row['target']}: measured {_measured(row['ratio'])}"
+        + (f" ({row['detail']})" if row.get("detail") else "")
+        for row in missed
+    ] + not_evaluated
+
+
+def _installed_text(report: dict[str, Any]) -> str:
+    names = (("torch", "torch"), ("grain", "grain"), ("pillow", "Pillow"))
+    return ", ".join(f"{shown} {'yes' if report.get(key) else 'not installed (skipped)'}" for key, shown in names)
 
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [
-        f"blobfeed bench: {report['seconds']:g} s per measurement, median of {report['repeats']}, "
-        f"python {report['python']}, {report['cpus']} cpus, torch {'yes' if report['torch'] else 'not installed (skipped)'}",
+        (f"blobfeed bench: {report['seconds']:g} s per measurement, median of {report['repeats']}, "
+         f"python {report['python']}, {report['cpus']} cpus, {_installed_text(report)}"),
         "",
-        f"{'workload/runner':<18}{'batches/s':>12}{'GB/s':>9}{'peak RSS MB':>13}{'first ms':>10}{'lost':>10}",
+        (f"{'workload/runner':<16}{'batches/s':>11}{'GB/s':>7}{'peak RSS MB':>12}{'PSS MB':>8}{'first ms':>9}"
+         f"{'lost':>10}{'vs ideal':>9}"),
     ]
     for key, r in report["results"].items():
         if key.endswith("/ideal"):
-            lines.append(f"{key:<18}{r['batches_per_s']:>12.1f}{'':>9}{'':>13}{'':>10}{'':>10}")
+            lines.append(f"{key:<16}{r['batches_per_s']:>11.1f}")
             continue
+        pss = f"{r['pss_mb']:.0f}" if "pss_mb" in r else ""
+        ideal = f"{r['ideal_ratio']:.2f}" if "ideal_ratio" in r else ""
         lines.append(
-            f"{key:<18}{r['batches_per_s']:>12.1f}{r['gb_per_s']:>9.2f}{r['peak_rss_mb']:>13.0f}"
-            f"{r['first_batch_ms']:>10.1f}{int(r['samples_lost']):>10d}"
+            f"{key:<16}{r['batches_per_s']:>11.1f}{r['gb_per_s']:>7.2f}{r['peak_rss_mb']:>12.0f}{pss:>8}"
+            f"{r['first_batch_ms']:>9.1f}{int(r['samples_lost']):>10d}{ideal:>9}"
         )
-    lines += ["", f"{'target':<46}{'measured':>10}  result"]
+    for wl, why in report.get("skipped", {}).items():
+        lines.append(f"{wl + '/*':<16} skipped: {why}")
+    lines += ["", f"{'target':<56}{'measured':>10}  result"]
     for row in evaluate(report):
-        lines.append(
-            f"{row['workload'] + ' ' + row['target']:<46}{_measured(row['ratio']):>10}  {'ok' if row['ok'] else 'MISSED'}"
-        )
+        text = f"{row['workload'] + ' ' + row['target']:<56}{_measured(row['ratio']):>10}  {_result_text(row)}"
+        detail = row.get("detail", "")
+        if row["ok"] is None and detail.startswith("peer missing: "):
+            detail = detail[len("peer missing: "):]
+        if detail and row["ok"] is not False:  # a missed row ends with MISSED; the verdict gives its detail
+            text += f"  [{detail}]"
+        lines.append(text)
     return "\n".join(lines)
 
 
@@ -697,41 +1415,75 @@ def _positive_int(text: str) -> int:
 
 
 DEFAULT_WORKLOADS = "W1,W2,W3,W4,W5"
+ALL_WORKLOADS = ",".join(WORKLOADS)
 DEFAULT_SECONDS = 5.0
 DEFAULT_REPEATS = 3
 
 
+def parse_workloads(text: str) -> list[str]:
+    """``W1,W2p`` (any case) or ``all`` -> workload ids.
+
+    Raises:
+        ValueError: naming the unknown ones.
+    """
+    by_upper = {w.upper(): w for w in WORKLOADS}
+    out: list[str] = []
+    unknown = []
+    for token in (t.strip() for t in text.split(",")):
+        if not token:
+            continue
+        if token.lower() == "all":
+            out += [w for w in WORKLOADS if w not in out]
+        elif token.upper() in by_upper:
+            if by_upper[token.upper()] not in out:
+                out.append(by_upper[token.upper()])
+        else:
+            unknown.append(token)
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)} or all")
+    return out
+
+
+def _run_length(workloads: list[str], packages: Collection[str]) -> str:
+    n = len(_plan(workloads, packages))
+    est = estimate_seconds(workloads, DEFAULT_SECONDS, DEFAULT_REPEATS, packages)
+    return f"{n * DEFAULT_REPEATS} measurements ({n} per repeat x {DEFAULT_REPEATS} repeats) and takes about {est:.0f} s ({est / 60:.1f} min)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``blobfeed bench`` command line; its epilog estimates the default run's length."""
-    torch_ok = _torch_available()
+    packages = available_packages()
     wls = DEFAULT_WORKLOADS.split(",")
-    per_repeat = len(_plan(wls, torch_ok))
-    est = estimate_seconds(wls, DEFAULT_SECONDS, DEFAULT_REPEATS, torch_ok)
-    if torch_ok:
-        torch_note = "torch is installed, so its DataLoader rows are included"
+    everything = list(WORKLOADS)
+    missing = [p for p in ("torch", "grain") if p not in packages]
+    if not missing:
+        peer_note = "torch and grain are installed, so their rows are included"
     else:
-        with_torch = estimate_seconds(wls, DEFAULT_SECONDS, DEFAULT_REPEATS, True)
-        torch_note = (
-            f"torch is not installed, so its DataLoader rows are skipped (with torch: "
-            f"{len(_plan(wls, True)) * DEFAULT_REPEATS} measurements, about {with_torch / 60:.1f} min)"
+        full = _packages(True)
+        peer_note = (
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed, so "
+            f"{'its' if len(missing) == 1 else 'their'} rows are skipped (with both: the default run "
+            f"{_run_length(wls, full)}; --workloads all {_run_length(everything, full)})"
         )
     epilog = (
-        f"The default invocation runs {per_repeat * DEFAULT_REPEATS} measurements ({per_repeat} per "
-        f"repeat x {DEFAULT_REPEATS} repeats) and takes about {est:.0f} s ({est / 60:.1f} min) on a "
-        f"2-core machine; {torch_note}. Each measurement is a child process: start-up, a "
-        f"{WARMUP_S:g} s warm-up, then the measured window. Exit status: 0 when every evaluated "
-        f"target is met; 1 when any target is missed, including blobfeed losing a sample in any "
-        f"repetition (the missed targets are listed); 2 for a usage error or a measurement that crashed."
+        f"The default invocation runs {_run_length(wls, packages)} on a 2-core machine; "
+        f"--workloads all runs {_run_length(everything, packages)}; {peer_note}. The first run that "
+        f"includes W6 or W6p also generates W6's JPEG corpus into {w6_corpus_dir()} (a few seconds). "
+        f"Each measurement is a child process: start-up, a {WARMUP_S:g} s warm-up, then the measured "
+        f"window. Exit status: 0 when every evaluated target is met; 1 when any target is missed, "
+        f"including blobfeed losing a sample in any repetition (the missed targets are listed), or when "
+        f"no target could be evaluated; 2 for a usage error or a measurement that crashed. A target "
+        f"whose peer is not installed is reported as not evaluated, neither met nor missed."
     )
     p = argparse.ArgumentParser(
         prog="blobfeed bench",
-        description="Run workloads W1-W5 (docs/BENCHMARKS.md) against blobfeed and its baselines, "
-        "print one table and the targets, and exit with the verdict.",
+        description="Run workloads W1-W6 and W1p-W6p (docs/BENCHMARKS.md) against blobfeed, its "
+        "baselines and its peers, print one table and the targets, and exit with the verdict.",
         epilog=epilog,
     )
     p.add_argument(
         "--workloads", default=DEFAULT_WORKLOADS,
-        help=f"comma-separated subset of W1..W5 (default: {DEFAULT_WORKLOADS})",
+        help=f"comma-separated subset of {', '.join(WORKLOADS)}, or all (default: {DEFAULT_WORKLOADS})",
     )
     p.add_argument(
         "--seconds", type=_positive_float, default=DEFAULT_SECONDS,
@@ -754,13 +1506,15 @@ def main(argv: list[str] | None = None) -> int:
         wl_id, runner, secs = args.child
         print(json.dumps(RUNNERS[runner](WORKLOADS[wl_id], float(secs))))
         return 0
-    wls = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
-    unknown = [w for w in wls if w not in WORKLOADS]
-    if unknown:
-        p.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
-    torch_ok = _torch_available()
-    n = len(_plan(wls, torch_ok)) * args.repeats
-    est = estimate_seconds(wls, args.seconds, args.repeats, torch_ok)
+    try:
+        wls = parse_workloads(args.workloads)
+    except ValueError as exc:
+        p.error(str(exc))
+    if not wls:
+        p.error("no workload given")
+    packages = available_packages()
+    n = len(_plan(wls, packages)) * args.repeats
+    est = estimate_seconds(wls, args.seconds, args.repeats, packages)
     print(f"blobfeed bench: {n} measurements, about {est:.0f} s", file=sys.stderr, flush=True)
     try:
         report = run_all(wls, args.seconds, args.repeats)

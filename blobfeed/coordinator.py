@@ -151,15 +151,18 @@ class WorkerCoordinator:
         # Workers first: a backend that cannot start (no room for its shared
         # memory, say) raises here, before any thread of ours runs.
         self._group = self._launch_workers()
-        self._threads = [
+        threads = [
             threading.Thread(target=thread_main, args=(name, fn, on_exit), name=name, daemon=True)
             for name, fn in self._targets()
         ]
         if self._loggers:
             self._log_runner = _LogRunner(f"blobfeed-log-{self.name}", self._loggers, on_exit)
-            self._threads.append(self._log_runner.thread)
+            threads.append(self._log_runner.thread)
+        self._threads = list(threads)
         self.started = True
-        for t in self._threads:
+        # our own list: a worker that fails at once appends its shutdown
+        # thread to self._threads while we are still starting these
+        for t in threads:
             t.start()
 
     def _launch_workers(self) -> WorkerGroup | None:

@@ -5,6 +5,7 @@ of all data that came from the network."""
 from __future__ import annotations
 
 import ast
+import re
 import inspect
 import os
 import pickle
@@ -25,7 +26,11 @@ from blobfeed.metrics import start_http_server
 from .helpers import WAIT
 
 PACKAGE = Path(blobfeed.__file__).parent
-SOURCES = sorted(PACKAGE.glob("*.py"))
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+#: Process workers exchange pickles with child processes this program
+#: started itself (its own code, its own user, over pipes no one else holds):
+#: the only place pickle may appear.  Nothing from the network or a file.
+PICKLE_TRUSTED = {"feeders/processes.py", "feeders/child.py", "feeders/transport.py"}
 
 
 def listening(port: int) -> list[str]:
@@ -204,9 +209,14 @@ json.loads("{}")
 
 def test_no_eval_exec_or_unpickling_anywhere_in_the_package() -> None:
     assert SOURCES, PACKAGE
+    assert any(p.parent.name == "feeders" for p in SOURCES), "the scan must reach subpackages"
     problems = []
     for path in SOURCES:
-        problems += scan(path.read_text(), path.name)
+        rel = path.relative_to(PACKAGE).as_posix()
+        found = scan(path.read_text(), rel)
+        if rel in PICKLE_TRUSTED:
+            found = [p for p in found if not re.search(r"imports (pickle|cloudpickle)$|calls pickle\.loads\(\)$", p)]
+        problems += found
     assert not problems, problems
 
 

@@ -117,16 +117,86 @@ def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> byte
     return dumps((fetch_fun, worker_init_fun))
 
 
+class _SlotRing:
+    """The parent's side of one worker's slots: which ones batches view, and
+    the pipe that gives free ones back to the child.
+
+    It refers to nothing else on purpose: the finalizer of every chunk that
+    views a slot holds it, and a finalizer keeps what it holds alive.  Were
+    it the worker (and through it the coordinator, the net and the net's
+    workspace, which keeps the last batch), the batch would keep itself
+    alive forever, with its mapping, descriptors and net.
+    """
+
+    __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed")
+
+    def __init__(self, slots: int, free_w: int) -> None:
+        self.slots = slots
+        self._free_w = free_w
+        self._lock = threading.Lock()
+        self._closed = False
+        #: slots some batch was handed out as a view of, until they are free again
+        self._viewed: set[int] = set()
+
+    def grant_view(self, slot: int) -> bool:
+        """May a batch be handed out as a view of ``slot``?  (The re-batcher
+        asks, for a batch that lies inside one chunk.)
+
+        A batch the user keeps holds its slot for as long as it lives, so at
+        most ``slots - max(1, slots // 4)`` slots may be viewed by batches at
+        once: the others keep circulating, and the worker never waits for a
+        batch somebody keeps.  Past that bound a batch is copied out of its
+        chunk instead.  Chunks that are merely queued or being re-batched do
+        not count: blobfeed lets go of them by itself.
+        """
+        with self._lock:
+            viewed = self._viewed
+            if slot in viewed:
+                return True
+            if len(viewed) >= self.slots - max(1, self.slots // 4):
+                return False
+            viewed.add(slot)
+            return True
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back to the child: nothing views it any more.  Runs
+        wherever the last view dies (a finalizer), so it never blocks."""
+        with self._lock:
+            self._viewed.discard(slot)
+            self._send(slot)
+
+    def stop(self) -> None:
+        """Tell the child to stop (it may be waiting for a free slot)."""
+        with self._lock:
+            self._send(-1)
+
+    def _send(self, index: int) -> None:
+        if self._closed:
+            return
+        try:
+            os.write(self._free_w, SLOT_INDEX.pack(index))
+        except OSError:
+            pass  # the child is gone (or the pipe is full: it is not reading)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._free_w)
+
+
 class _SlotPin(Pin):
-    """Keeps one slot busy while any array views it (see :class:`Pin`)."""
+    """Keeps one slot busy while any array views it (see :class:`Pin`): one
+    per chunk, so that the ring knows which slot a batch would view."""
 
-    __slots__ = ("_worker",)
+    __slots__ = ("_ring", "_slot")
 
-    def __init__(self, worker: "_Worker") -> None:
-        self._worker = worker
+    def __init__(self, ring: _SlotRing, slot: int) -> None:
+        self._ring = ring
+        self._slot = slot
 
     def views_ok(self) -> bool:
-        return self._worker.views_ok()
+        return self._ring.grant_view(self._slot)
 
 
 class _Worker:
@@ -138,10 +208,10 @@ class _Worker:
         self.name = f"blobfeed-fetch-{group.source}-{w.worker_id}"
         backend = group.backend
         self.area, area_fd = SlotArea.create(self.name, backend.slots, backend.slot_bytes)
-        free_r, self._free_w = os.pipe()
-        os.set_blocking(self._free_w, False)
+        free_r, free_w = os.pipe()
+        os.set_blocking(free_w, False)
+        self.ring = _SlotRing(backend.slots, free_w)
         self._lock = threading.Lock()
-        self._in_use = 0
         self._closed = False
         #: the child said "done" (StopIteration): its exit is not a death
         self.done = False
@@ -175,33 +245,14 @@ class _Worker:
         )
 
     # -- slots --------------------------------------------------------------
-    def views_ok(self) -> bool:
-        # A quarter of the slots must stay free for the child to write into:
-        # past that, batches are copied out instead of viewing a slot.
-        return self._in_use <= self.area.slots - max(1, self.area.slots // 4)
-
-    def release(self, slot: int) -> None:
-        """Give ``slot`` back to the child: nothing views it any more.  Runs
-        wherever the last view dies (a finalizer), so it never blocks."""
-        with self._lock:
-            self._in_use -= 1
-            if self._closed:
-                return
-            try:
-                os.write(self._free_w, SLOT_INDEX.pack(slot))
-            except OSError:
-                pass  # the child is gone
-
     def _views(self, slot: int, meta: list[tuple[str, tuple[int, ...], int]], as_tuple: bool) -> tuple[Any, int]:
         area = self.area
         used = max(off + int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, off in meta)
         root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
         root.flags.writeable = False
-        with self._lock:
-            self._in_use += 1
         # Every view's base is `root` (numpy collapses view chains to it), so
         # the slot returns to the child when the last view of it dies.
-        weakref.finalize(root, self.release, slot)
+        weakref.finalize(root, self.ring.release, slot)
         arrays = [
             root[off:off + int(np.prod(shape)) * np.dtype(dt).itemsize].view(dt).reshape(shape)
             for dt, shape, off in meta
@@ -211,48 +262,63 @@ class _Worker:
     # -- the receiver thread ----------------------------------------------------
     def _receive(self) -> None:
         intake = self.plan.intake
-        observe = intake.stats.fetch.observe
-        hint = self.group.plan.batch_size_hint
         area = self.area
-        loads = pickle.loads
-        pin = _SlotPin(self)
+        hint = self.group.plan.batch_size_hint
+        recv = self.conn.recv_bytes
+        handle = self._handle
         exhausted = False
         intake.started()
         try:
             while True:
                 try:
-                    data = self.conn.recv_bytes()
+                    data = recv()
                 except (EOFError, OSError):
                     break  # the child ended: its sentinel tells how
                 area.set_hint(hint())
-                msg = loads(data)
-                kind = msg[0]
-                if kind == "items":
-                    share = len(data) // max(1, len(msg[1]))
-                    for seconds, raw in msg[1]:
-                        observe(seconds)
-                        if not intake.result(raw, None, share):
-                            return
-                elif kind == "slot":
-                    _, seconds, slot, meta, as_tuple = msg
-                    observe(seconds)
-                    arrays, used = self._views(slot, meta, as_tuple)
-                    if not intake.result(arrays, pin, used + len(data)):
-                        return
-                elif kind == "error":
-                    _, seconds, exc_data, tb, fatal = msg
-                    observe(seconds)
-                    if not intake.exception(unpack_exception(exc_data, tb), fatal=fatal, remote_tb=tb):
-                        return
-                elif kind == "done":
-                    observe(msg[1])
+                # One message per call: what it held (a chunk viewing a slot)
+                # dies with the call, never kept while we wait for the next
+                # one -- a stale reference here and the batches a user keeps
+                # could take every slot and stall the child.
+                go = handle(data)
+                del data
+                if go is None:
                     self.done = exhausted = True
+                    return
+                if not go:
                     return
             # EOF without "done": the child died; the watcher may have said so already
             self.process.join(1.0)
             self.report_death()
         finally:
             intake.finished(exhausted)
+
+    def _handle(self, data: bytes) -> bool | None:
+        """Hand one message of the child to the intake.  Returns False when
+        the worker must stop, None when it is done (StopIteration)."""
+        intake = self.plan.intake
+        observe = intake.stats.fetch.observe
+        msg = pickle.loads(data)
+        kind = msg[0]
+        if kind == "items":
+            share = len(data) // max(1, len(msg[1]))
+            for seconds, raw in msg[1]:
+                observe(seconds)
+                if not intake.result(raw, None, share):
+                    return False
+            return True
+        if kind == "slot":
+            _, seconds, slot, meta, as_tuple = msg
+            observe(seconds)
+            arrays, used = self._views(slot, meta, as_tuple)
+            return intake.result(arrays, _SlotPin(self.ring, slot), used + len(data))
+        if kind == "error":
+            _, seconds, exc_data, tb, fatal = msg
+            observe(seconds)
+            return intake.exception(unpack_exception(exc_data, tb), fatal=fatal, remote_tb=tb)
+        if kind == "done":
+            observe(msg[1])
+            return None
+        raise AssertionError(f"unknown message from a worker process: {kind!r}")
 
     def report_death(self) -> None:
         with self._lock:
@@ -261,17 +327,29 @@ class _Worker:
             self._death_reported = True
         self.plan.intake.died(f"worker process pid {self.process.pid} {_describe(self.process.exitcode)}")
 
+    def running(self) -> bool:
+        try:
+            return self.process.is_alive()
+        except ValueError:  # closed: it ended
+            return False
+
     def close(self) -> None:
+        """Release what this worker holds once its process and thread ended:
+        descriptors now, the mapping now unless batches the user keeps view
+        it (then it goes with the last of them)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            try:
-                os.close(self._free_w)
-            except OSError:
-                pass
+        self.ring.close()
         self.conn.close()
-        # The mapping stays while batches the user keeps view it; the
-        # memory goes with the last of them (no descriptor is left open).
-        self.area = None  # type: ignore[assignment]
+        if not self.process.is_alive():
+            self.process.close()  # its sentinel descriptor
+        area, self.area = self.area, None
+        try:
+            area.mm.close()
+        except BufferError:
+            pass  # viewed: unmapped (and its descriptor closed) with the last view
 
 
 def _describe(code: int | None) -> str:
@@ -296,6 +374,8 @@ class _ProcessGroup:
         self.source = plan.source
         self.ctx = multiprocessing.get_context(backend.start_method)
         self.stopping = False
+        self._join_lock = threading.Lock()
+        self._released = False
         self._wake_r, self._wake_w = os.pipe()
         self.workers: list[_Worker] = []
         try:
@@ -346,56 +426,69 @@ class _ProcessGroup:
     def request_stop(self) -> None:
         self.stopping = True
         for wk in self.workers:
-            if wk.area is not None:
-                wk.area.set_stop()
-            with wk._lock:
-                if not wk._closed:
-                    try:
-                        os.write(wk._free_w, SLOT_INDEX.pack(-1))
-                    except OSError:
-                        pass
+            area = wk.area
+            if area is not None:
+                try:
+                    area.set_stop()
+                except ValueError:
+                    pass  # closed meanwhile: the worker has ended
+            wk.ring.stop()
 
     def join(self, deadline: float | None) -> list[str]:
-        now = time.monotonic()
-        grace_end = now + STOP_GRACE_S if deadline is None else min(deadline, now + STOP_GRACE_S)
-        if self.stopping:
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        with self._join_lock:
+            if self._released:
+                return []
+            now = time.monotonic()
+            grace_end = now + STOP_GRACE_S if deadline is None else min(deadline, now + STOP_GRACE_S)
+            if self.stopping:
+                for wk in self.workers:
+                    wk.process.join(max(0.0, grace_end - time.monotonic()))
+                for wk in self.workers:
+                    if wk.process.is_alive():
+                        logger.info("stop: killing worker process %s (pid %d)", wk.name, wk.process.pid)
+                        wk.process.kill()
+            stuck = []
             for wk in self.workers:
-                wk.process.join(max(0.0, grace_end - time.monotonic()))
-            for wk in self.workers:
+                wk.process.join(left())
+                wk.thread.join(left())
                 if wk.process.is_alive():
-                    logger.info("stop: killing worker process %s (pid %d)", wk.name, wk.process.pid)
-                    wk.process.kill()
-        stuck = []
-        for wk in self.workers:
-            wk.process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            wk.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if wk.process.is_alive():
-                stuck.append(wk.name)
-            if wk.thread.is_alive():
-                stuck.append(wk.thread.name)
-        if not any(wk.process.is_alive() for wk in self.workers):
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                pass
-            self.watcher.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if self.watcher.is_alive():
-                stuck.append(self.watcher.name)
-        if not stuck:
-            self._release()
-        return stuck
+                    stuck.append(wk.name)
+                if wk.thread.is_alive():
+                    stuck.append(wk.thread.name)
+            if not any(wk.process.is_alive() for wk in self.workers):
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:
+                    pass
+                self.watcher.join(left())
+                if self.watcher.is_alive():
+                    stuck.append(self.watcher.name)
+            if not stuck:
+                self._release()
+            return stuck
 
     def _release(self) -> None:
+        """Everything ended: close every descriptor now (not at the next
+        garbage collection), so that nothing is left behind after stop()."""
+        self._released = True
         for wk in self.workers:
-            if wk.area is not None:
-                wk.close()
-        try:
-            os.close(self._wake_w)
-        except OSError:
-            pass
+            wk.close()
+        os.close(self._wake_w)
+        # and no reference cycle through us (the coordinator holds this
+        # group, the plan holds the coordinator), so that a pipeline, its net
+        # and the batch the net's workspace keeps are freed as soon as they
+        # are dropped, as with threads
+        self.plan = None  # type: ignore[assignment]
+        for wk in self.workers:
+            wk.group = None  # type: ignore[assignment]
 
     def alive(self) -> list[str]:
-        out = [wk.name for wk in self.workers if wk.process.is_alive()]
+        if self._released:
+            return []
+        out = [wk.name for wk in self.workers if wk.running()]
         out += [wk.thread.name for wk in self.workers if wk.thread.is_alive()]
         if self.watcher.is_alive():
             out.append(self.watcher.name)

@@ -3,13 +3,66 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .chunks import Batch, Chunk
 
-__all__ = ["Rebatcher"]
+__all__ = ["BufferPool", "Rebatcher"]
+
+#: batches at least this big are assembled into recycled buffers
+POOL_MIN_BYTES = 1 << 20
+#: buffers kept per size, beyond those that batches still use
+POOL_KEEP = 8
+_ALIGN = 64
+
+
+class BufferPool:
+    """Recycled memory for batches that must be copied (they span chunks).
+
+    A copy into freshly allocated pages runs at a fraction of the speed of
+    one into warm memory, and a batch freed by the net's thread after
+    another thread allocated it rarely comes back warm.  So big batches are
+    assembled into buffers from here, and a buffer comes back once nothing
+    references any array of its batch (a ``weakref.finalize`` on the one
+    array every view of the batch keeps alive): a batch the user keeps is
+    never overwritten.  Thread-safe: buffers come back from whichever thread
+    drops the last reference (``deque`` appends and pops are atomic).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, collections.deque[np.ndarray]] = {}
+
+    def batch(self, layout: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+        """Uninitialised arrays of these shapes and dtypes, in one buffer."""
+        offsets, total = [], 0
+        for shape, dtype in layout:
+            offsets.append(total)
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        free = self._free.get(total)
+        try:
+            mem = free.pop() if free is not None else np.empty(total, np.uint8)
+        except IndexError:
+            mem = np.empty(total, np.uint8)
+        # `root`'s base is a memoryview, not an array, so numpy stops there:
+        # every view below keeps `root` (not `mem`) alive, and the finalizer
+        # hands `mem` back when the last of them dies.
+        root = np.frombuffer(memoryview(mem), np.uint8)
+        weakref.finalize(root, self._give, total, mem)
+        return [
+            root[off:off + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+            for (shape, dtype), off in zip(layout, offsets)
+        ]
+
+    def _give(self, total: int, mem: np.ndarray) -> None:
+        free = self._free.get(total)
+        if free is None:
+            free = self._free.setdefault(total, collections.deque())
+        if len(free) < POOL_KEEP:
+            free.append(mem)
 
 
 def _slicer(axis: int) -> Callable[[np.ndarray, int, int], np.ndarray]:
@@ -34,6 +87,7 @@ class Rebatcher:
         #: dont_rebatch: every chunk is one batch, whatever its size
         self.whole_chunks = whole_chunks
         self._slicers = [_slicer(ax) for ax in self.axes]
+        self._pool = BufferPool()
         # [arrays, start, n, pin]: start is the first sample not yet handed out
         self._pieces: collections.deque[list[Any]] = collections.deque()
         self.pending = 0
@@ -100,5 +154,15 @@ class Rebatcher:
                 self._pieces.popleft()
             else:
                 head[1] = start + take
-        out = tuple(np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes))
-        return Batch(out, bs)
+        first = [p[0] for p in parts]
+        if sum(a.itemsize * bs * (a.size // max(1, a.shape[ax])) for a, ax in zip(first, self.axes)) < POOL_MIN_BYTES:
+            return Batch(tuple(np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)), bs)
+        layout = []
+        for a, ax in zip(first, self.axes):
+            shape = list(a.shape)
+            shape[ax] = bs
+            layout.append((tuple(shape), a.dtype))
+        out = self._pool.batch(layout)
+        for p, ax, o in zip(parts, self.axes, out):
+            np.concatenate(p, axis=ax, out=o)
+        return Batch(tuple(out), bs)
