@@ -286,22 +286,21 @@ def _busy(iterations: int) -> int:
 
 
 def calibrate_w4(target_s: float = 0.005) -> tuple[int, float]:
-    """Iterations of pure-Python work taking ``target_s``, and the measured time."""
+    """Iterations of pure-Python work taking ``target_s`` of CPU time, and the
+    measured time.  CPU time (``time.thread_time``), so that a busy machine
+    does not shrink the work: wall time would count the waits for a core."""
+
+    def cpu_time(iterations: int) -> float:
+        t0 = time.thread_time()
+        _busy(iterations)
+        return time.thread_time() - t0
+
     n = 10_000
-    while True:
-        t0 = time.perf_counter()
-        _busy(n)
-        dt = time.perf_counter() - t0
-        if dt > 0.002:
-            break
+    while cpu_time(n) <= 0.002:
         n *= 2
-    n = int(n * target_s / dt)
-    times = []
-    for _ in range(15):
-        t0 = time.perf_counter()
-        _busy(n)
-        times.append(time.perf_counter() - t0)
-    return n, statistics.median(times)
+    for _ in range(2):  # rescale on medians: one timing can be an outlier
+        n = int(n * target_s / statistics.median(cpu_time(n) for _ in range(7)))
+    return n, statistics.median(cpu_time(n) for _ in range(15))
 
 
 class W4Fetch(Fetcher):
@@ -1122,24 +1121,25 @@ def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
 WARMUP_S = Meter.warmup
 #: Per-measurement cost beyond warm-up and window: a child's start-up, set-up
 #: and drain.  With the constants below it makes ``estimate_seconds`` match
-#: runs on this project's 2-core machine: the default run without torch and
-#: grain took about 212 s; the others were fitted to short runs.
+#: runs on this project's 2-core machine: the default run of W1-W5 without
+#: torch or grain took about 212 s; the extras of the peers, of process
+#: workers and of W6 were timed on single short measurements.
 CHILD_OVERHEAD_S = 0.4
 #: W5/blobfeed's interleaved slices (see ``_interleaved_model_ratio``).
 W5_SLICE_S = 0.25
 #: W2/copy faults in 256 MiB of buffers first.
 COPY_SETUP_S = 0.6
-#: torch's import; its worker processes (``num_workers=2``) on top.
-TORCH_EXTRA_S = 3.0
-TORCH_WORKERS_S = 1.0
+#: torch's import; its worker processes (``num_workers=2``, forked) on top.
+TORCH_EXTRA_S = 1.3
+TORCH_WORKERS_S = 0.1
 #: grain's import; its worker processes (spawned, importing grain again) on top.
-GRAIN_EXTRA_S = 1.5
-GRAIN_WORKERS_S = 2.5
+GRAIN_EXTRA_S = 0.2
+GRAIN_WORKERS_S = 0.5
 #: blobfeed's process workers: the forkserver, the children, the drain.
-PROCESSES_EXTRA_S = 0.6
+PROCESSES_EXTRA_S = 0.3
 #: ``multiprocessing.Pool(2)``: start and terminate.
-POOL_EXTRA_S = 0.3
-#: Pillow's import and W6's first decodes.
+POOL_EXTRA_S = 0.15
+#: Pillow's import (in the workers too) and W6's first decodes.
 W6_EXTRA_S = 0.2
 
 
@@ -1535,4 +1535,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the module as blobfeed.bench, not as __main__: worker processes
+    # (blobfeed's, grain's) then find the fetch functions by reference.
+    from blobfeed.bench import main as _main
+
+    sys.exit(_main())

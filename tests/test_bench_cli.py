@@ -1,7 +1,7 @@
 """``blobfeed bench``: its --help, and the exit status CI can gate on.
 
 Nothing here runs the full benchmark: the verdict is tested on synthetic
-results, and the one real run is a fraction of a second per measurement.
+results, and the real runs are a fraction of a second per measurement.
 No assertion is about speed.
 """
 
@@ -10,17 +10,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from blobfeed import bench
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = bench.DEFAULT_WORKLOADS.split(",")
 
 
 def _result(**extra: Any) -> dict[str, Any]:
@@ -30,7 +34,8 @@ def _result(**extra: Any) -> dict[str, Any]:
 
 
 def _passing_results() -> dict[str, dict[str, Any]]:
-    """Per-(workload/runner) results, as run_all reports them, that meet every target."""
+    """Per-(workload/runner) results of W1-W5, as run_all reports them, that
+    meet every target; no peer ran (as where torch and grain are missing)."""
     return {
         "W1/blobfeed": _result(batches_per_s=300.0, wait_share=0.5),
         "W1/caffe2": _result(batches_per_s=100.0),
@@ -47,14 +52,44 @@ def _passing_results() -> dict[str, dict[str, Any]]:
     }
 
 
-def _report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {"seconds": 5.0, "repeats": 3, "torch": False, "results": results, "python": "3.x", "cpus": 2}
+def _peer_results() -> dict[str, dict[str, Any]]:
+    """The new workloads and every peer, meeting every target."""
+    procs = {"batches_per_s": 100.0, "pss_mb": 300.0}
+    return {
+        "W1/grain0": _result(batches_per_s=250.0),
+        "W1/torch0": _result(batches_per_s=50.0),
+        "W1/torch0it": _result(batches_per_s=290.0),
+        "W2/grain0": _result(batches_per_s=450.0),
+        "W2/torch0": _result(batches_per_s=400.0),
+        "W2/torch0it": _result(batches_per_s=480.0),
+        "W6/blobfeed": _result(ideal_ratio=0.9, ideal_batches_per_s=30.0),
+        **{f"{w}/blobfeed": _result(batches_per_s=1000.0, pss_mb=200.0, first_batch_ms=300.0,
+                                    ideal_ratio=0.9, ideal_batches_per_s=500.0)
+           for w in ("W1p", "W2p", "W4p", "W6p")},
+        **{f"{w}/{p}": _result(**procs) for w in ("W1p", "W2p", "W4p", "W6p") for p in bench.PROCESS_PEERS},
+    }
 
 
-def _run_main(monkeypatch: pytest.MonkeyPatch, results: dict[str, dict[str, Any]], *argv: str) -> int:
+def _report(results: dict[str, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    report = {"seconds": 5.0, "repeats": 3, "torch": False, "results": results, "python": "3.x", "cpus": 2}
+    report.update(extra)
+    return report
+
+
+def _run_main(monkeypatch: pytest.MonkeyPatch, results: dict[str, dict[str, Any]], *argv: str, **extra: Any) -> int:
     """``bench.main`` with ``run_all`` replaced by canned results."""
-    monkeypatch.setattr(bench, "run_all", lambda *a, **k: _report(copy.deepcopy(results)))
-    return bench.main(["--workloads", "W1,W2,W3,W4,W5", *argv])
+    monkeypatch.setattr(bench, "run_all", lambda *a, **k: _report(copy.deepcopy(results), **extra))
+    return bench.main(["--workloads", "all", *argv])
+
+
+def _evaluated(results: dict[str, dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
+    return [row for row in bench.evaluate(_report(results, **extra)) if row["ok"] is not None]
+
+
+def _row(rows: list[dict[str, Any]], workload: str, target_start: str) -> dict[str, Any]:
+    found = [r for r in rows if r["workload"] == workload and r["target"].startswith(target_start)]
+    assert len(found) == 1, (workload, target_start, rows)
+    return found[0]
 
 
 # --------------------------------------------------------------------------- --help
@@ -69,15 +104,23 @@ def test_help_shows_every_default_and_the_total_time() -> None:
     assert "(default: 5 s)" in out
     assert "(default: 3)" in out
     assert "(default: none)" in out  # --json
-    # The default invocation's length, before anyone starts it.
+    assert "W6p, or all" in out  # the new workloads, and the whole set
+    # The default invocation's length, before anyone starts it ...
     m = re.search(r"The default invocation runs (\d+) measurements \((\d+) per repeat x 3 repeats\) "
                   r"and takes about (\d+) s \(([\d.]+) min\)", out)
     assert m, out
     assert int(m.group(1)) == 3 * int(m.group(2))
-    assert int(m.group(3)) == round(bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 3, bench._torch_available()))
+    packages = bench.available_packages()
+    assert int(m.group(3)) == round(bench.estimate_seconds(DEFAULT, 5.0, 3, packages))
+    # ... and that of --workloads all.
+    m = re.search(r"--workloads all runs (\d+) measurements \((\d+) per repeat x 3 repeats\) "
+                  r"and takes about (\d+) s", out)
+    assert m, out
+    assert int(m.group(3)) == round(bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 3, packages))
     # ... and the exit status.
     assert "Exit status: 0 when every evaluated target is met" in out
     assert "1 when any target is missed" in out
+    assert "not evaluated" in out
 
 
 def test_every_option_states_its_default() -> None:
@@ -90,20 +133,54 @@ def test_every_option_states_its_default() -> None:
 
 def test_estimate_matches_the_measured_default_run() -> None:
     # A model of the run's length, not a measurement: the default invocation
-    # without torch took about 212 s on this project's 2-core machine.
-    est = bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 3, torch=False)
+    # without torch and grain took about 212 s on this project's 2-core machine.
+    est = bench.estimate_seconds(DEFAULT, 5.0, 3, {"PIL"})
     assert 180 <= est <= 250
-    assert bench.estimate_seconds(["W1"], 5.0, 3, torch=False) < est
-    assert bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 3, torch=True) > est
-    assert bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 1, torch=False) == pytest.approx(est / 3)
+    assert bench.estimate_seconds(["W1"], 5.0, 3, {"PIL"}) < est
+    with_peers = bench.estimate_seconds(DEFAULT, 5.0, 3, {"PIL", "torch", "grain"})
+    assert with_peers > est
+    assert bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 3, {"PIL", "torch", "grain"}) > with_peers
+    assert bench.estimate_seconds(DEFAULT, 5.0, 1, {"PIL"}) == pytest.approx(est / 3)
+
+
+def test_the_plan_skips_what_is_not_installed() -> None:
+    plan = bench._plan(["W1", "W1p", "W6"], {"PIL"})
+    assert ("W1p", "pool") in plan  # the standard library's Pool always runs
+    assert not [r for _, r in plan if r.startswith(("torch", "grain"))]
+    assert ("W6", "blobfeed") in plan
+    assert ("W6", "blobfeed") not in bench._plan(["W6"], set())  # no Pillow: no W6
+    assert bench._skipped_workloads(["W1", "W6", "W6p"], set()) == {
+        "W6": "PIL not installed", "W6p": "PIL not installed",
+    }
+    everything = bench._plan(list(bench.WORKLOADS), {"PIL", "torch", "grain"})
+    for w in ("W1p", "W2p", "W4p", "W6p"):
+        assert {r for x, r in everything if x == w} == {"blobfeed", *bench.PROCESS_PEERS}
+
+
+def test_workloads_parse_by_name_in_any_case_or_all() -> None:
+    assert bench.parse_workloads("w1p, W2") == ["W1p", "W2"]
+    assert bench.parse_workloads("all") == list(bench.WORKLOADS)
+    assert bench.parse_workloads("W6p,all") == ["W6p"] + [w for w in bench.WORKLOADS if w != "W6p"]
+    with pytest.raises(ValueError, match="W7"):
+        bench.parse_workloads("W1,W7")
+
+
+def test_an_unknown_workload_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--workloads", "W1,W9"])
+    assert exc.value.code == 2
+    assert "W9" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the verdict
 def test_all_targets_met_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run_main(monkeypatch, _passing_results()) == 0
+    results = {**_passing_results(), **_peer_results()}
+    assert _run_main(monkeypatch, results) == 0
     out = capsys.readouterr().out
     assert "MISSED" not in out
-    n = len(bench.evaluate(_report(_passing_results())))
+    assert "not evaluated" not in out
+    n = len(_evaluated(results))
+    assert n == len(bench.evaluate(_report(results)))
     assert re.search(rf"^verdict: all {n} targets met$", out, re.M), out
 
 
@@ -113,17 +190,17 @@ def test_a_missed_target_exits_1_and_is_named(monkeypatch: pytest.MonkeyPatch, c
     results["W5/blobfeed"]["wait_share"] = 0.2
     assert _run_main(monkeypatch, results) == 1
     out = capsys.readouterr().out
-    n = len(bench.evaluate(_report(results)))
+    n = len(_evaluated(results))
     assert re.search(rf"^verdict: MISSED 2 of {n} targets:$", out, re.M), out
     assert re.search(r"^  W1 batches/s vs Caffe2 >= 2\.0: measured 1\.50$", out, re.M), out
     assert re.search(r"^  W5 model waits for input < 10 %: measured 0\.20$", out, re.M), out
 
 
-@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4", "W5"])
+@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4", "W5", "W6", "W1p", "W2p", "W4p", "W6p"])
 def test_a_lost_sample_exits_1(
     workload: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    results = _passing_results()
+    results = {**_passing_results(), **_peer_results()}
     results[f"{workload}/blobfeed"]["samples_lost"] = 1
     assert _run_main(monkeypatch, results) == 1
     assert re.search(rf"^  {workload} samples lost == 0: measured 1$", capsys.readouterr().out, re.M)
@@ -144,6 +221,11 @@ def test_a_sample_lost_in_one_repeat_is_not_hidden_by_the_median() -> None:
     assert "  W1 samples lost == 0: measured 7" in lines
 
 
+def test_summarize_adds_the_ideal_rows() -> None:
+    raw = {("W6p", "blobfeed"): [_result(ideal_batches_per_s=v, ideal_ratio=0.9) for v in (20.0, 30.0, 25.0)]}
+    assert bench.summarize(raw)["W6p/ideal"] == {"batches_per_s": 25.0}
+
+
 def test_nothing_evaluated_is_not_a_pass() -> None:
     status, lines = bench.verdict([])
     assert status == 1 and "no target" in lines[0]
@@ -158,18 +240,176 @@ def test_json_records_the_verdict(
     assert _run_main(monkeypatch, results, "--json", str(path)) == 1
     saved = json.loads(path.read_text())
     assert saved["passed"] is False
-    missed = [t for t in saved["targets"] if not t["ok"]]
+    missed = [t for t in saved["targets"] if t["ok"] is False]
     assert [(t["workload"], t["target"]) for t in missed] == [("W3", "peak RSS <= Caffe2's")]
+    # the in-process peers did not run: those targets are recorded, not evaluated
+    assert {(t["workload"], t["ok"]) for t in saved["targets"] if "in-process peer" in t["target"]} == {
+        ("W1", None), ("W2", None),
+    }
 
 
-# --------------------------------------------------------------------------- one real run
-def test_a_tiny_real_run_exits_as_its_verdict_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.cli", "bench", "--workloads", "W1", "--seconds", "0.2", "--repeats", "1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )
+# --------------------------------------------------------------------------- peers: missing, partial, missed
+def test_a_target_whose_peer_is_missing_is_not_evaluated_not_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {**_passing_results(), **_peer_results()}
+    for key in [k for k in results if k.split("/")[1] in bench.PROCESS_PEERS + bench.IN_PROCESS_PEERS]:
+        del results[key]  # neither grain, nor torch, nor even the Pool
+    rows = bench.evaluate(_report(results))
+    for wl, target in [("W1", "batches/s vs the best in-process peer"), ("W2", "batches/s vs the best in-process peer"),
+                       ("W1p", "batches/s vs the best process peer"), ("W2p", "batches/s vs the best process peer"),
+                       ("W2p", "total PSS <= grain's")]:
+        row = _row(rows, wl, target)
+        assert row["ok"] is None and row["ratio"] is None
+        assert row["detail"].startswith("peer missing: ")
+    assert _run_main(monkeypatch, results) == 0
+    out = capsys.readouterr().out
+    n = len(_evaluated(results))
+    assert re.search(rf"^verdict: all {n} targets met$", out, re.M), out
+    assert re.search(r"^W2p total PSS <= grain's +- +not evaluated \(peer missing\)  \[grain2, grain2b\]$", out, re.M), out
+    assert re.search(r"^  not evaluated: W1p batches/s vs the best process peer >= 1\.5 \(peer missing: ", out, re.M), out
+    assert "MISSED" not in out
+
+
+def test_only_missing_peers_is_not_a_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [bench._row("W2p", "total PSS <= grain's", None, None, "peer missing: grain2, grain2b")]
+    status, lines = bench.verdict(rows)
+    assert status == 1
+    assert lines[0] == "verdict: no target could be evaluated"
+
+
+def test_a_peer_target_uses_the_best_peer_that_ran_and_names_the_missing() -> None:
+    results = {**_passing_results(), **_peer_results()}
+    for key in [k for k in results if "/grain" in k]:
+        del results[key]  # torch and the Pool ran, grain did not
+    results["W1p/pool"]["batches_per_s"] = 400.0
+    row = _row(bench.evaluate(_report(results)), "W1p", "batches/s vs the best process peer")
+    assert row["ok"] is True
+    assert row["ratio"] == pytest.approx(1000.0 / 400.0)
+    assert row["detail"] == "best: pool; not run: grain2, grain2b"
+    pss = _row(bench.evaluate(_report(results)), "W2p", "total PSS")
+    assert pss["ok"] is None  # the memory target compares with grain only
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        (("W1p/pool", "batches_per_s", 800.0), r"  W1p batches/s vs the best process peer >= 1\.5: measured 1\.25 \(best: pool\)"),
+        (("W2p/torch2", "batches_per_s", 600.0), r"  W2p batches/s vs the best process peer >= 2\.0: measured 1\.67 \(best: torch2\)"),
+        (("W1/torch0it", "batches_per_s", 400.0), r"  W1 batches/s vs the best in-process peer >= 1\.0: measured 0\.75 \(best: torch0it\)"),
+        (("W2/grain0", "batches_per_s", 1000.0), r"  W2 batches/s vs the best in-process peer >= 1\.0: measured 0\.50 \(best: grain0\)"),
+        (("W2p/blobfeed", "pss_mb", 400.0), r"  W2p total PSS <= grain's: measured 1\.33 \(400 MiB against 300 MiB\)"),
+        (("W4p/blobfeed", "ideal_ratio", 0.8), r"  W4p batches/s vs the two-core ideal >= 0\.85: measured 0\.80"),
+        (("W6p/blobfeed", "ideal_ratio", 0.5), r"  W6p batches/s vs the two-core ideal >= 0\.85: measured 0\.50"),
+        (("W1p/blobfeed", "first_batch_ms", 650.0), r"  W1p first batch <= 500 ms: measured 650\.00"),
+    ],
+)
+def test_a_missed_new_target_exits_1(
+    change: tuple[str, str, float], line: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {**_passing_results(), **_peer_results()}
+    key, metric, value = change
+    results[key][metric] = value
+    assert _run_main(monkeypatch, results) == 1
+    out = capsys.readouterr().out
+    n = len(_evaluated(results))
+    assert re.search(rf"^verdict: MISSED 1 of {n} targets:$", out, re.M), out
+    assert re.search(rf"^{line}$", out, re.M), out
+    assert len(re.findall(r"  MISSED$", out, re.M)) == 1, out
+
+
+def test_a_workload_skipped_for_want_of_pillow_is_not_evaluated(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {k: v for k, v in {**_passing_results(), **_peer_results()}.items() if not k.startswith("W6")}
+    skipped = {"W6": "PIL not installed", "W6p": "PIL not installed"}
+    assert _run_main(monkeypatch, results, skipped=skipped) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^W6p/\* +skipped: PIL not installed$", out, re.M), out
+    assert "  not evaluated: W6p every target (workload skipped: PIL not installed)" in out
+
+
+# --------------------------------------------------------------------------- the pieces the runners share
+def test_rebatching_makes_exact_batches_and_loses_nothing() -> None:
+    rng = np.random.default_rng(0)
+    chunks = []
+    start = 0
+    for n in rng.integers(1, 80, size=200):
+        a = np.arange(start, start + n)
+        chunks.append([a, -a])
+        start += n
+    batches = list(bench._rebatched(chunks, 32))
+    assert all(len(b[0]) == 32 for b in batches)
+    got = np.concatenate([b[0] for b in batches])
+    assert np.array_equal(got, np.arange(len(got)))  # in order, none twice
+    assert start - len(got) < 32  # only the last partial batch is left
+    assert all(np.array_equal(b[1], -b[0]) for b in batches)
+
+
+def _count_in_a_child(tally: bench.Tally) -> None:
+    fetch = bench.W1Fetch(tally)
+    for _ in range(10):
+        fetch(3, 32)
+    tally.cpu(3, 0.25)
+    tally.finish()
+    try:
+        fetch(3, 32)
+    except StopIteration:
+        return
+    raise AssertionError("fetch went on after finish()")
+
+
+def test_the_tally_works_across_processes() -> None:
+    tally = bench.Tally()
+    try:
+        proc = multiprocessing.get_context("spawn").Process(target=_count_in_a_child, args=(tally,))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+        assert tally.stopping
+        same = bench.W1Fetch(None)  # the same chunks, counted here
+        assert tally.fetched() == sum(len(same.chunk(3)[0]) for _ in range(10))
+        assert tally.cpu_median() == 0.25
+    finally:
+        tally.close()
+    assert not Path(tally.path).exists()
+
+
+def test_w6_images_are_jpegs_of_the_documented_kind(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    rng = np.random.default_rng(6)
+    sizes = []
+    for i in range(3):
+        path = tmp_path / f"{i}.jpg"
+        Image.fromarray(bench._w6_image(rng), "RGB").save(path, "JPEG", quality=bench.W6_QUALITY)
+        sizes.append(path.stat().st_size)
+        with Image.open(path) as im:
+            assert (im.format, im.mode, im.size) == ("JPEG", "RGB", (500, 375))
+        decoded = np.asarray(bench._decode(str(path)))
+        assert decoded.shape == (224, 224, 3) and decoded.dtype == np.uint8
+    assert all(25_000 < n < 60_000 for n in sizes), sizes  # about 42 kB each
+
+
+def test_tree_pss_counts_the_children() -> None:
+    alone = bench.tree_pss_mb()
+    child = subprocess.Popen([sys.executable, "-c", "import time, numpy; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while bench._pss_kb(child.pid) < 5000 and time.monotonic() < deadline:  # until numpy is in
+            time.sleep(0.05)
+        assert child.pid in bench._descendants(bench.os.getpid())
+        assert bench.tree_pss_mb() > alone
+    finally:
+        child.kill()
+        child.wait()
+
+
+# --------------------------------------------------------------------------- real runs
+def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str) -> str:
     out = proc.stdout
-    assert re.search(r"^W1/blobfeed ", out, re.M), out + proc.stderr
+    assert re.search(rf"^{workload}/blobfeed ", out, re.M), out + proc.stderr
     m = re.search(r"^verdict: (all \d+ targets met|MISSED (\d+) of \d+ targets:)$", out, re.M)
     assert m, out + proc.stderr
     missed_rows = re.findall(r"  MISSED$", out, re.M)
@@ -179,3 +419,26 @@ def test_a_tiny_real_run_exits_as_its_verdict_says() -> None:
         assert proc.returncode == 1, out
         assert len(missed_rows) == int(m.group(2)), out
     assert "about" in proc.stderr  # the estimate, printed before the run
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_real_run_exits_as_its_verdict_says() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "blobfeed.cli", "bench", "--workloads", "W1", "--seconds", "0.2", "--repeats", "1"],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+    )
+    _check_real_run(proc, "W1")
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "blobfeed.cli", "bench", "--workloads", "W1p", "--seconds", "0.3", "--repeats", "1"],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+    )
+    out = _check_real_run(proc, "W1p")
+    assert re.search(r"^W1p/pool ", out, re.M), out  # the standard library's peer always runs
+    assert re.search(r"^W1p first batch <= 500 ms ", out, re.M), out
+    assert re.search(r"^W1p batches/s vs the best process peer >= 1\.5 ", out, re.M), out
+    assert re.search(r"^W1p/blobfeed +\S+ +\S+ +\S+ +\d+ ", out, re.M), out  # its PSS column is filled
