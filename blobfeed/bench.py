@@ -976,7 +976,7 @@ def run_grain(wl: Workload, seconds: float, workers: int, batch_in_workers: bool
     by grain's own ``RebatchIterDataset`` -- in the parent, or inside each
     worker before ``mp_prefetch`` (``batch_in_workers``: exact batches per
     worker)."""
-    grain = importlib.import_module("grain")  # untyped
+    import grain  # type: ignore[import-not-found]  # an optional peer
 
     def body(fetcher: Fetcher, m: Meter) -> None:
         ds = grain.MapDataset.range(0, 2**40).map(GrainChunk(fetcher, max(workers, 1)))
