@@ -104,6 +104,8 @@ class Feed:
         self._lock = threading.Lock()
         #: the enqueuer's next batch, waiting for room in the device queue
         self._staged: Batch | None = None
+        #: samples of a big batch the enqueuer is copying outside the lock
+        self._joining = 0
         #: a batch the net took while another of its sources failed or timed
         #: out; it is handed out first next time (see Net.run)
         self._held: Batch | None = None
@@ -145,6 +147,7 @@ class Feed:
         staged, held = self._staged, self._held
         return (
             self.rebatcher.pending
+            + self._joining
             + (staged.n if staged is not None else 0)
             + (held.n if held is not None else 0)
             + sum(b.n for b in self.device_queue.snapshot())
@@ -276,6 +279,31 @@ class Feed:
         dq = self.device_queue
         while True:
             with self._lock:
+                if self._staged is None and self.rebatcher.big:
+                    # A big batch is copied outside the lock, so the net's
+                    # thread never waits a whole copy for it; only this
+                    # thread assembles big batches, which keeps their order.
+                    cut = self.rebatcher.cut()
+                    if cut is None:
+                        return True
+                    self._joining = cut.n
+                else:
+                    cut = None
+            if cut is not None:
+                t0 = time.perf_counter()
+                b = self.rebatcher.join(cut)
+                batch = Batch(self._place(b.arrays), b.n)
+                self.stats.enqueue.observe(time.perf_counter() - t0)
+                self.stats.batches += 1
+                self.stats.samples += b.n
+                with self._lock:
+                    self._joining = 0
+                    if self._aborted:
+                        self.stats.dropped[self._lost_reason] += b.n
+                        self._lose_all()  # and what the rebatcher still holds
+                        return False
+                    self._staged = batch
+            with self._lock:
                 if self._staged is None:
                     self._staged = self._assemble(self.stats)
                     if self._staged is None:
@@ -382,6 +410,9 @@ class Feed:
             if self._staged is not None:
                 batch, self._staged = self._staged, None
                 return batch
+            if self.rebatcher.big:
+                # the enqueuer assembles big batches, outside the lock (see _drain)
+                return None
             queue = self.source.queue
             while True:
                 batch = self._assemble(self.direct_stats)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import collections
+import math
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from .chunks import Batch, Chunk
 
-__all__ = ["BufferPool", "Rebatcher"]
+__all__ = ["BufferPool", "Cut", "Rebatcher"]
 
 #: batches at least this big are assembled into recycled buffers
 POOL_MIN_BYTES = 1 << 20
@@ -40,7 +41,7 @@ class BufferPool:
         offsets, total = [], 0
         for shape, dtype in layout:
             offsets.append(total)
-            nbytes = int(np.prod(shape)) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         free = self._free.get(total)
         try:
@@ -53,7 +54,7 @@ class BufferPool:
         root = np.frombuffer(memoryview(mem), np.uint8)
         weakref.finalize(root, self._give, total, mem)
         return [
-            root[off:off + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+            root[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
             for (shape, dtype), off in zip(layout, offsets)
         ]
 
@@ -91,10 +92,14 @@ class Rebatcher:
         # [arrays, start, n, pin]: start is the first sample not yet handed out
         self._pieces: collections.deque[list[Any]] = collections.deque()
         self.pending = 0
+        #: bytes of one sample in all blobs (from the first chunk)
+        self._sample_bytes = 0
 
     def push(self, chunk: Chunk) -> None:
         self._pieces.append([chunk.arrays, 0, chunk.n, chunk.pin])
         self.pending += chunk.n
+        if not self._sample_bytes:
+            self._sample_bytes = sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n)
 
     def pop(self) -> Batch | None:
         """A full batch if enough samples are pending, else None."""
@@ -125,7 +130,26 @@ class Rebatcher:
         self.pending = 0
         return n
 
+    def cut(self, partial: bool = False) -> "Cut | None":
+        """Take the samples of the next batch, as views, without copying:
+        :meth:`join` assembles them, and may run outside the owner's lock
+        (it touches no state of the rebatcher but the thread-safe pool).
+        None when not enough samples are pending (``partial``: all of them)."""
+        if partial:
+            return self._cut(self.pending) if self.pending else None
+        bs = self.batch_size  # once: another thread may reset it (reset_data_input)
+        return self._cut(bs) if self.pending >= bs else None
+
+    @property
+    def big(self) -> bool:
+        """Whether a batch costs enough to copy that it is worth assembling
+        outside the owner's lock (known once a chunk was pushed)."""
+        return self._sample_bytes * self.batch_size >= POOL_MIN_BYTES
+
     def _take(self, bs: int) -> Batch:
+        return self.join(self._cut(bs))
+
+    def _cut(self, bs: int) -> "Cut":
         head = self._pieces[0]
         arrays, start, n, pin = head
         self.pending -= bs
@@ -134,13 +158,13 @@ class Rebatcher:
             # the chunk's memory is scarce (a worker process's slots): then a
             # copy, so that batches the user keeps never stall the worker.
             out = tuple(sl(a, start, start + bs) for sl, a in zip(self._slicers, arrays))
-            if pin is not None and not pin.views_ok():
-                out = tuple(np.array(a) for a in out)
             if n - start == bs:
                 self._pieces.popleft()
             else:
                 head[1] = start + bs
-            return Batch(out, bs)
+            if pin is not None and not pin.views_ok():
+                return Cut(bs, None, [[a] for a in out])
+            return Cut(bs, out, None)
         parts: list[list[np.ndarray]] = [[] for _ in arrays]
         need = bs
         while need:
@@ -154,6 +178,15 @@ class Rebatcher:
                 self._pieces.popleft()
             else:
                 head[1] = start + take
+        return Cut(bs, None, parts)
+
+    def join(self, cut: "Cut") -> Batch:
+        """The batch of ``cut``: its views, or one copy of its parts."""
+        if cut.views is not None:
+            return Batch(cut.views, cut.n)
+        bs = cut.n
+        parts = cut.parts
+        assert parts is not None
         first = [p[0] for p in parts]
         if sum(a.itemsize * bs * (a.size // max(1, a.shape[ax])) for a, ax in zip(first, self.axes)) < POOL_MIN_BYTES:
             return Batch(tuple(np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)), bs)
@@ -166,3 +199,13 @@ class Rebatcher:
         for p, ax, o in zip(parts, self.axes, out):
             np.concatenate(p, axis=ax, out=o)
         return Batch(tuple(out), bs)
+
+
+class Cut(NamedTuple):
+    """The samples of one batch, taken but not yet assembled."""
+
+    n: int
+    #: the batch itself, when it is views of one chunk
+    views: tuple[np.ndarray, ...] | None
+    #: else, per blob, the slices to join (copied once)
+    parts: list[list[np.ndarray]] | None
