@@ -124,6 +124,8 @@ class Net:
             _require_cuda(name, device)
         self.workspace = Workspace()
         self._group = FeedGroup()
+        #: the group's list itself (an attribute: run() reads it per batch)
+        self._feeds: list[Feed] = self._group.feeds
         self._session: ort.InferenceSession | None = None
         self._input_specs: dict[str, ModelInput] = {}
         self._output_names: tuple[str, ...] = ()
@@ -151,9 +153,6 @@ class Net:
         """What the model declares for each input: ONNX type and shape."""
         return dict(self._input_specs)
 
-    @property
-    def _feeds(self) -> list[Feed]:
-        return self._group.feeds
 
     def _load(
         self, model: Any, providers: Sequence[Any] | None, options: Any
@@ -236,7 +235,8 @@ class Net:
             TypeError: a ``timeout`` that is not a number.
             BlobfeedError: the coordinator of a source was never started.
         """
-        if timeout is not None:
+        # the full check only off the common path: run() is per batch
+        if timeout is not None and not (type(timeout) in (float, int) and timeout >= 0):
             timeout = check_timeout("timeout", timeout, allow_zero=True)
         feeds = self._feeds
         session = self._session

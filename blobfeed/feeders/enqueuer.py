@@ -278,17 +278,32 @@ class Feed:
         """
         dq = self.device_queue
         while True:
+            cut = None
             with self._lock:
-                if self._staged is None and self.rebatcher.big:
-                    # A big batch is copied outside the lock, so the net's
-                    # thread never waits a whole copy for it; only this
-                    # thread assembles big batches, which keeps their order.
-                    cut = self.rebatcher.cut()
-                    if cut is None:
-                        return True
-                    self._joining = cut.n
-                else:
-                    cut = None
+                if self._staged is None:
+                    if self.rebatcher.big:
+                        # A big batch is copied outside the lock (below), so
+                        # the net's thread never waits a whole copy for it;
+                        # only this thread assembles big batches: in order.
+                        cut = self.rebatcher.cut()
+                        if cut is None:
+                            return True
+                        self._joining = cut.n
+                    else:
+                        self._staged = self._assemble(self.stats)
+                        if self._staged is None:
+                            return True
+                        # an empty queue is expected while flushing the end
+                        lagging = None if final else self._lagging()
+                        if lagging is not None:
+                            break
+                if cut is None:
+                    if dq.put(self._staged, timeout=0):
+                        self._staged = None
+                        continue
+                    if dq.closed:
+                        self._lose_all()
+                        return False
             if cut is not None:
                 t0 = time.perf_counter()
                 b = self.rebatcher.join(cut)
@@ -303,21 +318,7 @@ class Feed:
                         self._lose_all()  # and what the rebatcher still holds
                         return False
                     self._staged = batch
-            with self._lock:
-                if self._staged is None:
-                    self._staged = self._assemble(self.stats)
-                    if self._staged is None:
-                        return True
-                    # an empty queue is expected while flushing the end
-                    lagging = None if final else self._lagging()
-                    if lagging is not None:
-                        break
-                if dq.put(self._staged, timeout=0):
-                    self._staged = None
-                    continue
-                if dq.closed:
-                    self._lose_all()
-                    return False
+                continue
             dq.wait_for_room()  # woken when the net has emptied the queue, or it closes
         # never log holding the lock: a slow handler would hold up the net
         logger.warning(

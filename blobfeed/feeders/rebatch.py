@@ -17,6 +17,7 @@ __all__ = ["BufferPool", "Cut", "Rebatcher"]
 POOL_MIN_BYTES = 1 << 20
 #: buffers kept per size, beyond those that batches still use
 POOL_KEEP = 8
+_NEVER = 1 << 62
 _ALIGN = 64
 
 
@@ -92,14 +93,16 @@ class Rebatcher:
         # [arrays, start, n, pin]: start is the first sample not yet handed out
         self._pieces: collections.deque[list[Any]] = collections.deque()
         self.pending = 0
-        #: bytes of one sample in all blobs (from the first chunk)
-        self._sample_bytes = 0
+        #: batches of at least this many samples are big (from the first chunk)
+        self._big_at = _NEVER
 
     def push(self, chunk: Chunk) -> None:
         self._pieces.append([chunk.arrays, 0, chunk.n, chunk.pin])
         self.pending += chunk.n
-        if not self._sample_bytes:
-            self._sample_bytes = sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n)
+        if self._big_at == _NEVER:
+            sample_bytes = sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n)
+            if sample_bytes:
+                self._big_at = -(-POOL_MIN_BYTES // sample_bytes)
 
     def pop(self) -> Batch | None:
         """A full batch if enough samples are pending, else None."""
@@ -135,21 +138,33 @@ class Rebatcher:
         :meth:`join` assembles them, and may run outside the owner's lock
         (it touches no state of the rebatcher but the thread-safe pool).
         None when not enough samples are pending (``partial``: all of them)."""
-        if partial:
-            return self._cut(self.pending) if self.pending else None
-        bs = self.batch_size  # once: another thread may reset it (reset_data_input)
-        return self._cut(bs) if self.pending >= bs else None
+        bs = self.pending if partial else self.batch_size
+        if not bs or self.pending < bs:
+            return None
+        views, parts = self._cut(bs)
+        return Cut(bs, views, parts)
 
     @property
     def big(self) -> bool:
         """Whether a batch costs enough to copy that it is worth assembling
         outside the owner's lock (known once a chunk was pushed)."""
-        return self._sample_bytes * self.batch_size >= POOL_MIN_BYTES
+        return self.batch_size >= self._big_at
+
+    def join(self, cut: "Cut") -> Batch:
+        """The batch of ``cut``: its views, or one copy of its parts."""
+        if cut.views is not None:
+            return Batch(cut.views, cut.n)
+        assert cut.parts is not None
+        return self._join(cut.parts, cut.n)
 
     def _take(self, bs: int) -> Batch:
-        return self.join(self._cut(bs))
+        views, parts = self._cut(bs)
+        if views is not None:
+            return Batch(views, bs)
+        return self._join(parts, bs)  # type: ignore[arg-type]
 
-    def _cut(self, bs: int) -> "Cut":
+    def _cut(self, bs: int) -> tuple[tuple[np.ndarray, ...] | None, list[list[np.ndarray]] | None]:
+        """(views, None) when the batch lies inside one chunk, else (None, parts)."""
         head = self._pieces[0]
         arrays, start, n, pin = head
         self.pending -= bs
@@ -157,14 +172,14 @@ class Rebatcher:
             # The whole batch lies inside one chunk: views, no copy -- unless
             # the chunk's memory is scarce (a worker process's slots): then a
             # copy, so that batches the user keeps never stall the worker.
-            out = tuple(sl(a, start, start + bs) for sl, a in zip(self._slicers, arrays))
+            out = tuple([sl(a, start, start + bs) for sl, a in zip(self._slicers, arrays)])
             if n - start == bs:
                 self._pieces.popleft()
             else:
                 head[1] = start + bs
             if pin is not None and not pin.views_ok():
-                return Cut(bs, None, [[a] for a in out])
-            return Cut(bs, out, None)
+                return None, [[a] for a in out]
+            return out, None
         parts: list[list[np.ndarray]] = [[] for _ in arrays]
         need = bs
         while need:
@@ -178,23 +193,16 @@ class Rebatcher:
                 self._pieces.popleft()
             else:
                 head[1] = start + take
-        return Cut(bs, None, parts)
+        return None, parts
 
-    def join(self, cut: "Cut") -> Batch:
-        """The batch of ``cut``: its views, or one copy of its parts."""
-        if cut.views is not None:
-            return Batch(cut.views, cut.n)
-        bs = cut.n
-        parts = cut.parts
-        assert parts is not None
-        first = [p[0] for p in parts]
-        if sum(a.itemsize * bs * (a.size // max(1, a.shape[ax])) for a, ax in zip(first, self.axes)) < POOL_MIN_BYTES:
-            return Batch(tuple(np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)), bs)
+    def _join(self, parts: list[list[np.ndarray]], bs: int) -> Batch:
+        if bs < self._big_at:
+            return Batch(tuple([np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)]), bs)
         layout = []
-        for a, ax in zip(first, self.axes):
-            shape = list(a.shape)
+        for p, ax in zip(parts, self.axes):
+            shape = list(p[0].shape)
             shape[ax] = bs
-            layout.append((tuple(shape), a.dtype))
+            layout.append((tuple(shape), p[0].dtype))
         out = self._pool.batch(layout)
         for p, ax, o in zip(parts, self.axes, out):
             np.concatenate(p, axis=ax, out=o)
