@@ -12,7 +12,8 @@ Messages (pickled tuples on the connection):
 * ``("items", [(seconds, result), ...])``: results in call order;
 * ``("slot", seconds, index, [(dtype, shape, offset), ...], is_tuple)``;
 * ``("error", seconds, exception bytes, traceback, fatal)``;
-* ``("done", seconds)``: ``fetch_fun`` raised StopIteration.
+* ``("done", seconds)``: ``fetch_fun`` raised StopIteration;
+* ``("note", text)``: something for the parent to log (once).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import select
 import signal
+import threading
 import time
 from typing import Any
 
@@ -41,15 +44,37 @@ INLINE_MAX_DELAY_S = 0.005
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux): no orphan survives
-    a SIGKILL of the program.  The parent is the forkserver, which exits
-    when the program does."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(pdeathsig: bool, free_r: int) -> None:
+    """SIGKILL this process when the program dies, however it dies: no
+    orphan survives even a SIGKILL of the program.
+
+    The free-slot pipe's write end is the program's alone, so its hang-up
+    says the program is gone; a thread waits for it (without reading: the
+    worker's loop reads the pipe), and sees it at once if the program died
+    before this process got here.  When the parent process is the
+    forkserver (``pdeathsig``), ``PR_SET_PDEATHSIG`` too: the forkserver
+    exits with the program.  Never with "spawn": the signal comes when the
+    parent *thread* ends, which is whichever thread called ``start()``.
+    """
+    if pdeathsig:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    threading.Thread(target=_wait_for_hangup, args=(free_r,), name="blobfeed-parent-watch", daemon=True).start()
+
+
+def _wait_for_hangup(fd: int) -> None:
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLHUP and POLLERR are always reported; no POLLIN
+    while True:
+        try:
+            events = poller.poll()
+        except InterruptedError:  # pragma: no cover - retried by Python anyway
+            continue
+        if any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _plain_arrays(raw: Any) -> list[np.ndarray] | None:
@@ -75,16 +100,41 @@ def child_main(
     slot_bytes: int,
     free_fd: FdHandle,
     conn: Any,
+    pdeathsig: bool = True,
 ) -> None:
     """Entry point of a worker process (``multiprocessing`` target)."""
-    _die_with_parent()
+    # Ctrl-C in a terminal reaches the whole process group: the program gets
+    # its KeyboardInterrupt and stops us; we must not die of it first (a
+    # traceback each, and the interrupt turned into a FetcherError).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(pdeathsig, free_fd.fd)
     parent = os.getppid()
     area = SlotArea(area_fd.fd, slots, slot_bytes)
     os.close(area_fd.fd)
-    free_r = free_fd.fd
-    fetch_fun, worker_init_fun = pickle.loads(payload)
-    # the same seed and generator the worker would have as a thread
-    set_worker_info(WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed)))
+    try:
+        _work(worker_id, index, num_workers, source, seed, payload, on_error, area, slots,
+              slot_bytes, free_fd.fd, conn, parent)
+    finally:
+        # we return on purpose: an exit with code 0 without this flag is a
+        # death (os._exit(0) inside fetch_fun), which the parent reports at once
+        area.set_ending()
+
+
+def _work(
+    worker_id: int,
+    index: int,
+    num_workers: int,
+    source: str,
+    seed: int,
+    payload: bytes,
+    on_error: str,
+    area: SlotArea,
+    slots: int,
+    slot_bytes: int,
+    free_r: int,
+    conn: Any,
+    parent: int,
+) -> None:
     send = conn.send_bytes
     dumps = pickle.dumps
     perf = time.perf_counter
@@ -105,6 +155,22 @@ def child_main(
         data, tb = pack_exception(exc)
         send(dumps(("error", seconds, data, tb, fatal), protocol=5))
 
+    try:
+        fetch_fun, worker_init_fun = pickle.loads(payload)
+    except BaseException as exc:
+        # a function pickled by reference to a module this process cannot
+        # import, say: the cause, not a bare "exited with code 1"
+        err = RuntimeError(
+            f"fetch_fun / worker_init_fun could not be loaded in the worker process: {exc!r} "
+            "(with backend='processes' they must be importable there, or defined where "
+            "cloudpickle sends them by value)"
+        )
+        err.__cause__ = exc
+        report(err, 0.0, True)
+        return
+    # the same seed and generator the worker would have as a thread
+    set_worker_info(WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed)))
+
     if worker_init_fun is not None:
         try:
             worker_init_fun(worker_id)
@@ -115,6 +181,7 @@ def child_main(
     pending: list[tuple[float, Any]] = []
     pending_bytes = 0
     oldest = 0.0
+    noted_big = False
 
     def flush() -> None:
         nonlocal pending, pending_bytes
@@ -163,6 +230,13 @@ def child_main(
                 off += align(a.nbytes)
             send(dumps(("slot", seconds, slot, meta, isinstance(raw, tuple))))
             continue
+        if nbytes > slot_bytes and not noted_big:
+            noted_big = True
+            send(dumps(("note", (
+                f"a chunk of {nbytes / 2**20:.2f} MiB is larger than a shared-memory slot "
+                f"({slot_bytes / 2**20:.2f} MiB): such chunks travel pickled through a pipe, "
+                "which is slower; pass backend=ProcessBackend(slot_bytes=...) with more"
+            ))))
         if not pending:
             oldest = t0
         pending.append((seconds, raw))

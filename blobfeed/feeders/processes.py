@@ -9,12 +9,17 @@ For each worker the parent keeps:
   the internal queue is full (so backpressure reaches the child: it cannot
   get ahead by more than its slots and one pipe buffer);
 
-and one watcher thread per group waits on every child's sentinel, so a child
-that dies is an error within milliseconds, not at the next poll.
+and per group one watcher thread that waits on every child's sentinel, so a
+child that dies is an error within milliseconds, not at the next poll, and
+one returner thread that gives a slot back to its worker once no array views
+it any more (see :meth:`_ProcessGroup.watch_slot` for why not a finalizer).
 
 Children are started by a ``forkserver`` (never a plain fork of this
-multi-threaded process), die with the program (``PR_SET_PDEATHSIG``), and
-are killed by ``stop()`` if they do not end by themselves.
+multi-threaded process) that has numpy and blobfeed loaded already, ignore
+SIGINT (Ctrl-C is the program's to handle), die with the program however it
+dies (see :func:`~blobfeed.feeders.child.child_main`), end by themselves
+when their source stops or fails, and are killed by ``stop()`` if they do
+not.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -54,7 +60,7 @@ class ProcessBackend:
             can have in flight (in the internal queue, being re-batched, or
             viewed by batches).
         slot_bytes: the size of one slot; a larger chunk is pickled through
-            the pipe instead (logged once).
+            the pipe instead (logged once per worker).
         start_method: ``"forkserver"`` (default) or ``"spawn"``; never
             ``"fork"``, which is unsafe in a multi-threaded process.
 
@@ -84,8 +90,9 @@ class ProcessBackend:
             raise BlobfeedError(
                 f"source {plan.source!r}: process workers need {need / 2**20:.0f} MiB of shared "
                 f"memory ({len(plan.workers)} workers x {self.slots} slots x "
-                f"{self.slot_bytes / 2**20:.1f} MiB) and the machine has {free / 2**20:.0f} MiB "
-                "available; pass backend=ProcessBackend(slots=..., slot_bytes=...) with less"
+                f"{self.slot_bytes / 2**20:.1f} MiB) and {free / 2**20:.0f} MiB are available "
+                "(the machine's, within this process's cgroup limit); pass "
+                "backend=ProcessBackend(slots=..., slot_bytes=...) with less"
             )
         return _ProcessGroup(self, plan, _payload(plan.fetch_fun, plan.worker_init_fun))
 
@@ -159,8 +166,8 @@ class _SlotRing:
             return True
 
     def release(self, slot: int) -> None:
-        """Give ``slot`` back to the child: nothing views it any more.  Runs
-        wherever the last view dies (a finalizer), so it never blocks."""
+        """Give ``slot`` back to the child: nothing views it any more (on the
+        group's returner thread).  Never blocks."""
         with self._lock:
             self._viewed.discard(slot)
             self._send(slot)
@@ -216,6 +223,13 @@ class _Worker:
         #: the child said "done" (StopIteration): its exit is not a death
         self.done = False
         self._death_reported = False
+        # multiprocessing.Process is not thread-safe: two threads polling
+        # one forkserver child race to read its exit status (the loser sees
+        # EOF and makes it 255).  Every poll, kill and close goes through here.
+        self._proc_lock = threading.Lock()
+        self._proc_closed = False
+        #: the exit code once known (negative: the signal that killed it)
+        self.exitcode: int | None = None
         recv_conn, send_conn = group.ctx.Pipe(duplex=False)
         self.conn = recv_conn
         info = w.info
@@ -225,18 +239,24 @@ class _Worker:
             args=(
                 w.worker_id, info.index, info.num_workers, info.source, info.seed,
                 group.payload, w.intake.on_error, FdHandle(area_fd), backend.slots,
-                backend.slot_bytes, FdHandle(free_r), send_conn,
+                backend.slot_bytes, FdHandle(free_r), send_conn, backend.start_method == "forkserver",
             ),
             daemon=True,
         )
         try:
             self.area.set_hint(group.plan.batch_size_hint())
             self.process.start()
+        except BaseException:
+            self.ring.close()
+            recv_conn.close()
+            raise
         finally:
             # the child has its copies now (or never will): ours go
             os.close(area_fd)
             os.close(free_r)
             send_conn.close()
+        self.pid: int = self.process.pid or 0
+        self.sentinel: int = self.process.sentinel
         self.thread = threading.Thread(
             target=thread_main,
             args=(f"blobfeed-recv-{group.source}-{w.worker_id}", self._receive, group.plan.on_thread_exit),
@@ -251,8 +271,9 @@ class _Worker:
         root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
         root.flags.writeable = False
         # Every view's base is `root` (numpy collapses view chains to it), so
-        # the slot returns to the child when the last view of it dies.
-        weakref.finalize(root, self.ring.release, slot)
+        # the slot returns to the child when the last view of it dies: the
+        # group's returner thread hears of it (see _ProcessGroup._return_slots).
+        self.group.watch_slot(root, self.ring, slot)
         arrays = [
             root[off:off + int(np.prod(shape)) * np.dtype(dt).itemsize].view(dt).reshape(shape)
             for dt, shape, off in meta
@@ -285,19 +306,45 @@ class _Worker:
                     self.done = exhausted = True
                     return
                 if not go:
+                    # the source stopped or failed: so does the child, by
+                    # itself (as threads do), while we drain what it sends
+                    self._drain()
                     return
-            # EOF without "done": the child died; the watcher may have said so already
-            self.process.join(1.0)
+            # EOF without "done": the child ended; the watcher may have said so already
+            self.wait_exit(1.0)
             self.report_death()
         finally:
             intake.finished(exhausted)
+
+    def _drain(self) -> None:
+        """Tell the child to stop and discard its messages until it ends (it
+        may be blocked sending one); its slots go straight back to it."""
+        self.area.set_stop()
+        self.ring.stop()
+        recv = self.conn.recv_bytes
+        while True:
+            try:
+                msg = pickle.loads(recv())
+            except (EOFError, OSError):
+                break
+            except Exception:  # an unpicklable result: discarded anyway
+                continue
+            if msg[0] == "slot":
+                self.ring.release(msg[2])
+        self.wait_exit(1.0)
+        self.report_death()
 
     def _handle(self, data: bytes) -> bool | None:
         """Hand one message of the child to the intake.  Returns False when
         the worker must stop, None when it is done (StopIteration)."""
         intake = self.plan.intake
         observe = intake.stats.fetch.observe
-        msg = pickle.loads(data)
+        try:
+            msg = pickle.loads(data)
+        except Exception as exc:  # a result whose class this process cannot load, say
+            err = RuntimeError(f"what the worker process sent could not be unpickled here: {exc!r}")
+            err.__cause__ = exc
+            return intake.exception(err)
         kind = msg[0]
         if kind == "items":
             share = len(data) // max(1, len(msg[1]))
@@ -318,20 +365,55 @@ class _Worker:
         if kind == "done":
             observe(msg[1])
             return None
+        if kind == "note":
+            logger.warning("source %r, worker %d: %s", self.group.source, self.plan.worker_id, msg[1])
+            return True
         raise AssertionError(f"unknown message from a worker process: {kind!r}")
 
     def report_death(self) -> None:
+        """The child ended: a death unless it returned by itself (after
+        "done", an error it reported, or a stop), or we are stopping it."""
+        if self.exitcode == 0 and self.area.ending():
+            return
         with self._lock:
             if self.done or self._death_reported or self.group.stopping:
                 return
             self._death_reported = True
-        self.plan.intake.died(f"worker process pid {self.process.pid} {_describe(self.process.exitcode)}")
+        self.plan.intake.died(f"worker process pid {self.pid} {_describe(self.exitcode)}")
+
+    # -- the process ------------------------------------------------------------
+    def poll(self) -> int | None:
+        """The exit code, or None while the process runs.  Never blocks long."""
+        with self._proc_lock:
+            if self.exitcode is None and not self._proc_closed:
+                self.process.join(0)
+                self.exitcode = self.process.exitcode
+            return self.exitcode
+
+    def wait_exit(self, timeout: float | None) -> int | None:
+        """Wait until the process ended (at most ``timeout`` s); its exit code or None."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.exitcode is None and not self._proc_closed:
+            multiprocessing.connection.wait([self.sentinel], timeout)
+        code = self.poll()
+        # A spawned child's sentinel is a pipe that closes as it exits, a
+        # moment before it can be reaped (its last threads are still going):
+        # ended, then, but its exit code is still to come.
+        while code is None and not self._proc_closed and multiprocessing.connection.wait([self.sentinel], 0):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.002)
+            code = self.poll()
+        return code
 
     def running(self) -> bool:
-        try:
-            return self.process.is_alive()
-        except ValueError:  # closed: it ended
-            return False
+        return self.poll() is None
+
+    def kill(self) -> None:
+        with self._proc_lock:
+            if self.exitcode is None and not self._proc_closed:
+                logger.info("stop: killing worker process %s (pid %d)", self.name, self.pid)
+                self.process.kill()
 
     def close(self) -> None:
         """Release what this worker holds once its process and thread ended:
@@ -343,9 +425,11 @@ class _Worker:
             self._closed = True
         self.ring.close()
         self.conn.close()
-        if not self.process.is_alive():
-            self.process.close()  # its sentinel descriptor
-        area, self.area = self.area, None
+        if self.poll() is not None:
+            with self._proc_lock:
+                self._proc_closed = True
+                self.process.close()  # its sentinel descriptor
+        area, self.area = self.area, None  # type: ignore[assignment]
         try:
             area.mm.close()
         except BufferError:
@@ -366,17 +450,49 @@ def _describe(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+#: what the forkserver imports once, so that a worker starts as a plain fork
+#: of it (milliseconds) rather than importing numpy and blobfeed (~0.2 s)
+_PRELOAD = "blobfeed.feeders.child"
+
+
+def _preload_forkserver(ctx: Any) -> None:
+    """Add blobfeed's child module to what the forkserver preloads, keeping
+    what the program asked for; a no-op once the forkserver runs.  (The
+    forkserver stays single-threaded: importing numpy starts no thread.)"""
+    try:
+        from multiprocessing import forkserver
+
+        server: Any = forkserver._forkserver
+        if server._forkserver_pid is not None:
+            return  # running: its modules are set
+        preload = list(server._preload_modules)
+    except AttributeError:  # another CPython: leave it as it is
+        return
+    if _PRELOAD not in preload:
+        ctx.set_forkserver_preload(preload + [_PRELOAD])
+
+
 class _ProcessGroup:
+    """The workers of one ``init_data_input_workers`` call, and three kinds of
+    helper threads: a receiver per worker, one watcher of the children's
+    sentinels, and one returner that gives slots back to the workers."""
+
     def __init__(self, backend: ProcessBackend, plan: LaunchPlan, payload: bytes) -> None:
         self.backend = backend
         self.plan = plan
         self.payload = payload
         self.source = plan.source
         self.ctx = multiprocessing.get_context(backend.start_method)
+        if backend.start_method == "forkserver":
+            _preload_forkserver(self.ctx)
         self.stopping = False
         self._join_lock = threading.Lock()
         self._released = False
         self._wake_r, self._wake_w = os.pipe()
+        #: weak references to the chunks viewing slots, by id, with their
+        #: slots; their callback puts them on `_returned`
+        self._outstanding: dict[int, tuple[weakref.ref[np.ndarray], _SlotRing, int]] = {}
+        self._returned: queue.SimpleQueue[weakref.ref[np.ndarray] | None] = queue.SimpleQueue()
         self.workers: list[_Worker] = []
         try:
             for w in plan.workers:
@@ -384,6 +500,13 @@ class _ProcessGroup:
         except BaseException:
             self._abort_start()
             raise
+        self.returner = threading.Thread(
+            target=thread_main,
+            args=(f"blobfeed-slots-{self.source}", self._return_slots, plan.on_thread_exit),
+            name=f"blobfeed-slots-{self.source}",
+            daemon=True,
+        )
+        self.returner.start()
         for wk in self.workers:
             wk.thread.start()
         self.watcher = threading.Thread(
@@ -394,32 +517,54 @@ class _ProcessGroup:
         )
         self.watcher.start()
 
+    # -- slots coming back ---------------------------------------------------------
+    def watch_slot(self, root: np.ndarray, ring: _SlotRing, slot: int) -> None:
+        """Give ``slot`` back to its worker once ``root`` (which every view of
+        the chunk in it keeps alive) dies."""
+        # The last view dies wherever the user drops a batch: often the main
+        # thread, where Ctrl-C raises KeyboardInterrupt at any Python
+        # bytecode.  A Python finalizer would have it swallowed ("Exception
+        # ignored") and the slot lost with it.  So the callback is C code
+        # (SimpleQueue.put: no bytecode, nothing to interrupt), and the slot
+        # goes back from the returner thread, where no signal lands.
+        ref = weakref.ref(root, self._returned.put)
+        self._outstanding[id(ref)] = (ref, ring, slot)
+
+    def _return_slots(self) -> None:
+        get = self._returned.get
+        outstanding = self._outstanding
+        while True:
+            ref = get()
+            if ref is None:
+                return
+            entry = outstanding.pop(id(ref), None)
+            if entry is not None:
+                entry[1].release(entry[2])
+
     def _abort_start(self) -> None:
         self.stopping = True
         for wk in self.workers:
-            if wk.process.is_alive():
-                wk.process.kill()
-            wk.process.join(5.0)
+            wk.kill()
+            wk.wait_exit(5.0)
             wk.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
     def _watch(self) -> None:
         """Wait on every child's sentinel at once: a death is seen at once."""
-        waiting = {wk.process.sentinel: wk for wk in self.workers}
+        waiting = {wk.sentinel: wk for wk in self.workers}
         try:
             while waiting:
                 ready = multiprocessing.connection.wait([*waiting, self._wake_r])
                 if self._wake_r in ready:
                     return
                 for s in ready:
-                    wk = waiting.pop(s)  # type: ignore[call-overload]
-                    wk.process.join(0)
-                    code = wk.process.exitcode
-                    if code != 0:
-                        # abnormal for sure: do not wait for the receiver,
-                        # which may be blocked on a full queue
-                        wk.report_death()
+                    wk = waiting.pop(s)  # type: ignore[arg-type]
+                    wk.wait_exit(1.0)
+                    # Not a return of child_main (a signal, a crash, os._exit)?
+                    # Then say so now, without waiting for the receiver, which
+                    # may be blocked on a full queue with messages to read.
+                    wk.report_death()
         finally:
             os.close(self._wake_r)
 
@@ -445,20 +590,18 @@ class _ProcessGroup:
             grace_end = now + STOP_GRACE_S if deadline is None else min(deadline, now + STOP_GRACE_S)
             if self.stopping:
                 for wk in self.workers:
-                    wk.process.join(max(0.0, grace_end - time.monotonic()))
+                    wk.wait_exit(max(0.0, grace_end - time.monotonic()))
                 for wk in self.workers:
-                    if wk.process.is_alive():
-                        logger.info("stop: killing worker process %s (pid %d)", wk.name, wk.process.pid)
-                        wk.process.kill()
+                    wk.kill()
             stuck = []
             for wk in self.workers:
-                wk.process.join(left())
+                wk.wait_exit(left())
                 wk.thread.join(left())
-                if wk.process.is_alive():
+                if wk.running():
                     stuck.append(wk.name)
                 if wk.thread.is_alive():
                     stuck.append(wk.thread.name)
-            if not any(wk.process.is_alive() for wk in self.workers):
+            if not any(wk.running() for wk in self.workers):
                 try:
                     os.write(self._wake_w, b"x")
                 except OSError:
@@ -466,6 +609,11 @@ class _ProcessGroup:
                 self.watcher.join(left())
                 if self.watcher.is_alive():
                     stuck.append(self.watcher.name)
+                if not any(wk.thread.is_alive() for wk in self.workers):
+                    self._returned.put(None)  # no worker needs a slot any more
+                self.returner.join(left())
+                if self.returner.is_alive():
+                    stuck.append(self.returner.name)
             if not stuck:
                 self._release()
             return stuck
@@ -484,6 +632,8 @@ class _ProcessGroup:
         self.plan = None  # type: ignore[assignment]
         for wk in self.workers:
             wk.group = None  # type: ignore[assignment]
+        # batches the user keeps may outlive us: their slots need no return
+        self._outstanding.clear()
 
     def alive(self) -> list[str]:
         if self._released:
@@ -492,4 +642,6 @@ class _ProcessGroup:
         out += [wk.thread.name for wk in self.workers if wk.thread.is_alive()]
         if self.watcher.is_alive():
             out.append(self.watcher.name)
+        if self.returner.is_alive():
+            out.append(self.returner.name)
         return out

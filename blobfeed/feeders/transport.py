@@ -22,7 +22,8 @@ __all__ = [
     "HEADER_BYTES", "SlotArea", "mem_available", "pack_exception", "unpack_exception",
 ]
 
-#: area header: [0:8] the batch-size hint, [8:16] the stop flag
+#: area header: [0:8] the batch-size hint, [8:16] the stop flag (parent to
+#: worker), [16:24] the ending flag (worker to parent: it returns on purpose)
 HEADER_BYTES = 64
 _HINT = struct.Struct("<q")
 #: one free slot index on the free pipe; -1 tells the worker to stop
@@ -70,17 +71,83 @@ class SlotArea:
     def stopping(self) -> bool:
         return _HINT.unpack_from(self.mm, 8)[0] != 0
 
+    def set_ending(self) -> None:
+        _HINT.pack_into(self.mm, 16, 1)
 
-def mem_available() -> int | None:
-    """Bytes of memory the kernel says are available (``MemAvailable``), or None."""
+    def ending(self) -> bool:
+        """True once the worker returns by itself (after its last message):
+        an exit with code 0 without it is a death (``os._exit(0)``)."""
+        return _HINT.unpack_from(self.mm, 16)[0] != 0
+
+
+def mem_available(
+    meminfo: str = "/proc/meminfo",
+    cgroup: str = "/proc/self/cgroup",
+    cgroup_root: str = "/sys/fs/cgroup",
+) -> int | None:
+    """Bytes of memory this process may still take, or None when unknown:
+    the kernel's ``MemAvailable``, and within a container the room left under
+    its cgroup's memory limit (memfd pages count against it), whichever is
+    less."""
+    free: int | None = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                    free = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
         pass
-    return None
+    room = _cgroup_room(cgroup, cgroup_root)
+    if room is not None and (free is None or room < free):
+        return room
+    return free
+
+
+def _cgroup_room(cgroup: str, root: str) -> int | None:
+    """Room under the tightest memory limit of this process's cgroup and its
+    ancestors (cgroup v2; v1's memory controller too), or None."""
+    try:
+        with open(cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    room: int | None = None
+
+    def tighter(limit: int, used: int) -> None:
+        nonlocal room
+        left = max(0, limit - used)
+        if room is None or left < room:
+            room = left
+
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # v2
+            base, files = root, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        # The cgroup and every ancestor of it the mount shows (in a container
+        # the mount's root is often the container's own cgroup, its path
+        # in /proc/self/cgroup absent from the mount).
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:depth])
+            limit, used = _read_int(os.path.join(d, files[0])), _read_int(os.path.join(d, files[1]))
+            if limit is not None and used is not None and limit < 2**60:  # v1's "no limit" is huge
+                tighter(limit, used)
+    return room
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file of the cgroup filesystem; None when absent or "max"."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 class RemoteTraceback(Exception):
@@ -99,24 +166,61 @@ class RemoteTraceback(Exception):
 def pack_exception(exc: BaseException) -> tuple[bytes, str]:
     """The exception itself, pickled, and its traceback as text.
 
-    The object travels as it is (same type, same arguments), never rebuilt as
-    ``type(exc)(message)``, which fails for exceptions whose constructor takes
-    other arguments.  Only what does not survive a pickle round trip is
+    The object travels as it is (same type, same arguments, same attributes),
+    never rebuilt as ``type(exc)(message)``, which fails for exceptions whose
+    constructor takes other arguments.  Pickle's own way is tried first (it
+    honours a class's ``__reduce__``); where it fails or gives back other
+    arguments (``type(exc)(*exc.args)`` fails or means something else when
+    ``__init__`` takes other parameters than ``args`` holds: torch issues
+    30147, 34130), the object is rebuilt without calling ``__init__``, from
+    its type, ``args`` and attributes.  Only what survives neither is
     replaced, by a ``RuntimeError`` carrying its type and text.
     """
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    for dumps in _dumpers():
-        try:
-            data = dumps(exc)
-            pickle.loads(data)
-            return data, tb
-        except Exception:
-            continue
+    for candidate in (exc, _ExceptionState(exc)):
+        for dumps in _dumpers():
+            try:
+                data = dumps(candidate)
+                back = pickle.loads(data)
+            except Exception:
+                continue
+            if type(back) is type(exc) and _same_args(back.args, exc.args):
+                return data, tb
     stand_in = RuntimeError(
         f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} "
         "(the original exception could not be pickled)"
     )
     return pickle.dumps(stand_in), tb
+
+
+class _ExceptionState:
+    """Pickles as "the exception rebuilt from its type, args and attributes"."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        exc = self.exc
+        return _rebuild_exception, (type(exc), exc.args, dict(getattr(exc, "__dict__", {})))
+
+
+def _rebuild_exception(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    # as BaseException.__reduce__ + __setstate__ do, but without __init__
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    if state:
+        exc.__setstate__(state)
+    return exc
+
+
+def _same_args(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # arrays among them, say
+        try:
+            return pickle.dumps(a) == pickle.dumps(b)
+        except Exception:
+            return False
 
 
 def unpack_exception(data: bytes, tb: str) -> BaseException:
