@@ -282,7 +282,8 @@ class WorkerIntake:
         return ok
 
     def exception(self, exc: BaseException, *, fatal: bool = False, remote_tb: str | None = None) -> bool:
-        """``fetch_fun`` (or ``worker_init_fun`` when ``fatal``) raised ``exc``
+        """``fetch_fun`` raised ``exc`` (``fatal``: starting the worker failed:
+        ``worker_init_fun`` raised, or a worker process could not load ``fetch_fun``)
         (in another process: ``remote_tb`` is its traceback there).
 
         Returns True when the worker carries on (``on_error="skip"``).
@@ -291,8 +292,8 @@ class WorkerIntake:
         self.stats.errors["exception"] += 1
         if self.halted:
             return False
-        what = "worker_init_fun" if fatal else "fetch_fun"
-        err = FetcherError(f"{self._where}: {what} raised {exc!r}")
+        what = "starting the worker failed" if fatal else "fetch_fun raised"
+        err = FetcherError(f"{self._where}: {what}: {exc!r}")
         err.__cause__ = exc
         if remote_tb is not None:
             note = f"traceback in the worker ({self.backend}):\n{remote_tb.rstrip()}"
