@@ -1020,8 +1020,10 @@ def _pool_fetch(i: int) -> list:
 
 
 def run_pool(wl: Workload, seconds: float) -> dict[str, Any]:
-    """``multiprocessing.Pool(2).imap`` of the fetch function (``fork``, the
-    default on Linux), re-batched in this process: what one writes by hand."""
+    """``multiprocessing.Pool(2).imap`` of the fetch function, re-batched in
+    this process: what one writes by hand.  ``forkserver``: with Linux's
+    default ``fork`` the pool hung now and then (a worker forked while one of
+    the parent's threads held a lock), which stalled a whole bench run."""
 
     def body(fetcher: Fetcher, m: Meter) -> None:
         in_flight = threading.Semaphore(POOL_IN_FLIGHT)
@@ -1035,7 +1037,7 @@ def run_pool(wl: Workload, seconds: float) -> dict[str, Any]:
                     i += 1
 
         m.begin()
-        pool = multiprocessing.get_context("fork").Pool(2, initializer=_pool_init, initargs=(fetcher,))
+        pool = multiprocessing.get_context("forkserver").Pool(2, initializer=_pool_init, initargs=(fetcher,))
         try:
             def chunks() -> Iterator[list]:
                 for chunk in pool.imap(_pool_fetch, tasks()):

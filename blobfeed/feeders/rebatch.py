@@ -117,7 +117,10 @@ class Rebatcher:
         bs = self.batch_size  # once: another thread may reset it (reset_data_input)
         if self.pending < bs:
             return None
-        return self._take(bs)
+        views, parts = self._cut(bs)
+        if views is not None:
+            return Batch(views, bs)
+        return self._join(parts, bs)  # type: ignore[arg-type]
 
     def pop_partial(self) -> Batch | None:
         """Everything pending as one (smaller) batch, or None when empty."""
