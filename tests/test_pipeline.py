@@ -376,3 +376,29 @@ def test_big_batches_assembled_outside_the_lock_keep_order_and_accounting() -> N
         )
         assert delivered == 32 * stop_after
         assert fetched == delivered + dropped, (stop_after, fetched, delivered, dropped)
+
+
+def test_dont_rebatch_holds_for_big_batches() -> None:
+    """Trap (review): batches of >= 1 MiB took the enqueuer's outside-the-lock
+    path, which cut batch_size samples whatever dont_rebatch said."""
+    sizes = iter([100, 30, 100, 7])
+
+    def fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
+        n = next(sizes)  # StopIteration ends the worker
+        return [np.zeros((n, 4096), np.float32)]  # 16 KiB per sample
+
+    gc = blobfeed.GlobalCoordinator()
+    net = blobfeed.Net(name="n")
+    blobfeed.init_data_input_workers(net, ["x"], fetch, 64, num_worker_threads=1,
+                                     dont_rebatch=True, coordinator=gc)
+    gc.start()
+    got = []
+    try:
+        while True:
+            try:
+                got.append(len(net.run(timeout=10)["x"]))
+            except blobfeed.EndOfInput:
+                break
+    finally:
+        assert gc.stop(timeout=10) is True
+    assert got == [100, 30, 100, 7]

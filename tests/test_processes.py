@@ -1188,3 +1188,78 @@ def test_dropping_a_batch_runs_no_python_code_in_the_dropping_thread(gc: blobfee
     assert not calls, f"Python code ran where the batch was dropped: {calls}"
     for _ in range(20):  # and the slot did go back (four slots, all of them needed)
         net.run(timeout=2.0)
+
+
+# -- found in review: slots, dont_rebatch, structured dtypes ------------------------------
+
+
+def one_big_sample(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    """One sample of 64 KiB per call: each chunk takes a slot of its own."""
+    info = blobfeed.get_worker_info()
+    one_big_sample.calls = getattr(one_big_sample, "calls", 0) + 1  # type: ignore[attr-defined]
+    ident = info.index * 1_000_000 + one_big_sample.calls  # type: ignore[attr-defined]
+    return [np.full((1, 16 * 1024), ident, np.float32)]
+
+
+def test_a_batch_needing_more_chunks_than_there_are_slots_does_not_hang() -> None:
+    """Trap (review): every big chunk held a slot until its samples left the
+    re-batcher, so a batch spanning more chunks than all workers' slots
+    waited for the child while the child waited for a slot: the usual
+    one-image-per-call fetcher with batch 32 and 2 x 8 slots hung."""
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    blobfeed.init_data_input_workers(net, ["x"], one_big_sample, 32, num_worker_threads=2,
+                                     backend="processes", coordinator=gc)
+    gc.start()
+    try:
+        for _ in range(5):
+            out = net.run(timeout=10)
+            assert out["x"].shape == (32, 16 * 1024)
+    finally:
+        assert gc.stop(timeout=WAIT) is True
+
+
+def thousand_rows(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    return [np.ones((1000, 64), np.float32)]
+
+
+def test_keeping_the_last_batches_with_a_small_ring_does_not_stall() -> None:
+    """Trap (review): with 4 slots and the user keeping the last 24 batches,
+    the feed stalled after about 85 batches."""
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    blobfeed.init_data_input_workers(net, ["x"], thousand_rows, 128, num_worker_threads=1,
+                                     backend=blobfeed.ProcessBackend(slots=4), coordinator=gc)
+    gc.start()
+    kept: collections.deque[np.ndarray] = collections.deque(maxlen=24)
+    try:
+        for _ in range(300):
+            kept.append(net.run(timeout=10)["x"])
+    finally:
+        assert gc.stop(timeout=WAIT) is True
+
+
+def structured(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    n = 8 if blobfeed.get_worker_info().index == 0 else 20_000  # a pipe chunk and a slot chunk
+    a = np.zeros(n, dtype=[("a", "<f4"), ("b", "<i4")])
+    a["a"] = 1.5
+    a["b"] = 7
+    return [a]
+
+
+def test_structured_dtypes_keep_their_fields_through_a_slot() -> None:
+    """Trap (review): a chunk through shared memory carried only `dtype.str`
+    ('|V8'), losing a structured dtype's fields; mixed with a pipe chunk the
+    source then failed."""
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    blobfeed.init_data_input_workers(net, ["x"], structured, 64, num_worker_threads=2,
+                                     backend="processes", coordinator=gc)
+    gc.start()
+    try:
+        for _ in range(20):
+            x = net.run(timeout=10)["x"]
+            assert x.dtype.names == ("a", "b")
+            assert (x["a"] == 1.5).all() and (x["b"] == 7).all()
+    finally:
+        assert gc.stop(timeout=WAIT) is True

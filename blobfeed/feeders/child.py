@@ -226,7 +226,8 @@ def _work(
             for a in arrays:
                 dst = np.ndarray(a.shape, a.dtype, buffer=area.mm, offset=base + off)
                 np.copyto(dst, a, casting="no")
-                meta.append((a.dtype.str, a.shape, off))
+                # the dtype itself: its .str loses a structured dtype's fields
+                meta.append((a.dtype, a.shape, off))
                 off += align(a.nbytes)
             send(dumps(("slot", seconds, slot, meta, isinstance(raw, tuple))))
             continue

@@ -266,6 +266,9 @@ class Feed:
             # coordinator (should_stop, join) hear of it.
             lost = self.abort(err)
             with self._lock:
+                # a big batch whose copy raised: its samples are lost too
+                lost += self._joining
+                self._joining = 0
                 self.stats.dropped["error"] += lost
                 self._lose_all()
             src.report_failure(err)
@@ -411,8 +414,9 @@ class Feed:
             if self._staged is not None:
                 batch, self._staged = self._staged, None
                 return batch
-            if self.rebatcher.big:
-                # the enqueuer assembles big batches, outside the lock (see _drain)
+            if self.rebatcher.big or self._joining:
+                # the enqueuer assembles big batches, outside the lock (see
+                # _drain); while it does, nobody else may hand out a later one
                 return None
             queue = self.source.queue
             while True:

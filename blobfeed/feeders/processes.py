@@ -135,7 +135,7 @@ class _SlotRing:
     alive forever, with its mapping, descriptors and net.
     """
 
-    __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed")
+    __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed", "_held")
 
     def __init__(self, slots: int, free_w: int) -> None:
         self.slots = slots
@@ -144,6 +144,17 @@ class _SlotRing:
         self._closed = False
         #: slots some batch was handed out as a view of, until they are free again
         self._viewed: set[int] = set()
+        #: slots the child announced and that are not free again yet
+        self._held = 0
+
+    def hold(self) -> bool:
+        """Count a slot the child just announced.  Returns True when it was
+        the child's last free slot: then its chunk must be copied out at once
+        and the slot given back, or a batch that needs more chunks than there
+        are slots would wait for the child while the child waits for a slot."""
+        with self._lock:
+            self._held += 1
+            return self._held >= self.slots
 
     def grant_view(self, slot: int) -> bool:
         """May a batch be handed out as a view of ``slot``?  (The re-batcher
@@ -160,7 +171,9 @@ class _SlotRing:
             viewed = self._viewed
             if slot in viewed:
                 return True
-            if len(viewed) >= self.slots - max(1, self.slots // 4):
+            # two stay unviewed (a batch straddling two chunks needs both),
+            # but with two slots in all one may be viewed
+            if len(viewed) >= max(1, self.slots - max(2, self.slots // 4)):
                 return False
             viewed.add(slot)
             return True
@@ -170,6 +183,7 @@ class _SlotRing:
         group's returner thread).  Never blocks."""
         with self._lock:
             self._viewed.discard(slot)
+            self._held -= 1
             self._send(slot)
 
     def stop(self) -> None:
@@ -357,6 +371,14 @@ class _Worker:
             _, seconds, slot, meta, as_tuple = msg
             observe(seconds)
             arrays, used = self._views(slot, meta, as_tuple)
+            axis = intake.source.axes[0]
+            if self.ring.hold() and arrays[0].shape[axis] < self.group.plan.batch_size_hint():
+                # The child's last free slot, and a chunk smaller than a
+                # batch: a batch may need more such chunks than there are
+                # slots.  Copy out; the views die with this call and the
+                # slot goes back.
+                copied = [np.array(a) for a in arrays]
+                return intake.result(tuple(copied) if as_tuple else copied, None, used + len(data))
             return intake.result(arrays, _SlotPin(self.ring, slot), used + len(data))
         if kind == "error":
             _, seconds, exc_data, tb, fatal = msg

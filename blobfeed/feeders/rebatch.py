@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+import queue
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -28,43 +29,55 @@ class BufferPool:
     one into warm memory, and a batch freed by the net's thread after
     another thread allocated it rarely comes back warm.  So big batches are
     assembled into buffers from here, and a buffer comes back once nothing
-    references any array of its batch (a ``weakref.finalize`` on the one
-    array every view of the batch keeps alive): a batch the user keeps is
-    never overwritten.  Thread-safe: buffers come back from whichever thread
-    drops the last reference (``deque`` appends and pops are atomic).
+    references any array of its batch: a batch the user keeps is never
+    overwritten.
+
+    The batch's death is heard through a weak reference whose callback is C
+    code (``SimpleQueue.put``): the last reference dies wherever the user
+    drops a batch, often the main thread, where a Python finalizer could
+    swallow a Ctrl-C.  Returned buffers are collected by the next
+    :meth:`batch` call.  One thread at a time calls :meth:`batch` (the
+    enqueuer assembles every big batch).
     """
 
     def __init__(self) -> None:
-        self._free: dict[int, collections.deque[np.ndarray]] = {}
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._returned: "queue.SimpleQueue[weakref.ref[np.ndarray]]" = queue.SimpleQueue()
+        #: by id of the weak reference to a batch's root array (a weak
+        #: reference to an array cannot be hashed): (it, size, the memory)
+        self._out: dict[int, tuple["weakref.ref[np.ndarray]", int, np.ndarray]] = {}
 
     def batch(self, layout: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
         """Uninitialised arrays of these shapes and dtypes, in one buffer."""
+        self._collect()
         offsets, total = [], 0
         for shape, dtype in layout:
             offsets.append(total)
             nbytes = math.prod(shape) * dtype.itemsize
             total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         free = self._free.get(total)
-        try:
-            mem = free.pop() if free is not None else np.empty(total, np.uint8)
-        except IndexError:
-            mem = np.empty(total, np.uint8)
+        mem = free.pop() if free else np.empty(total, np.uint8)
         # `root`'s base is a memoryview, not an array, so numpy stops there:
-        # every view below keeps `root` (not `mem`) alive, and the finalizer
-        # hands `mem` back when the last of them dies.
+        # every view below keeps `root` (not `mem`) alive, and its weak
+        # reference says when the last of them died.
         root = np.frombuffer(memoryview(mem), np.uint8)
-        weakref.finalize(root, self._give, total, mem)
+        ref = weakref.ref(root, self._returned.put)
+        self._out[id(ref)] = (ref, total, mem)
         return [
             root[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
             for (shape, dtype), off in zip(layout, offsets)
         ]
 
-    def _give(self, total: int, mem: np.ndarray) -> None:
-        free = self._free.get(total)
-        if free is None:
-            free = self._free.setdefault(total, collections.deque())
-        if len(free) < POOL_KEEP:
-            free.append(mem)
+    def _collect(self) -> None:
+        while True:
+            try:
+                ref = self._returned.get_nowait()
+            except queue.Empty:
+                return
+            _, total, mem = self._out.pop(id(ref))
+            free = self._free.setdefault(total, [])
+            if len(free) < POOL_KEEP:
+                free.append(mem)
 
 
 def _slicer(axis: int) -> Callable[[np.ndarray, int, int], np.ndarray]:
@@ -151,7 +164,7 @@ class Rebatcher:
     def big(self) -> bool:
         """Whether a batch costs enough to copy that it is worth assembling
         outside the owner's lock (known once a chunk was pushed)."""
-        return self.batch_size >= self._big_at
+        return not self.whole_chunks and self.batch_size >= self._big_at
 
     def join(self, cut: "Cut") -> Batch:
         """The batch of ``cut``: its views, or one copy of its parts."""
