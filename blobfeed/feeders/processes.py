@@ -522,22 +522,17 @@ class _ProcessGroup:
         except BaseException:
             self._abort_start()
             raise
-        self.returner = threading.Thread(
-            target=thread_main,
-            args=(f"blobfeed-slots-{self.source}", self._return_slots, plan.on_thread_exit),
-            name=f"blobfeed-slots-{self.source}",
-            daemon=True,
-        )
-        self.returner.start()
+        self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()
-        self.watcher = threading.Thread(
-            target=thread_main,
-            args=(f"blobfeed-watch-{self.source}", self._watch, plan.on_thread_exit),
-            name=f"blobfeed-watch-{self.source}",
-            daemon=True,
-        )
-        self.watcher.start()
+        self.watcher = self._thread("watch", self._watch)
+
+    def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
+        """Start one of the group's own daemon threads, ``blobfeed-<role>-<source>``."""
+        name = f"blobfeed-{role}-{self.source}"
+        t = threading.Thread(target=thread_main, args=(name, body, self.plan.on_thread_exit), name=name, daemon=True)
+        t.start()
+        return t
 
     # -- slots coming back ---------------------------------------------------------
     def watch_slot(self, root: np.ndarray, ring: _SlotRing, slot: int) -> None:
