@@ -403,7 +403,7 @@ def test_tree_pss_counts_the_children() -> None:
         assert bench.tree_pss_mb() > alone
     finally:
         child.kill()
-        child.wait()
+        child.wait(timeout=10)
 
 
 # --------------------------------------------------------------------------- real runs

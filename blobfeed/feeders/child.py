@@ -112,8 +112,7 @@ def child_main(
     area = SlotArea(area_fd.fd, slots, slot_bytes)
     os.close(area_fd.fd)
     try:
-        _work(worker_id, index, num_workers, source, seed, payload, on_error, area, slots,
-              slot_bytes, free_fd.fd, conn, parent)
+        _work(worker_id, index, num_workers, source, seed, payload, on_error, area, free_fd.fd, conn, parent)
     finally:
         # we return on purpose: an exit with code 0 without this flag is a
         # death (os._exit(0) inside fetch_fun), which the parent reports at once
@@ -129,8 +128,6 @@ def _work(
     payload: bytes,
     on_error: str,
     area: SlotArea,
-    slots: int,
-    slot_bytes: int,
     free_r: int,
     conn: Any,
     parent: int,
@@ -138,6 +135,7 @@ def _work(
     send = conn.send_bytes
     dumps = pickle.dumps
     perf = time.perf_counter
+    slots, slot_bytes = area.slots, area.slot_bytes
     free = list(range(slots))
 
     def take_slot() -> int:
