@@ -560,3 +560,49 @@ def test_big_spanning_batches_reuse_warm_memory() -> None:
     batch, and a third of the throughput)."""
     faults, pages = _pipeline_faults_per_batch()
     assert faults < pages * 0.05, f"{faults:.0f} page faults per batch of {pages} pages"
+
+
+def test_buffer_pool_lets_go_of_spares_a_window_never_needed() -> None:
+    """A burst (the device queue filling while the net paused) needs many
+    buffers at once; once it is over, the spares that sit idle for a whole
+    window go back to the system instead of staying resident for the run."""
+    from blobfeed.feeders.rebatch import POOL_WINDOW, BufferPool
+
+    pool = BufferPool()
+    layout = [((1 << 20,), np.dtype(np.uint8))]
+    burst = [pool.batch(layout) for _ in range(7)]
+    del burst  # all seven come back
+    for _ in range(3 * POOL_WINDOW):
+        held = pool.batch(layout)  # one batch at a time in steady state
+        del held
+    pool.batch(layout)
+    spares = sum(len(v) for v in pool._free.values())
+    assert spares <= 1, f"{spares} idle spare buffers kept after the burst"
+
+
+def test_buffer_pool_keeps_the_buffers_steady_demand_uses() -> None:
+    from blobfeed.feeders.rebatch import POOL_WINDOW, BufferPool
+
+    pool = BufferPool()
+    layout = [((1 << 20,), np.dtype(np.uint8))]
+    live: list[Any] = []
+    seen: set[int] = set()
+    for i in range(4 * POOL_WINDOW):
+        arrays = pool.batch(layout)
+        if i >= POOL_WINDOW:  # warm: every buffer handed out is a recycled one
+            seen.add(arrays[0].__array_interface__["data"][0])
+        live.append(arrays)
+        if len(live) > 3:  # the user, the device queue and the enqueuer hold four
+            live.pop(0)
+    assert len(seen) <= 5, f"{len(seen)} distinct buffers for a steady demand of 4"
+
+
+def test_buffer_pool_drops_buffers_of_a_size_no_longer_asked_for() -> None:
+    from blobfeed.feeders.rebatch import POOL_WINDOW, BufferPool
+
+    pool = BufferPool()
+    old = [pool.batch([((1 << 20,), np.dtype(np.uint8))]) for _ in range(4)]
+    del old
+    for _ in range(2 * POOL_WINDOW):  # the batch size was reset
+        pool.batch([((1 << 21,), np.dtype(np.uint8))])
+    assert (1 << 20) not in pool._free or not pool._free[1 << 20]

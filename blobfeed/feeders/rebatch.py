@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+import mmap
 import queue
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
@@ -18,6 +19,8 @@ __all__ = ["BufferPool", "Cut", "Rebatcher"]
 POOL_MIN_BYTES = 1 << 20
 #: buffers kept per size, beyond those that batches still use
 POOL_KEEP = 8
+#: ``batch()`` calls after which spares that stayed idle throughout go back
+POOL_WINDOW = 64
 _NEVER = 1 << 62
 _ALIGN = 64
 
@@ -31,6 +34,15 @@ class BufferPool:
     assembled into buffers from here, and a buffer comes back once nothing
     references any array of its batch: a batch the user keeps is never
     overwritten.
+
+    The pool follows demand: a burst (the device queue filling while the
+    net paused) needs several buffers at once, a steady flow fewer.  Spares
+    that stayed in the free list for a whole window of :data:`POOL_WINDOW`
+    calls, and buffers of a size no longer asked for, are released (one
+    spare per size is kept as a cushion), so a run's memory follows what it
+    holds, not its worst moment.  Buffers are anonymous mappings of their
+    own, so a released one goes back to the system at once, whatever
+    malloc's thresholds have become.
 
     The batch's death is heard through a weak reference whose callback is C
     code (``SimpleQueue.put``): the last reference dies wherever the user
@@ -46,6 +58,9 @@ class BufferPool:
         #: by id of the weak reference to a batch's root array (a weak
         #: reference to an array cannot be hashed): (it, size, the memory)
         self._out: dict[int, tuple["weakref.ref[np.ndarray]", int, np.ndarray]] = {}
+        #: per size, the fewest spares seen free at a call in this window
+        self._low: dict[int, int] = {}
+        self._calls = 0
 
     def batch(self, layout: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
         """Uninitialised arrays of these shapes and dtypes, in one buffer."""
@@ -55,8 +70,12 @@ class BufferPool:
             offsets.append(total)
             nbytes = math.prod(shape) * dtype.itemsize
             total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        free = self._free.get(total)
-        mem = free.pop() if free else np.empty(total, np.uint8)
+        free = self._free.setdefault(total, [])
+        self._low[total] = min(self._low.get(total, len(free)), len(free))
+        self._calls += 1
+        if self._calls >= POOL_WINDOW:
+            self._trim()
+        mem = free.pop() if free else np.frombuffer(mmap.mmap(-1, total), np.uint8)
         # `root`'s base is a memoryview, not an array, so numpy stops there:
         # every view below keeps `root` (not `mem`) alive, and its weak
         # reference says when the last of them died.
@@ -78,6 +97,16 @@ class BufferPool:
             free = self._free.setdefault(total, [])
             if len(free) < POOL_KEEP:
                 free.append(mem)
+
+    def _trim(self) -> None:
+        for total, free in self._free.items():
+            idle = self._low.get(total)
+            # A size not asked for all window keeps nothing; one that was
+            # keeps one spare beyond what it used.
+            keep = 0 if idle is None else max(len(free) - idle + 1, 0)
+            del free[keep:]
+        self._low.clear()
+        self._calls = 0
 
 
 def _slicer(axis: int) -> Callable[[np.ndarray, int, int], np.ndarray]:
