@@ -31,11 +31,14 @@ from .feeders import (
     FetchFun,
     InputSource,
     LaunchPlan,
+    STATE_VERSION,
     ProcessBackend,
+    Replayed,
     ThreadBackend,
     WorkerGroup,
     WorkerIntake,
     WorkerPlan,
+    is_stateful,
     thread_main,
 )
 from .metrics import ExternalLogger, register_collector
@@ -339,8 +342,15 @@ class DataInputCoordinator(WorkerCoordinator):
             seed, rng = worker_seeds(self.seed, wid)
             intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
             workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
+        fetch_fun = self._fetch_fun
+        if self.source.ordered is not None:
+            start = {wid: self.source.resume_at.get(wid, (0, None)) for wid in self.worker_ids}
+            for w in workers:
+                w.intake.calls = start[w.worker_id][0]  # the seq of its next chunk
+            if any(calls for calls, _ in start.values()) or is_stateful(fetch_fun):
+                fetch_fun = Replayed(fetch_fun, start)
         return backend.launch(LaunchPlan(
-            self.name, self._fetch_fun, self._worker_init_fun, workers,
+            self.name, fetch_fun, self._worker_init_fun, workers,
             self._batch_size_hint, self._gc._thread_ended,
         ))
 
@@ -358,6 +368,8 @@ class DataInputCoordinator(WorkerCoordinator):
     def _start(self) -> None:
         self._last_log = (time.monotonic(), 0.0, 0, 0.0, 0)
         self.feed.mark_started()
+        if self.source.ordered is not None:
+            self.source.ordered.start()
         super()._start()
 
     def _request_stop(self) -> None:
@@ -777,6 +789,89 @@ class GlobalCoordinator:
             logger.error("stop: coordinators %s started while stopping; stop() again", still)
         return not stuck and not still
 
+    # -- resume ----------------------------------------------------------------------
+    def _ordered_source(self, name: str) -> InputSource:
+        with self._lock:
+            source = self._sources.get(name)
+        if source is None:
+            raise ValueError(f"no input source named {name!r}")
+        if source.ordered is None:
+            raise ValueError(
+                f"source {name!r} is not deterministic: state_dict/load_state_dict need "
+                "init_data_input_workers(..., deterministic=True)"
+            )
+        return source
+
+    @staticmethod
+    def _layout(source: InputSource) -> dict[str, Any]:
+        ordered = source.ordered
+        assert ordered is not None
+        return {
+            "num_workers": len(ordered._order),
+            "batch_size": ordered.batch_size,
+            "blobs": [list(f.blob_names) for f in source.feeds],
+            "axes": list(source.axes),
+        }
+
+    def state_dict(self, name: str) -> dict[str, Any]:
+        """The position of deterministic source ``name`` after the last batch
+        that each of its nets' ``run()`` returned (not what is prefetched).
+
+        JSON-serialisable (a stateful ``fetch_fun``'s own state must be too).
+        Give it to :meth:`load_state_dict` of a pipeline wired the same way
+        to continue exactly there.
+
+        Raises:
+            ValueError: no such source, or it is not deterministic.
+        """
+        source = self._ordered_source(name)
+        assert source.ordered is not None
+        return source.ordered.state(self._layout(source), [f.net_name for f in source.feeds])
+
+    def load_state_dict(self, name: str, state: dict[str, Any]) -> None:
+        """Continue deterministic source ``name`` from ``state`` (from
+        :meth:`state_dict`); call it after wiring, before :meth:`start`.
+
+        The batches that follow are those an uninterrupted run would have
+        given each net.  A stateful ``fetch_fun`` (with ``state_dict`` and
+        ``load_state_dict`` methods) is restored from its saved state; any
+        other is replayed: each worker makes its recorded calls again and
+        their results are discarded.
+
+        Raises:
+            ValueError: no such source, not deterministic, already started,
+                or ``state`` is of another version, worker count, batch size,
+                blob layout or number of nets (the message says which).
+        """
+        source = self._ordered_source(name)
+        ordered = source.ordered
+        assert ordered is not None
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"source {name!r}: state has version {state.get('version')!r}; this blobfeed reads version {STATE_VERSION}"
+            )
+        layout = self._layout(source)
+        for key, what in (("num_workers", "worker count"), ("batch_size", "batch size"),
+                          ("blobs", "blob layout"), ("axes", "blob layout (batch axes)")):
+            if state.get(key) != layout[key]:
+                raise ValueError(
+                    f"source {name!r}: the state was saved with {what} {state.get(key)!r}; "
+                    f"this pipeline has {layout[key]!r}"
+                )
+        nets = state.get("nets")
+        if not isinstance(nets, dict) or len(nets) != len(source.feeds):
+            raise ValueError(
+                f"source {name!r}: the state was saved for nets {nets!r}; this pipeline feeds "
+                f"{[f.net_name for f in source.feeds]}"
+            )
+        with self._lock:
+            if any(c.started for c in self._coordinators if c.name == name):
+                raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
+        starts = ordered.load(state)
+        source.resume_at = dict(zip(ordered._order, starts))
+
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None:
         """Change the batch size of source ``name`` into ``net``.
 
@@ -795,6 +890,8 @@ class GlobalCoordinator:
             ]
         if not found:
             raise ValueError(f"net {getattr(net, 'name', net)!r} is not fed from source {name!r}")
+        if found[0].source.ordered is not None:
+            raise ValueError(f"source {name!r} is deterministic: its batch size is fixed")
         for c in found:
             c.feed.batch_size = batch_size
 
@@ -999,6 +1096,7 @@ def init_data_input_workers(
     seed: int | None = None,
     backend: Literal["threads", "processes"] | FetcherBackend = "threads",
     worker_init_fun: Callable[[int], Any] | None = None,
+    deterministic: bool = False,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
 
@@ -1040,6 +1138,12 @@ def init_data_input_workers(
             ``blobfeed.ray.RayBackend(...)``).
         worker_init_fun: ``worker_init_fun(worker_id)``, run in the worker
             (thread, process or actor) before its first fetch.
+        deterministic: the source's chunks are taken in strict round robin
+            by worker id and its batches dealt to its nets in turn, so the
+            same ``fetch_fun``, ``seed``, worker count and batch size give the
+            same batches to the same nets on every run and every backend;
+            needed by :meth:`GlobalCoordinator.state_dict`.  Every call for
+            one source must agree on it and on ``batch_size``.
 
     Returns:
         The global coordinator; call its ``start()``.
@@ -1085,6 +1189,9 @@ def init_data_input_workers(
     timeout = check_timeout("timeout", timeout)
     dont_rebatch = check_flag("dont_rebatch", dont_rebatch)
     drop_last = check_flag("drop_last", drop_last)
+    deterministic = check_flag("deterministic", deterministic)
+    if deterministic and dont_rebatch:
+        raise ValueError("deterministic=True re-batches the source's stream once: it cannot be combined with dont_rebatch=True")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if seed is not None:
@@ -1128,22 +1235,43 @@ def init_data_input_workers(
                     "net=%r; give each Net a distinct name to tell them apart",
                     input_source_name, net.name, net.name,
                 )
+            ordered = source.ordered
+            if (ordered is not None) != deterministic:
+                raise ValueError(
+                    f"source {input_source_name!r} was wired with deterministic={ordered is not None}; "
+                    f"this call asks for deterministic={deterministic}: every call for one source must agree"
+                )
+            if ordered is not None and ordered.batch_size != batch_size:
+                raise ValueError(
+                    f"source {input_source_name!r} is deterministic with batch_size={ordered.batch_size}; "
+                    f"this call asks for {batch_size}: a deterministic source has one batch size"
+                )
+            if ordered is not None and any(c.started for c in gc._coordinators if c.name == input_source_name):
+                raise ValueError(
+                    f"source {input_source_name!r} is deterministic and already started: "
+                    "wire every net before start()"
+                )
             source.register_fetchers(num_worker_threads)  # atomic with the source's end
         else:
             source = InputSource(
                 input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure
             )
             source.register_fetchers(num_worker_threads)
+            if deterministic:
+                source.make_ordered(batch_size)
         feed = Feed(
             source, net.name, net._place, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,
             dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
             model_inputs=net.input_specs,
+            outbox=source.ordered.add_net() if source.ordered is not None else None,
         )
         net._attach(feed)
         source.add_feed(feed)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
+        if source.ordered is not None:
+            source.ordered.add_lanes(ids)
         gc._add(DataInputCoordinator(
             gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
             runner, worker_init_fun,

@@ -62,6 +62,8 @@ class BlobsQueue(Generic[T]):
         self._room_watchers = 0
         self._closed = False
         self._error: BaseException | None = None
+        #: raised instead of EndOfInput once drained (close(error, after_items=True))
+        self._final: BaseException | None = None
 
     @property
     def capacity(self) -> int:
@@ -178,7 +180,12 @@ class BlobsQueue(Generic[T]):
                     if self._room_watchers:
                         self._room_watch.notify_all()
                 return item
-            raise EndOfInput(f"queue {self.name!r} is closed and drained")
+            self._raise_drained()
+
+    def _raise_drained(self) -> None:
+        if self._final is not None:
+            raise self._final.with_traceback(None)
+        raise EndOfInput(f"queue {self.name!r} is closed and drained")
 
     def get_nowait(self) -> tuple[bool, T | None]:
         """Dequeue without waiting.
@@ -200,10 +207,10 @@ class BlobsQueue(Generic[T]):
                         self._room_watch.notify_all()
                 return True, item
             if self._closed:
-                raise EndOfInput(f"queue {self.name!r} is closed and drained")
+                self._raise_drained()
             return False, None
 
-    def close(self, error: BaseException | None = None) -> list[T]:
+    def close(self, error: BaseException | None = None, *, after_items: bool = False) -> list[T]:
         """Close the queue and wake every blocked caller.  Idempotent.
 
         Args:
@@ -217,7 +224,10 @@ class BlobsQueue(Generic[T]):
         """
         with self._lock:
             discarded: list[T] = []
-            if error is not None and self._error is None:
+            if after_items:
+                if error is not None and self._final is None and self._error is None:
+                    self._final = error
+            elif error is not None and self._error is None:
                 self._error = error
                 discarded = list(self._items)
                 self._items.clear()

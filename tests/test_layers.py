@@ -20,6 +20,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
+    "blobfeed.feeders.ordered": 3,
+    "blobfeed.feeders.replay": 3,
     "blobfeed.feeders.source": 4,
     "blobfeed.feeders.enqueuer": 5,
     "blobfeed.feeders.backends": 6,

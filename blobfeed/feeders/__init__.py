@@ -8,7 +8,8 @@ Data path for one input source (see docs/ARCHITECTURE.md)::
 
 Modules, each using only those above it: ``chunks`` (what a worker hands
 over, and its checks), ``rebatch``, ``source`` (the internal queue, worker
-lifecycle, intakes), ``enqueuer`` (``Feed``), ``backends`` (the seam and the
+lifecycle, intakes), ``ordered`` (deterministic mode's round robin),
+``replay`` (a worker brought back to a saved position), ``enqueuer`` (``Feed``), ``backends`` (the seam and the
 thread backend), ``processes`` (process workers).
 """
 
@@ -24,11 +25,14 @@ from .backends import (
 from .chunks import Batch, Chunk, ChunkValidator, ModelInput, Pin
 from .enqueuer import Feed, FeedGroup
 from .processes import ProcessBackend
+from .ordered import STATE_VERSION, OrderedStream
 from .rebatch import Rebatcher
+from .replay import Replayed, is_stateful
 from .source import InputSource, OnError, WorkerIntake
 
 __all__ = [
     "Batch", "Chunk", "ChunkValidator", "Feed", "FeedGroup", "FetchFun", "FetcherBackend",
-    "InputSource", "LaunchPlan", "ModelInput", "OnError", "Pin", "ProcessBackend", "Rebatcher", "ThreadBackend",
+    "InputSource", "LaunchPlan", "ModelInput", "OnError", "OrderedStream", "Pin", "ProcessBackend", "Rebatcher",
+    "Replayed", "STATE_VERSION", "ThreadBackend", "is_stateful",
     "WorkerGroup", "WorkerIntake", "WorkerPlan", "thread_main",
 ]

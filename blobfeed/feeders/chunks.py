@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ChunkError
 
-__all__ = ["Batch", "Chunk", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
+__all__ = ["Stamped", "Batch", "Chunk", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
 
 
 class Pin:
@@ -32,6 +32,17 @@ class Chunk(NamedTuple):
     seq: int = 0
     #: what the arrays keep busy, if anything (see Pin)
     pin: Pin | None = None
+    #: a stateful fetch_fun's ``state_dict()`` right after this call (resume)
+    state: Any = None
+
+
+class Stamped(NamedTuple):
+    """A result of a stateful ``fetch_fun`` with its state right after the
+    call (deterministic mode): the state travels with its chunk, so a resume
+    restores the fetcher to just after the last chunk the nets consumed."""
+
+    raw: Any
+    state: Any
 
 
 class Batch(NamedTuple):

@@ -15,6 +15,7 @@ from ..errors import BlobfeedError, DequeueTimeout, EndOfInput, FetcherError
 from ..queues import BlobsQueue
 from ..stats import AssembleStats, ConsumeStats, MetricsHub
 from .chunks import Batch, Chunk, ModelInput, check_model_inputs
+from .ordered import NetOutbox
 from .rebatch import Rebatcher
 from .source import InputSource, SourceStopped
 
@@ -85,8 +86,13 @@ class Feed:
         drop_last: bool,
         hub: MetricsHub,
         model_inputs: dict[str, ModelInput] | None = None,
+        outbox: NetOutbox | None = None,
     ) -> None:
         self.source = source
+        #: deterministic=True: this net's share of the ordered stream
+        self._outbox = outbox
+        #: where chunks come from: the source's internal queue, or the outbox
+        self._input: Any = source.queue if outbox is None else outbox
         # No reference to the net itself: the net refers to its feeds, and a
         # cycle would keep a discarded net's onnxruntime session alive.
         self.net_name = net_name
@@ -227,7 +233,7 @@ class Feed:
     def run(self) -> None:
         """Body of the enqueuer thread."""
         src = self.source
-        queue = src.queue
+        queue = self._input
         try:
             while True:
                 # Take and push under the lock, so chunks enter the re-batcher
@@ -254,7 +260,11 @@ class Feed:
                     return
                 if not ok:
                     queue.wait_for_item()  # woken by a put or a close
-        except FetcherError:
+        except FetcherError as err:
+            if self._outbox is not None and not self._aborted:
+                # deterministic: the error has its place in the stream
+                self._end_with(err)
+                return
             # the source failed; fail() closed our queue with the error
             with self._lock:
                 self._lose_all()
@@ -330,6 +340,17 @@ class Feed:
         )
         return self._drain(final=final)
 
+    def _end_with(self, error: FetcherError) -> None:
+        """The ordered stream reached ``error``: the complete batches before
+        it go to the net, then the error; the incomplete one is dropped."""
+        if not self._drain(final=True):
+            return
+        with self._lock:
+            left = self.rebatcher.clear()
+            if left:
+                self.stats.dropped["error"] += left
+            self.device_queue.close(error, after_items=True)
+
     def _lose_all(self) -> None:
         """The device queue is closed: count what this feed still holds as dropped.  Under the lock.
 
@@ -347,7 +368,7 @@ class Feed:
         due (at most once a minute per source; the first minute is warm-up)."""
         src = self.source
         now = time.monotonic()
-        depth = src.queue.qsize()
+        depth = self._input.qsize()
         if now - src.lagging_warned_at >= LAGGING_WARN_S and depth < 2:
             src.lagging_warned_at = now
             return depth
@@ -394,6 +415,8 @@ class Feed:
                 )
         self.consume_stats.batches += 1
         self.consume_stats.samples += batch.n
+        if self._outbox is not None:
+            self._outbox.returned()
 
     def _assemble_here(self) -> Batch | None:
         """The net's thread takes or assembles the next batch, if it can without waiting for data.
@@ -418,7 +441,7 @@ class Feed:
                 # the enqueuer assembles big batches, outside the lock (see
                 # _drain); while it does, nobody else may hand out a later one
                 return None
-            queue = self.source.queue
+            queue = self._input
             while True:
                 batch = self._assemble(self.direct_stats)
                 if batch is not None:

@@ -11,7 +11,8 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 from ..errors import ChunkError, EndOfInput, FetcherError
 from ..queues import BlobsQueue
 from ..stats import FetchStats, MetricsHub
-from .chunks import Chunk, ChunkValidator, ModelInput, Pin, guess_samples
+from .chunks import Chunk, ChunkValidator, ModelInput, Pin, Stamped, guess_samples
+from .ordered import OrderedStream
 
 
 class FeedEnd(Protocol):
@@ -81,7 +82,22 @@ class InputSource:
         #: each fetcher writes only its own key
         self.inflight: dict[int, int] = {}
         self.lagging_warned_at = time.monotonic()
+        #: deterministic=True: the round-robin stream the workers feed and
+        #: the nets read, instead of ``queue``
+        self.ordered: OrderedStream | None = None
+        #: per worker id, where load_state_dict() says it starts: (calls, state)
+        self.resume_at: dict[int, tuple[int, Any]] = {}
         hub.attach_source(self)
+
+    def make_ordered(self, batch_size: int) -> OrderedStream:
+        """Make this source deterministic (before any worker starts)."""
+        # A lane per worker holds a few chunks: enough to keep a worker busy
+        # while the round robin waits for a slower one, bounded in all.
+        self.ordered = OrderedStream(
+            self.name, batch_size, self.axes, lane_capacity=max(2, min(16, self.queue.capacity)),
+            outbox_samples=2 * batch_size, on_error=self.fail_in_order,
+        )
+        return self.ordered
 
     # -- fetcher lifecycle -------------------------------------------------
     def register_fetchers(self, n: int) -> None:
@@ -138,8 +154,28 @@ class InputSource:
         logger.error("source %r stopped by a fetcher error: %s", self.name, error)
         self.halted = True
         lost = self._samples_in(self.queue.close(error))
+        if self.ordered is not None:
+            lost += self._samples_in(self.ordered.close(error))
         for feed in list(self.feeds):
             lost += feed.abort(error)
+        self.hub.count_dropped(self.name, "error", lost)
+        self.hub.source_ended(self.name)
+        if self._on_failure is not None:
+            self._on_failure(error)
+
+    def fail_in_order(self, error: BaseException) -> None:
+        """deterministic=True: the stream reached a worker's error.  The
+        batches before it are still handed out, then the error; the workers
+        stop and what they fetched past it is dropped."""
+        with self._lock:
+            if self.error is not None or self.stopped:
+                return
+            self.error = error
+        logger.error("source %r stopped by a fetcher error: %s", self.name, error)
+        self.halted = True
+        assert self.ordered is not None
+        lost = self._samples_in(self.ordered.close(None))
+        lost += self._samples_in(self.queue.close(error))
         self.hub.count_dropped(self.name, "error", lost)
         self.hub.source_ended(self.name)
         if self._on_failure is not None:
@@ -154,6 +190,8 @@ class InputSource:
         self.halted = True
         err = SourceStopped(f"source {self.name!r} was stopped")
         lost = self._samples_in(self.queue.close(err))
+        if self.ordered is not None:
+            lost += self._samples_in(self.ordered.close(err))
         for feed in list(self.feeds):
             lost += feed.abort(EndOfInput(f"source {self.name!r} was stopped"))
         self.hub.count_dropped(self.name, "stopped", lost)
@@ -237,6 +275,8 @@ class WorkerIntake:
     def finished(self, exhausted: bool) -> None:
         """The worker ended; ``exhausted``: by StopIteration (its data is done)."""
         self.source.inflight.pop(self.worker_id, None)
+        if exhausted and self.source.ordered is not None:
+            self.source.ordered.finish(self.worker_id)
         self.source.fetcher_finished(exhausted)
 
     def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0) -> bool:
@@ -245,6 +285,9 @@ class WorkerIntake:
         stats = self.stats
         seq = self.calls
         self.calls = seq + 1
+        state = None
+        if type(raw) is Stamped:
+            raw, state = raw
         if transport_bytes:
             stats.transport_bytes[self.backend] += transport_bytes
         try:
@@ -260,7 +303,10 @@ class WorkerIntake:
                 stats.skipped_samples += guess_samples(raw, src.axes)
                 logger.warning("%s; chunk skipped (on_error='skip')", err)
                 return True
-            src.fail(err)
+            if src.ordered is not None:
+                src.ordered.put_error(self.worker_id, err)
+            else:
+                src.fail(err)
             return False
         if isinstance(chunk, str):
             stats.errors[chunk] += 1
@@ -275,7 +321,12 @@ class WorkerIntake:
         stats.bytes += sum(a.nbytes for a in chunk.arrays)
         inflight = src.inflight
         inflight[self.worker_id] = chunk.n
-        ok = src.queue.put(chunk)
+        if src.ordered is not None:
+            if state is not None:
+                chunk = chunk._replace(state=state)
+            ok = src.ordered.put(self.worker_id, chunk)
+        else:
+            ok = src.queue.put(chunk)
         inflight[self.worker_id] = 0
         if not ok:
             stats.dropped[src.lost_reason] += chunk.n
@@ -306,6 +357,10 @@ class WorkerIntake:
         if self.on_error == "skip" and not fatal and isinstance(exc, Exception):
             logger.warning("%s; skipped (on_error='skip')", err, exc_info=exc)
             return True
+        if self.source.ordered is not None:
+            # surfaces at its place in the stream, after the batches before it
+            self.source.ordered.put_error(self.worker_id, err)
+            return False
         self.source.fail(err)
         return False
 

@@ -1,0 +1,392 @@
+"""Deterministic mode: the workers' chunks in strict round robin, cut into
+batches once per source and dealt to the nets in turn, with the position
+after every batch (what ``state_dict`` saves).
+
+Each worker has a lane, a small bounded queue of its own.  The chunk stream
+of the source is lane 0's first chunk, lane 1's first, ..., then every
+lane's second, a lane that ended being skipped.  Whoever needs data (a net's
+enqueuer, or the net's own thread) advances the stream under one lock: it
+takes the head of the lane whose turn it is (or waits for that worker, never
+for another), cuts it at batch boundaries into views and appends the pieces
+of batch *i* to the outbox of net *i mod k*.  Every net's re-batcher then
+receives exactly one batch's worth of pieces per batch, so it makes the same
+batches as a single re-batcher would, without another copy.
+
+An error of a worker is an item of its lane: it surfaces when the round robin
+reaches it, after every batch that comes before it in the stream, whatever
+the timing.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable, Sequence
+
+from ..errors import EndOfInput
+from .chunks import Chunk
+
+__all__ = ["OrderedStream", "NetOutbox", "STATE_VERSION"]
+
+#: the layout version of ``state_dict``; a state of another version is refused
+STATE_VERSION = 1
+
+
+class _Ended:
+    """A lane's marker: its worker raised StopIteration."""
+
+
+_ENDED = _Ended()
+
+
+class _Failed:
+    """A lane's marker: its worker's error, at its place in the stream."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class NetOutbox:
+    """One net's end of an :class:`OrderedStream`: the pieces of its batches.
+
+    Has the reading half of a queue's interface (``get_nowait``,
+    ``wait_for_item``, ``qsize``), which is what a feed takes chunks from.
+    """
+
+    def __init__(self, stream: "OrderedStream", index: int) -> None:
+        self._stream = stream
+        self.index = index
+        self.pieces: collections.deque[Chunk] = collections.deque()
+        self.samples = 0
+        #: global index of this net's next batch that run() has not returned
+        self.next_batch = index
+        #: batches dealt to this net to be thrown away (a resume: before its position)
+        self.skip_until = index
+
+    def get_nowait(self) -> tuple[bool, Chunk | None]:
+        return self._stream.take(self)
+
+    def wait_for_item(self, timeout: float | None = None) -> bool:
+        return self._stream.wait_for(self, timeout)
+
+    def qsize(self) -> int:
+        return len(self.pieces)
+
+    def returned(self) -> None:
+        """``Net.run()`` returned this net's next batch (its position moves on)."""
+        self._stream.returned(self)
+
+
+class OrderedStream:
+    """The chunk stream of one deterministic source.  Thread-safe.
+
+    ``lane_capacity`` bounds each worker's lane (chunks); ``outbox_samples``
+    bounds how far the stream runs ahead of the slowest net (samples waiting
+    in one outbox), so a net that stops taking cannot make the others grow
+    memory without bound: they wait for it, as solvers fed by Caffe's
+    DataReader do.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        batch_size: int,
+        axes: Sequence[int],
+        lane_capacity: int,
+        outbox_samples: int,
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self.source = source
+        self.batch_size = batch_size
+        self.axes = tuple(axes)
+        self.lane_capacity = max(1, lane_capacity)
+        self.outbox_samples = outbox_samples
+        self._on_error = on_error
+        self._lock = threading.Lock()
+        self._items = threading.Condition(self._lock)  # nets wait here
+        self._room = threading.Condition(self._lock)  # workers wait here
+        self._lanes: dict[int, collections.deque[Any]] = {}
+        self._order: list[int] = []
+        self._ended: set[int] = set()
+        self.outboxes: list[NetOutbox] = []
+        self._closed = False
+        self._error: BaseException | None = None  # reached in the stream
+        self._rr = 0  # position in _order whose turn it is
+        self._offset = 0  # samples of that lane's head chunk already dealt
+        self._batch = 0  # global index of the batch being filled
+        self._filled = 0  # samples in it so far
+        #: per worker: calls whose chunk is wholly dealt, and the fetcher's
+        #: state after the last of them (a stateful fetch_fun)
+        self._calls: dict[int, int] = {}
+        self._states: dict[int, Any] = {}
+        #: batches completed -> the position after them, kept until every
+        #: net has returned past it
+        self._positions: dict[int, dict[str, Any]] = {}
+        self._eof = False
+        self._started = False
+        self._lanes_closed = False
+        self._close_reason: BaseException = EndOfInput(f"source {source!r}: stopped")
+
+    # -- wiring, before start ---------------------------------------------------
+    def add_lanes(self, worker_ids: Sequence[int]) -> None:
+        with self._lock:
+            for wid in worker_ids:
+                self._lanes[wid] = collections.deque()
+                self._order.append(wid)
+                self._calls.setdefault(wid, 0)
+
+    def add_net(self) -> NetOutbox:
+        with self._lock:
+            if self._started:
+                raise ValueError(
+                    f"source {self.source!r} is deterministic and already running: "
+                    "wire every net before start()"
+                )
+            box = NetOutbox(self, len(self.outboxes))
+            self.outboxes.append(box)
+            return box
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                self._record(self._batch)
+
+    # -- workers -----------------------------------------------------------------
+    def put(self, worker_id: int, chunk: Chunk) -> bool:
+        """Append to the worker's lane, waiting while it is full; False once closed."""
+        with self._room:
+            lane = self._lanes[worker_id]
+            while len(lane) >= self.lane_capacity and not self._lanes_closed:
+                self._room.wait()
+            if self._lanes_closed:
+                return False
+            lane.append(chunk)
+            if len(lane) == 1:
+                self._items.notify_all()
+            return True
+
+    def put_error(self, worker_id: int, error: BaseException) -> None:
+        """The worker failed: the error takes its place in the stream."""
+        self._mark(worker_id, _Failed(error))
+
+    def finish(self, worker_id: int) -> None:
+        """The worker raised StopIteration: its lane ends after what it holds."""
+        self._mark(worker_id, _ENDED)
+
+    def _mark(self, worker_id: int, item: Any) -> None:
+        with self._lock:
+            if not self._lanes_closed:
+                self._lanes[worker_id].append(item)
+                self._items.notify_all()
+
+    def close(self, reason: BaseException | None) -> list[Chunk]:
+        """Stop or failure of the source: wake everyone; nets then get
+        ``reason``.  ``None``: the stream reached an error of a worker, so the
+        lanes (what comes after it) are dropped and the outboxes (what comes
+        before) are still handed out.  Returns the chunks and pieces
+        discarded.  Idempotent."""
+        with self._lock:
+            self._lanes_closed = True
+            lost: list[Chunk] = []
+            for lane in self._lanes.values():
+                lost.extend(c for c in lane if isinstance(c, Chunk))
+                lane.clear()
+            self._room.notify_all()
+            self._items.notify_all()
+            if reason is None:
+                return lost
+            if not self._closed:
+                self._closed = True
+                self._close_reason = reason
+            for box in self.outboxes:
+                lost.extend(box.pieces)
+                box.pieces.clear()
+                box.samples = 0
+            self._items.notify_all()
+            self._room.notify_all()
+            return lost
+
+    # -- nets --------------------------------------------------------------------
+    def take(self, box: NetOutbox) -> tuple[bool, Chunk | None]:
+        error = None
+        with self._lock:
+            while not box.pieces and not self._closed and self._error is None:
+                step = self._advance()
+                if step is None:
+                    break
+                if isinstance(step, BaseException):
+                    error = step
+                    break
+            if box.pieces:
+                piece = box.pieces.popleft()
+                box.samples -= piece.n
+                self._items.notify_all()  # a net waiting for room in the outboxes
+                return True, piece
+            if self._error is not None:
+                exc: BaseException = self._error
+            elif self._closed:
+                exc = self._close_reason
+            elif self._eof:
+                exc = EndOfInput(f"source {self.source!r}: every worker finished")
+            else:
+                exc = None  # type: ignore[assignment]
+        if error is not None:
+            self._on_error(error)  # outside the lock: it closes the source's lanes
+        if exc is not None:
+            raise exc.with_traceback(None)
+        return False, None
+
+    def wait_for(self, box: NetOutbox, timeout: float | None) -> bool:
+        with self._lock:
+            return self._items.wait_for(
+                lambda: bool(box.pieces) or self._closed or self._error is not None or self._eof
+                or self._can_advance(),
+                timeout,
+            )
+
+    def returned(self, box: NetOutbox) -> None:
+        with self._lock:
+            box.next_batch += len(self.outboxes)
+            low = min(b.next_batch for b in self.outboxes)
+            for k in [k for k in self._positions if k < low]:
+                del self._positions[k]
+
+    # -- the stream, under the lock ----------------------------------------------
+    def _can_advance(self) -> bool:
+        if self._eof or not self._order:
+            return False
+        for _ in range(len(self._order)):
+            wid = self._order[self._rr]
+            if wid not in self._ended:
+                return bool(self._lanes[wid]) and self._outbox_has_room()
+            self._rr = (self._rr + 1) % len(self._order)
+        return True  # every lane ended: the end can be dealt
+
+    def _outbox_has_room(self) -> bool:
+        box = self.outboxes[self._batch % len(self.outboxes)]
+        return box.samples < self.outbox_samples or self._batch < box.skip_until
+
+    def _advance(self) -> Any:
+        """Deal what the next lane's head allows.  Returns None when it must
+        wait (that worker has nothing yet, or the outbox is full), the error
+        when the stream reached one, else True."""
+        if self._eof or not self._order:
+            return None
+        n_lanes = len(self._order)
+        for _ in range(n_lanes):
+            wid = self._order[self._rr]
+            if wid in self._ended:
+                self._rr = (self._rr + 1) % n_lanes
+                continue
+            break
+        else:
+            return self._end()
+        lane = self._lanes[wid]
+        if not lane:
+            return None
+        head = lane[0]
+        if head is _ENDED:
+            lane.popleft()
+            self._ended.add(wid)
+            self._rr = (self._rr + 1) % n_lanes
+            self._room.notify_all()
+            return True
+        if isinstance(head, _Failed):
+            self._error = head.error
+            self._items.notify_all()
+            return head.error
+        if not self._outbox_has_room():
+            return None
+        chunk: Chunk = head
+        take = min(chunk.n - self._offset, self.batch_size - self._filled)
+        self._deal(self._piece(chunk, self._offset, take))
+        self._offset += take
+        self._filled += take
+        if self._offset == chunk.n:
+            lane.popleft()
+            self._offset = 0
+            self._calls[wid] = chunk.seq + 1
+            if chunk.state is not None:
+                self._states[wid] = chunk.state
+            self._rr = (self._rr + 1) % n_lanes
+            if len(lane) < self.lane_capacity:
+                self._room.notify_all()
+        if self._filled == self.batch_size:
+            self._batch += 1
+            self._filled = 0
+            self._record(self._batch)
+        return True
+
+    def _end(self) -> Any:
+        """Every lane ended: the last partial batch (if any) is dealt already; stop."""
+        if self._filled:
+            self._batch += 1
+            self._filled = 0
+            self._record(self._batch)
+        self._eof = True
+        self._items.notify_all()
+        return None
+
+    def _piece(self, chunk: Chunk, lo: int, n: int) -> Chunk:
+        if lo == 0 and n == chunk.n:
+            return chunk
+        arrays = tuple(
+            a[lo:lo + n] if ax == 0 else a[(slice(None),) * ax + (slice(lo, lo + n),)]
+            for a, ax in zip(chunk.arrays, self.axes)
+        )
+        return Chunk(arrays, n, chunk.worker_id, chunk.seq, chunk.pin, chunk.state)
+
+    def _deal(self, piece: Chunk) -> None:
+        box = self.outboxes[self._batch % len(self.outboxes)]
+        if self._batch < box.skip_until:
+            return  # before this net's resumed position: it had it already
+        box.pieces.append(piece)
+        box.samples += piece.n
+        self._items.notify_all()
+
+    def _record(self, batches: int) -> None:
+        self._positions[batches] = {
+            "batches": batches,
+            "rr": self._rr,
+            "offset": self._offset,
+            "calls": [self._calls[w] for w in self._order],
+            "states": [self._states.get(w) for w in self._order],
+        }
+
+    # -- state ---------------------------------------------------------------------
+    def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
+        """The position after the last batch each net's ``run()`` returned."""
+        with self._lock:
+            low = min(b.next_batch for b in self.outboxes)
+            pos = self._positions.get(low)
+            if pos is None:
+                # a net's next batch is past the end (the stream ended there)
+                pos = self._positions[max(self._positions)]
+            return {
+                "version": STATE_VERSION,
+                "source": self.source,
+                **layout,
+                "position": dict(pos),
+                "nets": {name: b.next_batch for name, b in zip(nets, self.outboxes)},
+            }
+
+    def load(self, state: dict[str, Any]) -> list[tuple[int, Any]]:
+        """Continue from ``state`` (already checked against the layout).
+        Returns, per lane in order, (calls to skip, fetcher state or None)."""
+        pos = state["position"]
+        with self._lock:
+            self._batch = pos["batches"]
+            self._rr = pos["rr"]
+            self._filled = 0
+            for wid, calls, st in zip(self._order, pos["calls"], pos["states"]):
+                self._calls[wid] = calls
+                if st is not None:
+                    self._states[wid] = st
+            for box, nxt in zip(self.outboxes, state["nets"].values()):
+                box.next_batch = box.skip_until = nxt
+            self._positions.clear()
+            # the regenerated head chunk of lane rr: its first samples were dealt
+            self._offset = pos["offset"]
+            self._record(self._batch)
+            return [(c, s) for c, s in zip(pos["calls"], pos["states"])]
