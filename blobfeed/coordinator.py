@@ -34,6 +34,7 @@ from .feeders import (
     STATE_VERSION,
     ProcessBackend,
     Replayed,
+    ShuffleBuffer,
     ThreadBackend,
     WorkerGroup,
     WorkerIntake,
@@ -44,7 +45,7 @@ from .feeders import (
 from .metrics import ExternalLogger, register_collector
 from .net import Net
 from .stats import FetchStats, MetricsHub
-from .worker_info import WorkerInfo, draw_base_seed, worker_seeds
+from .worker_info import WorkerInfo, draw_base_seed, shuffle_rng, worker_seeds
 
 __all__ = [
     "DataInputCoordinator",
@@ -795,7 +796,7 @@ class GlobalCoordinator:
             source = self._sources.get(name)
         if source is None:
             raise ValueError(f"no input source named {name!r}")
-        if source.ordered is None:
+        if source.ordered is None or not source.ordered.strict:
             raise ValueError(
                 f"source {name!r} is not deterministic: state_dict/load_state_dict need "
                 "init_data_input_workers(..., deterministic=True)"
@@ -807,7 +808,7 @@ class GlobalCoordinator:
         ordered = source.ordered
         assert ordered is not None
         return {
-            "num_workers": len(ordered._order),
+            "num_workers": len(ordered.worker_ids),
             "batch_size": ordered.batch_size,
             "blobs": [list(f.blob_names) for f in source.feeds],
             "axes": list(source.axes),
@@ -870,7 +871,7 @@ class GlobalCoordinator:
             if any(c.started for c in self._coordinators if c.name == name):
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
         starts = ordered.load(state)
-        source.resume_at = dict(zip(ordered._order, starts))
+        source.resume_at = dict(zip(ordered.worker_ids, starts))
 
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None:
         """Change the batch size of source ``name`` into ``net``.
@@ -1097,6 +1098,7 @@ def init_data_input_workers(
     backend: Literal["threads", "processes"] | FetcherBackend = "threads",
     worker_init_fun: Callable[[int], Any] | None = None,
     deterministic: bool = False,
+    shuffle_buffer: int = 0,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
 
@@ -1144,6 +1146,10 @@ def init_data_input_workers(
             same batches to the same nets on every run and every backend;
             needed by :meth:`GlobalCoordinator.state_dict`.  Every call for
             one source must agree on it and on ``batch_size``.
+        shuffle_buffer: samples pass through a buffer of this many samples
+            and leave it in random order (blobs kept aligned; 0: off), drawn
+            from ``seed``: with ``deterministic=True`` the order is the same
+            on every run.  Every call for one source must agree on it.
 
     Returns:
         The global coordinator; call its ``start()``.
@@ -1190,8 +1196,12 @@ def init_data_input_workers(
     dont_rebatch = check_flag("dont_rebatch", dont_rebatch)
     drop_last = check_flag("drop_last", drop_last)
     deterministic = check_flag("deterministic", deterministic)
-    if deterministic and dont_rebatch:
-        raise ValueError("deterministic=True re-batches the source's stream once: it cannot be combined with dont_rebatch=True")
+    shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
+    if (deterministic or shuffle_buffer) and dont_rebatch:
+        raise ValueError(
+            "deterministic=True and shuffle_buffer re-batch the source's stream once: "
+            "they cannot be combined with dont_rebatch=True"
+        )
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if seed is not None:
@@ -1236,10 +1246,13 @@ def init_data_input_workers(
                     input_source_name, net.name, net.name,
                 )
             ordered = source.ordered
-            if (ordered is not None) != deterministic:
+            was = (ordered is not None and ordered.strict,
+                   ordered.shuffle.size if ordered is not None and ordered.shuffle is not None else 0)
+            if was != (deterministic, shuffle_buffer):
                 raise ValueError(
-                    f"source {input_source_name!r} was wired with deterministic={ordered is not None}; "
-                    f"this call asks for deterministic={deterministic}: every call for one source must agree"
+                    f"source {input_source_name!r} was wired with deterministic={was[0]}, "
+                    f"shuffle_buffer={was[1]}; this call asks for deterministic={deterministic}, "
+                    f"shuffle_buffer={shuffle_buffer}: every call for one source must agree"
                 )
             if ordered is not None and ordered.batch_size != batch_size:
                 raise ValueError(
@@ -1257,8 +1270,9 @@ def init_data_input_workers(
                 input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure
             )
             source.register_fetchers(num_worker_threads)
-            if deterministic:
-                source.make_ordered(batch_size)
+            if deterministic or shuffle_buffer:
+                shuffle = ShuffleBuffer(shuffle_buffer, axes, shuffle_rng(base_seed)) if shuffle_buffer else None
+                source.make_ordered(batch_size, strict=deterministic, shuffle=shuffle)
         feed = Feed(
             source, net.name, net._place, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,

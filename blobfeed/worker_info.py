@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["WorkerInfo", "get_worker_info", "worker_seeds"]
+__all__ = ["WorkerInfo", "get_worker_info", "shuffle_rng", "worker_seeds"]
 
 logger = logging.getLogger("blobfeed.worker_info")
 
@@ -73,3 +73,9 @@ def worker_seeds(base: int, worker_id: int) -> tuple[int, np.random.Generator]:
     seed = int(child.generate_state(1, np.uint64)[0])
     # from the int, so that default_rng(info.seed) in user code is the same stream
     return seed, np.random.default_rng(seed)
+
+
+def shuffle_rng(base: int) -> np.random.Generator:
+    """The generator of a source's shuffle buffer: a child of
+    ``SeedSequence(base)`` that no worker id can share (its key has two parts)."""
+    return np.random.default_rng(np.random.SeedSequence(base, spawn_key=(0xB10BFEED, 0)))

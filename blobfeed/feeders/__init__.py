@@ -28,11 +28,12 @@ from .processes import ProcessBackend
 from .ordered import STATE_VERSION, OrderedStream
 from .rebatch import Rebatcher
 from .replay import Replayed, is_stateful
+from .shuffle import ShuffleBuffer
 from .source import InputSource, OnError, WorkerIntake
 
 __all__ = [
     "Batch", "Chunk", "ChunkValidator", "Feed", "FeedGroup", "FetchFun", "FetcherBackend",
     "InputSource", "LaunchPlan", "ModelInput", "OnError", "OrderedStream", "Pin", "ProcessBackend", "Rebatcher",
-    "Replayed", "STATE_VERSION", "ThreadBackend", "is_stateful",
+    "Replayed", "STATE_VERSION", "ShuffleBuffer", "ThreadBackend", "is_stateful",
     "WorkerGroup", "WorkerIntake", "WorkerPlan", "thread_main",
 ]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import EndOfInput
 from .chunks import Chunk
+from .shuffle import ShuffleBuffer
 
 __all__ = ["OrderedStream", "NetOutbox", "STATE_VERSION"]
 
@@ -95,8 +96,16 @@ class OrderedStream:
         lane_capacity: int,
         outbox_samples: int,
         on_error: Callable[[BaseException], None],
+        *,
+        strict: bool = True,
+        shuffle: ShuffleBuffer | None = None,
     ) -> None:
         self.source = source
+        #: True: strict round robin (deterministic=True); False: whichever
+        #: lane has a chunk, from the one whose turn it is (a shuffled source
+        #: that need not be deterministic)
+        self.strict = strict
+        self.shuffle = shuffle
         self.batch_size = batch_size
         self.axes = tuple(axes)
         self.lane_capacity = max(1, lane_capacity)
@@ -126,6 +135,11 @@ class OrderedStream:
         self._started = False
         self._lanes_closed = False
         self._close_reason: BaseException = EndOfInput(f"source {source!r}: stopped")
+
+    @property
+    def worker_ids(self) -> list[int]:
+        """The lanes' worker ids, in round-robin order."""
+        return list(self._order)
 
     # -- wiring, before start ---------------------------------------------------
     def add_lanes(self, worker_ids: Sequence[int]) -> None:
@@ -249,6 +263,8 @@ class OrderedStream:
         with self._lock:
             box.next_batch += len(self.outboxes)
             low = min(b.next_batch for b in self.outboxes)
+            if self.shuffle is not None:
+                return
             for k in [k for k in self._positions if k < low]:
                 del self._positions[k]
 
@@ -276,12 +292,14 @@ class OrderedStream:
         n_lanes = len(self._order)
         for _ in range(n_lanes):
             wid = self._order[self._rr]
-            if wid in self._ended:
+            if wid in self._ended or (not self.strict and not self._lanes[wid]):
                 self._rr = (self._rr + 1) % n_lanes
                 continue
             break
         else:
-            return self._end()
+            if len(self._ended) == n_lanes:
+                return self._end()
+            return None
         lane = self._lanes[wid]
         if not lane:
             return None
@@ -299,6 +317,13 @@ class OrderedStream:
         if not self._outbox_has_room():
             return None
         chunk: Chunk = head
+        if self.shuffle is not None:
+            lane.popleft()
+            self._consumed(wid, chunk, lane)
+            self.shuffle.push(chunk)
+            while self.shuffle.ready(self.batch_size):
+                self._deal_batch(self.shuffle.pop(self.batch_size))
+            return True
         take = min(chunk.n - self._offset, self.batch_size - self._filled)
         self._deal(self._piece(chunk, self._offset, take))
         self._offset += take
@@ -306,20 +331,33 @@ class OrderedStream:
         if self._offset == chunk.n:
             lane.popleft()
             self._offset = 0
-            self._calls[wid] = chunk.seq + 1
-            if chunk.state is not None:
-                self._states[wid] = chunk.state
-            self._rr = (self._rr + 1) % n_lanes
-            if len(lane) < self.lane_capacity:
-                self._room.notify_all()
+            self._consumed(wid, chunk, lane)
         if self._filled == self.batch_size:
             self._batch += 1
             self._filled = 0
             self._record(self._batch)
         return True
 
+    def _consumed(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> None:
+        """``chunk``, the head of ``wid``'s lane, is wholly dealt (popped already)."""
+        self._calls[wid] = chunk.seq + 1
+        if chunk.state is not None:
+            self._states[wid] = chunk.state
+        self._rr = (self._rr + 1) % len(self._order)
+        if len(lane) < self.lane_capacity:
+            self._room.notify_all()
+
+    def _deal_batch(self, batch: Chunk) -> None:
+        """A whole batch made by the shuffle buffer."""
+        self._deal(batch)
+        self._batch += 1
+        self._record(self._batch)
+
     def _end(self) -> Any:
         """Every lane ended: the last partial batch (if any) is dealt already; stop."""
+        if self.shuffle is not None:
+            while len(self.shuffle):
+                self._deal_batch(self.shuffle.pop(self.batch_size))
         if self._filled:
             self._batch += 1
             self._filled = 0
@@ -346,6 +384,13 @@ class OrderedStream:
         self._items.notify_all()
 
     def _record(self, batches: int) -> None:
+        if self.shuffle is not None:
+            # The buffer's content is not a position in the workers' streams:
+            # a shuffled source resumes by running again from its start and
+            # dropping the batches each net had (replayed, never copied twice).
+            if not self._positions:
+                self._positions[0] = self._start_position()
+            return
         self._positions[batches] = {
             "batches": batches,
             "rr": self._rr,
@@ -354,12 +399,16 @@ class OrderedStream:
             "states": [self._states.get(w) for w in self._order],
         }
 
+    def _start_position(self) -> dict[str, Any]:
+        n = len(self._order)
+        return {"batches": 0, "rr": 0, "offset": 0, "calls": [0] * n, "states": [None] * n}
+
     # -- state ---------------------------------------------------------------------
     def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
         """The position after the last batch each net's ``run()`` returned."""
         with self._lock:
             low = min(b.next_batch for b in self.outboxes)
-            pos = self._positions.get(low)
+            pos = self._positions.get(0 if self.shuffle is not None else low)
             if pos is None:
                 # a net's next batch is past the end (the stream ended there)
                 pos = self._positions[max(self._positions)]

@@ -13,6 +13,7 @@ from ..queues import BlobsQueue
 from ..stats import FetchStats, MetricsHub
 from .chunks import Chunk, ChunkValidator, ModelInput, Pin, Stamped, guess_samples
 from .ordered import OrderedStream
+from .shuffle import ShuffleBuffer
 
 
 class FeedEnd(Protocol):
@@ -89,13 +90,15 @@ class InputSource:
         self.resume_at: dict[int, tuple[int, Any]] = {}
         hub.attach_source(self)
 
-    def make_ordered(self, batch_size: int) -> OrderedStream:
-        """Make this source deterministic (before any worker starts)."""
+    def make_ordered(self, batch_size: int, *, strict: bool = True, shuffle: ShuffleBuffer | None = None) -> OrderedStream:
+        """Read this source through lanes (before any worker starts):
+        ``strict``, in round robin (deterministic=True); ``shuffle``, through
+        a shuffle buffer."""
         # A lane per worker holds a few chunks: enough to keep a worker busy
         # while the round robin waits for a slower one, bounded in all.
         self.ordered = OrderedStream(
             self.name, batch_size, self.axes, lane_capacity=max(2, min(16, self.queue.capacity)),
-            outbox_samples=2 * batch_size, on_error=self.fail_in_order,
+            outbox_samples=2 * batch_size, on_error=self.fail_in_order, strict=strict, shuffle=shuffle,
         )
         return self.ordered
 
