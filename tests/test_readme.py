@@ -24,3 +24,16 @@ def test_tutorial_runs() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "tutorial ok 10000" in proc.stdout
+
+
+def test_reproducibility_example_runs() -> None:
+    """The README's checkpoint-and-resume example: stopped after batch 25,
+    resumed from its checkpoint at batch 20, it gives the batches of an
+    uninterrupted run (the example asserts it)."""
+    section = README.read_text().split("## Reproducibility and resume", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "the reproducibility section lost its example"
+    proc = subprocess.run([sys.executable, "-c", "\n".join(blocks)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"resumed run gave the same (\d+) batches", proc.stdout)
+    assert int(re.search(r"the same (\d+) batches", proc.stdout).group(1)) > 25

@@ -10,6 +10,7 @@ the worker (thread, process or actor), so the wrapper pickles with the
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 from .chunks import Stamped
@@ -28,16 +29,21 @@ class Replayed:
     ``start``: per worker id, ``(calls, state)``: the calls made before the
     position, and (stateful) the fetcher's state after the last of them.
     A stateful fetcher's results come back :class:`Stamped` with its state.
+    Each worker gets its own copy of a stateful fetcher (as each worker
+    process has): its state is then that worker's position alone.
     """
 
     def __init__(self, fetch_fun: Callable[[int, int], Any], start: dict[int, tuple[int, Any]]) -> None:
         self.fetch_fun = fetch_fun
         self.stateful = is_stateful(fetch_fun)
         self.start = dict(start)
+        self._own: dict[int, Any] = {}
 
     def __call__(self, worker_id: int, batch_size: int) -> Any:
         begin = self.start.pop(worker_id, None)
-        fetch = self.fetch_fun
+        fetch = self._own.get(worker_id) if self.stateful else self.fetch_fun
+        if fetch is None:
+            fetch = self._own[worker_id] = copy.deepcopy(self.fetch_fun)
         if begin is not None:
             calls, state = begin
             if self.stateful and state is not None:
