@@ -58,7 +58,7 @@ class ShuffleBuffer:
         self._cid, self._row = self._cid[keep], self._row[keep]
         first = self._chunks[int(cids[0])]
         outs = []
-        for b, (a, ax) in enumerate(zip(first.arrays, self.axes)):
+        for a, ax in zip(first.arrays, self.axes):
             shape = list(a.shape)
             shape[ax] = n
             outs.append(np.empty(shape, a.dtype))
