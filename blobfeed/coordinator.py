@@ -853,6 +853,13 @@ class GlobalCoordinator:
             raise ValueError(
                 f"source {name!r}: state has version {state.get('version')!r}; this blobfeed reads version {STATE_VERSION}"
             )
+        nets = state.get("nets")
+        if not isinstance(nets, list) or len(nets) != len(source.feeds):
+            raise ValueError(
+                f"source {name!r}: the state was saved for {len(nets) if isinstance(nets, list) else '?'} "
+                f"nets {nets!r}; this pipeline feeds {len(source.feeds)}: "
+                f"{[f.net_name for f in source.feeds]}"
+            )
         layout = self._layout(source)
         for key, what in (("num_workers", "worker count"), ("batch_size", "batch size"),
                           ("blobs", "blob layout"), ("axes", "blob layout (batch axes)")):
@@ -861,12 +868,6 @@ class GlobalCoordinator:
                     f"source {name!r}: the state was saved with {what} {state.get(key)!r}; "
                     f"this pipeline has {layout[key]!r}"
                 )
-        nets = state.get("nets")
-        if not isinstance(nets, dict) or len(nets) != len(source.feeds):
-            raise ValueError(
-                f"source {name!r}: the state was saved for nets {nets!r}; this pipeline feeds "
-                f"{[f.net_name for f in source.feeds]}"
-            )
         with self._lock:
             if any(c.started for c in self._coordinators if c.name == name):
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")

@@ -228,7 +228,8 @@ class BlobsQueue(Generic[T]):
                 if error is not None and self._final is None and self._error is None:
                     self._final = error
             elif error is not None and self._error is None:
-                self._error = error
+                # an error already due after the items stands (a stop after it)
+                self._error = self._final if self._final is not None else error
                 discarded = list(self._items)
                 self._items.clear()
             self._closed = True

@@ -407,6 +407,8 @@ class OrderedStream:
     def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
         """The position after the last batch each net's ``run()`` returned."""
         with self._lock:
+            if not self._positions:  # before start(): where it will begin
+                self._record(self._batch)
             low = min(b.next_batch for b in self.outboxes)
             pos = self._positions.get(0 if self.shuffle is not None else low)
             if pos is None:
@@ -417,7 +419,8 @@ class OrderedStream:
                 "source": self.source,
                 **layout,
                 "position": dict(pos),
-                "nets": {name: b.next_batch for name, b in zip(nets, self.outboxes)},
+                # a list, not a dict: nets on one source may share a name
+                "nets": [[name, b.next_batch] for name, b in zip(nets, self.outboxes)],
             }
 
     def load(self, state: dict[str, Any]) -> list[tuple[int, Any]]:
@@ -432,7 +435,7 @@ class OrderedStream:
                 self._calls[wid] = calls
                 if st is not None:
                     self._states[wid] = st
-            for box, nxt in zip(self.outboxes, state["nets"].values()):
+            for box, (_, nxt) in zip(self.outboxes, state["nets"]):
                 box.next_batch = box.skip_until = nxt
             self._positions.clear()
             # the regenerated head chunk of lane rr: its first samples were dealt
