@@ -67,6 +67,12 @@ def _peer_results() -> dict[str, dict[str, Any]]:
                                     ideal_ratio=0.9, ideal_batches_per_s=500.0)
            for w in ("W1p", "W2p", "W4p", "W6p")},
         **{f"{w}/{p}": _result(**procs) for w in ("W1p", "W2p", "W4p", "W6p") for p in bench.PROCESS_PEERS},
+        # the ordered modes, against W1/blobfeed (300), W2/blobfeed (500) and W4p/blobfeed (1000)
+        "W1d/blobfeed": _result(batches_per_s=270.0),
+        "W2d/blobfeed": _result(batches_per_s=450.0),
+        "W4pd/blobfeed": _result(batches_per_s=950.0, pss_mb=200.0, ideal_ratio=0.85, ideal_batches_per_s=500.0),
+        "W1s/blobfeed": _result(batches_per_s=30.0),
+        "W2s/blobfeed": _result(batches_per_s=250.0),
     }
 
 
@@ -104,7 +110,8 @@ def test_help_shows_every_default_and_the_total_time() -> None:
     assert "(default: 5 s)" in out
     assert "(default: 3)" in out
     assert "(default: none)" in out  # --json
-    assert "W6p, or all" in out  # the new workloads, and the whole set
+    assert f"{', '.join(bench.WORKLOADS)}, or all" in out  # every workload, and the whole set
+    assert "W2s, or all" in out
     # The default invocation's length, before anyone starts it ...
     m = re.search(r"The default invocation runs (\d+) measurements \((\d+) per repeat x 3 repeats\) "
                   r"and takes about (\d+) s \(([\d.]+) min\)", out)
@@ -196,7 +203,8 @@ def test_a_missed_target_exits_1_and_is_named(monkeypatch: pytest.MonkeyPatch, c
     assert re.search(r"^  W5 model waits for input < 10 %: measured 0\.20$", out, re.M), out
 
 
-@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4", "W5", "W6", "W1p", "W2p", "W4p", "W6p"])
+@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4", "W5", "W6", "W1p", "W2p", "W4p", "W6p",
+                                      "W1d", "W2d", "W4pd", "W1s", "W2s"])
 def test_a_lost_sample_exits_1(
     workload: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -302,6 +310,9 @@ def test_a_peer_target_uses_the_best_peer_that_ran_and_names_the_missing() -> No
         (("W4p/blobfeed", "ideal_ratio", 0.8), r"  W4p batches/s vs the two-core ideal >= 0\.85: measured 0\.80"),
         (("W6p/blobfeed", "ideal_ratio", 0.5), r"  W6p batches/s vs the two-core ideal >= 0\.85: measured 0\.50"),
         (("W1p/blobfeed", "first_batch_ms", 650.0), r"  W1p first batch <= 500 ms: measured 650\.00"),
+        (("W1d/blobfeed", "batches_per_s", 210.0), r"  W1d batches/s vs W1 >= 0\.8: measured 0\.70"),
+        (("W2d/blobfeed", "batches_per_s", 350.0), r"  W2d batches/s vs W2 >= 0\.8: measured 0\.70"),
+        (("W4pd/blobfeed", "batches_per_s", 850.0), r"  W4pd batches/s vs W4p >= 0\.9: measured 0\.85"),
     ],
 )
 def test_a_missed_new_target_exits_1(
@@ -316,6 +327,32 @@ def test_a_missed_new_target_exits_1(
     assert re.search(rf"^verdict: MISSED 1 of {n} targets:$", out, re.M), out
     assert re.search(rf"^{line}$", out, re.M), out
     assert len(re.findall(r"  MISSED$", out, re.M)) == 1, out
+
+
+def test_ordered_modes_are_set_against_their_default_mode_in_the_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {**_passing_results(), **_peer_results()}
+    assert _run_main(monkeypatch, results) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^W1d/blobfeed +.* 0\.90 x W1$", out, re.M), out
+    assert re.search(r"^W1s/blobfeed +.* 0\.10 x W1$", out, re.M), out  # shown, with no target
+    assert re.search(r"^W2s/blobfeed +.* 0\.50 x W2$", out, re.M), out
+    assert re.search(r"^W4pd/blobfeed +.* 0\.95 x W4p$", out, re.M), out
+    assert re.search(r"^W1d batches/s vs W1 >= 0\.8 +0\.90  ok$", out, re.M), out
+    assert not [r for r in bench.evaluate(_report(results)) if r["workload"] in ("W1s", "W2s")
+                and not r["target"].startswith("samples lost")]
+    summarized = bench.summarize({("W1", "blobfeed"): [_result(batches_per_s=200.0)],
+                                  ("W1s", "blobfeed"): [_result(batches_per_s=50.0)]})
+    assert summarized["W1s/blobfeed"]["base_ratio"] == 0.25  # in --json too
+
+
+def test_an_ordered_mode_without_its_default_mode_is_not_evaluated() -> None:
+    results = {**_passing_results(), **_peer_results()}
+    del results["W4p/blobfeed"]
+    row = _row(bench.evaluate(_report(results)), "W4pd", "batches/s vs W4p")
+    assert row["ok"] is None and row["detail"] == "W4p not in this run"
+    assert "base_ratio" not in bench.summarize({("W2d", "blobfeed"): [_result()]})["W2d/blobfeed"]
 
 
 def test_a_workload_skipped_for_want_of_pillow_is_not_evaluated(
@@ -442,3 +479,15 @@ def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
     assert re.search(r"^W1p first batch <= 500 ms ", out, re.M), out
     assert re.search(r"^W1p batches/s vs the best process peer >= 1\.5 ", out, re.M), out
     assert re.search(r"^W1p/blobfeed +\S+ +\S+ +\S+ +\d+ ", out, re.M), out  # its PSS column is filled
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "blobfeed.cli", "bench", "--workloads", "W1,W1d,W1s", "--seconds", "0.2", "--repeats", "1"],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+    )
+    out = _check_real_run(proc, "W1d")
+    assert re.search(r"^W1s/blobfeed +.* x W1$", out, re.M), out  # shuffling's cost, beside W1
+    assert re.search(r"^W1d batches/s vs W1 >= 0\.8 ", out, re.M), out
+    assert re.search(r"^W1s samples lost == 0 +0  ok$", out, re.M), out
