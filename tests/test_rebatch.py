@@ -606,3 +606,32 @@ def test_buffer_pool_drops_buffers_of_a_size_no_longer_asked_for() -> None:
     for _ in range(2 * POOL_WINDOW):  # the batch size was reset
         pool.batch([((1 << 21,), np.dtype(np.uint8))])
     assert (1 << 20) not in pool._free or not pool._free[1 << 20]
+
+
+def test_shuffle_rest_at_the_end_leaves_as_room_allows() -> None:
+    """When every worker ended, the shuffle buffer's rest goes to the nets a
+    batch at a time as their outboxes have room, not all at once (that held
+    a whole buffer of batches: 1.5 GB on W2 with 10 000 samples)."""
+    from blobfeed.feeders.ordered import OrderedStream
+    from blobfeed.feeders.shuffle import ShuffleBuffer
+
+    stream = OrderedStream("s", 4, [0], lane_capacity=64, outbox_samples=8, on_error=lambda e: None,
+                           shuffle=ShuffleBuffer(1000, [0], np.random.default_rng(0)))
+    stream.add_lanes([0])
+    box = stream.add_net()
+    stream.start()
+    for k in range(25):
+        assert stream.put(0, Chunk((np.arange(4 * k, 4 * k + 4),), 4, 0, k))
+    stream.finish(0)
+    ok, first = box.get_nowait()
+    assert ok and first is not None
+    assert box.samples <= 8, f"{box.samples} samples dealt ahead of the net at the end"
+    seen = list(first.arrays[0])
+    while True:
+        try:
+            ok, piece = box.get_nowait()
+        except blobfeed.EndOfInput:
+            break
+        assert ok and piece is not None
+        seen.extend(piece.arrays[0])
+    assert sorted(seen) == list(range(100))

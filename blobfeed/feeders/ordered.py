@@ -277,7 +277,8 @@ class OrderedStream:
             if wid not in self._ended:
                 return bool(self._lanes[wid]) and self._outbox_has_room()
             self._rr = (self._rr + 1) % len(self._order)
-        return True  # every lane ended: the end can be dealt
+        # every lane ended: the end can be dealt (a shuffle's rest as room allows)
+        return self.shuffle is None or not len(self.shuffle) or self._outbox_has_room()
 
     def _outbox_has_room(self) -> bool:
         box = self.outboxes[self._batch % len(self.outboxes)]
@@ -298,6 +299,13 @@ class OrderedStream:
             break
         else:
             if len(self._ended) == n_lanes:
+                if self.shuffle is not None and len(self.shuffle):
+                    # the buffer's rest, a batch at a time as room allows:
+                    # all at once would hold the whole buffer as batches
+                    if not self._outbox_has_room():
+                        return None
+                    self._deal_batch(self.shuffle.pop(self.batch_size))
+                    return True
                 return self._end()
             return None
         lane = self._lanes[wid]
