@@ -148,8 +148,13 @@ class InputSource:
         return self.queue.capacity
 
     # -- ending --------------------------------------------------------------
-    def fail(self, error: FetcherError) -> None:
-        """on_error="raise": abort the source; every net gets ``error``."""
+    def fail(self, error: BaseException, *, in_order: bool = False) -> None:
+        """on_error="raise": abort the source; every net gets ``error``.
+
+        ``in_order`` (deterministic=True: the stream reached a worker's
+        error): the batches before it are still handed out, then the error;
+        only what the workers fetched past it is dropped.
+        """
         with self._lock:
             if self.error is not None or self.stopped:
                 return
@@ -158,31 +163,18 @@ class InputSource:
         self.halted = True
         lost = self._samples_in(self.queue.close(error))
         if self.ordered is not None:
-            lost += self._samples_in(self.ordered.close(error))
-        for feed in list(self.feeds):
-            lost += feed.abort(error)
+            lost += self._samples_in(self.ordered.close(None if in_order else error))
+        if not in_order:
+            for feed in list(self.feeds):
+                lost += feed.abort(error)
         self.hub.count_dropped(self.name, "error", lost)
         self.hub.source_ended(self.name)
         if self._on_failure is not None:
             self._on_failure(error)
 
     def fail_in_order(self, error: BaseException) -> None:
-        """deterministic=True: the stream reached a worker's error.  The
-        batches before it are still handed out, then the error; the workers
-        stop and what they fetched past it is dropped."""
-        with self._lock:
-            if self.error is not None or self.stopped:
-                return
-            self.error = error
-        logger.error("source %r stopped by a fetcher error: %s", self.name, error)
-        self.halted = True
-        assert self.ordered is not None
-        lost = self._samples_in(self.ordered.close(None))
-        lost += self._samples_in(self.queue.close(error))
-        self.hub.count_dropped(self.name, "error", lost)
-        self.hub.source_ended(self.name)
-        if self._on_failure is not None:
-            self._on_failure(error)
+        """The ordered stream's callback: ``fail(error, in_order=True)``."""
+        self.fail(error, in_order=True)
 
     def stop(self) -> None:
         """Stop fetchers and enqueuers; queued data is discarded. Idempotent."""
