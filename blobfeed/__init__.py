@@ -14,7 +14,7 @@ from .coordinator import (
     init_data_input_workers,
     init_workers,
 )
-from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfInput, FetcherError
+from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
 from .net import Net, Workspace
 from .queues import BlobsQueue
@@ -33,6 +33,7 @@ __all__ = [
     "ChunkError",
     "DataInputCoordinator",
     "DequeueTimeout",
+    "EndOfEpoch",
     "EndOfInput",
     "FetcherBackend",
     "FetcherError",

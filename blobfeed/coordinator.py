@@ -30,8 +30,8 @@ from .feeders import (
     FetcherBackend,
     FetchFun,
     InputSource,
+    READABLE_VERSIONS,
     LaunchPlan,
-    STATE_VERSION,
     ProcessBackend,
     Replayed,
     ShuffleBuffer,
@@ -350,9 +350,11 @@ class DataInputCoordinator(WorkerCoordinator):
                 w.intake.calls = start[w.worker_id][0]  # the seq of its next chunk
             if any(calls for calls, _ in start.values()) or is_stateful(fetch_fun):
                 fetch_fun = Replayed(fetch_fun, start)
+        ordered = self.source.ordered
         return backend.launch(LaunchPlan(
             self.name, fetch_fun, self._worker_init_fun, workers,
             self._batch_size_hint, self._gc._thread_ended,
+            epochs=self.source.epochs, first_epoch=ordered.epoch if ordered is not None else 0,
         ))
 
     def _enqueue(self) -> None:
@@ -803,15 +805,18 @@ class GlobalCoordinator:
             )
         return source
 
-    @staticmethod
-    def _layout(source: InputSource) -> dict[str, Any]:
+    def _layout(self, source: InputSource) -> dict[str, Any]:
         ordered = source.ordered
         assert ordered is not None
+        with self._lock:
+            seeds = [c.seed for c in self._coordinators if isinstance(c, DataInputCoordinator) and c.source is source]
         return {
             "num_workers": len(ordered.worker_ids),
             "batch_size": ordered.batch_size,
             "blobs": [list(f.blob_names) for f in source.feeds],
             "axes": list(source.axes),
+            # per init_data_input_workers call, in wiring order
+            "seed": seeds,
         }
 
     def state_dict(self, name: str) -> dict[str, Any]:
@@ -849,9 +854,10 @@ class GlobalCoordinator:
         assert ordered is not None
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in READABLE_VERSIONS:
             raise ValueError(
-                f"source {name!r}: state has version {state.get('version')!r}; this blobfeed reads version {STATE_VERSION}"
+                f"source {name!r}: state has version {state.get('version')!r}; this blobfeed reads "
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}"
             )
         nets = state.get("nets")
         if not isinstance(nets, list) or len(nets) != len(source.feeds):
@@ -862,12 +868,21 @@ class GlobalCoordinator:
             )
         layout = self._layout(source)
         for key, what in (("num_workers", "worker count"), ("batch_size", "batch size"),
-                          ("blobs", "blob layout"), ("axes", "blob layout (batch axes)")):
+                          ("blobs", "blob layout"), ("axes", "blob layout (batch axes)"), ("seed", "seed")):
+            if key not in state and key == "seed":
+                continue  # version 1 did not record it
             if state.get(key) != layout[key]:
+                hint = " (pass seed= with the saved value)" if key == "seed" else ""
                 raise ValueError(
                     f"source {name!r}: the state was saved with {what} {state.get(key)!r}; "
-                    f"this pipeline has {layout[key]!r}"
+                    f"this pipeline has {layout[key]!r}{hint}"
                 )
+        epoch = state.get("position", {}).get("epoch", 0)
+        if source.epochs is not None and epoch >= source.epochs:
+            raise ValueError(
+                f"source {name!r}: the state was saved in epoch {epoch}; this pipeline runs "
+                f"epochs={source.epochs} (epochs 0 to {source.epochs - 1})"
+            )
         with self._lock:
             if any(c.started for c in self._coordinators if c.name == name):
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
@@ -893,7 +908,10 @@ class GlobalCoordinator:
         if not found:
             raise ValueError(f"net {getattr(net, 'name', net)!r} is not fed from source {name!r}")
         if found[0].source.ordered is not None:
-            raise ValueError(f"source {name!r} is deterministic: its batch size is fixed")
+            raise ValueError(
+                f"source {name!r} is re-batched once for all its nets (deterministic, shuffle_buffer "
+                "or epochs): its batch size is fixed"
+            )
         for c in found:
             c.feed.batch_size = batch_size
 
@@ -1100,6 +1118,7 @@ def init_data_input_workers(
     worker_init_fun: Callable[[int], Any] | None = None,
     deterministic: bool = False,
     shuffle_buffer: int = 0,
+    epochs: int | None = 1,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
 
@@ -1151,6 +1170,16 @@ def init_data_input_workers(
             and leave it in random order (blobs kept aligned; 0: off), drawn
             from ``seed``: with ``deterministic=True`` the order is the same
             on every run.  Every call for one source must agree on it.
+        epochs: passes over the data (``None``: endless).  When a worker's
+            ``fetch_fun`` raises StopIteration and another epoch follows, the
+            worker starts the next epoch: ``get_worker_info().epoch`` (and
+            its ``seed``/``rng``) change, ``worker_init_fun`` runs again, and
+            ``fetch_fun`` is called again and must start over.  Each epoch
+            ends with its own last (smaller) batch, after which ``Net.run()``
+            raises :class:`~blobfeed.EndOfEpoch` once (``for out in net``
+            runs one epoch); after the last epoch, ``EndOfInput``.  With a
+            shuffle buffer, each epoch is shuffled on its own.  Every call
+            for one source must agree on it.
 
     Returns:
         The global coordinator; call its ``start()``.
@@ -1198,9 +1227,11 @@ def init_data_input_workers(
     drop_last = check_flag("drop_last", drop_last)
     deterministic = check_flag("deterministic", deterministic)
     shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
-    if (deterministic or shuffle_buffer) and dont_rebatch:
+    if epochs is not None:
+        epochs = check_index("epochs", epochs)
+    if (deterministic or shuffle_buffer or epochs != 1) and dont_rebatch:
         raise ValueError(
-            "deterministic=True and shuffle_buffer re-batch the source's stream once: "
+            "deterministic=True, shuffle_buffer and epochs re-batch the source's stream once: "
             "they cannot be combined with dont_rebatch=True"
         )
     if on_error not in ("raise", "skip"):
@@ -1249,16 +1280,18 @@ def init_data_input_workers(
             ordered = source.ordered
             was = (ordered is not None and ordered.strict,
                    ordered.shuffle.size if ordered is not None and ordered.shuffle is not None else 0)
-            if was != (deterministic, shuffle_buffer):
+            if was != (deterministic, shuffle_buffer) or source.epochs != epochs:
                 raise ValueError(
                     f"source {input_source_name!r} was wired with deterministic={was[0]}, "
-                    f"shuffle_buffer={was[1]}; this call asks for deterministic={deterministic}, "
-                    f"shuffle_buffer={shuffle_buffer}: every call for one source must agree"
+                    f"shuffle_buffer={was[1]}, epochs={source.epochs}; this call asks for "
+                    f"deterministic={deterministic}, shuffle_buffer={shuffle_buffer}, epochs={epochs}: "
+                    "every call for one source must agree"
                 )
             if ordered is not None and ordered.batch_size != batch_size:
                 raise ValueError(
-                    f"source {input_source_name!r} is deterministic with batch_size={ordered.batch_size}; "
-                    f"this call asks for {batch_size}: a deterministic source has one batch size"
+                    f"source {input_source_name!r} is re-batched once for all its nets (deterministic, "
+                    f"shuffle_buffer or epochs) with batch_size={ordered.batch_size}; "
+                    f"this call asks for {batch_size}: such a source has one batch size"
                 )
             if ordered is not None and any(c.started for c in gc._coordinators if c.name == input_source_name):
                 raise ValueError(
@@ -1271,7 +1304,9 @@ def init_data_input_workers(
                 input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure
             )
             source.register_fetchers(num_worker_threads)
-            if deterministic or shuffle_buffer:
+            source.epochs = epochs
+            if deterministic or shuffle_buffer or epochs != 1:
+                # epochs: the stream must know where each worker's epoch ends
                 shuffle = ShuffleBuffer(shuffle_buffer, axes, shuffle_rng(base_seed)) if shuffle_buffer else None
                 source.make_ordered(batch_size, strict=deterministic, shuffle=shuffle)
         feed = Feed(

@@ -8,6 +8,9 @@
 * :class:`EndOfInput` -- the stream ended normally: every fetcher raised
   ``StopIteration`` and the last batch was consumed, or the source was
   stopped.
+* :class:`EndOfEpoch` -- an epoch of a source with ``epochs`` ended and
+  another follows (a kind of :class:`EndOfInput`, so ``for out in net``
+  runs one epoch).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ __all__ = [
     "BlobfeedError",
     "ChunkError",
     "DequeueTimeout",
+    "EndOfEpoch",
     "EndOfInput",
     "FetcherError",
 ]
@@ -31,6 +35,24 @@ class DequeueTimeout(BlobfeedError, TimeoutError):
 
 class EndOfInput(BlobfeedError):
     """The input is exhausted or its source was stopped; no batch will follow."""
+
+
+class EndOfEpoch(EndOfInput):
+    """An epoch of the source ended and the next one follows: the next
+    ``run()`` returns its first batch.
+
+    Attributes:
+        source: the input source whose epoch ended.
+        epoch: the epoch that ended (0, 1, ...).
+    """
+
+    def __init__(self, source: str, epoch: int) -> None:
+        super().__init__(f"source {source!r}: epoch {epoch} ended; the next run() starts epoch {epoch + 1}")
+        self.source = source
+        self.epoch = epoch
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return (type(self), (self.source, self.epoch))
 
 
 class FetcherError(BlobfeedError):

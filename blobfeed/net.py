@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import numpy as np
 
 from .arguments import check_timeout
-from .errors import EndOfInput
-from .feeders import Feed, FeedGroup, ModelInput
+from .errors import EndOfEpoch, EndOfInput
+from .feeders import EpochEnd, Feed, FeedGroup, ModelInput
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -229,6 +229,8 @@ class Net:
         Raises:
             DequeueTimeout: a source had no batch within the timeout.
             EndOfInput: a source is exhausted (its last batch was consumed) or stopped.
+            EndOfEpoch: an epoch of a source with ``epochs`` ended and the next
+                follows (a kind of EndOfInput); the next call returns its first batch.
             FetcherError / ChunkError: a fetcher of a source failed (``on_error="raise"``).
             ValueError: a model input is fed by no source and not in the workspace,
                 or the net has no model and no source; a negative ``timeout``.
@@ -257,6 +259,8 @@ class Net:
             feed = feeds[0]
             batch = feed.dequeue(timeout)
             feed.delivered(batch)
+            if type(batch) is EpochEnd:
+                raise EndOfEpoch(feed.source.name, batch.epoch)
             blobs.update(zip(feed.blob_names, batch.arrays))
         else:
             # One deadline for the whole call, however many sources.  A batch
@@ -276,6 +280,15 @@ class Net:
                 for feed, got in zip(feeds, taken):
                     feed.hold(got)
                 raise
+            ends = [(feed, got) for feed, got in zip(feeds, taken) if type(got) is EpochEnd]
+            if ends:
+                # a source's epoch ended: the others' batches wait for the next run()
+                for feed, got in zip(feeds, taken):
+                    if type(got) is EpochEnd:
+                        feed.delivered(got)
+                    else:
+                        feed.hold(got)
+                raise EndOfEpoch(ends[0][0].source.name, ends[0][1].epoch)
             for feed, got in zip(feeds, taken):
                 feed.delivered(got)
                 blobs.update(zip(feed.blob_names, got.arrays))
@@ -292,7 +305,8 @@ class Net:
         return outputs
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        """Yield what each ``run()`` returns until the input ends (``EndOfInput``).
+        """Yield what each ``run()`` returns until the input ends (``EndOfInput``),
+        or the epoch ends (``EndOfEpoch``: iterate again for the next one).
 
         Errors other than the end (``FetcherError``, ``DequeueTimeout``)
         propagate.

@@ -8,6 +8,7 @@ calls (a second epoch, a second net).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["WorkerInfo", "get_worker_info", "shuffle_rng", "worker_seeds"]
+__all__ = ["WorkerInfo", "for_epoch", "get_worker_info", "is_last_epoch", "shuffle_rng", "worker_seeds"]
 
 logger = logging.getLogger("blobfeed.worker_info")
 
@@ -35,6 +36,12 @@ class WorkerInfo:
             ``numpy.random.SeedSequence(base seed)`` per worker id.
         rng: a ``numpy.random.Generator`` seeded from ``seed``; it belongs to
             this worker alone.
+        epoch: the pass over the data this worker is in (0, 1, ...; see
+            ``epochs`` of ``init_data_input_workers``).  ``seed`` and ``rng``
+            are those of the epoch: epoch 0's are the worker's own, each
+            later epoch's a child of them, so a fetcher that draws from
+            ``rng`` shuffles differently in every epoch, and the same way on
+            every run.
     """
 
     worker_id: int
@@ -43,6 +50,7 @@ class WorkerInfo:
     source: str
     seed: int
     rng: np.random.Generator = field(compare=False, repr=False)
+    epoch: int = 0
 
 
 _current = threading.local()
@@ -79,3 +87,23 @@ def shuffle_rng(base: int) -> np.random.Generator:
     """The generator of a source's shuffle buffer: a child of
     ``SeedSequence(base)`` that no worker id can share (its key has two parts)."""
     return np.random.default_rng(np.random.SeedSequence(base, spawn_key=(0xB10BFEED, 0)))
+
+
+def for_epoch(first: WorkerInfo, epoch: int) -> WorkerInfo:
+    """The worker's info in ``epoch``, from its info in epoch 0.
+
+    Epoch 0 keeps the worker's seed; epoch *e* > 0 has the child *e* of it,
+    so each epoch's draws are fresh yet a resumed run, which starts a worker
+    directly in its epoch, draws exactly what an uninterrupted one did.
+    """
+    if epoch == 0:
+        return dataclasses.replace(first, rng=np.random.default_rng(first.seed))
+    child = np.random.SeedSequence(first.seed, spawn_key=(epoch,))
+    seed = int(child.generate_state(1, np.uint64)[0])
+    return dataclasses.replace(first, seed=seed, rng=np.random.default_rng(seed), epoch=epoch)
+
+
+def is_last_epoch(epochs: int | None, epoch: int) -> bool:
+    """Whether a worker whose data ended in ``epoch`` is done (``epochs``
+    passes in all; None: endless)."""
+    return epochs is not None and epoch + 1 >= epochs

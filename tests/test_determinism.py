@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import blobfeed
 from blobfeed import EndOfInput, FetcherError, Net, get_worker_info, init_data_input_workers
 from blobfeed.worker_info import worker_seeds
+from blobfeed.feeders import STATE_VERSION
 
 SRC = "train"
 BLOBS = ["ids", "feat"]
@@ -967,7 +968,7 @@ def test_state_is_json_and_names_its_layout() -> None:
     state = run.state
     assert state is not None
     assert json.loads(json.dumps(state)) == state
-    assert state["num_workers"] == 2 and state["batch_size"] == 4 and state["version"] == 1
+    assert state["num_workers"] == 2 and state["batch_size"] == 4 and state["version"] == STATE_VERSION
 
 
 def test_state_dict_with_two_nets_sharing_a_name() -> None:

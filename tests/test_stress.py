@@ -1077,7 +1077,7 @@ def test_chunk_order_survives_the_consumer_assembling_itself(gc: blobfeed.Global
         if not threading.current_thread().name.startswith("blobfeed-enqueue") or took.is_set():
             return None
         if event == "return" and frame.f_code.co_name in ("get", "get_nowait") and frame.f_back is not None \
-                and frame.f_back.f_code.co_name == "run" and took_a_chunk(arg):
+                and frame.f_back.f_code.co_name in ("run", "_take") and took_a_chunk(arg):
             took.set()  # the enqueuer holds chunk 0
             resume.wait(WAIT)
         return tracer

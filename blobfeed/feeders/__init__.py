@@ -22,18 +22,18 @@ from .backends import (
     WorkerPlan,
     thread_main,
 )
-from .chunks import Batch, Chunk, ChunkValidator, ModelInput, Pin
+from .chunks import Batch, Chunk, ChunkValidator, EpochEnd, ModelInput, Pin
 from .enqueuer import Feed, FeedGroup
 from .processes import ProcessBackend
-from .ordered import STATE_VERSION, OrderedStream
+from .ordered import READABLE_VERSIONS, STATE_VERSION, OrderedStream
 from .rebatch import Rebatcher
 from .replay import Replayed, is_stateful
 from .shuffle import ShuffleBuffer
 from .source import InputSource, OnError, WorkerIntake
 
 __all__ = [
-    "Batch", "Chunk", "ChunkValidator", "Feed", "FeedGroup", "FetchFun", "FetcherBackend",
-    "InputSource", "LaunchPlan", "ModelInput", "OnError", "OrderedStream", "Pin", "ProcessBackend", "Rebatcher",
-    "Replayed", "STATE_VERSION", "ShuffleBuffer", "ThreadBackend", "is_stateful",
+    "Batch", "Chunk", "ChunkValidator", "EpochEnd", "Feed", "FeedGroup", "FetchFun", "FetcherBackend",
+    "InputSource", "LaunchPlan", "ModelInput", "OnError", "OrderedStream", "Pin", "ProcessBackend", "READABLE_VERSIONS",
+    "Rebatcher", "Replayed", "STATE_VERSION", "ShuffleBuffer", "ThreadBackend", "is_stateful",
     "WorkerGroup", "WorkerIntake", "WorkerPlan", "thread_main",
 ]

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
-from ..worker_info import WorkerInfo, set_worker_info
+from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 from .source import WorkerIntake
 
 __all__ = ["FetchFun", "FetcherBackend", "LaunchPlan", "ThreadBackend", "WorkerGroup", "WorkerPlan"]
@@ -52,6 +52,13 @@ class LaunchPlan(NamedTuple):
     batch_size_hint: Callable[[], int]
     #: to be called by every thread the backend starts, when it ends
     on_thread_exit: Callable[[], None]
+    #: passes over the data (None: endless).  A worker whose ``fetch_fun``
+    #: raised StopIteration while another epoch follows tells its intake
+    #: (``epoch_ended``), in order with its results, and starts that epoch:
+    #: its WorkerInfo (``for_epoch``) set, ``worker_init_fun`` run again
+    epochs: int | None = 1
+    #: the epoch the workers start in (a resumed run: the saved one)
+    first_epoch: int = 0
 
 
 class WorkerGroup(Protocol):
@@ -89,40 +96,52 @@ def run_worker(
     worker_init_fun: WorkerInitFun | None,
     hint: Callable[[], int],
     info: WorkerInfo | None,
+    epochs: int | None = 1,
+    first_epoch: int = 0,
 ) -> None:
     """One worker's loop, in the thread that runs it: call ``fetch_fun`` and
-    hand each result to the intake, until StopIteration, an error, or a stop."""
-    set_worker_info(info)
+    hand each result to the intake, epoch after epoch, until the last
+    StopIteration, an error, or a stop."""
     perf = time.perf_counter
     observe = intake.stats.fetch.observe
     source = intake.source
     worker_id = intake.worker_id
     exhausted = False
+    epoch = first_epoch
     intake.started()
     try:
-        if worker_init_fun is not None:
-            try:
-                worker_init_fun(worker_id)
-            except BaseException as exc:
-                intake.exception(exc, fatal=True)
-                return
-        while not source.halted:
-            t0 = perf()
-            try:
-                raw = fetch_fun(worker_id, hint())
-            except StopIteration:
+        while True:
+            set_worker_info(None if info is None else for_epoch(info, epoch))
+            if worker_init_fun is not None:
+                try:
+                    worker_init_fun(worker_id)
+                except BaseException as exc:
+                    intake.exception(exc, fatal=True)
+                    return
+            while not source.halted:
+                t0 = perf()
+                try:
+                    raw = fetch_fun(worker_id, hint())
+                except StopIteration:
+                    observe(perf() - t0)
+                    logger.debug("source %r, worker %d: StopIteration in epoch %d", source.name, worker_id, epoch)
+                    break
+                except BaseException as exc:
+                    observe(perf() - t0)
+                    if intake.exception(exc):
+                        continue
+                    return
                 observe(perf() - t0)
+                if not intake.result(raw):
+                    return
+            else:
+                return  # halted
+            if is_last_epoch(epochs, epoch):
                 exhausted = True
-                logger.debug("source %r, worker %d: StopIteration", source.name, worker_id)
                 return
-            except BaseException as exc:
-                observe(perf() - t0)
-                if intake.exception(exc):
-                    continue
+            if not intake.epoch_ended():
                 return
-            observe(perf() - t0)
-            if not intake.result(raw):
-                return
+            epoch += 1
     finally:
         set_worker_info(None)
         intake.finished(exhausted)
@@ -179,7 +198,8 @@ class ThreadBackend:
         for w in plan.workers:
             name = f"blobfeed-fetch-{plan.source}-{w.worker_id}"
             body = functools.partial(
-                run_worker, w.intake, plan.fetch_fun, plan.worker_init_fun, plan.batch_size_hint, w.info
+                run_worker, w.intake, plan.fetch_fun, plan.worker_init_fun, plan.batch_size_hint, w.info,
+                plan.epochs, plan.first_epoch,
             )
             threads.append(threading.Thread(
                 target=thread_main, args=(name, body, plan.on_thread_exit), name=name, daemon=True

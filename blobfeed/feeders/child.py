@@ -10,9 +10,12 @@ the child only moves data, so every backend behaves the same.
 Messages (pickled tuples on the connection):
 
 * ``("items", [(seconds, result), ...])``: results in call order;
-* ``("slot", seconds, index, [(dtype, shape, offset), ...], is_tuple)``;
+* ``("slot", seconds, index, [(dtype, shape, offset), ...], is_tuple, state)``
+  (``state``: a stateful ``fetch_fun``'s, after this chunk, else None);
 * ``("error", seconds, exception bytes, traceback, fatal)``;
-* ``("done", seconds)``: ``fetch_fun`` raised StopIteration;
+* ``("epoch", seconds)``: ``fetch_fun`` raised StopIteration and the next
+  epoch begins;
+* ``("done", seconds)``: ``fetch_fun`` raised StopIteration in the last epoch;
 * ``("note", text)``: something for the parent to log (once).
 """
 
@@ -29,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..worker_info import WorkerInfo, set_worker_info
+from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
+from .chunks import Stamped
 from .transport import SLOT_INDEX, FdHandle, SlotArea, align, pack_exception
 
 __all__ = ["child_main"]
@@ -101,6 +105,8 @@ def child_main(
     free_fd: FdHandle,
     conn: Any,
     pdeathsig: bool = True,
+    epochs: int | None = 1,
+    first_epoch: int = 0,
 ) -> None:
     """Entry point of a worker process (``multiprocessing`` target)."""
     # Ctrl-C in a terminal reaches the whole process group: the program gets
@@ -112,7 +118,10 @@ def child_main(
     area = SlotArea(area_fd.fd, slots, slot_bytes)
     os.close(area_fd.fd)
     try:
-        _work(worker_id, index, num_workers, source, seed, payload, on_error, area, free_fd.fd, conn, parent)
+        _work(
+            WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed)),
+            payload, on_error, area, free_fd.fd, conn, parent, epochs, first_epoch,
+        )
     finally:
         # we return on purpose: an exit with code 0 without this flag is a
         # death (os._exit(0) inside fetch_fun), which the parent reports at once
@@ -120,18 +129,18 @@ def child_main(
 
 
 def _work(
-    worker_id: int,
-    index: int,
-    num_workers: int,
-    source: str,
-    seed: int,
+    first: WorkerInfo,
     payload: bytes,
     on_error: str,
     area: SlotArea,
     free_r: int,
     conn: Any,
     parent: int,
+    epochs: int | None,
+    epoch: int,
 ) -> None:
+    worker_id = first.worker_id
+    info = first
     send = conn.send_bytes
     dumps = pickle.dumps
     perf = time.perf_counter
@@ -166,16 +175,6 @@ def _work(
         err.__cause__ = exc
         report(err, 0.0, True)
         return
-    # the same seed and generator the worker would have as a thread
-    set_worker_info(WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed)))
-
-    if worker_init_fun is not None:
-        try:
-            worker_init_fun(worker_id)
-        except BaseException as exc:
-            report(exc, 0.0, True)
-            return
-
     pending: list[tuple[float, Any]] = []
     pending_bytes = 0
     oldest = 0.0
@@ -195,54 +194,78 @@ def _work(
         pending = []
         pending_bytes = 0
 
-    while not area.stopping() and os.getppid() == parent:
-        t0 = perf()
-        try:
-            raw = fetch_fun(worker_id, area.hint())
-        except StopIteration:
-            flush()
-            send(dumps(("done", perf() - t0)))
-            return
-        except BaseException as exc:
+    def fetch_epoch() -> bool:
+        """Fetch until StopIteration (True), an error or a stop (False)."""
+        nonlocal oldest, noted_big, pending_bytes
+        while not area.stopping() and os.getppid() == parent:
+            t0 = perf()
+            try:
+                raw = fetch_fun(worker_id, area.hint())
+            except StopIteration:
+                flush()
+                if is_last_epoch(epochs, info.epoch):
+                    send(dumps(("done", perf() - t0)))
+                else:
+                    send(dumps(("epoch", perf() - t0)))
+                return True
+            except BaseException as exc:
+                seconds = perf() - t0
+                flush()
+                report(exc, seconds, False)
+                if on_error == "skip" and isinstance(exc, Exception):
+                    continue
+                return False
             seconds = perf() - t0
-            flush()
-            report(exc, seconds, False)
-            if on_error == "skip" and isinstance(exc, Exception):
+            state = None
+            if type(raw) is Stamped:  # a stateful fetch_fun's state travels with its chunk
+                raw, state = raw
+            arrays = _plain_arrays(raw)
+            nbytes = sum(align(a.nbytes) for a in arrays) if arrays is not None else 0
+            if arrays is not None and SHM_MIN_BYTES <= nbytes <= slot_bytes:
+                flush()
+                slot = take_slot()
+                if slot < 0:
+                    return False
+                base = area.offset(slot)
+                meta = []
+                off = 0
+                for a in arrays:
+                    dst = np.ndarray(a.shape, a.dtype, buffer=area.mm, offset=base + off)
+                    np.copyto(dst, a, casting="no")
+                    # the dtype itself: its .str loses a structured dtype's fields
+                    meta.append((a.dtype, a.shape, off))
+                    off += align(a.nbytes)
+                send(dumps(("slot", seconds, slot, meta, isinstance(raw, tuple), state)))
                 continue
-            return
-        seconds = perf() - t0
-        arrays = _plain_arrays(raw)
-        nbytes = sum(align(a.nbytes) for a in arrays) if arrays is not None else 0
-        if arrays is not None and SHM_MIN_BYTES <= nbytes <= slot_bytes:
-            flush()
-            slot = take_slot()
-            if slot < 0:
+            if nbytes > slot_bytes and not noted_big:
+                noted_big = True
+                send(dumps(("note", (
+                    f"a chunk of {nbytes / 2**20:.2f} MiB is larger than a shared-memory slot "
+                    f"({slot_bytes / 2**20:.2f} MiB): such chunks travel pickled through a pipe, "
+                    "which is slower; pass backend=ProcessBackend(slot_bytes=...) with more"
+                ))))
+            if not pending:
+                oldest = t0
+            pending.append((seconds, raw if state is None else Stamped(raw, state)))
+            pending_bytes += nbytes or 64
+            # another fetch would hold these past the delay bound: send now
+            if pending_bytes >= INLINE_MAX_BYTES or perf() - oldest + seconds >= INLINE_MAX_DELAY_S:
+                flush()
+        return False
+
+    while True:
+        # the same seed and generator the worker would have as a thread
+        info = for_epoch(first, epoch)
+        set_worker_info(info)
+        if worker_init_fun is not None:
+            try:
+                worker_init_fun(worker_id)
+            except BaseException as exc:
+                report(exc, 0.0, True)
                 return
-            base = area.offset(slot)
-            meta = []
-            off = 0
-            for a in arrays:
-                dst = np.ndarray(a.shape, a.dtype, buffer=area.mm, offset=base + off)
-                np.copyto(dst, a, casting="no")
-                # the dtype itself: its .str loses a structured dtype's fields
-                meta.append((a.dtype, a.shape, off))
-                off += align(a.nbytes)
-            send(dumps(("slot", seconds, slot, meta, isinstance(raw, tuple))))
-            continue
-        if nbytes > slot_bytes and not noted_big:
-            noted_big = True
-            send(dumps(("note", (
-                f"a chunk of {nbytes / 2**20:.2f} MiB is larger than a shared-memory slot "
-                f"({slot_bytes / 2**20:.2f} MiB): such chunks travel pickled through a pipe, "
-                "which is slower; pass backend=ProcessBackend(slot_bytes=...) with more"
-            ))))
-        if not pending:
-            oldest = t0
-        pending.append((seconds, raw))
-        pending_bytes += nbytes or 64
-        # another fetch would hold these past the delay bound: send now
-        if pending_bytes >= INLINE_MAX_BYTES or perf() - oldest + seconds >= INLINE_MAX_DELAY_S:
-            flush()
+        if not fetch_epoch() or is_last_epoch(epochs, epoch):
+            break
+        epoch += 1
     flush()
 
 

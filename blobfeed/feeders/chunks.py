@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ChunkError
 
-__all__ = ["Stamped", "Batch", "Chunk", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
+__all__ = ["Stamped", "Batch", "Chunk", "EpochEnd", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
 
 
 class Pin:
@@ -50,6 +50,17 @@ class Batch(NamedTuple):
 
     arrays: tuple[Any, ...]
     n: int
+
+
+class EpochEnd(NamedTuple):
+    """Where epoch ``epoch`` of a source ends, in a net's share of the stream
+    and then in its device queue, after that epoch's last batch: ``Net.run()``
+    raises :class:`~blobfeed.EndOfEpoch` for it.  Holds no samples (``n``
+    is 0, so whatever counts the samples of queued items counts it right)."""
+
+    epoch: int
+    n: int = 0
+    arrays: tuple[Any, ...] = ()
 
 
 def _bad_chunk(where: str, detail: str, kind: type[Exception] = ValueError) -> ChunkError:

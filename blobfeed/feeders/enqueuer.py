@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import BlobfeedError, DequeueTimeout, EndOfInput, FetcherError
 from ..queues import BlobsQueue
 from ..stats import AssembleStats, ConsumeStats, MetricsHub
-from .chunks import Batch, Chunk, ModelInput, check_model_inputs
+from .chunks import Batch, Chunk, EpochEnd, ModelInput, check_model_inputs
 from .ordered import NetOutbox
 from .rebatch import Rebatcher
 from .source import InputSource, SourceStopped
@@ -115,6 +115,10 @@ class Feed:
         #: a batch the net took while another of its sources failed or timed
         #: out; it is handed out first next time (see Net.run)
         self._held: Batch | None = None
+        #: the end of an epoch taken from the outbox: what the re-batcher
+        #: holds is that epoch's rest; nothing more is taken until it and
+        #: then the end itself were handed on
+        self._boundary: EpochEnd | None = None
         #: set by abort(): the source stopped or failed; nothing is handed out
         self._aborted = False
         #: why what this feed still holds is lost, once aborted
@@ -219,6 +223,8 @@ class Feed:
         Under the lock.  ``stats`` belongs to the calling thread; ``partial``
         takes whatever is pending (the end of input).
         """
+        if not partial and self._boundary is not None and self.rebatcher.pending < self.rebatcher.batch_size:
+            return self._epoch_rest(stats)
         t0 = time.perf_counter()
         b = self.rebatcher.pop_partial() if partial else self.rebatcher.pop()
         if b is None:
@@ -228,6 +234,37 @@ class Feed:
         stats.batches += 1
         stats.samples += b.n
         return batch
+
+    def _take(self, queue: Any) -> tuple[bool, Chunk | None]:
+        """The next chunk from ``queue`` into the re-batcher (under the lock);
+        an epoch's end is kept aside instead (see ``_boundary``)."""
+        if self._boundary is not None:
+            return False, None
+        ok, chunk = queue.get_nowait()
+        if ok and chunk is not None:
+            if type(chunk) is EpochEnd:
+                self._boundary = chunk
+            else:
+                self.rebatcher.push(chunk)
+        return ok, chunk
+
+    def _epoch_rest(self, stats: AssembleStats) -> Batch | None:
+        """At an epoch's end (under the lock): the epoch's last, smaller
+        batch, then the end itself."""
+        left = self.rebatcher.pending
+        if left and self.drop_last:
+            self.rebatcher.clear()
+            self.stats.dropped["drop_last"] += left
+            if self._outbox is not None:
+                self._outbox.returned()  # its place in the stream is passed
+            logger.info(
+                "source %r, net %r: dropped the last partial batch of epoch %d, %d samples (drop_last=True)",
+                self.source.name, self.net_name, self._boundary.epoch, left,  # type: ignore[union-attr]
+            )
+        elif left:
+            return self._assemble(stats, partial=True)
+        end, self._boundary = self._boundary, None
+        return end  # type: ignore[return-value]
 
     # -- the enqueuer thread ---------------------------------------------------
     def run(self) -> None:
@@ -240,7 +277,7 @@ class Feed:
                 # in queue order whichever thread takes them; wait outside it.
                 with self._lock:
                     try:
-                        ok, chunk = queue.get_nowait()
+                        ok, chunk = self._take(queue)
                     except SourceStopped:
                         self._lose_all()
                         return
@@ -249,8 +286,6 @@ class Feed:
                         ended = True
                     else:
                         ended = False
-                        if ok and chunk is not None:
-                            self.rebatcher.push(chunk)
                 if ended:
                     self._finish()
                     return
@@ -294,7 +329,9 @@ class Feed:
             cut = None
             with self._lock:
                 if self._staged is None:
-                    if self.rebatcher.big:
+                    if self.rebatcher.big and (
+                        self._boundary is None or self.rebatcher.pending >= self.rebatcher.batch_size
+                    ):
                         # A big batch is copied outside the lock (below), so
                         # the net's thread never waits a whole copy for it;
                         # only this thread assembles big batches: in order.
@@ -406,6 +443,9 @@ class Feed:
         Raises:
             ChunkError: that batch does not fit the model.
         """
+        if type(batch) is EpochEnd:
+            self._outbox.epoch_returned()  # type: ignore[union-attr]
+            return
         if not self._first_checked:
             self._first_checked = True
             if self.model_checks and all(isinstance(a, np.ndarray) for a in batch.arrays):
@@ -447,14 +487,13 @@ class Feed:
                 if batch is not None:
                     return batch
                 try:
-                    ok, chunk = queue.get_nowait()
+                    ok, chunk = self._take(queue)
                 except (EndOfInput, FetcherError):
                     # ended, stopped or failed: the enqueuer settles the end
                     # (last batch, or the error) through the device queue
                     return None
                 if not ok or chunk is None:
                     return None
-                self.rebatcher.push(chunk)
 
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the net's thread)."""

@@ -15,6 +15,14 @@ batches as a single re-batcher would, without another copy.
 An error of a worker is an item of its lane: it surfaces when the round robin
 reaches it, after every batch that comes before it in the stream, whatever
 the timing.
+
+Epochs: a worker whose data ended while another epoch follows puts an
+epoch marker in its lane and goes on.  The stream treats it as the end of
+that lane for the epoch; once every lane reached its marker, the epoch's
+last (partial) batch is dealt, every net gets an :class:`EpochEnd`, and the
+next epoch starts afresh: round robin from the first worker, as a run
+started in that epoch would.  So a position is always "this epoch, these
+calls of each worker in it".
 """
 
 from __future__ import annotations
@@ -24,13 +32,15 @@ import threading
 from typing import Any, Callable, Sequence
 
 from ..errors import EndOfInput
-from .chunks import Chunk
+from .chunks import Chunk, EpochEnd
 from .shuffle import ShuffleBuffer
 
 __all__ = ["OrderedStream", "NetOutbox", "STATE_VERSION"]
 
 #: the layout version of ``state_dict``; a state of another version is refused
-STATE_VERSION = 1
+#: (version 1, before epochs, is read as a state in epoch 0)
+STATE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class _Ended:
@@ -38,6 +48,14 @@ class _Ended:
 
 
 _ENDED = _Ended()
+
+
+class _NextEpoch:
+    """A lane's marker: its worker's data ended for this epoch; it goes on
+    with the next one."""
+
+
+_NEXT_EPOCH = _NextEpoch()
 
 
 class _Failed:
@@ -63,6 +81,10 @@ class NetOutbox:
         self.next_batch = index
         #: batches dealt to this net to be thrown away (a resume: before its position)
         self.skip_until = index
+        #: epochs whose end run() has reported to this net (EndOfEpoch raised)
+        self.epoch = 0
+        #: ends of epochs before this one are not dealt (a resume: it had them)
+        self.marks_from = 0
 
     def get_nowait(self) -> tuple[bool, Chunk | None]:
         return self._stream.take(self)
@@ -76,6 +98,10 @@ class NetOutbox:
     def returned(self) -> None:
         """``Net.run()`` returned this net's next batch (its position moves on)."""
         self._stream.returned(self)
+
+    def epoch_returned(self) -> None:
+        """``Net.run()`` reported the end of this net's current epoch."""
+        self._stream.epoch_returned(self)
 
 
 class OrderedStream:
@@ -116,7 +142,10 @@ class OrderedStream:
         self._room = threading.Condition(self._lock)  # workers wait here
         self._lanes: dict[int, collections.deque[Any]] = {}
         self._order: list[int] = []
+        #: lanes whose data ended in this epoch; of them, those ended for good
         self._ended: set[int] = set()
+        self._done: set[int] = set()
+        self._epoch = 0
         self.outboxes: list[NetOutbox] = []
         self._closed = False
         self._error: BaseException | None = None  # reached in the stream
@@ -135,6 +164,11 @@ class OrderedStream:
         self._started = False
         self._lanes_closed = False
         self._close_reason: BaseException = EndOfInput(f"source {source!r}: stopped")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the stream is in (after a load: the one it resumes in)."""
+        return self._epoch
 
     @property
     def worker_ids(self) -> list[int]:
@@ -188,11 +222,18 @@ class OrderedStream:
         """The worker raised StopIteration: its lane ends after what it holds."""
         self._mark(worker_id, _ENDED)
 
-    def _mark(self, worker_id: int, item: Any) -> None:
+    def end_epoch(self, worker_id: int) -> bool:
+        """The worker's data ended for this epoch and it starts the next one.
+        False once the stream is closed (the worker must stop)."""
+        return self._mark(worker_id, _NEXT_EPOCH)
+
+    def _mark(self, worker_id: int, item: Any) -> bool:
         with self._lock:
-            if not self._lanes_closed:
-                self._lanes[worker_id].append(item)
-                self._items.notify_all()
+            if self._lanes_closed:
+                return False
+            self._lanes[worker_id].append(item)
+            self._items.notify_all()
+            return True
 
     def close(self, reason: BaseException | None) -> list[Chunk]:
         """Stop or failure of the source: wake everyone; nets then get
@@ -259,6 +300,10 @@ class OrderedStream:
                 timeout,
             )
 
+    def epoch_returned(self, box: NetOutbox) -> None:
+        with self._lock:
+            box.epoch += 1
+
     def returned(self, box: NetOutbox) -> None:
         with self._lock:
             box.next_batch += len(self.outboxes)
@@ -306,15 +351,19 @@ class OrderedStream:
                         return None
                     self._deal_batch(self.shuffle.pop(self.batch_size))
                     return True
+                if len(self._done) < n_lanes:
+                    return self._next_epoch()
                 return self._end()
             return None
         lane = self._lanes[wid]
         if not lane:
             return None
         head = lane[0]
-        if head is _ENDED:
+        if head is _ENDED or head is _NEXT_EPOCH:
             lane.popleft()
             self._ended.add(wid)
+            if head is _ENDED:
+                self._done.add(wid)
             self._rr = (self._rr + 1) % n_lanes
             self._room.notify_all()
             return True
@@ -374,6 +423,27 @@ class OrderedStream:
         self._items.notify_all()
         return None
 
+    def _next_epoch(self) -> bool:
+        """Every lane reached the end of this epoch: its last partial batch
+        is dealt already; every net gets the epoch's end; the next epoch
+        starts where a run started in it would."""
+        if self._filled:
+            self._batch += 1
+            self._filled = 0
+        for box in self.outboxes:
+            if self._epoch >= box.marks_from:
+                box.pieces.append(EpochEnd(self._epoch))  # type: ignore[arg-type]
+        self._epoch += 1
+        self._ended = set(self._done)
+        self._rr = 0
+        self._offset = 0
+        for wid in self._order:
+            self._calls[wid] = 0
+        # the position after the epoch's last batch is the next epoch's start
+        self._record(self._batch)
+        self._items.notify_all()
+        return True
+
     def _piece(self, chunk: Chunk, lo: int, n: int) -> Chunk:
         if lo == 0 and n == chunk.n:
             return chunk
@@ -401,6 +471,7 @@ class OrderedStream:
             return
         self._positions[batches] = {
             "batches": batches,
+            "epoch": self._epoch,
             "rr": self._rr,
             "offset": self._offset,
             "calls": [self._calls[w] for w in self._order],
@@ -409,7 +480,7 @@ class OrderedStream:
 
     def _start_position(self) -> dict[str, Any]:
         n = len(self._order)
-        return {"batches": 0, "rr": 0, "offset": 0, "calls": [0] * n, "states": [None] * n}
+        return {"batches": 0, "epoch": 0, "rr": 0, "offset": 0, "calls": [0] * n, "states": [None] * n}
 
     # -- state ---------------------------------------------------------------------
     def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
@@ -428,14 +499,17 @@ class OrderedStream:
                 **layout,
                 "position": dict(pos),
                 # a list, not a dict: nets on one source may share a name
-                "nets": [[name, b.next_batch] for name, b in zip(nets, self.outboxes)],
+                # per net: its next batch, and the epochs it was told ended
+                "nets": [[name, b.next_batch, b.epoch] for name, b in zip(nets, self.outboxes)],
             }
 
     def load(self, state: dict[str, Any]) -> list[tuple[int, Any]]:
         """Continue from ``state`` (already checked against the layout).
-        Returns, per lane in order, (calls to skip, fetcher state or None)."""
+        Returns, per lane in order, (calls to skip, fetcher state or None);
+        the epoch to start in is :attr:`epoch`."""
         pos = state["position"]
         with self._lock:
+            self._epoch = pos.get("epoch", 0)
             self._batch = pos["batches"]
             self._rr = pos["rr"]
             self._filled = 0
@@ -443,8 +517,14 @@ class OrderedStream:
                 self._calls[wid] = calls
                 if st is not None:
                     self._states[wid] = st
-            for box, (_, nxt) in zip(self.outboxes, state["nets"]):
+            for box, (_, nxt, *rest) in zip(self.outboxes, state["nets"]):
                 box.next_batch = box.skip_until = nxt
+                box.epoch = rest[0] if rest else 0
+                # the ends this net had not been told of when the state was
+                # taken (the stream's position had passed them) come first
+                for e in range(box.epoch, self._epoch):
+                    box.pieces.append(EpochEnd(e))  # type: ignore[arg-type]
+                box.marks_from = max(box.epoch, self._epoch)
             self._positions.clear()
             # the regenerated head chunk of lane rr: its first samples were dealt
             self._offset = pos["offset"]

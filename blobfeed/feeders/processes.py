@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import BlobfeedError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
 from .child import child_main
-from .chunks import Pin
+from .chunks import Pin, Stamped
 from .transport import SLOT_INDEX, FdHandle, SlotArea, mem_available, unpack_exception
 
 __all__ = ["ProcessBackend"]
@@ -254,6 +254,7 @@ class _Worker:
                 w.worker_id, info.index, info.num_workers, info.source, info.seed,
                 group.payload, w.intake.on_error, FdHandle(area_fd), backend.slots,
                 backend.slot_bytes, FdHandle(free_r), send_conn, backend.start_method == "forkserver",
+                group.plan.epochs, group.plan.first_epoch,
             ),
             daemon=True,
         )
@@ -368,7 +369,7 @@ class _Worker:
                     return False
             return True
         if kind == "slot":
-            _, seconds, slot, meta, as_tuple = msg
+            _, seconds, slot, meta, as_tuple, state = msg
             observe(seconds)
             arrays, used = self._views(slot, meta, as_tuple)
             axis = intake.source.axes[0]
@@ -378,12 +379,15 @@ class _Worker:
                 # slots.  Copy out; the views die with this call and the
                 # slot goes back.
                 copied = [np.array(a) for a in arrays]
-                return intake.result(tuple(copied) if as_tuple else copied, None, used + len(data))
-            return intake.result(arrays, _SlotPin(self.ring, slot), used + len(data))
+                return intake.result(_stamp(tuple(copied) if as_tuple else copied, state), None, used + len(data))
+            return intake.result(_stamp(arrays, state), _SlotPin(self.ring, slot), used + len(data))
         if kind == "error":
             _, seconds, exc_data, tb, fatal = msg
             observe(seconds)
             return intake.exception(unpack_exception(exc_data, tb), fatal=fatal, remote_tb=tb)
+        if kind == "epoch":
+            observe(msg[1])
+            return intake.epoch_ended()
         if kind == "done":
             observe(msg[1])
             return None
@@ -456,6 +460,11 @@ class _Worker:
             area.mm.close()
         except BufferError:
             pass  # viewed: unmapped (and its descriptor closed) with the last view
+
+
+def _stamp(arrays: Any, state: Any) -> Any:
+    """A slot's chunk as the intake takes it: with the fetcher's state, if any."""
+    return arrays if state is None else Stamped(arrays, state)
 
 
 def _describe(code: int | None) -> str:

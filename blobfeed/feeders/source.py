@@ -88,6 +88,8 @@ class InputSource:
         self.ordered: OrderedStream | None = None
         #: per worker id, where load_state_dict() says it starts: (calls, state)
         self.resume_at: dict[int, tuple[int, Any]] = {}
+        #: passes over the data (None: endless); more than one needs ``ordered``
+        self.epochs: int | None = 1
         hub.attach_source(self)
 
     def make_ordered(self, batch_size: int, *, strict: bool = True, shuffle: ShuffleBuffer | None = None) -> OrderedStream:
@@ -266,6 +268,16 @@ class WorkerIntake:
 
     def started(self) -> None:
         self.source.fetcher_started()
+
+    def epoch_ended(self) -> bool:
+        """The worker's ``fetch_fun`` raised StopIteration and it goes on with
+        the next epoch (its calls count from 0 again).  Returns False when
+        the worker must stop instead."""
+        self.calls = 0
+        ordered = self.source.ordered
+        if ordered is None:  # epochs are always read through an ordered stream
+            raise AssertionError(f"{self._where}: an epoch ended on a source without epochs")
+        return ordered.end_epoch(self.worker_id)
 
     def finished(self, exhausted: bool) -> None:
         """The worker ended; ``exhausted``: by StopIteration (its data is done)."""
