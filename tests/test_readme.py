@@ -27,9 +27,10 @@ def test_tutorial_runs() -> None:
 
 
 def test_reproducibility_example_runs() -> None:
-    """The README's checkpoint-and-resume example: stopped after batch 25,
+    """The README's checkpoint-and-resume examples: stopped after batch 25,
     resumed from its checkpoint at batch 20, it gives the batches of an
-    uninterrupted run (the example asserts it)."""
+    uninterrupted run; with epochs, resumed from a checkpoint at an epoch's
+    last batch, the same batches and epoch ends (the examples assert it)."""
     section = README.read_text().split("## Reproducibility and resume", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert blocks, "the reproducibility section lost its example"
@@ -37,3 +38,5 @@ def test_reproducibility_example_runs() -> None:
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"resumed run gave the same (\d+) batches", proc.stdout)
     assert int(re.search(r"the same (\d+) batches", proc.stdout).group(1)) > 25
+    # the epochs example: 3 epochs of 7 batches and 2 epoch ends, resumed at an epoch's end
+    assert "resumed epochs gave the same 23 batches and epoch ends" in proc.stdout
