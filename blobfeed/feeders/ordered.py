@@ -160,6 +160,8 @@ class OrderedStream:
         #: batches completed -> the position after them, kept until every
         #: net has returned past it
         self._positions: dict[int, dict[str, Any]] = {}
+        #: no position below this batch number is kept
+        self._kept_from = 0
         self._eof = False
         self._started = False
         self._lanes_closed = False
@@ -305,13 +307,9 @@ class OrderedStream:
             box.epoch += 1
 
     def returned(self, box: NetOutbox) -> None:
-        with self._lock:
-            box.next_batch += len(self.outboxes)
-            low = min(b.next_batch for b in self.outboxes)
-            if self.shuffle is not None:
-                return
-            for k in [k for k in self._positions if k < low]:
-                del self._positions[k]
+        # Per batch, so no lock: only the net's own thread writes its
+        # next_batch, and an int store is atomic; _record prunes the positions.
+        box.next_batch += len(self.outboxes)
 
     # -- the stream, under the lock ----------------------------------------------
     def _can_advance(self) -> bool:
@@ -381,6 +379,8 @@ class OrderedStream:
             while self.shuffle.ready(self.batch_size):
                 self._deal_batch(self.shuffle.pop(self.batch_size))
             return True
+        if len(self.outboxes) == 1 and self._batch >= self.outboxes[0].skip_until:
+            return self._deal_whole(wid, chunk, lane)
         take = min(chunk.n - self._offset, self.batch_size - self._filled)
         self._deal(self._piece(chunk, self._offset, take))
         self._offset += take
@@ -392,6 +392,35 @@ class OrderedStream:
         if self._filled == self.batch_size:
             self._batch += 1
             self._filled = 0
+            self._record(self._batch)
+        return True
+
+    def _deal_whole(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> bool:
+        """One net: the rest of the head chunk goes to it uncut (its feed's
+        re-batcher cuts it, as without ``deterministic``); the stream only
+        counts where the batches end in it, and records the position there."""
+        start = self._offset
+        left = chunk.n - start
+        box = self.outboxes[0]
+        box.pieces.append(chunk if start == 0 else self._piece(chunk, start, left))
+        box.samples += left
+        self._items.notify_all()
+        bs = self.batch_size
+        while left >= bs - self._filled:  # a batch ends inside this chunk
+            room = bs - self._filled
+            left -= room
+            self._filled = 0
+            self._batch += 1
+            if not left:
+                break  # at the chunk's end: recorded after it is consumed
+            self._offset += room
+            self._record(self._batch)
+        else:
+            self._filled += left
+        lane.popleft()
+        self._offset = 0
+        self._consumed(wid, chunk, lane)
+        if not self._filled:
             self._record(self._batch)
         return True
 
@@ -469,7 +498,13 @@ class OrderedStream:
             if not self._positions:
                 self._positions[0] = self._start_position()
             return
-        self._positions[batches] = {
+        positions = self._positions
+        # drop the positions every net has returned past (keys are batch numbers)
+        low = min(b.next_batch for b in self.outboxes) if self.outboxes else 0
+        while self._kept_from < low:
+            positions.pop(self._kept_from, None)
+            self._kept_from += 1
+        positions[batches] = {
             "batches": batches,
             "epoch": self._epoch,
             "rr": self._rr,
@@ -526,6 +561,7 @@ class OrderedStream:
                     box.pieces.append(EpochEnd(e))  # type: ignore[arg-type]
                 box.marks_from = max(box.epoch, self._epoch)
             self._positions.clear()
+            self._kept_from = self._batch
             # the regenerated head chunk of lane rr: its first samples were dealt
             self._offset = pos["offset"]
             self._record(self._batch)
