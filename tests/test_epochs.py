@@ -507,3 +507,20 @@ class _Counter:
             raise StopIteration
         self.k[info.epoch] = k + 1
         return [np.arange(2 * k, 2 * k + 2, dtype=np.int64)]
+
+
+class WideStatefulFetch(StatefulEpochFetch):
+    """As StatefulEpochFetch, with rows of 16 KiB: most chunks of a worker
+    process travel through its shared memory, with the state beside them."""
+
+    def __call__(self, wid: int, bs: int) -> list[np.ndarray]:
+        ids, feat = super().__call__(wid, bs)
+        return [ids, np.repeat(feat[:, None], 2048, axis=1)]
+
+
+def test_stateful_fetcher_resumes_through_shared_memory_on_processes() -> None:
+    factory = lambda: WideStatefulFetch(LENGTHS, salt=11)  # noqa: E731
+    narrow = expected(StatefulEpochFetch(LENGTHS, salt=11), [0, 1, 2], 5, 2)
+    want = [ev if ev[0] == "end" else (ev[0], ev[1], np.repeat(ev[2][:, None], 2048, axis=1)) for ev in narrow]
+    before, after = resumed(factory, 4, backend="processes", epochs=2)
+    assert_events(before + after, want, "wide stateful chunks on processes")
