@@ -524,3 +524,19 @@ def test_stateful_fetcher_resumes_through_shared_memory_on_processes() -> None:
     want = [ev if ev[0] == "end" else (ev[0], ev[1], np.repeat(ev[2][:, None], 2048, axis=1)) for ev in narrow]
     before, after = resumed(factory, 4, backend="processes", epochs=2)
     assert_events(before + after, want, "wide stateful chunks on processes")
+
+
+def test_resume_after_a_dropped_partial_batch_neither_repeats_nor_skips() -> None:
+    """drop_last: the dropped last batch of an epoch still moves the net's
+    position, or a state saved later would give a batch twice."""
+    factory = lambda: EpochFetch(LENGTHS, salt=12)  # noqa: E731
+    want = expected(factory(), [0, 1, 2], 4, 3, drop_last=True)
+    whole = sum(len(ev[1]) for ev in expected(factory(), [0, 1, 2], 4, 3) if ev[0] == "batch")
+    assert whole > sum(len(ev[1]) for ev in want if ev[0] == "batch"), "a partial batch should be dropped"
+    # epoch 1 ends with a partial batch (57 samples); the others do not
+    assert [sum(len(ev[1]) for ev in expected(factory(), [0, 1, 2], 4, 3)
+                if ev[0] == "batch" and ev[1][0] // ESPAN == e) % 4 for e in range(3)] == [0, 1, 0]
+    end_1 = [i for i, ev in enumerate(want) if ev[0] == "end"][1]
+    for cut in range(end_1 - 1, end_1 + 4):
+        before, after = resumed(factory, cut, bs=4, drop_last=True)
+        assert_events(before + after, want, f"drop_last cut={cut}")

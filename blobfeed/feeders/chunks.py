@@ -61,6 +61,8 @@ class EpochEnd(NamedTuple):
     epoch: int
     n: int = 0
     arrays: tuple[Any, ...] = ()
+    #: the net's batches of the epoch dropped right before it (``drop_last``)
+    dropped: int = 0
 
 
 def _bad_chunk(where: str, detail: str, kind: type[Exception] = ValueError) -> ChunkError:

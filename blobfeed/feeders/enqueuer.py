@@ -251,19 +251,21 @@ class Feed:
     def _epoch_rest(self, stats: AssembleStats) -> Batch | None:
         """At an epoch's end (under the lock): the epoch's last, smaller
         batch, then the end itself."""
+        end = self._boundary
+        assert end is not None
         left = self.rebatcher.pending
         if left and self.drop_last:
             self.rebatcher.clear()
             self.stats.dropped["drop_last"] += left
-            if self._outbox is not None:
-                self._outbox.returned()  # its place in the stream is passed
+            # the net's position passes that batch when run() reports the end
+            end = end._replace(dropped=end.dropped + 1)
             logger.info(
                 "source %r, net %r: dropped the last partial batch of epoch %d, %d samples (drop_last=True)",
-                self.source.name, self.net_name, self._boundary.epoch, left,  # type: ignore[union-attr]
+                self.source.name, self.net_name, end.epoch, left,
             )
         elif left:
             return self._assemble(stats, partial=True)
-        end, self._boundary = self._boundary, None
+        self._boundary = None
         return end  # type: ignore[return-value]
 
     # -- the enqueuer thread ---------------------------------------------------
@@ -444,7 +446,7 @@ class Feed:
             ChunkError: that batch does not fit the model.
         """
         if type(batch) is EpochEnd:
-            self._outbox.epoch_returned()  # type: ignore[union-attr]
+            self._outbox.epoch_returned(batch.dropped)  # type: ignore[union-attr]
             return
         if not self._first_checked:
             self._first_checked = True

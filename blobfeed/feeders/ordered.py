@@ -99,9 +99,10 @@ class NetOutbox:
         """``Net.run()`` returned this net's next batch (its position moves on)."""
         self._stream.returned(self)
 
-    def epoch_returned(self) -> None:
-        """``Net.run()`` reported the end of this net's current epoch."""
-        self._stream.epoch_returned(self)
+    def epoch_returned(self, dropped: int = 0) -> None:
+        """``Net.run()`` reported the end of this net's current epoch, after
+        ``dropped`` batches of it that its feed dropped (``drop_last``)."""
+        self._stream.epoch_returned(self, dropped)
 
 
 class OrderedStream:
@@ -302,8 +303,9 @@ class OrderedStream:
                 timeout,
             )
 
-    def epoch_returned(self, box: NetOutbox) -> None:
+    def epoch_returned(self, box: NetOutbox, dropped: int) -> None:
         with self._lock:
+            box.next_batch += dropped * len(self.outboxes)
             box.epoch += 1
 
     def returned(self, box: NetOutbox) -> None:
