@@ -64,6 +64,7 @@ cluster costs seconds to start and a program may build many pipelines; call
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -559,6 +560,7 @@ class _Worker:
                     self.where = ray.get(self._where_ref)
                 except Exception as err:  # died before it ran: the stream says how
                     logger.debug("%s: where() failed: %r", self.name, err)
+                self._where_ref = None
                 return True
             if not warned and time.monotonic() - t0 > PLACEMENT_WARN_S:
                 warned = True
@@ -587,8 +589,15 @@ class _Worker:
                     return
                 if outcome is False:
                     return
-                # the actor died
+                # the actor died.  Ray keeps the error of a failed stream in
+                # a reference cycle with the stream (its generator, the
+                # frames of the error's traceback), and with it the stream's
+                # objects: collected now (once per death), not whenever the
+                # garbage collector next runs, so a lost actor leaves no
+                # object behind.
                 err = outcome
+                outcome = None
+                gc.collect()
                 if self._halted():
                     return
                 if self.restarts_left > 0:
@@ -619,6 +628,7 @@ class _Worker:
             if ready:
                 try:
                     self.where = ray.get(self._where_ref)
+                    self._where_ref = None
                     return True
                 except ray.exceptions.ActorUnavailableError:
                     self._where_ref = self.actor.where.remote()  # still restarting
@@ -662,11 +672,13 @@ class _Worker:
                     # the stream ended without "done": the actor stopped on request
                     return False
                 except Exception as err:
-                    return err
+                    # without its traceback: its frames (Ray's generator among
+                    # them) would keep the stream's objects alive in a cycle
+                    return _untraced(err)
                 try:
                     bundle = ray.get(ref)
                 except Exception as err:
-                    return err
+                    return _untraced(err)
                 del ref
                 go = self._handle(bundle)
                 del bundle
@@ -764,6 +776,20 @@ class _Worker:
             _ray().kill(self.actor, no_restart=True)
         except Exception as err:  # already gone, or Ray shut down under us
             logger.debug("%s: ray.kill: %r", self.name, err)
+
+
+def _untraced(err: BaseException) -> BaseException:
+    """``err`` and the exceptions it chains without their tracebacks: their
+    frames (Ray's generator among them, which keeps its error) would hold
+    the stream and its objects in a reference cycle until a garbage
+    collection."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return err
 
 
 def _reason(err: BaseException) -> str:

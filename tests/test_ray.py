@@ -1,0 +1,475 @@
+"""Ray actors as workers (``blobfeed.ray.RayBackend``): docs/CONTRACT.md,
+"Fetcher backends", on a real local Ray cluster of several simulated nodes.
+
+One cluster for the module (``ray.cluster_utils.Cluster``: a head with no
+CPUs, so every actor runs on a worker node, and two worker nodes of 2 CPUs;
+a third node is added and removed by the test that loses it).  Actors ask
+for a quarter of a CPU: the fetchers here sleep or do little, and a 2-core
+CI machine must hold them.  The simulated nodes share this machine, so the
+fetchers signal the tests through files, as in tests/test_processes.py.
+
+In CI (``CI=true``) a missing ``ray`` is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+if os.environ.get("CI") == "true":
+    import ray  # the extra is installed by .ci/run: its absence is a failure
+else:
+    ray = pytest.importorskip("ray")
+
+import blobfeed
+from blobfeed import EndOfInput, FetcherError, Net, get_worker_info, init_data_input_workers
+from blobfeed.ray import RayBackend
+
+from . import test_determinism as det
+from .helpers import drain, sample, wait_until
+from .test_processes import (
+    SHM_ROWS,
+    WIDE,
+    Dier,
+    Endless,
+    LockedFetcher,
+    LockedInit,
+    Plan,
+    Raiser,
+    Stuck,
+    TwoArgError,
+    accounts,
+    assert_exactly_once_in_order,
+    assert_identity_at_rest,
+    check_batches,
+    expected_chunks,
+    info_fetch,
+    make_chunk,
+    notes_and_message,
+    record_init,
+    until_error,
+    wait_file,
+    worker_infos,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = "train"
+#: the bound of every wait here (an actor's first start on a loaded 2-core machine takes ~1-2 s)
+WAIT = 20.0
+#: what every test's actors ask for
+ACTOR = {"num_cpus": 0.25}
+
+
+def backend(**kw: Any) -> RayBackend:
+    opts = dict(ACTOR)
+    opts.update(kw.pop("actor_options", {}))
+    return RayBackend(actor_options=opts, **kw)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    # the actors import the fetchers of these test modules by reference
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([old_path] if old_path else []))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        c.add_node(num_cpus=2, resources={"spot": 1})
+        c.add_node(num_cpus=2)
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level=logging.WARNING, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+
+
+@pytest.fixture
+def gc(cluster: Any) -> Iterator[blobfeed.GlobalCoordinator]:
+    coordinator = blobfeed.GlobalCoordinator(log_interval=0.05)
+    try:
+        yield coordinator
+    finally:
+        assert coordinator.stop(timeout=WAIT), "a thread outlived stop()"
+
+
+def live_actors() -> list[dict[str, Any]]:
+    """Actors of this job Ray does not count as dead."""
+    from ray._private import state
+
+    return [a for a in state.actors().values() if a.get("State") != "DEAD"]
+
+
+def references_held() -> dict[bytes, Any]:
+    """Objects this process (the owner of every object of the pipeline's
+    streams) still holds references to: none, and Ray has freed them."""
+    core = ray._private.worker.global_worker.core_worker
+    return {k: v for k, v in core.get_all_reference_counts().items() if v.get("local") or v.get("submitted")}
+
+
+def cluster_at_rest() -> bool:
+    free, total = ray.available_resources(), ray.cluster_resources()
+    return free.get("CPU") == total.get("CPU") and not live_actors()
+
+
+def assert_nothing_left() -> None:
+    wait_until(cluster_at_rest, "every actor gone and its CPUs free", WAIT)
+    wait_until(lambda: not references_held(), "no object of the pipeline left referenced", WAIT)
+
+
+# ---------------------------------------------------------------------------------------------
+# fetchers (module level: the actors import them)
+# ---------------------------------------------------------------------------------------------
+class HintEcho:
+    """Chunks of ``batch_size`` samples (the hint), ``calls`` of them."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+        self.n = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if self.n >= self.calls:
+            raise StopIteration
+        self.n += 1
+        return make_chunk(worker_id, self.n, batch_size, 2)
+
+
+class Restartable:
+    """Worker index 0 dies (``os._exit``) at call ``die_at``, once: the
+    marker file says it already did.  ``stateful``: with
+    ``state_dict``/``load_state_dict`` (its position), else replayed.
+    ``calls`` chunks of ``rows`` samples per worker, then StopIteration."""
+
+    def __init__(self, calls: int, rows: int, die_at: int, marker: str, loads: str) -> None:
+        self.calls, self.rows, self.die_at, self.marker, self.loads = calls, rows, die_at, marker, loads
+        self.n = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        info = get_worker_info()
+        assert info is not None
+        if self.n >= self.calls:
+            raise StopIteration
+        if info.index == 0 and self.n == self.die_at and not os.path.exists(self.marker):
+            Path(self.marker).write_text(f"{time.time()!r} {os.getpid()}")
+            os._exit(3)
+        k, self.n = self.n, self.n + 1
+        return make_chunk(worker_id, k, self.rows)
+
+
+class StatefulRestartable(Restartable):
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        with open(self.loads, "a") as f:
+            f.write(f"{state['n']}\n")
+        self.n = state["n"]
+
+
+# ---------------------------------------------------------------------------------------------
+# exactly once, order, worker info, hint, read-only batches
+# ---------------------------------------------------------------------------------------------
+#: small chunks (bundled) and big ones (> 100 KiB: zero-copy views of the object store)
+SIZES = [[1, 7, 3, 40, 2, 9, 900, 13, 1, 5, 450], [4, 4, 700, 31, 2, 999, 3]]
+
+
+@pytest.mark.parametrize("drop_last", [False, True], ids=["last-partial", "drop-last"])
+def test_exactly_once_and_in_order(gc: blobfeed.GlobalCoordinator, drop_last: bool) -> None:
+    batch_size = 64
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Plan(SIZES), batch_size, backend=backend(),
+                            drop_last=drop_last, max_buffered_batches=4, coordinator=gc, seed=1)
+    gc.start()
+    batches = drain(net, WAIT)
+    total = sum(map(sum, SIZES))
+    ids = check_batches(batches, batch_size, partial_last=not drop_last)
+    assert len(ids) == (total - total % batch_size if drop_last else total)
+    assert_exactly_once_in_order(ids, expected_chunks(SIZES, gc.get_worker_ids()), complete=not drop_last)
+    assert sample(gc, "blobfeed_fetched_samples_total", source=SRC) == total
+    assert sample(gc, "blobfeed_transport_bytes_total", source=SRC, backend="ray") > 0
+    assert sample(gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 0
+    assert_identity_at_rest(gc, [net])
+
+
+def test_worker_info_and_worker_init_fun_run_in_the_actor(cluster: Any) -> None:
+    """The same WorkerInfo (seed, rng draws) as a thread; worker_init_fun ran
+    in the actor's own process, which is not this one."""
+    ours = worker_infos("threads")
+    theirs = worker_infos(backend())
+    np.testing.assert_array_equal(theirs[:, :7], ours[:, :7])
+    assert (theirs[:, 8] == 1).all(), "worker_init_fun did not run in the actor that fetched"
+    assert not (theirs[:, 9] == os.getpid()).any()
+
+
+def test_the_batch_size_hint_reaches_the_actor(gc: blobfeed.GlobalCoordinator) -> None:
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], HintEcho(5), 24, num_worker_threads=2, backend=backend(),
+                            coordinator=gc)
+    gc.start()
+    batches = drain(net, WAIT)
+    assert [len(b["ids"]) for b in batches] == [24] * 10
+
+
+def test_deterministic_stream_is_the_same_as_threads_and_the_rules(cluster: Any) -> None:
+    lengths = {0: 5, 1: 2, 2: 6}
+    runs = {}
+    for name, be in (("threads", "threads"), ("ray", backend())):
+        fetch = det.Fetch(lengths, salt=5, delay_seed=det.new_delay_seed(), none_at={(2, 1)}, width=1024)
+        runs[name] = det.pipeline(fetch, workers=(3,), bs=9, backend=be)
+        det.assert_ended(runs[name], name)
+    det.assert_batches(runs["ray"].got[0], runs["threads"].got[0], "ray against threads")
+    want, _ = det.expected(det.Fetch(lengths, salt=5, none_at={(2, 1)}, width=1024), 3, 9)
+    det.assert_batches(runs["ray"].got[0], want, "ray against the rules")
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["replayed", "stateful"])
+def test_state_dict_resume_on_ray(cluster: Any, stateful: bool) -> None:
+    """Saved on Ray, resumed on Ray (and threads -> Ray): the uninterrupted batches."""
+    plan = {0: 6, 1: 3, 2: 5}
+    cls = det.StatefulFetch if stateful else det.Fetch
+
+    def make() -> det.Fetch:
+        return cls(plan, salt=41, delay_seed=det.new_delay_seed(), none_at={(2, 0)}, width=256)
+
+    want, _ = det.expected(make(), 3, 7)
+    first = det.pipeline(make(), take=3, save=True, workers=(3,), bs=7,
+                         backend="threads" if stateful else backend())
+    assert first.state is not None
+    second = det.pipeline(make(), load=first.state, workers=(3,), bs=7, backend=backend())
+    det.assert_ended(second, "resumed on ray")
+    det.assert_batches(first.got[0] + second.got[0], want, f"resume on ray (stateful={stateful})")
+
+
+def test_batches_from_ray_are_read_only_views_and_bounded(gc: blobfeed.GlobalCoordinator) -> None:
+    """A batch inside a big chunk is a read-only view of the object store
+    (writing raises numpy's read-only error); kept batches never stall the
+    workers nor pin more than ``max_pinned - 2`` bundles each."""
+    rows, batch_size = 1024, 128  # 1024 x 264 B = 264 KiB a chunk: zero-copy
+    be = backend(max_pinned=4, bundle_bytes=64 * 1024)
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Endless(rows), batch_size, num_worker_threads=2,
+                            backend=be, max_buffered_batches=4, coordinator=gc)
+    gc.start()
+    b = net.run(timeout=WAIT)
+    assert not b["feat"].flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        b["feat"][0, 0] = 1.0
+    kept: collections.deque[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = collections.deque(maxlen=40)
+    views = 0
+    deadline = time.monotonic() + WAIT
+    for i in range(200):
+        assert time.monotonic() < deadline, f"the feed stalled after {i} batches with {len(kept)} kept"
+        b = net.run(timeout=WAIT)
+        views += not b["feat"].flags.owndata and b["feat"].base is not None and b["feat"].base.nbytes >= rows * 8
+        kept.append((b, {k: np.array(v) for k, v in b.items()}))
+    for got, copy in kept:
+        for k in copy:
+            np.testing.assert_array_equal(got[k], copy[k])
+    assert views > 0, "no batch was a view of a chunk: the test proves nothing"
+    check_batches([c for _, c in kept], batch_size, partial_last=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+def test_unpicklable_fetch_fun_is_a_type_error_before_anything_starts(gc: blobfeed.GlobalCoordinator) -> None:
+    net = Net(name="n")
+    with pytest.raises(TypeError, match=r"fetch_fun .*LockedFetcher.*Ray actor") as info:
+        init_data_input_workers(net, ["ids", "feat"], LockedFetcher(), 4, backend=backend(), coordinator=gc)
+    assert "lock" in str(info.value)
+    with pytest.raises(TypeError, match=r"worker_init_fun .*Ray actor"):
+        init_data_input_workers(net, ["ids", "feat"], Endless(4, 2), 4, backend=backend(), coordinator=gc,
+                                worker_init_fun=LockedInit())
+    assert gc.get_worker_ids() == []
+
+
+def test_exception_reaches_run_as_the_original_object(gc: blobfeed.GlobalCoordinator, tmp_path: Path) -> None:
+    stamp = tmp_path / "stamp"
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Raiser("two-arg", 3, str(stamp)), 4, num_worker_threads=1,
+                            backend=backend(), coordinator=gc)
+    gc.start()
+    err, _ = until_error(net, time.monotonic() + WAIT)
+    delay = time.time() - float(wait_file(stamp))
+    assert isinstance(err, FetcherError), err
+    assert delay < 1.0, f"the error reached run() {delay:.2f} s after it was raised"
+    cause = err.__cause__
+    assert type(cause) is TwoArgError and (cause.path, cause.code) == ("/data/shard-7", 7)
+    text = notes_and_message(err)
+    assert "traceback in the worker (ray)" in text and "in __call__" in text and "raise TwoArgError" in text, text
+
+
+def test_a_worker_init_fun_error_is_fatal(gc: blobfeed.GlobalCoordinator) -> None:
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Endless(4, 2), 4, num_worker_threads=1, backend=backend(),
+                            coordinator=gc, worker_init_fun=failing_init, on_error="skip")
+    gc.start()
+    err, _ = until_error(net, time.monotonic() + WAIT)
+    assert isinstance(err, FetcherError) and "starting the worker failed" in str(err)
+    assert isinstance(err.__cause__, ZeroDivisionError)
+
+
+def failing_init(worker_id: int) -> None:
+    1 / 0
+
+
+# ---------------------------------------------------------------------------------------------
+# deaths, lost nodes, restarts
+# ---------------------------------------------------------------------------------------------
+def test_a_dead_actor_is_a_fetcher_error_naming_worker_and_node(gc: blobfeed.GlobalCoordinator,
+                                                                tmp_path: Path) -> None:
+    stamp = tmp_path / "stamp"
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat", "pid"], Dier("exit3", 4, str(stamp), rows=8), 8,
+                            num_worker_threads=2, backend=backend(), coordinator=gc)
+    gc.start()
+    w0 = gc.get_worker_ids()[0]
+    err, _ = until_error(net, time.monotonic() + WAIT, pace=0.01)
+    died_at, pid = wait_file(stamp).split()
+    delay = time.time() - float(died_at)
+    assert isinstance(err, FetcherError), err
+    assert delay < 1.0, f"the death reached run() after {delay:.2f} s"
+    text = str(err)
+    assert f"worker {w0} died" in text and f"pid {pid}" in text and "on node " in text, text
+    assert sample(gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 1
+    assert_identity_at_rest(gc, [net])
+
+
+def test_a_lost_node_is_a_fetcher_error_within_5_s_the_others_flowing(cluster: Any, tmp_path: Path) -> None:
+    """Two actors, one per node that has a "spot": the node of worker 0 is
+    removed mid-stream.  Until then, and while it goes, the other worker's
+    batches keep coming; the error names the worker and the lost node."""
+    node = cluster.add_node(num_cpus=1, resources={"spot": 1})
+    cluster.wait_for_nodes()
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        net = Net(name="n")
+        init_data_input_workers(net, ["ids", "feat", "pid"], PidRows(), 4, num_worker_threads=2,
+                                backend=backend(actor_options={"resources": {"spot": 1}}), coordinator=gc)
+        gc.start()
+        seen: dict[int, int] = collections.Counter()
+        deadline = time.monotonic() + WAIT
+        while len(seen) < 2:
+            assert time.monotonic() < deadline, f"both workers never delivered: {seen}"
+            seen.update(net.run(timeout=WAIT)["pid"].tolist())
+        lost = node.node_id
+        t0 = time.monotonic()
+        cluster.remove_node(node)
+        err, n = until_error(net, time.monotonic() + WAIT)
+        took = time.monotonic() - t0
+        assert isinstance(err, FetcherError), err
+        assert took < 5.0, f"the lost node reached run() after {took:.2f} s"
+        text = str(err)
+        assert "died" in text and lost[:12] in text, text
+        assert sample(gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 1
+        assert_identity_at_rest(gc, [net])
+    finally:
+        assert gc.stop(timeout=WAIT)
+    del net  # its workspace keeps the last batch
+    try:
+        assert_nothing_left()
+    except AssertionError:
+        raise AssertionError(f"still referenced: {references_held()}") from None
+
+
+class PidRows:
+    """Chunks of 4 samples every 5 ms, with the pid (a third blob)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        time.sleep(0.005)
+        self.n += 1
+        return [*make_chunk(worker_id, self.n % 1000, 4, 2), np.full(4, os.getpid(), np.int64)]
+
+
+def test_a_stuck_actor_does_not_hold_up_the_others(gc: blobfeed.GlobalCoordinator, tmp_path: Path) -> None:
+    """Worker 0 never returns from fetch_fun: worker 1's batches still flow."""
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Stuck(str(tmp_path / "pid")), 4, num_worker_threads=2,
+                            backend=backend(), coordinator=gc, max_buffered_batches=2)
+    gc.start()
+    w1 = gc.get_worker_ids()[1]
+    wait_file(tmp_path / "pid", WAIT)
+    for _ in range(50):
+        b = net.run(timeout=WAIT)
+        assert (b["feat"][:, 1] == w1).all()
+
+
+@pytest.mark.parametrize("cls", [StatefulRestartable, Restartable], ids=["stateful", "replayed"])
+def test_a_restarted_actor_resumes_exactly_once(gc: blobfeed.GlobalCoordinator, tmp_path: Path,
+                                                cls: type[Restartable]) -> None:
+    marker, loads = tmp_path / "died", tmp_path / "loads"
+    calls, rows, die_at = 30, 50, 12
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], cls(calls, rows, die_at, str(marker), str(loads)), 16,
+                            num_worker_threads=2, backend=backend(max_restarts=1, bundle_bytes=16 * 1024),
+                            coordinator=gc, max_buffered_batches=2)
+    gc.start()
+    batches = drain(net, WAIT)
+    assert marker.exists(), "the worker never died: the test proves nothing"
+    ids = check_batches(batches, 16, partial_last=True)
+    sizes = [[rows] * calls, [rows] * calls]
+    assert_exactly_once_in_order(ids, expected_chunks(sizes, gc.get_worker_ids()))
+    assert sample(gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 1
+    if cls is StatefulRestartable:
+        # restored from the state of the last chunk delivered, not replayed
+        restored = [int(x) for x in loads.read_text().split()]
+        assert len(restored) == 1 and 0 < restored[0] <= die_at, restored
+    assert_identity_at_rest(gc, [net])
+
+
+# ---------------------------------------------------------------------------------------------
+# stop, and nothing left behind
+# ---------------------------------------------------------------------------------------------
+def test_stop_with_an_actor_stuck_in_fetch_fun_leaves_nothing(cluster: Any, tmp_path: Path) -> None:
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Stuck(str(tmp_path / "pid")), 4, num_worker_threads=2,
+                            backend=backend(), coordinator=gc)
+    # and a second source whose big chunks (object-store objects) sit in its queues
+    big = Net(name="big")
+    init_data_input_workers(big, ["ids", "feat"], Endless(SHM_ROWS * 8, WIDE), 32, num_worker_threads=1,
+                            input_source_name="big", backend=backend(), coordinator=gc)
+    gc.start()
+    net.run(timeout=WAIT)  # the other worker delivers
+    big.run(timeout=WAIT)
+    wait_file(tmp_path / "pid", WAIT)
+    t0 = time.monotonic()
+    assert gc.stop(timeout=WAIT) is True
+    took = time.monotonic() - t0
+    assert took < 2.0, f"stop() took {took:.2f} s"
+    assert sample(gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 0
+    del net, big
+    assert_nothing_left()
+
+
+def test_a_finished_source_releases_its_actors(gc: blobfeed.GlobalCoordinator) -> None:
+    """Actors that are done are killed at once, not at stop(): their CPUs return."""
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Plan([[3, 2], [4]], 2), 4, num_worker_threads=2,
+                            backend=backend(), coordinator=gc)
+    gc.start()
+    assert sum(len(b["ids"]) for b in drain(net, WAIT)) == 9
+    wait_until(cluster_at_rest, "the actors of a finished source to be gone", WAIT)
+
+
+def test_ray_missing_in_ci_is_a_failure_not_a_skip() -> None:
+    """The module imports ray unconditionally when CI=true (see its top)."""
+    if os.environ.get("CI") == "true":
+        assert "ray" in sys.modules
