@@ -81,18 +81,7 @@ from .feeders.backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, 
 from .feeders.chunks import Pin, Stamped
 from .feeders.replay import Replayed
 from .feeders.transport import align, pack_exception, unpack_exception
-from .worker_info import WorkerInfo, set_worker_info
-
-try:  # the epochs of LaunchPlan (blobfeed >= epochs); before them, one pass
-    from .worker_info import for_epoch, is_last_epoch
-except ImportError:  # pragma: no cover - an older blobfeed core
-    import dataclasses as _dc
-
-    def for_epoch(first: WorkerInfo, epoch: int) -> WorkerInfo:
-        return _dc.replace(first, rng=np.random.default_rng(first.seed))
-
-    def is_last_epoch(epochs: int | None, epoch: int) -> bool:
-        return epochs is not None and epoch + 1 >= epochs
+from .worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 
 __all__ = ["RayBackend"]
 
@@ -751,8 +740,7 @@ class _Worker:
                 self.epoch += 1
                 self.epoch_calls = 0
                 self.last_state = None
-                ended = getattr(intake, "epoch_ended", None)
-                if ended is not None and not ended():
+                if not intake.epoch_ended():
                     return False
             elif kind == "done":
                 observe(item[1])
@@ -811,8 +799,8 @@ class _RayGroup:
         self.backend = backend
         self.plan = plan
         self.source = plan.source
-        self.epochs: int | None = getattr(plan, "epochs", 1)
-        self.first_epoch: int = getattr(plan, "first_epoch", 0)
+        self.epochs: int | None = plan.epochs
+        self.first_epoch: int = plan.first_epoch
         self.stopping = False
         self._join_lock = threading.Lock()
         self._released = False

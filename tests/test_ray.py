@@ -35,6 +35,7 @@ from blobfeed import EndOfInput, FetcherError, Net, get_worker_info, init_data_i
 from blobfeed.ray import RayBackend
 
 from . import test_determinism as det
+from . import test_epochs as ep
 from .helpers import drain, sample, wait_until
 from .test_processes import (
     SHM_ROWS,
@@ -252,6 +253,25 @@ def test_state_dict_resume_on_ray(cluster: Any, stateful: bool) -> None:
     second = det.pipeline(make(), load=first.state, workers=(3,), bs=7, backend=backend())
     det.assert_ended(second, "resumed on ray")
     det.assert_batches(first.got[0] + second.got[0], want, f"resume on ray (stateful={stateful})")
+
+
+def test_epochs_on_ray_are_the_rules_stream(cluster: Any) -> None:
+    fetch = ep.EpochFetch(ep.LENGTHS, salt=1)
+    with ep.Pipeline(fetch, backend=backend(), epochs=3) as p:
+        p.gc.start()
+        got = p.drain()
+    ep.assert_events(got, ep.expected(fetch, [0, 1, 2], 5, 3), "ray")
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["replayed", "stateful"])
+def test_resume_on_ray_across_an_epoch_end(cluster: Any, stateful: bool) -> None:
+    def factory() -> Any:
+        return ep.StatefulEpochFetch(ep.LENGTHS, salt=9) if stateful else ep.EpochFetch(ep.LENGTHS, salt=9)
+
+    want = ep.expected(factory(), [0, 1, 2], 5, 3)
+    cut = next(i for i, ev in enumerate(want) if ev[0] == "end")  # just before the end
+    before, after = ep.resumed(factory, cut + 1, backend=backend())
+    ep.assert_events(before + after, want, f"ray stateful={stateful}")
 
 
 def test_batches_from_ray_are_read_only_views_and_bounded(gc: blobfeed.GlobalCoordinator) -> None:
