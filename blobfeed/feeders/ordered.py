@@ -136,6 +136,7 @@ class OrderedStream:
         self.batch_size = batch_size
         self.axes = tuple(axes)
         self.lane_capacity = max(1, lane_capacity)
+        self._lane_low = self.lane_capacity // 2
         self.outbox_samples = outbox_samples
         self._on_error = on_error
         self._lock = threading.Lock()
@@ -156,11 +157,13 @@ class OrderedStream:
         self._filled = 0  # samples in it so far
         #: per worker: calls whose chunk is wholly dealt, and the fetcher's
         #: state after the last of them (a stateful fetch_fun)
-        self._calls: dict[int, int] = {}
-        self._states: dict[int, Any] = {}
+        #: (lists by lane index, so that recording a position is two C copies)
+        self._calls: list[int] = []
+        self._states: list[Any] = []
+        self._lane_of: dict[int, int] = {}
         #: batches completed -> the position after them, kept until every
         #: net has returned past it
-        self._positions: dict[int, dict[str, Any]] = {}
+        self._positions: dict[int, tuple[Any, ...]] = {}
         #: no position below this batch number is kept
         self._kept_from = 0
         self._eof = False
@@ -184,7 +187,9 @@ class OrderedStream:
             for wid in worker_ids:
                 self._lanes[wid] = collections.deque()
                 self._order.append(wid)
-                self._calls.setdefault(wid, 0)
+                self._lane_of[wid] = len(self._calls)
+                self._calls.append(0)
+                self._states.append(None)
 
     def add_net(self) -> NetOutbox:
         with self._lock:
@@ -276,10 +281,16 @@ class OrderedStream:
                 if isinstance(step, BaseException):
                     error = step
                     break
-            if box.pieces:
-                piece = box.pieces.popleft()
+            piece = box.pieces.popleft() if box.pieces else None
+            # Wake the enqueuers only for what this thread leaves behind
+            # (pieces of other nets, or more of its own), or when this
+            # outbox was full (room for the stream to go on): a wake-up per
+            # piece would be a GIL hand-off per piece.
+            was_full = piece is not None and box.samples >= self.outbox_samples
+            if box.pieces or was_full or (len(self.outboxes) > 1 and any(b.pieces for b in self.outboxes)):
+                self._items.notify_all()
+            if piece is not None:
                 box.samples -= piece.n
-                self._items.notify_all()  # a net waiting for room in the outboxes
                 return True, piece
             if self._error is not None:
                 exc: BaseException = self._error
@@ -406,7 +417,6 @@ class OrderedStream:
         box = self.outboxes[0]
         box.pieces.append(chunk if start == 0 else self._piece(chunk, start, left))
         box.samples += left
-        self._items.notify_all()
         bs = self.batch_size
         while left >= bs - self._filled:  # a batch ends inside this chunk
             room = bs - self._filled
@@ -428,11 +438,15 @@ class OrderedStream:
 
     def _consumed(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> None:
         """``chunk``, the head of ``wid``'s lane, is wholly dealt (popped already)."""
-        self._calls[wid] = chunk.seq + 1
+        i = self._lane_of[wid]
+        self._calls[i] = chunk.seq + 1
         if chunk.state is not None:
-            self._states[wid] = chunk.state
+            self._states[i] = chunk.state
         self._rr = (self._rr + 1) % len(self._order)
-        if len(lane) < self.lane_capacity:
+        # A worker blocked on its full lane sleeps until the lane is half
+        # empty, then refills it in a burst: one wake-up (a GIL hand-off) per
+        # half lane instead of one per chunk, as the internal queue does.
+        if len(lane) <= self._lane_low:
             self._room.notify_all()
 
     def _deal_batch(self, batch: Chunk) -> None:
@@ -468,8 +482,7 @@ class OrderedStream:
         self._ended = set(self._done)
         self._rr = 0
         self._offset = 0
-        for wid in self._order:
-            self._calls[wid] = 0
+        self._calls = [0] * len(self._calls)
         # the position after the epoch's last batch is the next epoch's start
         self._record(self._batch)
         self._items.notify_all()
@@ -490,7 +503,6 @@ class OrderedStream:
             return  # before this net's resumed position: it had it already
         box.pieces.append(piece)
         box.samples += piece.n
-        self._items.notify_all()
 
     def _record(self, batches: int) -> None:
         if self.shuffle is not None:
@@ -502,22 +514,23 @@ class OrderedStream:
             return
         positions = self._positions
         # drop the positions every net has returned past (keys are batch numbers)
-        low = min(b.next_batch for b in self.outboxes) if self.outboxes else 0
+        boxes = self.outboxes
+        low = boxes[0].next_batch if len(boxes) == 1 else min([b.next_batch for b in boxes], default=0)
         while self._kept_from < low:
             positions.pop(self._kept_from, None)
             self._kept_from += 1
-        positions[batches] = {
-            "batches": batches,
-            "epoch": self._epoch,
-            "rr": self._rr,
-            "offset": self._offset,
-            "calls": [self._calls[w] for w in self._order],
-            "states": [self._states.get(w) for w in self._order],
-        }
+        # a tuple per batch (the dict is made only when a state is asked for)
+        positions[batches] = (batches, self._epoch, self._rr, self._offset, tuple(self._calls), tuple(self._states))
 
-    def _start_position(self) -> dict[str, Any]:
+    def _start_position(self) -> tuple[Any, ...]:
         n = len(self._order)
-        return {"batches": 0, "epoch": 0, "rr": 0, "offset": 0, "calls": [0] * n, "states": [None] * n}
+        return (0, 0, 0, 0, (0,) * n, (None,) * n)
+
+    @staticmethod
+    def _as_dict(pos: tuple[Any, ...]) -> dict[str, Any]:
+        batches, epoch, rr, offset, calls, states = pos
+        return {"batches": batches, "epoch": epoch, "rr": rr, "offset": offset,
+                "calls": list(calls), "states": list(states)}
 
     # -- state ---------------------------------------------------------------------
     def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
@@ -534,7 +547,7 @@ class OrderedStream:
                 "version": STATE_VERSION,
                 "source": self.source,
                 **layout,
-                "position": dict(pos),
+                "position": self._as_dict(pos),
                 # a list, not a dict: nets on one source may share a name
                 # per net: its next batch, and the epochs it was told ended
                 "nets": [[name, b.next_batch, b.epoch] for name, b in zip(nets, self.outboxes)],
@@ -550,10 +563,8 @@ class OrderedStream:
             self._batch = pos["batches"]
             self._rr = pos["rr"]
             self._filled = 0
-            for wid, calls, st in zip(self._order, pos["calls"], pos["states"]):
-                self._calls[wid] = calls
-                if st is not None:
-                    self._states[wid] = st
+            self._calls = list(pos["calls"])
+            self._states = list(pos["states"])
             for box, (_, nxt, *rest) in zip(self.outboxes, state["nets"]):
                 box.next_batch = box.skip_until = nxt
                 box.epoch = rest[0] if rest else 0
