@@ -14,6 +14,16 @@ run blobfeed alone, and the table's "vs base" column gives blobfeed's
 batches/s on each over its batches/s on the default-mode workload in the
 same run (the targets of W1d, W2d and W4pd are on that ratio).
 
+R1 and R2 run blobfeed's fetchers as Ray actors (``blobfeed.ray.RayBackend``,
+extra ``blobfeed[ray]``) on a local cluster of simulated nodes that each
+measurement starts before it connects (a head with no CPUs, and nodes of 2
+CPUs with 2 actors each), so that the first batch is timed from ``start()``
+on a running cluster, not from Ray's start-up; they are skipped where Ray is
+not installed.  R1's fetchers wait on I/O (50 ms per 256 KiB chunk): runners
+``ray1``, ``ray2``, ``ray4`` (nodes), and ``ray2max`` (the same chunks with
+no wait: the driver's ingest limit).  R2 is W2 through Ray (``ray``: one
+node, 2 actors) beside W2 through threads (``blobfeed``) in the same run.
+
 Runners:
 
 * ``blobfeed``   -- the library, a ``Net`` with no model (W5: the MLP).
@@ -470,6 +480,31 @@ class W6Fetch(Fetcher):
         return out[0], np.int64(j)
 
 
+class R1Fetch(Fetcher):
+    """R1: a fetcher that waits on I/O: 50 ms, then 64 samples of float32
+    (64, 1024) (256 KiB) and int64 labels."""
+
+    batch_hint = 64
+    delay_s = 0.05
+
+    def build(self) -> Any:
+        rng = np.random.default_rng(3)
+        self._data = (rng.random((64, 1024), dtype=np.float32), np.arange(64, dtype=np.int64))
+        return self._data
+
+    def chunk(self, worker_id: int) -> list:
+        data, labels = self._data or self.build()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return [data, labels]
+
+
+class R1FastFetch(R1Fetch):
+    """R1's chunks without the wait: what the driver can take in."""
+
+    delay_s = 0.0
+
+
 @dataclass(frozen=True)
 class Workload:
     id: str
@@ -517,6 +552,11 @@ WORKLOADS = {
                     backend="processes", ideal_cores=2),
     "W6p": Workload("W6p", 32, ("data", "label"), W6Fetch, ("blobfeed", *PROCESS_PEERS), "W6, process workers",
                     backend="processes", ideal_cores=2, needs=("PIL",)),
+    # Ray actors on a local cluster of simulated nodes (blobfeed[ray])
+    "R1": Workload("R1", 64, ("data", "label"), R1Fetch, ("ray1", "ray2", "ray4", "ray2max"),
+                   "I/O-bound fetchers on 1, 2, 4 Ray nodes", needs=("ray",)),
+    "R2": Workload("R2", 64, ("data", "label"), W2Fetch, ("blobfeed", "ray"), "W2 through Ray beside threads",
+                   needs=("ray",)),
     # the ordered modes: blobfeed only, each against its default-mode workload
     "W1d": Workload("W1d", 32, ("data", "label"), W1Fetch, ("blobfeed",), "W1, deterministic=True",
                     deterministic=True, base="W1"),
@@ -534,6 +574,7 @@ WORKLOADS = {
 RUNNER_NEEDS = {
     "grain0": "grain", "grain2": "grain", "grain2b": "grain",
     "torch0": "torch", "torch0it": "torch", "torch2": "torch", "torch2it": "torch",
+    "ray": "ray", "ray1": "ray", "ray2": "ray", "ray4": "ray", "ray2max": "ray",
 }
 
 
@@ -705,16 +746,20 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
         tally.close()
 
 
-def _run_blobfeed(wl: Workload, seconds: float, tally: Tally, blobfeed: Any) -> dict[str, Any]:
+def _run_blobfeed(wl: Workload, seconds: float, tally: Tally, blobfeed: Any, backend: Any = None,
+                  workers: int = 2) -> dict[str, Any]:
     fetch = wl.fetcher(tally)
     model = _mlp_bytes() if wl.id == "W5" else None
     net = blobfeed.Net(model, name="bench", session_options=_session_options() if model else None)
     gc = blobfeed.GlobalCoordinator()
-    kwargs: dict[str, Any] = {} if wl.backend == "threads" else {"backend": wl.backend}
+    if backend is None and wl.backend != "threads":
+        backend = wl.backend
+    kwargs: dict[str, Any] = {} if backend is None else {"backend": backend}
     if wl.deterministic or wl.shuffle_buffer:
         kwargs.update(deterministic=wl.deterministic, shuffle_buffer=wl.shuffle_buffer, seed=ORDERED_SEED)
-    blobfeed.init_data_input_workers(net, list(wl.blobs), fetch, wl.batch, num_worker_threads=2, coordinator=gc, **kwargs)
-    m = Meter(seconds, pss=wl.backend != "threads")
+    blobfeed.init_data_input_workers(net, list(wl.blobs), fetch, wl.batch, num_worker_threads=workers, coordinator=gc,
+                                     **kwargs)
+    m = Meter(seconds, pss=backend is not None)
     wait_key = ("blobfeed_dequeue_wait_seconds_sum", {"source": "train", "net": "bench"})
     delivered = 0
     m.begin()
@@ -1083,6 +1128,48 @@ def run_pool(wl: Workload, seconds: float) -> dict[str, Any]:
     return _peer(wl, seconds, body)
 
 
+#: Ray actors per simulated node, and the CPUs of a node
+RAY_ACTORS_PER_NODE = 2
+
+
+def run_ray(wl: Workload, seconds: float, nodes: int, fetcher: Callable[[Tally | None], Fetcher] | None = None) -> dict[str, Any]:
+    """``wl`` through ``blobfeed.ray.RayBackend`` on a local cluster of
+    ``nodes`` simulated nodes of 2 CPUs (2 actors of 1 CPU each), started
+    (and its start-up timed) before the pipeline, and shut down after it.
+    The PSS column is the whole cluster's (every Ray process is a
+    descendant of this one)."""
+    import dataclasses
+    import logging
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import blobfeed
+    from blobfeed.ray import RayBackend
+
+    if fetcher is not None:
+        wl = dataclasses.replace(wl, fetcher=fetcher)
+    t0 = time.perf_counter()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=RAY_ACTORS_PER_NODE)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        cluster_s = time.perf_counter() - t0
+        tally = Tally()
+        try:
+            out = _run_blobfeed(wl, seconds, tally, blobfeed, backend=RayBackend(actor_options={"num_cpus": 1}),
+                                workers=nodes * RAY_ACTORS_PER_NODE)
+        finally:
+            tally.close()
+        out.update(ray_nodes=nodes, ray_actors=nodes * RAY_ACTORS_PER_NODE, cluster_start_s=cluster_s)
+        return out
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "blobfeed": run_blobfeed,
     "caffe2": run_caffe2,
@@ -1096,6 +1183,11 @@ RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "torch2": lambda wl, s: run_torch(wl, s, 2, False),
     "torch2it": lambda wl, s: run_torch(wl, s, 2, True),
     "pool": run_pool,
+    "ray": lambda wl, s: run_ray(wl, s, 1),
+    "ray1": lambda wl, s: run_ray(wl, s, 1),
+    "ray2": lambda wl, s: run_ray(wl, s, 2),
+    "ray4": lambda wl, s: run_ray(wl, s, 4),
+    "ray2max": lambda wl, s: run_ray(wl, s, 2, R1FastFetch),
 }
 
 
@@ -1109,7 +1201,7 @@ def _torch_available() -> bool:
 
 def available_packages() -> frozenset[str]:
     """The optional packages of this machine the bench can use."""
-    return frozenset(p for p in ("torch", "grain", "PIL") if installed(p))
+    return frozenset(p for p in ("torch", "grain", "PIL", "ray") if installed(p))
 
 
 # --------------------------------------------------------------------------- the report
@@ -1194,12 +1286,15 @@ W6_EXTRA_S = 0.2
 #: whole buffer (10 000 samples) into batches at once; W2s's 156 batches of
 #: 9.6 MB in fresh memory took 3.4 s (1.5 GB of peak RSS), W1s's 0.07 s.
 SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 3.4}
+#: A local Ray cluster: the head, then each simulated node (with its actors' start).
+RAY_CLUSTER_S = 6.0
+RAY_NODE_S = 1.5
 
 
 def _packages(packages: Collection[str] | bool) -> frozenset[str]:
     """A set of installed optional packages; ``True``/``False`` stand for all/none."""
     if packages is True:
-        return frozenset({"torch", "grain", "PIL"})
+        return frozenset({"torch", "grain", "PIL", "ray"})
     if packages is False:
         return frozenset({"PIL"})
     return frozenset(packages)
@@ -1245,6 +1340,9 @@ def estimate_seconds(workloads: list[str], seconds: float, repeats: int, package
             one += GRAIN_EXTRA_S + (GRAIN_WORKERS_S if r.startswith("grain2") else 0.0)
         elif r == "pool":
             one += POOL_EXTRA_S
+        elif r.startswith("ray"):
+            nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
+            one += RAY_CLUSTER_S + RAY_NODE_S * nodes
         elif r == "blobfeed" and wl.backend == "processes":
             one += PROCESSES_EXTRA_S
         if r == "blobfeed":
@@ -1383,6 +1481,7 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
             least = min(g["pss_mb"] for g in grains)
             rows.append(_row("W2p", target, a["pss_mb"] / least, a["pss_mb"] <= least,
                              f"{a['pss_mb']:.0f} MiB against {least:.0f} MiB"))
+    rows += _ray_scaling_rows(res)
     w5 = res.get("W5/blobfeed")
     if w5:
         rows.append(_row("W5", "model waits for input < 10 %", w5["wait_share"], w5["wait_share"] < 0.10))
@@ -1392,6 +1491,30 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row(wl, f"first batch <= {limit_ms:g} ms", a["first_batch_ms"], a["first_batch_ms"] <= limit_ms))
     for wl, why in report.get("skipped", {}).items():
         rows.append(_row(wl, "every target", None, None, f"workload skipped: {why}"))
+    return rows
+
+
+#: R1: throughput on k nodes over k x the one-node throughput, up to the
+#: driver's ingest limit (R1/ray2max)
+RAY_SCALING_TARGET = 0.8
+
+
+def _ray_scaling_rows(res: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    one = res.get("R1/ray1")
+    limit = res.get("R1/ray2max")
+    for k in (2, 4):
+        a = res.get(f"R1/ray{k}")
+        if a is None or one is None or not one["batches_per_s"]:
+            continue
+        target = f"scaling efficiency on {k} nodes >= {RAY_SCALING_TARGET}"
+        want = k * one["batches_per_s"]
+        eff = a["batches_per_s"] / want
+        if limit is not None and want > 0.9 * limit["batches_per_s"]:
+            rows.append(_row("R1", target, eff, None,
+                             f"{want:.0f} batches/s is past the driver's ingest limit ({limit['batches_per_s']:.0f})"))
+        else:
+            rows.append(_row("R1", target, eff, eff >= RAY_SCALING_TARGET))
     return rows
 
 

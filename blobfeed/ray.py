@@ -585,7 +585,7 @@ class _Worker:
                 # garbage collector next runs, so a lost actor leaves no
                 # object behind.
                 err = outcome
-                outcome = None
+                del outcome
                 gc.collect()
                 if self._halted():
                     return
@@ -694,7 +694,7 @@ class _Worker:
         if buf is not None:
             # A root whose base is not an ndarray: numpy then collapses every
             # view's base to it, so it lives exactly as long as some view does.
-            root = np.frombuffer(memoryview(buf), np.uint8)
+            root = np.frombuffer(memoryview(buf), np.uint8)  # type: ignore[arg-type]
             if root.nbytes >= ZERO_COPY_MIN_BYTES:
                 key = self.tracker.hold(root)
                 copy_out = key is None
@@ -884,8 +884,8 @@ class _RayGroup:
         pending = list(probes)
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout)
-            if timeout is not None and time.monotonic() >= deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            if deadline is not None and time.monotonic() >= deadline:
                 break
         return [f"ray-actor-{probes[r].plan.worker_id}" for r in pending]
 
