@@ -67,7 +67,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import pickle
 import queue
 import socket
 import threading
@@ -195,24 +194,24 @@ class RayBackend:
         )
 
 
-def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> bytes:
-    """``(fetch_fun, worker_init_fun)`` pickled for the actors.
+def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> tuple[Any, Any]:
+    """``(fetch_fun, worker_init_fun)``, checked to pickle for the actors.
 
     Raises:
         TypeError: naming what does not pickle, before anything starts.
     """
-    import cloudpickle
+    dumps = _ray().cloudpickle.dumps  # Ray's own: what it will send the actors with
 
     for what, obj in (("fetch_fun", fetch_fun), ("worker_init_fun", worker_init_fun)):
         try:
-            cloudpickle.dumps(obj)
+            dumps(obj)
         except Exception as exc:
             raise TypeError(
                 f"{what} {obj!r} cannot be sent to a Ray actor: {exc!r}. With a RayBackend it "
                 "must pickle (a module-level function, or anything cloudpickle handles) "
                 "together with what it refers to"
             ) from exc
-    return cloudpickle.dumps((fetch_fun, worker_init_fun))
+    return (fetch_fun, worker_init_fun)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,16 +240,10 @@ def _packable(raw: Any) -> list[np.ndarray] | None:
 
 def _sendable(raw: Any) -> Any:
     try:
-        pickle.dumps(raw, protocol=5)
+        _ray().cloudpickle.dumps(raw)
         return raw
     except Exception:
-        try:
-            import cloudpickle
-
-            cloudpickle.dumps(raw)
-            return raw
-        except Exception:
-            return Unsendable(f"{type(raw).__module__}.{type(raw).__qualname__}")
+        return Unsendable(f"{type(raw).__module__}.{type(raw).__qualname__}")
 
 
 def _pack(items: list[list[Any]]) -> tuple[list[tuple[Any, ...]], np.ndarray | None]:
@@ -285,7 +278,7 @@ class _FetchActor:
     streams results while ``set_hint`` and ``stop`` come in beside it."""
 
     def __init__(
-        self, payload: bytes, worker_id: int, index: int, num_workers: int, source: str, seed: int,
+        self, payload: list[Any], worker_id: int, index: int, num_workers: int, source: str, seed: int,
         on_error: str, track_state: bool,
     ) -> None:
         self.worker_id = worker_id
@@ -297,7 +290,11 @@ class _FetchActor:
         self.fetch_fun: Any = None
         self.worker_init_fun: Any = None
         try:
-            self.fetch_fun, self.worker_init_fun = pickle.loads(payload)
+            import ray
+
+            # the reference came inside a list, so Ray did not resolve it
+            # before __init__: a fetch_fun this node cannot load is our error
+            self.fetch_fun, self.worker_init_fun = ray.get(payload[0])
         except BaseException as exc:
             err = RuntimeError(
                 f"fetch_fun / worker_init_fun could not be loaded in the Ray actor: {exc!r} "
@@ -794,7 +791,7 @@ def _reason(err: BaseException) -> str:
 class _RayGroup:
     """The actors of one ``init_data_input_workers`` call and their receivers."""
 
-    def __init__(self, backend: RayBackend, plan: LaunchPlan, payload: bytes) -> None:
+    def __init__(self, backend: RayBackend, plan: LaunchPlan, payload: tuple[Any, Any]) -> None:
         ray = _ray()
         self.backend = backend
         self.plan = plan
@@ -811,13 +808,14 @@ class _RayGroup:
         self.actor_resources = {k: options[k] for k in ("num_cpus", "num_gpus", "resources", "memory") if k in options}
         track_state = backend.max_restarts > 0
         cls = _remote_actor_class().options(**options)
-        payload_ref = ray.put(payload)
+        # kept while the group lives: a restarted actor loads it again
+        self._payload_ref = payload_ref = ray.put(payload)
         self.workers: list[_Worker] = []
         try:
             for w in plan.workers:
                 info = w.info
                 actor = cls.remote(
-                    payload_ref, w.worker_id, info.index, info.num_workers, info.source, info.seed,
+                    [payload_ref], w.worker_id, info.index, info.num_workers, info.source, info.seed,
                     w.intake.on_error, track_state,
                 )
                 self.workers.append(_Worker(self, w, actor))
@@ -825,7 +823,6 @@ class _RayGroup:
             for wk in self.workers:
                 wk.kill()
             raise
-        del payload_ref
         for wk in self.workers:
             wk.thread.start()
         logger.info(
@@ -891,6 +888,7 @@ class _RayGroup:
 
     def _release(self) -> None:
         self._released = True
+        self._payload_ref = None
         # no reference cycle through us (coordinator -> group -> plan -> coordinator)
         self.plan = None  # type: ignore[assignment]
         for wk in self.workers:
