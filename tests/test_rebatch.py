@@ -615,7 +615,7 @@ def test_shuffle_rest_at_the_end_leaves_as_room_allows() -> None:
     from blobfeed.feeders.ordered import OrderedStream
     from blobfeed.feeders.shuffle import ShuffleBuffer
 
-    stream = OrderedStream("s", 4, [0], lane_capacity=64, outbox_samples=8, on_error=lambda e: None,
+    stream = OrderedStream("s", 4, [0], capacity=64, outbox_samples=8, on_error=lambda e: None,
                            shuffle=ShuffleBuffer(1000, [0], np.random.default_rng(0)))
     stream.add_lanes([0])
     box = stream.add_net()

@@ -108,7 +108,9 @@ class NetOutbox:
 class OrderedStream:
     """The chunk stream of one deterministic source.  Thread-safe.
 
-    ``lane_capacity`` bounds each worker's lane (chunks); ``outbox_samples``
+    ``capacity`` bounds the chunks waiting in all lanes together (the
+    source's ``max_buffered_batches``, as its internal queue is bounded),
+    shared equally by the lanes, two at least each; ``outbox_samples``
     bounds how far the stream runs ahead of the slowest net (samples waiting
     in one outbox), so a net that stops taking cannot make the others grow
     memory without bound: they wait for it, as solvers fed by Caffe's
@@ -120,7 +122,7 @@ class OrderedStream:
         source: str,
         batch_size: int,
         axes: Sequence[int],
-        lane_capacity: int,
+        capacity: int,
         outbox_samples: int,
         on_error: Callable[[BaseException], None],
         *,
@@ -135,7 +137,8 @@ class OrderedStream:
         self.shuffle = shuffle
         self.batch_size = batch_size
         self.axes = tuple(axes)
-        self.lane_capacity = max(1, lane_capacity)
+        self.capacity = capacity
+        self.lane_capacity = max(2, capacity)
         self._lane_low = self.lane_capacity // 2
         self.outbox_samples = outbox_samples
         self._on_error = on_error
@@ -190,6 +193,11 @@ class OrderedStream:
                 self._lane_of[wid] = len(self._calls)
                 self._calls.append(0)
                 self._states.append(None)
+            # Deep lanes matter: a worker that waits a whole GIL switch
+            # interval (5 ms: hundreds of small chunks) must not starve the
+            # round robin, as it would not starve the internal queue.
+            self.lane_capacity = max(2, self.capacity // len(self._order))
+            self._lane_low = self.lane_capacity // 2
 
     def add_net(self) -> NetOutbox:
         with self._lock:

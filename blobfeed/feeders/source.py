@@ -96,10 +96,9 @@ class InputSource:
         """Read this source through lanes (before any worker starts):
         ``strict``, in round robin (deterministic=True); ``shuffle``, through
         a shuffle buffer."""
-        # A lane per worker holds a few chunks: enough to keep a worker busy
-        # while the round robin waits for a slower one, bounded in all.
+        # The lanes share the internal queue's bound (max_buffered_batches).
         self.ordered = OrderedStream(
-            self.name, batch_size, self.axes, lane_capacity=max(2, min(16, self.queue.capacity)),
+            self.name, batch_size, self.axes, capacity=self.queue.capacity,
             outbox_samples=2 * batch_size, on_error=self.fail_in_order, strict=strict, shuffle=shuffle,
         )
         return self.ordered
