@@ -1282,10 +1282,10 @@ PROCESSES_EXTRA_S = 0.3
 POOL_EXTRA_S = 0.15
 #: Pillow's import (in the workers too) and W6's first decodes.
 W6_EXTRA_S = 0.2
-#: The drain of a shuffled source: at the end of input blobfeed turns the
-#: whole buffer (10 000 samples) into batches at once; W2s's 156 batches of
-#: 9.6 MB in fresh memory took 3.4 s (1.5 GB of peak RSS), W1s's 0.07 s.
-SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 3.4}
+#: The drain of a shuffled source after the clock: the buffer's 10 000
+#: samples still leave as batches (W2s: 156 of 9.6 MB, about 0.4 s at its
+#: rate; W1s: 312 small ones, 0.05 s).
+SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 0.5}
 #: A local Ray cluster: the head, then each simulated node (with its actors' start).
 RAY_CLUSTER_S = 6.0
 RAY_NODE_S = 1.5
