@@ -77,7 +77,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .feeders.backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
-from .feeders.chunks import Pin, Stamped
+from .feeders.chunks import GrantPin, Stamped
 from .feeders.replay import Replayed
 from .feeders.transport import align, pack_exception, unpack_exception
 from .worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
@@ -479,19 +479,6 @@ class _PinTracker:
             return len(self._live)
 
 
-class _BundlePin(Pin):
-    """The Pin of every chunk of one bundle (see :class:`~blobfeed.feeders.chunks.Pin`)."""
-
-    __slots__ = ("_tracker", "_key")
-
-    def __init__(self, tracker: _PinTracker, key: int) -> None:
-        self._tracker = tracker
-        self._key = key
-
-    def views_ok(self) -> bool:
-        return self._tracker.grant_view(self._key)
-
-
 class _Restart(Exception):
     """Internal: the actor died and will be started again."""
 
@@ -712,7 +699,7 @@ class _Worker:
                         a.flags.writeable = False
                     arrays.append(a)
                 raw: Any = tuple(arrays) if as_tuple else arrays
-                pin = _BundlePin(self.tracker, key) if key is not None and not copy_out else None
+                pin = GrantPin(self.tracker, key) if key is not None and not copy_out else None
                 go = intake.result(raw if state is None else Stamped(raw, state), pin, share)
                 self._delivered(state)
                 if not go:

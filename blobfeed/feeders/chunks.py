@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ChunkError
 
-__all__ = ["Stamped", "Batch", "Chunk", "EpochEnd", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
+__all__ = ["Stamped", "Batch", "Chunk", "EpochEnd", "GrantPin", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
 
 
 class Pin:
@@ -20,6 +20,21 @@ class Pin:
 
     def views_ok(self) -> bool:
         return True
+
+
+class GrantPin(Pin):
+    """One buffer ``key`` of an owner that rations views of its buffers
+    (a worker process's slots, a Ray worker's pinned objects): one per
+    chunk, so the owner knows which buffer a batch would view."""
+
+    __slots__ = ("_owner", "_key")
+
+    def __init__(self, owner: Any, key: int) -> None:
+        self._owner = owner
+        self._key = key
+
+    def views_ok(self) -> bool:
+        return bool(self._owner.grant_view(self._key))
 
 
 class Chunk(NamedTuple):

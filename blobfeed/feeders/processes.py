@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import BlobfeedError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
 from .child import child_main
-from .chunks import Pin, Stamped
+from .chunks import GrantPin, Stamped
 from .transport import SLOT_INDEX, FdHandle, SlotArea, mem_available, unpack_exception
 
 __all__ = ["ProcessBackend"]
@@ -206,20 +206,6 @@ class _SlotRing:
                 os.close(self._free_w)
 
 
-class _SlotPin(Pin):
-    """Keeps one slot busy while any array views it (see :class:`Pin`): one
-    per chunk, so that the ring knows which slot a batch would view."""
-
-    __slots__ = ("_ring", "_slot")
-
-    def __init__(self, ring: _SlotRing, slot: int) -> None:
-        self._ring = ring
-        self._slot = slot
-
-    def views_ok(self) -> bool:
-        return self._ring.grant_view(self._slot)
-
-
 class _Worker:
     """The parent's end of one worker process."""
 
@@ -380,7 +366,7 @@ class _Worker:
                 # slot goes back.
                 copied = [np.array(a) for a in arrays]
                 return intake.result(_stamp(tuple(copied) if as_tuple else copied, state), None, used + len(data))
-            return intake.result(_stamp(arrays, state), _SlotPin(self.ring, slot), used + len(data))
+            return intake.result(_stamp(arrays, state), GrantPin(self.ring, slot), used + len(data))
         if kind == "error":
             _, seconds, exc_data, tb, fatal = msg
             observe(seconds)
