@@ -601,7 +601,7 @@ def test_lambda_and_closure_travel_by_cloudpickle(gc: blobfeed.GlobalCoordinator
 # ---------------------------------------------------------------------------------------------
 # get_worker_info, worker_init_fun
 # ---------------------------------------------------------------------------------------------
-def worker_infos(backend: Any) -> np.ndarray:
+def worker_infos(backend: Any, timeout: float = WAIT) -> np.ndarray:
     _SENT.clear()
     _INIT.clear()
     gc = blobfeed.GlobalCoordinator()
@@ -610,7 +610,7 @@ def worker_infos(backend: Any) -> np.ndarray:
         init_data_input_workers(net, ["info"], info_fetch, 1, num_worker_threads=3, backend=backend,
                                 worker_init_fun=record_init, coordinator=gc, seed=20240607)
         gc.start()
-        rows = np.concatenate([b["info"] for b in drain(net)])
+        rows = np.concatenate([b["info"] for b in drain(net, timeout)])
     finally:
         assert gc.stop(timeout=WAIT)
     return rows[np.argsort(rows[:, 0])]

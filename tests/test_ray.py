@@ -89,6 +89,13 @@ def cluster() -> Iterator[Any]:
         c.add_node(num_cpus=2)
         c.wait_for_nodes()
         ray.init(address=c.address, logging_level=logging.WARNING, log_to_driver=False)
+        # The cluster's first actors pay for what Ray starts lazily (worker
+        # processes, their imports): here, once, with a generous bound, not
+        # inside the first test's 5-20 s waits.
+        warm = [_Warm.options(num_cpus=0.25).remote() for _ in range(4)]
+        ray.get([w.ready.remote() for w in warm], timeout=120)
+        for w in warm:
+            ray.kill(w)
         yield c
     finally:
         ray.shutdown()
@@ -97,6 +104,14 @@ def cluster() -> Iterator[Any]:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old_path
+
+
+@ray.remote
+class _Warm:
+    def ready(self) -> int:
+        import blobfeed  # noqa: F401  (what every test's actors import)
+
+        return os.getpid()
 
 
 @pytest.fixture
@@ -210,7 +225,7 @@ def test_worker_info_and_worker_init_fun_run_in_the_actor(cluster: Any) -> None:
     """The same WorkerInfo (seed, rng draws) as a thread; worker_init_fun ran
     in the actor's own process, which is not this one."""
     ours = worker_infos("threads")
-    theirs = worker_infos(backend())
+    theirs = worker_infos(backend(), WAIT)
     np.testing.assert_array_equal(theirs[:, :7], ours[:, :7])
     assert (theirs[:, 8] == 1).all(), "worker_init_fun did not run in the actor that fetched"
     assert not (theirs[:, 9] == os.getpid()).any()
