@@ -47,6 +47,10 @@ Runners:
   function, re-batched in the parent: what one writes by hand).  grain and
   torch rows are skipped where the package is not installed, and the
   targets that need them say "not evaluated (peer missing)".
+* ``raydata`` (W1, W2, W3), where ``ray[data]`` is installed: Ray Data on a
+  local cluster of 2 CPUs started before the clock: ``map_batches`` makes
+  blocks of the workload's chunks, ``iter_batches`` re-batches them to the
+  exact batch (see ``run_raydata``); its PSS column is the whole cluster's.
 
 Exit status: 0 when every evaluated target is met; 1 when any is missed,
 including blobfeed losing a sample in any repetition (the missed targets are
@@ -537,9 +541,11 @@ ORDERED_SEED = 0
 PROCESS_PEERS = ("grain2", "grain2b", "torch2", "torch2it", "pool")
 
 WORKLOADS = {
-    "W1": Workload("W1", 32, ("data", "label"), W1Fetch, ("blobfeed", "caffe2", *IN_PROCESS_PEERS), "per-batch overhead"),
-    "W2": Workload("W2", 64, ("data", "label"), W2Fetch, ("blobfeed", "caffe2", "copy", *IN_PROCESS_PEERS), "bandwidth"),
-    "W3": Workload("W3", 32, ("data", "label"), W3Fetch, ("blobfeed", "caffe2"), "big chunks"),
+    "W1": Workload("W1", 32, ("data", "label"), W1Fetch, ("blobfeed", "caffe2", *IN_PROCESS_PEERS, "raydata"),
+                   "per-batch overhead"),
+    "W2": Workload("W2", 64, ("data", "label"), W2Fetch, ("blobfeed", "caffe2", "copy", *IN_PROCESS_PEERS, "raydata"),
+                   "bandwidth"),
+    "W3": Workload("W3", 32, ("data", "label"), W3Fetch, ("blobfeed", "caffe2", "raydata"), "big chunks"),
     "W4": Workload("W4", 32, ("data", "label"), W4Fetch, ("blobfeed", "caffe2"), "CPU-bound fetchers", ideal_cores=1),
     "W5": Workload("W5", 128, ("data",), W5Fetch, ("blobfeed", "model"), "end to end with a model"),
     "W6": Workload("W6", 32, ("data", "label"), W6Fetch, ("blobfeed",), "JPEG decoding (Pillow frees the GIL)",
@@ -575,7 +581,11 @@ RUNNER_NEEDS = {
     "grain0": "grain", "grain2": "grain", "grain2b": "grain",
     "torch0": "torch", "torch0it": "torch", "torch2": "torch", "torch2it": "torch",
     "ray": "ray", "ray1": "ray", "ray2": "ray", "ray4": "ray", "ray2max": "ray",
+    "raydata": "ray.data",
 }
+#: what ``import ray.data`` needs beyond Ray (the extra ``ray[data]``):
+#: ``find_spec("ray.data")`` alone succeeds without them
+RAYDATA_NEEDS = ("ray", "pandas", "pyarrow", "fsspec")
 
 
 def _mlp_bytes() -> bytes:
@@ -964,14 +974,15 @@ def run_model(wl: Workload, seconds: float) -> dict[str, Any]:
     return m.result(samples_lost=0)
 
 
-def _peer(wl: Workload, seconds: float, body: Callable[[Fetcher, Meter], Any]) -> dict[str, Any]:
+def _peer(wl: Workload, seconds: float, body: Callable[[Fetcher, Meter], Any], pss: bool | None = None) -> dict[str, Any]:
     """Runs a peer: ``body(fetcher, meter)`` feeds the meter until it says
     stop; then the result, with the ideal where the workload has one.  Peers
-    do not count samples: they are not checked for losses."""
+    do not count samples: they are not checked for losses.  ``pss``: read
+    the process tree's PSS (default: with worker processes)."""
     tally = Tally()
     try:
         fetcher = wl.fetcher(tally)
-        m = Meter(seconds, pss=wl.backend != "threads")
+        m = Meter(seconds, pss=wl.backend != "threads" if pss is None else pss)
         body(fetcher, m)
         return m.result(samples_lost=0, **_ideal(wl, tally, m.result()["batches_per_s"]))
     finally:
@@ -1170,6 +1181,95 @@ def run_ray(wl: Workload, seconds: float, nodes: int, fetcher: Callable[[Tally |
         cluster.shutdown()
 
 
+#: Ray Data (``raydata``): the CPUs of its local cluster (this machine's 2,
+#: as blobfeed's 2 fetcher threads); the bytes of one block, Ray Data's
+#: default ``target_max_block_size`` (each ``map_batches`` call makes one
+#: block of about this many bytes of the workload's chunks); and
+#: ``iter_batches``'s ``prefetch_batches``.  From a sweep on this machine
+#: (docs/BENCHMARKS.md, "Ray Data as a peer"): blocks of 1-16 MiB were
+#: slower on all three workloads (W2: 25 batches/s at 4 MiB, a batch
+#: spanning several blocks), 64 MiB about the same; prefetching 1-4
+#: batches cost W1 and W3 up to half (its formatting threads and the loop
+#: share the GIL) and did not help W2 beyond the noise
+RAYDATA_CPUS = 2
+RAYDATA_BLOCK_BYTES = 128 << 20
+RAYDATA_PREFETCH = 0
+#: the dataset's rows (one a chunk) and read tasks: far more chunks than a
+#: window takes, in read tasks small enough to plan at once
+RAYDATA_ROWS = 10**8
+RAYDATA_READ_TASKS = 100
+
+
+class RayDataChunks:
+    """Ray Data's ``map_batches`` function: the batch's rows are chunk
+    numbers; row ``i`` becomes a chunk of worker ``i % workers`` (as grain's
+    element ``i``), and the call returns them concatenated: one block."""
+
+    def __init__(self, fetcher: Fetcher, blobs: tuple[str, ...], workers: int) -> None:
+        self.fetcher = fetcher
+        self.blobs = blobs
+        self.workers = workers
+
+    def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        chunks = [self.fetcher.chunk(int(i) % self.workers) for i in rows["id"]]
+        return {name: np.concatenate([c[k] for c in chunks]) for k, name in enumerate(self.blobs)}
+
+
+def run_raydata(wl: Workload, seconds: float) -> dict[str, Any]:
+    """Ray Data: ``ray.data.range`` of chunk numbers, ``map_batches`` making
+    blocks of ``RAYDATA_BLOCK_BYTES`` of the workload's own chunks (Ray
+    tasks of 1 CPU, at most ``RAYDATA_CPUS`` at once), and
+    ``iter_batches(batch_size=wl.batch, batch_format="numpy", drop_last=True)``
+    re-batching them to the workload's exact batch.  The local cluster
+    (``address="local"``: its own, never one that happens to run here) is
+    started before the clock, as R1's; the PSS column is the whole
+    cluster's (every Ray process descends from this one)."""
+    import logging
+
+    import ray
+    import ray.data
+
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=RAYDATA_CPUS, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)
+    try:
+        cluster_s = time.perf_counter() - t0
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.target_max_block_size = RAYDATA_BLOCK_BYTES
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+        def body(fetcher: Fetcher, m: Meter) -> None:
+            one = fetcher.chunk(0)
+            per_block = max(1, round(RAYDATA_BLOCK_BYTES / sum(a.nbytes for a in one)))
+            ds = ray.data.range(RAYDATA_ROWS, override_num_blocks=RAYDATA_READ_TASKS).map_batches(
+                RayDataChunks(fetcher, wl.blobs, RAYDATA_CPUS), batch_size=per_block, batch_format="numpy"
+            )
+            m.extra.update(chunks_per_block=per_block, cluster_start_s=cluster_s)
+            m.begin()
+            it = iter(ds.iter_batches(batch_size=wl.batch, batch_format="numpy", prefetch_batches=RAYDATA_PREFETCH,
+                                      drop_last=True))
+            try:
+                for batch in it:
+                    if not m.tick([batch[name] for name in wl.blobs]):
+                        return
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()  # shuts the executor down
+                # Ray Data's formatting threads end at their next batch; one
+                # still inside ``ray.get`` at ``ray.shutdown()`` makes Ray end
+                # the process ("The core worker has already been shutdown")
+                for t in threading.enumerate():
+                    if t.name == "iter_threaded":
+                        t.join(10)
+            raise RuntimeError(f"{wl.id}/raydata: the dataset ended inside the window")
+
+        return _peer(wl, seconds, body, pss=True)
+    finally:
+        ray.shutdown()
+
+
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "blobfeed": run_blobfeed,
     "caffe2": run_caffe2,
@@ -1188,6 +1288,7 @@ RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "ray2": lambda wl, s: run_ray(wl, s, 2),
     "ray4": lambda wl, s: run_ray(wl, s, 4),
     "ray2max": lambda wl, s: run_ray(wl, s, 2, R1FastFetch),
+    "raydata": run_raydata,
 }
 
 
@@ -1200,8 +1301,12 @@ def _torch_available() -> bool:
 
 
 def available_packages() -> frozenset[str]:
-    """The optional packages of this machine the bench can use."""
-    return frozenset(p for p in ("torch", "grain", "PIL", "ray") if installed(p))
+    """The optional packages of this machine the bench can use; ``ray.data``
+    stands for Ray with its extra ``ray[data]``."""
+    have = {p for p in ("torch", "grain", "PIL", "ray") if installed(p)}
+    if all(installed(p) for p in RAYDATA_NEEDS):
+        have.add("ray.data")
+    return frozenset(have)
 
 
 # --------------------------------------------------------------------------- the report
@@ -1224,6 +1329,9 @@ PEER_TARGETS = [
     ("W2", "batches/s vs the best in-process peer", IN_PROCESS_PEERS, 1.0),
     ("W1p", "batches/s vs the best process peer", PROCESS_PEERS, 1.5),
     ("W2p", "batches/s vs the best process peer", PROCESS_PEERS, 2.0),
+    ("W1", "batches/s vs Ray Data", ("raydata",), 1.0),
+    ("W2", "batches/s vs Ray Data", ("raydata",), 1.0),
+    ("W3", "batches/s vs Ray Data", ("raydata",), 1.0),
 ]
 
 #: first batch after ``start()``, milliseconds
@@ -1289,12 +1397,15 @@ SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 0.5}
 #: A local Ray cluster: the head, then each simulated node (with its actors' start).
 RAY_CLUSTER_S = 6.0
 RAY_NODE_S = 1.5
+#: raydata: ``import ray.data``, a local cluster, Ray Data's first batch
+#: (its workers' start) and ``ray.shutdown()``.
+RAYDATA_EXTRA_S = 9.0
 
 
 def _packages(packages: Collection[str] | bool) -> frozenset[str]:
     """A set of installed optional packages; ``True``/``False`` stand for all/none."""
     if packages is True:
-        return frozenset({"torch", "grain", "PIL", "ray"})
+        return frozenset({"torch", "grain", "PIL", "ray", "ray.data"})
     if packages is False:
         return frozenset({"PIL"})
     return frozenset(packages)
@@ -1324,7 +1435,8 @@ def _skipped_workloads(workloads: list[str], packages: Collection[str] | bool) -
 
 def estimate_seconds(workloads: list[str], seconds: float, repeats: int, packages: Collection[str] | bool) -> float:
     """Approximate wall time of a run: a model of it, not a measurement.
-    ``packages``: the optional packages installed (torch, grain, PIL), or
+    ``packages``: the optional packages installed (torch, grain, PIL, ray,
+    ray.data), or
     True for all of them, False for none but Pillow."""
     one = 0.0
     for w, r in _plan(workloads, packages):
@@ -1340,6 +1452,8 @@ def estimate_seconds(workloads: list[str], seconds: float, repeats: int, package
             one += GRAIN_EXTRA_S + (GRAIN_WORKERS_S if r.startswith("grain2") else 0.0)
         elif r == "pool":
             one += POOL_EXTRA_S
+        elif r == "raydata":
+            one += RAYDATA_EXTRA_S
         elif r.startswith("ray"):
             nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
             one += RAY_CLUSTER_S + RAY_NODE_S * nodes
@@ -1403,7 +1517,7 @@ def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = 
     progress.write("\n")
     results = summarize(raw)
     return {"seconds": seconds, "repeats": repeats, "torch": "torch" in packages, "grain": "grain" in packages,
-            "pillow": "PIL" in packages, "skipped": _skipped_workloads(workloads, packages),
+            "pillow": "PIL" in packages, "raydata": "ray.data" in packages, "skipped": _skipped_workloads(workloads, packages),
             "results": results, "python": sys.version.split()[0], "cpus": os.cpu_count()}
 
 
@@ -1555,7 +1669,7 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
 
 
 def _installed_text(report: dict[str, Any]) -> str:
-    names = (("torch", "torch"), ("grain", "grain"), ("pillow", "Pillow"))
+    names = (("torch", "torch"), ("grain", "grain"), ("pillow", "Pillow"), ("raydata", "Ray Data"))
     return ", ".join(f"{shown} {'yes' if report.get(key) else 'not installed (skipped)'}" for key, shown in names)
 
 

@@ -62,6 +62,10 @@ def _peer_results() -> dict[str, dict[str, Any]]:
         "W2/grain0": _result(batches_per_s=450.0),
         "W2/torch0": _result(batches_per_s=400.0),
         "W2/torch0it": _result(batches_per_s=480.0),
+        # Ray Data, against W1/blobfeed (300), W2/blobfeed (500), W3/blobfeed (700)
+        "W1/raydata": _result(batches_per_s=30.0, pss_mb=1500.0),
+        "W2/raydata": _result(batches_per_s=60.0, pss_mb=3000.0),
+        "W3/raydata": _result(batches_per_s=35.0, pss_mb=1800.0),
         "W6/blobfeed": _result(ideal_ratio=0.9, ideal_batches_per_s=30.0),
         **{f"{w}/blobfeed": _result(batches_per_s=1000.0, pss_mb=200.0, first_batch_ms=300.0,
                                     ideal_ratio=0.9, ideal_batches_per_s=500.0)
@@ -162,6 +166,23 @@ def test_the_plan_skips_what_is_not_installed() -> None:
     everything = bench._plan(list(bench.WORKLOADS), {"PIL", "torch", "grain"})
     for w in ("W1p", "W2p", "W4p", "W6p"):
         assert {r for x, r in everything if x == w} == {"blobfeed", *bench.PROCESS_PEERS}
+
+
+def test_ray_data_is_a_peer_of_w1_w2_w3_only_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no Ray started: the plan and the check of what is installed
+    for w in ("W1", "W2", "W3"):
+        assert (w, "raydata") in bench._plan([w], {"PIL", "ray", "ray.data"})
+        assert (w, "raydata") not in bench._plan([w], {"PIL", "ray"})  # Ray without ray[data]
+    assert not [p for p in bench._plan(list(bench.WORKLOADS), {"PIL", "ray", "ray.data"})
+                if p[1] == "raydata" and p[0] not in ("W1", "W2", "W3")]
+    with_it = bench.estimate_seconds(["W1", "W2", "W3"], 2.0, 3, {"PIL", "ray", "ray.data"})
+    assert with_it == pytest.approx(bench.estimate_seconds(["W1", "W2", "W3"], 2.0, 3, {"PIL"})
+                                    + 3 * 3 * (bench.CHILD_OVERHEAD_S + bench.WARMUP_S + 2.0 + bench.RAYDATA_EXTRA_S))
+    # find_spec("ray.data") succeeds without pandas and pyarrow, the import does not
+    monkeypatch.setattr(bench, "installed", lambda m: m in ("ray", "ray.data", "fsspec"))
+    assert "ray.data" not in bench.available_packages()
+    monkeypatch.setattr(bench, "installed", lambda m: m in bench.RAYDATA_NEEDS)
+    assert "ray.data" in bench.available_packages()
 
 
 def test_workloads_parse_by_name_in_any_case_or_all() -> None:
@@ -306,6 +327,7 @@ def test_a_peer_target_uses_the_best_peer_that_ran_and_names_the_missing() -> No
         (("W2p/torch2", "batches_per_s", 600.0), r"  W2p batches/s vs the best process peer >= 2\.0: measured 1\.67 \(best: torch2\)"),
         (("W1/torch0it", "batches_per_s", 400.0), r"  W1 batches/s vs the best in-process peer >= 1\.0: measured 0\.75 \(best: torch0it\)"),
         (("W2/grain0", "batches_per_s", 1000.0), r"  W2 batches/s vs the best in-process peer >= 1\.0: measured 0\.50 \(best: grain0\)"),
+        (("W3/raydata", "batches_per_s", 1400.0), r"  W3 batches/s vs Ray Data >= 1\.0: measured 0\.50 \(best: raydata\)"),
         (("W2p/blobfeed", "pss_mb", 400.0), r"  W2p total PSS <= grain's: measured 1\.33 \(400 MiB against 300 MiB\)"),
         (("W4p/blobfeed", "ideal_ratio", 0.8), r"  W4p batches/s vs the two-core ideal >= 0\.85: measured 0\.80"),
         (("W6p/blobfeed", "ideal_ratio", 0.5), r"  W6p batches/s vs the two-core ideal >= 0\.85: measured 0\.50"),
