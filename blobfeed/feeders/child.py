@@ -140,7 +140,6 @@ def _work(
     epoch: int,
 ) -> None:
     worker_id = first.worker_id
-    info = first
     send = conn.send_bytes
     dumps = pickle.dumps
     perf = time.perf_counter
@@ -203,7 +202,7 @@ def _work(
                 raw = fetch_fun(worker_id, area.hint())
             except StopIteration:
                 flush()
-                if is_last_epoch(epochs, info.epoch):
+                if is_last_epoch(epochs, epoch):
                     send(dumps(("done", perf() - t0)))
                 else:
                     send(dumps(("epoch", perf() - t0)))
@@ -255,8 +254,7 @@ def _work(
 
     while True:
         # the same seed and generator the worker would have as a thread
-        info = for_epoch(first, epoch)
-        set_worker_info(info)
+        set_worker_info(for_epoch(first, epoch))
         if worker_init_fun is not None:
             try:
                 worker_init_fun(worker_id)

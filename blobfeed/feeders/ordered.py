@@ -464,10 +464,8 @@ class OrderedStream:
         self._record(self._batch)
 
     def _end(self) -> Any:
-        """Every lane ended: the last partial batch (if any) is dealt already; stop."""
-        if self.shuffle is not None:
-            while len(self.shuffle):
-                self._deal_batch(self.shuffle.pop(self.batch_size))
+        """Every lane ended (and the shuffle buffer, if any, is empty): the
+        last partial batch (if any) is dealt already; stop."""
         if self._filled:
             self._batch += 1
             self._filled = 0
