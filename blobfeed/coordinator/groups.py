@@ -1,0 +1,413 @@
+"""One group of workers each: the threads of one ``init_*`` call.
+
+:class:`WorkerCoordinator` is what every group has (start, stop request,
+``shutdown_fun``, external loggers, join); :class:`_GenericCoordinator` runs
+``init_workers``' ``worker_fun`` and :class:`DataInputCoordinator` one
+``init_data_input_workers`` call's fetchers and enqueuer.  The lifecycle
+asks a group through these methods only, never by its class.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Literal, Protocol, Sequence
+
+from ..feeders import (
+    Feed,
+    FetcherBackend,
+    FetchFun,
+    InputSource,
+    LaunchPlan,
+    Replayed,
+    WorkerGroup,
+    WorkerIntake,
+    WorkerPlan,
+    is_stateful,
+    thread_main,
+)
+from ..metrics import ExternalLogger
+from ..net import Net
+from ..stats import FetchStats, MetricsHub
+from ..worker_info import WorkerInfo, worker_seeds
+
+logger = logging.getLogger("blobfeed.coordinator")
+
+InitFun = Callable[["WorkerCoordinator", Any], Any]
+
+
+class Owner(Protocol):
+    """What a group needs of the :class:`GlobalCoordinator` that owns it
+    (named here so this module does not import the lifecycle above it)."""
+
+    _hub: MetricsHub
+
+    def _thread_ended(self) -> None: ...
+
+    def _on_failure(self, error: BaseException) -> None: ...
+
+
+class _LogRunner:
+    """Calls a coordinator's external loggers on a thread of their own.
+
+    A logger is user code: one that is slow or hangs must never hold up the
+    monitor, ``stop(timeout)`` or the interpreter's exit, so nobody else ever
+    waits on it beyond a deadline.  ``None`` on the queue ends the thread.
+    """
+
+    def __init__(self, name: str, loggers: Sequence[ExternalLogger], on_exit: Callable[[], None]) -> None:
+        self._loggers = list(loggers)
+        # SimpleQueue: put() never blocks and is safe from any thread.
+        self._todo: "queue.SimpleQueue[dict[str, Any] | None]" = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=thread_main, args=(name, self._loop, on_exit), name=name, daemon=True
+        )
+
+    def post(self, metrics: dict[str, Any] | None) -> None:
+        self._todo.put(metrics)
+
+    def _loop(self) -> None:
+        while True:
+            metrics = self._todo.get()
+            if metrics is None:
+                return
+            for ext in self._loggers:
+                try:
+                    ext.log(dict(metrics))
+                except Exception:
+                    logger.exception("external logger %r of %r raised; ignored", ext, self.thread.name)
+
+
+class WorkerCoordinator:
+    """The threads of one ``init_workers`` call (generic workers).
+
+    Created by :func:`init_workers`; users see it as the first argument of
+    ``init_fun`` and read ``name``, ``worker_ids`` and ``is_active``.
+    """
+
+    #: the input source this group feeds from; None for generic workers
+    source: InputSource | None = None
+    #: the net this group feeds; None for generic workers
+    net: Net | None = None
+    #: the base seed of this group's workers; None for generic workers
+    seed: int | None = None
+
+    def __init__(
+        self,
+        global_coordinator: Owner,
+        name: str,
+        worker_ids: list[int],
+        init_fun: InitFun | None,
+        shutdown_fun: Callable[[], Any] | None,
+        external_loggers: Sequence[ExternalLogger],
+    ) -> None:
+        self.name = name
+        self.worker_ids = list(worker_ids)
+        self._gc = global_coordinator
+        self._init_fun = init_fun
+        self._init_done = init_fun is None
+        self._shutdown_fun = shutdown_fun
+        self._loggers = list(external_loggers)
+        self._hub = global_coordinator._hub
+        self._threads: list[threading.Thread] = []
+        #: workers started by a backend (data input), besides our own threads
+        self._group: WorkerGroup | None = None
+        self._log_runner: _LogRunner | None = None
+        self._stop_event = threading.Event()
+        #: set without a lock by request_stop (see InputSource.halted)
+        self._halted = False
+        self.started = False
+        self._started_at = 0.0
+        self._shutdown_done = False
+        self._log_lock = threading.Lock()
+        self._final_logged = False
+
+    @property
+    def is_active(self) -> bool:
+        """True between ``start()`` and stop."""
+        return self.started and not (self._halted or self._stop_event.is_set())
+
+    def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        raise NotImplementedError
+
+    def _run_init(self) -> None:
+        if not self._init_done and self._init_fun is not None:
+            self._init_fun(self, self._gc)
+            self._init_done = True
+
+    def _start(self) -> None:
+        self._started_at = time.monotonic()
+        on_exit = self._gc._thread_ended
+        # Workers first: a backend that cannot start (no room for its shared
+        # memory, say) raises here, before any thread of ours runs.
+        self._group = self._launch_workers()
+        threads = [
+            threading.Thread(target=thread_main, args=(name, fn, on_exit), name=name, daemon=True)
+            for name, fn in self._targets()
+        ]
+        if self._loggers:
+            self._log_runner = _LogRunner(f"blobfeed-log-{self.name}", self._loggers, on_exit)
+            threads.append(self._log_runner.thread)
+        self._threads = list(threads)
+        self.started = True
+        # our own list: a worker that fails at once appends its shutdown
+        # thread to self._threads while we are still starting these
+        for t in threads:
+            t.start()
+
+    def _launch_workers(self) -> WorkerGroup | None:
+        return None
+
+    def _halt(self) -> None:
+        """Tell the workers to stop working, by plain stores only: safe from
+        a signal handler.  Waking what blocks is :meth:`_request_stop`'s job."""
+        self._halted = True
+
+    def _request_stop(self) -> None:
+        """Ask every thread to end and wake whatever blocks.  Idempotent,
+        never waits for a thread."""
+        self._halted = True
+        self._stop_event.set()
+
+    def _shutdown(self) -> None:
+        """Call ``shutdown_fun`` once, if this coordinator was started.
+
+        On a thread of its own, joined like the others: it is user code, and
+        a slow one must not hold up ``stop(timeout)`` or the exit.
+        """
+        with self._log_lock:
+            if self._shutdown_done or not self.started or self._shutdown_fun is None:
+                return
+            self._shutdown_done = True
+        name = f"blobfeed-shutdown-{self.name}"
+        t = threading.Thread(
+            target=thread_main, args=(name, self._call_shutdown_fun, self._gc._thread_ended),
+            name=name, daemon=True,
+        )
+        self._threads.append(t)
+        t.start()
+
+    def _call_shutdown_fun(self) -> None:
+        assert self._shutdown_fun is not None
+        try:
+            self._shutdown_fun()
+        except Exception:
+            logger.exception("shutdown_fun of coordinator %r raised", self.name)
+
+    def _join(self, deadline: float | None) -> list[str]:
+        """Join our threads and workers until ``deadline`` (None: no bound);
+        returns the names still alive."""
+        me = threading.current_thread()
+        stuck = [] if self._group is None else self._group.join(deadline)
+        for t in self._threads:
+            if t is me:
+                stuck.append(t.name)
+                continue
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                stuck.append(t.name)
+        return stuck
+
+    def _alive(self) -> list[str]:
+        """Names of our threads and workers still running."""
+        alive = [t.name for t in self._threads if t.is_alive()]
+        return alive if self._group is None else alive + self._group.alive()
+
+    def _log_metrics(self) -> dict[str, Any]:
+        return {"worker_name": self.name, "time_elapsed": time.monotonic() - self._started_at}
+
+    def _call_loggers(self, final: bool = False) -> None:
+        """Per interval (monitor thread), and once more at the end (``final``).
+
+        Never waits for the loggers: they run on their own thread, which the
+        final call ends once they are done.
+        """
+        with self._log_lock:
+            runner = self._log_runner
+            if runner is None or self._final_logged:
+                return
+            self._final_logged = final
+            metrics = self._log_metrics()
+        runner.post(metrics)
+        if final:
+            runner.post(None)
+
+    def _retire(self) -> None:
+        """Every thread has ended: fold what is left into the totals."""
+
+    def mark_forked(self) -> None:
+        """In a child made by ``os.fork()``: this group's threads do not exist
+        here.  Plain stores only: a lock may be held by a thread that is gone."""
+
+
+class _GenericCoordinator(WorkerCoordinator):
+    def __init__(self, worker_fun: Callable[[int], Any], *args: Any) -> None:
+        super().__init__(*args)
+        self._worker_fun = worker_fun
+
+    def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        return [
+            (f"blobfeed-worker-{self.name}-{wid}", functools.partial(self._loop, wid))
+            for wid in self.worker_ids
+        ]
+
+    def _loop(self, worker_id: int) -> None:
+        stop = self._stop_event
+        fun = self._worker_fun
+        while not (self._halted or stop.is_set()):
+            try:
+                fun(worker_id)
+            except Exception as exc:
+                logger.exception(
+                    "worker %d of %r raised; stopping coordinator %r", worker_id, self.name, self.name
+                )
+                # Stop, but stay registered: the global stop() still joins
+                # the siblings and reports whether they ended.  join() raises it.
+                self._gc._on_failure(exc)
+                stop.set()
+                self._shutdown()
+                self._call_loggers(final=True)
+                return
+
+
+class DataInputCoordinator(WorkerCoordinator):
+    """The fetchers and the enqueuer of one ``init_data_input_workers`` call.
+
+    Users meet it as the first argument of ``init_fun``: ``name`` (the input
+    source name), ``worker_ids``, ``net``, ``input_blob_names`` and
+    ``batch_size`` are public and read-only.
+    """
+
+    def __init__(
+        self,
+        global_coordinator: Owner,
+        source: InputSource,
+        net: Net,
+        feed: Feed,
+        fetch_fun: FetchFun,
+        worker_ids: list[int],
+        init_fun: InitFun | None,
+        external_loggers: Sequence[ExternalLogger],
+        on_error: Literal["raise", "skip"],
+        seed: int,
+        backend: FetcherBackend,
+        worker_init_fun: Callable[[int], Any] | None,
+    ) -> None:
+        super().__init__(global_coordinator, source.name, worker_ids, init_fun, None, external_loggers)
+        self.backend = backend
+        self._worker_init_fun = worker_init_fun
+        self.source: InputSource = source
+        self.feed = feed
+        self.net: Net = net
+        self.input_blob_names = feed.blob_names
+        self._fetch_fun = fetch_fun
+        self._on_error = on_error
+        self.seed: int = seed
+        self._fetch_stats: list[FetchStats] = []
+        self._last_log: tuple[float, float, int, float, int] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size of this net's batches, and the fetchers' hint."""
+        return self.feed.batch_size
+
+    @property
+    def is_active(self) -> bool:
+        return self.started and not self.source.halted
+
+    def _halt(self) -> None:
+        super()._halt()
+        self.source.halted = True
+
+    def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        return [(f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue)]
+
+    def _launch_workers(self) -> WorkerGroup:
+        hub = self._hub
+        backend = self.backend
+        workers = []
+        n = len(self.worker_ids)
+        for index, wid in enumerate(self.worker_ids):
+            stats = hub.fetch_stats(self.name, backend.name)
+            self._fetch_stats.append(stats)
+            seed, rng = worker_seeds(self.seed, wid)
+            intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
+            workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
+        fetch_fun = self._fetch_fun
+        if self.source.ordered is not None:
+            start = {wid: self.source.resume_at.get(wid, (0, None)) for wid in self.worker_ids}
+            for w in workers:
+                w.intake.calls = start[w.worker_id][0]  # the seq of its next chunk
+            if any(calls for calls, _ in start.values()) or is_stateful(fetch_fun):
+                fetch_fun = Replayed(fetch_fun, start)
+        ordered = self.source.ordered
+        return backend.launch(LaunchPlan(
+            self.name, fetch_fun, self._worker_init_fun, workers,
+            self._batch_size_hint, self._gc._thread_ended,
+            epochs=self.source.epochs, first_epoch=ordered.epoch if ordered is not None else 0,
+        ))
+
+    def _enqueue(self) -> None:
+        try:
+            self.feed.run()
+        finally:
+            if self.source.finished or self.source.error is not None:
+                # the source ended by itself: the loggers' last call is now
+                self._call_loggers(final=True)
+
+    def _batch_size_hint(self) -> int:
+        return self.feed.batch_size
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Batches assembled from now on have ``batch_size`` samples."""
+        self.feed.batch_size = batch_size
+
+    def _start(self) -> None:
+        self._last_log = (time.monotonic(), 0.0, 0, 0.0, 0)
+        self.feed.mark_started()
+        if self.source.ordered is not None:
+            self.source.ordered.start()
+        super()._start()
+
+    def _request_stop(self) -> None:
+        super()._request_stop()
+        self.source.stop()
+        if self._group is not None:
+            self._group.request_stop()
+
+    def _log_metrics(self) -> dict[str, Any]:
+        now = time.monotonic()
+        fetch_time = sum(s.fetch.total for s in self._fetch_stats)
+        fetch_count = sum(s.fetch.count for s in self._fetch_stats)
+        enq = self.feed.stats.enqueue
+        prev = self._last_log or (now, 0.0, 0, 0.0, 0)
+        self._last_log = (now, fetch_time, fetch_count, enq.total, enq.count)
+        return {
+            "source": self.name,
+            "inputs_per_sec": self._hub.inputs_per_second(self.name),
+            "queue_size": self.source.queue.qsize(),
+            "time_elapsed": now - self._started_at,
+            "fetcher_time": fetch_time - prev[1],
+            "fetcher_time_count": fetch_count - prev[2],
+            "enqueue_time": enq.total - prev[3],
+            "enqueue_time_count": enq.count - prev[4],
+        }
+
+    def _retire(self) -> None:
+        """Fold the counts into the source's totals; every thread has ended."""
+        hub = self._hub
+        hub.retire(self.name, self._fetch_stats)
+        hub.retire(self.name, [self.feed.stats], net=self.net.name)
+        self.feed.release_net()
+        # A consumer may still call run() on the stopped net; what it records
+        # after this point (the wait of a run that raises) is not counted.
+        hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.net.name)
+        hub.detach_source(self.source)
+
+    def mark_forked(self) -> None:
+        self.feed.mark_forked()
+        # plain stores (its lock may be held): the net can be re-wired
+        self.source.stopped = self.source.halted = True

@@ -1,0 +1,329 @@
+"""The public ``init_*`` calls: their argument checks, the backend, and the
+wiring of a net to a source.  Each call adds one group to a
+:class:`GlobalCoordinator`; nothing runs until its ``start()``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import numpy as np
+
+from ..arguments import check_flag, check_index, check_timeout
+from ..feeders import (
+    Feed,
+    FetcherBackend,
+    FetchFun,
+    InputSource,
+    ProcessBackend,
+    ShuffleBuffer,
+    ThreadBackend,
+)
+from ..metrics import ExternalLogger
+from ..net import Net
+from ..worker_info import draw_base_seed, shuffle_rng
+from .groups import DataInputCoordinator, WorkerCoordinator, _GenericCoordinator
+from .lifecycle import GlobalCoordinator, global_coordinator
+
+logger = logging.getLogger("blobfeed.coordinator")
+
+InitFun = Callable[[WorkerCoordinator, GlobalCoordinator], Any]
+
+
+# -- argument checks: at the public boundary, never assert ---------------------------------
+def resolve_backend(backend: Any) -> FetcherBackend:
+    """The backend object for ``backend=`` ("threads", "processes" or an object)."""
+    if backend == "threads":
+        return ThreadBackend()
+    if backend == "processes":
+        return ProcessBackend()
+    if isinstance(backend, str) or not isinstance(backend, FetcherBackend):
+        raise ValueError(
+            f"backend must be 'threads', 'processes' or a backend object (such as "
+            f"blobfeed.ProcessBackend(...) or blobfeed.ray.RayBackend(...)), got {backend!r}"
+        )
+    return backend
+
+
+def _check_common(
+    name: Any, init_fun: Any, external_loggers: Any, coordinator: Any
+) -> tuple[GlobalCoordinator, list[ExternalLogger]]:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"the source / worker name must be a non-empty str, got {name!r}")
+    if init_fun is not None and not callable(init_fun):
+        raise TypeError(f"init_fun must be callable, got {type(init_fun).__name__}")
+    loggers = list(external_loggers or [])
+    for ext in loggers:
+        if not callable(getattr(ext, "log", None)):
+            raise TypeError(f"external logger {ext!r} has no callable log(metrics) method")
+    gc = global_coordinator if coordinator is None else coordinator
+    if not isinstance(gc, GlobalCoordinator):
+        raise TypeError(f"coordinator must be a GlobalCoordinator, got {type(coordinator).__name__}")
+    return gc, loggers
+
+
+def init_workers(
+    worker_fun: Callable[[int], Any],
+    num_worker_threads: int = 2,
+    worker_name: str = "train",
+    init_fun: InitFun | None = None,
+    external_loggers: Iterable[ExternalLogger] | None = None,
+    shutdown_fun: Callable[[], Any] | None = None,
+    *,
+    coordinator: GlobalCoordinator | None = None,
+) -> GlobalCoordinator:
+    """Run ``worker_fun(worker_id)`` in a loop on ``num_worker_threads`` threads.
+
+    Nothing runs until the returned coordinator's ``start()``.  A
+    ``worker_fun`` that raises is logged with its traceback and stops its
+    coordinator (``shutdown_fun()`` is then called once).
+
+    Returns:
+        The global coordinator (``coordinator`` if given).
+
+    Raises:
+        TypeError / ValueError: bad arguments, at once.
+    """
+    if not callable(worker_fun):
+        raise TypeError(f"worker_fun must be callable, got {type(worker_fun).__name__}")
+    if shutdown_fun is not None and not callable(shutdown_fun):
+        raise TypeError(f"shutdown_fun must be callable, got {type(shutdown_fun).__name__}")
+    num_worker_threads = check_index("num_worker_threads", num_worker_threads)
+    gc, loggers = _check_common(worker_name, init_fun, external_loggers, coordinator)
+    ids = gc._allocate(num_worker_threads)
+    gc._add(_GenericCoordinator(worker_fun, gc, worker_name, ids, init_fun, shutdown_fun, loggers))
+    return gc
+
+
+def init_data_input_workers(
+    net: Net,
+    input_blob_names: Sequence[str],
+    fetch_fun: FetchFun,
+    batch_size: int,
+    num_worker_threads: int = 2,
+    input_source_name: str = "train",
+    max_buffered_batches: int = 800,
+    init_fun: InitFun | None = None,
+    external_loggers: Iterable[ExternalLogger] | None = None,
+    dont_rebatch: bool = False,
+    batch_columns: Sequence[int] | None = None,
+    timeout: float = 600.0,
+    *,
+    device_queue_capacity: int = 4,
+    drop_last: bool = False,
+    on_error: Literal["raise", "skip"] = "raise",
+    coordinator: GlobalCoordinator | None = None,
+    seed: int | None = None,
+    backend: Literal["threads", "processes"] | FetcherBackend = "threads",
+    worker_init_fun: Callable[[int], Any] | None = None,
+    deterministic: bool = False,
+    shuffle_buffer: int = 0,
+    epochs: int | None = 1,
+) -> GlobalCoordinator:
+    """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
+
+    ``fetch_fun(worker_id, batch_size)`` returns a chunk: a list or tuple with
+    one ``numpy.ndarray`` per blob name, all with the same number of samples
+    along their batch axis (``batch_columns[i]``, default 0).  Any sample
+    count works; ``batch_size`` is a hint.  Return ``None`` to skip, raise
+    ``StopIteration`` when the worker has no more data.  The chunk belongs
+    to blobfeed afterwards (a batch may be a view of it).
+
+    Args:
+        net: the :class:`~blobfeed.Net` to feed.
+        input_blob_names: one name per array of a chunk.
+        fetch_fun: the user's fetcher.
+        batch_size: samples per batch (the last batch of an ended source may be smaller).
+        num_worker_threads: fetcher threads for this call.
+        input_source_name: calls with the same name share one internal queue
+            (data parallel: every sample reaches exactly one net).
+        max_buffered_batches: bound of the internal queue, in chunks (the first
+            call for a source sets it).
+        init_fun: ``init_fun(data_coordinator, global_coordinator)``, run once in
+            ``start()`` before any thread starts.
+        external_loggers: objects with ``log(metrics: dict)``.
+        dont_rebatch: each chunk becomes one batch as it is.
+        batch_columns: batch axis of each blob.
+        timeout: seconds ``Net.run()`` waits for a batch before ``DequeueTimeout``.
+        device_queue_capacity: batches buffered for the net.
+        drop_last: drop the last, smaller batch of an ended source.
+        on_error: ``"raise"``: a fetcher error stops the source and reaches
+            ``Net.run()``; ``"skip"``: the chunk is dropped, logged, counted.
+        coordinator: an isolated :class:`GlobalCoordinator`; default the global one.
+        seed: base of the workers' seeds (``get_worker_info().seed`` / ``.rng``:
+            one child of ``numpy.random.SeedSequence(seed)`` per worker id);
+            ``None`` draws one and logs it.
+        backend: what runs the workers: ``"threads"`` (this process),
+            ``"processes"`` (one child process per worker, chunks through
+            shared memory; ``fetch_fun`` must pickle), or a backend object
+            (``blobfeed.ProcessBackend(...)`` with options,
+            ``blobfeed.ray.RayBackend(...)``).
+        worker_init_fun: ``worker_init_fun(worker_id)``, run in the worker
+            (thread, process or actor) before its first fetch.
+        deterministic: the source's chunks are taken in strict round robin
+            by worker id and its batches dealt to its nets in turn, so the
+            same ``fetch_fun``, ``seed``, worker count and batch size give the
+            same batches to the same nets on every run and every backend;
+            needed by :meth:`GlobalCoordinator.state_dict`.  Every call for
+            one source must agree on it and on ``batch_size``.
+        shuffle_buffer: samples pass through a buffer of this many samples
+            and leave it in random order (blobs kept aligned; 0: off), drawn
+            from ``seed``: with ``deterministic=True`` the order is the same
+            on every run.  Every call for one source must agree on it.
+        epochs: passes over the data (``None``: endless).  When a worker's
+            ``fetch_fun`` raises StopIteration and another epoch follows, the
+            worker starts the next epoch: ``get_worker_info().epoch`` (and
+            its ``seed``/``rng``) change, ``worker_init_fun`` runs again, and
+            ``fetch_fun`` is called again and must start over.  Each epoch
+            ends with its own last (smaller) batch, after which ``Net.run()``
+            raises :class:`~blobfeed.EndOfEpoch` once (``for out in net``
+            runs one epoch); after the last epoch, ``EndOfInput``.  With a
+            shuffle buffer, each epoch is shuffled on its own.  Every call
+            for one source must agree on it.
+
+    Returns:
+        The global coordinator; call its ``start()``.
+
+    Raises:
+        TypeError / ValueError: bad arguments, at once, in the caller's thread;
+            also a blob named like one of the model's outputs (the output would
+            replace it in the workspace), and a net already fed from this source.
+    """
+    if not isinstance(net, Net):
+        raise TypeError(f"net must be a blobfeed.Net, got {type(net).__name__}")
+    if isinstance(input_blob_names, str) or not isinstance(input_blob_names, Sequence):
+        raise TypeError(
+            f"input_blob_names must be a list or tuple of str, got {type(input_blob_names).__name__}"
+        )
+    names = list(input_blob_names)
+    if not names:
+        raise ValueError("input_blob_names is empty: name at least one blob")
+    for n in names:
+        if not isinstance(n, str) or not n:
+            raise ValueError(f"input_blob_names must be non-empty str, got {n!r}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"input_blob_names has duplicates: {dupes}")
+    if not callable(fetch_fun):
+        raise TypeError(f"fetch_fun must be callable, got {type(fetch_fun).__name__}")
+    batch_size = check_index("batch_size", batch_size)
+    num_worker_threads = check_index("num_worker_threads", num_worker_threads)
+    max_buffered_batches = check_index("max_buffered_batches", max_buffered_batches)
+    device_queue_capacity = check_index("device_queue_capacity", device_queue_capacity)
+    if batch_columns is None:
+        axes = [0] * len(names)
+    else:
+        if isinstance(batch_columns, np.ndarray):
+            batch_columns = batch_columns.tolist()
+        if isinstance(batch_columns, str) or not isinstance(batch_columns, Sequence):
+            raise TypeError(f"batch_columns must be a list of ints, got {type(batch_columns).__name__}")
+        if len(batch_columns) != len(names):
+            raise ValueError(
+                f"batch_columns has {len(batch_columns)} entries but there are {len(names)} blobs {names}"
+            )
+        axes = [check_index(f"batch_columns[{i}]", a, minimum=0) for i, a in enumerate(batch_columns)]
+    timeout = check_timeout("timeout", timeout)
+    dont_rebatch = check_flag("dont_rebatch", dont_rebatch)
+    drop_last = check_flag("drop_last", drop_last)
+    deterministic = check_flag("deterministic", deterministic)
+    shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
+    if epochs is not None:
+        epochs = check_index("epochs", epochs)
+    if (deterministic or shuffle_buffer or epochs != 1) and dont_rebatch:
+        raise ValueError(
+            "deterministic=True, shuffle_buffer and epochs re-batch the source's stream once: "
+            "they cannot be combined with dont_rebatch=True"
+        )
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if seed is not None:
+        seed = check_index("seed", seed, minimum=0)
+    if worker_init_fun is not None and not callable(worker_init_fun):
+        raise TypeError(f"worker_init_fun must be callable, got {type(worker_init_fun).__name__}")
+    runner = resolve_backend(backend)
+    runner.check(fetch_fun, worker_init_fun)
+    clash = sorted(set(names).intersection(net.output_names))
+    if clash:
+        raise ValueError(
+            f"net {net.name!r}: blobs {clash} have the names of model outputs "
+            f"(outputs {list(net.output_names)}): run() would replace the fed values with the "
+            "predictions in the workspace; feed them under other names"
+        )
+    gc, loggers = _check_common(input_source_name, init_fun, external_loggers, coordinator)
+    base_seed = draw_base_seed(input_source_name) if seed is None else seed
+    with gc._lock:
+        # Every check first, so a refused call leaves nothing behind.
+        source = gc._sources.get(input_source_name)
+        if source is not None and source.stopped:
+            # stopped, its threads not all ended yet (a stuck fetcher): the
+            # name starts afresh; the old source ends on its own
+            source = None
+        net._check_attach(input_source_name, names)
+        if source is not None:
+            if (source.n_blobs, source.axes) != (len(names), tuple(axes)):
+                raise ValueError(
+                    f"source {input_source_name!r} carries {source.n_blobs} blobs with batch axes "
+                    f"{list(source.axes)}; this call asks for {len(names)} with {axes}"
+                )
+            if max_buffered_batches != source.queue.capacity:
+                logger.warning(
+                    "source %r already has an internal queue of %d chunks; "
+                    "max_buffered_batches=%d ignored",
+                    input_source_name, source.queue.capacity, max_buffered_batches,
+                )
+            if any(f.net_name == net.name for f in source.feeds):
+                logger.warning(
+                    "source %r already feeds a net named %r: their metrics share the label "
+                    "net=%r; give each Net a distinct name to tell them apart",
+                    input_source_name, net.name, net.name,
+                )
+            ordered = source.ordered
+            was = (ordered is not None and ordered.strict,
+                   ordered.shuffle.size if ordered is not None and ordered.shuffle is not None else 0)
+            if was != (deterministic, shuffle_buffer) or source.epochs != epochs:
+                raise ValueError(
+                    f"source {input_source_name!r} was wired with deterministic={was[0]}, "
+                    f"shuffle_buffer={was[1]}, epochs={source.epochs}; this call asks for "
+                    f"deterministic={deterministic}, shuffle_buffer={shuffle_buffer}, epochs={epochs}: "
+                    "every call for one source must agree"
+                )
+            if ordered is not None and ordered.batch_size != batch_size:
+                raise ValueError(
+                    f"source {input_source_name!r} is re-batched once for all its nets (deterministic, "
+                    f"shuffle_buffer or epochs) with batch_size={ordered.batch_size}; "
+                    f"this call asks for {batch_size}: such a source has one batch size"
+                )
+            if ordered is not None and any(c.started for c in gc._coordinators if c.name == input_source_name):
+                raise ValueError(
+                    f"source {input_source_name!r} is deterministic and already started: "
+                    "wire every net before start()"
+                )
+            source.register_fetchers(num_worker_threads)  # atomic with the source's end
+        else:
+            source = InputSource(
+                input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure
+            )
+            source.register_fetchers(num_worker_threads)
+            source.epochs = epochs
+            if deterministic or shuffle_buffer or epochs != 1:
+                # epochs: the stream must know where each worker's epoch ends
+                shuffle = ShuffleBuffer(shuffle_buffer, axes, shuffle_rng(base_seed)) if shuffle_buffer else None
+                source.make_ordered(batch_size, strict=deterministic, shuffle=shuffle)
+        feed = Feed(
+            source, net.name, net._place, names, batch_size,
+            timeout=timeout, device_queue_capacity=device_queue_capacity,
+            dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
+            model_inputs=net.input_specs,
+            outbox=source.ordered.add_net() if source.ordered is not None else None,
+        )
+        net._attach(feed)
+        source.add_feed(feed)
+        gc._sources[input_source_name] = source
+        ids = gc._allocate(num_worker_threads)
+        if source.ordered is not None:
+            source.ordered.add_lanes(ids)
+        gc._add(DataInputCoordinator(
+            gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
+            runner, worker_init_fun,
+        ))
+    return gc
