@@ -1263,3 +1263,35 @@ def test_structured_dtypes_keep_their_fields_through_a_slot() -> None:
             assert (x["a"] == 1.5).all() and (x["b"] == 7).all()
     finally:
         assert gc.stop(timeout=WAIT) is True
+
+
+def test_two_slots_and_a_kept_view_never_stall(gc: blobfeed.GlobalCoordinator) -> None:
+    """Defect (issue 17): with ``slots=2`` (the minimum) a batch could view
+    one of the two slots; the user keeping it left one slot circulating, and
+    a chunk of 1.5 batches whose rest waited there for the next chunk held
+    it: the worker waited for a slot, the batch for the worker.  Any chunk
+    that lands in the only slot no batch views is now copied out at once."""
+    batch = SHM_ROWS
+    rows = batch * 3 // 2  # every other batch spans two chunks
+    net = new_net()
+    # after the first chunk the worker is slower than the net: its other slot is free
+    init_data_input_workers(net, ["ids", "feat"], SlowAfterFirst(rows, 0.02), batch, num_worker_threads=1,
+                            backend=ProcessBackend(slots=2, slot_bytes=chunk_bytes(rows) + 4096),
+                            coordinator=gc)
+    gc.start()
+    for _ in range(20):  # keep the first batch that is a view of a slot
+        first = net.run(timeout=WAIT)
+        if views_shared_memory(first["feat"]):
+            break
+    else:
+        raise AssertionError("no batch was a view of shared memory: the test proves nothing")
+    copy = {k: np.array(v) for k, v in first.items()}
+    got = []
+    for i in range(12):
+        try:
+            got.append({k: np.array(v) for k, v in net.run(timeout=2.0).items()})
+        except DequeueTimeout:
+            raise AssertionError(f"the feed stalled after {i} batches with one of two slots kept") from None
+    for k in copy:
+        np.testing.assert_array_equal(first[k], copy[k], err_msg="the kept batch was overwritten")
+    check_batches(got, batch, partial_last=False)

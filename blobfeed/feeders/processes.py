@@ -147,33 +147,46 @@ class _SlotRing:
         #: slots the child announced and that are not free again yet
         self._held = 0
 
-    def hold(self) -> bool:
-        """Count a slot the child just announced.  Returns True when it was
-        the child's last free slot: then its chunk must be copied out at once
-        and the slot given back, or a batch that needs more chunks than there
-        are slots would wait for the child while the child waits for a slot."""
+    def hold(self, small: bool) -> bool:
+        """Count a slot the child just announced; ``small``: its chunk holds
+        fewer samples than a batch.  Returns True when the chunk must be
+        copied out at once and the slot given back:
+
+        * it took the child's last free slot and is smaller than a batch: a
+          batch may need more such chunks than there are slots, and would
+          wait for the child while the child waits for a slot;
+        * every other slot is viewed by batches (which the user may keep for
+          ever: only with two slots, see :meth:`grant_view`): the rest of a
+          chunk waiting in this one for the next chunk would hold the last
+          circulating slot.
+        """
         with self._lock:
             self._held += 1
-            return self._held >= self.slots
+            return (small and self._held >= self.slots) or len(self._viewed) >= self.slots - 1
 
     def grant_view(self, slot: int) -> bool:
         """May a batch be handed out as a view of ``slot``?  (The re-batcher
         asks, for a batch that lies inside one chunk.)
 
         A batch the user keeps holds its slot for as long as it lives, so at
-        most ``slots - max(1, slots // 4)`` slots may be viewed by batches at
+        most ``slots - max(2, slots // 4)`` slots may be viewed by batches at
         once: the others keep circulating, and the worker never waits for a
         batch somebody keeps.  Past that bound a batch is copied out of its
         chunk instead.  Chunks that are merely queued or being re-batched do
         not count: blobfeed lets go of them by itself.
+
+        With two slots (the minimum) one may be viewed, but only while the
+        other is free: whatever arrives in it while the view lives is then
+        copied out at once (:meth:`hold`), so it keeps circulating whatever
+        the user keeps.
         """
         with self._lock:
             viewed = self._viewed
             if slot in viewed:
                 return True
-            # two stay unviewed (a batch straddling two chunks needs both),
-            # but with two slots in all one may be viewed
-            if len(viewed) >= max(1, self.slots - max(2, self.slots // 4)):
+            # two stay unviewed: a batch straddling two chunks needs both
+            bound = self.slots - max(2, self.slots // 4)
+            if len(viewed) >= bound and not (self.slots == 2 and not viewed and self._held == 1):
                 return False
             viewed.add(slot)
             return True
@@ -359,11 +372,9 @@ class _Worker:
             observe(seconds)
             arrays, used = self._views(slot, meta, as_tuple)
             axis = intake.source.axes[0]
-            if self.ring.hold() and arrays[0].shape[axis] < self.group.plan.batch_size_hint():
-                # The child's last free slot, and a chunk smaller than a
-                # batch: a batch may need more such chunks than there are
-                # slots.  Copy out; the views die with this call and the
-                # slot goes back.
+            if self.ring.hold(arrays[0].shape[axis] < self.group.plan.batch_size_hint()):
+                # Copy out (see _SlotRing.hold for when); the views die with
+                # this call and the slot goes back.
                 copied = [np.array(a) for a in arrays]
                 return intake.result(_stamp(tuple(copied) if as_tuple else copied, state), None, used + len(data))
             return intake.result(_stamp(arrays, state), GrantPin(self.ring, slot), used + len(data))
