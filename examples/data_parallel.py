@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 import blobfeed
-from blobfeed.models import mlp_onnx, mlp_reference
+from blobfeed.apps.models import mlp_onnx, mlp_reference
 
 N_SAMPLES = 12_000
 FEATURES = 16

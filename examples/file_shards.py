@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 import blobfeed
-from blobfeed.models import mlp_onnx, mlp_reference
+from blobfeed.apps.models import mlp_onnx, mlp_reference
 
 FEATURES = 24
 BATCH = 100

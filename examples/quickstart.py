@@ -20,7 +20,7 @@ import numpy as np
 
 import blobfeed
 from blobfeed.metrics import start_http_server
-from blobfeed.models import mlp_onnx, mlp_reference
+from blobfeed.apps.models import mlp_onnx, mlp_reference
 
 N_SAMPLES = 20_000
 FEATURES = 32

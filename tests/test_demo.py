@@ -22,8 +22,8 @@ pytest.importorskip("sklearn")
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 
-from blobfeed import cli, demo  # noqa: E402
-from blobfeed.models import mlp_onnx  # noqa: E402
+from blobfeed.apps import cli, demo  # noqa: E402
+from blobfeed.apps.models import mlp_onnx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,7 @@ def test_digits_mismatch_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
 
 def test_cli_subprocess_runs_the_demo() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.cli", "demo", "--passes", "1", "--progress", "on"],
+        [sys.executable, "-m", "blobfeed.apps.cli", "demo", "--passes", "1", "--progress", "on"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -228,7 +228,7 @@ def _read_until(q: "queue.Queue[str | None]", prefix: str, seen: list[str], dead
 def test_serve_keeps_the_metrics_up_after_the_run(stop_signal: signal.Signals) -> None:
     # --serve with a bound, so a broken signal path cannot hang the suite.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "blobfeed.cli", "demo", "--passes", "2", "--progress", "off", "--serve", "60"],
+        [sys.executable, "-m", "blobfeed.apps.cli", "demo", "--passes", "2", "--progress", "off", "--serve", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -151,7 +151,7 @@ def test_dequeue_timeout_is_raised_and_counted(gc: blobfeed.GlobalCoordinator) -
 
 
 def test_model_input_nothing_feeds_is_named() -> None:
-    from blobfeed.models import mlp_onnx
+    from blobfeed.apps.models import mlp_onnx
 
     model, _ = mlp_onnx([3, 2], input_name="pixels")
     net = Net(model, name="m")

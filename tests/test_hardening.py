@@ -516,7 +516,7 @@ def test_run_before_start_raises_at_once(gc: GlobalCoordinator) -> None:
 @pytest.fixture(scope="module")
 def mlp() -> tuple[bytes, Any]:
     pytest.importorskip("onnx")
-    from blobfeed.models import mlp_onnx
+    from blobfeed.apps.models import mlp_onnx
 
     return mlp_onnx([4, 8, 3])  # input "data" float [N, 4], output "logits" float [N, 3]
 
@@ -914,7 +914,7 @@ def test_net_is_iterable_until_end_of_input(gc: GlobalCoordinator) -> None:
     one output dict per batch, stops at EndOfInput, and loses no sample.
     Its input and output names are the model's, public."""
     pytest.importorskip("onnx")
-    from blobfeed.models import mlp_onnx
+    from blobfeed.apps.models import mlp_onnx
 
     model, _ = mlp_onnx([2, 3], input_name="feat")
     plan = ChunkPlan({0: [5, 7, 3], 1: [4, 9]})

@@ -22,7 +22,7 @@ import pytest
 import blobfeed
 from blobfeed import EndOfInput, Net, init_data_input_workers
 from blobfeed.metrics import start_http_server
-from blobfeed.models import mlp_onnx
+from blobfeed.apps.models import mlp_onnx
 
 from . import stress_report
 from .helpers import WAIT, sample

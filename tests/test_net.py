@@ -7,7 +7,7 @@ import pytest
 
 import blobfeed
 from blobfeed import Net, init_data_input_workers
-from blobfeed.models import mlp_onnx, mlp_reference
+from blobfeed.apps.models import mlp_onnx, mlp_reference
 
 from .helpers import WAIT, drain
 

@@ -386,7 +386,7 @@ def test_a_net_wired_later_to_a_shared_source_is_checked(gc: GlobalCoordinator) 
     """Trap: workers that had passed their first chunk never checked a chunk
     against the model of a net wired to their source afterwards."""
     pytest.importorskip("onnx")
-    from blobfeed.models import mlp_onnx
+    from blobfeed.apps.models import mlp_onnx
 
     model, _ = mlp_onnx([3, 4, 2], input_name="x")   # float32 input "x" [N, 3]
     plain = Net(name="plain")

@@ -1469,7 +1469,7 @@ def estimate_seconds(workloads: list[str], seconds: float, repeats: int, package
 def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
     env = dict(os.environ)
     proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.bench", "--child", wl_id, runner, str(seconds)],
+        [sys.executable, "-m", "blobfeed.apps.bench", "--child", wl_id, runner, str(seconds)],
         check=False, capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
     )
     if proc.returncode != 0:
@@ -1846,8 +1846,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the module as blobfeed.bench, not as __main__: worker processes
+    # Run the module as blobfeed.apps.bench, not as __main__: worker processes
     # (blobfeed's, grain's) then find the fetch functions by reference.
-    from blobfeed.bench import main as _main
+    from blobfeed.apps.bench import main as _main
 
     sys.exit(_main())
