@@ -1,0 +1,1 @@
+"""The contract suite: every behaviour of docs/SPEC against every backend x mode."""
