@@ -4,7 +4,10 @@ each byte, and chunks let go of as soon as their last row has left."""
 
 from __future__ import annotations
 
+import gc
+import sys
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -100,3 +103,136 @@ def test_a_batch_of_big_rows_is_copied_once() -> None:
     assert b.n == 16
     np.testing.assert_array_equal(b.arrays[0][:, 0, 0, 0], b.arrays[1])
     assert peak < 1.25 * batch_bytes, f"popping a {batch_bytes} B batch allocated {peak} B at its peak"
+
+
+def image_chunk(k: int, n: int, side: int = 40) -> Chunk:
+    """Chunk ``k`` of big rows (3 x side x side uint8 >= 4 KiB: held by
+    reference) whose every byte is the sample's id mod 251, and the ids."""
+    ids = np.arange(n, dtype=np.int64) + 1000 * k
+    images = np.empty((n, 3, side, side), np.uint8)
+    images[...] = (ids % 251).astype(np.uint8)[:, None, None, None]
+    return Chunk((images, ids), n, 0, k)
+
+
+@pytest.mark.parametrize("size", [10**12, sys.maxsize])
+def test_a_buffer_larger_than_the_data_set_shuffles_everything(size: int) -> None:
+    """Defect 9: ``shuffle_buffer`` larger than the data set ("shuffle
+    everything", tf.data's ``shuffle(10**12)``) allocated index arrays for
+    2 x size rows up front: MemoryError, or a ValueError for sys.maxsize.
+    Storage now grows with the rows held; nothing leaves while input lasts,
+    then everything leaves in random order."""
+    tracemalloc.start()
+    try:
+        buf = ShuffleBuffer(size, [0, 0], np.random.default_rng(0))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, f"an empty buffer allocated {peak} B"
+    chunks = [chunk(k, 13) for k in range(100)]
+    for c in chunks:
+        buf.push(c)
+        assert not buf.ready(32)
+    assert len(buf) == 1300
+    batches = drain(buf, [], 32)
+    ids = np.concatenate([b.arrays[0] for b in batches]).tolist()
+    want = np.concatenate([c.arrays[0] for c in chunks]).tolist()
+    assert sorted(ids) == sorted(want)
+    assert ids != want, "not shuffled"
+    assert [b.n for b in batches] == [32] * 40 + [20]
+    for b in batches:
+        np.testing.assert_array_equal(b.arrays[1], np.repeat(b.arrays[0][:, None], 3, axis=1))
+
+
+def test_storage_grows_with_the_rows_held_and_shrinks_as_they_leave() -> None:
+    buf = ShuffleBuffer(10**9, [0, 0], np.random.default_rng(0))
+    for k in range(200):
+        buf.push(chunk(k, 50))
+    assert len(buf) == 10_000
+    assert 10_000 <= buf._cap <= 20_000, "grows geometrically, to what is held"
+    while len(buf) > 100:
+        buf.pop(64)
+    assert buf._cap <= 1024, "a drained buffer keeps memory for what it held at its peak"
+
+
+def test_clear_drops_every_row_and_lets_go_of_every_chunk() -> None:
+    """The stream counts what clear() returns as dropped; the chunks (a
+    worker's shared-memory slot, say) are let go of at once."""
+    buf = ShuffleBuffer(100, [0, 0], np.random.default_rng(0))
+    refs = []
+    for k in range(10):
+        c = image_chunk(k, 7)
+        refs.append(weakref.ref(c.arrays[0]))
+        buf.push(c)
+    del c
+    buf.pop(16)
+    assert len(buf) == 54
+    assert any(r() is not None for r in refs)
+    assert buf.clear() == 54
+    assert len(buf) == 0
+    gc.collect()
+    assert all(r() is None for r in refs), "a chunk outlived clear()"
+    assert buf.clear() == 0
+    # usable again, with the same guarantees
+    batches = drain(buf, [image_chunk(k, 5) for k in range(20, 30)], 8)
+    ids = np.concatenate([b.arrays[1] for b in batches])
+    assert sorted(ids.tolist()) == sorted(k * 1000 + r for k in range(20, 30) for r in range(5))
+
+
+def test_chunks_of_small_rows_are_let_go_of_at_push() -> None:
+    """Small rows are copied into the buffer's own store: their chunk (a
+    worker's shared-memory slot) need not wait for its last row to leave."""
+    buf = ShuffleBuffer(1000, [0, 0], np.random.default_rng(0))
+    c = chunk(0, 20)
+    ref = weakref.ref(c.arrays[1])
+    buf.push(c)
+    del c
+    gc.collect()
+    assert ref() is None
+    assert len(buf) == 20
+
+
+def test_big_rows_stay_aligned_and_are_shuffled_on_any_batch_axis() -> None:
+    """Images (big rows, by reference) with small labels (in the store),
+    the images batched along axis 0 or 1."""
+    for axis in (0, 1):
+        chunks = []
+        for k in range(12):
+            c = image_chunk(k, 1 + k % 5)
+            chunks.append(c if axis == 0 else Chunk((np.ascontiguousarray(np.moveaxis(c.arrays[0], 0, 1)), c.arrays[1]), c.n, 0, k))
+        buf = ShuffleBuffer(10, [axis, 0], np.random.default_rng(5))
+        batches = drain(buf, chunks, 4)
+        for b in batches:
+            images = b.arrays[0] if axis == 0 else np.moveaxis(b.arrays[0], 1, 0)
+            assert b.arrays[0].flags.c_contiguous
+            assert images.shape == (b.n, 3, 40, 40)
+            np.testing.assert_array_equal(images, np.broadcast_to((b.arrays[1] % 251).astype(np.uint8)[:, None, None, None], images.shape))
+        ids = np.concatenate([b.arrays[1] for b in batches]).tolist()
+        want = np.concatenate([c.arrays[1] for c in chunks]).tolist()
+        assert sorted(ids) == sorted(want) and ids != want
+        assert not buf._chunks
+
+
+def test_each_row_is_as_likely_to_leave_first() -> None:
+    """The draw is uniform: over many buffers of 10 rows, each row is in
+    the first batch of 3 about 3/10 of the time, and at each place of it
+    about 1/10 (seeded: the counts are fixed, the bounds are ~4 sigma)."""
+    rng = np.random.default_rng(11)
+    counts = np.zeros((3, 10), int)
+    for _ in range(3000):
+        buf = ShuffleBuffer(0, [0, 0], rng)
+        buf.push(chunk(0, 10))
+        b = buf.pop(3)
+        counts[np.arange(3), b.arrays[0]] += 1
+    assert counts.sum() == 9000
+    assert np.all(np.abs(counts - 300) < 70), counts
+
+
+def test_a_chunk_unlike_the_first_is_refused() -> None:
+    buf = ShuffleBuffer(10, [0, 0], np.random.default_rng(0))
+    buf.push(chunk(0, 5))
+    with pytest.raises(ValueError, match="blob 1 has dtype float32 and shape \\(5, 4\\)"):
+        buf.push(chunk(1, 5, width=4))
+    with pytest.raises(ValueError, match="size"):
+        ShuffleBuffer(-1, [0], np.random.default_rng(0))
+    with pytest.raises(TypeError, match="size"):
+        ShuffleBuffer(1.5, [0], np.random.default_rng(0))  # type: ignore[arg-type]
