@@ -1295,3 +1295,72 @@ def test_two_slots_and_a_kept_view_never_stall(gc: blobfeed.GlobalCoordinator) -
     for k in copy:
         np.testing.assert_array_equal(first[k], copy[k], err_msg="the kept batch was overwritten")
     check_batches(got, batch, partial_last=False)
+
+
+class ForksAHelper:
+    """Worker index 0 forks a long-lived helper process on its first call
+    (it inherits the worker's end of the pipe, and whatever the worker
+    maps), writing the helper's pid to ``pidfile``; chunks forever."""
+
+    def __init__(self, pidfile: str, rows: int = SHM_ROWS) -> None:
+        self.pidfile, self.rows = pidfile, rows
+        self.n = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        info = get_worker_info()
+        assert info is not None
+        if info.index == 0 and self.n == 0:
+            pid = os.fork()
+            if pid == 0:  # the helper: lives on, touches nothing
+                try:
+                    time.sleep(60)
+                finally:
+                    os._exit(0)
+            Path(self.pidfile).write_text(str(pid))
+        self.n += 1
+        return make_chunk(worker_id, self.n % 1000, self.rows)
+
+
+def test_a_helper_forked_by_fetch_fun_does_not_hold_up_stop(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Defect (issue 17): the helper kept the worker's pipe open, so the
+    receiver waited for an EOF that never came; stop() returned False after
+    5 s and the log blamed "a fetch_fun that never returns" for blobfeed's
+    own receiver.  A worker's end no longer depends on every inheritor of its
+    pipe closing: stop() returns True at once and leaves nothing behind (the
+    helper, the user's, lives on without blobfeed's shared memory)."""
+    pidfile = tmp_path / "helper"
+    one_cycle(tmp_path, 1)  # the forkserver and its pipes are made once
+    pygc.collect()
+    fds = set(os.listdir("/proc/self/fd"))
+    gc = blobfeed.GlobalCoordinator()
+    net = new_net()
+    helper = 0
+    try:
+        init_data_input_workers(net, ["ids", "feat"], ForksAHelper(str(pidfile)), 16, num_worker_threads=2,
+                                backend=ProcessBackend(slots=4, slot_bytes=64 * 1024), coordinator=gc)
+        gc.start()
+        for _ in range(10):
+            net.run(timeout=WAIT)
+        helper = int(wait_file(pidfile))
+        assert not gone(helper)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="blobfeed"):
+            ok = gc.stop(timeout=WAIT)
+        took = time.monotonic() - t0
+        assert ok is True, f"stop() returned False: {[r.getMessage() for r in caplog.records]}"
+        assert took < 2.0, f"stop() took {took:.2f} s"
+        assert not any("never returns" in r.getMessage() for r in caplog.records)
+        assert not blobfeed_threads()
+        assert not multiprocessing.active_children()
+        del net  # its workspace's last batch views a slot: the mapping goes with it
+        pygc.collect()
+        left = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - fds
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+        assert not left, f"descriptors left open: {left}"
+        assert not gone(helper), "the helper is the user's: blobfeed does not kill it"
+        maps = Path(f"/proc/{helper}/maps").read_text()
+        assert "memfd:blobfeed" not in maps, "the helper still maps the worker's shared memory"
+    finally:
+        if helper:
+            os.kill(helper, signal.SIGKILL)

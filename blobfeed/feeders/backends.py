@@ -25,7 +25,9 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checka
 from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 from .source import WorkerIntake
 
-__all__ = ["FetchFun", "FetcherBackend", "LaunchPlan", "ThreadBackend", "WorkerGroup", "WorkerPlan"]
+__all__ = [
+    "FetchFun", "FetcherBackend", "LaunchPlan", "ThreadBackend", "WorkerGroup", "WorkerPlan", "runs_user_code",
+]
 
 logger = logging.getLogger("blobfeed.feeders")
 
@@ -69,7 +71,8 @@ class WorkerGroup(Protocol):
 
     def join(self, deadline: float | None) -> list[str]:
         """Wait for the workers until ``deadline`` (``time.monotonic()``;
-        None: no bound).  Returns the names of those still running."""
+        None: no bound).  Returns the names of those still running (see
+        :func:`runs_user_code` for which of them run user code)."""
 
     def alive(self) -> list[str]:
         """Names of the workers (and helper threads) still running."""
@@ -145,6 +148,19 @@ def run_worker(
     finally:
         set_worker_info(None)
         intake.finished(exhausted)
+
+
+#: names of the threads (and worker processes, Ray actors) that run user
+#: code: a fetch_fun, worker_fun, init_fun, external logger or shutdown_fun
+USER_CODE_PREFIXES = ("blobfeed-fetch-", "blobfeed-worker-", "blobfeed-log-", "blobfeed-shutdown-", "ray-actor-")
+
+
+def runs_user_code(name: str) -> bool:
+    """Whether ``name``, one a :meth:`WorkerGroup.join` returned, runs user
+    code, which blobfeed cannot interrupt.  Any other (a receiver, a watcher,
+    an enqueuer) is one of blobfeed's own threads: still running past a stop
+    is a bug of blobfeed's, never to be blamed on a ``fetch_fun``."""
+    return name.startswith(USER_CODE_PREFIXES)
 
 
 def thread_main(name: str, fn: Callable[[], None], on_exit: Callable[[], None]) -> None:

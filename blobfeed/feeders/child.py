@@ -7,7 +7,7 @@ malformed results) is pickled, several results to one message, because for
 small arrays a pipe beats shared memory.  The parent validates everything:
 the child only moves data, so every backend behaves the same.
 
-Messages (pickled tuples on the connection):
+Messages (pickled tuples on the pipe, each after its length: ``transport.send_message``):
 
 * ``("items", [(seconds, result), ...])``: results in call order;
 * ``("slot", seconds, index, [(dtype, shape, offset), ...], is_tuple, state)``
@@ -22,6 +22,8 @@ Messages (pickled tuples on the connection):
 from __future__ import annotations
 
 import ctypes
+import functools
+import mmap
 import os
 import pickle
 import select
@@ -34,7 +36,7 @@ import numpy as np
 
 from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 from .chunks import Stamped
-from .transport import SLOT_INDEX, FdHandle, SlotArea, align, pack_exception
+from .transport import SLOT_INDEX, FdHandle, SlotArea, align, pack_exception, send_message
 
 __all__ = ["child_main"]
 
@@ -103,7 +105,7 @@ def child_main(
     slots: int,
     slot_bytes: int,
     free_fd: FdHandle,
-    conn: Any,
+    out_fd: FdHandle,
     pdeathsig: bool = True,
     epochs: int | None = 1,
     first_epoch: int = 0,
@@ -117,10 +119,14 @@ def child_main(
     parent = os.getppid()
     area = SlotArea(area_fd.fd, slots, slot_bytes)
     os.close(area_fd.fd)
+    # A process fetch_fun forks (a helper that outlives us) must not keep
+    # the slots mapped, and with them the parent's memory, after we end.
+    if hasattr(mmap, "MADV_DONTFORK"):
+        area.mm.madvise(mmap.MADV_DONTFORK)
     try:
         _work(
             WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed)),
-            payload, on_error, area, free_fd.fd, conn, parent, epochs, first_epoch,
+            payload, on_error, area, free_fd.fd, out_fd.fd, parent, epochs, first_epoch,
         )
     finally:
         # we return on purpose: an exit with code 0 without this flag is a
@@ -134,13 +140,13 @@ def _work(
     on_error: str,
     area: SlotArea,
     free_r: int,
-    conn: Any,
+    out: int,
     parent: int,
     epochs: int | None,
     epoch: int,
 ) -> None:
     worker_id = first.worker_id
-    send = conn.send_bytes
+    send = functools.partial(send_message, out)
     dumps = pickle.dumps
     perf = time.perf_counter
     slots, slot_bytes = area.slots, area.slot_bytes

@@ -39,10 +39,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import BlobfeedError
-from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
+from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
 from .chunks import GrantPin, Stamped
-from .transport import SLOT_INDEX, FdHandle, SlotArea, mem_available, unpack_exception
+from .transport import SLOT_INDEX, FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
 
 __all__ = ["ProcessBackend"]
 
@@ -243,8 +243,7 @@ class _Worker:
         self._proc_closed = False
         #: the exit code once known (negative: the signal that killed it)
         self.exitcode: int | None = None
-        recv_conn, send_conn = group.ctx.Pipe(duplex=False)
-        self.conn = recv_conn
+        out_r, out_w = os.pipe()
         info = w.info
         self.process = group.ctx.Process(
             target=child_main,
@@ -252,7 +251,7 @@ class _Worker:
             args=(
                 w.worker_id, info.index, info.num_workers, info.source, info.seed,
                 group.payload, w.intake.on_error, FdHandle(area_fd), backend.slots,
-                backend.slot_bytes, FdHandle(free_r), send_conn, backend.start_method == "forkserver",
+                backend.slot_bytes, FdHandle(free_r), FdHandle(out_w), backend.start_method == "forkserver",
                 group.plan.epochs, group.plan.first_epoch,
             ),
             daemon=True,
@@ -262,15 +261,18 @@ class _Worker:
             self.process.start()
         except BaseException:
             self.ring.close()
-            recv_conn.close()
+            os.close(out_r)
             raise
         finally:
             # the child has its copies now (or never will): ours go
             os.close(area_fd)
             os.close(free_r)
-            send_conn.close()
+            os.close(out_w)
         self.pid: int = self.process.pid or 0
         self.sentinel: int = self.process.sentinel
+        #: the child's messages, until the child ended (not until the pipe's
+        #: EOF: a process fetch_fun forked may hold its write end for ever)
+        self.reader = MessageReader(out_r, self.sentinel)
         self.thread = threading.Thread(
             target=thread_main,
             args=(f"blobfeed-recv-{group.source}-{w.worker_id}", self._receive, group.plan.on_thread_exit),
@@ -299,15 +301,14 @@ class _Worker:
         intake = self.plan.intake
         area = self.area
         hint = self.group.plan.batch_size_hint
-        recv = self.conn.recv_bytes
+        recv = self.reader.recv
         handle = self._handle
         exhausted = False
         intake.started()
         try:
             while True:
-                try:
-                    data = recv()
-                except (EOFError, OSError):
+                data = recv()
+                if data is None:
                     break  # the child ended: its sentinel tells how
                 area.set_hint(hint())
                 # One message per call: what it held (a chunk viewing a slot)
@@ -324,7 +325,7 @@ class _Worker:
                     # itself (as threads do), while we drain what it sends
                     self._drain()
                     return
-            # EOF without "done": the child ended; the watcher may have said so already
+            # ended without "done": the child ended; the watcher may have said so already
             self.wait_exit(1.0)
             self.report_death()
         finally:
@@ -335,12 +336,13 @@ class _Worker:
         may be blocked sending one); its slots go straight back to it."""
         self.area.set_stop()
         self.ring.stop()
-        recv = self.conn.recv_bytes
+        recv = self.reader.recv
         while True:
-            try:
-                msg = pickle.loads(recv())
-            except (EOFError, OSError):
+            data = recv()
+            if data is None:
                 break
+            try:
+                msg = pickle.loads(data)
             except Exception:  # an unpicklable result: discarded anyway
                 continue
             if msg[0] == "slot":
@@ -447,7 +449,7 @@ class _Worker:
                 return
             self._closed = True
         self.ring.close()
-        self.conn.close()
+        os.close(self.reader.fd)
         if self.poll() is not None:
             with self._proc_lock:
                 self._proc_closed = True
@@ -639,6 +641,14 @@ class _ProcessGroup:
                     stuck.append(self.returner.name)
             if not stuck:
                 self._release()
+            ours = [name for name in stuck if not runs_user_code(name)]
+            if ours:
+                # not a fetch_fun's doing: every worker process was killed
+                logger.error(
+                    "source %r: blobfeed's own thread(s) %s did not end (worker processes: %s); "
+                    "this is a bug in blobfeed", self.source, ", ".join(ours),
+                    ", ".join(f"pid {wk.pid} {_describe(wk.poll())}" for wk in self.workers),
+                )
             return stuck
 
     def _release(self) -> None:

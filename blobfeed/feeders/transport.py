@@ -14,12 +14,14 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import select
 import struct
 import traceback
 from typing import Any
 
 __all__ = [
-    "HEADER_BYTES", "SlotArea", "mem_available", "pack_exception", "unpack_exception",
+    "HEADER_BYTES", "MessageReader", "SlotArea", "mem_available", "pack_exception", "send_message",
+    "unpack_exception",
 ]
 
 #: area header: [0:8] the batch-size hint, [8:16] the stop flag (parent to
@@ -30,6 +32,77 @@ _HINT = struct.Struct("<q")
 SLOT_INDEX = struct.Struct("<i")
 #: every array in a slot starts at a multiple of this
 ALIGN = 64
+
+
+#: the length of one message on a worker's pipe, before its bytes
+_LENGTH = struct.Struct("<Q")
+
+
+def send_message(fd: int, data: bytes) -> None:
+    """Write one message (its length, then its bytes) to the blocking pipe ``fd``."""
+    view = memoryview(_LENGTH.pack(len(data)) + data) if len(data) < 65536 else None
+    if view is None:  # a big message: not copied to prepend its length
+        _write_all(fd, memoryview(_LENGTH.pack(len(data))))
+        view = memoryview(data)
+    _write_all(fd, view)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class MessageReader:
+    """The parent's end of a worker's pipe: whole messages, until the worker
+    process has ended.
+
+    The end of the worker is its process's ``sentinel``, not the pipe's EOF:
+    a process ``fetch_fun`` forked inherits the pipe's write end and may
+    keep it open for as long as it lives, so EOF may never come.  Once the
+    sentinel is ready the messages the worker wrote before it ended are read
+    (without blocking) and then the stream ends, a message cut short by its
+    death included.
+    """
+
+    def __init__(self, fd: int, sentinel: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._sentinel = sentinel
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+        self._poller.register(sentinel, select.POLLIN)
+        #: the worker process has ended: read what is left, never wait
+        self._ended = False
+
+    def recv(self) -> bytearray | None:
+        """The next message; None once the worker ended and no whole message is left."""
+        head = self._read(_LENGTH.size)
+        if head is None:
+            return None
+        return self._read(_LENGTH.unpack(head)[0])
+
+    def _read(self, n: int) -> bytearray | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        while pos < n:
+            try:
+                got = os.readv(self.fd, [view[pos:]])
+            except BlockingIOError:
+                got = -1
+            except OSError:  # closed under us: stopped
+                return None
+            if got == 0:
+                return None  # EOF: every holder of the write end closed it
+            if got > 0:
+                pos += got
+                continue
+            if self._ended:
+                return None  # nothing more will come
+            for fd, _ in self._poller.poll():
+                if fd == self._sentinel:
+                    self._ended = True
+        return buf
 
 
 def align(n: int) -> int:
