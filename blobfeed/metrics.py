@@ -124,7 +124,7 @@ class _Collector:
         )
         dropped = CounterMetricFamily(
             "blobfeed_dropped_samples",
-            "Accepted samples that no net received, by reason (drop_last, stopped, error).",
+            "Accepted samples that no net received, by reason (drop_last, stopped, error, resume).",
             labels=["source", "reason"],
         )
         skipped = CounterMetricFamily(

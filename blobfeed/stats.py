@@ -45,7 +45,7 @@ FETCH_ERROR_KINDS = ("exception", "invalid", "none", "empty")
 #: ``blobfeed_inputs_per_second`` is the rate over this many seconds.
 RATE_WINDOW_S = 3.0
 #: Reasons a sample that a fetcher returned may not reach a net.
-DROP_REASONS = ("drop_last", "stopped", "error")
+DROP_REASONS = ("drop_last", "stopped", "error", "resume")
 
 _INF = float("inf")
 DEFAULT_BUCKETS = (

@@ -21,7 +21,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
     "blobfeed.feeders.shuffle": 3,
-    "blobfeed.feeders.ordered": 3.5,
+    "blobfeed.feeders.dealing.base": 3.1, "blobfeed.feeders.dealing.arrival": 3.2,
+    "blobfeed.feeders.dealing.lanes": 3.2, "blobfeed.feeders.dealing": 3.5,
     "blobfeed.feeders.replay": 3,
     "blobfeed.feeders.source": 4,
     "blobfeed.feeders.enqueuer": 5,
@@ -38,9 +39,13 @@ LAYERS: dict[str, int] = {
     "blobfeed": 12,
     "blobfeed.ray": 13,
     # the applications (blobfeed.apps): one way among themselves too
-    "blobfeed.apps": 14, "blobfeed.apps.models": 14, "blobfeed.apps.demo": 14,
-    "blobfeed.apps.bench": 14,
-    "blobfeed.apps.cli": 15,
+    "blobfeed.apps": 14, "blobfeed.apps.models": 14, "blobfeed.apps.demo": 14, "blobfeed.apps.bench": 14,
+    "blobfeed.apps.bench.measure": 14.1, "blobfeed.apps.bench.workloads": 14.2,
+    "blobfeed.apps.bench.report": 14.3, "blobfeed.apps.bench.library": 14.3, "blobfeed.apps.bench.peers.base": 14.3,
+    **{f"blobfeed.apps.bench.peers.{peer}": 14.4 for peer in (
+        "caffe2", "copy_bound", "grain_dataset", "model_alone", "mp_pool", "ray_data", "torch_dataloader")},
+    "blobfeed.apps.bench.peers": 14.5, "blobfeed.apps.bench.runner": 14.6, "blobfeed.apps.bench.cli": 14.7,
+    "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.cli": 14.9,
 }
 APPS = {m for m in LAYERS if m == "blobfeed.apps" or m.startswith("blobfeed.apps.")}
 #: what an application may import of the package

@@ -4,7 +4,7 @@ loaded (a state is user input: a file on disk)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from ..feeders import READABLE_VERSIONS, InputSource
 
@@ -13,7 +13,7 @@ def ordered_source(name: str, source: InputSource | None) -> InputSource:
     """``source`` (the one named ``name``) if it can save and load a state."""
     if source is None:
         raise ValueError(f"no input source named {name!r}")
-    if source.ordered is None or not source.ordered.strict:
+    if not source.dealer.resumable:
         raise ValueError(
             f"source {name!r} is not deterministic: state_dict/load_state_dict need "
             "init_data_input_workers(..., deterministic=True)"
@@ -22,8 +22,9 @@ def ordered_source(name: str, source: InputSource | None) -> InputSource:
 
 
 def layout(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
-    """What a state records of how ``source`` is wired; ``seeds``: the base
-    seed of each ``init_data_input_workers`` call for it, in wiring order."""
+    """What a state records of how ``source`` is wired: everything that
+    changes its stream; ``seeds``: the base seed of each
+    ``init_data_input_workers`` call for it, in wiring order."""
     ordered = source.ordered
     assert ordered is not None
     return {
@@ -33,6 +34,9 @@ def layout(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
         "axes": list(source.axes),
         # per init_data_input_workers call, in wiring order
         "seed": list(seeds),
+        "shuffle_buffer": ordered.shuffle.size if ordered.shuffle is not None else 0,
+        # per net, in wiring order
+        "drop_last": [bool(f.drop_last) for f in source.feeds],
     }
 
 
@@ -42,44 +46,162 @@ def state_dict(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
     return source.ordered.state(layout(source, seeds), [f.net_name for f in source.feeds])
 
 
+#: what a state must hold (``seed``, ``shuffle_buffer``, ``drop_last`` came later: see _LAYOUT)
+_REQUIRED = ("version", "num_workers", "batch_size", "blobs", "axes", "position", "nets")
+#: layout key -> what a message calls it
+_LAYOUT: tuple[tuple[str, str], ...] = (
+    ("num_workers", "worker count"),
+    ("batch_size", "batch size"),
+    ("blobs", "blob layout"),
+    ("axes", "blob layout (batch axes)"),
+    ("seed", "seed"),
+    ("shuffle_buffer", "shuffle_buffer"),
+    ("drop_last", "drop_last (per net)"),
+)
+_POSITION = ("batches", "rr", "offset", "calls", "states")
+
+
+def _path(keys: Sequence[str | int]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in keys)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, and of the same types throughout: ``True == 1`` and
+    ``2.0 == 2`` in Python, but a state that says ``True`` workers is damaged."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+class _Checker:
+    """The checks of one state; each failure names its field."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def fail(self, keys: Sequence[str | int], message: str) -> NoReturn:
+        raise ValueError(f"source {self.name!r}: {_path(keys)}: {message}")
+
+    def get(self, where: dict[str, Any], keys: Sequence[str | int]) -> Any:
+        if keys[-1] not in where:
+            self.fail(keys, "missing (the state is damaged, or not from state_dict())")
+        return where[keys[-1]]
+
+    def integer(self, value: Any, keys: Sequence[str | int], lo: int, hi: int | None = None) -> int:
+        """An int (never a bool or a float) in [lo, hi)."""
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok or value < lo or (hi is not None and value >= hi):
+            span = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+            self.fail(keys, f"expected an int {span}, got {value!r}")
+        return int(value)
+
+    def sequence(self, value: Any, keys: Sequence[str | int], length: int, what: str) -> list[Any]:
+        if not isinstance(value, list) or len(value) != length:
+            got = f"a list of {len(value)}" if isinstance(value, list) else repr(value)
+            self.fail(keys, f"expected a list of {length} ({what}), got {got}")
+        return list(value)
+
+
 def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]) -> None:
-    """Refuse a ``state`` that ``source`` (named ``name``) cannot continue from.
+    """Refuse a ``state`` that ``source`` (named ``name``) cannot continue
+    from, before anything is loaded: every field, its type (an int is never
+    a bool), its range, the lengths of its lists, and that its parts agree.
+
+    What cannot be known before the run (an ``offset`` past the end of the
+    regenerated head chunk) is the stream's to refuse.
 
     Raises:
         TypeError: ``state`` is not a dict.
-        ValueError: naming the field that is wrong.
+        ValueError: naming the field that is wrong or missing.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-    if state.get("version") not in READABLE_VERSIONS:
+    ordered = source.ordered
+    assert ordered is not None
+    check = _Checker(name)
+    for key in _REQUIRED:
+        check.get(state, [key])
+    version = state["version"]
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise ValueError(
-            f"source {name!r}: state has version {state.get('version')!r}; this blobfeed reads "
+            f"source {name!r}: state has version {version!r}; this blobfeed reads "
             f"versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
-    nets = state.get("nets")
-    if not isinstance(nets, list) or len(nets) != len(source.feeds):
+    if "source" in state and not isinstance(state["source"], str):
+        check.fail(["source"], f"expected the source's name (a str), got {state['source']!r}")
+    feeds = source.feeds
+    k = len(feeds)
+    nets = state["nets"]
+    if not isinstance(nets, list) or len(nets) != k:
         raise ValueError(
             f"source {name!r}: the state was saved for {len(nets) if isinstance(nets, list) else '?'} "
-            f"nets {nets!r}; this pipeline feeds {len(source.feeds)}: "
-            f"{[f.net_name for f in source.feeds]}"
+            f"nets {nets!r}; this pipeline feeds {k}: {[f.net_name for f in feeds]}"
         )
     wired = layout(source, seeds)
-    for key, what in (("num_workers", "worker count"), ("batch_size", "batch size"),
-                      ("blobs", "blob layout"), ("axes", "blob layout (batch axes)"), ("seed", "seed")):
-        if key not in state and key == "seed":
-            continue  # version 1 did not record it
-        if state.get(key) != wired[key]:
+    for key, what in _LAYOUT:
+        if key not in state:
+            # saved before the key was recorded: seed could be anything;
+            # shuffle_buffer and drop_last had their defaults
+            implied = {"shuffle_buffer": 0, "drop_last": [False] * k}.get(key)
+            if implied is None or _same(implied, wired[key]):
+                continue
+            raise ValueError(
+                f"source {name!r}: the state predates {key} being saved (such a state implies "
+                f"{key}={implied!r}); this pipeline has {key}={wired[key]!r}: its stream differs"
+            )
+        if not _same(state[key], wired[key]):
             hint = " (pass seed= with the saved value)" if key == "seed" else ""
             raise ValueError(
-                f"source {name!r}: the state was saved with {what} {state.get(key)!r}; "
+                f"source {name!r}: the state was saved with {what} {state[key]!r}; "
                 f"this pipeline has {wired[key]!r}{hint}"
             )
-    epoch = state.get("position", {}).get("epoch", 0)
-    if source.epochs is not None and epoch >= source.epochs:
-        raise ValueError(
-            f"source {name!r}: the state was saved in epoch {epoch}; this pipeline runs "
-            f"epochs={source.epochs} (epochs 0 to {source.epochs - 1})"
-        )
+    epochs = source.epochs
+    n = wired["num_workers"]
+    position = state["position"]
+    if not isinstance(position, dict):
+        check.fail(["position"], f"expected a dict, got {position!r}")
+    for key in _POSITION + (("epoch",) if version >= 2 else ()):
+        check.get(position, ["position", key])
+    batches = check.integer(position["batches"], ["position", "batches"], 0)
+    epoch = check.integer(position.get("epoch", 0), ["position", "epoch"], 0, epochs)
+    rr = check.integer(position["rr"], ["position", "rr"], 0, n)
+    offset = check.integer(position["offset"], ["position", "offset"], 0)
+    calls = check.sequence(position["calls"], ["position", "calls"], n, "calls per worker")
+    for i, c in enumerate(calls):
+        check.integer(c, ["position", "calls", i], 0)
+    states = check.sequence(position["states"], ["position", "states"], n, "a fetcher state per worker")
+    # per net: [name, next batch, epochs it was told ended] (version 1: no epochs)
+    next_batches = []
+    for j, entry in enumerate(nets):
+        sizes = (2, 3) if version == 1 else (3,)
+        if not isinstance(entry, list) or len(entry) not in sizes:
+            check.fail(["nets", j], f"expected [net name, next batch, epoch], got {entry!r}")
+        if not isinstance(entry[0], str):
+            check.fail(["nets", j, 0], f"expected the net's name (a str), got {entry[0]!r}")
+        nxt = check.integer(entry[1], ["nets", j, 1], j)
+        if (nxt - j) % k:
+            check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
+                       f"batches are dealt to the {k} nets in turn), got {nxt}")
+        if len(entry) == 3:
+            # the ends it was told of: one per epoch but the last
+            check.integer(entry[2], ["nets", j, 2], 0, epochs)
+        next_batches.append(nxt)
+    low = min(next_batches)
+    if ordered.shuffle is not None:
+        # a shuffled source resumes from its start, dropping what each net had
+        start = {"batches": 0, "epoch": 0, "rr": 0, "offset": 0}
+        for key, want in start.items():
+            if {"batches": batches, "epoch": epoch, "rr": rr, "offset": offset}[key] != want:
+                check.fail(["position", key], f"expected {want} (a shuffled source's state is at its start)")
+        if any(calls) or any(s is not None for s in states):
+            check.fail(["position", "calls"], "expected every worker at its start (a shuffled source's state is)")
+    elif not low - k < batches <= low:
+        # the position is the one after the slowest net's last batch (or the
+        # end of the stream, when every net is past it): further on, that
+        # net would never get the batches in between; further back, the
+        # stream would be dealt to the wrong nets
+        check.fail(["position", "batches"], f"expected {low} (the next batch of the slowest net, "
+                   f"in {[e[1] for e in nets]}), got {batches}")
 
 
 def load_state(source: InputSource, state: dict[str, Any]) -> None:

@@ -337,17 +337,18 @@ class DataInputCoordinator(WorkerCoordinator):
             intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
             workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
         fetch_fun = self._fetch_fun
-        if self.source.ordered is not None:
-            start = {wid: self.source.resume_at.get(wid, (0, None)) for wid in self.worker_ids}
-            for w in workers:
-                w.intake.calls = start[w.worker_id][0]  # the seq of its next chunk
-            if any(calls for calls, _ in start.values()) or is_stateful(fetch_fun):
-                fetch_fun = Replayed(fetch_fun, start)
-        ordered = self.source.ordered
+        start = {wid: self.source.resume_at.get(wid, (0, None)) for wid in self.worker_ids}
+        for w in workers:
+            w.intake.calls = start[w.worker_id][0]  # the seq of its next chunk
+        # A stateful fetcher is copied per worker (its state is then that
+        # worker's position, as in a worker process) and its state travels
+        # with each chunk, whatever the dealer does with it.
+        if any(calls for calls, _ in start.values()) or is_stateful(fetch_fun):
+            fetch_fun = Replayed(fetch_fun, start)
         return backend.launch(LaunchPlan(
             self.name, fetch_fun, self._worker_init_fun, workers,
             self._batch_size_hint, self._gc._thread_ended,
-            epochs=self.source.epochs, first_epoch=ordered.epoch if ordered is not None else 0,
+            epochs=self.source.epochs, first_epoch=self.source.dealer.epoch,
         ))
 
     def _enqueue(self) -> None:
@@ -368,8 +369,7 @@ class DataInputCoordinator(WorkerCoordinator):
     def _start(self) -> None:
         self._last_log = (time.monotonic(), 0.0, 0, 0.0, 0)
         self.feed.mark_started()
-        if self.source.ordered is not None:
-            self.source.ordered.start()
+        self.source.dealer.start()
         super()._start()
 
     def _request_stop(self) -> None:
@@ -388,7 +388,7 @@ class DataInputCoordinator(WorkerCoordinator):
         return {
             "source": self.name,
             "inputs_per_sec": self._hub.inputs_per_second(self.name),
-            "queue_size": self.source.queue.qsize(),
+            "queue_size": self.source.queue_depth(),
             "time_elapsed": now - self._started_at,
             "fetcher_time": fetch_time - prev[1],
             "fetcher_time_count": fetch_count - prev[2],

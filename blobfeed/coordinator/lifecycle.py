@@ -482,7 +482,7 @@ class GlobalCoordinator:
             raise ValueError(f"net {getattr(net, 'name', net)!r} is not fed from source {name!r}")
         source = found[0].source
         assert source is not None
-        if source.ordered is not None:
+        if source.dealer.batch_size is not None:
             raise ValueError(
                 f"source {name!r} is re-batched once for all its nets (deterministic, shuffle_buffer "
                 "or epochs): its batch size is fixed"

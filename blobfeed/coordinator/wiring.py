@@ -4,6 +4,7 @@ wiring of a net to a source.  Each call adds one group to a
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Iterable, Literal, Sequence
 
@@ -16,7 +17,7 @@ from ..feeders import (
     FetchFun,
     InputSource,
     ProcessBackend,
-    ShuffleBuffer,
+    DealingOptions,
     ThreadBackend,
 )
 from ..metrics import ExternalLogger
@@ -251,6 +252,7 @@ def init_data_input_workers(
         )
     gc, loggers = _check_common(input_source_name, init_fun, external_loggers, coordinator)
     base_seed = draw_base_seed(input_source_name) if seed is None else seed
+    dealing = DealingOptions(deterministic, shuffle_buffer, epochs)
     with gc._lock:
         # Every check first, so a refused call leaves nothing behind.
         source = gc._sources.get(input_source_name)
@@ -265,11 +267,11 @@ def init_data_input_workers(
                     f"source {input_source_name!r} carries {source.n_blobs} blobs with batch axes "
                     f"{list(source.axes)}; this call asks for {len(names)} with {axes}"
                 )
-            if max_buffered_batches != source.queue.capacity:
+            if max_buffered_batches != source.queue_capacity():
                 logger.warning(
                     "source %r already has an internal queue of %d chunks; "
                     "max_buffered_batches=%d ignored",
-                    input_source_name, source.queue.capacity, max_buffered_batches,
+                    input_source_name, source.queue_capacity(), max_buffered_batches,
                 )
             if any(f.net_name == net.name for f in source.feeds):
                 logger.warning(
@@ -277,23 +279,21 @@ def init_data_input_workers(
                     "net=%r; give each Net a distinct name to tell them apart",
                     input_source_name, net.name, net.name,
                 )
-            ordered = source.ordered
-            was = (ordered is not None and ordered.strict,
-                   ordered.shuffle.size if ordered is not None and ordered.shuffle is not None else 0)
-            if was != (deterministic, shuffle_buffer) or source.epochs != epochs:
+            if source.dealing != dealing:
                 raise ValueError(
-                    f"source {input_source_name!r} was wired with deterministic={was[0]}, "
-                    f"shuffle_buffer={was[1]}, epochs={source.epochs}; this call asks for "
-                    f"deterministic={deterministic}, shuffle_buffer={shuffle_buffer}, epochs={epochs}: "
-                    "every call for one source must agree"
+                    f"source {input_source_name!r} was wired with {source.dealing.describe()}; "
+                    f"this call asks for {dealing.describe()}: every call for one source must agree"
                 )
-            if ordered is not None and ordered.batch_size != batch_size:
+            # a dealer that cuts batches once for every net has one batch size
+            # and deals to the nets wired before start()
+            fixed = source.dealer.batch_size
+            if fixed is not None and fixed != batch_size:
                 raise ValueError(
                     f"source {input_source_name!r} is re-batched once for all its nets (deterministic, "
-                    f"shuffle_buffer or epochs) with batch_size={ordered.batch_size}; "
+                    f"shuffle_buffer or epochs) with batch_size={fixed}; "
                     f"this call asks for {batch_size}: such a source has one batch size"
                 )
-            if ordered is not None and any(c.started for c in gc._coordinators if c.name == input_source_name):
+            if fixed is not None and any(c.started for c in gc._coordinators if c.name == input_source_name):
                 raise ValueError(
                     f"source {input_source_name!r} is deterministic and already started: "
                     "wire every net before start()"
@@ -301,27 +301,21 @@ def init_data_input_workers(
             source.register_fetchers(num_worker_threads)  # atomic with the source's end
         else:
             source = InputSource(
-                input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure
+                input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure,
+                dealing=dealing, batch_size=batch_size, shuffle_rng=functools.partial(shuffle_rng, base_seed),
             )
             source.register_fetchers(num_worker_threads)
-            source.epochs = epochs
-            if deterministic or shuffle_buffer or epochs != 1:
-                # epochs: the stream must know where each worker's epoch ends
-                shuffle = ShuffleBuffer(shuffle_buffer, axes, shuffle_rng(base_seed)) if shuffle_buffer else None
-                source.make_ordered(batch_size, strict=deterministic, shuffle=shuffle)
         feed = Feed(
             source, net.name, net._place, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,
             dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
             model_inputs=net.input_specs,
-            outbox=source.ordered.add_net() if source.ordered is not None else None,
         )
         net._attach(feed)
         source.add_feed(feed)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
-        if source.ordered is not None:
-            source.ordered.add_lanes(ids)
+        source.add_workers(ids)
         gc._add(DataInputCoordinator(
             gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
             runner, worker_init_fun,

@@ -15,7 +15,7 @@ from ..errors import BlobfeedError, DequeueTimeout, EndOfInput, FetcherError
 from ..queues import BlobsQueue
 from ..stats import AssembleStats, ConsumeStats, MetricsHub
 from .chunks import Batch, Chunk, EpochEnd, ModelInput, check_model_inputs
-from .ordered import NetOutbox
+from .dealing import Reader
 from .rebatch import Rebatcher
 from .source import InputSource, SourceStopped
 
@@ -86,13 +86,10 @@ class Feed:
         drop_last: bool,
         hub: MetricsHub,
         model_inputs: dict[str, ModelInput] | None = None,
-        outbox: NetOutbox | None = None,
     ) -> None:
         self.source = source
-        #: deterministic=True: this net's share of the ordered stream
-        self._outbox = outbox
-        #: where chunks come from: the source's internal queue, or the outbox
-        self._input: Any = source.queue if outbox is None else outbox
+        #: this net's end of the source's dealer: where chunks come from
+        self._input: Reader = source.add_reader()
         # No reference to the net itself: the net refers to its feeds, and a
         # cycle would keep a discarded net's onnxruntime session alive.
         self.net_name = net_name
@@ -298,8 +295,10 @@ class Feed:
                 if not ok:
                     queue.wait_for_item()  # woken by a put or a close
         except FetcherError as err:
-            if self._outbox is not None and not self._aborted:
-                # deterministic: the error has its place in the stream
+            if not self._aborted:
+                # the dealer raised the error at its place in the stream
+                # (the source did not abort this feed): what came before it
+                # is still handed out
                 self._end_with(err)
                 return
             # the source failed; fail() closed our queue with the error
@@ -407,8 +406,10 @@ class Feed:
         due (at most once a minute per source; the first minute is warm-up)."""
         src = self.source
         now = time.monotonic()
+        if now - src.lagging_warned_at < LAGGING_WARN_S:
+            return None
         depth = self._input.qsize()
-        if now - src.lagging_warned_at >= LAGGING_WARN_S and depth < 2:
+        if depth < 2:
             src.lagging_warned_at = now
             return depth
         return None
@@ -446,7 +447,7 @@ class Feed:
             ChunkError: that batch does not fit the model.
         """
         if type(batch) is EpochEnd:
-            self._outbox.epoch_returned(batch.dropped)  # type: ignore[union-attr]
+            self._input.epoch_returned(batch.dropped)
             return
         if not self._first_checked:
             self._first_checked = True
@@ -457,8 +458,7 @@ class Feed:
                 )
         self.consume_stats.batches += 1
         self.consume_stats.samples += batch.n
-        if self._outbox is not None:
-            self._outbox.returned()
+        self._input.returned()
 
     def _assemble_here(self) -> Batch | None:
         """The net's thread takes or assembles the next batch, if it can without waiting for data.
@@ -539,7 +539,7 @@ class Feed:
                             "data input is slow: net %r has waited %.0f s for source %r "
                             "(internal queue %d chunks, %d fetchers alive)",
                             self.net_name, waited, self.source.name,
-                            self.source.queue.qsize(), self.source.workers_alive(),
+                            self.source.queue_depth(), self.source.workers_alive(),
                         )
         finally:
             cs.wait.observe(time.perf_counter() - t0)

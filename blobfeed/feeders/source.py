@@ -1,5 +1,6 @@
-"""An input source: the internal queue shared by every net fed from one
-source name, the lifecycle of its workers, and each worker's intake."""
+"""An input source: the dealer shared by every net fed from one source name
+(how chunks reach the nets), the lifecycle of its workers, and each
+worker's intake."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import threading
 import time
 from typing import Any, Callable, Literal, Protocol, Sequence
 
+import numpy as np
+
 from ..errors import ChunkError, EndOfInput, FetcherError
-from ..queues import BlobsQueue
 from ..stats import FetchStats, MetricsHub
-from .chunks import Chunk, ChunkValidator, ModelInput, Pin, Stamped, guess_samples
-from .ordered import OrderedStream
-from .shuffle import ShuffleBuffer
+from .chunks import ChunkValidator, ModelInput, Pin, Stamped, guess_samples
+from .dealing import Dealer, DealingOptions, Reader, make_dealer
 
 
 class FeedEnd(Protocol):
@@ -38,8 +39,22 @@ class SourceStopped(EndOfInput):
 
 
 class InputSource:
-    """Everything behind one ``input_source_name``: the internal queue, the
-    fetchers' lifecycle and the feeds (one per net) that share it.
+    """Everything behind one ``input_source_name``: its dealer (how chunks
+    reach the nets), the fetchers' lifecycle and the feeds (one per net)
+    that share it.
+
+    Args:
+        name: the source's name.
+        capacity: chunks its dealer may hold (``max_buffered_batches``).
+        n_blobs: arrays per chunk.
+        axes: each blob's batch axis.
+        hub: the metrics hub.
+        on_failure: told of the first fetcher error (the coordinator's
+            ``should_stop``/``join``).
+        dealing: how chunks are dealt (chosen once, here).
+        batch_size: the first net's batch size (the source's own, when its
+            dealer cuts batches once for every net).
+        shuffle_rng: makes the shuffle buffer's generator, if there is one.
 
     Thread-safe.
     """
@@ -52,14 +67,18 @@ class InputSource:
         axes: Sequence[int],
         hub: MetricsHub,
         on_failure: Callable[[BaseException], None] | None = None,
+        *,
+        dealing: DealingOptions = DealingOptions(),
+        batch_size: int = 1,
+        shuffle_rng: Callable[[], np.random.Generator] = np.random.default_rng,
     ) -> None:
         self.name = name
-        #: told of the first fetcher error (the coordinator's should_stop/join)
         self._on_failure = on_failure
-        # Fetchers blocked on a full queue sleep until it is half empty, then
-        # refill it in a burst: far fewer wake-ups than one per chunk.
-        self.queue: BlobsQueue[Chunk] = BlobsQueue(
-            capacity, name=f"{name}/internal", low_water=capacity // 2
+        self.dealing = dealing
+        self.dealer: Dealer = make_dealer(
+            name, dealing, batch_size=batch_size, axes=axes, capacity=capacity,
+            shuffle_rng=shuffle_rng, on_error=self.fail, on_error_in_order=self.fail_in_order,
+            on_dropped=lambda reason, n: hub.count_dropped(name, reason, n),
         )
         self.n_blobs = n_blobs
         self.axes = tuple(axes)
@@ -83,25 +102,19 @@ class InputSource:
         #: each fetcher writes only its own key
         self.inflight: dict[int, int] = {}
         self.lagging_warned_at = time.monotonic()
-        #: deterministic=True: the round-robin stream the workers feed and
-        #: the nets read, instead of ``queue``
-        self.ordered: OrderedStream | None = None
         #: per worker id, where load_state_dict() says it starts: (calls, state)
         self.resume_at: dict[int, tuple[int, Any]] = {}
-        #: passes over the data (None: endless); more than one needs ``ordered``
-        self.epochs: int | None = 1
+        #: passes over the data (None: endless)
+        self.epochs: int | None = dealing.epochs
         hub.attach_source(self)
 
-    def make_ordered(self, batch_size: int, *, strict: bool = True, shuffle: ShuffleBuffer | None = None) -> OrderedStream:
-        """Read this source through lanes (before any worker starts):
-        ``strict``, in round robin (deterministic=True); ``shuffle``, through
-        a shuffle buffer."""
-        # The lanes share the internal queue's bound (max_buffered_batches).
-        self.ordered = OrderedStream(
-            self.name, batch_size, self.axes, capacity=self.queue.capacity,
-            outbox_samples=2 * batch_size, on_error=self.fail_in_order, strict=strict, shuffle=shuffle,
-        )
-        return self.ordered
+    def add_workers(self, worker_ids: Sequence[int]) -> None:
+        """Wire workers in (before start): ``register_fetchers`` counted them."""
+        self.dealer.add_lanes(worker_ids)
+
+    def add_reader(self) -> Reader:
+        """A new net's end of the dealer (before start)."""
+        return self.dealer.add_net()
 
     # -- fetcher lifecycle -------------------------------------------------
     def register_fetchers(self, n: int) -> None:
@@ -111,7 +124,7 @@ class InputSource:
             ValueError: the source ended (every fetcher finished), failed or was stopped.
         """
         with self._lock:
-            if self.finished or self.error is not None or self.stopped or self.queue.closed:
+            if self.finished or self.error is not None or self.stopped or self.dealer.closed:
                 raise ValueError(
                     f"source {self.name!r} has ended; stop_coordinator({self.name!r}) "
                     "before feeding from that name again"
@@ -132,7 +145,7 @@ class InputSource:
             last = self._fetchers_finished == self._fetchers_registered
         if last and exhausted:
             logger.info("source %r: every fetcher finished; draining", self.name)
-            self.queue.close()
+            self.dealer.end_of_input()
 
     @property
     def finished(self) -> bool:
@@ -143,10 +156,10 @@ class InputSource:
         return self._fetchers_running
 
     def queue_depth(self) -> int:
-        return self.queue.qsize()
+        return self.dealer.stats().depth
 
     def queue_capacity(self) -> int:
-        return self.queue.capacity
+        return self.dealer.stats().capacity
 
     # -- ending --------------------------------------------------------------
     def fail(self, error: BaseException, *, in_order: bool = False) -> None:
@@ -162,9 +175,7 @@ class InputSource:
             self.error = error
         logger.error("source %r stopped by a fetcher error: %s", self.name, error)
         self.halted = True
-        lost = self._samples_in(self.queue.close(error))
-        if self.ordered is not None:
-            lost += self._samples_in(self.ordered.close(None if in_order else error))
+        lost = self.dealer.close(error, in_order=in_order)
         if not in_order:
             for feed in list(self.feeds):
                 lost += feed.abort(error)
@@ -174,7 +185,7 @@ class InputSource:
             self._on_failure(error)
 
     def fail_in_order(self, error: BaseException) -> None:
-        """The ordered stream's callback: ``fail(error, in_order=True)``."""
+        """The lane dealer's callback: ``fail(error, in_order=True)``."""
         self.fail(error, in_order=True)
 
     def stop(self) -> None:
@@ -184,10 +195,7 @@ class InputSource:
                 return
             self.stopped = True
         self.halted = True
-        err = SourceStopped(f"source {self.name!r} was stopped")
-        lost = self._samples_in(self.queue.close(err))
-        if self.ordered is not None:
-            lost += self._samples_in(self.ordered.close(err))
+        lost = self.dealer.close(SourceStopped(f"source {self.name!r} was stopped"))
         for feed in list(self.feeds):
             lost += feed.abort(EndOfInput(f"source {self.name!r} was stopped"))
         self.hub.count_dropped(self.name, "stopped", lost)
@@ -214,16 +222,12 @@ class InputSource:
         """Why data still inside blobfeed will never reach a net now."""
         return "error" if self.error is not None else "stopped"
 
-    @staticmethod
-    def _samples_in(items: Sequence[Any]) -> int:
-        return sum(item.n for item in items)
-
     # -- metrics -------------------------------------------------------------
     def device_queue_depths(self) -> list[tuple[str, int]]:
         return [(f.net_name, f.device_queue_depth()) for f in list(self.feeds)]
 
     def buffered_samples(self) -> int:
-        total = self._samples_in(self.queue.snapshot()) + sum(list(self.inflight.values()))
+        total = self.dealer.stats().held_samples + sum(list(self.inflight.values()))
         for f in list(self.feeds):
             total += f.buffered_samples()
         return total
@@ -273,16 +277,13 @@ class WorkerIntake:
         the next epoch (its calls count from 0 again).  Returns False when
         the worker must stop instead."""
         self.calls = 0
-        ordered = self.source.ordered
-        if ordered is None:  # epochs are always read through an ordered stream
-            raise AssertionError(f"{self._where}: an epoch ended on a source without epochs")
-        return ordered.end_epoch(self.worker_id)
+        return self.source.dealer.end_epoch(self.worker_id)
 
     def finished(self, exhausted: bool) -> None:
         """The worker ended; ``exhausted``: by StopIteration (its data is done)."""
         self.source.inflight.pop(self.worker_id, None)
-        if exhausted and self.source.ordered is not None:
-            self.source.ordered.finish(self.worker_id)
+        if exhausted:
+            self.source.dealer.finish(self.worker_id)
         self.source.fetcher_finished(exhausted)
 
     def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0) -> bool:
@@ -309,10 +310,7 @@ class WorkerIntake:
                 stats.skipped_samples += guess_samples(raw, src.axes)
                 logger.warning("%s; chunk skipped (on_error='skip')", err)
                 return True
-            if src.ordered is not None:
-                src.ordered.put_error(self.worker_id, err)
-            else:
-                src.fail(err)
+            src.dealer.put_error(self.worker_id, err)
             return False
         if isinstance(chunk, str):
             stats.errors[chunk] += 1
@@ -327,12 +325,9 @@ class WorkerIntake:
         stats.bytes += sum(a.nbytes for a in chunk.arrays)
         inflight = src.inflight
         inflight[self.worker_id] = chunk.n
-        if src.ordered is not None:
-            if state is not None:
-                chunk = chunk._replace(state=state)
-            ok = src.ordered.put(self.worker_id, chunk)
-        else:
-            ok = src.queue.put(chunk)
+        if state is not None:
+            chunk = chunk._replace(state=state)
+        ok = src.dealer.put(self.worker_id, chunk)
         inflight[self.worker_id] = 0
         if not ok:
             stats.dropped[src.lost_reason] += chunk.n
@@ -363,11 +358,9 @@ class WorkerIntake:
         if self.on_error == "skip" and not fatal and isinstance(exc, Exception):
             logger.warning("%s; skipped (on_error='skip')", err, exc_info=exc)
             return True
-        if self.source.ordered is not None:
-            # surfaces at its place in the stream, after the batches before it
-            self.source.ordered.put_error(self.worker_id, err)
-            return False
-        self.source.fail(err)
+        # the dealer fails the source at once, or where the error has its
+        # place in the stream (after the batches before it)
+        self.source.dealer.put_error(self.worker_id, err)
         return False
 
     def died(self, detail: str) -> None:

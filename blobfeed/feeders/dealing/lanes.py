@@ -1,6 +1,7 @@
-"""Deterministic mode: the workers' chunks in strict round robin, cut into
-batches once per source and dealt to the nets in turn, with the position
-after every batch (what ``state_dict`` saves).
+"""Lanes: the workers' chunks in round robin (strict: ``deterministic=True``;
+or first-ready), cut into batches once per source, optionally through a
+shuffle stage, and dealt to the nets in turn, with the position after every
+batch (what ``state_dict`` saves).
 
 Each worker has a lane, a small bounded queue of its own.  The chunk stream
 of the source is lane 0's first chunk, lane 1's first, ..., then every
@@ -31,11 +32,14 @@ import collections
 import threading
 from typing import Any, Callable, Sequence
 
-from ..errors import EndOfInput
-from .chunks import Chunk, EpochEnd
-from .shuffle import ShuffleBuffer
+import numpy as np
 
-__all__ = ["OrderedStream", "NetOutbox", "STATE_VERSION"]
+from ...errors import EndOfInput, FetcherError
+from ..chunks import Chunk, EpochEnd
+from ..shuffle import ShuffleBuffer
+from .base import DealerStats, DropCounter
+
+__all__ = ["LaneDealer", "NetOutbox", "READABLE_VERSIONS", "STATE_VERSION"]
 
 #: the layout version of ``state_dict``; a state of another version is refused
 #: (version 1, before epochs, is read as a state in epoch 0)
@@ -66,14 +70,13 @@ class _Failed:
 
 
 class NetOutbox:
-    """One net's end of an :class:`OrderedStream`: the pieces of its batches.
+    """One net's end of a :class:`LaneDealer`: the pieces of its batches.
 
-    Has the reading half of a queue's interface (``get_nowait``,
-    ``wait_for_item``, ``qsize``), which is what a feed takes chunks from.
+    A :class:`~blobfeed.feeders.dealing.base.Reader`.
     """
 
-    def __init__(self, stream: "OrderedStream", index: int) -> None:
-        self._stream = stream
+    def __init__(self, dealer: "LaneDealer", index: int) -> None:
+        self._dealer = dealer
         self.index = index
         self.pieces: collections.deque[Chunk] = collections.deque()
         self.samples = 0
@@ -87,35 +90,60 @@ class NetOutbox:
         self.marks_from = 0
 
     def get_nowait(self) -> tuple[bool, Chunk | None]:
-        return self._stream.take(self)
+        return self._dealer.take(self)
 
     def wait_for_item(self, timeout: float | None = None) -> bool:
-        return self._stream.wait_for(self, timeout)
+        return self._dealer.wait_for(self, timeout)
 
     def qsize(self) -> int:
-        return len(self.pieces)
+        return self._dealer.depth()
 
     def returned(self) -> None:
-        """``Net.run()`` returned this net's next batch (its position moves on)."""
-        self._stream.returned(self)
+        """``Net.run()`` returned this net's next batch (its position moves on).
+
+        Per batch, so no lock: only the net's own thread writes its
+        ``next_batch``, and an int store is atomic; the dealer prunes the
+        positions as it records new ones.
+        """
+        self.next_batch += len(self._dealer.outboxes)
 
     def epoch_returned(self, dropped: int = 0) -> None:
         """``Net.run()`` reported the end of this net's current epoch, after
         ``dropped`` batches of it that its feed dropped (``drop_last``)."""
-        self._stream.epoch_returned(self, dropped)
+        self._dealer.epoch_returned(self, dropped)
 
 
-class OrderedStream:
-    """The chunk stream of one deterministic source.  Thread-safe.
+def _copied_out(chunk: Chunk) -> Chunk:
+    """``chunk`` in memory of its own: its rows may stay in a shuffle buffer
+    for long, and must not hold a worker's shared-memory slot (or pinned
+    object) meanwhile, which would starve the worker."""
+    return chunk._replace(arrays=tuple(np.array(a) for a in chunk.arrays), pin=None)
 
-    ``capacity`` bounds the chunks waiting in all lanes together (the
-    source's ``max_buffered_batches``, as its internal queue is bounded),
-    shared equally by the lanes, two at least each; ``outbox_samples``
-    bounds how far the stream runs ahead of the slowest net (samples waiting
-    in one outbox), so a net that stops taking cannot make the others grow
-    memory without bound: they wait for it, as solvers fed by Caffe's
-    DataReader do.
+
+class LaneDealer:
+    """The chunk stream of a source read through lanes.  Thread-safe.
+
+    Args:
+        source: the source's name.
+        batch_size: the one batch size of every net (the stream cuts batches).
+        axes: each blob's batch axis.
+        capacity: bounds the chunks waiting in all lanes together (the
+            source's ``max_buffered_batches``, as its internal queue is
+            bounded), shared equally by the lanes, two at least each.
+        outbox_samples: how far the stream runs ahead of the slowest net
+            (samples waiting in one outbox), so a net that stops taking cannot
+            make the others grow memory without bound: they wait for it, as
+            solvers fed by Caffe's DataReader do.
+        on_error: the source's failure, called when the stream reaches a
+            worker's error (outside the lock).
+        on_dropped: ``(reason, samples)``, for samples thrown away on purpose
+            (a resume's prefix, reason ``"resume"``), outside the lock.
+        strict: True: strict round robin (``deterministic=True``); False:
+            whichever lane has a chunk, from the one whose turn it is.
+        shuffle: the shuffle stage, if any.
     """
+
+    resumable: bool
 
     def __init__(
         self,
@@ -126,14 +154,14 @@ class OrderedStream:
         outbox_samples: int,
         on_error: Callable[[BaseException], None],
         *,
+        on_dropped: DropCounter | None = None,
         strict: bool = True,
         shuffle: ShuffleBuffer | None = None,
     ) -> None:
         self.source = source
-        #: True: strict round robin (deterministic=True); False: whichever
-        #: lane has a chunk, from the one whose turn it is (a shuffled source
-        #: that need not be deterministic)
         self.strict = strict
+        #: only a strict stream is a function of the wiring
+        self.resumable = strict
         self.shuffle = shuffle
         self.batch_size = batch_size
         self.axes = tuple(axes)
@@ -142,10 +170,15 @@ class OrderedStream:
         self._lane_low = self.lane_capacity // 2
         self.outbox_samples = outbox_samples
         self._on_error = on_error
+        self._on_dropped = on_dropped
         self._lock = threading.Lock()
         self._items = threading.Condition(self._lock)  # nets wait here
         self._room = threading.Condition(self._lock)  # workers wait here
         self._lanes: dict[int, collections.deque[Any]] = {}
+        #: chunks in all lanes, and their samples (kept, not counted: the
+        #: depth is read per batch)
+        self._lane_chunks = 0
+        self._lane_n = 0
         self._order: list[int] = []
         #: lanes whose data ended in this epoch; of them, those ended for good
         self._ended: set[int] = set()
@@ -155,7 +188,12 @@ class OrderedStream:
         self._closed = False
         self._error: BaseException | None = None  # reached in the stream
         self._rr = 0  # position in _order whose turn it is
-        self._offset = 0  # samples of that lane's head chunk already dealt
+        self._offset = 0  # samples of that lane's head chunk already gone
+        #: of ``_offset``, samples a resume must still count as dropped (the
+        #: regenerated head chunk's prefix, which the nets had already)
+        self._prefix = 0
+        #: samples thrown away on purpose, to report outside the lock
+        self._resume_dropped = 0
         self._batch = 0  # global index of the batch being filled
         self._filled = 0  # samples in it so far
         #: per worker: calls whose chunk is wholly dealt, and the fetcher's
@@ -165,14 +203,20 @@ class OrderedStream:
         self._states: list[Any] = []
         self._lane_of: dict[int, int] = {}
         #: batches completed -> the position after them, kept until every
-        #: net has returned past it
-        self._positions: dict[int, tuple[Any, ...]] = {}
+        #: net has returned past it.  Entries are immutable tuples and never
+        #: removed at or above the lowest net's next batch, so state() can
+        #: read them without the lock (from a signal handler).
+        self._positions: dict[int, tuple[Any, ...]] = {0: self._start_position()}
         #: no position below this batch number is kept
         self._kept_from = 0
         self._eof = False
         self._started = False
         self._lanes_closed = False
         self._close_reason: BaseException = EndOfInput(f"source {source!r}: stopped")
+
+    @property
+    def closed(self) -> bool:
+        return self._lanes_closed
 
     @property
     def epoch(self) -> int:
@@ -198,6 +242,8 @@ class OrderedStream:
             # round robin, as it would not starve the internal queue.
             self.lane_capacity = max(2, self.capacity // len(self._order))
             self._lane_low = self.lane_capacity // 2
+            if not self._started and self._batch == 0:
+                self._positions = {0: self._start_position()}
 
     def add_net(self) -> NetOutbox:
         with self._lock:
@@ -226,6 +272,8 @@ class OrderedStream:
             if self._lanes_closed:
                 return False
             lane.append(chunk)
+            self._lane_chunks += 1
+            self._lane_n += chunk.n
             if len(lane) == 1:
                 self._items.notify_all()
             return True
@@ -237,6 +285,9 @@ class OrderedStream:
     def finish(self, worker_id: int) -> None:
         """The worker raised StopIteration: its lane ends after what it holds."""
         self._mark(worker_id, _ENDED)
+
+    def end_of_input(self) -> None:
+        """Every lane ends with its own marker: nothing more to do."""
 
     def end_epoch(self, worker_id: int) -> bool:
         """The worker's data ended for this epoch and it starts the next one.
@@ -251,32 +302,52 @@ class OrderedStream:
             self._items.notify_all()
             return True
 
-    def close(self, reason: BaseException | None) -> list[Chunk]:
+    def close(self, reason: BaseException | None, *, in_order: bool = False) -> int:
         """Stop or failure of the source: wake everyone; nets then get
-        ``reason``.  ``None``: the stream reached an error of a worker, so the
-        lanes (what comes after it) are dropped and the outboxes (what comes
-        before) are still handed out.  Returns the chunks and pieces
-        discarded.  Idempotent."""
+        ``reason``.  ``in_order`` (the stream reached an error of a worker):
+        the lanes and the shuffle buffer (what comes after it or could not
+        be dealt before it) are dropped and the outboxes (what comes before)
+        are still handed out.  Returns the samples discarded.  Idempotent."""
         with self._lock:
             self._lanes_closed = True
-            lost: list[Chunk] = []
+            lost = self._lane_samples()
             for lane in self._lanes.values():
-                lost.extend(c for c in lane if isinstance(c, Chunk))
                 lane.clear()
+            self._lane_chunks = self._lane_n = 0
+            self._offset = self._prefix = 0
+            if self.shuffle is not None:
+                # its chunks may hold a worker's shared memory: let go now
+                lost += self.shuffle.clear()
             self._room.notify_all()
             self._items.notify_all()
-            if reason is None:
+            if in_order:
                 return lost
             if not self._closed:
                 self._closed = True
-                self._close_reason = reason
+                if reason is not None:
+                    self._close_reason = reason
             for box in self.outboxes:
-                lost.extend(box.pieces)
+                lost += sum(p.n for p in box.pieces)
                 box.pieces.clear()
                 box.samples = 0
-            self._items.notify_all()
-            self._room.notify_all()
             return lost
+
+    # -- what it holds -----------------------------------------------------------
+    def _lane_samples(self) -> int:
+        """Samples in the lanes not yet dealt (under the lock)."""
+        return self._lane_n - self._offset + self._prefix
+
+    def stats(self) -> DealerStats:
+        with self._lock:
+            pieces = sum(len(b.pieces) for b in self.outboxes)
+            held = self._lane_samples() + sum(b.samples for b in self.outboxes)
+            if self.shuffle is not None:
+                held += len(self.shuffle)
+            return DealerStats(held, self._lane_chunks + pieces, self.capacity)
+
+    def depth(self) -> int:
+        """Chunks in the lanes and pieces waiting in the outboxes."""
+        return self._lane_chunks + sum(len(b.pieces) for b in self.outboxes)
 
     # -- nets --------------------------------------------------------------------
     def take(self, box: NetOutbox) -> tuple[bool, Chunk | None]:
@@ -297,19 +368,22 @@ class OrderedStream:
             was_full = piece is not None and box.samples >= self.outbox_samples
             if box.pieces or was_full or (len(self.outboxes) > 1 and any(b.pieces for b in self.outboxes)):
                 self._items.notify_all()
+            dropped, self._resume_dropped = self._resume_dropped, 0
+            exc: BaseException | None = None
             if piece is not None:
                 box.samples -= piece.n
-                return True, piece
-            if self._error is not None:
-                exc: BaseException = self._error
+            elif self._error is not None:
+                exc = self._error
             elif self._closed:
                 exc = self._close_reason
             elif self._eof:
                 exc = EndOfInput(f"source {self.source!r}: every worker finished")
-            else:
-                exc = None  # type: ignore[assignment]
+        if dropped and self._on_dropped is not None:
+            self._on_dropped("resume", dropped)
         if error is not None:
             self._on_error(error)  # outside the lock: it closes the source's lanes
+        if piece is not None:
+            return True, piece
         if exc is not None:
             raise exc.with_traceback(None)
         return False, None
@@ -326,11 +400,6 @@ class OrderedStream:
         with self._lock:
             box.next_batch += dropped * len(self.outboxes)
             box.epoch += 1
-
-    def returned(self, box: NetOutbox) -> None:
-        # Per batch, so no lock: only the net's own thread writes its
-        # next_batch, and an int store is atomic; _record prunes the positions.
-        box.next_batch += len(self.outboxes)
 
     # -- the stream, under the lock ----------------------------------------------
     def _can_advance(self) -> bool:
@@ -393,9 +462,17 @@ class OrderedStream:
         if not self._outbox_has_room():
             return None
         chunk: Chunk = head
+        if self._prefix:
+            bad = self._drop_prefix(chunk)
+            if bad is not None:
+                self._error = bad
+                self._items.notify_all()
+                return bad
         if self.shuffle is not None:
             lane.popleft()
             self._consumed(wid, chunk, lane)
+            if chunk.pin is not None:
+                chunk = _copied_out(chunk)
             self.shuffle.push(chunk)
             while self.shuffle.ready(self.batch_size):
                 self._deal_batch(self.shuffle.pop(self.batch_size))
@@ -416,10 +493,28 @@ class OrderedStream:
             self._record(self._batch)
         return True
 
+    def _drop_prefix(self, chunk: Chunk) -> BaseException | None:
+        """A resume's first chunk: its first ``offset`` samples were dealt
+        before the state was taken.  They are counted as dropped; an offset
+        the regenerated chunk does not have is the state's error."""
+        if self._offset >= chunk.n:
+            why = ValueError(
+                f"state['position']['offset'] is {self._offset}, but the chunk it points into "
+                f"(worker {chunk.worker_id}, call {chunk.seq}) has {chunk.n} samples"
+            )
+            err = FetcherError(
+                f"source {self.source!r}: the loaded state does not fit this fetch_fun: {why}"
+            )
+            err.__cause__ = why
+            return err
+        self._resume_dropped += self._prefix
+        self._prefix = 0
+        return None
+
     def _deal_whole(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> bool:
         """One net: the rest of the head chunk goes to it uncut (its feed's
-        re-batcher cuts it, as without ``deterministic``); the stream only
-        counts where the batches end in it, and records the position there."""
+        re-batcher cuts it, as in arrival order); the stream only counts
+        where the batches end in it, and records the position there."""
         start = self._offset
         left = chunk.n - start
         box = self.outboxes[0]
@@ -446,6 +541,8 @@ class OrderedStream:
 
     def _consumed(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> None:
         """``chunk``, the head of ``wid``'s lane, is wholly dealt (popped already)."""
+        self._lane_chunks -= 1
+        self._lane_n -= chunk.n
         i = self._lane_of[wid]
         self._calls[i] = chunk.seq + 1
         if chunk.state is not None:
@@ -458,7 +555,7 @@ class OrderedStream:
             self._room.notify_all()
 
     def _deal_batch(self, batch: Chunk) -> None:
-        """A whole batch made by the shuffle buffer."""
+        """A whole batch made by the shuffle stage."""
         self._deal(batch)
         self._batch += 1
         self._record(self._batch)
@@ -506,7 +603,9 @@ class OrderedStream:
     def _deal(self, piece: Chunk) -> None:
         box = self.outboxes[self._batch % len(self.outboxes)]
         if self._batch < box.skip_until:
-            return  # before this net's resumed position: it had it already
+            # before this net's resumed position: it had it already
+            self._resume_dropped += piece.n
+            return
         box.pieces.append(piece)
         box.samples += piece.n
 
@@ -515,8 +614,6 @@ class OrderedStream:
             # The buffer's content is not a position in the workers' streams:
             # a shuffled source resumes by running again from its start and
             # dropping the batches each net had (replayed, never copied twice).
-            if not self._positions:
-                self._positions[0] = self._start_position()
             return
         positions = self._positions
         # drop the positions every net has returned past (keys are batch numbers)
@@ -540,29 +637,48 @@ class OrderedStream:
 
     # -- state ---------------------------------------------------------------------
     def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
-        """The position after the last batch each net's ``run()`` returned."""
-        with self._lock:
-            if not self._positions:  # before start(): where it will begin
-                self._record(self._batch)
-            low = min(b.next_batch for b in self.outboxes)
-            pos = self._positions.get(0 if self.shuffle is not None else low)
-            if pos is None:
+        """The position after the last batch each net's ``run()`` returned.
+
+        Takes no lock, so it is safe in a signal handler that interrupted a
+        thread holding it (the checkpoint-on-SIGTERM pattern): the positions
+        are immutable tuples, never removed at or above the lowest net's next
+        batch, and each net's next batch is an int only its own thread writes.
+        """
+        boxes = list(self.outboxes)
+        positions = self._positions
+        pos = None
+        nets_at: list[list[Any]] = []
+        for _ in range(1000):
+            nets_at = [[name, b.next_batch, b.epoch] for name, b in zip(nets, boxes)]
+            low = min((n[1] for n in nets_at), default=0)
+            pos = positions.get(0 if self.shuffle is not None else low)
+            if pos is not None:
+                break
+            kept = list(positions)  # a C-level copy: atomic under the GIL
+            if kept and low > max(kept):
                 # a net's next batch is past the end (the stream ended there)
-                pos = self._positions[max(self._positions)]
-            return {
-                "version": STATE_VERSION,
-                "source": self.source,
-                **layout,
-                "position": self._as_dict(pos),
-                # a list, not a dict: nets on one source may share a name
-                # per net: its next batch, and the epochs it was told ended
-                "nets": [[name, b.next_batch, b.epoch] for name, b in zip(nets, self.outboxes)],
-            }
+                pos = positions.get(max(kept))
+                if pos is not None:
+                    break
+            # else the positions were pruned past our reading of the nets
+            # by another thread meanwhile: read the nets again
+        if pos is None:
+            raise RuntimeError(f"source {self.source!r}: no consistent position found")
+        return {
+            "version": STATE_VERSION,
+            "source": self.source,
+            **layout,
+            "position": self._as_dict(pos),
+            # a list, not a dict: nets on one source may share a name
+            # per net: its next batch, and the epochs it was told ended
+            "nets": nets_at,
+        }
 
     def load(self, state: dict[str, Any]) -> list[tuple[int, Any]]:
         """Continue from ``state`` (already checked against the layout).
         Returns, per lane in order, (calls to skip, fetcher state or None);
-        the epoch to start in is :attr:`epoch`."""
+        the epoch to start in is :attr:`epoch`.  Loading again replaces what
+        an earlier load set."""
         pos = state["position"]
         with self._lock:
             self._epoch = pos.get("epoch", 0)
@@ -574,14 +690,18 @@ class OrderedStream:
             for box, (_, nxt, *rest) in zip(self.outboxes, state["nets"]):
                 box.next_batch = box.skip_until = nxt
                 box.epoch = rest[0] if rest else 0
+                box.pieces.clear()
+                box.samples = 0
                 # the ends this net had not been told of when the state was
                 # taken (the stream's position had passed them) come first
                 for e in range(box.epoch, self._epoch):
                     box.pieces.append(EpochEnd(e))  # type: ignore[arg-type]
                 box.marks_from = max(box.epoch, self._epoch)
-            self._positions.clear()
+            self._positions = {}
             self._kept_from = self._batch
             # the regenerated head chunk of lane rr: its first samples were dealt
-            self._offset = pos["offset"]
+            self._offset = self._prefix = pos["offset"]
             self._record(self._batch)
+            if self.shuffle is not None:
+                self._positions[0] = self._start_position()
             return [(c, s) for c, s in zip(pos["calls"], pos["states"])]

@@ -1,0 +1,63 @@
+"""How a source's chunks are dealt to its nets: one seam, sibling dealers.
+
+* :class:`ArrivalDealer` -- arrival order (the default): one bounded queue,
+  the next chunk to whichever net asks first.
+* :class:`LaneDealer` -- a lane per worker, read in strict round robin
+  (``deterministic=True``) or first-ready (epochs, a shuffle that need not
+  be deterministic), cut into batches once per source, through an optional
+  shuffle stage, dealt to the nets in turn, with a position per batch.
+
+:func:`make_dealer` chooses one from the wiring arguments, once; nothing
+downstream asks which one a source has.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..shuffle import ShuffleBuffer
+from .arrival import ArrivalDealer
+from .base import Dealer, DealerStats, DealingOptions, DropCounter, Reader
+from .lanes import READABLE_VERSIONS, STATE_VERSION, LaneDealer, NetOutbox
+
+__all__ = [
+    "ArrivalDealer", "Dealer", "DealerStats", "DealingOptions", "DropCounter", "LaneDealer", "NetOutbox",
+    "READABLE_VERSIONS", "Reader", "STATE_VERSION", "make_dealer",
+]
+
+
+def make_dealer(
+    source: str,
+    options: DealingOptions,
+    *,
+    batch_size: int,
+    axes: Sequence[int],
+    capacity: int,
+    shuffle_rng: Callable[[], np.random.Generator],
+    on_error: Callable[[BaseException], None],
+    on_error_in_order: Callable[[BaseException], None],
+    on_dropped: DropCounter,
+) -> Dealer:
+    """The dealer for a source wired with ``options``.
+
+    Args:
+        source: the source's name.
+        options: what the wiring asked for.
+        batch_size: the batch size of the first net (a lane dealer cuts
+            batches once for every net, so it is the source's).
+        axes: each blob's batch axis.
+        capacity: the chunks it may hold (``max_buffered_batches``).
+        shuffle_rng: makes the shuffle's generator (called only if it shuffles).
+        on_error: fails the source at once (arrival order).
+        on_error_in_order: fails the source at the error's place in the stream.
+        on_dropped: ``(reason, samples)`` for samples thrown away on purpose.
+    """
+    if options.in_arrival_order:
+        return ArrivalDealer(source, capacity, on_error)
+    shuffle = ShuffleBuffer(options.shuffle_buffer, axes, shuffle_rng()) if options.shuffle_buffer else None
+    return LaneDealer(
+        source, batch_size, axes, capacity=capacity, outbox_samples=2 * batch_size,
+        on_error=on_error_in_order, on_dropped=on_dropped, strict=options.deterministic, shuffle=shuffle,
+    )

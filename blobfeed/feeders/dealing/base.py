@@ -1,0 +1,167 @@
+"""The dealing seam: how a source's chunks reach its nets.
+
+A *dealer* sits between a source's workers and the feeds (one per net) that
+re-batch for the nets.  Workers hand it chunks (``put``), errors
+(``put_error``), the end of an epoch (``end_epoch``) and their end
+(``finish``); each net reads its share through a :class:`Reader`.  Which
+dealer a source has is chosen once, when it is wired (:func:`make_dealer`
+in this package); nothing downstream asks which one it has.
+
+A dealer owns everything it holds: it counts it (:class:`DealerStats`), it
+gives it back as lost when it closes, and it reports what it threw away on
+purpose (a resume's already-delivered prefix) through ``on_dropped``.  So
+the accounting identity (fetched == delivered + dropped + buffered) holds by
+construction, whatever the dealer does inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from ..chunks import Chunk
+
+__all__ = ["Dealer", "DealerStats", "DealingOptions", "DropCounter", "Reader"]
+
+#: ``on_dropped(reason, samples)``: samples the dealer threw away on purpose
+DropCounter = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class DealerStats:
+    """What a dealer holds right now (read at scrape time)."""
+
+    #: accepted samples inside the dealer: queued, in lanes, in a shuffle
+    #: buffer, or dealt to a net and not yet taken by its feed
+    held_samples: int
+    #: chunks (or pieces of chunks) waiting to be taken
+    depth: int
+    #: the bound on the chunks it holds (``max_buffered_batches``)
+    capacity: int
+
+
+@dataclass(frozen=True)
+class DealingOptions:
+    """The wiring arguments that decide how a source's chunks are dealt.
+
+    Every ``init_data_input_workers`` call for one source must agree on
+    them; :func:`make_dealer` turns them into a dealer once.
+    """
+
+    #: strict round robin by worker id, batches dealt to nets in turn
+    deterministic: bool = False
+    #: samples in the shuffle buffer (0: no shuffle)
+    shuffle_buffer: int = 0
+    #: passes over the data (None: endless)
+    epochs: int | None = 1
+
+    @property
+    def in_arrival_order(self) -> bool:
+        """Chunks can be taken as they arrive, by whichever net asks first."""
+        return not self.deterministic and not self.shuffle_buffer and self.epochs == 1
+
+    def describe(self) -> str:
+        return (
+            f"deterministic={self.deterministic}, shuffle_buffer={self.shuffle_buffer}, "
+            f"epochs={self.epochs}"
+        )
+
+
+class Reader(Protocol):
+    """One net's end of a dealer: what its feed takes chunks from.
+
+    The reading half of a queue (``get_nowait``, ``wait_for_item``,
+    ``qsize``) and what the net tells the dealer back (``returned``,
+    ``epoch_returned``), so a dealer that keeps positions knows where each
+    net is.
+    """
+
+    def get_nowait(self) -> tuple[bool, Chunk | None]:
+        """(True, item) or (False, None) when nothing is there yet.
+
+        Raises:
+            EndOfInput: the stream ended (or was stopped).
+            FetcherError: the stream reached an error.
+        """
+        ...
+
+    def wait_for_item(self, timeout: float | None = None) -> bool: ...
+    def qsize(self) -> int: ...
+
+    def returned(self) -> None:
+        """``Net.run()`` returned this net's next batch."""
+        ...
+
+    def epoch_returned(self, dropped: int = 0) -> None:
+        """``Net.run()`` reported the end of this net's epoch, after
+        ``dropped`` batches of it its feed dropped (``drop_last``)."""
+        ...
+
+
+class Dealer(Protocol):
+    """How a source's chunks reach its nets (see the module docstring).
+
+    Thread-safe.  The worker side (``put``...) is called by one thread per
+    worker; the reading side by the net's feeds; ``close`` by anyone.
+    """
+
+    #: one batch size for every net (the dealer cuts batches), or None: each
+    #: net's feed re-batches on its own and may change its batch size
+    batch_size: int | None
+    #: ``state``/``load`` work (the stream is a function of the wiring)
+    resumable: bool
+
+    @property
+    def closed(self) -> bool: ...
+
+    # -- wiring, before start
+    def add_lanes(self, worker_ids: Sequence[int]) -> None: ...
+    def add_net(self) -> Reader: ...
+    def start(self) -> None: ...
+
+    # -- workers
+    def put(self, worker_id: int, chunk: Chunk) -> bool:
+        """Hand over a chunk, waiting while the dealer is full; False once closed."""
+        ...
+
+    def put_error(self, worker_id: int, error: BaseException) -> None:
+        """The worker failed: the source fails (at once, or at the error's
+        place in the stream)."""
+        ...
+
+    def finish(self, worker_id: int) -> None:
+        """The worker raised StopIteration: its data is done."""
+        ...
+
+    def end_of_input(self) -> None:
+        """Every worker of the source finished."""
+        ...
+
+    def end_epoch(self, worker_id: int) -> bool:
+        """The worker's epoch ended and it goes on; False: it must stop."""
+        ...
+
+    # -- ending
+    def close(self, reason: BaseException | None, *, in_order: bool = False) -> int:
+        """Stop or failure: wake everyone; readers then get ``reason``.
+        ``in_order``: what was dealt to the nets is still handed out (the
+        stream reached a worker's error).  Returns the samples discarded.
+        Idempotent (a second call discards nothing more)."""
+        ...
+
+    # -- what it holds
+    def stats(self) -> DealerStats: ...
+
+    # -- position
+    @property
+    def epoch(self) -> int:
+        """The epoch the stream is in (after a load: the one it resumes in)."""
+        ...
+
+    @property
+    def worker_ids(self) -> list[int]:
+        """The workers it deals from, in their order."""
+        ...
+
+    def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]: ...
+    def load(self, state: dict[str, Any]) -> list[tuple[int, Any]]: ...
