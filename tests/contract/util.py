@@ -243,7 +243,7 @@ def balanced(a: dict[str, float]) -> bool:
 
 
 def assert_identity(gc: blobfeed.GlobalCoordinator, what: str, source: str = SRC,
-                    timeout: float = 2.0) -> dict[str, float]:
+                    timeout: float = 1.0) -> dict[str, float]:
     """fetched == delivered + dropped + buffered, within ``timeout`` (a
     scrape is not atomic: a chunk in flight between two counters may show
     for a moment; at rest the identity is exact)."""
@@ -308,6 +308,10 @@ def _parents() -> dict[int, int]:
     return parents
 
 
+def describe(pids: Iterable[int]) -> list[str]:
+    return [f"{p}: {_cmdline(p).replace(bytes(1), b' ').decode(errors='replace')[:120]}" for p in sorted(pids)]
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -331,14 +335,14 @@ def descendants() -> set[int]:
 
 def new_processes(before: set[int]) -> set[int]:
     """Processes under this one that were not there ``before``, but for
-    multiprocessing's forkserver itself (a child of this process, made once
-    and kept for the program's life; the workers are ITS children) and Ray's
-    own cluster processes."""
+    multiprocessing's own helpers (its forkserver and resource tracker:
+    children of this process, made once and kept for the program's life; the
+    workers are the forkserver's children) and Ray's cluster processes."""
     parents = _parents()
     out = set()
     for pid in descendants() - before:
         cmd = _cmdline(pid)
-        if parents.get(pid) == os.getpid() and b"forkserver" in cmd:
+        if parents.get(pid) == os.getpid() and b"from multiprocessing." in cmd:
             continue
         if b"ray" in cmd.lower() and b"forkserver" not in cmd:
             continue
