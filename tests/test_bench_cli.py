@@ -11,6 +11,7 @@ import argparse
 import copy
 import json
 import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -21,10 +22,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blobfeed import bench
+from blobfeed.apps.bench import cli, measure, report, runner, workloads
+from blobfeed.apps.bench.peers import base, ray_data
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = bench.DEFAULT_WORKLOADS.split(",")
+DEFAULT = cli.DEFAULT_WORKLOADS.split(",")
 
 
 def _result(**extra: Any) -> dict[str, Any]:
@@ -70,7 +72,7 @@ def _peer_results() -> dict[str, dict[str, Any]]:
         **{f"{w}/blobfeed": _result(batches_per_s=1000.0, pss_mb=200.0, first_batch_ms=300.0,
                                     ideal_ratio=0.9, ideal_batches_per_s=500.0)
            for w in ("W1p", "W2p", "W4p", "W6p")},
-        **{f"{w}/{p}": _result(**procs) for w in ("W1p", "W2p", "W4p", "W6p") for p in bench.PROCESS_PEERS},
+        **{f"{w}/{p}": _result(**procs) for w in ("W1p", "W2p", "W4p", "W6p") for p in workloads.PROCESS_PEERS},
         # the ordered modes, against W1/blobfeed (300), W2/blobfeed (500) and W4p/blobfeed (1000)
         "W1d/blobfeed": _result(batches_per_s=270.0),
         "W2d/blobfeed": _result(batches_per_s=450.0),
@@ -87,13 +89,13 @@ def _report(results: dict[str, dict[str, Any]], **extra: Any) -> dict[str, Any]:
 
 
 def _run_main(monkeypatch: pytest.MonkeyPatch, results: dict[str, dict[str, Any]], *argv: str, **extra: Any) -> int:
-    """``bench.main`` with ``run_all`` replaced by canned results."""
-    monkeypatch.setattr(bench, "run_all", lambda *a, **k: _report(copy.deepcopy(results), **extra))
-    return bench.main(["--workloads", "all", *argv])
+    """``cli.main`` with ``run_all`` replaced by canned results."""
+    monkeypatch.setattr(cli, "run_all", lambda *a, **k: _report(copy.deepcopy(results), **extra))
+    return cli.main(["--workloads", "all", *argv])
 
 
 def _evaluated(results: dict[str, dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
-    return [row for row in bench.evaluate(_report(results, **extra)) if row["ok"] is not None]
+    return [row for row in report.evaluate(_report(results, **extra)) if row["ok"] is not None]
 
 
 def _row(rows: list[dict[str, Any]], workload: str, target_start: str) -> dict[str, Any]:
@@ -105,7 +107,7 @@ def _row(rows: list[dict[str, Any]], workload: str, target_start: str) -> dict[s
 # --------------------------------------------------------------------------- --help
 def test_help_shows_every_default_and_the_total_time() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.cli", "bench", "--help"],
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--help"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
@@ -114,20 +116,20 @@ def test_help_shows_every_default_and_the_total_time() -> None:
     assert "(default: 5 s)" in out
     assert "(default: 3)" in out
     assert "(default: none)" in out  # --json
-    assert f"{', '.join(bench.WORKLOADS)}, or all" in out  # every workload, and the whole set
+    assert f"{', '.join(workloads.WORKLOADS)}, or all" in out  # every workload, and the whole set
     assert "W2s, or all" in out
     # The default invocation's length, before anyone starts it ...
     m = re.search(r"The default invocation runs (\d+) measurements \((\d+) per repeat x 3 repeats\) "
                   r"and takes about (\d+) s \(([\d.]+) min\)", out)
     assert m, out
     assert int(m.group(1)) == 3 * int(m.group(2))
-    packages = bench.available_packages()
-    assert int(m.group(3)) == round(bench.estimate_seconds(DEFAULT, 5.0, 3, packages))
+    packages = runner.available_packages()
+    assert int(m.group(3)) == round(runner.estimate_seconds(DEFAULT, 5.0, 3, packages))
     # ... and that of --workloads all.
     m = re.search(r"--workloads all runs (\d+) measurements \((\d+) per repeat x 3 repeats\) "
                   r"and takes about (\d+) s", out)
     assert m, out
-    assert int(m.group(3)) == round(bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 3, packages))
+    assert int(m.group(3)) == round(runner.estimate_seconds(list(workloads.WORKLOADS), 5.0, 3, packages))
     # ... and the exit status.
     assert "Exit status: 0 when every evaluated target is met" in out
     assert "1 when any target is missed" in out
@@ -135,7 +137,7 @@ def test_help_shows_every_default_and_the_total_time() -> None:
 
 
 def test_every_option_states_its_default() -> None:
-    parser = bench.build_parser()
+    parser = cli.build_parser()
     for action in parser._actions:
         if action.help in (None, argparse.SUPPRESS) or isinstance(action, argparse._HelpAction):
             continue
@@ -145,57 +147,57 @@ def test_every_option_states_its_default() -> None:
 def test_estimate_matches_the_measured_default_run() -> None:
     # A model of the run's length, not a measurement: the default invocation
     # without torch and grain took about 212 s on this project's 2-core machine.
-    est = bench.estimate_seconds(DEFAULT, 5.0, 3, {"PIL"})
+    est = runner.estimate_seconds(DEFAULT, 5.0, 3, {"PIL"})
     assert 180 <= est <= 250
-    assert bench.estimate_seconds(["W1"], 5.0, 3, {"PIL"}) < est
-    with_peers = bench.estimate_seconds(DEFAULT, 5.0, 3, {"PIL", "torch", "grain"})
+    assert runner.estimate_seconds(["W1"], 5.0, 3, {"PIL"}) < est
+    with_peers = runner.estimate_seconds(DEFAULT, 5.0, 3, {"PIL", "torch", "grain"})
     assert with_peers > est
-    assert bench.estimate_seconds(list(bench.WORKLOADS), 5.0, 3, {"PIL", "torch", "grain"}) > with_peers
-    assert bench.estimate_seconds(DEFAULT, 5.0, 1, {"PIL"}) == pytest.approx(est / 3)
+    assert runner.estimate_seconds(list(workloads.WORKLOADS), 5.0, 3, {"PIL", "torch", "grain"}) > with_peers
+    assert runner.estimate_seconds(DEFAULT, 5.0, 1, {"PIL"}) == pytest.approx(est / 3)
 
 
 def test_the_plan_skips_what_is_not_installed() -> None:
-    plan = bench._plan(["W1", "W1p", "W6"], {"PIL"})
+    plan = runner._plan(["W1", "W1p", "W6"], {"PIL"})
     assert ("W1p", "pool") in plan  # the standard library's Pool always runs
     assert not [r for _, r in plan if r.startswith(("torch", "grain"))]
     assert ("W6", "blobfeed") in plan
-    assert ("W6", "blobfeed") not in bench._plan(["W6"], set())  # no Pillow: no W6
-    assert bench._skipped_workloads(["W1", "W6", "W6p"], set()) == {
+    assert ("W6", "blobfeed") not in runner._plan(["W6"], set())  # no Pillow: no W6
+    assert runner._skipped_workloads(["W1", "W6", "W6p"], set()) == {
         "W6": "PIL not installed", "W6p": "PIL not installed",
     }
-    everything = bench._plan(list(bench.WORKLOADS), {"PIL", "torch", "grain"})
+    everything = runner._plan(list(workloads.WORKLOADS), {"PIL", "torch", "grain"})
     for w in ("W1p", "W2p", "W4p", "W6p"):
-        assert {r for x, r in everything if x == w} == {"blobfeed", *bench.PROCESS_PEERS}
+        assert {r for x, r in everything if x == w} == {"blobfeed", *workloads.PROCESS_PEERS}
 
 
 def test_ray_data_is_a_peer_of_w1_w2_w3_only_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
     # no Ray started: the plan and the check of what is installed
     for w in ("W1", "W2", "W3"):
-        assert (w, "raydata") in bench._plan([w], {"PIL", "ray", "ray.data"})
-        assert (w, "raydata") not in bench._plan([w], {"PIL", "ray"})  # Ray without ray[data]
-    assert not [p for p in bench._plan(list(bench.WORKLOADS), {"PIL", "ray", "ray.data"})
+        assert (w, "raydata") in runner._plan([w], {"PIL", "ray", "ray.data"})
+        assert (w, "raydata") not in runner._plan([w], {"PIL", "ray"})  # Ray without ray[data]
+    assert not [p for p in runner._plan(list(workloads.WORKLOADS), {"PIL", "ray", "ray.data"})
                 if p[1] == "raydata" and p[0] not in ("W1", "W2", "W3")]
-    with_it = bench.estimate_seconds(["W1", "W2", "W3"], 2.0, 3, {"PIL", "ray", "ray.data"})
-    assert with_it == pytest.approx(bench.estimate_seconds(["W1", "W2", "W3"], 2.0, 3, {"PIL"})
-                                    + 3 * 3 * (bench.CHILD_OVERHEAD_S + bench.WARMUP_S + 2.0 + bench.RAYDATA_EXTRA_S))
+    with_it = runner.estimate_seconds(["W1", "W2", "W3"], 2.0, 3, {"PIL", "ray", "ray.data"})
+    assert with_it == pytest.approx(runner.estimate_seconds(["W1", "W2", "W3"], 2.0, 3, {"PIL"})
+                                    + 3 * 3 * (runner.CHILD_OVERHEAD_S + runner.WARMUP_S + 2.0 + runner.RAYDATA_EXTRA_S))
     # find_spec("ray.data") succeeds without pandas and pyarrow, the import does not
-    monkeypatch.setattr(bench, "installed", lambda m: m in ("ray", "ray.data", "fsspec"))
-    assert "ray.data" not in bench.available_packages()
-    monkeypatch.setattr(bench, "installed", lambda m: m in bench.RAYDATA_NEEDS)
-    assert "ray.data" in bench.available_packages()
+    monkeypatch.setattr(runner, "installed", lambda m: m in ("ray", "ray.data", "fsspec"))
+    assert "ray.data" not in runner.available_packages()
+    monkeypatch.setattr(runner, "installed", lambda m: m in ray_data.RAYDATA_NEEDS)
+    assert "ray.data" in runner.available_packages()
 
 
 def test_workloads_parse_by_name_in_any_case_or_all() -> None:
-    assert bench.parse_workloads("w1p, W2") == ["W1p", "W2"]
-    assert bench.parse_workloads("all") == list(bench.WORKLOADS)
-    assert bench.parse_workloads("W6p,all") == ["W6p"] + [w for w in bench.WORKLOADS if w != "W6p"]
+    assert cli.parse_workloads("w1p, W2") == ["W1p", "W2"]
+    assert cli.parse_workloads("all") == list(workloads.WORKLOADS)
+    assert cli.parse_workloads("W6p,all") == ["W6p"] + [w for w in workloads.WORKLOADS if w != "W6p"]
     with pytest.raises(ValueError, match="W7"):
-        bench.parse_workloads("W1,W7")
+        cli.parse_workloads("W1,W7")
 
 
 def test_an_unknown_workload_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--workloads", "W1,W9"])
+        cli.main(["--workloads", "W1,W9"])
     assert exc.value.code == 2
     assert "W9" in capsys.readouterr().err
 
@@ -208,7 +210,7 @@ def test_all_targets_met_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert "MISSED" not in out
     assert "not evaluated" not in out
     n = len(_evaluated(results))
-    assert n == len(bench.evaluate(_report(results)))
+    assert n == len(report.evaluate(_report(results)))
     assert re.search(rf"^verdict: all {n} targets met$", out, re.M), out
 
 
@@ -242,21 +244,21 @@ def test_a_sample_lost_in_one_repeat_is_not_hidden_by_the_median() -> None:
         ("W1", "blobfeed"): [ok, lossy, ok],
         ("W1", "caffe2"): [_result(batches_per_s=10.0)] * 3,
     }
-    results = bench.summarize(raw)
+    results = report.summarize(raw)
     assert results["W1/blobfeed"]["samples_lost"] == 0  # the median
     assert results["W1/blobfeed"]["samples_lost_total"] == 7
-    status, lines = bench.verdict(bench.evaluate(_report(results)))
+    status, lines = report.verdict(report.evaluate(_report(results)))
     assert status == 1
     assert "  W1 samples lost == 0: measured 7" in lines
 
 
 def test_summarize_adds_the_ideal_rows() -> None:
     raw = {("W6p", "blobfeed"): [_result(ideal_batches_per_s=v, ideal_ratio=0.9) for v in (20.0, 30.0, 25.0)]}
-    assert bench.summarize(raw)["W6p/ideal"] == {"batches_per_s": 25.0}
+    assert report.summarize(raw)["W6p/ideal"] == {"batches_per_s": 25.0}
 
 
 def test_nothing_evaluated_is_not_a_pass() -> None:
-    status, lines = bench.verdict([])
+    status, lines = report.verdict([])
     assert status == 1 and "no target" in lines[0]
 
 
@@ -282,9 +284,9 @@ def test_a_target_whose_peer_is_missing_is_not_evaluated_not_failed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     results = {**_passing_results(), **_peer_results()}
-    for key in [k for k in results if k.split("/")[1] in bench.PROCESS_PEERS + bench.IN_PROCESS_PEERS]:
+    for key in [k for k in results if k.split("/")[1] in workloads.PROCESS_PEERS + workloads.IN_PROCESS_PEERS]:
         del results[key]  # neither grain, nor torch, nor even the Pool
-    rows = bench.evaluate(_report(results))
+    rows = report.evaluate(_report(results))
     for wl, target in [("W1", "batches/s vs the best in-process peer"), ("W2", "batches/s vs the best in-process peer"),
                        ("W1p", "batches/s vs the best process peer"), ("W2p", "batches/s vs the best process peer"),
                        ("W2p", "total PSS <= grain's")]:
@@ -301,8 +303,8 @@ def test_a_target_whose_peer_is_missing_is_not_evaluated_not_failed(
 
 
 def test_only_missing_peers_is_not_a_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    rows = [bench._row("W2p", "total PSS <= grain's", None, None, "peer missing: grain2, grain2b")]
-    status, lines = bench.verdict(rows)
+    rows = [report._row("W2p", "total PSS <= grain's", None, None, "peer missing: grain2, grain2b")]
+    status, lines = report.verdict(rows)
     assert status == 1
     assert lines[0] == "verdict: no target could be evaluated"
 
@@ -312,11 +314,11 @@ def test_a_peer_target_uses_the_best_peer_that_ran_and_names_the_missing() -> No
     for key in [k for k in results if "/grain" in k]:
         del results[key]  # torch and the Pool ran, grain did not
     results["W1p/pool"]["batches_per_s"] = 400.0
-    row = _row(bench.evaluate(_report(results)), "W1p", "batches/s vs the best process peer")
+    row = _row(report.evaluate(_report(results)), "W1p", "batches/s vs the best process peer")
     assert row["ok"] is True
     assert row["ratio"] == pytest.approx(1000.0 / 400.0)
     assert row["detail"] == "best: pool; not run: grain2, grain2b"
-    pss = _row(bench.evaluate(_report(results)), "W2p", "total PSS")
+    pss = _row(report.evaluate(_report(results)), "W2p", "total PSS")
     assert pss["ok"] is None  # the memory target compares with grain only
 
 
@@ -362,9 +364,9 @@ def test_ordered_modes_are_set_against_their_default_mode_in_the_table(
     assert re.search(r"^W2s/blobfeed +.* 0\.50 x W2$", out, re.M), out
     assert re.search(r"^W4pd/blobfeed +.* 0\.95 x W4p$", out, re.M), out
     assert re.search(r"^W1d batches/s vs W1 >= 0\.8 +0\.90  ok$", out, re.M), out
-    assert not [r for r in bench.evaluate(_report(results)) if r["workload"] in ("W1s", "W2s")
+    assert not [r for r in report.evaluate(_report(results)) if r["workload"] in ("W1s", "W2s")
                 and not r["target"].startswith("samples lost")]
-    summarized = bench.summarize({("W1", "blobfeed"): [_result(batches_per_s=200.0)],
+    summarized = report.summarize({("W1", "blobfeed"): [_result(batches_per_s=200.0)],
                                   ("W1s", "blobfeed"): [_result(batches_per_s=50.0)]})
     assert summarized["W1s/blobfeed"]["base_ratio"] == 0.25  # in --json too
 
@@ -372,9 +374,9 @@ def test_ordered_modes_are_set_against_their_default_mode_in_the_table(
 def test_an_ordered_mode_without_its_default_mode_is_not_evaluated() -> None:
     results = {**_passing_results(), **_peer_results()}
     del results["W4p/blobfeed"]
-    row = _row(bench.evaluate(_report(results)), "W4pd", "batches/s vs W4p")
+    row = _row(report.evaluate(_report(results)), "W4pd", "batches/s vs W4p")
     assert row["ok"] is None and row["detail"] == "W4p not in this run"
-    assert "base_ratio" not in bench.summarize({("W2d", "blobfeed"): [_result()]})["W2d/blobfeed"]
+    assert "base_ratio" not in report.summarize({("W2d", "blobfeed"): [_result()]})["W2d/blobfeed"]
 
 
 def test_a_workload_skipped_for_want_of_pillow_is_not_evaluated(
@@ -397,7 +399,7 @@ def test_rebatching_makes_exact_batches_and_loses_nothing() -> None:
         a = np.arange(start, start + n)
         chunks.append([a, -a])
         start += n
-    batches = list(bench._rebatched(chunks, 32))
+    batches = list(base._rebatched(chunks, 32))
     assert all(len(b[0]) == 32 for b in batches)
     got = np.concatenate([b[0] for b in batches])
     assert np.array_equal(got, np.arange(len(got)))  # in order, none twice
@@ -405,8 +407,8 @@ def test_rebatching_makes_exact_batches_and_loses_nothing() -> None:
     assert all(np.array_equal(b[1], -b[0]) for b in batches)
 
 
-def _count_in_a_child(tally: bench.Tally) -> None:
-    fetch = bench.W1Fetch(tally)
+def _count_in_a_child(tally: measure.Tally) -> None:
+    fetch = workloads.W1Fetch(tally)
     for _ in range(10):
         fetch(3, 32)
     tally.cpu(3, 0.25)
@@ -419,14 +421,14 @@ def _count_in_a_child(tally: bench.Tally) -> None:
 
 
 def test_the_tally_works_across_processes() -> None:
-    tally = bench.Tally()
+    tally = measure.Tally()
     try:
         proc = multiprocessing.get_context("spawn").Process(target=_count_in_a_child, args=(tally,))
         proc.start()
         proc.join(60)
         assert proc.exitcode == 0
         assert tally.stopping
-        same = bench.W1Fetch(None)  # the same chunks, counted here
+        same = workloads.W1Fetch(None)  # the same chunks, counted here
         assert tally.fetched() == sum(len(same.chunk(3)[0]) for _ in range(10))
         assert tally.cpu_median() == 0.25
     finally:
@@ -442,24 +444,24 @@ def test_w6_images_are_jpegs_of_the_documented_kind(tmp_path: Path) -> None:
     sizes = []
     for i in range(3):
         path = tmp_path / f"{i}.jpg"
-        Image.fromarray(bench._w6_image(rng), "RGB").save(path, "JPEG", quality=bench.W6_QUALITY)
+        Image.fromarray(workloads._w6_image(rng), "RGB").save(path, "JPEG", quality=workloads.W6_QUALITY)
         sizes.append(path.stat().st_size)
         with Image.open(path) as im:
             assert (im.format, im.mode, im.size) == ("JPEG", "RGB", (500, 375))
-        decoded = np.asarray(bench._decode(str(path)))
+        decoded = np.asarray(workloads._decode(str(path)))
         assert decoded.shape == (224, 224, 3) and decoded.dtype == np.uint8
     assert all(25_000 < n < 60_000 for n in sizes), sizes  # about 42 kB each
 
 
 def test_tree_pss_counts_the_children() -> None:
-    alone = bench.tree_pss_mb()
+    alone = measure.tree_pss_mb()
     child = subprocess.Popen([sys.executable, "-c", "import time, numpy; time.sleep(30)"])
     try:
         deadline = time.monotonic() + 20
-        while bench._pss_kb(child.pid) < 5000 and time.monotonic() < deadline:  # until numpy is in
+        while measure._pss_kb(child.pid) < 5000 and time.monotonic() < deadline:  # until numpy is in
             time.sleep(0.05)
-        assert child.pid in bench._descendants(bench.os.getpid())
-        assert bench.tree_pss_mb() > alone
+        assert child.pid in measure._descendants(os.getpid())
+        assert measure.tree_pss_mb() > alone
     finally:
         child.kill()
         child.wait(timeout=10)
@@ -484,7 +486,7 @@ def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str) -> st
 @pytest.mark.timeout(240)
 def test_a_tiny_real_run_exits_as_its_verdict_says() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.cli", "bench", "--workloads", "W1", "--seconds", "0.2", "--repeats", "1"],
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1", "--seconds", "0.2", "--repeats", "1"],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
     )
     _check_real_run(proc, "W1")
@@ -493,7 +495,7 @@ def test_a_tiny_real_run_exits_as_its_verdict_says() -> None:
 @pytest.mark.timeout(240)
 def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.cli", "bench", "--workloads", "W1p", "--seconds", "0.3", "--repeats", "1"],
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1p", "--seconds", "0.3", "--repeats", "1"],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
     )
     out = _check_real_run(proc, "W1p")
@@ -506,7 +508,7 @@ def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
 @pytest.mark.timeout(240)
 def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.cli", "bench", "--workloads", "W1,W1d,W1s", "--seconds", "0.2", "--repeats", "1"],
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1,W1d,W1s", "--seconds", "0.2", "--repeats", "1"],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
     )
     out = _check_real_run(proc, "W1d")

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "bench":
-        from .bench import main as bench_main
+        from .bench.cli import main as bench_main
 
         return bench_main(rest)
     print(f"blobfeed: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)

@@ -1,0 +1,75 @@
+"""``blobfeed bench``: workloads W1-W6, W1p-W6p and the ordered modes (docs/BENCHMARKS.md), blobfeed beside its baselines and peers.
+
+Every (workload, runner) measurement runs in a fresh child process so that
+peak RSS belongs to that runner alone; repetitions are interleaved (A B A B
+...) so slow drift of a shared machine hits every runner alike; the median
+of the repetitions is reported, and ratios are taken between runners of the
+same invocation.
+
+Workloads W1-W6 run blobfeed's fetchers as threads; W1p, W2p, W4p and W6p
+are W1, W2, W4 and W6 with ``backend="processes"`` (2 worker processes).
+W1d, W2d and W4pd are W1, W2 and W4p with ``deterministic=True``; W1s and
+W2s are W1 and W2 with ``deterministic=True, shuffle_buffer=10000``.  They
+run blobfeed alone, and the table's "vs base" column gives blobfeed's
+batches/s on each over its batches/s on the default-mode workload in the
+same run (the targets of W1d, W2d and W4pd are on that ratio).
+
+R1 and R2 run blobfeed's fetchers as Ray actors (``blobfeed.ray.RayBackend``,
+extra ``blobfeed[ray]``) on a local cluster of simulated nodes that each
+measurement starts before it connects (a head with no CPUs, and nodes of 2
+CPUs with 2 actors each), so that the first batch is timed from ``start()``
+on a running cluster, not from Ray's start-up; they are skipped where Ray is
+not installed.  R1's fetchers wait on I/O (50 ms per 256 KiB chunk): runners
+``ray1``, ``ray2``, ``ray4`` (nodes), and ``ray2max`` (the same chunks with
+no wait: the driver's ingest limit).  R2 is W2 through Ray (``ray``: one
+node, 2 actors) beside W2 through threads (``blobfeed``) in the same run.
+
+Runners:
+
+* ``blobfeed``   -- the library, a ``Net`` with no model (W5: the MLP).
+* ``caffe2``     -- Caffe2's original re-batching, written from its
+  description: ``np.append`` growth, ``np.split``, leftover put back with
+  ``put(block=False)`` and dropped when the queue is full.  It counts the
+  samples it drops.
+* ``copy``       -- the copy bound (W2): one ``np.copyto`` per batch into
+  buffers rotated through more memory than the last-level cache.
+* ``model``      -- the model alone (W5): ``InferenceSession.run`` on pre-made batches.
+* in-process peers (W1, W2), where installed: ``grain0`` (grain, no worker
+  process, chunks re-batched by grain), ``torch0`` (DataLoader, map-style
+  per-sample dataset, ``num_workers=0``), ``torch0it`` (DataLoader over an
+  iterable dataset of the chunks, re-batched in the loop).
+* process peers (W1p, W2p, W4p, W6p): ``grain2`` (``mp_prefetch``, 2
+  workers, chunks re-batched in the parent), ``grain2b`` (the same with the
+  re-batching inside the workers: exact batches per worker), ``torch2``
+  (DataLoader, map-style per-sample, ``num_workers=2``), ``torch2it``
+  (iterable dataset of the chunks, ``num_workers=2``, re-batched in the
+  parent) and ``pool`` (``multiprocessing.Pool(2).imap`` of the fetch
+  function, re-batched in the parent: what one writes by hand).  grain and
+  torch rows are skipped where the package is not installed, and the
+  targets that need them say "not evaluated (peer missing)".
+* ``raydata`` (W1, W2, W3), where ``ray[data]`` is installed: Ray Data on a
+  local cluster of 2 CPUs started before the clock: ``map_batches`` makes
+  blocks of the workload's chunks, ``iter_batches`` re-batches them to the
+  exact batch (see ``peers.ray_data``); its PSS column is the whole cluster's.
+
+Exit status: 0 when every evaluated target is met; 1 when any is missed,
+including blobfeed losing a sample in any repetition (the missed targets are
+listed), or when no target could be evaluated; 2 for a usage error or a
+measurement that crashed.
+
+The modules, by job:
+
+* ``workloads`` -- what each workload's fetcher returns, and the table of
+  workloads (their runners, batch, backend, mode);
+* ``measure`` -- inside one measurement: the tally the workers report to,
+  the meter of the timed window, the PSS of a process tree;
+* ``library`` -- blobfeed's runners (threads, processes, Ray actors);
+* ``peers`` -- one module per baseline or peer (``caffe2``, ``copy_bound``,
+  ``model_alone``, ``torch_dataloader``, ``grain_dataset``, ``mp_pool``,
+  ``ray_data``), each with its ``RUNNERS`` and the package they need;
+* ``runner`` -- the run: the plan, its estimated length, each measurement
+  in a child process (``python -m blobfeed.apps.bench --child``), the
+  repetitions;
+* ``report`` -- the targets, the table and the verdict;
+* ``cli`` -- the command line (``blobfeed bench``).
+"""

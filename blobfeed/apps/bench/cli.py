@@ -1,0 +1,150 @@
+"""``blobfeed bench``'s command line: the options, the estimate of the
+run's length, the verdict as exit status; and ``--child``, one
+measurement in this process (how the runner starts each)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Collection
+
+from .report import evaluate, format_report, verdict
+from .runner import RUNNERS, WARMUP_S, _packages, _plan, available_packages, estimate_seconds, run_all
+from .workloads import WORKLOADS, w6_corpus_dir
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+DEFAULT_WORKLOADS = "W1,W2,W3,W4,W5"
+DEFAULT_SECONDS = 5.0
+DEFAULT_REPEATS = 3
+
+
+def parse_workloads(text: str) -> list[str]:
+    """``W1,W2p`` (any case) or ``all`` -> workload ids.
+
+    Raises:
+        ValueError: naming the unknown ones.
+    """
+    by_upper = {w.upper(): w for w in WORKLOADS}
+    out: list[str] = []
+    unknown = []
+    for token in (t.strip() for t in text.split(",")):
+        if not token:
+            continue
+        if token.lower() == "all":
+            out += [w for w in WORKLOADS if w not in out]
+        elif token.upper() in by_upper:
+            if by_upper[token.upper()] not in out:
+                out.append(by_upper[token.upper()])
+        else:
+            unknown.append(token)
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)} or all")
+    return out
+
+
+def _run_length(workloads: list[str], packages: Collection[str]) -> str:
+    n = len(_plan(workloads, packages))
+    est = estimate_seconds(workloads, DEFAULT_SECONDS, DEFAULT_REPEATS, packages)
+    return f"{n * DEFAULT_REPEATS} measurements ({n} per repeat x {DEFAULT_REPEATS} repeats) and takes about {est:.0f} s ({est / 60:.1f} min)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``blobfeed bench`` command line; its epilog estimates the default run's length."""
+    packages = available_packages()
+    wls = DEFAULT_WORKLOADS.split(",")
+    everything = list(WORKLOADS)
+    missing = [p for p in ("torch", "grain") if p not in packages]
+    if not missing:
+        peer_note = "torch and grain are installed, so their rows are included"
+    else:
+        full = _packages(True)
+        peer_note = (
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed, so "
+            f"{'its' if len(missing) == 1 else 'their'} rows are skipped (with both: the default run "
+            f"{_run_length(wls, full)}; --workloads all {_run_length(everything, full)})"
+        )
+    epilog = (
+        f"The default invocation runs {_run_length(wls, packages)} on a 2-core machine; "
+        f"--workloads all runs {_run_length(everything, packages)}; {peer_note}. The first run that "
+        f"includes W6 or W6p also generates W6's JPEG corpus into {w6_corpus_dir()} (a few seconds). "
+        f"Each measurement is a child process: start-up, a {WARMUP_S:g} s warm-up, then the measured "
+        f"window. Exit status: 0 when every evaluated target is met; 1 when any target is missed, "
+        f"including blobfeed losing a sample in any repetition (the missed targets are listed), or when "
+        f"no target could be evaluated; 2 for a usage error or a measurement that crashed. A target "
+        f"whose peer is not installed is reported as not evaluated, neither met nor missed."
+    )
+    p = argparse.ArgumentParser(
+        prog="blobfeed bench",
+        description="Run workloads W1-W6 and W1p-W6p (docs/BENCHMARKS.md) against blobfeed, its "
+        "baselines and its peers, and blobfeed's ordered modes (W1d, W2d, W4pd: deterministic=True; "
+        "W1s, W2s: with shuffle_buffer=10000) against its default mode; print one table and the "
+        "targets, and exit with the verdict.",
+        epilog=epilog,
+    )
+    p.add_argument(
+        "--workloads", default=DEFAULT_WORKLOADS,
+        help=f"comma-separated subset of {', '.join(WORKLOADS)}, or all (default: {DEFAULT_WORKLOADS})",
+    )
+    p.add_argument(
+        "--seconds", type=_positive_float, default=DEFAULT_SECONDS,
+        help=f"measured seconds per measurement, after a {WARMUP_S:g} s warm-up (default: {DEFAULT_SECONDS:g} s)",
+    )
+    p.add_argument(
+        "--repeats", type=_positive_int, default=DEFAULT_REPEATS,
+        help=f"repetitions of every measurement; the median is reported (default: {DEFAULT_REPEATS})",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the raw results and the verdict here (default: none)")
+    p.add_argument("--child", nargs=3, metavar=("WORKLOAD", "RUNNER", "SECONDS"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``blobfeed bench``; returns the exit status (see ``blobfeed.apps.bench``'s docstring)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.child:
+        wl_id, runner, secs = args.child
+        print(json.dumps(RUNNERS[runner](WORKLOADS[wl_id], float(secs))))
+        return 0
+    try:
+        wls = parse_workloads(args.workloads)
+    except ValueError as exc:
+        p.error(str(exc))
+    if not wls:
+        p.error("no workload given")
+    packages = available_packages()
+    n = len(_plan(wls, packages)) * args.repeats
+    est = estimate_seconds(wls, args.seconds, args.repeats, packages)
+    print(f"blobfeed bench: {n} measurements, about {est:.0f} s", file=sys.stderr, flush=True)
+    try:
+        report = run_all(wls, args.seconds, args.repeats)
+    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:  # a child crashed or hung
+        print(f"blobfeed bench: a measurement failed, no verdict: {exc}", file=sys.stderr)
+        return 2
+    rows = evaluate(report)
+    status, why = verdict(rows)
+    print(format_report(report))
+    print()
+    print("\n".join(why))
+    if args.json:
+        report["targets"] = rows
+        report["passed"] = status == 0
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return status

@@ -1,0 +1,175 @@
+"""The run: which measurements, how long they take, each in a child
+process, repeated and interleaved."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from . import library, peers
+from .library import W5_SLICE_S
+from .measure import Meter
+from .peers.ray_data import RAYDATA_NEEDS
+from .report import summarize
+from .workloads import WORKLOADS, Workload, ensure_w6_corpus
+
+#: every runner by name: blobfeed's, then the peers'
+RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {**library.RUNNERS, **peers.RUNNERS}
+#: the optional package each runner needs; the others need only the standard library
+RUNNER_NEEDS: dict[str, str] = {**library.NEEDS, **peers.NEEDS}
+
+
+def installed(module: str) -> bool:
+    """Can ``module`` be imported here (without importing it)?"""
+    return importlib.util.find_spec(module) is not None
+
+
+def available_packages() -> frozenset[str]:
+    """The optional packages of this machine the bench can use; ``ray.data``
+    stands for Ray with its extra ``ray[data]``."""
+    have = {p for p in ("torch", "grain", "PIL", "ray") if installed(p)}
+    if all(installed(p) for p in RAYDATA_NEEDS):
+        have.add("ray.data")
+    return frozenset(have)
+
+
+#: Meter's warm-up before each measured window, seconds.
+WARMUP_S = Meter.warmup
+#: Per-measurement cost beyond warm-up and window: a child's start-up, set-up
+#: and drain.  With the constants below it makes ``estimate_seconds`` match
+#: runs on this project's 2-core machine: the default run of W1-W5 without
+#: torch or grain took about 212 s; the extras of the peers, of process
+#: workers and of W6 were timed on single short measurements.
+CHILD_OVERHEAD_S = 0.4
+#: W2/copy faults in 256 MiB of buffers first.
+COPY_SETUP_S = 0.6
+#: torch's import; its worker processes (``num_workers=2``, forked) on top.
+TORCH_EXTRA_S = 1.3
+TORCH_WORKERS_S = 0.1
+#: grain's import; its worker processes (spawned, importing grain again) on top.
+GRAIN_EXTRA_S = 0.2
+GRAIN_WORKERS_S = 0.5
+#: blobfeed's process workers: the forkserver, the children, the drain.
+PROCESSES_EXTRA_S = 0.3
+#: ``multiprocessing.Pool(2)``: start and terminate.
+POOL_EXTRA_S = 0.15
+#: Pillow's import (in the workers too) and W6's first decodes.
+W6_EXTRA_S = 0.2
+#: The drain of a shuffled source after the clock: the buffer's 10 000
+#: samples still leave as batches (W2s: 156 of 9.6 MB, about 0.4 s at its
+#: rate; W1s: 312 small ones, 0.05 s).
+SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 0.5}
+#: A local Ray cluster: the head, then each simulated node (with its actors' start).
+RAY_CLUSTER_S = 6.0
+RAY_NODE_S = 1.5
+#: raydata: ``import ray.data``, a local cluster, Ray Data's first batch
+#: (its workers' start) and ``ray.shutdown()``.
+RAYDATA_EXTRA_S = 9.0
+
+
+def _packages(packages: Collection[str] | bool) -> frozenset[str]:
+    """A set of installed optional packages; ``True``/``False`` stand for all/none."""
+    if packages is True:
+        return frozenset({"torch", "grain", "PIL", "ray", "ray.data"})
+    if packages is False:
+        return frozenset({"PIL"})
+    return frozenset(packages)
+
+
+def _plan(workloads: list[str], packages: Collection[str] | bool) -> list[tuple[str, str]]:
+    """The (workload, runner) measurements of one repetition, in order:
+    those whose packages are installed."""
+    have = _packages(packages)
+    return [
+        (w, r)
+        for w in workloads
+        if all(n in have for n in WORKLOADS[w].needs)
+        for r in WORKLOADS[w].runners
+        if RUNNER_NEEDS.get(r, "numpy") in have | {"numpy"}
+    ]
+
+
+def _skipped_workloads(workloads: list[str], packages: Collection[str] | bool) -> dict[str, str]:
+    have = _packages(packages)
+    return {
+        w: f"{', '.join(n for n in WORKLOADS[w].needs if n not in have)} not installed"
+        for w in workloads
+        if any(n not in have for n in WORKLOADS[w].needs)
+    }
+
+
+def estimate_seconds(workloads: list[str], seconds: float, repeats: int, packages: Collection[str] | bool) -> float:
+    """Approximate wall time of a run: a model of it, not a measurement.
+    ``packages``: the optional packages installed (torch, grain, PIL, ray,
+    ray.data), or
+    True for all of them, False for none but Pillow."""
+    one = 0.0
+    for w, r in _plan(workloads, packages):
+        wl = WORKLOADS[w]
+        one += CHILD_OVERHEAD_S + WARMUP_S + seconds
+        if (w, r) == ("W5", "blobfeed"):
+            one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2))
+        elif r == "copy":
+            one += COPY_SETUP_S
+        elif r.startswith("torch"):
+            one += TORCH_EXTRA_S + (TORCH_WORKERS_S if r.startswith("torch2") else 0.0)
+        elif r.startswith("grain"):
+            one += GRAIN_EXTRA_S + (GRAIN_WORKERS_S if r.startswith("grain2") else 0.0)
+        elif r == "pool":
+            one += POOL_EXTRA_S
+        elif r == "raydata":
+            one += RAYDATA_EXTRA_S
+        elif r.startswith("ray"):
+            nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
+            one += RAY_CLUSTER_S + RAY_NODE_S * nodes
+        elif r == "blobfeed" and wl.backend == "processes":
+            one += PROCESSES_EXTRA_S
+        if r == "blobfeed":
+            one += SHUFFLE_DRAIN_S.get(w, 0.0)
+        if "PIL" in wl.needs:
+            one += W6_EXTRA_S
+    return one * repeats
+
+
+def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
+    """One measurement in a fresh child process (``python -m
+    blobfeed.apps.bench --child``), so that its peak RSS is its own."""
+    env = dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.bench", "--child", wl_id, runner, str(seconds)],
+        check=False, capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{wl_id}/{runner} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = sys.stderr) -> dict[str, Any]:
+    """Every measurement of ``workloads`` whose packages are installed,
+    ``repeats`` times, interleaved (A B A B ...: a shared machine's drift
+    hits every runner alike); the report :func:`report.format_report` prints."""
+    packages = available_packages()
+    plan = _plan(workloads, packages)
+    raw: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in plan}
+    if any(w for w, _ in plan if "PIL" in WORKLOADS[w].needs):
+        ensure_w6_corpus(progress=progress)
+    total = len(plan) * repeats
+    done = 0
+    t0 = time.monotonic()
+    for rep in range(repeats):
+        for w, r in plan:
+            done += 1
+            progress.write(f"\r[{done}/{total}] {w:<3} {r:<9} rep {rep + 1}/{repeats}  {time.monotonic() - t0:5.0f} s elapsed ")
+            progress.flush()
+            raw[(w, r)].append(_child(w, r, seconds))
+    progress.write("\n")
+    results = summarize(raw)
+    return {"seconds": seconds, "repeats": repeats, "torch": "torch" in packages, "grain": "grain" in packages,
+            "pillow": "PIL" in packages, "raydata": "ray.data" in packages, "skipped": _skipped_workloads(workloads, packages),
+            "results": results, "python": sys.version.split()[0], "cpus": os.cpu_count()}
