@@ -25,16 +25,15 @@ def layout(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
     """What a state records of how ``source`` is wired: everything that
     changes its stream; ``seeds``: the base seed of each
     ``init_data_input_workers`` call for it, in wiring order."""
-    ordered = source.ordered
-    assert ordered is not None
+    dealer = source.dealer
     return {
-        "num_workers": len(ordered.worker_ids),
-        "batch_size": ordered.batch_size,
+        "num_workers": len(dealer.worker_ids),
+        "batch_size": dealer.batch_size,
         "blobs": [list(f.blob_names) for f in source.feeds],
         "axes": list(source.axes),
         # per init_data_input_workers call, in wiring order
         "seed": list(seeds),
-        "shuffle_buffer": ordered.shuffle.size if ordered.shuffle is not None else 0,
+        "shuffle_buffer": source.dealing.shuffle_buffer,
         # per net, in wiring order
         "drop_last": [bool(f.drop_last) for f in source.feeds],
     }
@@ -42,8 +41,7 @@ def layout(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
 
 def state_dict(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
     """The position of ``source`` after the last batch each net's ``run()`` returned."""
-    assert source.ordered is not None
-    return source.ordered.state(layout(source, seeds), [f.net_name for f in source.feeds])
+    return source.dealer.state(layout(source, seeds), [f.net_name for f in source.feeds])
 
 
 #: what a state must hold (``seed``, ``shuffle_buffer``, ``drop_last`` came later: see _LAYOUT)
@@ -116,8 +114,6 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-    ordered = source.ordered
-    assert ordered is not None
     check = _Checker(name)
     for key in _REQUIRED:
         check.get(state, [key])
@@ -163,7 +159,10 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     for key in _POSITION + (("epoch",) if version >= 2 else ()):
         check.get(position, ["position", key])
     batches = check.integer(position["batches"], ["position", "batches"], 0)
-    epoch = check.integer(position.get("epoch", 0), ["position", "epoch"], 0, epochs)
+    epoch = check.integer(position.get("epoch", 0), ["position", "epoch"], 0)
+    if epochs is not None and epoch >= epochs:
+        check.fail(["position", "epoch"], f"the state was saved in epoch {epoch}; this pipeline runs "
+                   f"epochs={epochs} (epochs 0 to {epochs - 1})")
     rr = check.integer(position["rr"], ["position", "rr"], 0, n)
     offset = check.integer(position["offset"], ["position", "offset"], 0)
     calls = check.sequence(position["calls"], ["position", "calls"], n, "calls per worker")
@@ -187,7 +186,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
             check.integer(entry[2], ["nets", j, 2], 0, epochs)
         next_batches.append(nxt)
     low = min(next_batches)
-    if ordered.shuffle is not None:
+    if source.dealing.shuffle_buffer:
         # a shuffled source resumes from its start, dropping what each net had
         start = {"batches": 0, "epoch": 0, "rr": 0, "offset": 0}
         for key, want in start.items():
@@ -206,7 +205,6 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
 
 def load_state(source: InputSource, state: dict[str, Any]) -> None:
     """Set ``source`` to continue from a checked ``state``."""
-    ordered = source.ordered
-    assert ordered is not None
-    starts = ordered.load(state)
-    source.resume_at = dict(zip(ordered.worker_ids, starts))
+    dealer = source.dealer
+    starts = dealer.load(state)
+    source.resume_at = dict(zip(dealer.worker_ids, starts))

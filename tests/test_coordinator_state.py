@@ -1,0 +1,250 @@
+"""``load_state_dict`` takes a state as user input (a file on disk).
+
+Every field is checked before anything is loaded: a wrong type, a value out
+of range, a list of the wrong length or a missing key is a ``ValueError``
+naming the field, never a silently wrong stream, an ``IndexError`` out of
+``run()`` or a dead worker.  And a state only loads into a pipeline that
+makes the same stream: ``shuffle_buffer`` and ``drop_last`` are part of the
+layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed import EndOfInput, Net, init_data_input_workers
+
+SRC = "ckpt"
+WAIT = 5.0
+
+
+def make_fetch() -> Callable[[int, int], list[np.ndarray]]:
+    """A fresh fetcher (its call counts are its own)."""
+
+    def f(worker_id: int, batch_size: int) -> list[np.ndarray]:
+        k = calls.setdefault(worker_id, 0)
+        if k == 6:
+            raise StopIteration
+        calls[worker_id] = k + 1
+        return [(worker_id * 1000 + 3 * k + np.arange(3)).astype(np.int64)]
+
+    calls: dict[int, int] = {}
+    return f
+
+
+def wire(gc: blobfeed.GlobalCoordinator, *, nets: int = 1, workers: int = 2, bs: int = 4,
+         shuffle_buffer: int = 0, drop_last: bool = False) -> list[Net]:
+    out = []
+    for j in range(nets):
+        net = Net(name=f"n{j}")
+        init_data_input_workers(
+            net, ["ids"], make_fetch(), bs, num_worker_threads=workers, input_source_name=SRC,
+            coordinator=gc, seed=11, deterministic=True, shuffle_buffer=shuffle_buffer,
+            drop_last=drop_last, timeout=WAIT,
+        )
+        out.append(net)
+    return out
+
+
+def saved(*, take: int = 2, **kw: Any) -> dict[str, Any]:
+    """A state saved after ``take`` batches of each net, through JSON."""
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        nets = wire(gc, **kw)
+        gc.start()
+        for _ in range(take):
+            for net in nets:
+                net.run(timeout=WAIT)
+        return json.loads(json.dumps(gc.state_dict(SRC)))
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+def refused(state: Any, pattern: str, **kw: Any) -> str:
+    """Load ``state`` into a fresh pipeline wired with ``kw``: a ValueError
+    matching ``pattern``; the pipeline then still runs from its start."""
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        nets = wire(gc, **kw)
+        with pytest.raises(ValueError, match=pattern) as info:
+            gc.load_state_dict(SRC, state)
+        assert SRC in str(info.value)
+        gc.start()
+        # nothing of the refused state was loaded: the stream starts at its start
+        first = nets[0].run(timeout=WAIT)["ids"]
+        if not kw.get("shuffle_buffer"):
+            assert first[0] == 0, f"after a refused load the stream starts at {first[0]}"
+        return str(info.value)
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+def loads(state: Any, **kw: Any) -> list[list[int]]:
+    """Load ``state`` and return what each net gets to its end."""
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        nets = wire(gc, **kw)
+        if state is not None:
+            gc.load_state_dict(SRC, state)
+        gc.start()
+        # in dealing order (net 0, net 1, ...): one thread never waits on itself
+        got: list[list[int]] = [[] for _ in nets]
+        live = list(range(len(nets)))
+        while live:
+            for j in list(live):
+                try:
+                    got[j] += nets[j].run(timeout=WAIT)["ids"].tolist()
+                except EndOfInput:
+                    live.remove(j)
+        return got
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+def field(path: str) -> str:
+    """The regex of a message naming ``path`` (``"position.rr"`` -> state['position']['rr'])."""
+    parts = "".join(f"[{p}]" if p.isdigit() else f"['{p}']" for p in path.split("."))
+    return re.escape(f"state{parts}")
+
+
+# -- defect 5: every field of the position is checked ------------------------------------------
+POSITION_BAD = [
+    ("rr", 5), ("rr", 2), ("rr", -1), ("rr", True), ("rr", "0"), ("rr", 1.0), ("rr", None),
+    ("offset", -1), ("offset", True), ("offset", "3"), ("offset", 2.5),
+    ("calls", [-1, 0]), ("calls", [0]), ("calls", [0, 0, 0]), ("calls", "00"), ("calls", [True, 0]),
+    ("calls", [0, 1.5]), ("calls", {"0": 1}),
+    ("batches", -1), ("batches", 3), ("batches", 100), ("batches", True), ("batches", "2"),
+    ("epoch", -1), ("epoch", True), ("epoch", "0"), ("epoch", 1),
+    ("states", [None]), ("states", "xy"), ("states", None),
+]
+
+
+@pytest.mark.parametrize("key, value", POSITION_BAD, ids=[f"{k}={v!r}" for k, v in POSITION_BAD])
+def test_a_bad_position_field_is_refused_by_name(key: str, value: Any) -> None:
+    state = saved()
+    state["position"][key] = value
+    message = refused(state, field(f"position.{key}"))
+    assert "expected" in message or "this pipeline runs epochs" in message, message
+
+
+@pytest.mark.parametrize("key", ["batches", "rr", "offset", "calls", "states"])
+def test_a_missing_position_key_is_a_value_error_naming_it(key: str) -> None:
+    state = saved()
+    del state["position"][key]
+    refused(state, field(f"position.{key}") + ".*missing")
+
+
+@pytest.mark.parametrize("position", [[], "0", None, 3])
+def test_a_position_that_is_not_a_dict_is_refused(position: Any) -> None:
+    state = saved()
+    state["position"] = position
+    refused(state, field("position"))
+
+
+@pytest.mark.parametrize("key", ["version", "num_workers", "batch_size", "blobs", "axes", "position", "nets"])
+def test_a_missing_top_level_key_is_a_value_error_naming_it(key: str) -> None:
+    state = saved()
+    del state[key]
+    refused(state, re.escape(f"state['{key}']") + ".*missing")
+
+
+NETS_BAD: list[tuple[str, Callable[[list[Any]], Any]]] = [
+    ("next batch negative", lambda nets: nets[0].__setitem__(1, -2)),
+    ("next batch of the wrong net", lambda nets: nets[0].__setitem__(1, nets[0][1] + 1)),
+    ("next batch a bool", lambda nets: nets[0].__setitem__(1, True)),
+    ("next batch a float", lambda nets: nets[1].__setitem__(1, float(nets[1][1]))),
+    ("epoch negative", lambda nets: nets[1].__setitem__(2, -1)),
+    ("epoch past the last", lambda nets: nets[1].__setitem__(2, 1)),
+    ("epoch a bool", lambda nets: nets[1].__setitem__(2, False)),
+    ("name not a str", lambda nets: nets[0].__setitem__(0, 3)),
+    ("entry too long", lambda nets: nets[0].append(0)),
+    ("entry too short", lambda nets: nets[0].pop()),
+    ("entry not a list", lambda nets: nets.__setitem__(1, {"name": "n1"})),
+]
+
+
+@pytest.mark.parametrize("what, spoil", NETS_BAD, ids=[w for w, _ in NETS_BAD])
+def test_a_bad_net_entry_is_refused_by_name(what: str, spoil: Callable[[list[Any]], Any]) -> None:
+    state = saved(nets=2)
+    spoil(state["nets"])
+    refused(state, re.escape("state['nets'][") + "[01]" + re.escape("]"), nets=2)
+
+
+def test_the_position_must_be_where_the_nets_are() -> None:
+    """The position is the one after the slowest net's last batch: one
+    further on would leave a gap in that net's batches."""
+    state = saved(nets=2)
+    low = min(n[1] for n in state["nets"])
+    assert state["position"]["batches"] == low
+    state["position"]["batches"] = low + 1
+    refused(state, field("position.batches"), nets=2)
+
+
+@pytest.mark.parametrize("key, value", [("version", True), ("num_workers", 2.0), ("batch_size", "4"),
+                                        ("seed", [11.0, 11.0])])
+def test_layout_values_compare_by_type_too(key: str, value: Any) -> None:
+    """``True == 1`` and ``2.0 == 2`` in Python: a state's ints must be ints."""
+    state = saved(nets=2)
+    state[key] = value
+    refused(state, re.escape(f"'{key}'") + "|" + key.replace("_", " ") + "|worker count|batch size", nets=2)
+
+
+def test_a_bool_worker_count_is_not_one_worker() -> None:
+    state = saved(workers=1)
+    assert state["num_workers"] == 1
+    state["num_workers"] = True
+    refused(state, "worker count|num_workers", workers=1)
+
+
+def test_a_valid_state_still_resumes_exactly() -> None:
+    """The checks refuse nothing a real state_dict() produces: two nets,
+    saved after two batches each, resume to exactly the rest of the stream."""
+    (whole,) = loads(None, nets=1, workers=4)  # 4 workers x 6 calls x 3 samples
+    assert len(whole) == 72
+    state = saved(nets=2, take=2)  # 2 calls of 2 workers: the same 4 worker ids
+    rest = loads(copy.deepcopy(state), nets=2)
+    # batches 0-3 were had; net 0 gets 4, 6, ..., net 1 gets 5, 7, ...
+    batches = [whole[i:i + 4] for i in range(0, 72, 4)]
+    assert rest[0] == sum(batches[4::2], []), rest[0]
+    assert rest[1] == sum(batches[5::2], []), rest[1]
+
+
+# -- defect 6: the shuffle buffer and drop_last are part of the layout --------------------------
+def test_a_state_of_another_shuffle_buffer_is_refused() -> None:
+    state = saved(shuffle_buffer=8)
+    assert state["shuffle_buffer"] == 8
+    msg = refused(state, "shuffle_buffer")
+    assert "8" in msg and "0" in msg
+    refused(state, "shuffle_buffer", shuffle_buffer=16)
+    assert sum(len(r) for r in loads(state, shuffle_buffer=8)) == 36 - 2 * 4
+
+
+def test_a_state_without_a_shuffle_buffer_is_refused_by_a_shuffled_pipeline() -> None:
+    refused(saved(), "shuffle_buffer", shuffle_buffer=8)
+
+
+def test_a_state_of_another_drop_last_is_refused() -> None:
+    state = saved(drop_last=True)
+    assert state["drop_last"] == [True]
+    refused(state, "drop_last")
+    refused(saved(), "drop_last", drop_last=True)
+
+
+def test_a_state_from_before_the_shuffle_key_loads_only_where_it_implied_no_shuffle() -> None:
+    """States saved before shuffle_buffer/drop_last were recorded: they
+    imply shuffle_buffer=0, drop_last=False; another pipeline is refused."""
+    state = saved()
+    del state["shuffle_buffer"]
+    del state["drop_last"]
+    assert sum(len(r) for r in loads(copy.deepcopy(state))) == 36 - 2 * 4
+    msg = refused(copy.deepcopy(state), "shuffle_buffer", shuffle_buffer=8)
+    assert "predates" in msg
+    msg = refused(copy.deepcopy(state), "drop_last", drop_last=True)
+    assert "predates" in msg
