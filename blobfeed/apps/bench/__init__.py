@@ -12,7 +12,7 @@ W1d, W2d and W4pd are W1, W2 and W4p with ``deterministic=True``; W1s and
 W2s are W1 and W2 with ``deterministic=True, shuffle_buffer=10000``.  They
 run blobfeed alone, and the table's "vs base" column gives blobfeed's
 batches/s on each over its batches/s on the default-mode workload in the
-same run (the targets of W1d, W2d and W4pd are on that ratio).
+same run (the targets of W1d, W2d, W4pd, W1s and W2s are on that ratio).
 
 R1 and R2 run blobfeed's fetchers as Ray actors (``blobfeed.ray.RayBackend``,
 extra ``blobfeed[ray]``) on a local cluster of simulated nodes that each

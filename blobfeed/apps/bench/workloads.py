@@ -435,7 +435,8 @@ def mlp_bytes() -> bytes:
 
 
 def session_options() -> Any:
-    """One thread per session: the pipeline's threads have the other core."""
+    """The options of every ONNX session the bench runs (the fed net's and
+    the model alone's alike): one intra-op and one inter-op thread."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
