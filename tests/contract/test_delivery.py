@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 
 import blobfeed
 
 from .fetchers import Fetch
 from .util import (
-    ALL_MODES, BS, ORDERED_CONTENT, accounts, assert_identity, balanced, by_epoch, check_batches,
+    ALL_MODES, BS, ORDERED_CONTENT, assert_identity, by_epoch, check_batches,
     check_chunks_kept_together, check_exactly_once, drain_all, epochs_of, ids_of, matrix, metric, wire,
 )
 
@@ -26,8 +25,8 @@ LENGTHS = (6, 2, 9)
 BIG_AT = {(0, 1), (2, 4)}
 
 
-@pytest.mark.parametrize("drop_last", [False, True], ids=["last-partial", "drop-last"])
-@matrix(ALL_MODES, ray=("arrival", "det-shuffle", "epochs2"))
+@matrix(ALL_MODES, extra=("drop_last", {"last-partial": False, "drop-last": True}),
+        ray=[("arrival", "last-partial"), ("det-shuffle", "drop-last")])
 def test_every_sample_exactly_once_in_exact_batches(gc: blobfeed.GlobalCoordinator, backend: Any, mode: str,
                                                     drop_last: bool) -> None:
     fetch = Fetch(LENGTHS, salt=1, big_at=BIG_AT)
@@ -53,7 +52,7 @@ def test_every_sample_exactly_once_in_exact_batches(gc: blobfeed.GlobalCoordinat
     assert a["fetched"] == sum(sum(map(len, fetch.chunks(workers, e))) for e in range(epochs))
 
 
-@matrix(ALL_MODES, ray=("det",))
+@matrix(ALL_MODES)
 def test_several_nets_on_one_source_each_sample_to_exactly_one_net(
         gc: blobfeed.GlobalCoordinator, backend: Any, mode: str) -> None:
     fetch = Fetch(LENGTHS, salt=2, big_at=BIG_AT)

@@ -52,13 +52,20 @@ Event = tuple[Any, ...]
 
 
 def matrix(modes: Iterable[str] = ALL_MODES, *, backends: Iterable[str] = LOCAL_BACKENDS,
-           ray: Iterable[str] = ()) -> pytest.MarkDecorator:
-    """Parametrize a test over ``backend_name`` x ``mode``: every mode on
-    ``backends``, and the ``ray`` modes on Ray (test ids ``<backend>-<mode>``)."""
+           ray: Iterable[Any] = (), extra: tuple[str, dict[str, Any]] | None = None) -> pytest.MarkDecorator:
+    """Parametrize a test over ``backend_name`` x ``mode`` (test ids
+    ``<backend>-<mode>``): every mode on ``backends``, and the ``ray`` modes
+    on Ray.  ``extra=(argname, {id: value})`` crosses one more argument with
+    the local backends; a Ray entry then names its case, ``(mode, id)``."""
     modes = tuple(modes)
-    params = [pytest.param(b, m, id=f"{b}-{m}") for b in backends for m in modes]
-    params += [pytest.param("ray", m, id=f"ray-{m}") for m in ray]
-    return pytest.mark.parametrize("backend_name, mode", params)
+    if extra is None:
+        params = [pytest.param(b, m, id=f"{b}-{m}") for b in backends for m in modes]
+        params += [pytest.param("ray", m, id=f"ray-{m}") for m in ray]
+        return pytest.mark.parametrize("backend_name, mode", params)
+    name, values = extra
+    params = [pytest.param(b, m, v, id=f"{b}-{m}-{k}") for b in backends for m in modes for k, v in values.items()]
+    params += [pytest.param("ray", m, values[k], id=f"ray-{m}-{k}") for m, k in ray]
+    return pytest.mark.parametrize(f"backend_name, mode, {name}", params)
 
 
 def epochs_of(mode: str) -> int:
@@ -243,7 +250,7 @@ def balanced(a: dict[str, float]) -> bool:
 
 
 def assert_identity(gc: blobfeed.GlobalCoordinator, what: str, source: str = SRC,
-                    timeout: float = 1.0) -> dict[str, float]:
+                    timeout: float = 0.5) -> dict[str, float]:
     """fetched == delivered + dropped + buffered, within ``timeout`` (a
     scrape is not atomic: a chunk in flight between two counters may show
     for a moment; at rest the identity is exact)."""
