@@ -59,13 +59,22 @@ class _Stopper:
         #: a source or worker name to stop, None for all, False to end
         self._todo: "queue.SimpleQueue[str | None | bool]" = queue.SimpleQueue()
         self._work = work
+        #: told to end: what is posted after that is never carried out (a
+        #: plain attribute: post() runs in signal handlers)
+        self.closed = False
         self.thread = threading.Thread(target=self._loop, name="blobfeed-stopper", daemon=True)
         self.thread.start()
+
+    @property
+    def usable(self) -> bool:
+        """Will a request posted now be carried out?"""
+        return not self.closed and self.thread.is_alive()
 
     def post(self, name: str | None = None) -> None:
         self._todo.put(name)
 
     def close(self) -> None:
+        self.closed = True
         self._todo.put(False)
 
     def _loop(self) -> None:
@@ -181,7 +190,8 @@ class GlobalCoordinator:
                     self._run_ended = False
                     self._stop_requested = False
                     self._stop_exc = self._first_error = None
-                if self._stopper is None or not self._stopper.thread.is_alive():
+                if self._stopper is None or not self._stopper.usable:
+                    # a stopper told to end may still be finishing a stop
                     self._stopper = _Stopper(self._stop_requested_work)
                 for c in pending:
                     c._start()
@@ -276,12 +286,21 @@ class GlobalCoordinator:
             raise
 
     def _stop_requested_work(self, name: str | None) -> None:
-        """On the stopper thread: close everything (of ``name``) so its threads end."""
+        """On the stopper thread: carry out a requested stop (of the groups
+        named ``name``; None: all) to its end, as ``stop()`` would: their
+        threads end, ``shutdown_fun`` runs once, the loggers get their final
+        call, and the groups are retired.  Nobody else may be left to do it:
+        the request came from a signal handler, from inside blobfeed (a
+        ``worker_fun`` that stops its own coordinator), or from a user who
+        will never call ``stop()``.  A thread stuck in user code past the
+        bound stays listed for the next ``stop()``."""
         with self._lock:
             coordinators = self._known.named(name)
-        for c in coordinators:
-            c._request_stop()
-        self._thread_ended()  # wake join()
+        try:
+            if coordinators:
+                self._stop_coordinators(coordinators, DEFAULT_JOIN_TIMEOUT)
+        finally:
+            self._thread_ended()  # wake join()
 
     def _on_failure(self, error: BaseException) -> None:
         """A source failed or a generic worker raised: join() raises the first."""
@@ -375,7 +394,7 @@ class GlobalCoordinator:
                 if c.name == name:
                     c._halt()
             stopper = self._stopper
-            if stopper is not None:
+            if stopper is not None and not stopper.closed:
                 stopper.post(name)
             else:  # before the first start(): start() carries it out
                 self._pending_stops.append(name)
@@ -420,11 +439,6 @@ class GlobalCoordinator:
         return not stuck and not still
 
     # -- resume ----------------------------------------------------------------------
-    def _seeds(self, source: InputSource) -> list[int]:
-        """The base seed of each group fed from ``source``, in wiring order."""
-        with self._lock:
-            return [c.seed for c in self._known.of_source(source) if c.seed is not None]
-
     def state_dict(self, name: str) -> dict[str, Any]:
         """The position of deterministic source ``name`` after the last batch
         that each of its nets' ``run()`` returned (not what is prefetched).
@@ -433,12 +447,17 @@ class GlobalCoordinator:
         Give it to :meth:`load_state_dict` of a pipeline wired the same way
         to continue exactly there.
 
+        After a stop the source's last position is still given, until its
+        name is wired again.  Takes no lock of the coordinator's (it reads
+        references only), so a signal handler that interrupted this process
+        anywhere may call it.
+
         Raises:
             ValueError: no such source, or it is not deterministic.
         """
-        with self._lock:
-            source = checkpoint.ordered_source(name, self._known.sources.get(name))
-        return checkpoint.state_dict(source, self._seeds(source))
+        known = self._known
+        source = checkpoint.ordered_source(name, known.source(name))
+        return checkpoint.state_dict(source, known.seeds_of(source))
 
     def load_state_dict(self, name: str, state: dict[str, Any]) -> None:
         """Continue deterministic source ``name`` from ``state`` (from
@@ -457,7 +476,8 @@ class GlobalCoordinator:
         """
         with self._lock:
             source = checkpoint.ordered_source(name, self._known.sources.get(name))
-        checkpoint.check_state(name, state, source, self._seeds(source))
+            seeds = self._known.seeds_of(source)
+        checkpoint.check_state(name, state, source, seeds)
         with self._lock:
             if any(c.started for c in self._known.named(name)):
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")

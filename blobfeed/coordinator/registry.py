@@ -22,6 +22,14 @@ class Registry:
         #: timeout, a Ctrl-C) is finished by the next one.
         self.groups: list[WorkerCoordinator] = []
         self.sources: dict[str, InputSource] = {}
+        #: sources whose groups were all retired, by name, until the name is
+        #: wired again: state_dict() still reads their last position (a
+        #: requested stop retires them on the stopper thread, possibly before
+        #: the checkpoint that follows it)
+        self.ended: dict[str, InputSource] = {}
+        #: per source (by id; the source kept alive with it): the base seed of
+        #: each group wired to it, in wiring order, retired ones included
+        self._seeds: dict[int, tuple[InputSource, list[int]]] = {}
         self.next_worker_id = 0
 
     def allocate(self, n: int) -> list[int]:
@@ -35,6 +43,21 @@ class Registry:
 
     def add(self, group: WorkerCoordinator) -> None:
         self.groups.append(group)
+        source = group.source
+        if source is not None and group.seed is not None:
+            self._seeds.setdefault(id(source), (source, []))[1].append(group.seed)
+
+    def source(self, name: str) -> InputSource | None:
+        """The source named ``name``: the wired one, else the last one whose
+        groups all ended.  Reads references only: safe without the lock (a
+        signal handler may call it)."""
+        source = self.sources.get(name)
+        return source if source is not None else self.ended.get(name)
+
+    def seeds_of(self, source: InputSource) -> list[int]:
+        """The base seed of each group wired to ``source``, in wiring order."""
+        entry = self._seeds.get(id(source))
+        return list(entry[1]) if entry is not None and entry[0] is source else []
 
     def named(self, name: str | None) -> list[WorkerCoordinator]:
         """The groups named ``name`` (a source or worker name); None: all."""
@@ -53,6 +76,12 @@ class Registry:
         source = group.source
         if source is not None and self.sources.get(group.name) is source and not self.of_source(source):
             del self.sources[group.name]
+            old = self.ended.get(group.name)
+            if old is not None and old is not source:
+                self._seeds.pop(id(old), None)
+            self.ended[group.name] = source
+        elif source is not None and not self.of_source(source) and self.ended.get(group.name) is not source:
+            self._seeds.pop(id(source), None)  # replaced by a new wiring of its name meanwhile
         group._retire()
         return True
 
@@ -64,3 +93,5 @@ class Registry:
             group.mark_forked()
         self.groups = []
         self.sources = {}
+        self.ended = {}
+        self._seeds = {}
