@@ -248,3 +248,38 @@ def test_a_state_from_before_the_shuffle_key_loads_only_where_it_implied_no_shuf
     assert "predates" in msg
     msg = refused(copy.deepcopy(state), "drop_last", drop_last=True)
     assert "predates" in msg
+
+
+# -- defect 8 (the coordinator's part): state_dict takes no lock of the coordinator's ------------
+def test_state_dict_answers_while_another_thread_holds_the_coordinators_lock() -> None:
+    """A SIGTERM handler saving a checkpoint must not wait on a lock some
+    other thread of the pipeline holds (or the interrupted code itself)."""
+    import threading
+
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        (net,) = wire(gc)
+        gc.start()
+        net.run(timeout=WAIT)
+        want = gc.state_dict(SRC)
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with gc._lock:
+                held.set()
+                release.wait(WAIT)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert held.wait(WAIT)
+            got: list[dict[str, Any]] = []
+            saver = threading.Thread(target=lambda: got.append(gc.state_dict(SRC)), daemon=True)
+            saver.start()
+            saver.join(WAIT / 2)
+            assert got == [want], "state_dict() waited for the coordinator's lock"
+        finally:
+            release.set()
+            holder.join(WAIT)
+    finally:
+        assert gc.stop(timeout=WAIT)
