@@ -366,13 +366,13 @@ class PathCounter:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.slots = 0
-        original = processes._Worker._views
+        original = processes._Worker._slot_result
 
         def views(wk: Any, *args: Any) -> Any:
             self.slots += 1
             return original(wk, *args)
 
-        monkeypatch.setattr(processes._Worker, "_views", views)
+        monkeypatch.setattr(processes._Worker, "_slot_result", views)
 
 
 def accounts(gc: blobfeed.GlobalCoordinator, nets: Sequence[Net], source: str = SRC) -> dict[str, float]:

@@ -22,8 +22,9 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
-from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
+from ..worker_info import WorkerInfo
 from .source import WorkerIntake
+from .worker_loop import deliver, worker_events
 
 __all__ = [
     "FetchFun", "FetcherBackend", "LaunchPlan", "ThreadBackend", "WorkerGroup", "WorkerPlan", "runs_user_code",
@@ -102,51 +103,22 @@ def run_worker(
     epochs: int | None = 1,
     first_epoch: int = 0,
 ) -> None:
-    """One worker's loop, in the thread that runs it: call ``fetch_fun`` and
-    hand each result to the intake, epoch after epoch, until the last
-    StopIteration, an error, or a stop."""
-    perf = time.perf_counter
-    observe = intake.stats.fetch.observe
-    source = intake.source
-    worker_id = intake.worker_id
+    """One worker's loop (:func:`~blobfeed.feeders.worker_loop.worker_events`)
+    in the thread that runs it, each event handed to the intake at once,
+    until the last StopIteration, an error, or a stop."""
     exhausted = False
-    epoch = first_epoch
     intake.started()
+    events = worker_events(
+        fetch_fun, worker_init_fun, intake.worker_id, info, hint, lambda: intake.halted, epochs, first_epoch,
+    )
     try:
-        while True:
-            set_worker_info(None if info is None else for_epoch(info, epoch))
-            if worker_init_fun is not None:
-                try:
-                    worker_init_fun(worker_id)
-                except BaseException as exc:
-                    intake.exception(exc, fatal=True)
-                    return
-            while not source.halted:
-                t0 = perf()
-                try:
-                    raw = fetch_fun(worker_id, hint())
-                except StopIteration:
-                    observe(perf() - t0)
-                    logger.debug("source %r, worker %d: StopIteration in epoch %d", source.name, worker_id, epoch)
-                    break
-                except BaseException as exc:
-                    observe(perf() - t0)
-                    if intake.exception(exc):
-                        continue
-                    return
-                observe(perf() - t0)
-                if not intake.result(raw):
-                    return
-            else:
-                return  # halted
-            if is_last_epoch(epochs, epoch):
-                exhausted = True
-                return
-            if not intake.epoch_ended():
-                return
-            epoch += 1
+        for event in events:
+            go = deliver(intake, event)
+            if not go:
+                exhausted = go is None
+                break
     finally:
-        set_worker_info(None)
+        events.close()  # the loop's own finally: the thread's WorkerInfo unset
         intake.finished(exhausted)
 
 

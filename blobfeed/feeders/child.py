@@ -1,22 +1,17 @@
-"""The body of a worker process: call ``fetch_fun`` and ship what it returns.
+"""The body of a worker process: run the worker loop and ship its events.
 
-Runs in the child.  Large chunks (plain arrays, at least
+Runs in the child.  The loop is every backend's
+(:func:`~blobfeed.feeders.worker_loop.worker_events`); its events
+(:mod:`~blobfeed.feeders.messages`) go to the parent pickled, a list of
+them per message on the pipe (each after its length:
+``transport.send_message``).  Large results (plain arrays, at least
 ``SHM_MIN_BYTES``) are written once into a free slot of the worker's shared
-memory and announced by index; everything else (small chunks, ``None``,
-malformed results) is pickled, several results to one message, because for
-small arrays a pipe beats shared memory.  The parent validates everything:
-the child only moves data, so every backend behaves the same.
-
-Messages (pickled tuples on the pipe, each after its length: ``transport.send_message``):
-
-* ``("items", [(seconds, result), ...])``: results in call order;
-* ``("slot", seconds, index, [(dtype, shape, offset), ...], is_tuple, state)``
-  (``state``: a stateful ``fetch_fun``'s, after this chunk, else None);
-* ``("error", seconds, exception bytes, traceback, fatal)``;
-* ``("epoch", seconds)``: ``fetch_fun`` raised StopIteration and the next
-  epoch begins;
-* ``("done", seconds)``: ``fetch_fun`` raised StopIteration in the last epoch;
-* ``("note", text)``: something for the parent to log (once).
+memory and travel as an :class:`~blobfeed.feeders.messages.Arrays` naming
+the slot; everything else (small chunks, ``None``, malformed results) is
+pickled, several results to one message, because for small arrays a pipe
+beats shared memory.  Exceptions travel packed
+(``transport.pack_exception``).  The parent validates everything: the child
+only moves data, so every backend behaves the same.
 """
 
 from __future__ import annotations
@@ -34,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
-from .chunks import Stamped
-from .transport import SLOT_INDEX, FdHandle, SlotArea, align, pack_exception, send_message
+from ..worker_info import WorkerInfo
+from .messages import Note, Raised, Result, arrays_nbytes, plain_arrays, sendable, write_arrays
+from .transport import SLOT_INDEX, FdHandle, SlotArea, pack_exception, send_message
+from .worker_loop import skips, worker_events
 
 __all__ = ["child_main"]
 
@@ -81,16 +77,6 @@ def _wait_for_hangup(fd: int) -> None:
             continue
         if any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events):
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _plain_arrays(raw: Any) -> list[np.ndarray] | None:
-    """The arrays of a chunk that can go through shared memory, else None."""
-    if not isinstance(raw, (list, tuple)) or not raw:
-        return None
-    for a in raw:
-        if type(a) is not np.ndarray or a.dtype.hasobject or not a.dtype.isnative:
-            return None
-    return list(raw)
 
 
 def child_main(
@@ -146,11 +132,13 @@ def _work(
     epoch: int,
 ) -> None:
     worker_id = first.worker_id
-    send = functools.partial(send_message, out)
-    dumps = pickle.dumps
+    dumps = functools.partial(pickle.dumps, protocol=5)
     perf = time.perf_counter
     slots, slot_bytes = area.slots, area.slot_bytes
     free = list(range(slots))
+
+    def send(events: list[Any]) -> None:
+        send_message(out, dumps(events))
 
     def take_slot() -> int:
         while not free:
@@ -163,9 +151,9 @@ def _work(
                 free.append(i)
         return free.pop()
 
-    def report(exc: BaseException, seconds: float, fatal: bool) -> None:
-        data, tb = pack_exception(exc)
-        send(dumps(("error", seconds, data, tb, fatal), protocol=5))
+    def packed(event: Raised) -> Raised:
+        data, tb = pack_exception(event.error)
+        return event._replace(error=data, tb=tb)
 
     try:
         fetch_fun, worker_init_fun = pickle.loads(payload)
@@ -178,9 +166,9 @@ def _work(
             "cloudpickle sends them by value)"
         )
         err.__cause__ = exc
-        report(err, 0.0, True)
+        send([packed(Raised(0.0, err, True))])
         return
-    pending: list[tuple[float, Any]] = []
+    pending: list[Any] = []
     pending_bytes = 0
     oldest = 0.0
     noted_big = False
@@ -190,103 +178,55 @@ def _work(
         if not pending:
             return
         try:
-            msg = dumps(("items", pending), protocol=5)
+            data = dumps(pending)
         except Exception:
             # one unpicklable result: send the others, and a stand-in the
             # parent's validator refuses with a clear message
-            msg = dumps(("items", [(s, _sendable(r)) for s, r in pending]), protocol=5)
-        send(msg)
+            data = dumps([ev._replace(raw=sendable(ev.raw, dumps)) for ev in pending])
+        send_message(out, data)
         pending = []
         pending_bytes = 0
 
-    def fetch_epoch() -> bool:
-        """Fetch until StopIteration (True), an error or a stop (False)."""
-        nonlocal oldest, noted_big, pending_bytes
-        while not area.stopping() and os.getppid() == parent:
-            t0 = perf()
-            try:
-                raw = fetch_fun(worker_id, area.hint())
-            except StopIteration:
+    events = worker_events(
+        fetch_fun, worker_init_fun, worker_id, first, area.hint,
+        lambda: area.stopping() or os.getppid() != parent, epochs, epoch,
+    )
+    try:
+        for event in events:
+            if type(event) is not Result:
                 flush()
-                if is_last_epoch(epochs, epoch):
-                    send(dumps(("done", perf() - t0)))
-                else:
-                    send(dumps(("epoch", perf() - t0)))
-                return True
-            except BaseException as exc:
-                seconds = perf() - t0
-                flush()
-                report(exc, seconds, False)
-                if on_error == "skip" and isinstance(exc, Exception):
-                    continue
-                return False
-            seconds = perf() - t0
-            state = None
-            if type(raw) is Stamped:  # a stateful fetch_fun's state travels with its chunk
-                raw, state = raw
-            arrays = _plain_arrays(raw)
-            nbytes = sum(align(a.nbytes) for a in arrays) if arrays is not None else 0
+                if type(event) is Raised:
+                    send([packed(event)])
+                    if skips(on_error, event):
+                        continue
+                    return
+                send([event])  # the epoch's end, or the last one's
+                continue
+            arrays = plain_arrays(event.raw)
+            nbytes = arrays_nbytes(arrays) if arrays is not None else 0
             if arrays is not None and SHM_MIN_BYTES <= nbytes <= slot_bytes:
                 flush()
                 slot = take_slot()
                 if slot < 0:
-                    return False
-                base = area.offset(slot)
-                meta = []
-                off = 0
-                for a in arrays:
-                    dst = np.ndarray(a.shape, a.dtype, buffer=area.mm, offset=base + off)
-                    np.copyto(dst, a, casting="no")
-                    # the dtype itself: its .str loses a structured dtype's fields
-                    meta.append((a.dtype, a.shape, off))
-                    off += align(a.nbytes)
-                send(dumps(("slot", seconds, slot, meta, isinstance(raw, tuple), state)))
+                    return
+                where = write_arrays(arrays, area.mm, area.offset(slot), slot, isinstance(event.raw, tuple))
+                send([event._replace(raw=where)])
                 continue
             if nbytes > slot_bytes and not noted_big:
                 noted_big = True
-                send(dumps(("note", (
+                send([Note(
                     f"a chunk of {nbytes / 2**20:.2f} MiB is larger than a shared-memory slot "
                     f"({slot_bytes / 2**20:.2f} MiB): such chunks travel pickled through a pipe, "
                     "which is slower; pass backend=ProcessBackend(slot_bytes=...) with more"
-                ))))
+                )])
+            now = perf()
             if not pending:
-                oldest = t0
-            pending.append((seconds, raw if state is None else Stamped(raw, state)))
+                oldest = now - event.seconds
+            pending.append(event)
             pending_bytes += nbytes or 64
             # another fetch would hold these past the delay bound: send now
-            if pending_bytes >= INLINE_MAX_BYTES or perf() - oldest + seconds >= INLINE_MAX_DELAY_S:
+            if pending_bytes >= INLINE_MAX_BYTES or now - oldest + event.seconds >= INLINE_MAX_DELAY_S:
                 flush()
-        return False
-
-    while True:
-        # the same seed and generator the worker would have as a thread
-        set_worker_info(for_epoch(first, epoch))
-        if worker_init_fun is not None:
-            try:
-                worker_init_fun(worker_id)
-            except BaseException as exc:
-                report(exc, 0.0, True)
-                return
-        if not fetch_epoch() or is_last_epoch(epochs, epoch):
-            break
-        epoch += 1
-    flush()
-
-
-class Unsendable:
-    """Stands in for a result that could not be pickled: the parent's
-    validator refuses it, naming its type."""
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = type_name
-
-    def __repr__(self) -> str:
-        return f"<unpicklable {self.type_name}>"
-
-
-def _sendable(raw: Any) -> Any:
-    try:
-        pickle.dumps(raw, protocol=5)
-        return raw
-    except Exception:
-        return Unsendable(f"{type(raw).__module__}.{type(raw).__qualname__}")
+    finally:
+        events.close()
+        flush()

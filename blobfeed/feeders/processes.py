@@ -41,8 +41,10 @@ import numpy as np
 from ..errors import BlobfeedError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
-from .chunks import GrantPin, Stamped
+from .chunks import GrantPin
+from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .transport import SLOT_INDEX, FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
+from .worker_loop import deliver
 
 __all__ = ["ProcessBackend"]
 
@@ -281,20 +283,28 @@ class _Worker:
         )
 
     # -- slots --------------------------------------------------------------
-    def _views(self, slot: int, meta: list[tuple[str, tuple[int, ...], int]], as_tuple: bool) -> tuple[Any, int]:
+    def _slot_result(self, event: Result, message_bytes: int) -> bool:
+        """Hand a result the child wrote into a slot to the intake, as
+        read-only views of the slot (or copied out: see _SlotRing.hold)."""
+        intake = self.plan.intake
         area = self.area
-        used = max(off + int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, off in meta)
+        packed: Arrays = event.raw
+        slot = packed.where
+        used = packed_nbytes(packed)
         root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
         root.flags.writeable = False
-        # Every view's base is `root` (numpy collapses view chains to it), so
-        # the slot returns to the child when the last view of it dies: the
-        # group's returner thread hears of it (see _ProcessGroup._return_slots).
+        # Every view's base is `root`, so the slot returns to the child when
+        # the last view of it dies: the group's returner thread hears of it
+        # (see _ProcessGroup._return_slots).
         self.group.watch_slot(root, self.ring, slot)
-        arrays = [
-            root[off:off + int(np.prod(shape)) * np.dtype(dt).itemsize].view(dt).reshape(shape)
-            for dt, shape, off in meta
-        ]
-        return (tuple(arrays) if as_tuple else arrays), used
+        arrays = read_arrays(root, packed)
+        del root
+        if self.ring.hold(arrays[0].shape[intake.source.axes[0]] < self.group.plan.batch_size_hint()):
+            # Copy out; the views die with this call and the slot goes back.
+            copied = [np.array(a) for a in arrays]
+            return bool(deliver(intake, event._replace(raw=tuple(copied) if packed.as_tuple else copied),
+                                None, used + message_bytes))
+        return bool(deliver(intake, event._replace(raw=arrays), GrantPin(self.ring, slot), used + message_bytes))
 
     # -- the receiver thread ----------------------------------------------------
     def _receive(self) -> None:
@@ -342,58 +352,43 @@ class _Worker:
             if data is None:
                 break
             try:
-                msg = pickle.loads(data)
+                events = pickle.loads(data)
             except Exception:  # an unpicklable result: discarded anyway
                 continue
-            if msg[0] == "slot":
-                self.ring.release(msg[2])
+            for event in events:
+                if type(event) is Result and type(event.raw) is Arrays:
+                    self.ring.release(event.raw.where)
         self.wait_exit(1.0)
         self.report_death()
 
-    def _handle(self, data: bytes) -> bool | None:
-        """Hand one message of the child to the intake.  Returns False when
-        the worker must stop, None when it is done (StopIteration)."""
+    def _handle(self, data: bytearray) -> bool | None:
+        """Hand one message of the child (a list of events) to the intake.
+        Returns False when the worker must stop, None when it is done."""
         intake = self.plan.intake
-        observe = intake.stats.fetch.observe
         try:
-            msg = pickle.loads(data)
+            events = pickle.loads(data)
         except Exception as exc:  # a result whose class this process cannot load, say
             err = RuntimeError(f"what the worker process sent could not be unpickled here: {exc!r}")
             err.__cause__ = exc
             return intake.exception(err)
-        kind = msg[0]
-        if kind == "items":
-            share = len(data) // max(1, len(msg[1]))
-            for seconds, raw in msg[1]:
-                observe(seconds)
-                if not intake.result(raw, None, share):
-                    return False
-            return True
-        if kind == "slot":
-            _, seconds, slot, meta, as_tuple, state = msg
-            observe(seconds)
-            arrays, used = self._views(slot, meta, as_tuple)
-            axis = intake.source.axes[0]
-            if self.ring.hold(arrays[0].shape[axis] < self.group.plan.batch_size_hint()):
-                # Copy out (see _SlotRing.hold for when); the views die with
-                # this call and the slot goes back.
-                copied = [np.array(a) for a in arrays]
-                return intake.result(_stamp(tuple(copied) if as_tuple else copied, state), None, used + len(data))
-            return intake.result(_stamp(arrays, state), GrantPin(self.ring, slot), used + len(data))
-        if kind == "error":
-            _, seconds, exc_data, tb, fatal = msg
-            observe(seconds)
-            return intake.exception(unpack_exception(exc_data, tb), fatal=fatal, remote_tb=tb)
-        if kind == "epoch":
-            observe(msg[1])
-            return intake.epoch_ended()
-        if kind == "done":
-            observe(msg[1])
-            return None
-        if kind == "note":
-            logger.warning("source %r, worker %d: %s", self.group.source, self.plan.worker_id, msg[1])
-            return True
-        raise AssertionError(f"unknown message from a worker process: {kind!r}")
+        share = len(data) // max(1, len(events))
+        for event in events:
+            kind = type(event)
+            if kind is Result:
+                if type(event.raw) is Arrays:
+                    go: bool | None = self._slot_result(event, len(data))
+                else:
+                    go = deliver(intake, event, None, share)
+            elif kind is Raised:
+                go = deliver(intake, event._replace(error=unpack_exception(event.error, event.tb)))
+            elif kind is Note:
+                logger.warning("source %r, worker %d: %s", self.group.source, self.plan.worker_id, event.text)
+                go = True
+            else:
+                go = deliver(intake, event)
+            if go is not True:
+                return go
+        return True
 
     def report_death(self) -> None:
         """The child ended: a death unless it returned by itself (after
@@ -459,11 +454,6 @@ class _Worker:
             area.mm.close()
         except BufferError:
             pass  # viewed: unmapped (and its descriptor closed) with the last view
-
-
-def _stamp(arrays: Any, state: Any) -> Any:
-    """A slot's chunk as the intake takes it: with the fetcher's state, if any."""
-    return arrays if state is None else Stamped(arrays, state)
 
 
 def _describe(code: int | None) -> str:

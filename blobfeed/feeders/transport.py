@@ -19,6 +19,7 @@ import struct
 import traceback
 from typing import Any
 
+
 __all__ = [
     "HEADER_BYTES", "MessageReader", "SlotArea", "mem_available", "pack_exception", "send_message",
     "unpack_exception",
@@ -30,8 +31,6 @@ HEADER_BYTES = 64
 _HINT = struct.Struct("<q")
 #: one free slot index on the free pipe; -1 tells the worker to stop
 SLOT_INDEX = struct.Struct("<i")
-#: every array in a slot starts at a multiple of this
-ALIGN = 64
 
 
 #: the length of one message on a worker's pipe, before its bytes
@@ -103,10 +102,6 @@ class MessageReader:
                 if fd == self._sentinel:
                     self._ended = True
         return buf
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class SlotArea:

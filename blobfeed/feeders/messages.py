@@ -1,0 +1,163 @@
+"""What a worker tells its intake, as one small vocabulary for every backend.
+
+A worker loop (:func:`~blobfeed.feeders.worker_loop.worker_events`) yields
+these events; a thread hands them to its intake at once, a worker process
+pickles them down its pipe, a Ray actor yields them in bundles.  They are
+the whole protocol, as the three little item classes of CPython's
+``concurrent.futures.process`` are for its pool:
+
+* :class:`Result`: ``fetch_fun`` returned ``raw`` (with a stateful
+  fetcher's state after the call);
+* :class:`Raised`: ``fetch_fun`` raised (``fatal``: starting the worker
+  failed instead: ``worker_init_fun`` raised, or it could not be loaded);
+* :class:`EpochDone`: ``fetch_fun`` raised StopIteration and the next epoch
+  begins;
+* :class:`Exhausted`: ``fetch_fun`` raised StopIteration in the last epoch;
+* :class:`Note`: something for the receiving side to log (once).
+
+Across a process or a node a result's plain arrays may travel as
+:class:`Arrays`, their bytes written once into a shared buffer (a slot of
+shared memory, a Ray object) by :func:`write_arrays` and read back as views
+by :func:`read_arrays`; an exception travels packed (``error`` its pickle,
+``tb`` its traceback text: ``transport.pack_exception``).  Nothing here
+pickles or unpickles: each transport does that its own way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = [
+    "ALIGN", "Arrays", "EpochDone", "Exhausted", "Note", "Raised", "Result", "Unsendable", "align",
+    "arrays_nbytes", "packed_nbytes", "plain_arrays", "read_arrays", "sendable", "write_arrays",
+]
+
+#: every array in a shared buffer starts at a multiple of this
+ALIGN = 64
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Result(NamedTuple):
+    """``fetch_fun`` returned ``raw`` after ``seconds``; ``state``: a
+    stateful fetcher's ``state_dict()`` right after the call, else None."""
+
+    seconds: float
+    raw: Any
+    state: Any = None
+
+
+class Raised(NamedTuple):
+    """``fetch_fun`` (or, ``fatal``, the worker's start) raised ``error``:
+    the exception itself, or across a process or node its pickle, with
+    ``tb`` its traceback text (``transport.pack_exception``)."""
+
+    seconds: float
+    error: Any
+    fatal: bool = False
+    tb: str | None = None
+
+
+class EpochDone(NamedTuple):
+    """``fetch_fun`` raised StopIteration; the worker goes on with the next epoch."""
+
+    seconds: float
+
+
+class Exhausted(NamedTuple):
+    """``fetch_fun`` raised StopIteration in the last epoch: the worker is done."""
+
+    seconds: float
+
+
+class Note(NamedTuple):
+    """Text for the receiving side to log as a warning."""
+
+    text: str
+
+
+class Arrays(NamedTuple):
+    """A result's arrays in a shared buffer: ``(dtype, shape, offset)`` of
+    each (the dtype itself: its ``.str`` loses a structured dtype's fields);
+    ``where``: which buffer (a slot's index; 0 in a Ray bundle)."""
+
+    where: int
+    meta: list[tuple[np.dtype, tuple[int, ...], int]]
+    as_tuple: bool
+
+
+#: what a worker can send: everything above
+Event = Result | Raised | EpochDone | Exhausted | Note
+
+
+def plain_arrays(raw: Any) -> list[np.ndarray] | None:
+    """The arrays of a result that may be written into a shared buffer
+    (plain ``numpy.ndarray``s, native byte order, no objects), else None."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        return None
+    for a in raw:
+        if type(a) is not np.ndarray or a.dtype.hasobject or not a.dtype.isnative:
+            return None
+    return list(raw)
+
+
+def arrays_nbytes(arrays: Sequence[np.ndarray]) -> int:
+    """Bytes ``arrays`` take in a shared buffer (each aligned)."""
+    return sum(align(a.nbytes) for a in arrays)
+
+
+def write_arrays(arrays: Sequence[np.ndarray], buf: Any, base: int, where: int, as_tuple: bool) -> Arrays:
+    """Copy ``arrays`` once into ``buf`` (anything with the buffer protocol)
+    from byte ``base`` on; what reads them back (:func:`read_arrays`)."""
+    meta = []
+    off = 0
+    for a in arrays:
+        if a.nbytes:
+            dst = np.ndarray(a.shape, a.dtype, buffer=buf, offset=base + off)
+            np.copyto(dst, a, casting="no")
+        meta.append((a.dtype, a.shape, off))
+        off += align(a.nbytes)
+    return Arrays(where, meta, as_tuple)
+
+
+def read_arrays(root: np.ndarray | None, packed: Arrays) -> list[np.ndarray] | tuple[np.ndarray, ...]:
+    """Views of ``root`` (a ``uint8`` array over the buffer, from where the
+    arrays were written) for each array of ``packed``.  Every view's base is
+    ``root`` (numpy collapses view chains), so ``root`` lives exactly as long
+    as some view of it does."""
+    arrays = []
+    for dt, shape, off in packed.meta:
+        n = int(np.prod(shape)) * np.dtype(dt).itemsize
+        flat = root[off:off + n] if root is not None and n else np.empty(0, np.uint8)
+        arrays.append(flat.view(dt).reshape(shape))
+    return tuple(arrays) if packed.as_tuple else arrays
+
+
+def packed_nbytes(packed: Arrays) -> int:
+    """Bytes of the buffer the arrays of ``packed`` span."""
+    return max((off + int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, off in packed.meta), default=0)
+
+
+class Unsendable:
+    """Stands in for a result that could not be pickled: the receiving
+    side's validator refuses it, naming its type."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    def __repr__(self) -> str:
+        return f"<unpicklable {self.type_name}>"
+
+
+def sendable(raw: Any, dumps: Callable[[Any], Any]) -> Any:
+    """``raw`` if ``dumps`` (the transport's pickler) takes it, else an :class:`Unsendable`."""
+    try:
+        dumps(raw)
+        return raw
+    except Exception:
+        return Unsendable(f"{type(raw).__module__}.{type(raw).__qualname__}")

@@ -1,0 +1,114 @@
+"""The worker loop, once for every backend: call ``fetch_fun``, epoch after
+epoch, and say what happened as events (:mod:`~blobfeed.feeders.messages`).
+
+:func:`worker_events` is a generator, like the producer loop of grain's
+``prefetch.py``: a thread worker hands each event to its intake at once
+(:func:`deliver`), a worker process pickles them down its pipe, a Ray actor
+yields them in bundles.  What differs per backend is only how an event
+travels; the loop (``worker_init_fun`` and the :class:`WorkerInfo` of each
+epoch, StopIteration, exceptions, halting) is this one.
+
+Whoever iterates decides what an event means for the loop: it stops
+iterating (and closes the generator) when the worker must stop -- after an
+error ``on_error`` does not skip, or when its intake says so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
+from .chunks import Pin, Stamped
+from .messages import EpochDone, Exhausted, Raised, Result
+
+if TYPE_CHECKING:
+    from .source import WorkerIntake
+
+__all__ = ["deliver", "skips", "worker_events"]
+
+
+def worker_events(
+    fetch_fun: Callable[[int, int], Any],
+    worker_init_fun: Callable[[int], Any] | None,
+    worker_id: int,
+    info: WorkerInfo | None,
+    hint: Callable[[], int],
+    halted: Callable[[], bool],
+    epochs: int | None = 1,
+    epoch: int = 0,
+) -> Iterator[Result | Raised | EpochDone | Exhausted]:
+    """One worker's loop, run in the thread that iterates it.
+
+    Yields a :class:`Result` per value ``fetch_fun`` returns (its state split
+    off a stateful fetcher's :class:`Stamped`), a :class:`Raised` per
+    exception (``fatal`` when ``worker_init_fun`` raised: the loop ends), an
+    :class:`EpochDone` at each StopIteration but the last epoch's, and
+    :class:`Exhausted` at that one.  Ends, yielding nothing more, once
+    ``halted()`` before a call.  ``info`` (epoch 0's) gives the
+    :class:`WorkerInfo` of each epoch, bound to the thread while it runs.
+    """
+    perf = time.perf_counter
+    try:
+        while True:
+            set_worker_info(None if info is None else for_epoch(info, epoch))
+            if worker_init_fun is not None:
+                try:
+                    worker_init_fun(worker_id)
+                except BaseException as exc:
+                    yield Raised(0.0, exc, True)
+                    return
+            seconds = 0.0
+            while not halted():
+                t0 = perf()
+                try:
+                    raw = fetch_fun(worker_id, hint())
+                except StopIteration:
+                    seconds = perf() - t0
+                    break
+                except BaseException as exc:
+                    yield Raised(perf() - t0, exc)
+                    continue
+                seconds = perf() - t0
+                if type(raw) is Stamped:  # a stateful fetch_fun's state travels with its result
+                    yield Result(seconds, raw.raw, raw.state)
+                else:
+                    yield Result(seconds, raw)
+            else:
+                return  # halted
+            if is_last_epoch(epochs, epoch):
+                yield Exhausted(seconds)
+                return
+            yield EpochDone(seconds)
+            epoch += 1
+    finally:
+        set_worker_info(None)
+
+
+def skips(on_error: str, event: Raised) -> bool:
+    """Whether a worker goes on after ``event`` (``on_error="skip"``, a
+    non-fatal ``Exception``), as its intake will decide; where the intake is
+    in another process the worker decides by itself, the same way."""
+    return on_error == "skip" and not event.fatal and isinstance(event.error, Exception)
+
+
+def deliver(intake: "WorkerIntake", event: Any, pin: Pin | None = None, transport_bytes: int = 0) -> bool | None:
+    """Hand one event to ``intake``, wherever it came from (exceptions
+    already unpacked: ``remote`` tracebacks in ``event.tb``).  Returns True
+    to go on, False when the worker must stop, None when it is done
+    (:class:`Exhausted`)."""
+    if type(event) is Result:
+        intake.stats.fetch.observe(event.seconds)
+        raw = event.raw if event.state is None else Stamped(event.raw, event.state)
+        return intake.result(raw, pin, transport_bytes)
+    if type(event) is Raised:
+        if not event.fatal:
+            intake.stats.fetch.observe(event.seconds)
+        return intake.exception(event.error, fatal=event.fatal, remote_tb=event.tb)
+    if type(event) is EpochDone:
+        intake.stats.fetch.observe(event.seconds)
+        return intake.epoch_ended()
+    if type(event) is Exhausted:
+        intake.stats.fetch.observe(event.seconds)
+        return None
+    raise AssertionError(f"not a worker event: {event!r}")  # pragma: no cover - a bug
