@@ -1364,3 +1364,42 @@ def test_a_helper_forked_by_fetch_fun_does_not_hold_up_stop(tmp_path: Path,
     finally:
         if helper:
             os.kill(helper, signal.SIGKILL)
+
+
+# -- the worker loop every backend runs ---------------------------------------------------------
+def test_the_worker_loop_says_everything_as_events() -> None:
+    """worker_events, the loop threads, worker processes and Ray actors all
+    iterate: results with their time, exceptions (the loop goes on if the
+    consumer does), epoch ends with each epoch's WorkerInfo, the last end,
+    a fatal worker_init_fun, and a halt before a call."""
+    from blobfeed.feeders.messages import EpochDone, Exhausted, Raised, Result
+    from blobfeed.feeders.worker_loop import worker_events
+    from blobfeed.worker_info import WorkerInfo
+
+    calls = {"n": 0}
+    seen: list[int] = []
+
+    def fetch(worker_id: int, batch_size: int) -> Any:
+        calls["n"] += 1
+        info = get_worker_info()
+        assert info is not None
+        seen.append(info.epoch)
+        if calls["n"] % 3 == 2:
+            raise ValueError(calls["n"])
+        if calls["n"] % 3 == 0:
+            raise StopIteration
+        return [np.full(batch_size, worker_id)]
+
+    info = WorkerInfo(7, 0, 1, SRC, 42, np.random.default_rng(42))
+    events = list(worker_events(fetch, None, 7, info, lambda: 4, lambda: False, epochs=2))
+    assert [type(e) for e in events] == [Result, Raised, EpochDone, Result, Raised, Exhausted]
+    assert events[0].raw[0].tolist() == [7] * 4 and events[0].seconds >= 0
+    assert isinstance(events[1].error, ValueError) and not events[1].fatal
+    assert seen == [0, 0, 0, 1, 1, 1] and get_worker_info() is None
+
+    def bad_init(worker_id: int) -> None:
+        raise KeyError("init")
+
+    (only,) = worker_events(fetch, bad_init, 7, info, lambda: 4, lambda: False)
+    assert type(only) is Raised and only.fatal and isinstance(only.error, KeyError)
+    assert list(worker_events(fetch, None, 7, info, lambda: 4, lambda: True)) == []
