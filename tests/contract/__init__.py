@@ -1,1 +1,2 @@
-"""The contract suite: every behaviour of docs/SPEC against every backend x mode."""
+"""The contract suite: every behaviour of docs/CONTRACT.md (the user-facing
+contract) against every backend x mode; see util.py for the matrix."""

@@ -2,7 +2,7 @@
 (an epoch's last one smaller, or dropped with ``drop_last``), blobs aligned;
 several nets on one source; and the accounting identity at the end.
 
-SPEC: "Re-batching guarantees", "Shared input sources", "Fetcher backends,
+docs/CONTRACT.md: "Re-batching guarantees", "Shared input sources", "Fetcher backends,
 order and resume", the metrics ``blobfeed_*_samples``.
 """
 

@@ -3,7 +3,7 @@ and ``state_dict`` / ``load_state_dict`` resume giving exactly the
 uninterrupted stream, with the resumed run's accounts balanced (what it
 fetched again and threw away counts).
 
-SPEC: "deterministic, seed, shuffle_buffer", "Resume".
+docs/CONTRACT.md: "Order, shuffling and resume".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 within one second with the original exception as ``__cause__``; a malformed
 chunk is a ``ChunkError``; ``on_error="skip"`` carries on and counts.
 
-SPEC: ``init_data_input_workers`` (fetch_fun raising, a malformed chunk,
+docs/CONTRACT.md: ``init_data_input_workers`` (fetch_fun raising, a malformed chunk,
 on_error), "Fetcher backends" (failures of a worker that is not a thread).
 """
 

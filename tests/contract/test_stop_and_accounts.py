@@ -6,7 +6,7 @@ internal queue, the lanes, the shuffle buffer, the device queues) and after
 ``stop()`` (then nothing is buffered: every sample was delivered or dropped);
 ``blobfeed_internal_queue_depth`` shows the chunks not yet dealt.
 
-SPEC: ``GlobalCoordinator.stop()``, the metrics, "Fetcher backends" ("No
+docs/CONTRACT.md: ``GlobalCoordinator.stop()``, the metrics, "Fetcher backends" ("No
 accepted sample is lost silently: it is delivered or counted as dropped").
 """
 
