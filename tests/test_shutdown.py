@@ -111,6 +111,35 @@ def test_stuck_fetcher_makes_stop_return_false_and_is_named(gc: blobfeed.GlobalC
         release.set()
 
 
+def test_a_stuck_thread_of_blobfeed_is_not_blamed_on_fetch_fun(
+    gc: blobfeed.GlobalCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop log tells stuck threads that run user code (a fetcher) from
+    blobfeed's own (a receiver): the latter is reported as blobfeed's bug,
+    never as "a fetch_fun that never returns".  A stand-in group reports
+    one of each as still running."""
+
+    class StuckGroup:
+        name = "src"
+        source = None
+
+        def _request_stop(self) -> None: ...
+        def _shutdown(self) -> None: ...
+        def _call_loggers(self, final: bool = False) -> None: ...
+        def _join(self, deadline: float | None) -> list[str]:
+            return ["blobfeed-fetch-src-0", "blobfeed-recv-src-1"]
+
+        def _alive(self) -> list[str]:
+            return self._join(None)
+
+    with caplog.at_level("ERROR", logger="blobfeed"):
+        assert gc._stop_coordinators([StuckGroup()], 0.01) is False  # type: ignore[list-item]
+    users = [r.getMessage() for r in caplog.records if "blobfeed-fetch-src-0" in r.getMessage()]
+    ours = [r.getMessage() for r in caplog.records if "blobfeed-recv-src-1" in r.getMessage()]
+    assert users and all("fetch_fun" in m for m in users), caplog.text
+    assert ours and all("fetch_fun" not in m and "blobfeed's own" in m for m in ours), caplog.text
+
+
 def test_stop_coordinator_stops_only_that_name(gc: blobfeed.GlobalCoordinator) -> None:
     a, b = Net(name="a"), Net(name="b")
     init_data_input_workers(a, ["x"], lambda w, b_: chunk(), 4, input_source_name="sa", coordinator=gc)

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from ..arguments import check_index, check_timeout, wait_bound
 from ..errors import EndOfInput
 from ..feeders import InputSource
+from ..feeders.backends import runs_user_code
 from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
@@ -427,14 +428,24 @@ class GlobalCoordinator:
                 self._known.retire(c)
             # one that start() started while we joined is still listed: not ended
             still = [c.name for c in victims if c in self._coordinators and c not in stuck_coordinators]
-        if stuck:
+        waited = timeout if timeout is not None else float("inf")
+        users = [n for n in stuck if runs_user_code(n)]
+        ours = [n for n in stuck if not runs_user_code(n)]
+        if users:
             logger.error(
                 "stop: %d thread(s) still running after %.1f s: %s -- a fetch_fun, worker_fun "
                 "or external logger that never returns cannot be interrupted; the threads are "
                 "daemons and will not keep the process alive; stop() again to wait for them",
-                len(stuck), timeout if timeout is not None else float("inf"), ", ".join(stuck),
+                len(users), waited, ", ".join(users),
             )
-        elif still:
+        if ours:
+            # not user code: nothing of the user's holds these up
+            logger.error(
+                "stop: %d of blobfeed's own thread(s) still running after %.1f s: %s -- this is a "
+                "bug in blobfeed, please report it; they are daemons and will not keep the "
+                "process alive", len(ours), waited, ", ".join(ours),
+            )
+        if still and not stuck:
             logger.error("stop: coordinators %s started while stopping; stop() again", still)
         return not stuck and not still
 
