@@ -34,7 +34,7 @@ class DealerStats:
     #: accepted samples inside the dealer: queued, in lanes, in a shuffle
     #: buffer, or dealt to a net and not yet taken by its feed
     held_samples: int
-    #: chunks (or pieces of chunks) waiting to be taken
+    #: chunks waiting to be dealt (what ``capacity`` bounds)
     depth: int
     #: the bound on the chunks it holds (``max_buffered_batches``)
     capacity: int

@@ -339,15 +339,16 @@ class LaneDealer:
 
     def stats(self) -> DealerStats:
         with self._lock:
-            pieces = sum(len(b.pieces) for b in self.outboxes)
             held = self._lane_samples() + sum(b.samples for b in self.outboxes)
             if self.shuffle is not None:
                 held += len(self.shuffle)
-            return DealerStats(held, self._lane_chunks + pieces, self.capacity)
+            return DealerStats(held, self._lane_chunks, self.capacity)
 
     def depth(self) -> int:
-        """Chunks in the lanes and pieces waiting in the outboxes."""
-        return self._lane_chunks + sum(len(b.pieces) for b in self.outboxes)
+        """Chunks waiting in the lanes (what ``capacity`` bounds; pieces
+        already dealt to a net and rows in the shuffle buffer are held, not
+        waiting)."""
+        return self._lane_chunks
 
     # -- nets --------------------------------------------------------------------
     def take(self, box: NetOutbox) -> tuple[bool, Chunk | None]:
