@@ -21,6 +21,8 @@ class FeedEnd(Protocol):
     """What a source needs of each feed (one per net) that takes its chunks."""
 
     net_name: str
+    blob_names: tuple[str, ...]
+    drop_last: bool
     model_checks: tuple[tuple[int, str, ModelInput], ...]
 
     def abort(self, error: BaseException) -> int: ...

@@ -16,7 +16,7 @@ error ``on_error`` does not skip, or when its intake says so.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generator
 
 from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 from .chunks import Pin, Stamped
@@ -37,7 +37,7 @@ def worker_events(
     halted: Callable[[], bool],
     epochs: int | None = 1,
     epoch: int = 0,
-) -> Iterator[Result | Raised | EpochDone | Exhausted]:
+) -> Generator[Result | Raised | EpochDone | Exhausted, None, None]:
     """One worker's loop, run in the thread that iterates it.
 
     Yields a :class:`Result` per value ``fetch_fun`` returns (its state split

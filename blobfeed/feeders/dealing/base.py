@@ -105,11 +105,16 @@ class Dealer(Protocol):
     worker; the reading side by the net's feeds; ``close`` by anyone.
     """
 
-    #: one batch size for every net (the dealer cuts batches), or None: each
-    #: net's feed re-batches on its own and may change its batch size
-    batch_size: int | None
-    #: ``state``/``load`` work (the stream is a function of the wiring)
-    resumable: bool
+    @property
+    def batch_size(self) -> int | None:
+        """One batch size for every net (the dealer cuts batches), or None:
+        each net's feed re-batches on its own and may change its batch size."""
+        ...
+
+    @property
+    def resumable(self) -> bool:
+        """``state``/``load`` work (the stream is a function of the wiring)."""
+        ...
 
     @property
     def closed(self) -> bool: ...
