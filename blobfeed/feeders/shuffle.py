@@ -14,18 +14,28 @@ buffer's size.  How a blob's rows are held depends on their size:
 
 - small rows (under :data:`BY_REFERENCE_BYTES`, a label, a feature vector)
   are copied at push into a contiguous store per blob, and a batch is one
-  ``take`` per blob: a second copy of a few bytes is far cheaper than
+  gather per blob: a second copy of a few bytes is far cheaper than
   Python work per row;
 - big rows (an image) stay in their chunk: the table holds (chunk, row)
   and each row is copied once, straight from its chunk into the batch.
 
 A chunk is let go of as soon as its last big row has left (at once if all
 its blobs are small): it may hold a worker's shared-memory slot.
+
+The buffer runs under the ordered stream's lock, beside fetcher threads, so
+its per-batch work avoids numpy calls that let go of the GIL for a few
+bytes (``take``, a gather of rows of a 2-D array, every draw of a numpy
+``Generator``): each such call lets another thread in, and getting the GIL
+back can cost a switch interval (5 ms) while the stream's lock is held.
+Rows are gathered as the elements of a 1-D ``void`` view (numpy keeps the
+GIL for short gathers of a 1-D array) and slots are drawn from the bytes of
+a Python ``random.Random`` seeded from ``rng``.
 """
 
 from __future__ import annotations
 
 import operator
+import random
 from typing import Sequence
 
 import numpy as np
@@ -44,24 +54,24 @@ BY_REFERENCE_BYTES = 4096
 #: quarter full (the end of a "shuffle everything" epoch gives memory back)
 INITIAL_ROWS = 256
 
-#: uniform variates drawn from the generator at a time (one call per some
-#: 100 batches instead of one per batch: the call costs more than the draw)
-_DRAW_BLOCK = 4096
+#: 64-bit random words drawn at a time
+_BITS_BLOCK = 4096
 
 
 class ShuffleBuffer:
     """Rows of chunks, leaving in random order.
 
     Not thread-safe: its owner (the ordered stream) holds a lock.  The order
-    of the rows that leave is a function of ``rng``'s state and of the
-    sequence of calls, so the same generator and the same input give the
-    same batches.
+    of the rows that leave is a function of ``rng``'s state at construction
+    and of the sequence of calls, so the same generator and the same input
+    give the same batches.
 
     Args:
         size: rows kept while input lasts (``ready``); any non-negative int,
             storage does not depend on it.
         axes: the batch axis of each blob.
-        rng: the generator the order is drawn from; the buffer owns it.
+        rng: the generator the order is drawn from: one draw at construction
+            seeds the buffer's own ``random.Random``.
     """
 
     def __init__(self, size: int, axes: Sequence[int], rng: np.random.Generator) -> None:
@@ -78,8 +88,9 @@ class ShuffleBuffer:
         self.size = size  # a Python int: size + batch_size cannot overflow
         self.axes = tuple(int(ax) for ax in axes)
         self.rng = rng
-        self._u = np.empty(0)  # uniform variates in [0, 1) not used yet
-        self._u_at = 0
+        self._random = random.Random(int(rng.integers(2**63)))
+        self._bits = np.empty(0, "<u8")  # random bits not used yet
+        self._bits_at = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -88,12 +99,16 @@ class ShuffleBuffer:
         self._cap = 0
         #: per blob: (dtype, row shape), fixed by the first chunk
         self._layout: tuple[tuple[np.dtype, tuple[int, ...]], ...] | None = None
-        #: per blob: its row store (small rows, batch axis first) or None (by reference)
-        self._stores: list[np.ndarray | None] = []
-        #: the blobs held by reference
+        #: the blobs held in a store, and those held by reference
+        self._small: tuple[int, ...] = ()
         self._big: tuple[int, ...] = ()
-        #: per slot (blobs by reference only): [chunk id, row in the chunk]
+        #: per blob: its row store (small rows, batch axis first) or None
+        self._stores: list[np.ndarray | None] = []
+        #: per blob: its store as a 1-D array of rows (see the module's docstring)
+        self._rows: list[np.ndarray | None] = []
+        #: per slot, if any blob is held by reference: [chunk id, row in the chunk]
         self._ref = np.empty((0, 2), np.int64)
+        self._ref_rows = self._ref
         self._chunks: dict[int, Chunk] = {}
         self._left: dict[int, int] = {}  # rows of each chunk still held
         self._next_id = 0
@@ -103,20 +118,40 @@ class ShuffleBuffer:
 
     # -- in ----------------------------------------------------------------------
     def push(self, chunk: Chunk) -> None:
-        """Add the chunk's ``chunk.n`` rows (small rows copied now, big rows by reference)."""
+        """Add the chunk's ``chunk.n`` rows (small rows copied now, big rows by reference).
+
+        Raises:
+            ValueError: the chunk's blobs are not like the first chunk's
+                (count, dtype, per-sample shape).
+        """
         k = chunk.n
         if not k:
             return
         arrays = chunk.arrays
-        if self._layout is None:
-            self._start(arrays)
-        self._check(arrays)
+        layout = self._layout
+        if layout is None:
+            layout = self._start(arrays)
+        if len(arrays) != len(layout):
+            raise ValueError(f"ShuffleBuffer.push: a chunk of {len(arrays)} blobs, the buffer holds {len(layout)}")
+        axes = self.axes
+        for b, a in enumerate(arrays):
+            # the source's validator guarantees this; a wrong chunk here
+            # would be cast or broadcast silently
+            dtype, row = layout[b]
+            ax = axes[b]
+            shape = a.shape
+            if a.dtype != dtype or (shape[1:] if ax == 0 else shape[:ax] + shape[ax + 1:]) != row:
+                raise ValueError(
+                    f"ShuffleBuffer.push: blob {b} has dtype {a.dtype} and shape {shape} (batch axis {ax}); "
+                    f"the buffer holds rows of dtype {dtype} and shape {row}"
+                )
         n = self._n
         if n + k > self._cap:
             self._resize(max(2 * self._cap, n + k, INITIAL_ROWS))
-        for store, a, ax in zip(self._stores, arrays, self.axes):
-            if store is not None:
-                store[n:n + k] = a if ax == 0 else np.moveaxis(a, ax, 0)
+        stores = self._stores
+        for b in self._small:
+            ax = axes[b]
+            stores[b][n:n + k] = arrays[b] if ax == 0 else np.moveaxis(arrays[b], ax, 0)  # type: ignore[index]
         if self._big:
             cid = self._next_id
             self._next_id += 1
@@ -127,52 +162,37 @@ class ShuffleBuffer:
             ref[n:n + k, 1] = np.arange(k)
         self._n = n + k
 
-    def _start(self, arrays: Sequence[np.ndarray]) -> None:
+    def _start(self, arrays: Sequence[np.ndarray]) -> tuple[tuple[np.dtype, tuple[int, ...]], ...]:
+        """Take the layout from the first chunk."""
         if len(arrays) != len(self.axes):
             raise ValueError(f"ShuffleBuffer.push: a chunk of {len(arrays)} blobs, the buffer has {len(self.axes)} batch axes")
-        layout = []
-        for a, ax in zip(arrays, self.axes):
-            row = a.shape[:ax] + a.shape[ax + 1:]
-            layout.append((a.dtype, row))
-        self._layout = tuple(layout)
-        self._big = tuple(
-            b for b, (dtype, row) in enumerate(layout)
-            if dtype.itemsize * int(np.prod(row, dtype=np.int64)) >= BY_REFERENCE_BYTES
-        )
+        layout = tuple((a.dtype, a.shape[:ax] + a.shape[ax + 1:]) for a, ax in zip(arrays, self.axes))
+        big = [dtype.itemsize * int(np.prod(row, dtype=np.int64)) >= BY_REFERENCE_BYTES for dtype, row in layout]
+        self._big = tuple(b for b in range(len(layout)) if big[b])
+        self._small = tuple(b for b in range(len(layout)) if not big[b])
         self._stores = [None] * len(layout)  # allocated by _resize
-
-    def _check(self, arrays: Sequence[np.ndarray]) -> None:
-        """A chunk like the first (the source's validator guarantees it; a
-        wrong one here would be cast or broadcast silently)."""
-        layout = self._layout
-        assert layout is not None
-        if len(arrays) != len(layout):
-            raise ValueError(f"ShuffleBuffer.push: a chunk of {len(arrays)} blobs, the buffer holds {len(layout)}")
-        for b, (a, ax, (dtype, row)) in enumerate(zip(arrays, self.axes, layout)):
-            shape = a.shape
-            if a.dtype != dtype or shape[:ax] + shape[ax + 1:] != row:
-                raise ValueError(
-                    f"ShuffleBuffer.push: blob {b} has dtype {a.dtype} and shape {shape} (batch axis {ax}); "
-                    f"the buffer holds rows of dtype {dtype} and shape {row}"
-                )
+        self._rows = [None] * len(layout)
+        self._layout = layout
+        return layout
 
     def _resize(self, cap: int) -> None:
         """Storage for ``cap`` rows, keeping the ``len(self)`` held."""
         layout = self._layout
         assert layout is not None
         n = self._n
-        for b, (dtype, row) in enumerate(layout):
-            if b in self._big:
-                continue
+        for b in self._small:
+            dtype, row = layout[b]
             store = np.empty((cap,) + row, dtype)
             old = self._stores[b]
             if old is not None and n:
                 store[:n] = old[:n]
             self._stores[b] = store
+            self._rows[b] = _as_rows(store)
         if self._big:
             ref = np.empty((cap, 2), np.int64)
             ref[:n] = self._ref[:n]
             self._ref = ref
+            self._ref_rows = _as_rows(ref)
         self._cap = cap
 
     def ready(self, batch_size: int) -> bool:
@@ -182,7 +202,11 @@ class ShuffleBuffer:
     # -- out ---------------------------------------------------------------------
     def pop(self, batch_size: int) -> Chunk:
         """``batch_size`` rows (fewer at the end) drawn at random without
-        replacement, in random order, as a new chunk whose arrays are new."""
+        replacement, in random order, as a new chunk whose arrays are new.
+
+        Raises:
+            ValueError: ``batch_size < 1``, or the buffer is empty.
+        """
         total = self._n
         if batch_size < 1:
             raise ValueError(f"ShuffleBuffer.pop: batch_size must be >= 1, got {batch_size}")
@@ -191,53 +215,72 @@ class ShuffleBuffer:
         n = min(batch_size, total)
         pick, picked = self._draw(total, n)
         tail = total - n
-        # the slots picked below the new end are refilled with the rows of
-        # [tail, total) that stay: both lists are at most n long
-        holes = [p for p in picked if p < tail]
-        if holes:
-            gone = set(picked)
-            movers = [q for q in range(tail, total) if q not in gone]
-            holes_a = np.array(holes, np.int64)
-            movers_a = np.array(movers, np.int64)
-        outs: list[np.ndarray] = []
-        for store, ax in zip(self._stores, self.axes):
-            if store is None:
-                outs.append(None)  # type: ignore[arg-type]  # filled below
-                continue
-            got = store.take(pick, axis=0)  # one gather into new memory
+        # The slots picked below the new end (holes) get the rows of
+        # [tail, total) that stay (movers).  Usually (n much smaller than
+        # the buffer) no slot of [tail, total) was picked: every picked slot
+        # is a hole and the movers are that whole slice.
+        holes: np.ndarray | None = None
+        movers: np.ndarray | slice = slice(tail, total)
+        if tail:
+            if max(picked) < tail:
+                holes = pick
+            else:
+                below = [p for p in picked if p < tail]
+                if below:
+                    gone = set(picked)
+                    holes = np.array(below, np.int64)
+                    movers = np.array([q for q in range(tail, total) if q not in gone], np.int64)
+        layout = self._layout
+        assert layout is not None
+        outs: list[np.ndarray | None] = [None] * len(layout)
+        all_rows = self._rows
+        for b in self._small:
+            rows = all_rows[b]
+            assert rows is not None
+            got = rows[pick]  # the one gather: new memory, the batch's own
+            if holes is not None:
+                rows[holes] = rows[movers]
+            dtype, row = layout[b]
+            if rows.dtype != dtype:
+                got = got.view(dtype).reshape((n,) + row)
+            ax = self.axes[b]
             if ax:
                 got = np.ascontiguousarray(np.moveaxis(got, 0, ax))
-            outs.append(got)
-            if holes:
-                store[holes_a] = store.take(movers_a, axis=0)
+            outs[b] = got
         if self._big:
-            ref = self._ref
-            taken = ref.take(pick, axis=0).tolist()
-            if holes:
-                ref[holes_a] = ref.take(movers_a, axis=0)
+            ref = self._ref_rows
+            taken = ref[pick].view(np.int64).reshape(n, 2).tolist()
+            if holes is not None:
+                ref[holes] = ref[movers]
             self._copy_big(outs, taken, n)
         self._n = tail
         if self._cap > INITIAL_ROWS and tail <= self._cap // 4:
             self._resize(max(INITIAL_ROWS, self._cap // 2))
-        return Chunk(tuple(outs), n, -1)
+        return Chunk(tuple(outs), n, -1)  # type: ignore[arg-type]
 
     def _draw(self, total: int, n: int) -> tuple[np.ndarray, list[int]]:
-        """``n`` distinct slots of ``range(total)``, uniformly, in random order.
+        """``n`` distinct slots of ``range(total)``, uniformly, in random
+        order, as an array and as a list.
 
         Cost O(n): the slots are drawn independently and a repeat is drawn
         again (a sequential draw without replacement), unless ``n`` is more
-        than half of ``total`` (the end of input), where a permutation of
-        ``total <= 2n`` slots costs as little.  numpy's ``choice(total, n,
-        replace=False)`` costs more per call than the draw, and O(total)
-        for some sizes.  A slot is ``floor(u * total)`` of a 53-bit uniform
-        ``u``: off uniform by ``total / 2**53`` at most.
+        than half of ``total`` (the end of input), where a sample of
+        ``total <= 2n`` slots costs as little.  (numpy's ``choice(total, n,
+        replace=False)`` costs more per call than this whole draw, lets go
+        of the GIL, and is O(total) for some sizes.)
         """
         if 2 * n > total:
-            pick = self.rng.permutation(total)[:n]
-            return pick, pick.tolist()
-        picked = self._slots(total, n)
-        if len(set(picked)) == n:
+            picked = self._random.sample(range(total), n)
             return np.array(picked, np.int64), picked
+        at = self._bits_at
+        if at + n <= len(self._bits):  # _slots inlined: this is most of a pop's cost
+            self._bits_at = at + n
+            pick = (self._bits[at:at + n] % total).view(np.int64)
+        else:
+            pick = self._slots(total, n)
+        picked = pick.tolist()
+        if len(set(picked)) == n:
+            return pick, picked
         seen: set[int] = set()
         out: list[int] = []
         while True:
@@ -247,20 +290,23 @@ class ShuffleBuffer:
                     out.append(p)
                     if len(out) == n:
                         return np.array(out, np.int64), out
-            picked = self._slots(total, n - len(out))
+            picked = self._slots(total, n - len(out)).tolist()
 
-    def _slots(self, total: int, n: int) -> list[int]:
-        """``n`` independent uniform slots of ``range(total)``."""
-        at = self._u_at
-        if at + n > len(self._u):
-            self._u = self.rng.random(max(_DRAW_BLOCK, n))
+    def _slots(self, total: int, n: int) -> np.ndarray:
+        """``n`` independent uniform slots of ``range(total)``: 64 random
+        bits modulo ``total``, off uniform by ``total / 2**64`` at most.
+        The bits come in blocks (a call per some 100 batches: the call
+        costs more than the bits), little-endian so that the order is the
+        same on every machine."""
+        at = self._bits_at
+        if at + n > len(self._bits):
+            self._bits = np.frombuffer(self._random.randbytes(8 * max(_BITS_BLOCK, n)), "<u8")
             at = 0
-        self._u_at = at + n
-        slots = (self._u[at:at + n] * total).astype(np.int64)
-        # u * total rounds to total for no u < 1 (checked, not assumed)
-        return np.minimum(slots, total - 1, out=slots).tolist()
+        self._bits_at = at + n
+        # uint64 % a Python int is uint64 (NEP 50), < total < 2**63: a valid int64
+        return (self._bits[at:at + n] % total).view(np.int64)
 
-    def _copy_big(self, outs: list[np.ndarray], taken: list[list[int]], n: int) -> None:
+    def _copy_big(self, outs: list[np.ndarray | None], taken: list[list[int]], n: int) -> None:
         """The big blobs' batches, each row copied once from its chunk (no
         gather-then-scatter temporary); chunks whose last row left are let go."""
         chunks = self._chunks
@@ -269,8 +315,7 @@ class ShuffleBuffer:
         for b in self._big:
             ax = self.axes[b]
             dtype, row = layout[b]
-            shape = row[:ax] + (n,) + row[ax:]
-            out = np.empty(shape, dtype)
+            out = np.empty(row[:ax] + (n,) + row[ax:], dtype)
             if ax == 0:
                 for j, (cid, r) in enumerate(taken):
                     out[j] = chunks[cid].arrays[b][r]
@@ -291,7 +336,22 @@ class ShuffleBuffer:
     def clear(self) -> int:
         """Drop every row held and let go of every chunk at once (a chunk may
         hold a worker's shared-memory slot).  Returns the number of rows
-        dropped; the buffer is then empty and ready for new input."""
+        dropped; the buffer is then empty and ready for new input (of any
+        layout)."""
         dropped = self._n
         self._reset()
         return dropped
+
+
+def _as_rows(store: np.ndarray) -> np.ndarray:
+    """``store`` (C-contiguous, rows along axis 0) as a 1-D array of one
+    element a row (``void`` if a row has several items): a gather from it is
+    numpy's 1-D fast path, which keeps the GIL for short gathers.  Object
+    rows (references) and empty rows are indexed as they are."""
+    if store.ndim == 1:
+        return store  # already one element a row
+    cap = len(store)
+    row_bytes = store.itemsize * (store.size // cap if cap else 0)
+    if store.dtype.hasobject or not row_bytes:
+        return store
+    return store.reshape(cap, -1).view(np.dtype((np.void, row_bytes))).reshape(cap)
