@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import tracemalloc
 import weakref
 
@@ -236,3 +237,43 @@ def test_a_chunk_unlike_the_first_is_refused() -> None:
         ShuffleBuffer(-1, [0], np.random.default_rng(0))
     with pytest.raises(TypeError, match="size"):
         ShuffleBuffer(1.5, [0], np.random.default_rng(0))  # type: ignore[arg-type]
+
+
+def test_small_rows_go_through_without_letting_go_of_the_gil() -> None:
+    """The buffer works under the ordered stream's lock, beside fetcher
+    threads.  A numpy call that lets go of the GIL for a few bytes (a
+    ``take``, a gather of rows of a 2-D array, a numpy ``Generator`` draw)
+    lets another thread in, and getting the GIL back can cost a switch
+    interval: W1s ran at 0.17 x W1.  With a long switch interval a spinning
+    thread only runs when the buffer lets go of the GIL."""
+    chunks = [chunk(k, 1 + k % 64) for k in range(400)]
+    buf = ShuffleBuffer(2000, [0, 0], np.random.default_rng(0))
+    for c in chunks[:100]:
+        buf.push(c)
+    buf.pop(32)  # warm: nothing first-time (an import, a cache) in the measured loop
+    started, measuring, got_in, stop = (threading.Event() for _ in range(4))
+
+    def spin() -> None:
+        started.set()
+        while not stop.is_set():
+            if measuring.is_set():
+                got_in.set()
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        spinner.start()
+        assert started.wait(10)
+        measuring.set()
+        for c in chunks[100:]:
+            buf.push(c)
+            while buf.ready(32):
+                buf.pop(32)
+        measuring.clear()
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        spinner.join(10)
+    assert not got_in.is_set(), "a push or pop of small rows let go of the GIL"
