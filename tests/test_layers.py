@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
-    "blobfeed.feeders.shuffle": 3,
+    "blobfeed.feeders.shuffle": 3.05,
     "blobfeed.feeders.dealing.base": 3.1, "blobfeed.feeders.dealing.arrival": 3.2,
     "blobfeed.feeders.dealing.lanes": 3.2, "blobfeed.feeders.dealing": 3.5,
     "blobfeed.feeders.replay": 3, "blobfeed.feeders.messages": 3,
