@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import pytest
 
-from blobfeed.feeders.chunks import Chunk
+from blobfeed.feeders.chunks import Chunk, Pin
 from blobfeed.feeders.shuffle import ShuffleBuffer
 
 
@@ -304,3 +304,25 @@ def test_big_batches_reuse_memory_of_dropped_batches_never_of_kept_ones() -> Non
     images = kept.arrays[0]
     assert images.shape == (96, 3, 64, 64)
     np.testing.assert_array_equal(images, np.broadcast_to((kept.arrays[1] % 251).astype(np.uint8)[:, None, None, None], images.shape))
+
+
+def test_a_pinned_chunk_is_let_go_of_at_push() -> None:
+    """A chunk with a Pin views a worker's shared-memory slot (or a pinned
+    object): rows wait in the buffer for long, so none of them may keep the
+    chunk's memory, big rows included; the batches are the same."""
+    plain = ShuffleBuffer(10, [0, 0], np.random.default_rng(3))
+    pinned = ShuffleBuffer(10, [0, 0], np.random.default_rng(3))
+    refs = []
+    for k in range(8):
+        c = image_chunk(k, 5)
+        plain.push(c)
+        slot = Chunk(tuple(a.copy() for a in c.arrays), c.n, 0, k, Pin())
+        refs += [weakref.ref(a) for a in slot.arrays]
+        pinned.push(slot)
+        del slot
+        gc.collect()
+        assert all(r() is None for r in refs), "a pinned chunk's memory outlived its push"
+    a, b = drain(plain, [], 4), drain(pinned, [], 4)
+    assert [x.arrays[1].tolist() for x in a] == [x.arrays[1].tolist() for x in b]
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.arrays[0], y.arrays[0])

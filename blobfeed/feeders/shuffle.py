@@ -22,8 +22,10 @@ buffer's size.  How a blob's rows are held depends on their size:
   (the re-batcher's :class:`~.rebatch.BufferPool`): a copy into fresh pages
   ran at half the speed (W2s-like pipeline: ~130 page faults a batch).
 
-A chunk is let go of as soon as its last big row has left (at once if all
-its blobs are small): it may hold a worker's shared-memory slot.
+A chunk is let go of at push if all its blobs are small, else as soon as
+its last big row has left; the big rows of a chunk that holds a worker's
+shared-memory slot or pinned object (a ``Pin``) are copied out at push, so
+rows waiting here never hold a worker's memory.
 
 The buffer runs under the ordered stream's lock, beside fetcher threads, so
 its per-batch work avoids numpy calls that let go of the GIL for a few
@@ -115,7 +117,8 @@ class ShuffleBuffer:
         #: per slot, if any blob is held by reference: [chunk id, row in the chunk]
         self._ref = np.empty((0, 2), np.int64)
         self._ref_rows = self._ref
-        self._chunks: dict[int, Chunk] = {}
+        #: per chunk id: the arrays of its big blobs (None for the others)
+        self._chunks: dict[int, tuple[np.ndarray | None, ...]] = {}
         self._left: dict[int, int] = {}  # rows of each chunk still held
         self._next_id = 0
         #: memory for batches of big rows, given back when a batch dies
@@ -126,7 +129,8 @@ class ShuffleBuffer:
 
     # -- in ----------------------------------------------------------------------
     def push(self, chunk: Chunk) -> None:
-        """Add the chunk's ``chunk.n`` rows (small rows copied now, big rows by reference).
+        """Add the chunk's ``chunk.n`` rows (small rows copied now, big rows
+        by reference, or copied now too if the chunk has a ``pin``).
 
         Raises:
             ValueError: the chunk's blobs are not like the first chunk's
@@ -163,7 +167,14 @@ class ShuffleBuffer:
         if self._big:
             cid = self._next_id
             self._next_id += 1
-            self._chunks[cid] = chunk
+            # only the big blobs' arrays: the small rows are in the stores.
+            # A pinned chunk's memory is a worker's slot (or pinned object):
+            # rows may wait here for long, so its big rows are copied out.
+            pinned = chunk.pin is not None
+            held: list[np.ndarray | None] = [None] * len(arrays)
+            for b in self._big:
+                held[b] = np.array(arrays[b]) if pinned else arrays[b]
+            self._chunks[cid] = tuple(held)
             self._left[cid] = k
             ref = self._ref
             ref[n:n + k, 0] = cid
@@ -334,11 +345,11 @@ class ShuffleBuffer:
             ax = self.axes[b]
             if ax == 0:
                 for j, (cid, r) in enumerate(taken):
-                    out[j] = chunks[cid].arrays[b][r]
+                    out[j] = chunks[cid][b][r]  # type: ignore[index]
             else:
                 lead = (slice(None),) * ax
                 for j, (cid, r) in enumerate(taken):
-                    out[lead + (j,)] = chunks[cid].arrays[b][lead + (r,)]
+                    out[lead + (j,)] = chunks[cid][b][lead + (r,)]  # type: ignore[index]
             outs[b] = out
         left = self._left
         for cid, _ in taken:
