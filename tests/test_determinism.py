@@ -506,20 +506,6 @@ def test_another_seed_gives_other_rng_values_same_ids() -> None:
     assert_batches(a.got[0], expected(Fetch({0: 3, 1: 3}), 2, 4, seed=1)[0], "seed 1")
 
 
-def test_threads_and_processes_give_identical_batches() -> None:
-    """Wide rows: chunks of 8 samples or more travel through shared memory,
-    smaller ones are pickled; the order is the same."""
-    lengths = {0: 5, 1: 2, 2: 6}
-    runs = {}
-    for backend in ("threads", "processes"):
-        fetch = Fetch(lengths, salt=5, delay_seed=new_delay_seed(), none_at={(2, 1)}, width=1024)
-        runs[backend] = pipeline(fetch, workers=(3,), bs=9, backend=backend)
-        assert_ended(runs[backend], backend)
-    assert_batches(runs["processes"].got[0], runs["threads"].got[0], "processes against threads")
-    want, _ = expected(Fetch(lengths, salt=5, none_at={(2, 1)}, width=1024), 3, 9)
-    assert_batches(runs["threads"].got[0], want, "threads against the rules")
-
-
 def test_big_batches_keep_the_order() -> None:
     """Batches of 1 MiB or more are assembled outside the feed's lock (into
     recycled buffers); chunks of 40 to 440 wide rows, two nets."""

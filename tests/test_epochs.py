@@ -256,26 +256,6 @@ def test_worker_init_fun_runs_in_every_epoch_with_its_epoch() -> None:
     assert len({s for _, _, s in seen}) == 6
 
 
-def test_without_determinism_each_epoch_holds_exactly_its_samples() -> None:
-    fetch = EpochFetch({0: 5, 1: 2, 2: 7}, salt=3)
-    with Pipeline(fetch, deterministic=False, epochs=3, bs=4) as p:
-        p.gc.start()
-        got = p.drain()
-    epochs: list[list[int]] = [[]]
-    for ev in got:
-        if ev[0] == "end":
-            assert ev[1] == len(epochs) - 1
-            epochs.append([])
-        else:
-            epochs[-1].extend(ev[1].tolist())
-    assert len(epochs) == 3
-    for e, ids in enumerate(epochs):
-        want = sorted(ids_of(e, w, k, size(3, e, w, k)).tolist()[i]
-                      for w in range(3) for k in range(n_chunks(fetch.lengths, w, e))
-                      for i in range(size(3, e, w, k)))
-        assert sorted(ids) == want, f"epoch {e}: samples missing, repeated or from another epoch"
-
-
 def test_two_nets_each_see_every_epoch_end_and_batches_are_dealt_in_turn() -> None:
     fetch = EpochFetch(LENGTHS, salt=4)
     results: list[list[Event]] = [[], []]

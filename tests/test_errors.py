@@ -23,42 +23,6 @@ def good(n: int = 4) -> list[np.ndarray]:
     return [np.zeros((n, 3), np.float32), np.zeros(n, np.int64)]
 
 
-def test_fetcher_exception_reaches_waiting_run_within_a_second(gc: blobfeed.GlobalCoordinator) -> None:
-    go = threading.Event()
-
-    def fetch(w: int, b: int) -> list[np.ndarray]:
-        go.wait(WAIT)
-        raise Boom("disk on fire")
-
-    net = Net(name="n")
-    init_data_input_workers(net, ["x", "y"], fetch, 4, num_worker_threads=1, coordinator=gc)
-    gc.start()
-    result: dict[str, Any] = {}
-
-    def consume() -> None:
-        t0 = time.monotonic()
-        try:
-            net.run()  # the default timeout is 600 s: only the error can end this wait
-        except BaseException as exc:
-            result["exc"], result["dt"] = exc, time.monotonic() - t0
-
-    t = threading.Thread(target=consume)
-    t.start()
-    t0 = time.monotonic()
-    go.set()
-    t.join(WAIT)
-    assert not t.is_alive()
-    exc = result["exc"]
-    assert isinstance(exc, FetcherError) and not isinstance(exc, ChunkError)
-    assert isinstance(exc.__cause__, Boom)
-    assert "source 'train'" in str(exc) and "worker 0" in str(exc) and "disk on fire" in str(exc)
-    assert time.monotonic() - t0 < 1.0
-    # the source stays failed: the next run raises the same error at once
-    with pytest.raises(FetcherError, match="disk on fire"):
-        net.run(timeout=WAIT)
-    assert sample(gc, "blobfeed_fetch_errors_total", source="train", kind="exception") == 1
-
-
 @pytest.mark.parametrize(
     "bad, match",
     [

@@ -1,4 +1,9 @@
-"""Re-batching guarantees through the whole pipeline (docs/CONTRACT.md)."""
+"""Re-batching guarantees through the whole pipeline (docs/CONTRACT.md).
+
+Exact batch sizes, exactly once, the last partial batch, ``drop_last`` and
+its count, on every backend and mode, are in tests/contract/test_delivery.py;
+here: random shapes, views, batch columns, ``dont_rebatch``, the enqueuer and
+the consumer's own assembly, several sources."""
 
 from __future__ import annotations
 
@@ -26,53 +31,6 @@ def check_batches(batches: list[dict[str, np.ndarray]], batch_size: int, *, last
         assert b["feat"].shape == (n, 2)
         np.testing.assert_array_equal(b["feat"][:, 0], b["ids"].astype(np.float32))
     return np.concatenate([b["ids"] for b in batches]) if batches else np.empty(0, np.int64)
-
-
-def assert_chunks_in_order(ids: np.ndarray, plan: ChunkPlan) -> None:
-    """Samples of one chunk stay together and in order; none lost or duplicated."""
-    assert len(ids) == plan.total
-    assert len(np.unique(ids)) == len(ids), "a sample was delivered twice"
-    want = np.sort(np.concatenate(plan.issued))
-    np.testing.assert_array_equal(np.sort(ids), want)
-    # a chunk's ids are consecutive; in delivery order they must be contiguous and ascending
-    for chunk in plan.issued:
-        pos = np.flatnonzero(np.isin(ids, chunk))
-        assert np.all(np.diff(pos) == 1), "a chunk's samples were split apart or reordered"
-        np.testing.assert_array_equal(ids[pos], chunk)
-
-
-def test_one_net_exact_batches_and_last_partial(gc: blobfeed.GlobalCoordinator) -> None:
-    plan = ChunkPlan({0: [5, 13, 1, 40], 1: [7, 7, 9]})  # 82 samples
-    net = Net(name="n")
-    init_data_input_workers(net, ["ids", "feat"], plan, 8, coordinator=gc)
-    gc.start()
-    batches = drain(net)
-    ids = check_batches(batches, 8)
-    assert_chunks_in_order(ids, plan)
-    assert len(batches) == 11 and len(batches[-1]["ids"]) == 82 % 8
-    with pytest.raises(EndOfInput):
-        net.run(timeout=WAIT)  # stays ended
-
-
-def test_last_partial_batch_then_end_of_input(gc: blobfeed.GlobalCoordinator) -> None:
-    plan = ChunkPlan({0: [3, 4], 1: [6]})  # 13 samples, batch 5: 5, 5, 3
-    net = Net(name="n")
-    init_data_input_workers(net, ["ids", "feat"], plan, 5, coordinator=gc)
-    gc.start()
-    batches = drain(net)
-    assert [len(b["ids"]) for b in batches] == [5, 5, 3]
-    assert_chunks_in_order(check_batches(batches, 5), plan)
-
-
-def test_drop_last_drops_and_counts(gc: blobfeed.GlobalCoordinator) -> None:
-    plan = ChunkPlan({0: [3, 4], 1: [6]})
-    net = Net(name="n")
-    init_data_input_workers(net, ["ids", "feat"], plan, 5, drop_last=True, coordinator=gc)
-    gc.start()
-    batches = drain(net)
-    assert [len(b["ids"]) for b in batches] == [5, 5]
-    assert sample(gc, "blobfeed_dropped_samples_total", source="train", reason="drop_last") == 3
-    assert sample(gc, "blobfeed_delivered_samples_total", source="train", net="n") == 10
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -6,6 +6,12 @@ module) unless a test is about what cloudpickle does.  Per-worker state lives
 in the fetcher object, of which each child has its own copy.  Everything that
 could hang runs with a bound; what needs a process of its own (a parent killed
 with SIGKILL, what a program prints at exit) runs in a subprocess.
+
+What every backend owes alike (exactly once, exact batches, several nets,
+errors and their timing, ``on_error="skip"``, stop, the accounts, the same
+batches as threads, resume) is in tests/contract, which runs it on worker
+processes too; here is what is the process backend's own: slots and shared
+memory, pickling, deaths and signals, start methods, nothing left behind.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from blobfeed import (
 from blobfeed.feeders import processes
 from blobfeed.feeders.child import SHM_MIN_BYTES
 
-from .helpers import WAIT, drain, drain_in_threads, sample, wait_until
+from .helpers import WAIT, drain, sample, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = "train"
@@ -560,26 +566,6 @@ def test_exactly_once_and_in_order(gc: blobfeed.GlobalCoordinator, monkeypatch: 
     assert_identity_at_rest(gc, [net])
 
 
-def test_two_nets_share_a_source(gc: blobfeed.GlobalCoordinator) -> None:
-    sizes = [[SHM_ROWS, 3, 400, 11], [9, SHM_ROWS, 1, 300]]
-    nets = [new_net("a"), new_net("b")]
-    for net in nets:
-        init_data_input_workers(net, ["ids", "feat"], Plan(sizes), 32, backend="processes",
-                                coordinator=gc, seed=2)
-    gc.start()
-    results = drain_in_threads(nets)
-    chunks = expected_chunks(sizes + sizes, gc.get_worker_ids())
-    got = [check_batches(results[n.name], 32, partial_last=True) for n in nets]
-    ids = np.concatenate(got)
-    assert len(ids) == 2 * sum(map(sum, sizes))
-    assert len(np.unique(ids)) == len(ids), "a sample reached both nets"
-    np.testing.assert_array_equal(np.sort(ids), np.sort(np.concatenate(chunks)))
-    for net_ids in got:  # within a net, a chunk's samples are together and in order
-        assert_exactly_once_in_order(net_ids, [c for c in chunks if np.isin(c, net_ids).any()],
-                                     complete=False)
-    assert_identity_at_rest(gc, nets)
-
-
 def test_lambda_and_closure_travel_by_cloudpickle(gc: blobfeed.GlobalCoordinator) -> None:
     rows = 6
     left = {"calls": 3}  # captured: each child gets its own copy
@@ -673,23 +659,9 @@ def test_exception_reaches_run_as_the_original_object(gc: blobfeed.GlobalCoordin
     assert "Traceback" in text and "in __call__" in text and "test_processes.py" in text, text
 
 
-def test_on_error_skip_skips_and_counts(gc: blobfeed.GlobalCoordinator, tmp_path: Path) -> None:
-    calls = 40
-    raises = [i for i in range(calls) if i == 2 or (i > 2 and (i - 2) % 5 == 0)]
-    net = new_net()
-    init_data_input_workers(net, ["ids", "feat"], Raiser("value", 2, str(tmp_path / "s"), every=5, calls=calls),
-                            4, num_worker_threads=2, backend="processes", on_error="skip", coordinator=gc)
-    gc.start()
-    ids = check_batches(drain(net), 4, partial_last=True)
-    good = [i for i in range(calls) if i not in raises]
-    chunks = [np.arange(5, dtype=np.int64) + w * WORKER_SPAN + i * STEP_SPAN
-              for w in gc.get_worker_ids() for i in good]
-    assert_exactly_once_in_order(ids, chunks)
-    assert sample(gc, "blobfeed_fetch_errors_total", source=SRC, kind="exception") == 2 * len(raises)
-
-
-@pytest.mark.parametrize("rows", [SHM_ROWS + 3, 5], ids=["shm", "pipe"])
-def test_malformed_chunk_is_a_chunk_error(gc: blobfeed.GlobalCoordinator, rows: int) -> None:
+def test_malformed_chunk_is_a_chunk_error_through_shared_memory(gc: blobfeed.GlobalCoordinator) -> None:
+    """A small one (pickled): tests/contract/test_errors.py."""
+    rows = SHM_ROWS + 3
     net = new_net()
     init_data_input_workers(net, ["ids", "feat"], Malformed(rows), 4, num_worker_threads=1,
                             backend="processes", coordinator=gc)

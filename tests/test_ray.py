@@ -9,6 +9,11 @@ CI machine must hold them.  The simulated nodes share this machine, so the
 fetchers signal the tests through files, as in tests/test_processes.py.
 
 In CI (``CI=true``) a missing ``ray`` is a failure, not a skip.
+
+Exactly once, exact batches, ``drop_last``, errors within a second, stop,
+the accounts, the same batches as threads and resume run on Ray in
+tests/contract (on the modes its tests name); here is what is Ray's own:
+actors, nodes, restarts, bundles and the object store's views.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from .helpers import drain, sample, wait_until
 from .test_processes import (
     SHM_ROWS,
     WIDE,
+    WORKER_SPAN,
     Dier,
     Endless,
     LockedFetcher,
@@ -197,30 +203,8 @@ class StatefulRestartable(Restartable):
 
 
 # ---------------------------------------------------------------------------------------------
-# exactly once, order, worker info, hint, read-only batches
+# worker info, hint, read-only batches (exactly once, order: tests/contract)
 # ---------------------------------------------------------------------------------------------
-#: small chunks (bundled) and big ones (> 100 KiB: zero-copy views of the object store)
-SIZES = [[1, 7, 3, 40, 2, 9, 900, 13, 1, 5, 450], [4, 4, 700, 31, 2, 999, 3]]
-
-
-@pytest.mark.parametrize("drop_last", [False, True], ids=["last-partial", "drop-last"])
-def test_exactly_once_and_in_order(gc: blobfeed.GlobalCoordinator, drop_last: bool) -> None:
-    batch_size = 64
-    net = Net(name="n")
-    init_data_input_workers(net, ["ids", "feat"], Plan(SIZES), batch_size, backend=backend(),
-                            drop_last=drop_last, max_buffered_batches=4, coordinator=gc, seed=1)
-    gc.start()
-    batches = drain(net, WAIT)
-    total = sum(map(sum, SIZES))
-    ids = check_batches(batches, batch_size, partial_last=not drop_last)
-    assert len(ids) == (total - total % batch_size if drop_last else total)
-    assert_exactly_once_in_order(ids, expected_chunks(SIZES, gc.get_worker_ids()), complete=not drop_last)
-    assert sample(gc, "blobfeed_fetched_samples_total", source=SRC) == total
-    assert sample(gc, "blobfeed_transport_bytes_total", source=SRC, backend="ray") > 0
-    assert sample(gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 0
-    assert_identity_at_rest(gc, [net])
-
-
 def test_worker_info_and_worker_init_fun_run_in_the_actor(cluster: Any) -> None:
     """The same WorkerInfo (seed, rng draws) as a thread; worker_init_fun ran
     in the actor's own process, which is not this one."""
@@ -240,34 +224,21 @@ def test_the_batch_size_hint_reaches_the_actor(gc: blobfeed.GlobalCoordinator) -
     assert [len(b["ids"]) for b in batches] == [24] * 10
 
 
-def test_deterministic_stream_is_the_same_as_threads_and_the_rules(cluster: Any) -> None:
-    lengths = {0: 5, 1: 2, 2: 6}
-    runs = {}
-    for name, be in (("threads", "threads"), ("ray", backend())):
-        fetch = det.Fetch(lengths, salt=5, delay_seed=det.new_delay_seed(), none_at={(2, 1)}, width=1024)
-        runs[name] = det.pipeline(fetch, workers=(3,), bs=9, backend=be)
-        det.assert_ended(runs[name], name)
-    det.assert_batches(runs["ray"].got[0], runs["threads"].got[0], "ray against threads")
-    want, _ = det.expected(det.Fetch(lengths, salt=5, none_at={(2, 1)}, width=1024), 3, 9)
-    det.assert_batches(runs["ray"].got[0], want, "ray against the rules")
-
-
-@pytest.mark.parametrize("stateful", [False, True], ids=["replayed", "stateful"])
-def test_state_dict_resume_on_ray(cluster: Any, stateful: bool) -> None:
-    """Saved on Ray, resumed on Ray (and threads -> Ray): the uninterrupted batches."""
+def test_a_state_saved_on_threads_resumes_on_ray(cluster: Any) -> None:
+    """A stateful fetcher's state, saved with threads, loaded in the actors:
+    the uninterrupted batches.  (Saved and resumed on Ray, replayed and
+    stateful: tests/contract/test_det_resume.py.)"""
     plan = {0: 6, 1: 3, 2: 5}
-    cls = det.StatefulFetch if stateful else det.Fetch
 
     def make() -> det.Fetch:
-        return cls(plan, salt=41, delay_seed=det.new_delay_seed(), none_at={(2, 0)}, width=256)
+        return det.StatefulFetch(plan, salt=41, delay_seed=det.new_delay_seed(), none_at={(2, 0)}, width=256)
 
     want, _ = det.expected(make(), 3, 7)
-    first = det.pipeline(make(), take=3, save=True, workers=(3,), bs=7,
-                         backend="threads" if stateful else backend())
+    first = det.pipeline(make(), take=3, save=True, workers=(3,), bs=7, backend="threads")
     assert first.state is not None
     second = det.pipeline(make(), load=first.state, workers=(3,), bs=7, backend=backend())
     det.assert_ended(second, "resumed on ray")
-    det.assert_batches(first.got[0] + second.got[0], want, f"resume on ray (stateful={stateful})")
+    det.assert_batches(first.got[0] + second.got[0], want, "threads -> ray, stateful")
 
 
 def test_epochs_on_ray_are_the_rules_stream(cluster: Any) -> None:
@@ -292,8 +263,10 @@ def test_resume_on_ray_across_an_epoch_end(cluster: Any, stateful: bool) -> None
 def test_batches_from_ray_are_read_only_views_and_bounded(gc: blobfeed.GlobalCoordinator) -> None:
     """A batch inside a big chunk is a read-only view of the object store
     (writing raises numpy's read-only error); kept batches never stall the
-    workers nor pin more than ``max_pinned - 2`` bundles each."""
-    rows, batch_size = 1024, 128  # 1024 x 264 B = 264 KiB a chunk: zero-copy
+    workers nor pin more than ``max_pinned - 2`` bundles each; and through
+    these views each worker's samples come exactly once, in the order it
+    returned them."""
+    rows, batch_size = 999, 128  # 999 x 264 B = 258 KiB a chunk: zero-copy (rows < STEP_SPAN: ids unique)
     be = backend(max_pinned=4, bundle_bytes=64 * 1024)
     net = Net(name="n")
     init_data_input_workers(net, ["ids", "feat"], Endless(rows), batch_size, num_worker_threads=2,
@@ -303,6 +276,7 @@ def test_batches_from_ray_are_read_only_views_and_bounded(gc: blobfeed.GlobalCoo
     assert not b["feat"].flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         b["feat"][0, 0] = 1.0
+    delivered = [np.array(b["ids"])]
     kept: collections.deque[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = collections.deque(maxlen=40)
     views = 0
     deadline = time.monotonic() + WAIT
@@ -311,11 +285,19 @@ def test_batches_from_ray_are_read_only_views_and_bounded(gc: blobfeed.GlobalCoo
         b = net.run(timeout=WAIT)
         views += not b["feat"].flags.owndata and b["feat"].base is not None and b["feat"].base.nbytes >= rows * 8
         kept.append((b, {k: np.array(v) for k, v in b.items()}))
+        delivered.append(np.array(b["ids"]))
     for got, copy in kept:
         for k in copy:
             np.testing.assert_array_equal(got[k], copy[k])
     assert views > 0, "no batch was a view of a chunk: the test proves nothing"
     check_batches([c for _, c in kept], batch_size, partial_last=False)
+    # per worker, what came is a prefix of what it returned: none twice, none lost, in order
+    ids = np.concatenate(delivered)
+    for wid in gc.get_worker_ids():
+        mine = ids[ids // WORKER_SPAN == wid]
+        steps = -(-len(mine) // rows)
+        want = np.concatenate([make_chunk(wid, step, rows, 2)[0] for step in range(steps)])[:len(mine)]
+        np.testing.assert_array_equal(mine, want, err_msg=f"worker {wid}'s samples through zero-copy views")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,22 +53,29 @@ class Fetch:
     chunks (then StopIteration); ``lengths`` shorter than the workers: the
     last length repeats.  ``endless``: never StopIteration.
 
-    ``raise_at`` / ``bad_at`` / ``big_at``: (worker index, call) pairs where
-    the call raises :class:`Boom`, returns a chunk whose ``feat`` has one row
-    too few, or returns a :data:`BIG` chunk.  ``pace``: seconds slept before
+    ``raise_at`` / ``bad_at`` / ``big_at`` / ``none_at``: (worker index,
+    call) pairs where the call raises :class:`Boom`, returns a chunk whose
+    ``feat`` has one row too few, returns a :data:`BIG` chunk, or returns
+    ``None`` (no chunk: skipped even with ``on_error="raise"``, it takes no
+    turn in the deterministic modes).  ``use_rng``: ``feat[:, 1]`` is the
+    worker id plus a draw in [0, 0.5) from its ``get_worker_info().rng`` (the
+    same on every backend for a seed), not the worker id alone.  ``pace``: seconds slept before
     each call (pacing so a test's own thread gets the CPU; never used to
     synchronise).
     """
 
     def __init__(self, lengths: Iterable[int] = (6, 3, 8), *, salt: int = 0, endless: bool = False,
                  raise_at: Iterable[tuple[int, int]] = (), bad_at: Iterable[tuple[int, int]] = (),
-                 big_at: Iterable[tuple[int, int]] = (), pace: float = 0.0) -> None:
+                 big_at: Iterable[tuple[int, int]] = (), none_at: Iterable[tuple[int, int]] = (),
+                 use_rng: bool = False, pace: float = 0.0) -> None:
         self.lengths = list(lengths)
         self.salt = salt
         self.endless = endless
         self.raise_at = frozenset(raise_at)
         self.bad_at = frozenset(bad_at)
         self.big_at = frozenset(big_at)
+        self.none_at = frozenset(none_at)
+        self.use_rng = use_rng
         self.pace = pace
         self.calls: dict[tuple[int, int], int] = {}
 
@@ -90,7 +97,11 @@ class Fetch:
             time.sleep(self.pace)
         if (info.index, k) in self.raise_at:
             raise Boom("boom", wid, k, time.time())
+        if (info.index, k) in self.none_at:
+            return None  # type: ignore[return-value]
         chunk = make_chunk(epoch, wid, k, self.size(info.index, epoch, wid, k))
+        if self.use_rng:
+            chunk[1][:, 1] += info.rng.random(len(chunk[0])) / 2
         if (info.index, k) in self.bad_at:
             chunk[1] = chunk[1][:-1]
         return chunk
@@ -98,11 +109,14 @@ class Fetch:
     # -- what a run must deliver -----------------------------------------------------------
     def chunks(self, workers: dict[int, int], epoch: int = 0, *, skipped: bool = True) -> list[np.ndarray]:
         """The ids of every chunk the workers ``{worker id: index}`` return
-        in ``epoch`` (a finite fetcher), without the calls that raise or are
-        malformed when ``skipped``."""
+        in ``epoch`` (a finite fetcher), in call order per worker, without
+        the calls that return None, nor those that raise or are malformed
+        when ``skipped``."""
         out = []
         for wid, index in workers.items():
             for k in range(self.length(index)):
+                if (index, k) in self.none_at:
+                    continue
                 if skipped and ((index, k) in self.raise_at or (index, k) in self.bad_at):
                     continue
                 out.append(make_chunk(epoch, wid, k, self.size(index, epoch, wid, k))[0])

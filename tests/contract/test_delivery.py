@@ -8,14 +8,17 @@ order and resume", the metrics ``blobfeed_*_samples``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import pytest
 
 import blobfeed
+from blobfeed import EndOfEpoch, EndOfInput
 
 from .fetchers import Fetch
 from .util import (
-    ALL_MODES, BS, ORDERED_CONTENT, assert_identity, by_epoch, check_batches,
+    ALL_MODES, BS, ORDERED_CONTENT, WAIT, assert_identity, by_epoch, check_batches,
     check_chunks_kept_together, check_exactly_once, drain_all, epochs_of, ids_of, matrix, metric, wire,
 )
 
@@ -26,13 +29,19 @@ BIG_AT = {(0, 1), (2, 4)}
 
 
 @matrix(ALL_MODES, extra=("drop_last", {"last-partial": False, "drop-last": True}),
-        ray=[("arrival", "last-partial"), ("det-shuffle", "drop-last")])
-def test_every_sample_exactly_once_in_exact_batches(gc: blobfeed.GlobalCoordinator, backend: Any, mode: str,
-                                                    drop_last: bool) -> None:
+        ray=[("arrival", "last-partial"), ("arrival", "drop-last"), ("det-shuffle", "drop-last")])
+def test_every_sample_exactly_once_in_exact_batches(gc: blobfeed.GlobalCoordinator, backend: Any,
+                                                    backend_name: str, mode: str, drop_last: bool) -> None:
     fetch = Fetch(LENGTHS, salt=1, big_at=BIG_AT)
     (net,), (workers,) = wire(gc, backend, mode, fetch, drop_last=drop_last)
     gc.start()
     (events,) = drain_all([net])
+    # the end is for good: run() raises EndOfInput (not an epoch's end) again, at once
+    t0 = time.monotonic()
+    with pytest.raises(EndOfInput) as again:
+        net.run(timeout=WAIT)
+    assert not isinstance(again.value, EndOfEpoch), f"another epoch end after the last: {again.value!r}"
+    assert time.monotonic() - t0 < 0.5, "run() of an ended source must raise EndOfInput at once"
     epochs = epochs_of(mode)
     check_batches(events, BS, drop_last=drop_last)
     dropped = 0
@@ -49,7 +58,12 @@ def test_every_sample_exactly_once_in_exact_batches(gc: blobfeed.GlobalCoordinat
     a = assert_identity(gc, "at the end")
     assert a["buffered"] == 0, f"nothing is left inside blobfeed at the end: {a}"
     assert a["dropped"] == dropped, f"only the partial batches are dropped: {a}"
+    assert metric(gc, "blobfeed_dropped_samples_total", reason="drop_last") == dropped, "dropped, but not as drop_last"
+    assert metric(gc, "blobfeed_delivered_samples_total", net=net.name) == a["delivered"] == len(ids_of(events))
     assert a["fetched"] == sum(sum(map(len, fetch.chunks(workers, e))) for e in range(epochs))
+    assert metric(gc, "blobfeed_worker_deaths_total") == 0
+    if backend_name != "threads":  # what crossed from the workers' processes
+        assert metric(gc, "blobfeed_transport_bytes_total", backend=backend_name) > 0
 
 
 @matrix(ALL_MODES)
@@ -68,6 +82,9 @@ def test_several_nets_on_one_source_each_sample_to_exactly_one_net(
         assert all(got), f"epoch {e}: a net got no batch: {[len(g) for g in got]}"
         ids = ids_of([b for g in got for b in g])
         check_exactly_once(ids, fetch.chunks(workers, e))
+        if mode in ORDERED_CONTENT:  # within each net, what it got of a chunk is together and in order
+            for g in got:
+                check_chunks_kept_together(ids_of(g), fetch.chunks(workers, e))
     a = assert_identity(gc, "at the end")
     assert a["buffered"] == 0 and a["dropped"] == 0, a
     assert sum(metric(gc, "blobfeed_delivered_samples_total", net=n.name) for n in nets) == a["fetched"]

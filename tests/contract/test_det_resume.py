@@ -22,6 +22,8 @@ from .util import (
 
 LENGTHS = (6, 2, 9)
 BIG_AT = {(0, 1), (2, 4)}
+#: calls that return None: no chunk, and no turn in the deal
+NONE_AT = {(2, 1), (0, 3)}
 
 
 def assert_same(got: Sequence[Event], want: Sequence[Event], what: str) -> None:
@@ -46,11 +48,12 @@ def full_run(backend: Any, mode: str, fetch: Any, workers: Sequence[int]) -> lis
         assert gc.stop(timeout=WAIT)
 
 
-@matrix(DET_MODES, backends=("processes",), ray=("det-shuffle",))
+@matrix(DET_MODES, backends=("processes",), ray=DET_MODES)
 def test_same_batches_to_the_same_nets_as_threads(backend: Any, mode: str) -> None:
     workers = (2, 2)
-    want = full_run("threads", mode, Fetch(LENGTHS, salt=7, big_at=BIG_AT), workers)
-    got = full_run(backend, mode, Fetch(LENGTHS, salt=7, big_at=BIG_AT), workers)
+    # feat drawn from each worker's rng too: the same WorkerInfo on every backend
+    want = full_run("threads", mode, Fetch(LENGTHS, salt=7, big_at=BIG_AT, none_at=NONE_AT, use_rng=True), workers)
+    got = full_run(backend, mode, Fetch(LENGTHS, salt=7, big_at=BIG_AT, none_at=NONE_AT, use_rng=True), workers)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w, f"net {i} against threads")
 
@@ -61,7 +64,7 @@ def test_resume_gives_exactly_the_uninterrupted_stream(backend: Any, mode: str, 
     cut = 3
 
     def make() -> Fetch:
-        return cls(LENGTHS, salt=8, big_at=BIG_AT)
+        return cls(LENGTHS, salt=8, big_at=BIG_AT, none_at=NONE_AT)
 
     (want,) = full_run("threads", mode, make(), (3,))
     assert len(want) > cut + 2, "the test needs batches after the cut"

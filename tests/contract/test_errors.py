@@ -8,6 +8,7 @@ on_error), "Fetcher backends" (failures of a worker that is not a thread).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -18,8 +19,8 @@ from blobfeed import ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, Fetcher
 
 from .fetchers import Boom, Fetch, chunk_size
 from .util import (
-    ALL_MODES, BS, SRC, WAIT, assert_identity, by_epoch, check_batches, check_exactly_once, drain_all, epochs_of,
-    ids_of, matrix, metric, wire,
+    ALL_MODES, BS, ORDERED_CONTENT, SRC, WAIT, assert_identity, by_epoch, check_batches, check_chunks_kept_together,
+    check_exactly_once, drain_all, epochs_of, ids_of, matrix, metric, wire,
 )
 
 LENGTHS = (5, 6, 4)
@@ -59,10 +60,50 @@ def test_fetcher_exception_reaches_run_as_fetcher_error_within_1s(
     took = seen_at - cause.args[3]
     assert took < 1.0, f"the error reached run() {took:.2f} s after the fetcher raised it"
     assert SRC in str(err) and str(wid) in str(err), f"the message names neither source nor worker: {err}"
-    # the source stays failed: the next run() raises at once
-    with pytest.raises(FetcherError):
+    assert str(cause) in str(err), f"the message does not say what the fetcher raised: {err}"
+    assert metric(gc, "blobfeed_fetch_errors_total", kind="exception") == 1
+    # the source stays failed: the next run() raises the same error, at once
+    t0 = time.monotonic()
+    with pytest.raises(FetcherError) as again:
         net.run(timeout=WAIT)
+    assert time.monotonic() - t0 < 0.5 and type(again.value.__cause__) is Boom, again.value
+    assert again.value.__cause__.args == cause.args
     assert_identity(gc, "after the error")
+
+
+@matrix(ALL_MODES)
+def test_a_run_waiting_on_a_failing_source_wakes_within_1s(
+        gc: blobfeed.GlobalCoordinator, backend: Any, mode: str) -> None:
+    """The only worker's first call raises after a pause: the net waits in
+    run() with its default timeout (600 s: nothing but the error can end
+    that wait) when it does."""
+    fetch = Fetch((3,), salt=6, raise_at={(0, 0)}, pace=0.3)
+    (net,), _ = wire(gc, backend, mode, fetch, workers=(1,))
+    gc.start()
+    entered = threading.Event()
+    ended: list[tuple[BaseException, float]] = []
+
+    def waiting() -> None:
+        entered.set()
+        try:
+            net.run()
+        except BaseException as exc:  # checked below
+            ended.append((exc, time.time()))
+
+    t = threading.Thread(target=waiting, name="test-waiting-run")
+    t0 = time.time()
+    t.start()
+    assert entered.wait(WAIT)
+    t.join(WAIT)  # on failure, the fixture's stop() ends the wait
+    assert not t.is_alive(), "run() still waits on a source whose only worker raised"
+    ((err, seen_at),) = ended
+    assert type(err) is FetcherError, f"run() raised {err!r}, expected FetcherError"
+    cause = err.__cause__
+    assert type(cause) is Boom, f"__cause__ is {cause!r}"
+    assert t0 < cause.args[3], "run() was not called yet when the fetcher raised: the test proves nothing"
+    took = seen_at - cause.args[3]
+    assert took < 1.0, f"the waiting run() woke {took:.2f} s after the fetcher raised"
+    assert str(cause) in str(err), err
 
 
 @matrix(ALL_MODES)
@@ -77,23 +118,30 @@ def test_malformed_chunk_is_a_chunk_error_naming_the_blob(
     assert isinstance(err, ValueError)
     msg = str(err)
     assert SRC in msg and str(wid) in msg and "feat" in msg, f"the message does not name source, worker, blob: {msg}"
+    rows = chunk_size(4, 0, wid, AT[1])
+    assert f"expected {rows} samples" in msg and f"got {rows - 1}" in msg, f"the message does not say what came: {msg}"
+    assert metric(gc, "blobfeed_fetch_errors_total", kind="invalid") == 1
     assert_identity(gc, "after the error")
 
 
 @matrix(ALL_MODES)
 def test_on_error_skip_carries_on_and_counts(gc: blobfeed.GlobalCoordinator, backend: Any, mode: str) -> None:
-    """A raising call and a malformed chunk, skipped: every other sample is
-    delivered exactly once, and both are counted, in every epoch."""
+    """Two raising calls of one worker and a malformed chunk, skipped: every
+    other sample is delivered exactly once (a worker's chunks in order where
+    the mode keeps them), and each is counted, in every epoch."""
     bad = (2, 1)
-    fetch = Fetch(LENGTHS, salt=5, raise_at={AT}, bad_at={bad})
+    fetch = Fetch(LENGTHS, salt=5, raise_at={AT, (AT[0], AT[1] + 2)}, bad_at={bad})
     (net,), (workers,) = wire(gc, backend, mode, fetch, on_error="skip")
     gc.start()
     (events,) = drain_all([net])
     epochs = epochs_of(mode)
     check_batches(events, BS, drop_last=False)
     for e, got in enumerate(by_epoch(events, epochs)):
-        check_exactly_once(ids_of(got), fetch.chunks(workers, e, skipped=True))
-    assert metric(gc, "blobfeed_fetch_errors_total", kind="exception") == epochs
+        chunks = fetch.chunks(workers, e, skipped=True)
+        check_exactly_once(ids_of(got), chunks)
+        if mode in ORDERED_CONTENT:
+            check_chunks_kept_together(ids_of(got), chunks)
+    assert metric(gc, "blobfeed_fetch_errors_total", kind="exception") == 2 * epochs
     assert metric(gc, "blobfeed_fetch_errors_total", kind="invalid") == epochs
     bad_wid = next(w for w, i in workers.items() if i == bad[0])
     bad_rows = sum(chunk_size(5, e, bad_wid, bad[1]) for e in range(epochs))

@@ -208,11 +208,20 @@ def check_exactly_once(ids: np.ndarray, chunks: Sequence[np.ndarray], *, complet
 
 
 def check_chunks_kept_together(ids: np.ndarray, chunks: Sequence[np.ndarray]) -> None:
-    """A chunk's samples consecutive and in order where delivered."""
+    """A chunk's samples consecutive and in order where delivered, and each
+    worker's chunks in the order it returned them (``chunks`` as
+    :meth:`Fetch.chunks` gives them: in call order per worker)."""
     pos = {int(i): p for p, i in enumerate(ids)}
+    last: dict[int, tuple[int, int]] = {}  # worker id -> (position, first id) of its latest chunk seen
     for chunk in chunks:
         p = [pos[int(i)] for i in chunk if int(i) in pos]
         assert all(b - a == 1 for a, b in zip(p, p[1:])), f"chunk {chunk[0]}.. split or reordered"
+        if not p:
+            continue
+        wid = int(chunk[0] % ESPAN) // WSPAN
+        if wid in last:
+            assert last[wid][0] < p[0], f"worker {wid}'s chunk {chunk[0]}.. delivered before its chunk {last[wid][1]}.."
+        last[wid] = (p[0], int(chunk[0]))
 
 
 # ---------------------------------------------------------------------------------------------
