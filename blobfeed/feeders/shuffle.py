@@ -114,6 +114,9 @@ class ShuffleBuffer:
         self._stores: list[np.ndarray | None] = []
         #: per blob: its store as a 1-D array of rows (see the module's docstring)
         self._rows: list[np.ndarray | None] = []
+        #: per small blob: (blob, the dtype to view its gathered rows as or
+        #: None, row shape, batch axis)
+        self._unpack: tuple[tuple[int, np.dtype | None, tuple[int, ...], int], ...] = ()
         #: per slot, if any blob is held by reference: [chunk id, row in the chunk]
         self._ref = np.empty((0, 2), np.int64)
         self._ref_rows = self._ref
@@ -200,6 +203,7 @@ class ShuffleBuffer:
         layout = self._layout
         assert layout is not None
         n = self._n
+        unpack = []
         for b in self._small:
             dtype, row = layout[b]
             store = np.empty((cap,) + row, dtype)
@@ -207,7 +211,9 @@ class ShuffleBuffer:
             if old is not None and n:
                 store[:n] = old[:n]
             self._stores[b] = store
-            self._rows[b] = _as_rows(store)
+            rows = self._rows[b] = _as_rows(store)
+            unpack.append((b, dtype if rows.dtype != dtype else None, row, self.axes[b]))
+        self._unpack = tuple(unpack)
         if self._big:
             ref = np.empty((cap, 2), np.int64)
             ref[:n] = self._ref[:n]
@@ -250,20 +256,16 @@ class ShuffleBuffer:
                     gone = set(picked)
                     holes = np.array(below, np.int64)
                     movers = np.array([q for q in range(tail, total) if q not in gone], np.int64)
-        layout = self._layout
-        assert layout is not None
-        outs: list[np.ndarray | None] = [None] * len(layout)
+        outs: list[np.ndarray | None] = [None] * len(self.axes)
         all_rows = self._rows
-        for b in self._small:
+        for b, as_dtype, row, ax in self._unpack:
             rows = all_rows[b]
             assert rows is not None
             got = rows[pick]  # the one gather: new memory, the batch's own
             if holes is not None:
                 rows[holes] = rows[movers]
-            dtype, row = layout[b]
-            if rows.dtype != dtype:
-                got = got.view(dtype).reshape((n,) + row)
-            ax = self.axes[b]
+            if as_dtype is not None:
+                got = got.view(as_dtype).reshape((n,) + row)
             if ax:
                 got = np.ascontiguousarray(np.moveaxis(got, 0, ax))
             outs[b] = got
