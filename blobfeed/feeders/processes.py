@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BlobfeedError
+from ..errors import BlobfeedError, FetcherError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
 from .chunks import GrantPin
@@ -271,7 +271,8 @@ class _Worker:
             os.close(free_r)
             os.close(out_w)
         self.pid: int = self.process.pid or 0
-        self.sentinel: int = self.process.sentinel
+        #: ready when the worker process itself has ended (see _exit_fd)
+        self.sentinel, self._own_sentinel = _exit_fd(self.process)
         #: the child's messages, until the child ended (not until the pipe's
         #: EOF: a process fetch_fun forked may hold its write end for ever)
         self.reader = MessageReader(out_r, self.sentinel)
@@ -299,7 +300,11 @@ class _Worker:
         self.group.watch_slot(root, self.ring, slot)
         arrays = read_arrays(root, packed)
         del root
-        if self.ring.hold(arrays[0].shape[intake.source.axes[0]] < self.group.plan.batch_size_hint()):
+        # Whether to copy the chunk out goes by its rows; a malformed chunk
+        # (no such axis) is the intake's to report, as views.
+        first, axis = arrays[0], intake.source.axes[0]
+        rows = first.shape[axis] if first.ndim > axis else 0
+        if rows and self.ring.hold(rows < self.group.plan.batch_size_hint()):
             # Copy out; the views die with this call and the slot goes back.
             copied = [np.array(a) for a in arrays]
             return bool(deliver(intake, event._replace(raw=tuple(copied) if packed.as_tuple else copied),
@@ -338,6 +343,17 @@ class _Worker:
             # ended without "done": the child ended; the watcher may have said so already
             self.wait_exit(1.0)
             self.report_death()
+        except Exception as exc:
+            # A message this thread cannot take (or a bug of blobfeed's): the
+            # source fails now, rather than its consumer waiting for a timeout
+            # behind a dead receiver.  The child stops with the source.
+            logger.exception("source %r, worker %d: the receiver failed", self.group.source, intake.worker_id)
+            err = FetcherError(
+                f"source {self.group.source!r}, worker {intake.worker_id}: blobfeed cannot take "
+                f"its messages: {exc!r}"
+            )
+            err.__cause__ = exc
+            intake.source.fail(err)
         finally:
             intake.finished(exhausted)
 
@@ -406,7 +422,9 @@ class _Worker:
         """The exit code, or None while the process runs.  Never blocks long."""
         with self._proc_lock:
             if self.exitcode is None and not self._proc_closed:
-                self.process.join(0)
+                # is_alive() asks the process (waitpid, or the forkserver),
+                # not its sentinel, which a helper it forked may keep open
+                self.process.is_alive()
                 self.exitcode = self.process.exitcode
             return self.exitcode
 
@@ -445,6 +463,8 @@ class _Worker:
             self._closed = True
         self.ring.close()
         os.close(self.reader.fd)
+        if self._own_sentinel:
+            os.close(self.sentinel)
         if self.poll() is not None:
             with self._proc_lock:
                 self._proc_closed = True
@@ -454,6 +474,23 @@ class _Worker:
             area.mm.close()
         except BufferError:
             pass  # viewed: unmapped (and its descriptor closed) with the last view
+
+
+def _exit_fd(process: Any) -> tuple[int, bool]:
+    """A descriptor that becomes readable when ``process`` itself ends, and
+    whether it is ours to close.
+
+    A pidfd where the kernel has them: ready at the process's exit whatever
+    its own children hold.  multiprocessing's sentinel is not that under
+    ``spawn``: it is a pipe whose write end the child holds, and a helper
+    the child forks inherits it, so it would never be ready while the
+    helper lives.  (Under ``forkserver`` the forkserver writes the exit
+    status to it, which is as good.)
+    """
+    try:
+        return os.pidfd_open(process.pid), True
+    except (AttributeError, OSError):  # not Linux >= 5.3
+        return process.sentinel, False
 
 
 def _describe(code: int | None) -> str:

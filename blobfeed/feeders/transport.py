@@ -35,6 +35,8 @@ SLOT_INDEX = struct.Struct("<i")
 
 #: the length of one message on a worker's pipe, before its bytes
 _LENGTH = struct.Struct("<Q")
+#: a message length the reader allocates at once; longer ones grow as they arrive
+_TRUSTED_LENGTH = 64 << 20
 
 
 def send_message(fd: int, data: bytes) -> None:
@@ -81,10 +83,17 @@ class MessageReader:
         return self._read(_LENGTH.unpack(head)[0])
 
     def _read(self, n: int) -> bytearray | None:
-        buf = bytearray(n)
+        # The length comes off the pipe, which is not to be trusted (a helper
+        # fetch_fun forked may write to it): room for more than a message
+        # of ordinary size is made as the bytes arrive, never up front.
+        buf = bytearray(min(n, _TRUSTED_LENGTH))
         view = memoryview(buf)
         pos = 0
         while pos < n:
+            if pos == len(buf):
+                view.release()
+                buf.extend(bytes(min(n - pos, max(pos, _TRUSTED_LENGTH))))
+                view = memoryview(buf)
             try:
                 got = os.readv(self.fd, [view[pos:]])
             except BlockingIOError:

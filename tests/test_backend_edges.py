@@ -1,0 +1,149 @@
+"""Process workers met by a careful adversary: a malformed chunk that comes
+through shared memory, a helper process forked by ``fetch_fun`` under every
+start method, and a corrupt frame on a worker's pipe.  Each of these hung
+the source or ``stop()`` before its fix."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed import ChunkError, FetcherError, Net, ProcessBackend, init_data_input_workers
+
+WAIT = 5.0
+
+
+def flat_wide(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    """Malformed for batch_columns=[1]: a 1-D array (80 KB: it travels through a slot)."""
+    return [np.zeros(20_000, np.float32)]
+
+
+def test_a_malformed_chunk_in_shared_memory_is_a_chunk_error_not_a_hang() -> None:
+    """The receiver read the chunk's batch axis (to decide whether to copy it
+    out of its slot) before the intake validated it: an IndexError killed the
+    receiver and the source waited for its timeout."""
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], flat_wide, 4, num_worker_threads=1, batch_columns=[1],
+                            backend="processes", coordinator=gc, timeout=WAIT)
+    gc.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChunkError, match="batch axis 1"):
+            net.run(timeout=WAIT)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+class ForksAHelper:
+    """Each worker forks a long-lived helper on its first call (which inherits
+    whatever the worker holds), then returns small chunks for ever."""
+
+    def __init__(self, pidfile: str) -> None:
+        self.pidfile = pidfile
+        self.forked = False
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if not self.forked:
+            self.forked = True
+            pid = os.fork()
+            if pid == 0:  # the helper: sleeps until killed, holding every inherited fd
+                try:
+                    time.sleep(60)
+                finally:
+                    os._exit(0)
+            with open(f"{self.pidfile}.{worker_id}", "w") as f:
+                f.write(str(pid))
+        return [np.arange(8, dtype=np.int64)]
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_helper_forked_by_fetch_fun_does_not_hold_up_stop_with_any_start_method(
+    tmp_path: Path, start_method: str
+) -> None:
+    """With spawn, the worker inherits the write end of the pipe its
+    sentinel reads, so a helper it forks kept the sentinel from ever firing:
+    stop() returned False after 5 s, blobfeed's receiver, watcher and slot
+    threads still running."""
+    pidfile = str(tmp_path / "helper")
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    helpers: list[int] = []
+    try:
+        init_data_input_workers(net, ["x"], ForksAHelper(pidfile), 4, num_worker_threads=1,
+                                backend=ProcessBackend(start_method=start_method), coordinator=gc)
+        gc.start()
+        for _ in range(5):
+            net.run(timeout=WAIT)
+        deadline = time.monotonic() + WAIT
+        while not any(p.name.startswith("helper.") for p in tmp_path.iterdir()):
+            assert time.monotonic() < deadline, "the helper was never forked"
+            time.sleep(0.01)
+        helpers = [int(p.read_text() or 0) for p in tmp_path.iterdir() if p.name.startswith("helper.")]
+        t0 = time.monotonic()
+        ok = gc.stop(timeout=WAIT)
+        took = time.monotonic() - t0
+        assert ok is True and took < 2.0, f"stop() -> {ok} after {took:.2f} s"
+    finally:
+        for pid in helpers:
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+
+
+def test_a_frame_claiming_more_than_ever_arrives_is_the_worker_ending_not_a_memory_error() -> None:
+    """A worker's pipe is untrusted input (a helper fetch_fun forked holds
+    its write end): a length of 2**62 in a frame made the receiver allocate
+    it up front (MemoryError, the receiver dead, the source hanging).  Now
+    the message grows with what arrives, and the worker's end (its
+    sentinel) ends the stream."""
+    from blobfeed.feeders.transport import MessageReader
+
+    data_r, data_w = os.pipe()
+    end_r, end_w = os.pipe()
+    try:
+        reader = MessageReader(data_r, end_r)
+        os.write(data_w, struct.pack("<Q", 1 << 62) + b"only a little")
+        os.close(end_w)  # the worker process ended
+        end_w = -1
+        assert reader.recv() is None
+    finally:
+        for fd in (data_r, data_w, end_r, end_w):
+            if fd >= 0:
+                os.close(fd)
+
+
+def test_a_message_the_receiver_cannot_take_fails_the_source_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever goes wrong while the receiver takes a worker's message (a
+    message it cannot make sense of, or a bug of blobfeed's) fails the source
+    with a FetcherError naming the worker, never a dead receiver and a
+    consumer waiting for its timeout."""
+    from blobfeed.feeders import processes
+
+    def broken(self: object, data: bytearray) -> None:
+        raise RuntimeError("a message this receiver cannot take")
+
+    monkeypatch.setattr(processes._Worker, "_handle", broken)
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], flat_wide, 4, num_worker_threads=1, backend="processes",
+                            coordinator=gc, timeout=WAIT)
+    gc.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FetcherError, match="worker 0.*cannot take"):
+            net.run(timeout=WAIT)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        assert gc.stop(timeout=WAIT)
