@@ -75,9 +75,10 @@ def test_stop_within_2s_with_a_net_blocked_and_fetchers_blocked_leaves_nothing(
     assert not t.is_alive(), "run() still blocked after stop()"
     assert len(ended) == 1 and isinstance(ended[0], EndOfInput), f"the blocked run() ended with {ended!r}"
     t0 = time.monotonic()
-    with pytest.raises(EndOfInput):
+    with pytest.raises(EndOfInput, match="stopped"):
         net.run(timeout=WAIT)
     assert time.monotonic() - t0 < 0.5, "run() of a stopped source must raise EndOfInput at once"
+    assert metric(gc, "blobfeed_workers_alive") == 0, "a stopped source's workers still count as alive"
     assert set(blobfeed_threads()) <= threads_before, f"threads left: {set(blobfeed_threads()) - threads_before}"
     left: set[int] = set()
 
@@ -102,6 +103,8 @@ def test_identity_after_stop_nothing_neither_delivered_nor_dropped(
     assert gc.stop(timeout=WAIT) is True
     a = accounts(gc)
     assert a["buffered"] == 0, f"a stopped source holds nothing: {a}"
+    assert metric(gc, "blobfeed_dropped_samples_total", reason="stopped") > 0, (
+        f"what was held inside at stop() is dropped as 'stopped': before {before}, after {a}")
     assert a["fetched"] == a["delivered"] + a["dropped"], (
         f"after stop(): fetched != delivered + dropped: {a} "
         f"(unaccounted {a['fetched'] - a['delivered'] - a['dropped']:+g}; before stop: {before})")
