@@ -404,13 +404,22 @@ class LaneDealer:
 
     # -- the stream, under the lock ----------------------------------------------
     def _can_advance(self) -> bool:
+        """Would :meth:`_advance` deal something now?  (What a waiting reader
+        waits for: it must mirror ``_advance``'s choice of lane, or a reader
+        sleeps while another worker's lane could be dealt.)"""
         if self._eof or not self._order:
             return False
-        for _ in range(len(self._order)):
-            wid = self._order[self._rr]
-            if wid not in self._ended:
-                return bool(self._lanes[wid]) and self._outbox_has_room()
-            self._rr = (self._rr + 1) % len(self._order)
+        n = len(self._order)
+        for k in range(n):
+            wid = self._order[(self._rr + k) % n]
+            if wid in self._ended:
+                continue
+            if self._lanes[wid]:
+                return self._outbox_has_room()
+            if self.strict:
+                return False  # strict: only this lane's worker may go next
+        if len(self._ended) < n:
+            return False  # first-ready: every lane still going is empty
         # every lane ended: the end can be dealt (a shuffle's rest as room allows)
         return self.shuffle is None or not len(self.shuffle) or self._outbox_has_room()
 
