@@ -240,7 +240,7 @@ def test_a_chunk_unlike_the_first_is_refused() -> None:
 
 
 def test_small_rows_go_through_without_letting_go_of_the_gil() -> None:
-    """The buffer works under the ordered stream's lock, beside fetcher
+    """The buffer works under the lane dealer's lock, beside fetcher
     threads.  A numpy call that lets go of the GIL for a few bytes (a
     ``take``, a gather of rows of a 2-D array, a numpy ``Generator`` draw)
     lets another thread in, and getting the GIL back can cost a switch

@@ -20,14 +20,14 @@ buffer's size.  How a blob's rows are held depends on their size:
   and each row is copied once, straight from its chunk into the batch.
   A batch of big rows of 1 MiB or more is assembled in recycled memory
   (the re-batcher's :class:`~.rebatch.BufferPool`): a copy into fresh pages
-  ran at half the speed (W2s-like pipeline: ~130 page faults a batch).
+  took 1.6 times as long (W2s-like pipeline: ~130 page faults a batch).
 
 A chunk is let go of at push if all its blobs are small, else as soon as
 its last big row has left; the big rows of a chunk that holds a worker's
 shared-memory slot or pinned object (a ``Pin``) are copied out at push, so
 rows waiting here never hold a worker's memory.
 
-The buffer runs under the ordered stream's lock, beside fetcher threads, so
+The buffer runs under the lane dealer's lock, beside fetcher threads, so
 its per-batch work avoids numpy calls that let go of the GIL for a few
 bytes (``take``, a gather of rows of a 2-D array, every draw of a numpy
 ``Generator``): each such call lets another thread in, and getting the GIL
@@ -68,7 +68,7 @@ _BITS_BLOCK = 4096
 class ShuffleBuffer:
     """Rows of chunks, leaving in random order.
 
-    Not thread-safe: its owner (the ordered stream) holds a lock.  The order
+    Not thread-safe: its owner (the lane dealer) holds a lock.  The order
     of the rows that leave is a function of ``rng``'s state at construction
     and of the sequence of calls, so the same generator and the same input
     give the same batches.
