@@ -538,3 +538,49 @@ def test_first_ready_lanes_wake_the_enqueuer_for_any_lane(gc: blobfeed.GlobalCoo
     finally:
         fetch.go.set()
         fetch.release.set()
+
+
+class Fives:
+    """Worker w returns ``chunks[w]`` chunks of 5 samples, then StopIteration."""
+
+    def __init__(self, chunks: dict[int, int]) -> None:
+        self.chunks = chunks
+        self._calls: dict[int, int] = {}
+
+    def __call__(self, wid: int, bs: int) -> list[np.ndarray]:
+        k = self._calls.get(wid, 0)
+        if k >= self.chunks[wid]:
+            raise StopIteration
+        self._calls[wid] = k + 1
+        return [np.arange(5, dtype=np.int64) + 1000 * wid + 10 * k]
+
+
+def test_a_resume_offset_into_a_chunk_that_is_gone_is_an_error_not_another_workers_samples() -> None:
+    """The saved position points 3 samples into worker 1's first chunk; the
+    resumed fetch_fun gives worker 1 no data any more.  The offset was then
+    applied to the next lane's chunk (worker 0's): 3 of its samples silently
+    gone.  Now the stream fails, naming the offset."""
+
+    def build(fetch: Fives) -> tuple[blobfeed.GlobalCoordinator, Net]:
+        gc = blobfeed.GlobalCoordinator()
+        net = Net(name="n")
+        init_data_input_workers(net, ["ids"], fetch, 4, num_worker_threads=2, coordinator=gc,
+                                deterministic=True, seed=5)
+        return gc, net
+
+    gc, net = build(Fives({0: 3, 1: 3}))
+    gc.start()
+    for _ in range(2):  # [w0c0 0-3], [w0c0 4, w1c0 0-2]: the position is 3 into w1c0
+        net.run(timeout=WAIT)
+    state = gc.state_dict(SRC)
+    assert gc.stop(timeout=WAIT)
+    assert state["position"]["offset"] == 3 and state["position"]["rr"] == 1, state["position"]
+    gc2, net2 = build(Fives({0: 3, 1: 0}))
+    gc2.load_state_dict(SRC, state)
+    gc2.start()
+    try:
+        with pytest.raises(blobfeed.FetcherError, match="offset"):
+            while True:
+                net2.run(timeout=WAIT)
+    finally:
+        assert gc2.stop(timeout=WAIT)

@@ -158,10 +158,10 @@ class InputSource:
         return self._fetchers_running
 
     def queue_depth(self) -> int:
-        return self.dealer.stats().depth
+        return self.dealer.queued()
 
     def queue_capacity(self) -> int:
-        return self.dealer.stats().capacity
+        return self.dealer.capacity
 
     # -- ending --------------------------------------------------------------
     def fail(self, error: BaseException, *, in_order: bool = False) -> None:
@@ -177,10 +177,14 @@ class InputSource:
             self.error = error
         logger.error("source %r stopped by a fetcher error: %s", self.name, error)
         self.halted = True
-        lost = self.dealer.close(error, in_order=in_order)
+        lost = 0
         if not in_order:
+            # the feeds first: once the dealer raises the error, a feed must
+            # find itself aborted, not take it for an error at its place in
+            # the stream (and hand out what it holds before it)
             for feed in list(self.feeds):
                 lost += feed.abort(error)
+        lost += self.dealer.close(error, in_order=in_order)
         self.hub.count_dropped(self.name, "error", lost)
         self.hub.source_ended(self.name)
         if self._on_failure is not None:

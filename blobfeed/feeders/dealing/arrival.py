@@ -92,6 +92,13 @@ class ArrivalDealer:
     def close(self, reason: BaseException | None, *, in_order: bool = False) -> int:
         return sum(c.n for c in self.queue.close(reason))
 
+    @property
+    def capacity(self) -> int:
+        return self.queue.capacity
+
+    def queued(self) -> int:
+        return self.queue.qsize()
+
     def stats(self) -> DealerStats:
         items = self.queue.snapshot()
         return DealerStats(sum(c.n for c in items), len(items), self.queue.capacity)

@@ -155,7 +155,18 @@ class Dealer(Protocol):
         ...
 
     # -- what it holds
-    def stats(self) -> DealerStats: ...
+    @property
+    def capacity(self) -> int:
+        """The bound on the chunks waiting in it (``max_buffered_batches``)."""
+        ...
+
+    def queued(self) -> int:
+        """Chunks waiting to be dealt now (cheap: read per batch)."""
+        ...
+
+    def stats(self) -> DealerStats:
+        """What it holds, counted (under its lock: for scrapes)."""
+        ...
 
     # -- position
     @property

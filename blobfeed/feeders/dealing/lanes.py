@@ -96,7 +96,7 @@ class NetOutbox:
         return self._dealer.wait_for(self, timeout)
 
     def qsize(self) -> int:
-        return self._dealer.depth()
+        return self._dealer.queued()
 
     def returned(self) -> None:
         """``Net.run()`` returned this net's next batch (its position moves on).
@@ -190,10 +190,10 @@ class LaneDealer:
         self._rr = 0  # position in _order whose turn it is
         self._offset = 0  # samples of that lane's head chunk already gone
         #: of ``_offset``, samples a resume must still count as dropped (the
-        #: regenerated head chunk's prefix, which the nets had already)
+        #: regenerated head chunk's prefix, which the nets had already), and
+        #: the worker whose chunk that is
         self._prefix = 0
-        #: samples thrown away on purpose, to report outside the lock
-        self._resume_dropped = 0
+        self._prefix_lane = -1
         self._batch = 0  # global index of the batch being filled
         self._filled = 0  # samples in it so far
         #: per worker: calls whose chunk is wholly dealt, and the fetcher's
@@ -344,7 +344,7 @@ class LaneDealer:
                 held += len(self.shuffle)
             return DealerStats(held, self._lane_chunks, self.capacity)
 
-    def depth(self) -> int:
+    def queued(self) -> int:
         """Chunks waiting in the lanes (what ``capacity`` bounds; pieces
         already dealt to a net and rows in the shuffle buffer are held, not
         waiting)."""
@@ -369,7 +369,6 @@ class LaneDealer:
             was_full = piece is not None and box.samples >= self.outbox_samples
             if box.pieces or was_full or (len(self.outboxes) > 1 and any(b.pieces for b in self.outboxes)):
                 self._items.notify_all()
-            dropped, self._resume_dropped = self._resume_dropped, 0
             exc: BaseException | None = None
             if piece is not None:
                 box.samples -= piece.n
@@ -379,8 +378,6 @@ class LaneDealer:
                 exc = self._close_reason
             elif self._eof:
                 exc = EndOfInput(f"source {self.source!r}: every worker finished")
-        if dropped and self._on_dropped is not None:
-            self._on_dropped("resume", dropped)
         if error is not None:
             self._on_error(error)  # outside the lock: it closes the source's lanes
         if piece is not None:
@@ -458,6 +455,11 @@ class LaneDealer:
             return None
         head = lane[0]
         if head is _ENDED or head is _NEXT_EPOCH:
+            if self._prefix and wid == self._prefix_lane:
+                return self._fail_state(
+                    f"state['position']['offset'] is {self._offset}, but worker {wid} has no "
+                    f"chunk at call {self._calls[self._lane_of[wid]]} any more (its data ended)"
+                )
             lane.popleft()
             self._ended.add(wid)
             if head is _ENDED:
@@ -475,8 +477,6 @@ class LaneDealer:
         if self._prefix:
             bad = self._drop_prefix(chunk)
             if bad is not None:
-                self._error = bad
-                self._items.notify_all()
                 return bad
         if self.shuffle is not None:
             lane.popleft()
@@ -507,19 +507,32 @@ class LaneDealer:
         """A resume's first chunk: its first ``offset`` samples were dealt
         before the state was taken.  They are counted as dropped; an offset
         the regenerated chunk does not have is the state's error."""
-        if self._offset >= chunk.n:
-            why = ValueError(
+        if chunk.worker_id != self._prefix_lane or self._offset >= chunk.n:
+            return self._fail_state(
                 f"state['position']['offset'] is {self._offset}, but the chunk it points into "
-                f"(worker {chunk.worker_id}, call {chunk.seq}) has {chunk.n} samples"
+                f"(worker {self._prefix_lane}) is worker {chunk.worker_id}'s call {chunk.seq} "
+                f"of {chunk.n} samples"
             )
-            err = FetcherError(
-                f"source {self.source!r}: the loaded state does not fit this fetch_fun: {why}"
-            )
-            err.__cause__ = why
-            return err
-        self._resume_dropped += self._prefix
+        self._dropped_on_resume(self._prefix)
         self._prefix = 0
         return None
+
+    def _fail_state(self, why: str) -> BaseException:
+        """The loaded state does not fit what the fetchers return now: the
+        stream's error (under the lock)."""
+        cause = ValueError(why)
+        err = FetcherError(f"source {self.source!r}: the loaded state does not fit this fetch_fun: {why}")
+        err.__cause__ = cause
+        self._error = err
+        self._items.notify_all()
+        return err
+
+    def _dropped_on_resume(self, n: int) -> None:
+        """Samples a resume fetched again and throws away: counted at once,
+        under the lock, so no scrape sees them neither held nor dropped (the
+        hub's lock is taken after ours, never before)."""
+        if self._on_dropped is not None:
+            self._on_dropped("resume", n)
 
     def _deal_whole(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> bool:
         """One net: the rest of the head chunk goes to it uncut (its feed's
@@ -614,7 +627,7 @@ class LaneDealer:
         box = self.outboxes[self._batch % len(self.outboxes)]
         if self._batch < box.skip_until:
             # before this net's resumed position: it had it already
-            self._resume_dropped += piece.n
+            self._dropped_on_resume(piece.n)
             return
         box.pieces.append(piece)
         box.samples += piece.n
@@ -711,6 +724,7 @@ class LaneDealer:
             self._kept_from = self._batch
             # the regenerated head chunk of lane rr: its first samples were dealt
             self._offset = self._prefix = pos["offset"]
+            self._prefix_lane = self._order[self._rr] if self._order else -1
             self._record(self._batch)
             if self.shuffle is not None:
                 self._positions[0] = self._start_position()
