@@ -283,3 +283,38 @@ def test_state_dict_answers_while_another_thread_holds_the_coordinators_lock() -
             holder.join(WAIT)
     finally:
         assert gc.stop(timeout=WAIT)
+
+
+def test_a_float_version_is_refused() -> None:
+    """``2.0 in (1, 2)`` is True in Python: a version must be an int."""
+    state = saved(nets=2)
+    state["version"] = float(state["version"])
+    refused(state, "version", nets=2)
+
+
+def test_a_net_told_of_an_epoch_end_the_position_has_not_reached_is_refused() -> None:
+    """A net's epoch count says which epoch ends it was told of: never more
+    than the position has passed (here: in epoch 0 of 3, a net claims two)."""
+
+    def build() -> tuple[blobfeed.GlobalCoordinator, Net]:
+        gc = blobfeed.GlobalCoordinator()
+        net = Net(name="n0")
+        init_data_input_workers(net, ["ids"], make_fetch(), 4, num_worker_threads=2, input_source_name=SRC,
+                                coordinator=gc, seed=11, deterministic=True, epochs=3, timeout=WAIT)
+        return gc, net
+
+    gc, net = build()
+    try:
+        gc.start()
+        net.run(timeout=WAIT)
+        state = json.loads(json.dumps(gc.state_dict(SRC)))
+    finally:
+        assert gc.stop(timeout=WAIT)
+    assert state["position"]["epoch"] == 0
+    state["nets"][0][2] = 2
+    gc, net = build()
+    try:
+        with pytest.raises(ValueError, match=field("nets.0.2")):
+            gc.load_state_dict(SRC, state)
+    finally:
+        assert gc.stop(timeout=WAIT)

@@ -118,7 +118,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     for key in _REQUIRED:
         check.get(state, [key])
     version = state["version"]
-    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise ValueError(
             f"source {name!r}: state has version {version!r}; this blobfeed reads "
             f"versions {', '.join(map(str, READABLE_VERSIONS))}"
@@ -182,8 +182,8 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
             check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
                        f"batches are dealt to the {k} nets in turn), got {nxt}")
         if len(entry) == 3:
-            # the ends it was told of: one per epoch but the last
-            check.integer(entry[2], ["nets", j, 2], 0, epochs)
+            # the ends it was told of: one per epoch the position has passed
+            check.integer(entry[2], ["nets", j, 2], 0, epoch + 1)
         next_batches.append(nxt)
     low = min(next_batches)
     if source.dealing.shuffle_buffer:

@@ -490,9 +490,11 @@ class GlobalCoordinator:
             seeds = self._known.seeds_of(source)
         checkpoint.check_state(name, state, source, seeds)
         with self._lock:
+            # under the lock start() takes: no worker may launch between the
+            # check and the load and start from the old position
             if any(c.started for c in self._known.named(name)):
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
-        checkpoint.load_state(source, state)
+            checkpoint.load_state(source, state)
 
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None:
         """Change the batch size of source ``name`` into ``net``.
