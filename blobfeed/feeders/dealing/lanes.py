@@ -32,8 +32,6 @@ import collections
 import threading
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from ...errors import EndOfInput, FetcherError
 from ..chunks import Chunk, EpochEnd
 from ..shuffle import ShuffleBuffer
@@ -111,13 +109,6 @@ class NetOutbox:
         """``Net.run()`` reported the end of this net's current epoch, after
         ``dropped`` batches of it that its feed dropped (``drop_last``)."""
         self._dealer.epoch_returned(self, dropped)
-
-
-def _copied_out(chunk: Chunk) -> Chunk:
-    """``chunk`` in memory of its own: its rows may stay in a shuffle buffer
-    for long, and must not hold a worker's shared-memory slot (or pinned
-    object) meanwhile, which would starve the worker."""
-    return chunk._replace(arrays=tuple(np.array(a) for a in chunk.arrays), pin=None)
 
 
 class LaneDealer:
@@ -481,8 +472,9 @@ class LaneDealer:
         if self.shuffle is not None:
             lane.popleft()
             self._consumed(wid, chunk, lane)
-            if chunk.pin is not None:
-                chunk = _copied_out(chunk)
+            # (the buffer copies what a pinned chunk holds out of the
+            # worker's memory: rows wait there for long, and must not starve
+            # the worker of its slots)
             self.shuffle.push(chunk)
             while self.shuffle.ready(self.batch_size):
                 self._deal_batch(self.shuffle.pop(self.batch_size))
