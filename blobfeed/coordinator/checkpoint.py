@@ -9,7 +9,7 @@ from typing import Any, NoReturn, Sequence
 from ..feeders import READABLE_VERSIONS, InputSource
 
 
-def ordered_source(name: str, source: InputSource | None) -> InputSource:
+def resumable_source(name: str, source: InputSource | None) -> InputSource:
     """``source`` (the one named ``name``) if it can save and load a state."""
     if source is None:
         raise ValueError(f"no input source named {name!r}")

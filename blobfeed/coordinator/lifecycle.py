@@ -467,7 +467,7 @@ class GlobalCoordinator:
             ValueError: no such source, or it is not deterministic.
         """
         known = self._known
-        source = checkpoint.ordered_source(name, known.source(name))
+        source = checkpoint.resumable_source(name, known.source(name))
         return checkpoint.state_dict(source, known.seeds_of(source))
 
     def load_state_dict(self, name: str, state: dict[str, Any]) -> None:
@@ -486,7 +486,7 @@ class GlobalCoordinator:
                 blob layout or number of nets (the message says which).
         """
         with self._lock:
-            source = checkpoint.ordered_source(name, self._known.sources.get(name))
+            source = checkpoint.resumable_source(name, self._known.sources.get(name))
             seeds = self._known.seeds_of(source)
         checkpoint.check_state(name, state, source, seeds)
         with self._lock:

@@ -295,7 +295,8 @@ def init_data_input_workers(
                 )
             if fixed is not None and any(c.started for c in gc._coordinators if c.name == input_source_name):
                 raise ValueError(
-                    f"source {input_source_name!r} is deterministic and already started: "
+                    f"source {input_source_name!r} deals its batches to its nets in turn (deterministic, "
+                    f"shuffle_buffer or epochs) and already started: "
                     "wire every net before start()"
                 )
             source.register_fetchers(num_worker_threads)  # atomic with the source's end

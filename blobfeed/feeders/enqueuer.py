@@ -112,7 +112,7 @@ class Feed:
         #: a batch the net took while another of its sources failed or timed
         #: out; it is handed out first next time (see Net.run)
         self._held: Batch | None = None
-        #: the end of an epoch taken from the outbox: what the re-batcher
+        #: the end of an epoch taken from the reader: what the re-batcher
         #: holds is that epoch's rest; nothing more is taken until it and
         #: then the end itself were handed on
         self._boundary: EpochEnd | None = None
@@ -379,7 +379,7 @@ class Feed:
         return self._drain(final=final)
 
     def _end_with(self, error: FetcherError) -> None:
-        """The ordered stream reached ``error``: the complete batches before
+        """The dealer reached ``error`` in the stream: the complete batches before
         it go to the net, then the error; the incomplete one is dropped."""
         if not self._drain(final=True):
             return
