@@ -330,6 +330,28 @@ def test_exception_reaches_run_as_the_original_object(gc: blobfeed.GlobalCoordin
     assert "traceback in the worker (ray)" in text and "in __call__" in text and "raise TwoArgError" in text, text
 
 
+def test_a_bundle_the_receiver_cannot_take_fails_the_source_at_once(
+    gc: blobfeed.GlobalCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever goes wrong while the receiver takes a bundle (one it cannot
+    make sense of, or a bug of blobfeed's) fails the source with a
+    FetcherError naming the worker, never a dead receiver and a consumer
+    waiting for its timeout."""
+    from blobfeed.feeders import ray_backend
+
+    def broken(self: Any, bundle: Any) -> None:
+        raise RuntimeError("a bundle this receiver cannot take")
+
+    monkeypatch.setattr(ray_backend._Worker, "_handle", broken)
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Endless(4, 2), 4, num_worker_threads=1, backend=backend(),
+                            coordinator=gc, timeout=WAIT)
+    gc.start()
+    err, _ = until_error(net, time.monotonic() + WAIT)
+    assert isinstance(err, FetcherError) and "cannot take" in str(err), err
+    assert "worker" in str(err)
+
+
 def test_a_worker_init_fun_error_is_fatal(gc: blobfeed.GlobalCoordinator) -> None:
     net = Net(name="n")
     init_data_input_workers(net, ["ids", "feat"], Endless(4, 2), 4, num_worker_threads=1, backend=backend(),

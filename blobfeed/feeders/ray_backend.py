@@ -80,6 +80,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..errors import FetcherError
 from ..worker_info import WorkerInfo
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
 from .chunks import GrantPin
@@ -538,6 +539,17 @@ class _Worker:
                     continue
                 intake.died(f"{self.describe()} died: {_reason(err)}")
                 return
+        except Exception as exc:
+            # A bundle this thread cannot take (or a bug of blobfeed's): the
+            # source fails now, rather than its consumer waiting for a timeout
+            # behind a dead receiver.  The actor is killed below.
+            logger.exception("source %r, worker %d: the receiver failed", self.group.source, self.plan.worker_id)
+            failure = FetcherError(
+                f"source {self.group.source!r}, worker {self.plan.worker_id}: blobfeed cannot take "
+                f"its results: {exc!r}"
+            )
+            failure.__cause__ = exc
+            intake.source.fail(failure)
         finally:
             self.kill()
             intake.finished(exhausted)
