@@ -584,3 +584,35 @@ def test_a_resume_offset_into_a_chunk_that_is_gone_is_an_error_not_another_worke
                 net2.run(timeout=WAIT)
     finally:
         assert gc2.stop(timeout=WAIT)
+
+
+class CountsItsCalls:
+    """A stateful fetcher: returns [worker id, its own call count], 3 times."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = state["calls"]
+
+    def __call__(self, wid: int, bs: int) -> list[np.ndarray]:
+        if self.calls == 3:
+            raise StopIteration
+        self.calls += 1
+        return [np.array([[wid, self.calls]], np.int64)]
+
+
+@pytest.mark.parametrize("mode", [{}, dict(deterministic=True)], ids=["arrival", "deterministic"])
+def test_a_stateful_fetcher_is_each_workers_own_in_every_mode(gc: blobfeed.GlobalCoordinator, mode: dict) -> None:
+    """The wiring does not ask the mode: each worker has its own copy of a
+    stateful fetch_fun, so each counts its own calls 1, 2, 3."""
+    net = Net(name="n")
+    init_data_input_workers(net, ["pair"], CountsItsCalls(), 1, num_worker_threads=2, coordinator=gc,
+                            seed=1, **mode)
+    gc.start()
+    rows = np.concatenate([b["pair"] for b in drain(net)])
+    for wid in (0, 1):
+        assert sorted(rows[rows[:, 0] == wid, 1].tolist()) == [1, 2, 3]
