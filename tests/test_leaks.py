@@ -170,8 +170,10 @@ def test_100_cycles_leave_no_thread_fd_or_memory_behind(mode: str, traced: None)
     }
     print(f"\n{mode}: {figures}")
     stress_report.record(f"leaks: 100 cycles, {mode}", **figures)
-    assert threads1 == threads0, f"Python threads left behind: {sorted(set(threads1) - set(threads0))}"
-    assert native1 == native0, f"OS threads: {native0} before, {native1} after"
+    # A leak adds threads; one of an earlier test's libraries ending meanwhile
+    # (Ray's driver threads winding down after ray.shutdown(), say) is not one.
+    assert not set(threads1) - set(threads0), f"Python threads left behind: {sorted(set(threads1) - set(threads0))}"
+    assert native1 <= native0, f"OS threads: {native0} before, {native1} after"
     assert fds1 == fds0, f"open file descriptors: {fds0} before, {fds1} after"
     assert growth < MEMORY_TOLERANCE, f"traced memory grew by {growth} bytes over {CYCLES} cycles"
     # a leak grows as much in the second half as in the first; caches level off
