@@ -108,8 +108,10 @@ def run_worker(
     until the last StopIteration, an error, or a stop."""
     exhausted = False
     intake.started()
+    # asked before every call: a C-level partial, no Python frame per chunk
+    halted = functools.partial(getattr, intake.source, "halted")
     events = worker_events(
-        fetch_fun, worker_init_fun, intake.worker_id, info, hint, lambda: intake.halted, epochs, first_epoch,
+        fetch_fun, worker_init_fun, intake.worker_id, info, hint, halted, epochs, first_epoch,
     )
     try:
         for event in events:

@@ -266,6 +266,8 @@ class WorkerIntake:
         self.backend = backend
         #: index of the next fetch_fun call (the ``seq`` of its chunk)
         self.calls = 0
+        #: where this worker's chunks go (the dealer's, chosen per worker once)
+        self._put = source.dealer.sink(worker_id)
         #: the source's checks_version this worker's chunks were checked at
         self._checked_at = -1
         self._where = f"source {source.name!r}, worker {worker_id}"
@@ -328,12 +330,13 @@ class WorkerIntake:
         self._checked_at = src.checks_version
         stats.chunks += 1
         stats.samples += chunk.n
-        stats.bytes += sum(a.nbytes for a in chunk.arrays)
+        for a in chunk.arrays:  # a loop, not sum(genexpr): no frame per chunk
+            stats.bytes += a.nbytes
         inflight = src.inflight
         inflight[self.worker_id] = chunk.n
         if state is not None:
             chunk = chunk._replace(state=state)
-        ok = src.dealer.put(self.worker_id, chunk)
+        ok = self._put(chunk)
         inflight[self.worker_id] = 0
         if not ok:
             stats.dropped[src.lost_reason] += chunk.n

@@ -129,6 +129,10 @@ class Dealer(Protocol):
         """Hand over a chunk, waiting while the dealer is full; False once closed."""
         ...
 
+    def sink(self, worker_id: int) -> Callable[[Chunk], bool]:
+        """``put`` for one worker, bound once (called per chunk)."""
+        ...
+
     def put_error(self, worker_id: int, error: BaseException) -> None:
         """The worker failed: the source fails (at once, or at the error's
         place in the stream)."""

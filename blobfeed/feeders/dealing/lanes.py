@@ -29,6 +29,7 @@ calls of each worker in it".
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -268,6 +269,9 @@ class LaneDealer:
             if len(lane) == 1:
                 self._items.notify_all()
             return True
+
+    def sink(self, worker_id: int) -> Callable[[Chunk], bool]:
+        return functools.partial(self.put, worker_id)
 
     def put_error(self, worker_id: int, error: BaseException) -> None:
         """The worker failed: the error takes its place in the stream."""
