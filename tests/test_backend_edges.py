@@ -17,6 +17,8 @@ import pytest
 import blobfeed
 from blobfeed import ChunkError, FetcherError, Net, ProcessBackend, init_data_input_workers
 
+from .helpers import wait_until
+
 WAIT = 5.0
 
 
@@ -83,10 +85,9 @@ def test_a_helper_forked_by_fetch_fun_does_not_hold_up_stop_with_any_start_metho
         gc.start()
         for _ in range(5):
             net.run(timeout=WAIT)
-        deadline = time.monotonic() + WAIT
-        while not any(p.name.startswith("helper.") for p in tmp_path.iterdir()):
-            assert time.monotonic() < deadline, "the helper was never forked"
-            time.sleep(0.01)
+        # the helper is forked in the worker process: its pid file is the signal
+        wait_until(lambda: any(p.name.startswith("helper.") for p in tmp_path.iterdir()),
+                   "the worker to fork its helper")
         helpers = [int(p.read_text() or 0) for p in tmp_path.iterdir() if p.name.startswith("helper.")]
         t0 = time.monotonic()
         ok = gc.stop(timeout=WAIT)

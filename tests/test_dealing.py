@@ -88,7 +88,7 @@ def test_a_dealer_holds_what_it_took_until_a_reader_takes_it(options: DealingOpt
     put = 0
     for seq in range(3):
         for wid in (0, 1):
-            assert dealer.put(wid, chunk(wid, seq, 3))
+            assert dealer.sink(wid)(chunk(wid, seq, 3))
             put += 3
     assert dealer.stats().held_samples == put
     assert dealer.stats().depth >= 1
@@ -113,7 +113,7 @@ def test_lanes_count_a_half_dealt_head_chunk_once() -> None:
     dealer.add_lanes([0])
     a, b = dealer.add_net(), dealer.add_net()
     dealer.start()
-    dealer.put(0, chunk(0, 0, 10))
+    dealer.sink(0)(chunk(0, 0, 10))
     ok, piece = a.get_nowait()
     assert ok and piece.n == 4
     stats = dealer.stats()
@@ -136,7 +136,7 @@ def test_the_shuffle_stage_lets_go_of_shared_memory_when_it_takes_a_chunk() -> N
     reader = dealer.add_net()
     dealer.start()
     backing = np.repeat(np.arange(8, dtype=np.int64)[:, None], 1024, axis=1)  # 8 KiB rows
-    dealer.put(0, Chunk((backing,), 8, 0, 0, Slot()))
+    dealer.sink(0)(Chunk((backing,), 8, 0, 0, Slot()))
     assert reader.get_nowait() == (False, None)  # taken into the buffer, not ready
     backing[:] = -1  # the worker reuses its slot
     dealer.finish(0)
@@ -163,7 +163,7 @@ def test_lane_state_needs_no_lock() -> None:
     reader = dealer.add_net()
     dealer.start()
     for seq in range(3):
-        dealer.put(0, chunk(0, seq, 2))
+        dealer.sink(0)(chunk(0, seq, 2))
     reader.get_nowait()
     reader.returned()
     got: list[dict[str, Any]] = []

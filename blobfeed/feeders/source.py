@@ -106,9 +106,12 @@ class InputSource:
         self.lagging_warned_at = time.monotonic()
         #: per worker id, where load_state_dict() says it starts: (calls, state)
         self.resume_at: dict[int, tuple[int, Any]] = {}
-        #: passes over the data (None: endless)
-        self.epochs: int | None = dealing.epochs
         hub.attach_source(self)
+
+    @property
+    def epochs(self) -> int | None:
+        """Passes over the data (None: endless)."""
+        return self.dealing.epochs
 
     def add_workers(self, worker_ids: Sequence[int]) -> None:
         """Wire workers in (before start): ``register_fetchers`` counted them."""

@@ -74,9 +74,6 @@ class ArrivalDealer:
     def start(self) -> None:
         pass
 
-    def put(self, worker_id: int, chunk: Chunk) -> bool:
-        return self.queue.put(chunk)
-
     def sink(self, worker_id: int) -> Callable[[Chunk], bool]:
         return self.queue.put  # no frame of ours per chunk
 

@@ -1,7 +1,7 @@
 """The dealing seam: how a source's chunks reach its nets.
 
 A *dealer* sits between a source's workers and the feeds (one per net) that
-re-batch for the nets.  Workers hand it chunks (``put``), errors
+re-batch for the nets.  Workers hand it chunks (``sink``), errors
 (``put_error``), the end of an epoch (``end_epoch``) and their end
 (``finish``); each net reads its share through a :class:`Reader`.  Which
 dealer a source has is chosen once, when it is wired (:func:`make_dealer`
@@ -125,12 +125,10 @@ class Dealer(Protocol):
     def start(self) -> None: ...
 
     # -- workers
-    def put(self, worker_id: int, chunk: Chunk) -> bool:
-        """Hand over a chunk, waiting while the dealer is full; False once closed."""
-        ...
-
     def sink(self, worker_id: int) -> Callable[[Chunk], bool]:
-        """``put`` for one worker, bound once (called per chunk)."""
+        """Where ``worker_id``'s chunks go, bound once (called per chunk):
+        ``sink(chunk)`` hands one over, waiting while the dealer is full,
+        and returns False once it is closed."""
         ...
 
     def put_error(self, worker_id: int, error: BaseException) -> None:
