@@ -359,3 +359,157 @@ def test_the_walk_catches_a_planted_bad_file(tmp_path: Path) -> None:
     # and the same tree without the bad file is clean
     (tmp_path / "examples" / "NOTES.md").write_text("See [the guide](../docs/GUIDE.md#guide).\n")
     assert repo_problems(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- the docs follow the code
+
+import ast  # noqa: E402
+import inspect  # noqa: E402
+
+import blobfeed  # noqa: E402
+
+CONTRACT = REPO / "docs" / "CONTRACT.md"
+README = REPO / "README.md"
+
+
+def _section(text: str, heading: str) -> str:
+    """The body of the Markdown section whose heading line starts with ``heading``."""
+    start = text.index("\n" + heading) + 1
+    level = heading.split(" ", 1)[0]
+    rest = text[start + len(heading):]
+    ends = [m.start() for m in re.finditer(r"^#{1,%d} " % len(level), rest, re.MULTILINE)]
+    return rest[: ends[0]] if ends else rest
+
+
+def _documented_params(call: str) -> list[tuple[str, str, object]]:
+    """``(name, kind, default)`` of each parameter of a documented call
+    ``f(a, b=1, *, c=None) -> T``; ``kind`` is ``"positional"`` or ``"keyword"``,
+    ``default`` is ``inspect.Parameter.empty`` when there is none."""
+    tree = ast.parse("def " + call.strip() + ": ...")
+    args = tree.body[0].args
+    out: list[tuple[str, str, object]] = []
+    pos = args.posonlyargs + args.args
+    defaults = [inspect.Parameter.empty] * (len(pos) - len(args.defaults)) + [
+        ast.literal_eval(d) for d in args.defaults
+    ]
+    out += [(a.arg, "positional", d) for a, d in zip(pos, defaults)]
+    out += [
+        (a.arg, "keyword", inspect.Parameter.empty if d is None else ast.literal_eval(d))
+        for a, d in zip(args.kwonlyargs, args.kw_defaults)
+    ]
+    return out
+
+
+def _code_params(fn: object) -> list[tuple[str, str, object]]:
+    kinds = {
+        inspect.Parameter.POSITIONAL_ONLY: "positional",
+        inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional",
+        inspect.Parameter.KEYWORD_ONLY: "keyword",
+    }
+    return [(p.name, kinds[p.kind], p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_contract_signature_of_init_data_input_workers_is_the_codes() -> None:
+    section = _section(CONTRACT.read_text(encoding="utf-8"), "## Feeding a net")
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block, "docs/CONTRACT.md lost the signature block of init_data_input_workers"
+    call = " ".join(block.group(1).split())
+    assert call.startswith("init_data_input_workers("), call
+    assert _documented_params(call) == _code_params(blobfeed.init_data_input_workers), (
+        "docs/CONTRACT.md's signature of init_data_input_workers differs from the code's:\n"
+        f"  docs: {call}\n  code: {inspect.signature(blobfeed.init_data_input_workers)}"
+    )
+    returns = inspect.signature(blobfeed.init_data_input_workers).return_annotation
+    assert call.endswith("-> " + str(returns).strip("'\"")), call
+
+
+def test_readme_signature_of_init_data_input_workers_is_the_codes() -> None:
+    heading = re.search(r"^### `(init_data_input_workers\(.*\))`$", README.read_text(encoding="utf-8"), re.M)
+    assert heading, "README.md lost its init_data_input_workers heading"
+    assert _documented_params(heading.group(1)) == _code_params(blobfeed.init_data_input_workers), (
+        "README.md's signature of init_data_input_workers differs from the code's:\n"
+        f"  docs: {heading.group(1)}\n  code: {inspect.signature(blobfeed.init_data_input_workers)}"
+    )
+
+
+def test_contract_argument_table_lists_every_parameter() -> None:
+    section = _section(CONTRACT.read_text(encoding="utf-8"), "## Feeding a net")
+    rows = re.findall(r"^\| `(\w+)` \|", section.split("### ", 1)[0], re.M)
+    params = [name for name, _, _ in _code_params(blobfeed.init_data_input_workers)]
+    assert rows == params, (
+        f"docs/CONTRACT.md's argument table lists {rows}; init_data_input_workers takes {params} "
+        "(one row per parameter, in the signature's order)"
+    )
+
+
+def test_worker_info_fields_are_documented() -> None:
+    import dataclasses
+
+    fields = [f.name for f in dataclasses.fields(blobfeed.WorkerInfo)]
+    section = _section(CONTRACT.read_text(encoding="utf-8"), "## Inside a fetcher")
+    rows = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert rows == fields, f"docs/CONTRACT.md's WorkerInfo table lists {rows}; WorkerInfo has {fields}"
+    readme = README.read_text(encoding="utf-8")
+    m = re.search(r"a frozen `WorkerInfo\(([^)]*)\)`", readme)
+    assert m, "README.md lost its WorkerInfo(...) line"
+    assert [f.strip() for f in " ".join(m.group(1).split()).split(",")] == fields
+
+
+_ALIASES = {"blob layout": ("blob layout", "blob names")}
+
+
+def test_every_refusal_of_load_state_dict_is_named() -> None:
+    from blobfeed.coordinator.checkpoint import _LAYOUT
+
+    # what the layout check compares (its own words), and the checks outside it
+    named = sorted({what.split(" (")[0] for _, what in _LAYOUT}) + ["number of nets", "version", "epoch"]
+    readme = README.read_text(encoding="utf-8")
+    row = re.search(r"^\| `load_state_dict\(name, state\)` \|.*$", readme, re.M)
+    prose = re.search(r"Needs `deterministic=True`; a state of another.*?refused", readme, re.S)
+    contract = re.search(r"Refused with `ValueError` naming the difference:.*?after `start\(\)`",
+                         CONTRACT.read_text(encoding="utf-8"), re.S)
+    for where, m in (("README's method table", row), ("README's resume section", prose),
+                     ("CONTRACT's load_state_dict", contract)):
+        assert m, f"{where}: the list of what load_state_dict refuses is gone"
+        text = " ".join(m.group(0).split())
+        # CONTRACT spells the blob layout out: "blob names or axes"
+        missing = [n for n in named if not any(a in text for a in _ALIASES.get(n, (n,)))]
+        assert not missing, f"{where} does not name {missing} among what load_state_dict refuses"
+
+
+_NUMBER_WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+
+
+def test_readme_counts_its_design_points() -> None:
+    section = _section(README.read_text(encoding="utf-8"), "## Performance")
+    m = re.search(r"(\w+) design\s+points follow from those measurements:\n\n((?:- .*\n(?:  .*\n)*)+)", section)
+    assert m, "README's Performance section lost its design points"
+    said = _NUMBER_WORDS[m.group(1).lower()]
+    bullets = len(re.findall(r"^- ", m.group(2), re.M))
+    assert said == bullets, f"README says {m.group(1)} design points and lists {bullets}"
+
+
+def test_readme_dataloader_migration_knows_shuffle_and_epochs() -> None:
+    section = _section(README.read_text(encoding="utf-8"), "### From PyTorch's `DataLoader`")
+    assert "No sampler or shuffling" not in section
+    for name in ("shuffle_buffer", "epochs=", "deterministic=True"):
+        assert name in section, f"README's DataLoader migration does not mention {name}"
+    assert "call\n  `init_data_input_workers` again for the next pass" not in section
+
+
+def test_no_test_reason_cites_a_line_number() -> None:
+    """xfail/skip reasons name functions, not ``file.py:123``: lines move and the
+    reason then points at nothing (issue 19)."""
+    cited = re.compile(r"\b[\w/]+\.py:\d+")
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.keyword) and node.arg == "reason":
+                try:
+                    reason = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                if isinstance(reason, str) and cited.search(reason):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno}: {cited.search(reason).group(0)}")
+    assert not bad, "reasons citing line numbers:\n" + "\n".join(bad)

@@ -382,11 +382,11 @@ def sweep(scenario: str) -> dict[str, Any]:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "A KeyboardInterrupt that lands after run() took a batch off the device queue and before "
-    "Feed.delivered() counted it (net.py:228-229) -- right after BlobsQueue.get_nowait's "
-    "popleft (queues.py:186), in Feed.dequeue's finally (`cs.wait.observe`, feeders.py:610) "
-    "or as it returns -- loses the batch: neither delivered, nor buffered, nor counted as "
-    "dropped at stop, so fetched != delivered + dropped for good (10 of 22 interruptible "
+    "A KeyboardInterrupt that lands after Net.run() took a batch off the device queue and "
+    "before Feed.delivered() counted it -- right after BlobsQueue.get_nowait's popleft, in "
+    "Feed.dequeue's finally (the dequeue-wait histogram's observe, feeders/enqueuer.py) or "
+    "as it returns -- loses the batch: neither delivered, nor buffered, nor counted as "
+    "dropped at stop, so fetched != delivered + dropped for good (10 of 24 interruptible "
     "points; a real SIGINT hit one such window, in Rebatcher._take, once in ~6000 trials)"))
 def test_ctrl_c_anywhere_in_run_keeps_the_accounting() -> None:
     got = sweep("batch-ready")

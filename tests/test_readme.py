@@ -40,3 +40,12 @@ def test_reproducibility_example_runs() -> None:
     assert int(re.search(r"the same (\d+) batches", proc.stdout).group(1)) > 25
     # the epochs example: 3 epochs of 7 batches and 2 epoch ends, resumed at an epoch's end
     assert "resumed epochs gave the same 23 batches and epoch ends" in proc.stdout
+
+
+def test_tutorial_runs_epochs_on_one_wiring() -> None:
+    """The tutorial's second pass is ``epochs=2`` on the same workers, not a
+    second wiring (issue 19: the tutorial showed only re-wiring)."""
+    code = tutorial_code()
+    assert "epochs=2" in code
+    assert code.count("init_data_input_workers(") == 1, "the tutorial wires the source more than once"
+    assert "info.epoch" in code, "the tutorial's fetcher does not start over at a new epoch"
