@@ -39,6 +39,38 @@ logger = logging.getLogger("blobfeed.coordinator")
 InitFun = Callable[["WorkerCoordinator", Any], Any]
 
 
+class ActiveFlag:
+    """What ``is_active`` reads: a truth value (``if dc.is_active:``, as
+    blobfeed documented it) that can also be called (``dc.is_active()``, as
+    Caffe2's ``WorkerCoordinator.is_active`` is a method and Caffe2 code
+    calls it).  Compares equal to the bool it stands for; a snapshot taken
+    when the attribute was read."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bool) -> None:
+        self._value = bool(value)
+
+    def __call__(self) -> bool:
+        return self._value
+
+    def __bool__(self) -> bool:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ActiveFlag):
+            return self._value == other._value
+        if isinstance(other, (bool, int)):
+            return self._value == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return repr(self._value)
+
+
 class Owner(Protocol):
     """What a group needs of the :class:`GlobalCoordinator` that owns it
     (named here so this module does not import the lifecycle above it)."""
@@ -109,6 +141,8 @@ class WorkerCoordinator:
         self._gc = global_coordinator
         self._init_fun = init_fun
         self._init_done = init_fun is None
+        #: init_fun is running: the group counts as active there, as in Caffe2
+        self._in_init = False
         self._shutdown_fun = shutdown_fun
         self._loggers = list(external_loggers)
         self._hub = global_coordinator._hub
@@ -126,16 +160,24 @@ class WorkerCoordinator:
         self._final_logged = False
 
     @property
-    def is_active(self) -> bool:
-        """True between ``start()`` and stop."""
-        return self.started and not (self._halted or self._stop_event.is_set())
+    def is_active(self) -> ActiveFlag:
+        """True from ``start()`` (inside ``init_fun`` too) until the stop.
+
+        A truth value that can also be called, ``is_active()``, as Caffe2's
+        method is (see :class:`ActiveFlag`).
+        """
+        return ActiveFlag((self.started or self._in_init) and not (self._halted or self._stop_event.is_set()))
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
         raise NotImplementedError
 
     def _run_init(self) -> None:
         if not self._init_done and self._init_fun is not None:
-            self._init_fun(self, self._gc)
+            self._in_init = True
+            try:
+                self._init_fun(self, self._gc)
+            finally:
+                self._in_init = False
             self._init_done = True
 
     def _start(self) -> None:
@@ -315,8 +357,10 @@ class DataInputCoordinator(WorkerCoordinator):
         return self.feed.batch_size
 
     @property
-    def is_active(self) -> bool:
-        return self.started and not self.source.halted
+    def is_active(self) -> ActiveFlag:
+        """True from ``start()`` (inside ``init_fun`` too) until its source
+        stops; callable too, ``is_active()``, as in Caffe2."""
+        return ActiveFlag((self.started or self._in_init) and not self.source.halted)
 
     def _halt(self) -> None:
         super()._halt()

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, overload
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
@@ -496,15 +496,33 @@ class GlobalCoordinator:
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
             checkpoint.load_state(source, state)
 
-    def reset_data_input(self, name: str, net: Net, batch_size: int) -> None:
+    @overload
+    def reset_data_input(self, name: str, net: Net, batch_size: int) -> None: ...
+
+    @overload
+    def reset_data_input(self, namescope: str, name: str, net: Net, batch_size: int) -> None: ...
+
+    def reset_data_input(self, *args: Any, **kwargs: Any) -> None:
         """Change the batch size of source ``name`` into ``net``.
+
+        Two forms: ``reset_data_input(name, net, batch_size)`` and Caffe2's
+        ``reset_data_input(namescope, name, net, batch_size)``.  In Caffe2
+        the name scope (``scope.CurrentNameScope()``, such as ``"gpu_0/"``)
+        prefixed the blobs of the feeder wired under it, and so told apart
+        the per-device feeders of one source; a blobfeed feeder is told
+        apart by its ``net``, so the name scope selects nothing more (it
+        must be a str, and is named in the log line, ``gpu_0/train``, as
+        Caffe2 named a feeder).
 
         Batches assembled after the call have ``batch_size`` samples (batches
         already queued keep theirs); fetchers get it as their hint.
 
         Raises:
+            TypeError: arguments that fit neither form; ``net`` that is not a
+                :class:`Net` (a net's name, say); a ``namescope`` that is not a str.
             ValueError: bad ``batch_size``, or ``net`` is not fed from ``name``.
         """
+        namescope, name, net, batch_size = _reset_arguments(args, kwargs)
         batch_size = check_index("batch_size", batch_size)
         with self._lock:
             found = [
@@ -512,7 +530,7 @@ class GlobalCoordinator:
                 if c.source is not None and c.net is net and not c.source.stopped
             ]
         if not found:
-            raise ValueError(f"net {getattr(net, 'name', net)!r} is not fed from source {name!r}")
+            raise ValueError(f"net {net.name!r} is not fed from source {name!r}")
         source = found[0].source
         assert source is not None
         if source.dealer.batch_size is not None:
@@ -522,6 +540,7 @@ class GlobalCoordinator:
             )
         for c in found:
             c.set_batch_size(batch_size)
+        logger.info("reset data input %s%s of net %r: batch size %d", namescope, name, net.name, batch_size)
 
     # -- the monitor thread -----------------------------------------------------------------
     def _start_monitor(self) -> None:
@@ -634,3 +653,38 @@ def _inside_blobfeed() -> str | None:
 
 
 global_coordinator = GlobalCoordinator(registry=prometheus_client.REGISTRY)
+
+
+_RESET_FORMS = (("name", "net", "batch_size"), ("namescope", "name", "net", "batch_size"))
+
+
+def _reset_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, Net, int]:
+    """``reset_data_input``'s arguments in either form, as (namescope, name, net, batch_size)."""
+    four = "namescope" in kwargs or len(args) + len(kwargs) == 4
+    form = _RESET_FORMS[four]
+    usage = "reset_data_input(name, net, batch_size) or reset_data_input(namescope, name, net, batch_size)"
+    if len(args) > len(form):
+        raise TypeError(f"{usage}: got {len(args)} positional arguments")
+    bound = dict(zip(form, args))
+    for key, value in kwargs.items():
+        if key not in form:
+            raise TypeError(f"{usage}: unexpected keyword argument {key!r}")
+        if key in bound:
+            raise TypeError(f"{usage}: got multiple values for {key!r}")
+        bound[key] = value
+    missing = [p for p in form if p not in bound]
+    if missing:
+        raise TypeError(f"{usage}: missing {', '.join(missing)}")
+    namescope = bound.get("namescope", "")
+    if not isinstance(namescope, str):
+        raise TypeError(f"reset_data_input: namescope must be a str (Caffe2's name scope, such as 'gpu_0/'), "
+                        f"got {type(namescope).__name__}")
+    name, net = bound["name"], bound["net"]
+    if not isinstance(name, str):
+        raise TypeError(f"reset_data_input: name must be the input source's name (a str), got {type(name).__name__}")
+    if not isinstance(net, Net):
+        raise TypeError(
+            f"reset_data_input: net must be the blobfeed.Net passed to init_data_input_workers, got "
+            f"{type(net).__name__} {net!r} (a net is not looked up by its name)"
+        )
+    return namescope, name, net, bound["batch_size"]

@@ -59,6 +59,17 @@ class Registry:
         entry = self._seeds.get(id(source))
         return list(entry[1]) if entry is not None and entry[0] is source else []
 
+    def seed_of(self, name: str) -> int | None:
+        """The base seed of the first group wired to the live source ``name``:
+        what a later call with ``seed=None`` shares, so a source draws (and
+        logs) one seed however many nets it feeds.  None when there is no
+        such source, or it was stopped (a new wiring starts afresh)."""
+        source = self.sources.get(name)
+        if source is None or source.stopped:
+            return None
+        seeds = self.seeds_of(source)
+        return seeds[0] if seeds else None
+
     def named(self, name: str | None) -> list[WorkerCoordinator]:
         """The groups named ``name`` (a source or worker name); None: all."""
         return [g for g in self.groups if name is None or g.name == name]

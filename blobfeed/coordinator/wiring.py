@@ -251,7 +251,10 @@ def init_data_input_workers(
             "predictions in the workspace; feed them under other names"
         )
     gc, loggers = _check_common(input_source_name, init_fun, external_loggers, coordinator)
-    base_seed = draw_base_seed(input_source_name) if seed is None else seed
+    # the nets of one source share its drawn seed: one "drew seed=" line, true for every call
+    base_seed = seed if seed is not None else gc._known.seed_of(input_source_name)
+    if base_seed is None:
+        base_seed = draw_base_seed(input_source_name)
     dealing = DealingOptions(deterministic, shuffle_buffer, epochs)
     with gc._lock:
         # Every check first, so a refused call leaves nothing behind.
