@@ -277,3 +277,15 @@ def test_serve_seconds_ends_by_itself(capsys: pytest.CaptureFixture[str]) -> Non
 def test_serve_is_rejected_when_negative(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(["--serve", "-1"]) == 2
     assert "--serve" in capsys.readouterr().err
+
+
+def test_a_missing_package_names_the_install_that_works(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """blobfeed is not on the package index: the hint is the clone's form."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn -> ImportError
+    assert demo.main(["--progress", "off"]) == 2
+    err = capsys.readouterr().err
+    assert "needs sklearn" in err, err
+    assert "pip install -e '.[demo]'" in err, err
+    assert "'blobfeed[" not in err, err

@@ -513,3 +513,41 @@ def test_no_test_reason_cites_a_line_number() -> None:
                 if isinstance(reason, str) and cited.search(reason):
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno}: {cited.search(reason).group(0)}")
     assert not bad, "reasons citing line numbers:\n" + "\n".join(bad)
+
+
+# an install command naming blobfeed as if it were on the package index
+_UNPUBLISHED = re.compile(r"pip3?\s+install\s+(?:-\S+\s+)*['\"]?blobfeed(?:\[|\b(?![\w.-]))")
+
+
+def test_no_install_hint_names_the_unpublished_package() -> None:
+    """blobfeed is installed from its clone (``pip install -e '.[demo]'``): an
+    error message or a doc saying ``pip install 'blobfeed[demo]'`` sends the
+    user to a package that does not exist on the index (issue 19)."""
+    bad = []
+    for dirpath, dirnames, filenames in os.walk(REPO):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.suffix not in {".py", ".md", ".toml", ".cfg", ".txt", ".sh"} and path.name != "run":
+                continue
+            if path.resolve() == Path(__file__).resolve():
+                continue  # this file spells the wrong forms out to test the check
+            text = path.read_text(encoding="utf-8", errors="replace")
+            for m in _UNPUBLISHED.finditer(text):
+                bad.append(f"{path.relative_to(REPO)}:{_line_of(text, m.start())}: {m.group(0)!r}")
+    assert not bad, "install hints for a package that is not published:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("text", [
+    "pip install 'blobfeed[demo]'", 'pip install "blobfeed[ray]"', "pip install blobfeed",
+    "pip install -U blobfeed[examples]",
+])
+def test_the_install_check_catches_the_unpublished_forms(text: str) -> None:
+    assert _UNPUBLISHED.search(text)
+
+
+@pytest.mark.parametrize("text", [
+    "pip install -e '.[demo]'", "pip install blobfeed-extras-not", "pip install onnx scikit-learn tqdm",
+])
+def test_the_install_check_accepts_the_clone_forms(text: str) -> None:
+    assert not _UNPUBLISHED.search(text)

@@ -17,7 +17,8 @@ sample by sample (exit status 1 otherwise).
 ``--model PATH`` runs any ONNX model with float inputs instead, fed with
 synthetic random data of the right shapes (no accuracy then).
 
-Needs ``pip install 'blobfeed[demo]'`` (onnx, scikit-learn, tqdm).
+Needs the ``demo`` extra: ``pip install -e '.[demo]'`` in the clone of blobfeed
+(blobfeed is not on the package index), or ``pip install onnx scikit-learn tqdm``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ _FLOAT_TYPES: dict[str, np.dtype[Any]] = {
     "tensor(double)": np.dtype(np.float64),
     "tensor(float16)": np.dtype(np.float16),
 }
+
+
+#: How to get the demo's packages.  blobfeed is installed from its clone (it is
+#: not on the package index), so the extra's form is the clone's.
+INSTALL_HINT = "pip install -e '.[demo]' in the clone of blobfeed, or pip install onnx scikit-learn tqdm"
 
 
 class DemoError(Exception):
@@ -305,7 +311,7 @@ def _progress(enabled: str, total: int, desc: str) -> Any:
         from tqdm import tqdm
     except ImportError:
         if enabled == "on":
-            raise DemoError("--progress on needs tqdm: pip install 'blobfeed[demo]'") from None
+            raise DemoError(f"--progress on needs tqdm: {INSTALL_HINT}") from None
         return _NoBar()
     return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, mininterval=0.1, dynamic_ncols=True)
 
@@ -435,7 +441,7 @@ def _run_digits(
         import onnx  # noqa: F401
         import sklearn  # noqa: F401
     except ImportError as exc:
-        raise DemoError(f"blobfeed demo needs {exc.name}: pip install 'blobfeed[demo]'") from exc
+        raise DemoError(f"blobfeed demo needs {exc.name}: {INSTALL_HINT}") from exc
     t0 = time.perf_counter()
     data = train_digits(args.seed)
     n = len(data.labels)

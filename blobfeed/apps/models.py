@@ -1,7 +1,7 @@
 """Small ONNX models for examples, tests and benchmarks.
 
-Needs the ``onnx`` package (``pip install blobfeed[examples]``); blobfeed
-itself only needs onnxruntime to run models.
+Needs the ``onnx`` package (``pip install -e '.[examples]'`` in the clone, or
+``pip install onnx``); blobfeed itself only needs onnxruntime to run models.
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ def _ray() -> Any:
         import ray
     except ImportError as exc:  # pragma: no cover - depends on the extra
         raise ImportError(
-            "blobfeed.ray.RayBackend needs Ray: pip install 'blobfeed[ray]'"
+            "blobfeed.ray.RayBackend needs Ray: pip install -e '.[ray]' in the clone of blobfeed, "
+            "or pip install 'ray>=2.9'"
         ) from exc
     return ray
 
