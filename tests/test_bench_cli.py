@@ -522,3 +522,17 @@ def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says() -> Non
     assert re.search(r"^W1d batches/s vs W1 >= 0\.8 ", out, re.M), out
     assert re.search(r"^W1s batches/s vs W1 >= 0\.5 ", out, re.M), out
     assert re.search(r"^W1s samples lost == 0 +0  ok$", out, re.M), out
+
+
+@pytest.mark.timeout(120)
+def test_a_measurement_child_runs_from_the_folder_that_holds_the_clone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``blobfeed bench`` run from the clone's parent folder: the folder's
+    ``blobfeed/`` (the clone, no ``__init__.py``) must not be taken for the
+    package in the children (it was: "module 'blobfeed' has no attribute
+    'Net'", issue 19).  The runner's own child-spawn path, one tiny W1."""
+    (tmp_path / "blobfeed").symlink_to(ROOT, target_is_directory=True)  # the parent of a clone named blobfeed
+    monkeypatch.chdir(tmp_path)
+    got = runner._child("W1", "blobfeed", 0.05)
+    assert got["samples_lost"] == 0 and got["batches_per_s"] > 0, got

@@ -137,12 +137,32 @@ def estimate_seconds(workloads: list[str], seconds: float, repeats: int, package
     return one * repeats
 
 
+#: The child's ``__main__``: ``python -m blobfeed.apps.bench`` without the
+#: current directory first on ``sys.path``.  ``-m`` (and ``-c``) put it
+#: there, and run from the folder that holds the clone, its ``blobfeed/``
+#: (the clone's root, no ``__init__.py``) is taken for the package: a
+#: namespace package with no ``Net``, ahead of an editable install's finder.
+#: ``-P`` does this from Python 3.11 on; this also works on 3.10.
+CHILD_MAIN = (
+    "import runpy, sys\n"
+    "if sys.path and sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    "runpy.run_module('blobfeed.apps.bench', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def child_command(*args: str) -> list[str]:
+    """The command line of a measurement's child: ``python -m
+    blobfeed.apps.bench *args``, whatever the current directory holds."""
+    return [sys.executable, "-c", CHILD_MAIN, *args]
+
+
 def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
     """One measurement in a fresh child process (``python -m
     blobfeed.apps.bench --child``), so that its peak RSS is its own."""
     env = dict(os.environ)
     proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.bench", "--child", wl_id, runner, str(seconds)],
+        child_command("--child", wl_id, runner, str(seconds)),
         check=False, capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
     )
     if proc.returncode != 0:
