@@ -105,6 +105,10 @@ def child_main(
     parent = os.getppid()
     area = SlotArea(area_fd.fd, slots, slot_bytes)
     os.close(area_fd.fd)
+    # multiprocessing's start-up (which imports the program's main module)
+    # is over: a death before this flag is the start-up's, and the parent
+    # says so (a script without the __main__ guard, see processes.py)
+    area.set_started()
     # A process fetch_fun forks (a helper that outlives us) must not keep
     # the slots mapped, and with them the parent's memory, after we end.
     if hasattr(mmap, "MADV_DONTFORK"):

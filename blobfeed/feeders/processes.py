@@ -31,6 +31,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -52,6 +53,9 @@ logger = logging.getLogger("blobfeed.feeders.processes")
 
 #: seconds stop() lets a child end by itself before it is killed
 STOP_GRACE_S = 0.25
+#: the exit code of a worker process whose start-up, importing the program's
+#: main module, ran a pipeline with process workers again (no __main__ guard)
+MAIN_REENTRY_EXIT = 86
 
 
 class ProcessBackend:
@@ -83,9 +87,11 @@ class ProcessBackend:
         self.start_method = start_method
 
     def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:
+        _exit_if_importing_main()
         _payload(fetch_fun, worker_init_fun)
 
     def launch(self, plan: LaunchPlan) -> WorkerGroup:
+        _exit_if_importing_main()
         need = len(plan.workers) * self.slots * self.slot_bytes
         free = mem_available()
         if free is not None and need > free:
@@ -100,6 +106,38 @@ class ProcessBackend:
 
     def __repr__(self) -> str:
         return f"ProcessBackend(slots={self.slots}, slot_bytes={self.slot_bytes}, start_method={self.start_method!r})"
+
+
+def _main_module() -> str | None:
+    """What a worker process imports as the program's main module before
+    blobfeed's code runs in it (``multiprocessing.spawn.prepare``): the
+    script's path, or the module of ``python -m``; None when nothing."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return None if name == "__main__" or name.endswith(".__main__") else name
+    return getattr(main, "__file__", None)
+
+
+def _exit_if_importing_main() -> None:
+    """End this process, in one line, when it is a new process of
+    multiprocessing's ``spawn`` or ``forkserver`` still importing the main
+    module and that module starts process workers again: a script without
+    ``if __name__ == "__main__":``.
+
+    multiprocessing would raise its RuntimeError a moment later anyway, with
+    a traceback of some 75 lines per worker; the exit code tells the parent
+    the cause, which it names in its FetcherError.
+    """
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    logger.error(
+        "blobfeed: process pid %d imports the main module %r to start a worker process, and the "
+        "module starts blobfeed's process workers again: guard the pipeline with "
+        "if __name__ == '__main__':", os.getpid(), _main_module(),
+    )
+    logging.shutdown()
+    os._exit(MAIN_REENTRY_EXIT)
 
 
 def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> bytes:
@@ -415,7 +453,32 @@ class _Worker:
             if self.done or self._death_reported or self.group.stopping:
                 return
             self._death_reported = True
-        self.plan.intake.died(f"worker process pid {self.pid} {_describe(self.exitcode)}")
+        code = self.exitcode
+        if self.area.started() or code is None or code < 0:
+            self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}")
+            return
+        # Ended with a code before blobfeed's code ran in it: in
+        # multiprocessing's start-up, which imports the main module.
+        main = self.group.main_module
+        if main is None:
+            self.plan.intake.died(
+                f"worker process pid {self.pid} {_describe(code)} before blobfeed's worker code ran "
+                "(its traceback is on stderr)", when=" while starting",
+            )
+            return
+        if code == MAIN_REENTRY_EXIT:
+            detail = (
+                "guard the pipeline with if __name__ == '__main__': (the module started blobfeed "
+                f"workers again in worker process pid {self.pid}, which imports it as every "
+                "spawn or forkserver process does)"
+            )
+        else:
+            detail = (
+                f"worker process pid {self.pid} {_describe(code)} before blobfeed's worker code "
+                "ran (its traceback is on stderr); code the module runs at import runs in every "
+                "worker process: guard the pipeline with if __name__ == '__main__':"
+            )
+        self.plan.intake.died(detail, when=f" while importing the main module {main!r}")
 
     # -- the process ------------------------------------------------------------
     def poll(self) -> int | None:
@@ -540,6 +603,8 @@ class _ProcessGroup:
         self.payload = payload
         self.source = plan.source
         self.ctx = multiprocessing.get_context(backend.start_method)
+        #: what each worker process imports first (named if it fails there)
+        self.main_module = _main_module()
         if backend.start_method == "forkserver":
             _preload_forkserver(self.ctx)
         self.stopping = False

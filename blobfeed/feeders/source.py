@@ -375,10 +375,11 @@ class WorkerIntake:
         self.source.dealer.put_error(self.worker_id, err)
         return False
 
-    def died(self, detail: str) -> None:
+    def died(self, detail: str, when: str = "") -> None:
         """The worker ended other than by returning (killed, crashed, lost):
-        always an error of the source, whatever ``on_error`` says."""
+        always an error of the source, whatever ``on_error`` says.  ``when``
+        (" while importing ...") follows "died" in the message."""
         self.stats.deaths[self.backend] += 1
         if self.halted:
             return
-        self.source.fail(FetcherError(f"{self._where} died: {detail}"))
+        self.source.fail(FetcherError(f"{self._where} died{when}: {detail}"))

@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 #: area header: [0:8] the batch-size hint, [8:16] the stop flag (parent to
-#: worker), [16:24] the ending flag (worker to parent: it returns on purpose)
+#: worker), [16:24] the ending flag (worker to parent: it returns on purpose),
+#: [24:32] the started flag (worker to parent: its start-up is over)
 HEADER_BYTES = 64
 _HINT = struct.Struct("<q")
 #: one free slot index on the free pipe; -1 tells the worker to stop
@@ -155,6 +156,14 @@ class SlotArea:
         """True once the worker returns by itself (after its last message):
         an exit with code 0 without it is a death (``os._exit(0)``)."""
         return _HINT.unpack_from(self.mm, 16)[0] != 0
+
+    def set_started(self) -> None:
+        _HINT.pack_into(self.mm, 24, 1)
+
+    def started(self) -> bool:
+        """True once the worker's own code runs: a death before it happened
+        in the process's start-up (importing the main module, say)."""
+        return _HINT.unpack_from(self.mm, 24)[0] != 0
 
 
 def mem_available(
