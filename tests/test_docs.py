@@ -551,3 +551,17 @@ def test_the_install_check_catches_the_unpublished_forms(text: str) -> None:
 ])
 def test_the_install_check_accepts_the_clone_forms(text: str) -> None:
     assert not _UNPUBLISHED.search(text)
+
+
+def test_data_parallel_docs_say_first_come_first_served_and_show_deterministic() -> None:
+    """Uneven shares between nets of one source are the default's nature
+    (issue 19: 11 349 / 651 samples): the docs say so and show the even mode."""
+    readme = README.read_text(encoding="utf-8")
+    m = re.search(r"^Data parallel: call `init_data_input_workers` once per net(?:.+\n)+", readme, re.M)
+    assert m, "README lost its data-parallel paragraph"
+    para = " ".join(m.group(0).split())
+    assert "first come, first served" in para and "deterministic=True" in para, para
+    shared = " ".join(_section(CONTRACT.read_text(encoding="utf-8"), "## Shared input sources").split())
+    assert "first come, first served" in shared and "deterministic=True" in shared
+    example = (REPO / "examples" / "data_parallel.py").read_text(encoding="utf-8")
+    assert "first come, first served" in example and "deterministic=deterministic" in example
