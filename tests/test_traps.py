@@ -21,6 +21,8 @@ import pytest
 import blobfeed
 from blobfeed import DequeueTimeout, Net, init_data_input_workers
 
+from .helpers import sample
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: the README's process-workers snippet, pasted into a script with no guard
@@ -106,3 +108,81 @@ def test_guarded_script_runs(tmp_path: Path) -> None:
     done = _run_script(tmp_path, head + "if __name__ == '__main__':\n    net = " + body.lstrip())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(8, 3)"
+
+
+# -- a fetch_fun returning None ------------------------------------------------------
+
+
+class _Clock:
+    """The intakes' clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_none_warning_is_rate_limited_and_counted(gc, caplog, monkeypatch) -> None:
+    from blobfeed.feeders import source as source_mod
+
+    clock = _Clock()
+    monkeypatch.setattr(source_mod, "_clock", clock, raising=False)
+    calls = 0
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        nonlocal calls
+        calls += 1
+        if calls == 2001:
+            clock.now += 11.0  # past the interval: the next None warns again
+        if calls > 2500:
+            raise StopIteration
+        return None
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=1, coordinator=gc)
+    with caplog.at_level(logging.WARNING, logger="blobfeed"):
+        gc.start()
+        with pytest.raises(blobfeed.EndOfInput):
+            net.run(timeout=20)
+    warned = [r.getMessage() for r in caplog.records if "returned None" in r.getMessage()]
+    # one at the first None, one once 10 s passed: not 2 500
+    assert len(warned) == 2, warned
+    assert "StopIteration" in warned[0] and "1 such call" in warned[0], warned[0]
+    assert "2000 such calls since the last warning" in warned[1], warned[1]
+    assert sample(gc, "blobfeed_fetch_errors_total", source="train", kind="none") == 2500
+
+
+def test_dequeue_timeout_says_the_fetchers_returned_only_none(gc) -> None:
+    returned = threading.Event()
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        returned.set()
+        return None
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=2, coordinator=gc)
+    gc.start()
+    assert returned.wait(5)
+    with pytest.raises(DequeueTimeout) as err:
+        net.run(timeout=0.3)
+    msg = str(err.value)
+    assert "returned None" in msg and "StopIteration" in msg, msg
+
+
+def test_dequeue_timeout_of_a_slow_fetcher_says_nothing_of_none(gc) -> None:
+    release = threading.Event()
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        release.wait(5)
+        raise StopIteration
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    try:
+        with pytest.raises(DequeueTimeout) as err:
+            net.run(timeout=0.2)
+        assert "None" not in str(err.value)
+    finally:
+        release.set()

@@ -528,7 +528,7 @@ class Feed:
                     cs.timeouts += 1
                     raise DequeueTimeout(
                         f"source {self.source.name!r}, net {self.net_name!r}: "
-                        f"no batch within {limit:.3g} s"
+                        f"no batch within {limit:.3g} s{self.source.starved_hint()}"
                     ) from None
                 try:
                     return self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))

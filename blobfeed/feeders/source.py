@@ -35,6 +35,12 @@ logger = logging.getLogger("blobfeed.feeders")
 
 OnError = Literal["raise", "skip"]
 
+#: seconds between two warnings of one worker about calls that gave no chunk
+#: (``None``, no samples): one per call was ~25 000 lines a second
+SKIP_WARN_INTERVAL_S = 10.0
+#: the clock of those warnings (a test moves it by hand)
+_clock = time.monotonic
+
 
 class SourceStopped(EndOfInput):
     """Internal: the source was stopped; enqueuers must not flush leftovers."""
@@ -106,6 +112,9 @@ class InputSource:
         self.lagging_warned_at = time.monotonic()
         #: per worker id, where load_state_dict() says it starts: (calls, state)
         self.resume_at: dict[int, tuple[int, Any]] = {}
+        #: per worker id, its calls since its last chunk that returned None or
+        #: no samples (each intake writes only its own key; gone once it ends)
+        self.empty_runs: dict[int, int] = {}
         hub.attach_source(self)
 
     @property
@@ -231,6 +240,18 @@ class InputSource:
         """Why data still inside blobfeed will never reach a net now."""
         return "error" if self.error is not None else "stopped"
 
+    def starved_hint(self) -> str:
+        """What a ``DequeueTimeout`` adds when every worker still fetching
+        has only returned ``None`` (or chunks with no samples) since its last
+        chunk, "" otherwise: a user with logging off learns why nothing came."""
+        runs = list(self.empty_runs.values())
+        if not runs or not all(runs):
+            return ""
+        return (
+            f"; its fetchers' last {sum(runs)} calls returned None (or no samples), which only "
+            "skips a call: a fetch_fun ends its worker by raising StopIteration"
+        )
+
     # -- metrics -------------------------------------------------------------
     def device_queue_depths(self) -> list[tuple[str, int]]:
         return [(f.net_name, f.device_queue_depth()) for f in list(self.feeds)]
@@ -273,6 +294,12 @@ class WorkerIntake:
         self._put = source.dealer.sink(worker_id)
         #: the source's checks_version this worker's chunks were checked at
         self._checked_at = -1
+        #: calls since the last chunk that gave none (None, no samples)
+        self._empty_run = 0
+        #: per kind ("none", "empty"): such calls not yet told in a warning,
+        #: and when the next warning may be
+        self._unwarned = {"none": 0, "empty": 0}
+        self._warn_at = {"none": 0.0, "empty": 0.0}
         self._where = f"source {source.name!r}, worker {worker_id}"
 
     @property
@@ -293,6 +320,7 @@ class WorkerIntake:
     def finished(self, exhausted: bool) -> None:
         """The worker ended; ``exhausted``: by StopIteration (its data is done)."""
         self.source.inflight.pop(self.worker_id, None)
+        self.source.empty_runs.pop(self.worker_id, None)
         if exhausted:
             self.source.dealer.finish(self.worker_id)
         self.source.fetcher_finished(exhausted)
@@ -325,11 +353,11 @@ class WorkerIntake:
             return False
         if isinstance(chunk, str):
             stats.errors[chunk] += 1
-            logger.warning(
-                "%s: fetch_fun returned %s; skipped",
-                self._where, "None" if chunk == "none" else "a chunk with no samples",
-            )
+            self._skipped_empty(chunk)
             return True
+        if self._empty_run:
+            self._empty_run = 0
+            src.empty_runs[self.worker_id] = 0
         self._checked_at = src.checks_version
         stats.chunks += 1
         stats.samples += chunk.n
@@ -344,6 +372,26 @@ class WorkerIntake:
         if not ok:
             stats.dropped[src.lost_reason] += chunk.n
         return ok
+
+    def _skipped_empty(self, kind: str) -> None:
+        """A call returned ``None`` or no samples (``kind``): skipped, and
+        warned of at most once per kind per ``SKIP_WARN_INTERVAL_S``, with
+        the count."""
+        self._empty_run += 1
+        self.source.empty_runs[self.worker_id] = self._empty_run
+        self._unwarned[kind] += 1
+        now = _clock()
+        if now < self._warn_at[kind]:
+            return
+        self._warn_at[kind] = now + SKIP_WARN_INTERVAL_S
+        n, self._unwarned[kind] = self._unwarned[kind], 0
+        logger.warning(
+            "%s: fetch_fun returned %s; skipped (%d such call%s since the last warning, %d since "
+            "the last chunk; at most one warning per %.0f s). Returning None only skips a call: "
+            "raise StopIteration to end the worker",
+            self._where, "None" if kind == "none" else "a chunk with no samples", n,
+            "" if n == 1 else "s", self._empty_run, SKIP_WARN_INTERVAL_S,
+        )
 
     def exception(self, exc: BaseException, *, fatal: bool = False, remote_tb: str | None = None) -> bool:
         """``fetch_fun`` raised ``exc`` (``fatal``: starting the worker failed:
