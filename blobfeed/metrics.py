@@ -259,6 +259,10 @@ def start_http_server(
 
     Returns:
         A :class:`MetricsServer` with ``port``, ``url`` and ``close()``.
+
+    Raises:
+        OSError: the address cannot be bound (a busy port, say); the message
+            names the address and port, the ``errno`` is the socket's.
     """
     from prometheus_client import make_wsgi_app
 
@@ -266,7 +270,11 @@ def start_http_server(
         # blobfeed.global_coordinator's registry
         registry = prometheus_client.REGISTRY
     server_class = _ThreadingWSGIServer6 if ":" in addr else _ThreadingWSGIServer
-    httpd = make_server(addr, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    try:
+        httpd = make_server(addr, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    except OSError as exc:
+        # the socket's own error says "Address already in use", not which address
+        raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
     thread = threading.Thread(
         target=httpd.serve_forever,
         kwargs={"poll_interval": _SHUTDOWN_POLL_S},

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import pytest
@@ -289,3 +289,27 @@ def test_a_missing_package_names_the_install_that_works(
     assert "needs sklearn" in err, err
     assert "pip install -e '.[demo]'" in err, err
     assert "'blobfeed[" not in err, err
+
+
+def _busy_port() -> "tuple[Any, int]":
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_a_busy_metrics_port_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """An operator's --metrics-port that is taken: exit 2 and one line naming
+    the port, no traceback; the library's own error names it too."""
+    from blobfeed.metrics import start_http_server
+
+    sock, port = _busy_port()
+    with sock:
+        assert demo.main(["--passes", "1", "--progress", "off", "--metrics-port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"127.0.0.1:{port}" in err and "Traceback" not in err, err
+        with pytest.raises(OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}") as info:
+            start_http_server(port)
+        assert info.value.errno is not None
