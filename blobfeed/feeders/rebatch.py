@@ -109,6 +109,20 @@ class BufferPool:
         self._calls = 0
 
 
+def _read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """The one rule for what a batch hands out (docs/CONTRACT.md, "What
+    run() returns"): every array is read-only, a view of a chunk or a copy
+    alike, on every backend.  A view of a fetcher's array would otherwise
+    write the user's own data, and a view of a worker process's slot cannot
+    be written at all, so a copy that could be would make the rule depend on
+    sizes.  ``arrays`` are blobfeed's own views or copies, never a fetcher's
+    array objects, whose flags stay the user's.  No copy: some 60 ns an
+    array (``setflags(False)``: the keyword form costs twice that)."""
+    for a in arrays:
+        a.setflags(False)  # write=False
+    return arrays
+
+
 def _slicer(axis: int) -> Callable[[np.ndarray, int, int], np.ndarray]:
     if axis == 0:
         return lambda a, lo, hi: a[lo:hi]
@@ -122,7 +136,8 @@ class Rebatcher:
     Not thread-safe: one owner at a time.  Guarantees (docs/CONTRACT.md): samples keep
     their order, a chunk's leftover goes first into the next batch, and each
     byte is copied at most once -- not at all when a batch lies inside one
-    chunk (the batch is then a view of the chunk).
+    chunk (the batch is then a view of the chunk).  Every batch's arrays are
+    read-only (see :func:`_read_only`).
     """
 
     def __init__(self, axes: Sequence[int], batch_size: int, *, whole_chunks: bool = False) -> None:
@@ -155,13 +170,16 @@ class Rebatcher:
             self.pending -= n - start
             if pin is not None and not pin.views_ok():
                 arrays = tuple(np.array(a) for a in arrays)
-            return Batch(arrays, n - start)
+            else:
+                # views: the chunk's arrays are the fetcher's own objects
+                arrays = tuple([a.view() for a in arrays])
+            return Batch(_read_only(arrays), n - start)
         bs = self.batch_size  # once: another thread may reset it (reset_data_input)
         if self.pending < bs:
             return None
         views, parts = self._cut(bs)
         if views is not None:
-            return Batch(views, bs)
+            return Batch(_read_only(views), bs)
         return self._join(parts, bs)  # type: ignore[arg-type]
 
     def pop_partial(self) -> Batch | None:
@@ -198,14 +216,14 @@ class Rebatcher:
     def join(self, cut: "Cut") -> Batch:
         """The batch of ``cut``: its views, or one copy of its parts."""
         if cut.views is not None:
-            return Batch(cut.views, cut.n)
+            return Batch(_read_only(cut.views), cut.n)
         assert cut.parts is not None
         return self._join(cut.parts, cut.n)
 
     def _take(self, bs: int) -> Batch:
         views, parts = self._cut(bs)
         if views is not None:
-            return Batch(views, bs)
+            return Batch(_read_only(views), bs)
         return self._join(parts, bs)  # type: ignore[arg-type]
 
     def _cut(self, bs: int) -> tuple[tuple[np.ndarray, ...] | None, list[list[np.ndarray]] | None]:
@@ -242,7 +260,7 @@ class Rebatcher:
 
     def _join(self, parts: list[list[np.ndarray]], bs: int) -> Batch:
         if bs < self._big_at:
-            return Batch(tuple([np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)]), bs)
+            return Batch(_read_only(tuple([np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)])), bs)
         layout = []
         for p, ax in zip(parts, self.axes):
             shape = list(p[0].shape)
@@ -251,7 +269,7 @@ class Rebatcher:
         out = self._pool.batch(layout)
         for p, ax, o in zip(parts, self.axes, out):
             np.concatenate(p, axis=ax, out=o)
-        return Batch(tuple(out), bs)
+        return Batch(_read_only(tuple(out)), bs)
 
 
 class Cut(NamedTuple):
