@@ -313,3 +313,11 @@ def test_a_busy_metrics_port_is_named(capsys: pytest.CaptureFixture[str]) -> Non
         with pytest.raises(OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}") as info:
             start_http_server(port)
         assert info.value.errno is not None
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import blobfeed
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"blobfeed {blobfeed.__version__}\n"
+    assert "--version" in cli.USAGE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 USAGE = """usage: blobfeed COMMAND [options]
+       blobfeed --version
 
 commands:
   demo    score a real dataset with a real ONNX model, fed by blobfeed (no network)
@@ -13,10 +14,16 @@ commands:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``blobfeed`` command; returns its exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        import blobfeed
+
+        print(f"blobfeed {blobfeed.__version__}")
+        return 0
     command, rest = args[0], args[1:]
     if command == "demo":
         from .demo import main as demo_main
