@@ -321,3 +321,30 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"blobfeed {blobfeed.__version__}\n"
     assert "--version" in cli.USAGE
+
+
+def test_sigterm_mid_run_says_so_and_exits_as_ctrl_c_does() -> None:
+    """kill (or a container stop) during the run: a line on stderr, the
+    threads stopped, exit 143, no traceback (it died silently with 143)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "demo", "--passes", "100000", "--progress", "off"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        q = _lines(proc.stdout)  # type: ignore[arg-type]
+        seen: list[str] = []
+        _read_until(q, "metrics     ", seen, time.monotonic() + 45)  # the feed is wired, its handler set
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=15)
+        err = proc.stderr.read()  # type: ignore[union-attr]
+        assert rc == 143, (rc, "".join(seen), err)
+        assert "blobfeed demo: terminated (SIGTERM)" in err, err
+        assert "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()

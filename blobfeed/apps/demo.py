@@ -67,6 +67,25 @@ class DemoError(Exception):
     """A problem the user can fix (bad model, missing package, busy port); exit status 2."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during the run.  A KeyboardInterrupt, so that it stops the run
+    wherever it lands as Ctrl-C does (blobfeed lets one through ``run()``
+    and ``stop()`` still ends every thread); exit status 143 (128 + 15)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def _handle_sigterm() -> list[Any]:
+    """Make SIGTERM raise :class:`Terminated` in the main thread; returns the
+    handler to restore (a list of one), or an empty list where no handler can
+    be set (another thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    return [signal.signal(signal.SIGTERM, _on_sigterm)]
+
+
 # --------------------------------------------------------------------------- the data
 def decode_pixels(raw: np.ndarray) -> np.ndarray:
     """Images stored as uint8 intensities 0..16 -> float32 ``[n, 64]`` in [0, 1].
@@ -771,6 +790,9 @@ def main(argv: Sequence[str] | None = None, *, on_running: Callable[[str], None]
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     keep_serving: list[MetricsServer] = []
+    # An operator's SIGTERM (kill, a container stop) ends the run as Ctrl-C
+    # does: a line, the threads stopped, an exit status; not a silent death.
+    previous = _handle_sigterm()
     try:
         if args.model is not None:
             status = _run_model(args, on_running, keep_serving)
@@ -785,12 +807,18 @@ def main(argv: Sequence[str] | None = None, *, on_running: Callable[[str], None]
     except blobfeed.BlobfeedError as exc:
         print(f"blobfeed demo: the feed failed: {exc!r}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("blobfeed demo: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("blobfeed demo: interrupted", file=sys.stderr)
         return 130
     finally:
         for server in keep_serving:
             server.close()  # idempotent: closes it when the report itself failed
+        for handler in previous:
+            # None: the handler was not set from Python; the default is the nearest
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
 
 
 if __name__ == "__main__":
