@@ -14,10 +14,11 @@ from .coordinator import (
     init_data_input_workers,
     init_workers,
 )
-from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError
+from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
 from .net import Net, Workspace
 from .queues import BlobsQueue
+from .service import Attachment, FeedServer, attach_source, serve_source
 from .worker_info import WorkerInfo, get_worker_info
 
 # A library never configures logging; without this, Python's last-resort
@@ -28,6 +29,7 @@ _logging.getLogger("blobfeed").addHandler(_logging.NullHandler())
 __version__ = "0.1.0"
 
 __all__ = [
+    "Attachment",
     "BlobfeedError",
     "BlobsQueue",
     "ChunkError",
@@ -36,16 +38,20 @@ __all__ = [
     "EndOfEpoch",
     "EndOfInput",
     "FetcherBackend",
+    "FeedServer",
     "FetcherError",
     "GlobalCoordinator",
     "Net",
     "ProcessBackend",
+    "ServiceError",
     "ThreadBackend",
     "WorkerCoordinator",
     "WorkerInfo",
+    "attach_source",
     "Workspace",
     "get_worker_info",
     "global_coordinator",
     "init_data_input_workers",
     "init_workers",
+    "serve_source",
 ]

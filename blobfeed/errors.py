@@ -11,6 +11,9 @@
 * :class:`EndOfEpoch` -- an epoch of a source with ``epochs`` ended and
   another follows (a kind of :class:`EndOfInput`, so ``for out in net``
   runs one epoch).
+* :class:`ServiceError` -- the *feeding service* a consumer attached to
+  stopped, died or dropped the connection (a kind of :class:`FetcherError`:
+  the source failed for this consumer).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ __all__ = [
     "EndOfEpoch",
     "EndOfInput",
     "FetcherError",
+    "ServiceError",
 ]
 
 
@@ -65,3 +69,8 @@ class ChunkError(FetcherError, ValueError):
     The message names the source, the worker id, the blob and what was
     expected versus what came.
     """
+
+
+class ServiceError(FetcherError):
+    """The feeding service a consumer attached to (``attach_source``)
+    stopped, died or broke the protocol; the message names the service."""

@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 from socketserver import ThreadingMixIn
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
@@ -110,6 +110,10 @@ class _Collector:
         )
         iq_depth = GaugeMetricFamily("blobfeed_internal_queue_depth", "Chunks waiting in the internal queue.", labels=S)
         iq_cap = GaugeMetricFamily("blobfeed_internal_queue_capacity", "Bound of the internal queue, in chunks.", labels=S)
+        iq_bytes = GaugeMetricFamily(
+            "blobfeed_internal_queue_bytes",
+            "Bytes of the chunks waiting in the internal queue (max_buffered_bytes bounds them).", labels=S,
+        )
         dq_depth = GaugeMetricFamily("blobfeed_device_queue_depth", "Batches waiting for the net.", labels=SN)
         wait_s = HistogramMetricFamily(
             "blobfeed_dequeue_wait_seconds", "Time Net.run() waited for input.", labels=SN
@@ -179,6 +183,7 @@ class _Collector:
             if live is not None:
                 iq_depth.add_metric([name], live.queue_depth())
                 iq_cap.add_metric([name], live.queue_capacity())
+                iq_bytes.add_metric([name], live.queue_bytes())
                 alive.add_metric([name], live.workers_alive())
                 buffered.add_metric([name], live.buffered_samples())
                 depths: dict[str, int] = {}
@@ -191,7 +196,7 @@ class _Collector:
                 alive.add_metric([name], 0)
                 buffered.add_metric([name], 0)
         yield from (
-            chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap,
+            chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap, iq_bytes,
             dq_depth, wait_s, timeouts, alive, ips, delivered, dropped, skipped, buffered, deaths, transport,
         )
 
@@ -246,7 +251,11 @@ _SHUTDOWN_POLL_S = 0.02
 
 
 def start_http_server(
-    port: int, addr: str = "127.0.0.1", registry: CollectorRegistry | None = None
+    port: int,
+    addr: str = "127.0.0.1",
+    registry: CollectorRegistry | None = None,
+    *,
+    health: Callable[[], tuple[bool, str]] | None = None,
 ) -> MetricsServer:
     """Serve the metrics at ``http://addr:port/metrics`` from a daemon thread.
 
@@ -256,6 +265,8 @@ def start_http_server(
             explicitly to expose the metrics beyond this machine.
         registry: what to serve; default prometheus-client's default
             registry, where ``blobfeed.global_coordinator`` puts its metrics.
+        health: also serve ``/healthz``: 200 with the text while it returns
+            (True, text), 503 otherwise (a feeding service's liveness).
 
     Returns:
         A :class:`MetricsServer` with ``port``, ``url`` and ``close()``.
@@ -270,8 +281,11 @@ def start_http_server(
         # blobfeed.global_coordinator's registry
         registry = prometheus_client.REGISTRY
     server_class = _ThreadingWSGIServer6 if ":" in addr else _ThreadingWSGIServer
+    app = make_wsgi_app(registry)
+    if health is not None:
+        app = _with_health(app, health)
     try:
-        httpd = make_server(addr, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+        httpd = make_server(addr, port, app, server_class, handler_class=_QuietHandler)
     except OSError as exc:
         # the socket's own error says "Address already in use", not which address
         raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
@@ -283,3 +297,14 @@ def start_http_server(
     )
     thread.start()
     return MetricsServer(httpd, thread)
+
+
+def _with_health(app: Any, health: Callable[[], tuple[bool, str]]) -> Any:
+    def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO") == "/healthz":
+            ok, text = health()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [text.encode() + b"\n"]
+        return app(environ, start_response)
+
+    return wsgi

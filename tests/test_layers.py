@@ -37,6 +37,10 @@ LAYERS: dict[str, int] = {
     "blobfeed.coordinator.checkpoint": 10.3, "blobfeed.coordinator.lifecycle": 10.5,
     "blobfeed.coordinator.wiring": 10.6,
     "blobfeed.coordinator": 11,
+    # the feeding service: a source served to nets in other processes
+    "blobfeed.service.wire": 11.1, "blobfeed.service.slots": 11.2, "blobfeed.service.served": 11.3,
+    "blobfeed.service.connection": 11.4, "blobfeed.service.server": 11.5, "blobfeed.service.consumer": 11.5,
+    "blobfeed.service": 11.8,
     "blobfeed": 12,
     "blobfeed.ray": 13,
     # the applications (blobfeed.apps): one way among themselves too
@@ -50,7 +54,7 @@ LAYERS: dict[str, int] = {
 }
 APPS = {m for m in LAYERS if m == "blobfeed.apps" or m.startswith("blobfeed.apps.")}
 #: what an application may import of the package
-PUBLIC = {"blobfeed", "blobfeed.metrics", "blobfeed.ray"} | APPS
+PUBLIC = {"blobfeed", "blobfeed.metrics", "blobfeed.ray", "blobfeed.service"} | APPS
 
 
 def module_name(path: Path) -> str:

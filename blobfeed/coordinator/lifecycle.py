@@ -622,6 +622,9 @@ _STOP_ENTRIES = frozenset({
 #: The applications call stop() like any user: they hold no pipeline lock.
 #: Every module of ``blobfeed.apps`` is one; these are their former names.
 _APPLICATIONS = frozenset({"blobfeed.bench", "blobfeed.cli", "blobfeed.demo", "blobfeed.models"})
+#: The feeding service stops its own coordinator as a user would: from its
+#: server's stop() and monitor, never holding a lock of the pipeline.
+_SERVICE_STOPPERS = frozenset({"blobfeed.service.server", "blobfeed.service.served"})
 _APPS_PACKAGE = "blobfeed.apps"
 
 
@@ -629,7 +632,7 @@ def _is_core(module: str) -> bool:
     """Is ``module`` (a ``__name__``) the library's own code, where a thread
     may hold a pipeline lock?  By module name, not file name: file names
     differ from ``co_filename`` in pyc-only and frozen installs."""
-    if module in _APPLICATIONS or module == _APPS_PACKAGE or module.startswith(_APPS_PACKAGE + "."):
+    if module in _APPLICATIONS or module in _SERVICE_STOPPERS or module == _APPS_PACKAGE or module.startswith(_APPS_PACKAGE + "."):
         return False
     return module == "blobfeed" or module.startswith("blobfeed.")
 

@@ -63,6 +63,10 @@ class InputSource:
         batch_size: the first net's batch size (the source's own, when its
             dealer cuts batches once for every net).
         shuffle_rng: makes the shuffle buffer's generator, if there is one.
+        max_bytes: bytes of chunks its dealer may hold (``max_buffered_bytes``;
+            None: unbounded).
+        dealer: makes the source's dealer instead of ``dealing`` (called
+            with the source; a feeding service's consumer end).
 
     Thread-safe.
     """
@@ -79,15 +83,19 @@ class InputSource:
         dealing: DealingOptions = DealingOptions(),
         batch_size: int = 1,
         shuffle_rng: Callable[[], np.random.Generator] = np.random.default_rng,
+        max_bytes: int | None = None,
+        dealer: Callable[["InputSource"], Dealer] | None = None,
     ) -> None:
         self.name = name
         self._on_failure = on_failure
         self.dealing = dealing
-        self.dealer: Dealer = make_dealer(
+        # `dealer`: a dealer made elsewhere (a feeding service's consumer end)
+        self.dealer: Dealer = dealer(self) if dealer is not None else make_dealer(
             name, dealing, batch_size=batch_size, axes=axes, capacity=capacity,
             shuffle_rng=shuffle_rng, on_error=self.fail, on_error_in_order=self.fail_in_order,
-            on_dropped=lambda reason, n: hub.count_dropped(name, reason, n),
+            on_dropped=lambda reason, n: hub.count_dropped(name, reason, n), max_bytes=max_bytes,
         )
+        self.max_bytes = max_bytes
         self.n_blobs = n_blobs
         self.axes = tuple(axes)
         self.validator = ChunkValidator(name, [f"#{i}" for i in range(n_blobs)], axes)
@@ -174,6 +182,10 @@ class InputSource:
 
     def queue_capacity(self) -> int:
         return self.dealer.capacity
+
+    def queue_bytes(self) -> int:
+        """Bytes of the chunks waiting in the dealer (``max_buffered_bytes`` bounds them)."""
+        return self.dealer.queued_bytes()
 
     # -- ending --------------------------------------------------------------
     def fail(self, error: BaseException, *, in_order: bool = False) -> None:
@@ -361,13 +373,15 @@ class WorkerIntake:
         self._checked_at = src.checks_version
         stats.chunks += 1
         stats.samples += chunk.n
+        nbytes = 0
         for a in chunk.arrays:  # a loop, not sum(genexpr): no frame per chunk
-            stats.bytes += a.nbytes
+            nbytes += a.nbytes
+        stats.bytes += nbytes
         inflight = src.inflight
         inflight[self.worker_id] = chunk.n
         if state is not None:
             chunk = chunk._replace(state=state)
-        ok = self._put(chunk)
+        ok = self._put(chunk, nbytes)
         inflight[self.worker_id] = 0
         if not ok:
             stats.dropped[src.lost_reason] += chunk.n

@@ -1,0 +1,344 @@
+"""The service's end of one consumer: a handshake, then two threads.
+
+* the *receiver* (the thread that accepted the handshake) reads the
+  consumer's records: ``ack`` (its ``run()`` returned the next batch),
+  ``free`` (a slot's views died), ``state``, ``bye``;
+* the *sender* takes the consumer's next batch from its outlet, writes it
+  once into a free slot and sends a ``batch`` record.
+
+Anything off the socket is checked (:mod:`.wire`); a record that breaks the
+protocol ends the connection as if the consumer had left, and the service
+goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from ..feeders.chunks import EpochEnd
+from ..feeders.messages import align
+from .served import POLL_S, End, Item, IndexOutlet, ServedSource, SharedOutlet
+from .slots import SlotArea, batch_nbytes
+from .wire import PROTOCOL, Channel, WireError, check
+
+__all__ = ["Connection", "HANDSHAKE_S"]
+
+logger = logging.getLogger("blobfeed.service")
+
+#: seconds a peer has to say hello before it is dropped
+HANDSHAKE_S = 5.0
+
+
+class Refused(Exception):
+    """The consumer's hello does not fit the source (sent back as ``refused``)."""
+
+
+class Connection:
+    """One consumer connected to the service."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        number: int,
+        sources: Callable[[str], ServedSource | None],
+        state: Callable[[], dict[str, Any]],
+        service: str,
+    ) -> None:
+        self.number = number
+        self.channel = Channel(sock, f"connection {number}")
+        self.peer = self.channel.peer
+        self.label = str(number)
+        self._sources = sources
+        self._state = state
+        self._service = service
+        self._lock = threading.Lock()
+        #: what was sent and not acknowledged: (g, item, slot, meta), in order
+        self._inflight: collections.deque[tuple[int, Item, int, Any]] = collections.deque()
+        self._g = 0
+        self.closed = threading.Event()
+        self.source: ServedSource | None = None
+        self.outlet: IndexOutlet | SharedOutlet | None = None
+        self.area: SlotArea | None = None
+        self.sender: threading.Thread | None = None
+        #: set once the consumer was told the end (data done, failure, stop)
+        self._ended = False
+
+    # -- the receiver ------------------------------------------------------------------
+    def serve(self) -> None:
+        """Body of the receiver thread: handshake, then records until the consumer leaves."""
+        try:
+            if not self._handshake():
+                return
+            while not self.closed.is_set():
+                got = self.channel.recv()
+                if got is None:
+                    return
+                record, fds = got
+                for fd in fds:
+                    os.close(fd)  # a consumer never sends descriptors
+                if fds:
+                    raise WireError(f"{self.peer} sent descriptors")
+                self._handle(check(record, ("ack", "free", "state", "bye"), self.peer))
+        except WireError as err:
+            logger.warning("service: %s; connection closed", err)
+        except OSError as err:
+            if not self.closed.is_set():
+                logger.info("service: %s: %s", self.peer, err)
+        except Exception:
+            logger.exception("service: %s failed", self.peer)
+        finally:
+            self._leave()
+
+    def _handshake(self) -> bool:
+        self.channel.sock.settimeout(HANDSHAKE_S)
+        try:
+            got = self.channel.recv()
+        except (socket.timeout, TimeoutError):
+            logger.warning("service: %s said nothing within %.0f s; closed", self.peer, HANDSHAKE_S)
+            return False
+        if got is None:
+            return False
+        record, fds = got
+        for fd in fds:
+            os.close(fd)
+        hello = check(record, ("hello",), self.peer)
+        self.channel.sock.settimeout(None)
+        try:
+            source, outlet = self._admit(hello)
+        except Refused as err:
+            logger.warning("service: %s refused: %s", self.peer, err)
+            self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
+            return False
+        self.source, self.outlet = source, outlet
+        self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
+        self.peer = f"consumer {self.label} of source {source.name!r} (pid {hello['pid']})"
+        self.channel.peer = self.peer
+        # the slots are sized by the batches: wait for the first one
+        first = self._first_item()
+        slot_bytes = source.slot_bytes or 0
+        terms = source.terms
+        self.area = SlotArea(f"blobfeed-{source.name}-{self.label}", terms.slots, max(slot_bytes, 64))
+        try:
+            self.channel.send(
+                {"t": "welcome", "consumer": outlet.index if isinstance(outlet, IndexOutlet) else self.number,
+                 "slots": terms.slots, "slot_bytes": self.area.slot_bytes, "epoch": 0, "service": self._service},
+                fds=[self.area.fd],
+            )
+        finally:
+            self.area.close_fd()
+        logger.info("service: %s attached", self.peer)
+        self.sender = threading.Thread(
+            target=self._send_loop, args=(first,), name=f"blobfeed-service-send-{self.number}", daemon=True
+        )
+        self.sender.start()
+        return True
+
+    def _admit(self, hello: dict[str, Any]) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
+        if hello["protocol"] != PROTOCOL:
+            raise Refused(f"protocol {hello['protocol']} (this service speaks {PROTOCOL}): upgrade blobfeed on one side")
+        source = self._sources(hello["source"])
+        if source is None:
+            raise Refused(f"this service has no source {hello['source']!r}")
+        t = source.terms
+        blobs = hello["blobs"]
+        if blobs != list(t.blob_names):
+            raise Refused(
+                f"source {t.name!r} carries blobs {list(t.blob_names)}; the consumer asked for {blobs!r}"
+            )
+        if hello["batch_size"] != t.batch_size:
+            raise Refused(
+                f"source {t.name!r} is served in batches of {t.batch_size}; the consumer asked for "
+                f"batch_size={hello['batch_size']}"
+            )
+        num, index = hello["num"], hello["index"]
+        if t.num_consumers is None:
+            if num is not None or index is not None:
+                raise Refused(
+                    f"source {t.name!r} is served first come, first served (no num_consumers); the consumer "
+                    f"asked for consumer_index={index}, num_consumers={num}: serve the source with "
+                    "num_consumers=N to deal it by index"
+                )
+        else:
+            if num is not None and num != t.num_consumers:
+                raise Refused(
+                    f"source {t.name!r} is dealt to {t.num_consumers} consumers; the consumer asked for "
+                    f"num_consumers={num}"
+                )
+            if index is not None and not 0 <= index < t.num_consumers:
+                raise Refused(
+                    f"source {t.name!r} is dealt to {t.num_consumers} consumers (indexes 0 to "
+                    f"{t.num_consumers - 1}); the consumer asked for consumer_index={index}"
+                )
+        if source.error is not None:
+            raise Refused(f"source {t.name!r} failed: {source.error}")
+        try:
+            return source, source.claim(self, index)
+        except ValueError as err:
+            raise Refused(str(err)) from None
+
+    def _first_item(self) -> Item | End | None:
+        """The consumer's first item, taken before the slots are made when
+        the batch layout is not known yet (it sizes them)."""
+        source, outlet = self.source, self.outlet
+        assert source is not None and outlet is not None
+        if source.slot_bytes is not None:
+            return None
+        deadline = time.monotonic() + source.terms.grace_period
+        while not self.closed.is_set() and time.monotonic() < deadline:
+            item = outlet.next(self, POLL_S)
+            if item is None:
+                continue
+            if isinstance(item, Item) and type(item.batch) is not EpochEnd and not item.drop:
+                b = item.batch
+                # a whole batch, whatever this one holds (an epoch's last may be smaller)
+                full = sum(align(a.nbytes // b.n * source.terms.batch_size) for a in b.arrays)
+                source.slot_bytes = max(full, batch_nbytes(b.arrays))
+            return item
+        return None
+
+    def _handle(self, record: dict[str, Any]) -> None:
+        kind = record["t"]
+        if kind == "ack":
+            self._ack(record["g"])
+        elif kind == "free":
+            assert self.area is not None
+            self.area.give_back(record["slot"], self.peer)
+        elif kind == "state":
+            try:
+                reply = {"t": "state_is", "state": self._state(), "error": None}
+            except (ValueError, RuntimeError) as err:
+                reply = {"t": "state_is", "state": None, "error": str(err)}
+            self.channel.send(reply)
+        elif kind == "bye":
+            self.closed.set()
+
+    def _ack(self, g: int) -> None:
+        assert self.source is not None and self.outlet is not None
+        with self._lock:
+            if not self._inflight or self._inflight[0][0] != g:
+                head = self._inflight[0][0] if self._inflight else None
+                raise WireError(f"{self.peer} acknowledged item {g}; its next unacknowledged item is {head}")
+            _, item, _, _ = self._inflight.popleft()
+            self.outlet.acked(item)
+            if type(item.batch) is not EpochEnd:
+                self.source.counts.acknowledged[self.label] += 1
+            self._settle_dropped()
+
+    def _settle_dropped(self) -> None:
+        """Batches dropped for equal shares go past the stream in their turn (under the lock)."""
+        assert self.outlet is not None
+        while self._inflight and self._inflight[0][1].drop:
+            _, item, _, _ = self._inflight.popleft()
+            self.outlet.acked(item)
+
+    # -- the sender --------------------------------------------------------------------
+    def _send_loop(self, first: Item | End | None) -> None:
+        source, outlet, area = self.source, self.outlet, self.area
+        assert source is not None and outlet is not None and area is not None
+        pending: Item | End | None = first
+        counts = source.counts
+        try:
+            while not self.closed.is_set():
+                if pending is None:
+                    t0 = time.perf_counter()
+                    pending = outlet.next(self, POLL_S)
+                    counts.waited[self.label] += time.perf_counter() - t0
+                    if pending is None:
+                        continue
+                item, pending = pending, None
+                if isinstance(item, End):
+                    # the connection stays: the consumer still acknowledges
+                    # what it has, and leaves when it is done
+                    self._end(item)
+                    return
+                if item.drop:
+                    with self._lock:
+                        self._inflight.append((-1, item, -1, None))
+                        self._settle_dropped()
+                    continue
+                g = self._g
+                self._g += 1
+                if type(item.batch) is EpochEnd:
+                    with self._lock:
+                        self._inflight.append((g, item, -1, None))
+                    self.channel.send(
+                        {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
+                    )
+                    continue
+                slot = None
+                while slot is None and not self.closed.is_set():
+                    slot = area.take(POLL_S)
+                if slot is None:
+                    self._unsent(item)
+                    return
+                meta = area.write(slot, item.batch.arrays)
+                with self._lock:
+                    self._inflight.append((g, item, slot, meta))
+                self.channel.send({"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta})
+                counts.delivered[self.label] += 1
+        except OSError as err:
+            if not self.closed.is_set():
+                logger.info("service: sending to %s failed: %s", self.peer, err)
+            self.close()  # the consumer is gone for us: wake the receiver
+        except Exception:
+            logger.exception("service: sender of %s failed", self.peer)
+            self.close()
+
+    def _unsent(self, item: Item) -> None:
+        """An item taken for the consumer that never reached it: it counts as unacknowledged."""
+        with self._lock:
+            self._inflight.append((-2, item, -1, None))
+
+    def _end(self, end: End) -> None:
+        err = end.error
+        if err is None:
+            record = {"t": "end", "error": None, "kind": "end"}
+        else:
+            kind = "fetcher" if not getattr(err, "service_stop", False) else "stopped"
+            record = {"t": "end", "error": str(err), "kind": kind}
+        self._ended = True
+        self.channel.send(record)
+
+    def tell_stopped(self, reason: str) -> None:
+        """The service stops: tell the consumer (best effort), then close."""
+        if not self._ended:
+            self._ended = True
+            try:
+                self.channel.send({"t": "end", "error": reason, "kind": "stopped"})
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        self.closed.set()
+        try:
+            self.channel.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self.area is not None:
+            self.area.close()
+
+    # -- leaving -----------------------------------------------------------------------
+    def _leave(self) -> None:
+        self.close()
+        if self.sender is not None and self.sender is not threading.current_thread():
+            self.sender.join(timeout=10.0)
+        source, outlet, area = self.source, self.outlet, self.area
+        if source is not None and outlet is not None:
+            with self._lock:
+                unacked = []
+                for g, item, slot, meta in self._inflight:
+                    if slot >= 0 and area is not None:
+                        # its bytes stay where they are: the old mapping lives on in these views
+                        item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))
+                    unacked.append(item)
+                self._inflight.clear()
+            source.release(self, outlet, unacked)
+            logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
+        self.channel.sock.close()

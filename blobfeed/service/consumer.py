@@ -1,0 +1,382 @@
+"""The consumer's end of a served source: one more reader of a source.
+
+``attach_source`` connects a net to a source a :class:`FeedServer` serves.
+The net gets a feed as it would from a local source; only its dealer is
+remote: a receiver thread puts the batches the service sends (views of the
+shared slots, read-only) into the dealer's queue, and the reader tells the
+service each batch ``run()`` returned (``ack``).  So ``net.run()``,
+``for out in net``, ``EndOfEpoch``, ``EndOfInput``, timeouts and errors
+behave as with a local source.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+from ..arguments import check_index, check_timeout
+from ..errors import EndOfInput, FetcherError, ServiceError
+from ..feeders import Feed
+from ..feeders.chunks import Chunk, EpochEnd
+from ..feeders.dealing import ArrivalDealer
+from ..feeders.source import InputSource
+from ..net import Net
+from .slots import ConsumerMapping
+from .wire import PROTOCOL, Channel, WireError, check
+
+__all__ = ["Attachment", "attach_source"]
+
+logger = logging.getLogger("blobfeed.service")
+
+#: the environment variable :func:`attach_source` reads the address from
+ADDRESS_ENV = "BLOBFEED_SERVICE"
+
+
+class _RemoteReader:
+    """The net's end: the queue's methods, and acknowledgements to the service."""
+
+    def __init__(self, dealer: "RemoteDealer") -> None:
+        q = dealer.queue
+        self.get_nowait = q.get_nowait
+        self.wait_for_item = q.wait_for_item
+        self.qsize = q.qsize
+        self._dealer = dealer
+
+    def returned(self) -> None:
+        self._dealer.ack()
+
+    def epoch_returned(self, dropped: int = 0) -> None:
+        self._dealer.ack()
+
+
+class RemoteDealer(ArrivalDealer):
+    """A source's dealer whose worker is the service: one queue, filled by
+    the receiver thread, read by one net."""
+
+    def __init__(self, source: str, capacity: int, fail: Any, send_ack: Any) -> None:
+        super().__init__(source, capacity, fail)
+        #: the service's numbers of the items queued for the net, in order
+        self.numbers: collections.deque[int] = collections.deque()
+        self._send_ack = send_ack
+
+    def add_net(self) -> _RemoteReader:  # type: ignore[override]
+        return _RemoteReader(self)
+
+    def ack(self) -> None:
+        try:
+            g = self.numbers.popleft()
+        except IndexError:
+            return
+        self._send_ack(g)
+
+
+class Attachment:
+    """A net attached to a served source (what :func:`attach_source` returns).
+
+    ``stop()`` (or leaving a ``with`` block) detaches: the service takes
+    back what this consumer had not acknowledged.
+    """
+
+    def __init__(
+        self,
+        net: Net,
+        names: list[str],
+        batch_size: int,
+        source_name: str,
+        address: str,
+        index: int | None,
+        num: int | None,
+        timeout: float,
+        connect_timeout: float,
+        coordinator: Any,
+    ) -> None:
+        from ..coordinator import global_coordinator
+
+        gc = coordinator if coordinator is not None else global_coordinator
+        self.address = address
+        self.source_name = source_name
+        self._service = f"service at {address}"
+        net._check_attach(source_name, names)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(connect_timeout)
+        try:
+            sock.connect(address)
+        except OSError as err:
+            sock.close()
+            raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
+        self._channel = Channel(sock, self._service)
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._stopped = threading.Event()
+        self._state_replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        #: weakrefs of batches whose views all died (put by their callbacks: C code)
+        self._freed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        try:
+            self._send({
+                "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names,
+                "batch_size": batch_size, "index": index, "num": num, "pid": os.getpid(),
+            })
+            welcome, fds = self._welcome()
+            sock.settimeout(None)
+            try:
+                self._mapping = ConsumerMapping(fds[0], welcome["slots"], welcome["slot_bytes"], self._freed.put)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except BaseException:
+            self._channel.close()
+            raise
+        self.consumer = welcome["consumer"]
+        self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
+        self.source = InputSource(
+            source_name, welcome["slots"] + 1, len(names), [0] * len(names), gc._hub,
+            dealer=lambda src: RemoteDealer(source_name, welcome["slots"] + 1, src.fail, self._ack),
+        )
+        self.dealer: RemoteDealer = self.source.dealer  # type: ignore[assignment]
+        self.feed = Feed(
+            self.source, net.name, net._place, names, batch_size, timeout=timeout, device_queue_capacity=1,
+            dont_rebatch=True, drop_last=False, hub=gc._hub, model_inputs=net.input_specs,
+        )
+        net._attach(self.feed)
+        self.source.add_feed(self.feed)
+        self.feed.mark_started()
+        self._threads = [
+            threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
+            threading.Thread(target=self._return_slots, name=f"blobfeed-attach-slots-{source_name}", daemon=True),
+            threading.Thread(target=self.feed.run, name=f"blobfeed-attach-enqueue-{source_name}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        logger.info("attached to %s", self._service)
+
+    def _send(self, record: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._channel.send(record)
+
+    def _welcome(self) -> tuple[dict[str, Any], list[int]]:
+        try:
+            got = self._channel.recv()
+        except (socket.timeout, TimeoutError):
+            raise ServiceError(f"{self._service} did not answer the attach of source {self.source_name!r}") from None
+        if got is None:
+            raise ServiceError(f"{self._service} closed the connection while attaching source {self.source_name!r}")
+        record, fds = got
+        try:
+            record = check(record, ("welcome", "refused"), self._service)
+            if record["t"] == "refused":
+                raise ValueError(f"{self._service} refused the attach: {record['error']}")
+            if len(fds) != 1:
+                raise WireError(f"{self._service} sent {len(fds)} descriptors with its welcome, not 1")
+            if not (3 <= record["slots"] <= 1024 and 64 <= record["slot_bytes"] <= 1 << 40):
+                raise WireError(f"{self._service} offered {record['slots']} slots of {record['slot_bytes']} bytes")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return record, fds
+
+    def _ack(self, g: int) -> None:
+        if self._closed:
+            return
+        try:
+            self._send({"t": "ack", "g": g})
+        except OSError:
+            pass  # the receiver reports the service's end
+
+    # -- threads -----------------------------------------------------------------------
+    def _receive(self) -> None:
+        dealer, mapping = self.dealer, self._mapping
+        put = dealer.sink(0)
+        seq = 0
+        try:
+            while True:
+                got = self._channel.recv()
+                if got is None:
+                    raise ServiceError(f"{self._service} closed the connection (it stopped or died)")
+                record, fds = got
+                for fd in fds:
+                    os.close(fd)
+                record = check(record, ("batch", "epoch_end", "end", "state_is"), self._service)
+                kind = record["t"]
+                if kind == "batch":
+                    n = record["n"]
+                    if not 0 < n < 1 << 40:
+                        raise WireError(f"{self._service} sent a batch of {n} samples")
+                    arrays = mapping.views(record["slot"], n, record["arrays"], self._service)
+                    dealer.numbers.append(record["g"])
+                    if not put(Chunk(arrays, n, 0, seq)):
+                        return
+                    seq += 1
+                elif kind == "epoch_end":
+                    dealer.numbers.append(record["g"])
+                    if not put(EpochEnd(record["epoch"], dropped=record["dropped"])):  # type: ignore[arg-type]
+                        return
+                elif kind == "state_is":
+                    self._state_replies.put(record)
+                else:  # end
+                    self._ended(record)
+                    return
+        except (WireError, ServiceError, OSError) as err:
+            if self._closed:
+                return
+            error = err if isinstance(err, ServiceError) else ServiceError(f"{self._service}: {err}")
+            if error is not err:
+                error.__cause__ = err
+            self.source.fail(error)
+        except Exception as exc:
+            logger.exception("receiver of %s failed", self._service)
+            error = ServiceError(f"{self._service}: the receiver failed: {exc!r}")
+            error.__cause__ = exc
+            self.source.fail(error)
+        finally:
+            self._state_replies.put({"t": "state_is", "state": None, "error": f"{self._service} is gone"})
+
+    def _ended(self, record: dict[str, Any]) -> None:
+        kind, text = record["kind"], record["error"]
+        if kind == "end" and text is None:
+            self.dealer.end_of_input()  # what is queued, then EndOfInput
+        elif kind == "fetcher":
+            # the stream reached an error of the service's workers: what came
+            # before it is still handed out, then the error
+            err = FetcherError(f"{self._service}: {text}")
+            self.dealer.queue.close(err, after_items=True)
+        else:
+            self.source.fail(ServiceError(f"{self._service}: {text}"))
+
+    def _return_slots(self) -> None:
+        get, mapping = self._freed.get, self._mapping
+        while True:
+            ref = get()
+            if ref is None:
+                return
+            slot = mapping.freed(ref)
+            if slot is None or self._closed:
+                continue
+            try:
+                self._send({"t": "free", "slot": slot})
+            except OSError:
+                pass
+
+    # -- the user's side ---------------------------------------------------------------
+    def state_dict(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The service's state (every source's position, as of what its
+        consumers acknowledged), asked of the service.
+
+        Raises:
+            ValueError: the service's source is not resumable.
+            ServiceError: the service is gone or did not answer in ``timeout``.
+        """
+        try:
+            self._send({"t": "state"})
+        except OSError as err:
+            raise ServiceError(f"{self._service} is gone: {err}") from err
+        try:
+            reply = self._state_replies.get(timeout=timeout)
+        except queue.Empty:
+            raise ServiceError(f"{self._service} did not answer for its state within {timeout} s") from None
+        if reply["error"] is not None:
+            raise ValueError(reply["error"])
+        return reply["state"]
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Detach: the service takes back what was not acknowledged.  Idempotent.
+        Returns True when this attachment's threads ended."""
+        if self._closed:
+            return True
+        try:
+            self._send({"t": "bye"})
+        except OSError:
+            pass
+        self._closed = True
+        self.source.stop()
+        self._channel.close()
+        self._freed.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.feed.release_net()
+        return not any(t.is_alive() for t in self._threads)
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<Attachment {self._service}>"
+
+
+def attach_source(
+    net: Net,
+    input_blob_names: Sequence[str],
+    batch_size: int,
+    input_source_name: str = "train",
+    address: str | os.PathLike[str] | None = None,
+    *,
+    consumer_index: int | None = None,
+    num_consumers: int | None = None,
+    timeout: float = 600.0,
+    connect_timeout: float = 30.0,
+    coordinator: Any = None,
+) -> Attachment:
+    """Feed ``net`` from source ``input_source_name`` of a feeding service.
+
+    The net then runs as if the source were local: ``net.run()``,
+    ``for out in net``, ``EndOfEpoch``/``EndOfInput``, ``timeout`` and
+    errors with their cause.  Each batch reaches exactly one consumer.
+
+    Args:
+        net: the net to feed.
+        input_blob_names: the blobs, as the service serves them (same names, same order).
+        batch_size: must equal the service's batch size for the source.
+        input_source_name: the served source.
+        address: the service's socket path; default ``$BLOBFEED_SERVICE``.
+        consumer_index: this consumer's index (its rank), for a source the
+            service deals by index (``num_consumers``); None: the lowest free one.
+        num_consumers: if given, checked against the service's.
+        timeout: seconds ``run()`` waits for a batch (as ``init_data_input_workers``).
+        connect_timeout: seconds to wait for the service to accept.
+        coordinator: whose metrics registry counts this feed (default the global one).
+
+    Returns:
+        An :class:`Attachment`: ``stop()`` detaches; ``state_dict()`` asks the service.
+
+    Raises:
+        ValueError: bad arguments, or the service refused them (another
+            batch size, blob layout, num_consumers, an index taken).
+        ServiceError: no service at ``address``, or it did not answer.
+    """
+    if address is None:
+        address = os.environ.get(ADDRESS_ENV)
+        if not address:
+            raise ValueError(f"attach_source: no address given and ${ADDRESS_ENV} is not set")
+    address = os.fspath(address)
+    if address.startswith("unix:"):
+        address = address[5:]
+    if not isinstance(net, Net):
+        raise TypeError(f"net must be a blobfeed.Net, got {type(net).__name__}")
+    names = list(input_blob_names)
+    if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"input_blob_names must be distinct non-empty str, got {names!r}")
+    batch_size = check_index("batch_size", batch_size)
+    if not isinstance(input_source_name, str) or not input_source_name:
+        raise ValueError(f"input_source_name must be a non-empty str, got {input_source_name!r}")
+    if num_consumers is not None:
+        num_consumers = check_index("num_consumers", num_consumers)
+    if consumer_index is not None:
+        consumer_index = check_index("consumer_index", consumer_index, minimum=0)
+        if num_consumers is not None and consumer_index >= num_consumers:
+            raise ValueError(f"consumer_index={consumer_index} is not below num_consumers={num_consumers}")
+    timeout = check_timeout("timeout", timeout)
+    connect_timeout = check_timeout("connect_timeout", connect_timeout)
+    return Attachment(
+        net, names, batch_size, input_source_name, address, consumer_index, num_consumers,
+        timeout, connect_timeout, coordinator,
+    )

@@ -1,0 +1,433 @@
+"""One source served to consumers in other processes.
+
+The source is wired as it would be in one process, by
+``init_data_input_workers`` on a coordinator of the service's own, into
+nets that only dequeue: one per consumer index when the source is dealt by
+index (``num_consumers=n``: the dealer gives batch *i* to net *i mod n*,
+exactly as it does for *n* nets in one process), else one net whose batches
+go to whichever consumer is ready first.  A consumer connection takes its
+batches from its *outlet* (:class:`IndexOutlet`, :class:`SharedOutlet`) and
+acknowledges each one when its ``run()`` returned it; only then is the
+inner net told it returned the batch, so the source's position (its
+``state_dict``) is always as of what consumers acknowledged.
+
+What a consumer that leaves had not acknowledged is never lost: dealt by
+index, it is kept for the next consumer of that index (which must come
+within ``grace_period``, else the source fails naming it); first come, it
+goes to the other consumers first (re-dealt).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..errors import DequeueTimeout, EndOfInput, FetcherError
+from ..feeders.chunks import Batch, EpochEnd
+
+if TYPE_CHECKING:
+    from ..coordinator import GlobalCoordinator
+    from ..feeders import Feed
+
+__all__ = ["End", "IndexOutlet", "Item", "ServedSource", "SharedOutlet", "SourceTerms"]
+
+logger = logging.getLogger("blobfeed.service")
+
+#: how long an outlet waits for its feed before looking at its connection again
+POLL_S = 0.1
+
+
+class End(NamedTuple):
+    """The source ended (``error`` None: its data is done) or failed."""
+
+    error: BaseException | None
+
+
+class Item(NamedTuple):
+    """A batch or an epoch's end on its way to a consumer.
+
+    ``s``: its place in the inner net's stream (what acknowledging it
+    moves past); ``batch``: a :class:`Batch` or an :class:`EpochEnd`.
+    """
+
+    s: int
+    batch: Any
+    #: a batch of an incomplete last round (``equal=True``): never sent,
+    #: acknowledged to the stream in its turn
+    drop: bool = False
+
+
+class SourceTerms(NamedTuple):
+    """What a consumer must agree with to attach (checked at ``hello``)."""
+
+    name: str
+    blob_names: tuple[str, ...]
+    batch_size: int
+    num_consumers: int | None
+    equal: bool
+    grace_period: float
+    slots: int
+
+
+class _Counts:
+    """Per consumer label: batches delivered / acknowledged / re-dealt, seconds waited."""
+
+    def __init__(self) -> None:
+        self.delivered: collections.Counter[str] = collections.Counter()
+        self.acknowledged: collections.Counter[str] = collections.Counter()
+        self.redealt: collections.Counter[str] = collections.Counter()
+        self.waited: collections.Counter[str] = collections.Counter()
+        self.dropped_equal = 0
+
+
+class IndexOutlet:
+    """The batches of one consumer index: its inner net's feed, and what an
+    earlier consumer of that index left unacknowledged (sent again first)."""
+
+    def __init__(self, source: "ServedSource", index: int, feed: "Feed") -> None:
+        self.source = source
+        self.index = index
+        self.feed = feed
+        self.label = str(index)
+        #: what the last consumer of this index left unacknowledged, in order
+        self.redo: collections.deque[Item] = collections.deque()
+        self._s = 0
+        #: the connection that has this index now, if any
+        self.holder: Any = None
+        #: when it was left without a holder (monotonic), None while held
+        self.left_at: float | None = time.monotonic()
+        #: a consumer attached to it once (the grace period counts from its leaving)
+        self.attached_once = False
+
+    def next(self, conn: Any, timeout: float) -> Item | End | None:
+        src = self.source
+        if self.redo:
+            return self.redo.popleft()
+        if src.error is not None:
+            return End(src.error)
+        item = src.equalizer.next(self, timeout) if src.equalizer is not None else self._take(timeout)
+        return item
+
+    def _take(self, timeout: float) -> Item | End | None:
+        try:
+            batch = self.feed.dequeue(timeout)
+        except (DequeueTimeout, TimeoutError):
+            return None
+        except FetcherError as err:
+            return End(err)
+        except EndOfInput as end:
+            return End(self.source.error if self.source.error is not None else None if not self.source.stopped else end)
+        item = Item(self._s, batch)
+        self._s += 1
+        return item
+
+    def acked(self, item: Item) -> None:
+        """A consumer's ``run()`` returned ``item``: the inner net moves past it."""
+        self.feed.delivered(item.batch)
+
+    def left(self, unacked: list[Item]) -> None:
+        """The consumer that held this index left with ``unacked`` items."""
+        self.redo.extendleft(reversed(unacked))
+        self.holder = None
+        self.left_at = time.monotonic()
+
+
+class SharedOutlet:
+    """First come, first served: one inner net, whose batches go to whichever
+    consumer is ready; what a leaving consumer had not acknowledged goes to
+    the others first.  Epoch ends go to every connected consumer."""
+
+    def __init__(self, source: "ServedSource", feed: "Feed", skip: set[int]) -> None:
+        self.source = source
+        self.feed = feed
+        self._lock = threading.Lock()
+        self.redeal: collections.deque[Item] = collections.deque()
+        #: per connection, epoch ends it is owed
+        self.owed: dict[Any, collections.deque[Item]] = {}
+        self._s = 0
+        #: items acknowledged past the prefix (their s); the prefix: every s below is acknowledged
+        self._acked: set[int] = set()
+        self.prefix = 0
+        #: items the inner stream holds before the prefix that a resumed run must skip
+        self.skip = skip
+        self._items: dict[int, Any] = {}
+
+    def join(self, conn: Any) -> None:
+        with self._lock:
+            self.owed[conn] = collections.deque()
+
+    def next(self, conn: Any, timeout: float) -> Item | End | None:
+        src = self.source
+        with self._lock:
+            owed = self.owed.get(conn)
+            if owed:
+                return owed.popleft()
+            if self.redeal:
+                item = self.redeal.popleft()
+                src.counts.redealt[conn.label] += 1
+                return item
+        if src.error is not None:
+            return End(src.error)
+        # one taker at a time: what a consumer takes, and the epoch ends it
+        # hands every other consumer, must be in stream order
+        with self._lock:
+            try:
+                batch = self.feed.dequeue(timeout)
+            except (DequeueTimeout, TimeoutError):
+                return None
+            except FetcherError as err:
+                return End(err)
+            except EndOfInput as end:
+                return End(src.error if src.error is not None else None if not src.stopped else end)
+            s = self._s
+            self._s += 1
+            self._items[s] = batch
+            if s in self.skip:
+                # acknowledged before a resume: not dealt again
+                self.skip.discard(s)
+                self._ack(s)
+                src.hub.count_dropped(src.name, "resume", getattr(batch, "n", 0))
+                return None
+            if type(batch) is EpochEnd:
+                # every consumer is told; the stream moves past it at once
+                for other, queue in self.owed.items():
+                    if other is not conn:
+                        queue.append(Item(-1, batch))
+                self._ack(s)
+                return Item(-1, batch)
+            return Item(s, batch)
+
+    def acked(self, item: Item) -> None:
+        if item.s < 0:
+            return  # an epoch end told to one consumer: the stream passed it
+        with self._lock:
+            self._ack(item.s)
+
+    def _ack(self, s: int) -> None:
+        self._acked.add(s)
+        while self.prefix in self._acked:
+            self._acked.discard(self.prefix)
+            batch = self._items.pop(self.prefix)
+            self.feed.delivered(batch if type(batch) is EpochEnd else Batch((), batch.n))
+            self.prefix += 1
+
+    def left(self, conn: Any, unacked: list[Item]) -> None:
+        with self._lock:
+            self.owed.pop(conn, None)
+            batches = [i for i in unacked if i.s >= 0]
+            self.redeal.extendleft(reversed(batches))
+
+    def acked_after(self) -> list[int]:
+        """Items acknowledged past the prefix (relative to it), for a state."""
+        with self._lock:
+            return sorted(s - self.prefix for s in self._acked)
+
+
+class ServedSource:
+    """A source wired on the service's coordinator, and its outlets."""
+
+    def __init__(
+        self,
+        terms: SourceTerms,
+        coordinator: "GlobalCoordinator",
+        feeds: list["Feed"],
+        hub: Any,
+    ) -> None:
+        self.terms = terms
+        self.name = terms.name
+        self.coordinator = coordinator
+        self.hub = hub
+        self.counts = _Counts()
+        self.error: BaseException | None = None
+        self.stopped = False
+        self._lock = threading.Lock()
+        self.feeds = feeds
+        #: the batch layout, known from the first batch (sizes the slots)
+        self.slot_bytes: int | None = None
+        self.connected = 0
+        self.equalizer: Equalizer | None = None
+        if terms.num_consumers is not None:
+            self.outlets: list[IndexOutlet] = [IndexOutlet(self, i, f) for i, f in enumerate(feeds)]
+            self.shared: SharedOutlet | None = None
+            if terms.equal:
+                self.equalizer = Equalizer(self, len(feeds))
+        else:
+            self.outlets = []
+            self.shared = SharedOutlet(self, feeds[0], set())
+
+    # -- attach ----------------------------------------------------------------------
+    def claim(self, conn: Any, index: int | None) -> IndexOutlet | SharedOutlet:
+        """The outlet ``conn`` takes its batches from.
+
+        Raises:
+            ValueError: the index is taken, or out of range.
+        """
+        with self._lock:
+            if self.shared is not None:
+                self.shared.join(conn)
+                self.connected += 1
+                return self.shared
+            if index is None:
+                free = [o for o in self.outlets if o.holder is None]
+                if not free:
+                    raise ValueError(
+                        f"source {self.name!r}: all {len(self.outlets)} consumer indexes are attached"
+                    )
+                outlet = free[0]
+            else:
+                outlet = self.outlets[index]
+                if outlet.holder is not None:
+                    raise ValueError(
+                        f"source {self.name!r}: consumer index {index} is attached already "
+                        f"({outlet.holder.peer}); each index attaches once"
+                    )
+            outlet.holder = conn
+            outlet.left_at = None
+            outlet.attached_once = True
+            self.connected += 1
+            return outlet
+
+    def release(self, conn: Any, outlet: IndexOutlet | SharedOutlet, unacked: list[Item]) -> None:
+        """``conn`` left; ``unacked``: what it had not acknowledged, in order."""
+        with self._lock:
+            self.connected -= 1
+            if isinstance(outlet, SharedOutlet):
+                outlet.left(conn, unacked)
+                if unacked:
+                    logger.warning(
+                        "source %r: consumer %s left with %d batches unacknowledged: dealt to the others",
+                        self.name, conn.label, sum(1 for i in unacked if i.s >= 0),
+                    )
+            else:
+                outlet.left(unacked)
+                if unacked and self.error is None and not self.stopped:
+                    logger.warning(
+                        "source %r: consumer %d left with %d items unacknowledged: kept for its "
+                        "return (within %.3g s)", self.name, outlet.index, len(unacked), self.terms.grace_period,
+                    )
+
+    def check_grace(self) -> None:
+        """Fail the source if a consumer index has been away longer than the grace period."""
+        if self.error is not None or self.stopped or not self.outlets:
+            return
+        now = time.monotonic()
+        for o in self.outlets:
+            if o.holder is None and o.left_at is not None and o.attached_once and now - o.left_at > self.terms.grace_period:
+                self.fail(FetcherError(
+                    f"source {self.name!r}: consumer {o.index} left and did not come back within "
+                    f"{self.terms.grace_period:.3g} s (grace_period); its batches cannot go to another "
+                    "consumer when the source is dealt by index"
+                ))
+                return
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+        logger.error("%s", error)
+        self.coordinator.request_stop()
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        inner = self.coordinator.state_dict(self.name)
+        state: dict[str, Any] = {"service_version": 1, "source": self.name, "inner": inner}
+        if self.shared is not None:
+            state["acked_after"] = self.shared.acked_after()
+        return state
+
+
+class Equalizer:
+    """``equal=True`` for a source dealt by index: consumer *k*'s *r*-th batch
+    of an epoch goes out only once every consumer's feed has given its
+    *r*-th batch of that epoch; a round that some consumer has no batch for
+    (the epoch's last, incomplete one) is dropped and counted, so every
+    consumer gets the same number of batches per epoch."""
+
+    def __init__(self, source: ServedSource, n: int) -> None:
+        self.source = source
+        self.n = n
+        self._cond = threading.Condition()
+        #: per outlet: the items taken from its feed and not yet sent
+        self._ahead: list[collections.deque[Item]] = [collections.deque() for _ in range(n)]
+        #: per outlet: the epoch of its next item
+        self._epoch = [0] * n
+        #: per outlet: batches of its current epoch sent or dropped
+        self._passed = [0] * n
+        #: per epoch, per outlet: batches taken from its feed; whether its end was
+        self._taken: dict[int, list[int]] = collections.defaultdict(lambda: [0] * n)
+        self._ended: dict[int, list[bool]] = collections.defaultdict(lambda: [False] * n)
+        #: per outlet: the epoch of the next item taken from its feed
+        self._feed_epoch = [0] * n
+        self._taking = [False] * n
+
+    def next(self, outlet: IndexOutlet, timeout: float) -> Item | End | None:
+        k = outlet.index
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = self._ready(k)
+                if got is not None:
+                    return got
+                if not self._taking[k] and len(self._ahead[k]) < 2:
+                    self._taking[k] = True
+                    self._cond.release()
+                    try:
+                        item = outlet._take(min(POLL_S, max(deadline - time.monotonic(), 0.001)))
+                    finally:
+                        self._cond.acquire()
+                        self._taking[k] = False
+                    if isinstance(item, End):
+                        return item
+                    if item is not None:
+                        e = self._feed_epoch[k]
+                        if type(item.batch) is EpochEnd:
+                            self._ended[e][k] = True
+                            self._feed_epoch[k] = e + 1
+                        else:
+                            self._taken[e][k] += 1
+                        self._ahead[k].append(item)
+                        self._cond.notify_all()
+                        continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, POLL_S))
+
+    def _ready(self, k: int) -> Item | None:
+        """Outlet ``k``'s next item, if it may go out now (under the lock);
+        drops its head when that is a batch of an incomplete round."""
+        q = self._ahead[k]
+        while q:
+            head = q[0]
+            e = self._epoch[k]
+            if type(head.batch) is EpochEnd:
+                self._epoch[k] = e + 1
+                self._passed[k] = 0
+                if all(ep > e for ep in self._epoch):
+                    self._taken.pop(e, None)
+                    self._ended.pop(e, None)
+                return q.popleft()
+            r = self._passed[k]
+            taken, ended = self._taken[e], self._ended[e]
+            if all(t > r for t in taken):
+                self._passed[k] = r + 1
+                return q.popleft()
+            if any(ended[j] and taken[j] <= r for j in range(self.n)):
+                # a batch of an incomplete last round: never sent; the
+                # connection acknowledges it to the stream in its turn, so a
+                # resume never replays it
+                self._passed[k] = r + 1
+                item = q.popleft()
+                src = self.source
+                src.counts.dropped_equal += 1
+                src.hub.count_dropped(src.name, "equal", item.batch.n)
+                logger.info(
+                    "source %r: consumer %d's batch of the incomplete last round dropped (equal=True)", src.name, k
+                )
+                return item._replace(drop=True)
+            return None
+        return None

@@ -1,0 +1,512 @@
+"""``FeedServer``: serves named sources to consumers in other processes.
+
+One process runs the workers of each source once; trainers (one process
+per GPU, torchrun-style) attach to it with :func:`blobfeed.attach_source`.
+See docs/SERVICE.md for the guarantees and how they compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator, Literal, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..arguments import check_index, check_timeout
+from ..coordinator import GlobalCoordinator, init_data_input_workers
+from ..errors import BlobfeedError
+from ..feeders import Feed
+from ..net import Net
+from .connection import Connection
+from .served import ServedSource, SourceTerms
+
+__all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
+
+logger = logging.getLogger("blobfeed.service")
+
+#: the version of a service state (``FeedServer.state_dict``)
+STATE_VERSION = 1
+
+_current: list["FeedServer"] = []
+
+
+def current_server() -> "FeedServer":
+    """The server ``blobfeed serve`` is setting up (what :func:`serve_source` adds to).
+
+    Raises:
+        BlobfeedError: no server is being set up.
+    """
+    if not _current:
+        raise BlobfeedError(
+            "serve_source() adds a source to the server that `blobfeed serve MODULE:FUNCTION` is "
+            "setting up (call it from FUNCTION); in Python, call FeedServer(...).serve_source(...)"
+        )
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def serving(server: "FeedServer") -> Iterator["FeedServer"]:
+    """While inside, :func:`serve_source` adds to ``server``."""
+    _current.append(server)
+    try:
+        yield server
+    finally:
+        _current.remove(server)
+
+
+def serve_source(name: str, input_blob_names: Sequence[str], fetch_fun: Any, batch_size: int, **kwargs: Any) -> None:
+    """Serve a source from the server being set up (see :meth:`FeedServer.serve_source`)."""
+    current_server().serve_source(name, input_blob_names, fetch_fun, batch_size, **kwargs)
+
+
+class FeedServer:
+    """Serves sources to consumers on a Unix socket.
+
+    Args:
+        listen: the socket's path; default a new private directory (mode
+            0700) holding ``feed.sock`` (mode 0600), removed at stop.
+        metrics_port: serve ``/metrics`` and ``/healthz`` on this loopback
+            port (0: any free one; None: not at all).
+        metrics_addr: the address for them (loopback unless you say otherwise).
+        state_file: where :meth:`stop` and every ``save_every`` seconds save
+            :meth:`state_dict` (written to a temporary file, then renamed).
+        resume: continue from ``state_file`` (which must exist).
+        save_every: seconds between periodic saves.
+        log_interval: seconds between the throughput log lines.
+
+    Context manager: ``with FeedServer() as server: ...`` stops it at the end.
+    """
+
+    def __init__(
+        self,
+        listen: str | os.PathLike[str] | None = None,
+        *,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
+        state_file: str | os.PathLike[str] | None = None,
+        resume: bool = False,
+        save_every: float = 60.0,
+        log_interval: float = 60.0,
+    ) -> None:
+        if resume and state_file is None:
+            raise ValueError("resume=True needs a state_file to resume from")
+        if metrics_port is not None:
+            metrics_port = check_index("metrics_port", metrics_port, minimum=0)
+        self._listen = os.fspath(listen) if listen is not None else None
+        self._metrics_port = metrics_port
+        self._metrics_addr = metrics_addr
+        self.state_file = os.fspath(state_file) if state_file is not None else None
+        self._resume = resume
+        self._save_every = check_timeout("save_every", save_every)
+        self._log_interval = check_timeout("log_interval", log_interval)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.coordinator = GlobalCoordinator(self.registry, log_interval=log_interval)
+        self.sources: dict[str, ServedSource] = {}
+        self._extra_feeds: list[Feed] = []
+        self._lock = threading.Lock()
+        self._connections: set[Connection] = set()
+        self._numbers = itertools.count()
+        self._sock: socket.socket | None = None
+        self._private_dir: str | None = None
+        self.address: str | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self._stopped = False
+        self._started = False
+        self.stop_reason: str | None = None
+        self._metrics: Any = None
+        self.registry.register(_ServiceCollector(self))
+
+    # -- wiring ------------------------------------------------------------------------
+    def serve_source(
+        self,
+        name: str,
+        input_blob_names: Sequence[str],
+        fetch_fun: Any,
+        batch_size: int,
+        num_worker_threads: int = 2,
+        *,
+        num_consumers: int | None = None,
+        equal: bool = False,
+        grace_period: float = 30.0,
+        slots: int = 4,
+        max_buffered_batches: int = 800,
+        timeout: float = 600.0,
+        drop_last: bool = False,
+        on_error: Literal["raise", "skip"] = "raise",
+        seed: int | None = None,
+        backend: Any = "threads",
+        worker_init_fun: Callable[[int], Any] | None = None,
+        deterministic: bool = False,
+        shuffle_buffer: int = 0,
+        epochs: int | None = 1,
+    ) -> None:
+        """Serve source ``name``: ``fetch_fun`` runs on the service's workers
+        (as with ``init_data_input_workers``), batches of ``batch_size`` go to
+        the consumers that attach to ``name``.
+
+        Args:
+            num_consumers: deal by index: batch *i* goes to the consumer with
+                ``consumer_index == i % num_consumers`` (with
+                ``deterministic=True``: the same on every run, exactly as
+                ``num_consumers`` nets in one process).  None: first come,
+                first served.
+            equal: every consumer gets the same number of batches per epoch
+                (the last incomplete round is dropped and counted; needs
+                ``num_consumers``).
+            grace_period: seconds a consumer index may stay away (dealt by
+                index) before the source fails; also how long the first
+                consumer waits for the first batch.
+            slots: batches in flight per consumer (shared-memory slots, one
+                batch each; at least 3).
+            timeout: the workers' timeout, as for init_data_input_workers.
+
+        The other arguments are those of ``init_data_input_workers``.
+
+        Raises:
+            ValueError: bad arguments, a name served twice, or after start().
+        """
+        if self._started:
+            raise ValueError("serve_source() goes before start()")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"source name must be a non-empty str, got {name!r}")
+        if name in self.sources:
+            raise ValueError(f"source {name!r} is served already")
+        if num_consumers is not None:
+            num_consumers = check_index("num_consumers", num_consumers)
+        if not isinstance(equal, bool):
+            raise TypeError(f"equal must be a bool, got {type(equal).__name__}")
+        if equal and num_consumers is None:
+            raise ValueError(
+                f"source {name!r}: equal=True needs num_consumers (the shares are equal among that many consumers)"
+            )
+        grace_period = check_timeout("grace_period", grace_period)
+        slots = check_index("slots", slots, minimum=3)
+        names = list(input_blob_names)
+        batch_size = check_index("batch_size", batch_size)
+        nets = [Net(None, name=f"consumer-{i}") for i in range(num_consumers or 1)]
+        wiring = dict(
+            input_source_name=name, max_buffered_batches=max_buffered_batches, timeout=timeout,
+            drop_last=drop_last, on_error=on_error, seed=seed, backend=backend,
+            worker_init_fun=worker_init_fun, deterministic=deterministic, shuffle_buffer=shuffle_buffer,
+            epochs=epochs, coordinator=self.coordinator, device_queue_capacity=2,
+        )
+        init_data_input_workers(nets[0], names, fetch_fun, batch_size, num_worker_threads, **wiring)
+        feeds = [nets[0]._feeds[0]]
+        source = self.coordinator._sources[name]
+        for net in nets[1:]:
+            # the other consumer indexes join the source without workers of their own
+            feed = Feed(
+                source, net.name, net._place, names, batch_size, timeout=timeout, device_queue_capacity=2,
+                dont_rebatch=False, drop_last=drop_last, hub=self.coordinator._hub,
+            )
+            net._attach(feed)
+            source.add_feed(feed)
+            feeds.append(feed)
+            self._extra_feeds.append(feed)
+        terms = SourceTerms(name, tuple(names), batch_size, num_consumers, equal, grace_period, slots)
+        self.sources[name] = ServedSource(terms, self.coordinator, feeds, self.coordinator._hub)
+
+    # -- running -----------------------------------------------------------------------
+    def start(self) -> "FeedServer":
+        """Start the workers and listen.  Returns self.
+
+        Raises:
+            ValueError: no source, or ``resume`` with a state that does not fit.
+            OSError: the socket or the metrics port cannot be bound.
+        """
+        if self._started:
+            raise ValueError("the server started already")
+        if not self.sources:
+            raise ValueError("no source to serve: call serve_source() first")
+        if self._resume:
+            self._load(self.state_file)  # type: ignore[arg-type]
+        self._started = True
+        self._bind()
+        try:
+            if self._metrics_port is not None:
+                from ..metrics import start_http_server
+
+                self._metrics = start_http_server(
+                    self._metrics_port, self._metrics_addr, self.registry, health=self.health
+                )
+            self.coordinator.start()
+            for feed in self._extra_feeds:
+                feed.mark_started()
+                self._thread(f"enqueue-{feed.net_name}", feed.run)
+            self._thread("accept", self._accept_loop)
+            self._thread("monitor", self._monitor_loop)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("service: serving %s at %s", sorted(self.sources), self.address)
+        return self
+
+    def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
+        t = threading.Thread(target=body, name=f"blobfeed-service-{role}", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _bind(self) -> None:
+        if self._listen is None:
+            self._private_dir = tempfile.mkdtemp(prefix="blobfeed-")  # mode 0700
+            path = os.path.join(self._private_dir, "feed.sock")
+        else:
+            path = self._listen
+            if path.startswith("unix:"):
+                path = path[5:]
+            if os.path.exists(path):
+                if not stat.S_ISSOCK(os.stat(path).st_mode):
+                    raise ValueError(f"listen={path!r} exists and is not a socket")
+                if _alive(path):
+                    raise ValueError(f"listen={path!r}: another service is listening there")
+                os.unlink(path)  # a stale socket of a service that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old = os.umask(0o177)  # the socket file is made 0600
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(64)
+        self._sock = sock
+        self.address = path
+
+    def _accept_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self._stopping.is_set():
+            try:
+                conn_sock, _ = sock.accept()
+            except OSError:
+                return  # closed by stop()
+            conn = Connection(conn_sock, next(self._numbers), self.sources.get, self.state_dict, str(self.address))
+            with self._lock:
+                if self._stopping.is_set():
+                    conn.tell_stopped(f"service at {self.address} is stopping")
+                    conn_sock.close()
+                    return
+                self._connections.add(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)
+            t.start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            conn.serve()
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+
+    def _monitor_loop(self) -> None:
+        last_log = last_save = time.monotonic()
+        delivered = {n: 0 for n in self.sources}
+        while not self._stopping.wait(0.1):
+            for s in self.sources.values():
+                s.check_grace()
+                if s.error is not None and self.stop_reason is None:
+                    self.stop_reason = f"source {s.name!r} failed: {s.error}"
+            now = time.monotonic()
+            if now - last_log >= self._log_interval:
+                for name, s in self.sources.items():
+                    total = sum(s.counts.acknowledged.values())
+                    logger.info(
+                        "service: source %r: %.1f batches/s over the last %.0f s, %d consumers attached",
+                        name, (total - delivered[name]) / (now - last_log), now - last_log, s.connected,
+                    )
+                    delivered[name] = total
+                last_log = now
+            if self.state_file is not None and now - last_save >= self._save_every:
+                last_save = now
+                self.save_state()
+
+    def health(self) -> tuple[bool, str]:
+        """(serving, why): False once stopping, or a source failed."""
+        if self._stopping.is_set():
+            return False, "stopping"
+        failed = [n for n, s in self.sources.items() if s.error is not None]
+        if failed:
+            return False, f"failed sources: {failed}"
+        return True, "ok"
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every source's position, as of the batches its consumers acknowledged.
+
+        Raises:
+            ValueError: a source is not resumable (not ``deterministic=True``).
+        """
+        return {
+            "version": STATE_VERSION,
+            "sources": {name: s.state_dict() for name, s in self.sources.items()},
+        }
+
+    def save_state(self) -> bool:
+        """Write :meth:`state_dict` to ``state_file`` atomically; False if it could not."""
+        if self.state_file is None:
+            return False
+        try:
+            state = self.state_dict()
+        except (ValueError, RuntimeError) as err:
+            logger.warning("service: state not saved: %s", err)
+            return False
+        tmp = f"{self.state_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.state_file)
+        logger.info("service: state saved to %s", self.state_file)
+        return True
+
+    def _load(self, path: str) -> None:
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"resume: no state file {path!r}") from None
+        except (OSError, ValueError) as err:
+            raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(
+            state.get("sources"), dict
+        ):
+            raise ValueError(
+                f"resume: {path!r} is not a state of this service's version {STATE_VERSION} "
+                "({'version': 1, 'sources': {...}})"
+            )
+        if set(state["sources"]) != set(self.sources):
+            raise ValueError(
+                f"resume: {path!r} holds sources {sorted(state['sources'])}; this service serves "
+                f"{sorted(self.sources)}"
+            )
+        for name, s in state["sources"].items():
+            where = f"resume: {path!r}, source {name!r}"
+            if not isinstance(s, dict) or not isinstance(s.get("inner"), dict):
+                raise ValueError(f"{where}: expected {{'inner': state, ...}}")
+            self.coordinator.load_state_dict(name, s["inner"])
+            served = self.sources[name]
+            if served.shared is not None:
+                after = s.get("acked_after", [])
+                if not isinstance(after, list) or not all(type(x) is int and 0 < x < 1 << 40 for x in after):
+                    raise ValueError(f"{where}: 'acked_after' must be a list of positive ints")
+                served.shared.skip = set(after)
+        logger.info("service: resumed from %s", path)
+
+    # -- stopping ----------------------------------------------------------------------
+    def request_stop(self, reason: str = "stopped") -> None:
+        """Ask :meth:`wait` to return (safe in a signal handler)."""
+        self.stop_reason = reason
+        self._stopping.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until a stop is requested, or every source ended; True if so."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._stopping.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._stopping.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
+        return True
+
+    def stop(self, reason: str | None = None) -> bool:
+        """Stop serving: save the state (``state_file``), tell every consumer,
+        stop the workers, remove the socket.  Idempotent.  Returns True when
+        every thread ended."""
+        with self._lock:
+            if self._stopped:
+                return True
+            self._stopped = True
+            self._stopping.set()
+            conns = list(self._connections)
+        why = reason or self.stop_reason or "stopped"
+        if self._started and self.state_file is not None:
+            self.save_state()
+        for s in self.sources.values():
+            s.stopped = True
+        for conn in conns:
+            conn.tell_stopped(f"service at {self.address} stopped ({why})")
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+        clean = self.coordinator.stop()
+        for t in self._threads:
+            t.join(timeout=5.0)
+            clean = clean and not t.is_alive()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self.address is not None and self._private_dir is None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.address)
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+        logger.info("service: stopped (%s)", why)
+        return clean
+
+    def __enter__(self) -> "FeedServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<FeedServer {sorted(self.sources)} at {self.address}>"
+
+
+def _alive(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class _ServiceCollector:
+    """The service's own metrics (the sources' pipeline metrics are the coordinator's)."""
+
+    def __init__(self, server: FeedServer) -> None:
+        self._server = server
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        consumers = GaugeMetricFamily(
+            "blobfeed_service_consumers", "Consumers attached to a served source", labels=["source"]
+        )
+        fams = {
+            k: CounterMetricFamily(f"blobfeed_service_batches_{k}", help_, labels=["source", "consumer"])
+            for k, help_ in (
+                ("delivered", "Batches the service sent to a consumer"),
+                ("acknowledged", "Batches a consumer's run() returned (acknowledged)"),
+                ("redealt", "Batches a consumer left unacknowledged, dealt to another"),
+            )
+        }
+        waited = CounterMetricFamily(
+            "blobfeed_service_consumer_wait_seconds",
+            "Seconds a consumer had room for a batch and the service had none for it",
+            labels=["source", "consumer"],
+        )
+        for name, s in list(self._server.sources.items()):
+            consumers.add_metric([name], s.connected)
+            c = s.counts
+            for k, counter in (("delivered", c.delivered), ("acknowledged", c.acknowledged), ("redealt", c.redealt)):
+                for label, v in list(counter.items()):
+                    fams[k].add_metric([name, label], v)
+            for label, v in list(c.waited.items()):
+                waited.add_metric([name, label], v)
+        yield consumers
+        yield from fams.values()
+        yield waited

@@ -1,0 +1,170 @@
+"""The feeding service's wire format: small JSON records, never a pickle.
+
+Service and consumers talk over a Unix socket of type ``SOCK_SEQPACKET``:
+every ``sendmsg`` is one record, delivered whole, in order, with the
+descriptors passed alongside it (``SCM_RIGHTS``).  A record is a JSON
+object of at most :data:`MAX_RECORD` bytes with a string ``"t"`` (its
+kind).  A batch's bytes never travel in a record: they are written once
+into a slot of shared memory the consumer mapped when it attached, and the
+record only says where (slot, offsets, dtypes, shapes).
+
+Both ends treat what comes off the socket as untrusted: every record is
+checked field by field against what its kind allows (:func:`check`), and a
+record that does not pass closes the connection with :class:`WireError`
+naming what was wrong.  JSON decodes to plain data only, so neither end can
+make the other run code.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "MAX_RECORD", "PROTOCOL", "Channel", "WireError", "check", "dtype_from_wire", "dtype_to_wire",
+]
+
+#: the version a consumer and a service must share
+PROTOCOL = 1
+#: the longest record either end accepts
+MAX_RECORD = 64 * 1024
+#: descriptors one record may carry
+MAX_FDS = 4
+#: dtype kinds a batch may have: numbers and booleans, no objects or records
+_KINDS = frozenset("biufc?")
+
+
+class WireError(ValueError):
+    """A record broke the protocol (the message says which and how)."""
+
+
+def dtype_to_wire(dt: np.dtype) -> str:
+    return dt.str
+
+
+def dtype_from_wire(text: Any, where: str) -> np.dtype:
+    """The dtype a record names, if it is a plain number type."""
+    if not isinstance(text, str) or len(text) > 8:
+        raise WireError(f"{where}: dtype must be a short string, got {text!r}")
+    try:
+        dt = np.dtype(text)
+    except TypeError as err:
+        raise WireError(f"{where}: unknown dtype {text!r}") from err
+    if dt.kind not in _KINDS or dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+        raise WireError(f"{where}: dtype {text!r} is not a plain number type")
+    return dt
+
+
+class Channel:
+    """One end of a connection: records out, records (and descriptors) in.
+
+    ``send`` is thread-safe enough for one sender thread plus small records
+    from others: a ``sendmsg`` on a ``SOCK_SEQPACKET`` socket is atomic.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        #: who is at the other end, for messages
+        self.peer = peer
+
+    def send(self, record: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        data = json.dumps(record, separators=(",", ":")).encode()
+        if len(data) > MAX_RECORD:
+            raise WireError(f"record of {len(data)} bytes to {self.peer} is over {MAX_RECORD}")
+        if fds:
+            self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            self.sock.sendall(data)
+
+    def recv(self) -> tuple[dict[str, Any], list[int]] | None:
+        """The next record and the descriptors that came with it; None at EOF.
+
+        Raises:
+            WireError: a record that is too long, not JSON, or not an object
+                with a string ``t`` (descriptors that came with it are closed).
+            OSError: the socket failed.
+        """
+        data, ancdata, flags, _ = self.sock.recvmsg(
+            MAX_RECORD + 1, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        )
+        fds = _fds_of(ancdata)
+        if not data and not fds:
+            return None
+        try:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_RECORD:
+                raise WireError(f"{self.peer} sent a record over {MAX_RECORD} bytes (or too many descriptors)")
+            try:
+                record = json.loads(data)
+            except (UnicodeDecodeError, ValueError) as err:
+                raise WireError(f"{self.peer} sent a record that is not JSON: {data[:40]!r}") from err
+            if not isinstance(record, dict) or not isinstance(record.get("t"), str):
+                raise WireError(f"{self.peer} sent a record without a kind: {data[:40]!r}")
+        except WireError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return record, fds
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - len(data) % a.itemsize])
+            fds.extend(a)
+    return fds
+
+
+#: per kind, each field's type (bool is never an int here)
+_FIELDS: dict[str, dict[str, Any]] = {
+    # consumer -> service
+    "hello": {
+        "protocol": int, "source": str, "blobs": list, "batch_size": int, "index": (int, type(None)),
+        "num": (int, type(None)), "pid": int,
+    },
+    "ack": {"g": int},
+    "free": {"slot": int},
+    "state": {},
+    "bye": {},
+    # service -> consumer
+    "welcome": {"consumer": int, "slots": int, "slot_bytes": int, "epoch": int, "service": str},
+    "refused": {"error": str, "kind": str},
+    "batch": {"g": int, "slot": int, "n": int, "arrays": list},
+    "epoch_end": {"g": int, "epoch": int, "dropped": int},
+    "end": {"error": (str, type(None)), "kind": str},
+    "state_is": {"state": (dict, type(None)), "error": (str, type(None))},
+}
+
+
+def check(record: dict[str, Any], kinds: Sequence[str], peer: str) -> dict[str, Any]:
+    """``record`` if it is one of ``kinds`` with exactly the fields that
+    kind has, each of its type; else :class:`WireError`."""
+    kind = record["t"]
+    if kind not in kinds:
+        raise WireError(f"{peer} sent a record of kind {kind!r} here (expected one of {sorted(kinds)})")
+    fields = _FIELDS[kind]
+    extra = set(record) - set(fields) - {"t"}
+    if extra:
+        raise WireError(f"{peer} sent a {kind!r} record with unknown fields {sorted(extra)}")
+    for name, typ in fields.items():
+        if name not in record:
+            raise WireError(f"{peer} sent a {kind!r} record without {name!r}")
+        value = record[name]
+        if isinstance(value, bool) or not isinstance(value, typ):
+            raise WireError(f"{peer} sent a {kind!r} record whose {name!r} is {type(value).__name__}")
+        if isinstance(value, int) and not -(2**62) < value < 2**62:
+            raise WireError(f"{peer} sent a {kind!r} record whose {name!r} is out of range")
+    return record
