@@ -136,7 +136,13 @@ class Net:
                 for i in self._session.get_inputs()
             }
             self._output_names = tuple(o.name for o in self._session.get_outputs())
+            import onnxruntime as ort
+
+            #: one per run() with the model, so a stop can cancel that run alone
+            self._new_run_options = ort.RunOptions
         self._unfed: list[str] = list(self._input_specs)
+        #: the RunOptions of the run() inside the model now (see _cancel)
+        self._run_options: ort.RunOptions | None = None
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -223,12 +229,18 @@ class Net:
                 ``timeout`` given to ``init_data_input_workers``.
 
         Returns:
-            The model's outputs by name, or the dequeued blobs when the net
-            has no model.  Inputs and outputs are also stored in ``workspace``.
+            The model's outputs by name (onnxruntime's fresh arrays, the
+            caller's to write), or the dequeued blobs when the net has no
+            model.  Inputs and outputs are also stored in ``workspace``.
+            Every array of a batch is read-only, on every backend: it may be
+            a view of the fetcher's own array; ``np.array(x)`` copies it.
 
         Raises:
             DequeueTimeout: a source had no batch within the timeout.
-            EndOfInput: a source is exhausted (its last batch was consumed) or stopped.
+            EndOfInput: a source is exhausted (its last batch was consumed) or
+                stopped; or a stop of a source feeding this net cancelled the
+                model while it ran (``RunOptions.terminate``; the message says
+                "cancelled", and the batch counts as dropped, not delivered).
             EndOfEpoch: an epoch of a source with ``epochs`` ended and the next
                 follows (a kind of EndOfInput); the next call returns its first batch.
             FetcherError / ChunkError: a fetcher of a source failed (``on_error="raise"``).
@@ -243,66 +255,125 @@ class Net:
         feeds = self._feeds
         session = self._session
         if session is not None:
-            # inputs no source feeds must come from the workspace (the list is
-            # kept up to date by _attach, off the per-batch path)
-            missing = [n for n in self._unfed if not self.workspace.has_blob(n)]
-            if missing:
-                fed = sorted({n for f in feeds for n in f.blob_names})
-                raise ValueError(
-                    f"net {self.name!r}: model inputs {missing} are fed by no input source "
-                    f"(sources feed {fed}) and are not in the workspace"
-                )
-        elif not feeds:
+            return self._run_model(session, feeds, timeout)
+        if not feeds:
             raise ValueError(f"net {self.name!r} has no model and no input source to dequeue from")
-        blobs: dict[str, Any] = {}
         if len(feeds) == 1:
             feed = feeds[0]
             batch = feed.dequeue(timeout)
             feed.delivered(batch)
             if type(batch) is EpochEnd:
                 raise EndOfEpoch(feed.source.name, batch.epoch)
-            blobs.update(zip(feed.blob_names, batch.arrays))
+            blobs = dict(zip(feed.blob_names, batch.arrays))
         else:
-            # One deadline for the whole call, however many sources.  A batch
-            # taken from one source while another fails or times out is held
-            # by its feed and handed out first next time, so sources never
-            # shift against each other.
-            deadline = None if timeout is None else time.monotonic() + timeout
-            taken: list[Any] = []
-            try:
-                for feed in feeds:
-                    got = feed.take_held()
-                    if got is None:
-                        left = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
-                        got = feed.dequeue(left)
-                    taken.append(got)
-            except BaseException:
-                for feed, got in zip(feeds, taken):
-                    feed.hold(got)
-                raise
-            ends = [(feed, got) for feed, got in zip(feeds, taken) if type(got) is EpochEnd]
-            if ends:
-                # a source's epoch ended: the others' batches wait for the next run()
-                for feed, got in zip(feeds, taken):
-                    if type(got) is EpochEnd:
-                        feed.delivered(got)
-                    else:
-                        feed.hold(got)
-                raise EndOfEpoch(ends[0][0].source.name, ends[0][1].epoch)
-            for feed, got in zip(feeds, taken):
+            blobs = {}
+            for feed, got in zip(feeds, self._take_all(feeds, timeout)):
                 feed.delivered(got)
                 blobs.update(zip(feed.blob_names, got.arrays))
-        if session is None:
-            self.workspace._update(blobs)
-            return blobs
-        inputs = {n: blobs[n] if n in blobs else self.workspace.fetch_blob(n) for n in self.input_names}
-        if self._device_type == "cpu":
-            outputs = dict(zip(self.output_names, session.run(self.output_names, inputs)))
-        else:
-            outputs = self._run_bound(session, inputs)
+        self.workspace._update(blobs)
+        return blobs
+
+    def _take_all(self, feeds: list[Feed], timeout: float | None) -> list[Any]:
+        """One batch from each of several sources, under one deadline.
+
+        A batch taken from one source while another fails or times out is
+        held by its feed and handed out first next time, so sources never
+        shift against each other.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        taken: list[Any] = []
+        try:
+            for feed in feeds:
+                got = feed.take_held()
+                if got is None:
+                    left = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
+                    got = feed.dequeue(left)
+                taken.append(got)
+        except BaseException:
+            for feed, got in zip(feeds, taken):
+                feed.hold(got)
+            raise
+        ends = [(feed, got) for feed, got in zip(feeds, taken) if type(got) is EpochEnd]
+        if ends:
+            # a source's epoch ended: the others' batches wait for the next run()
+            for feed, got in zip(feeds, taken):
+                if type(got) is EpochEnd:
+                    feed.delivered(got)
+                else:
+                    feed.hold(got)
+            raise EndOfEpoch(ends[0][0].source.name, ends[0][1].epoch)
+        return taken
+
+    def _run_model(
+        self, session: "ort.InferenceSession", feeds: list[Feed], timeout: float | None
+    ) -> dict[str, np.ndarray]:
+        """``run()`` with a model: the batches are delivered once the model
+        returned; a stop meanwhile cancels it (see :meth:`_cancel`)."""
+        # inputs no source feeds must come from the workspace (the list is
+        # kept up to date by _attach, off the per-batch path)
+        missing = [n for n in self._unfed if not self.workspace.has_blob(n)]
+        if missing:
+            fed = sorted({n for f in feeds for n in f.blob_names})
+            raise ValueError(
+                f"net {self.name!r}: model inputs {missing} are fed by no input source "
+                f"(sources feed {fed}) and are not in the workspace"
+            )
+        # Made before any batch is taken, so a stop from here on cancels
+        # this run: at once if it comes before the model starts.
+        options = self._run_options = self._new_run_options()  # type: ignore[misc]
+        try:
+            if len(feeds) == 1:
+                feed = feeds[0]
+                # a batch a cancelled run took goes first
+                batch = feed.take_held()
+                if batch is None:
+                    batch = feed.dequeue(timeout)
+                if type(batch) is EpochEnd:
+                    feed.delivered(batch)
+                    raise EndOfEpoch(feed.source.name, batch.epoch)
+                taken = [(feed, batch)]
+            else:
+                taken = list(zip(feeds, self._take_all(feeds, timeout)))
+            blobs: dict[str, Any] = {}
+            for feed, batch in taken:
+                feed.to_model(batch)
+                blobs.update(zip(feed.blob_names, batch.arrays))
+            inputs = {n: blobs[n] if n in blobs else self.workspace.fetch_blob(n) for n in self.input_names}
+            try:
+                if self._device_type == "cpu":
+                    outputs = dict(zip(self.output_names, session.run(self.output_names, inputs, options)))
+                else:
+                    outputs = self._run_bound(session, inputs, options)
+            except Exception as exc:
+                if not options.terminate:
+                    for feed, batch in taken:
+                        feed.delivered(batch)
+                    raise
+                # Cancelled by a stop: the batches were not consumed.  A
+                # stopped source's feed counts its batch as dropped; another
+                # source's batch is handed out first by the next run().
+                for feed, batch in taken:
+                    feed.hold(batch)
+                raise EndOfInput(
+                    f"net {self.name!r}: run() cancelled: a source feeding it was stopped while "
+                    "the model ran (onnxruntime's RunOptions.terminate)"
+                ) from exc
+        finally:
+            self._run_options = None
+        for feed, batch in taken:
+            feed.delivered(batch)
         blobs.update(outputs)
         self.workspace._update(blobs)
         return outputs
+
+    def _cancel(self) -> None:
+        """End the run that is inside the model now, if any, through its
+        ``RunOptions.terminate``; the run raises ``EndOfInput``.  Called when a
+        source feeding this net stops.  One store into onnxruntime, no lock:
+        ``request_stop`` may call it from a signal handler."""
+        options = self._run_options
+        if options is not None:
+            options.terminate = True
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Yield what each ``run()`` returns until the input ends (``EndOfInput``),
@@ -318,7 +389,9 @@ class Net:
                 return
             yield out
 
-    def _run_bound(self, session: "ort.InferenceSession", inputs: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _run_bound(
+        self, session: "ort.InferenceSession", inputs: dict[str, Any], options: "ort.RunOptions | None" = None
+    ) -> dict[str, np.ndarray]:
         import onnxruntime as ort
 
         binding = session.io_binding()
@@ -330,7 +403,7 @@ class Net:
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:
             binding.bind_output(name, "cuda", self._device_id)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, options)
         return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
 
     def __repr__(self) -> str:

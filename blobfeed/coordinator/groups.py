@@ -365,6 +365,8 @@ class DataInputCoordinator(WorkerCoordinator):
     def _halt(self) -> None:
         super()._halt()
         self.source.halted = True
+        # a run() inside the model ends now rather than when the model does
+        self.net._cancel()
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
         return [(f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue)]
@@ -418,6 +420,7 @@ class DataInputCoordinator(WorkerCoordinator):
 
     def _request_stop(self) -> None:
         super()._request_stop()
+        self.net._cancel()
         self.source.stop()
         if self._group is not None:
             self._group.request_stop()

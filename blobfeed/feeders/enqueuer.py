@@ -112,6 +112,8 @@ class Feed:
         #: a batch the net took while another of its sources failed or timed
         #: out; it is handed out first next time (see Net.run)
         self._held: Batch | None = None
+        #: the batch inside the net's model now (see to_model)
+        self._in_model: Batch | None = None
         #: the end of an epoch taken from the reader: what the re-batcher
         #: holds is that epoch's rest; nothing more is taken until it and
         #: then the end itself were handed on
@@ -151,12 +153,13 @@ class Feed:
         return self.device_queue.qsize()
 
     def buffered_samples(self) -> int:
-        staged, held = self._staged, self._held
+        staged, held, in_model = self._staged, self._held, self._in_model
         return (
             self.rebatcher.pending
             + self._joining
             + (staged.n if staged is not None else 0)
             + (held.n if held is not None else 0)
+            + (in_model.n if in_model is not None else 0)
             + sum(b.n for b in self.device_queue.snapshot())
         )
 
@@ -197,6 +200,7 @@ class Feed:
         source hands nothing out.
         """
         with self._lock:
+            self._in_model = None
             if not self._aborted:
                 self._held = batch
                 return
@@ -450,15 +454,39 @@ class Feed:
             self._input.epoch_returned(batch.dropped)
             return
         if not self._first_checked:
-            self._first_checked = True
-            if self.model_checks and all(isinstance(a, np.ndarray) for a in batch.arrays):
-                check_model_inputs(
-                    Chunk(batch.arrays, batch.n, -1), self.model_checks, self.source.axes,
-                    f"source {self.source.name!r}, net {self.net_name!r} (a chunk queued before the net was wired)",
-                )
+            self.check_first(batch)
         self.consume_stats.batches += 1
         self.consume_stats.samples += batch.n
+        self._in_model = None
         self._input.returned()
+
+    def to_model(self, batch: Batch) -> None:
+        """``batch`` goes into the net's model (the net's thread): it counts as
+        buffered until :meth:`delivered` (the model returned) or :meth:`hold`
+        (a stop cancelled the model), so no scrape misses it meanwhile.
+
+        Raises:
+            ChunkError: the first batch does not fit the model.
+        """
+        if not self._first_checked:
+            self.check_first(batch)
+        self._in_model = batch
+
+    def check_first(self, batch: Batch) -> None:
+        """Check the first batch handed to the net against its model (once;
+        see :meth:`delivered`), before the model sees it.
+
+        Raises:
+            ChunkError: that batch does not fit the model.
+        """
+        if self._first_checked:
+            return
+        self._first_checked = True
+        if self.model_checks and all(isinstance(a, np.ndarray) for a in batch.arrays):
+            check_model_inputs(
+                Chunk(batch.arrays, batch.n, -1), self.model_checks, self.source.axes,
+                f"source {self.source.name!r}, net {self.net_name!r} (a chunk queued before the net was wired)",
+            )
 
     def _assemble_here(self) -> Batch | None:
         """The net's thread takes or assembles the next batch, if it can without waiting for data.
