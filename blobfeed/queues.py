@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from typing import Generic, TypeVar
 
@@ -34,9 +35,17 @@ class BlobsQueue(Generic[T]):
             has drained to this many items (default ``capacity - 1``: at the
             first free slot).  A lower mark wakes producers less often, each
             time for more work: fewer thread hand-offs per item.
+        max_bytes: also bound the bytes queued (each item's size as given to
+            :meth:`put_sized`; ``sys.maxsize``: counted, not bounded).  An item
+            larger than the bound still goes into an empty queue: a bound
+            never refuses an item forever.  None: bytes are not counted.
+            Producers blocked on it wake once the bytes drained to half of it
+            (and the items to ``low_water``).
     """
 
-    def __init__(self, capacity: int, *, name: str = "", low_water: int | None = None) -> None:
+    def __init__(
+        self, capacity: int, *, name: str = "", low_water: int | None = None, max_bytes: int | None = None
+    ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int):
             raise TypeError(f"BlobsQueue capacity must be an int, got {type(capacity).__name__}")
         if capacity < 1:
@@ -47,8 +56,15 @@ class BlobsQueue(Generic[T]):
         if not 0 <= low_water < capacity:
             raise ValueError(f"low_water must be in [0, capacity), got {low_water} for capacity {capacity}")
         self._low_water = low_water
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"BlobsQueue max_bytes must be an int >= 1 or None, got {max_bytes!r}")
         self.name = name
         self._items: collections.deque[T] = collections.deque()
+        #: with a byte bound: each queued item's bytes, in step with _items
+        self._sizes: collections.deque[int] | None = None if max_bytes is None else collections.deque()
+        self._bytes = 0
+        self._max_bytes = sys.maxsize if max_bytes is None else max_bytes
+        self._bytes_low = self._max_bytes // 2
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
@@ -69,6 +85,15 @@ class BlobsQueue(Generic[T]):
     def capacity(self) -> int:
         """The bound given at construction."""
         return self._capacity
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The byte bound (``sys.maxsize``: counted, unbounded), or None."""
+        return None if self._sizes is None else self._max_bytes
+
+    def qbytes(self) -> int:
+        """Bytes queued now (0 unless the queue counts bytes)."""
+        return self._bytes
 
     @property
     def closed(self) -> bool:
@@ -114,6 +139,35 @@ class BlobsQueue(Generic[T]):
             if self._closed:
                 return False
             self._items.append(blobs)
+            if self._sizes is not None:
+                self._sizes.append(0)
+            self._not_empty.notify()
+            if self._item_watchers:
+                self._item_watch.notify_all()
+            return True
+
+    def put_sized(self, blobs: T, nbytes: int = 0) -> bool:
+        """Queue ``blobs`` of ``nbytes`` bytes, waiting while the queue is full
+        in items or would pass its byte bound (an empty queue takes any
+        item).  The queue must count bytes (``max_bytes``).
+
+        Returns:
+            True once queued; False when the queue is closed (before or while waiting).
+        """
+        sizes = self._sizes
+        if sizes is None:
+            raise ValueError(f"queue {self.name!r} counts no bytes (max_bytes=None): use put()")
+        with self._not_full:
+            items = self._items
+            while not self._closed and (
+                len(items) >= self._capacity or (self._bytes and self._bytes + nbytes > self._max_bytes)
+            ):
+                self._not_full.wait()
+            if self._closed:
+                return False
+            items.append(blobs)
+            sizes.append(nbytes)
+            self._bytes += nbytes
             self._not_empty.notify()
             if self._item_watchers:
                 self._item_watch.notify_all()
@@ -175,7 +229,9 @@ class BlobsQueue(Generic[T]):
                 raise self._error.with_traceback(None)
             if self._items:
                 item = self._items.popleft()
-                if len(self._items) <= self._low_water:
+                if self._sizes is not None:
+                    self._bytes -= self._sizes.popleft()
+                if len(self._items) <= self._low_water and self._bytes <= self._bytes_low:
                     self._not_full.notify()
                     if self._room_watchers:
                         self._room_watch.notify_all()
@@ -201,7 +257,9 @@ class BlobsQueue(Generic[T]):
                 raise self._error.with_traceback(None)
             if self._items:
                 item = self._items.popleft()
-                if len(self._items) <= self._low_water:
+                if self._sizes is not None:
+                    self._bytes -= self._sizes.popleft()
+                if len(self._items) <= self._low_water and self._bytes <= self._bytes_low:
                     self._not_full.notify()
                     if self._room_watchers:
                         self._room_watch.notify_all()
@@ -232,6 +290,9 @@ class BlobsQueue(Generic[T]):
                 self._error = self._final if self._final is not None else error
                 discarded = list(self._items)
                 self._items.clear()
+                if self._sizes is not None:
+                    self._sizes.clear()
+                self._bytes = 0
             self._closed = True
             for cond in (self._not_empty, self._not_full, self._item_watch, self._room_watch):
                 cond.notify_all()

@@ -30,6 +30,10 @@ logger = logging.getLogger("blobfeed.coordinator")
 
 InitFun = Callable[[WorkerCoordinator, GlobalCoordinator], Any]
 
+#: the default bound of a source's internal queue in bytes: 1 GiB, so 800
+#: image chunks cannot hold 2 GB however large each is
+DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
+
 
 # -- argument checks: at the public boundary, never assert ---------------------------------
 def resolve_backend(backend: Any) -> FetcherBackend:
@@ -120,6 +124,7 @@ def init_data_input_workers(
     deterministic: bool = False,
     shuffle_buffer: int = 0,
     epochs: int | None = 1,
+    max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
 
@@ -181,6 +186,12 @@ def init_data_input_workers(
             runs one epoch); after the last epoch, ``EndOfInput``.  With a
             shuffle buffer, each epoch is shuffled on its own.  Every call
             for one source must agree on it.
+        max_buffered_bytes: bound of the internal queue in bytes (its
+            chunks' arrays; default 1 GiB; ``None``: no bound), besides
+            ``max_buffered_batches``: a fetcher waits while its chunk would
+            pass it, but a chunk always enters an empty queue (with
+            ``deterministic``, ``shuffle_buffer`` or ``epochs``: each worker's
+            equal share, and an empty lane).  The first call for a source sets it.
 
     Returns:
         The global coordinator; call its ``start()``.
@@ -230,6 +241,8 @@ def init_data_input_workers(
     shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
     if epochs is not None:
         epochs = check_index("epochs", epochs)
+    if max_buffered_bytes is not None:
+        max_buffered_bytes = check_index("max_buffered_bytes", max_buffered_bytes)
     if (deterministic or shuffle_buffer or epochs != 1) and dont_rebatch:
         raise ValueError(
             "deterministic=True, shuffle_buffer and epochs re-batch the source's stream once: "
@@ -276,6 +289,12 @@ def init_data_input_workers(
                     "max_buffered_batches=%d ignored",
                     input_source_name, source.queue_capacity(), max_buffered_batches,
                 )
+            if max_buffered_bytes != source.max_bytes:
+                logger.warning(
+                    "source %r already has an internal queue bound of %s bytes; "
+                    "max_buffered_bytes=%s ignored",
+                    input_source_name, source.max_bytes, max_buffered_bytes,
+                )
             if any(f.net_name == net.name for f in source.feeds):
                 logger.warning(
                     "source %r already feeds a net named %r: their metrics share the label "
@@ -307,6 +326,7 @@ def init_data_input_workers(
             source = InputSource(
                 input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure,
                 dealing=dealing, batch_size=batch_size, shuffle_rng=functools.partial(shuffle_rng, base_seed),
+                max_bytes=max_buffered_bytes,
             )
             source.register_fetchers(num_worker_threads)
         feed = Feed(

@@ -39,6 +39,7 @@ def make_dealer(
     on_error: Callable[[BaseException], None],
     on_error_in_order: Callable[[BaseException], None],
     on_dropped: DropCounter,
+    max_bytes: int | None = None,
 ) -> Dealer:
     """The dealer for a source wired with ``options``.
 
@@ -53,11 +54,14 @@ def make_dealer(
         on_error: fails the source at once (arrival order).
         on_error_in_order: fails the source at the error's place in the stream.
         on_dropped: ``(reason, samples)`` for samples thrown away on purpose.
+        max_bytes: the bytes of chunks it may hold (``max_buffered_bytes``;
+            None: unbounded).
     """
     if options.in_arrival_order:
-        return ArrivalDealer(source, capacity, on_error)
+        return ArrivalDealer(source, capacity, on_error, max_bytes)
     shuffle = ShuffleBuffer(options.shuffle_buffer, axes, shuffle_rng()) if options.shuffle_buffer else None
     return LaneDealer(
         source, batch_size, axes, capacity=capacity, outbox_samples=2 * batch_size,
         on_error=on_error_in_order, on_dropped=on_dropped, strict=options.deterministic, shuffle=shuffle,
+        max_bytes=max_bytes,
     )

@@ -8,6 +8,7 @@ once.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 from ...queues import BlobsQueue
@@ -20,7 +21,7 @@ __all__ = ["ArrivalDealer"]
 class _QueueReader:
     """A net's end of the shared queue: the queue's own methods."""
 
-    __slots__ = ("get_nowait", "wait_for_item", "qsize")
+    __slots__ = ("get_nowait", "wait_for_item", "qsize")  # the queue's, bound once
 
     def __init__(self, queue: BlobsQueue[Chunk]) -> None:
         self.get_nowait = queue.get_nowait
@@ -41,15 +42,23 @@ class ArrivalDealer:
         source: the source's name.
         capacity: bound of the queue, in chunks (``max_buffered_batches``).
         fail: the source's failure (``InputSource.fail``), for a worker's error.
+        max_bytes: bound of the queue, in bytes (``max_buffered_bytes``; None:
+            counted, not bounded); a chunk larger than it enters an empty queue.
     """
 
     batch_size = None
     resumable = False
 
-    def __init__(self, source: str, capacity: int, fail: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self, source: str, capacity: int, fail: Callable[[BaseException], None], max_bytes: int | None = None
+    ) -> None:
         # Fetchers blocked on a full queue sleep until it is half empty, then
         # refill it in a burst: far fewer wake-ups than one per chunk.
-        self.queue: BlobsQueue[Chunk] = BlobsQueue(capacity, name=f"{source}/internal", low_water=capacity // 2)
+        self.queue: BlobsQueue[Chunk] = BlobsQueue(
+            capacity, name=f"{source}/internal", low_water=capacity // 2,
+            max_bytes=sys.maxsize if max_bytes is None else max_bytes,
+        )
+        self.max_bytes = max_bytes
         self._fail = fail
         self._workers: list[int] = []
 
@@ -74,8 +83,8 @@ class ArrivalDealer:
     def start(self) -> None:
         pass
 
-    def sink(self, worker_id: int) -> Callable[[Chunk], bool]:
-        return self.queue.put  # no frame of ours per chunk
+    def sink(self, worker_id: int) -> Callable[[Chunk, int], bool]:
+        return self.queue.put_sized  # no frame of ours per chunk
 
     def put_error(self, worker_id: int, error: BaseException) -> None:
         self._fail(error)
@@ -99,9 +108,12 @@ class ArrivalDealer:
     def queued(self) -> int:
         return self.queue.qsize()
 
+    def queued_bytes(self) -> int:
+        return self.queue.qbytes()
+
     def stats(self) -> DealerStats:
         items = self.queue.snapshot()
-        return DealerStats(sum(c.n for c in items), len(items), self.queue.capacity)
+        return DealerStats(sum(c.n for c in items), len(items), self.queue.capacity, self.queue.qbytes(), self.max_bytes)
 
     def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
         raise ValueError("not resumable")  # the coordinator checks `resumable` first

@@ -38,6 +38,10 @@ class DealerStats:
     depth: int
     #: the bound on the chunks it holds (``max_buffered_batches``)
     capacity: int
+    #: bytes of the chunks waiting to be dealt (what ``max_bytes`` bounds)
+    queued_bytes: int = 0
+    #: the bound on those bytes (``max_buffered_bytes``; None: unbounded)
+    max_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,10 +129,12 @@ class Dealer(Protocol):
     def start(self) -> None: ...
 
     # -- workers
-    def sink(self, worker_id: int) -> Callable[[Chunk], bool]:
+    def sink(self, worker_id: int) -> Callable[[Chunk, int], bool]:
         """Where ``worker_id``'s chunks go, bound once (called per chunk):
-        ``sink(chunk)`` hands one over, waiting while the dealer is full,
-        and returns False once it is closed."""
+        ``sink(chunk, nbytes)`` hands one over (``nbytes``: its arrays'
+        bytes), waiting while the dealer is full (in chunks, or in bytes:
+        a chunk always enters where nothing waits), and returns False once
+        it is closed."""
         ...
 
     def put_error(self, worker_id: int, error: BaseException) -> None:
@@ -164,6 +170,10 @@ class Dealer(Protocol):
 
     def queued(self) -> int:
         """Chunks waiting to be dealt now (cheap: read per batch)."""
+        ...
+
+    def queued_bytes(self) -> int:
+        """Bytes of the chunks waiting to be dealt now (cheap)."""
         ...
 
     def stats(self) -> DealerStats:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import threading
 from typing import Any, Callable, Sequence
 
@@ -133,6 +134,11 @@ class LaneDealer:
         strict: True: strict round robin (``deterministic=True``); False:
             whichever lane has a chunk, from the one whose turn it is.
         shuffle: the shuffle stage, if any.
+        max_bytes: bounds the bytes of the chunks waiting in all lanes
+            together (``max_buffered_bytes``; None: counted, not bounded),
+            shared equally by the lanes; a chunk always enters a lane that
+            holds none (so a worker whose turn it is is never blocked).
+            The shuffle buffer's rows are bounded by its size in samples.
     """
 
     resumable: bool
@@ -149,6 +155,7 @@ class LaneDealer:
         on_dropped: DropCounter | None = None,
         strict: bool = True,
         shuffle: ShuffleBuffer | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self.source = source
         self.strict = strict
@@ -160,6 +167,14 @@ class LaneDealer:
         self.capacity = capacity
         self.lane_capacity = max(2, capacity)
         self._lane_low = self.lane_capacity // 2
+        self.max_bytes = max_bytes
+        self.lane_bytes = sys.maxsize if max_bytes is None else max_bytes
+        self._lane_bytes_low = self.lane_bytes // 2
+        #: per lane: the bytes of each chunk in it (in step with its chunks), and their sum
+        self._sizes: dict[int, collections.deque[int]] = {}
+        self._lane_bytes: dict[int, int] = {}
+        #: bytes of the chunks in all lanes
+        self._queued_bytes = 0
         self.outbox_samples = outbox_samples
         self._on_error = on_error
         self._on_dropped = on_dropped
@@ -225,6 +240,8 @@ class LaneDealer:
         with self._lock:
             for wid in worker_ids:
                 self._lanes[wid] = collections.deque()
+                self._sizes[wid] = collections.deque()
+                self._lane_bytes[wid] = 0
                 self._order.append(wid)
                 self._lane_of[wid] = len(self._calls)
                 self._calls.append(0)
@@ -234,6 +251,9 @@ class LaneDealer:
             # round robin, as it would not starve the internal queue.
             self.lane_capacity = max(2, self.capacity // len(self._order))
             self._lane_low = self.lane_capacity // 2
+            if self.max_bytes is not None:
+                self.lane_bytes = max(1, self.max_bytes // len(self._order))
+                self._lane_bytes_low = self.lane_bytes // 2
             if not self._started and self._batch == 0:
                 self._positions = {0: self._start_position()}
 
@@ -255,22 +275,31 @@ class LaneDealer:
                 self._record(self._batch)
 
     # -- workers -----------------------------------------------------------------
-    def put(self, worker_id: int, chunk: Chunk) -> bool:
-        """Append to the worker's lane, waiting while it is full; False once closed."""
+    def put(self, worker_id: int, chunk: Chunk, nbytes: int = 0) -> bool:
+        """Append ``chunk`` (``nbytes`` bytes) to the worker's lane, waiting
+        while the lane is full (in chunks, or in bytes unless it holds no
+        chunk); False once closed."""
         with self._room:
             lane = self._lanes[worker_id]
-            while len(lane) >= self.lane_capacity and not self._lanes_closed:
+            sizes = self._sizes[worker_id]
+            while not self._lanes_closed and (
+                len(lane) >= self.lane_capacity
+                or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
+            ):
                 self._room.wait()
             if self._lanes_closed:
                 return False
             lane.append(chunk)
+            sizes.append(nbytes)
+            self._lane_bytes[worker_id] += nbytes
+            self._queued_bytes += nbytes
             self._lane_chunks += 1
             self._lane_n += chunk.n
             if len(lane) == 1:
                 self._items.notify_all()
             return True
 
-    def sink(self, worker_id: int) -> Callable[[Chunk], bool]:
+    def sink(self, worker_id: int) -> Callable[[Chunk, int], bool]:
         return functools.partial(self.put, worker_id)
 
     def put_error(self, worker_id: int, error: BaseException) -> None:
@@ -308,7 +337,10 @@ class LaneDealer:
             lost = self._lane_samples()
             for lane in self._lanes.values():
                 lane.clear()
-            self._lane_chunks = self._lane_n = 0
+            for sizes in self._sizes.values():
+                sizes.clear()
+            self._lane_bytes = dict.fromkeys(self._lane_bytes, 0)
+            self._lane_chunks = self._lane_n = self._queued_bytes = 0
             self._offset = self._prefix = 0
             if self.shuffle is not None:
                 # its chunks may hold a worker's shared memory: let go now
@@ -337,13 +369,17 @@ class LaneDealer:
             held = self._lane_samples() + sum(b.samples for b in self.outboxes)
             if self.shuffle is not None:
                 held += len(self.shuffle)
-            return DealerStats(held, self._lane_chunks, self.capacity)
+            return DealerStats(held, self._lane_chunks, self.capacity, self._queued_bytes, self.max_bytes)
 
     def queued(self) -> int:
         """Chunks waiting in the lanes (what ``capacity`` bounds; pieces
         already dealt to a net and rows in the shuffle buffer are held, not
         waiting)."""
         return self._lane_chunks
+
+    def queued_bytes(self) -> int:
+        """Bytes of the chunks waiting in the lanes (what ``max_bytes`` bounds)."""
+        return self._queued_bytes
 
     # -- nets --------------------------------------------------------------------
     def take(self, box: NetOutbox) -> tuple[bool, Chunk | None]:
@@ -562,6 +598,9 @@ class LaneDealer:
         """``chunk``, the head of ``wid``'s lane, is wholly dealt (popped already)."""
         self._lane_chunks -= 1
         self._lane_n -= chunk.n
+        nbytes = self._sizes[wid].popleft()
+        self._queued_bytes -= nbytes
+        left = self._lane_bytes[wid] = self._lane_bytes[wid] - nbytes
         i = self._lane_of[wid]
         self._calls[i] = chunk.seq + 1
         if chunk.state is not None:
@@ -570,7 +609,7 @@ class LaneDealer:
         # A worker blocked on its full lane sleeps until the lane is half
         # empty, then refills it in a burst: one wake-up (a GIL hand-off) per
         # half lane instead of one per chunk, as the internal queue does.
-        if len(lane) <= self._lane_low:
+        if len(lane) <= self._lane_low and left <= self._lane_bytes_low:
             self._room.notify_all()
 
     def _deal_batch(self, batch: Chunk) -> None:
