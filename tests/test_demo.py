@@ -348,3 +348,54 @@ def test_sigterm_mid_run_says_so_and_exits_as_ctrl_c_does() -> None:
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+def test_coverage_holds_only_the_passes_in_flight() -> None:
+    """The demo's memory must not grow with --passes (964 MB at 10 000: it
+    kept arrays of n * passes).  Its check of "every position exactly once"
+    holds a pass's counts only while the pass is in flight: 2 000 passes,
+    delivered in batches that interleave three passes at a time, never hold
+    more than four passes' counts, and the set of closed passes stays small."""
+    n, passes, window, batch = 97, 2000, 3, 16
+    cover = demo.Coverage(n, passes)
+    rng = np.random.default_rng(0)
+    most_open = most_bytes = most_closed = 0
+    # positions in order, shuffled within windows of three passes, cut into batches
+    for w0 in range(0, passes, window):
+        block = np.arange(w0 * n, min(w0 + window, passes) * n)
+        rng.shuffle(block)
+        for i in range(0, len(block), batch):
+            cover.add(block[i : i + batch])
+            most_open = max(most_open, cover.open_passes)
+            most_bytes = max(most_bytes, cover.held_bytes())
+            most_closed = max(most_closed, len(cover._closed))
+    assert cover.exact() and cover.problem() == ""
+    assert most_open <= window + 1 and most_bytes <= (window + 1) * n * 4, (most_open, most_bytes)
+    assert most_closed <= window + 1, most_closed
+    assert cover.open_passes == 0 and cover.held_bytes() == 0
+
+
+def test_coverage_counts_missing_and_repeated_positions() -> None:
+    cover = demo.Coverage(10, 3)
+    cover.add(np.arange(0, 10))  # pass 0 complete: closed
+    cover.add(np.array([3, 3]))  # pass 0 again: one position, repeated
+    cover.add(np.arange(10, 19))  # pass 1 lacks position 19
+    cover.add(np.array([25, 25, 26, 31, -1]))  # pass 2: 25 twice; two out of range
+    assert not cover.exact()
+    assert cover.missing() == 1 + 8  # 19, and pass 2's all but 25 and 26
+    assert cover.repeated == 2  # 3 (a closed pass) and 25
+    assert cover.out_of_range == 2
+    assert cover.problem() == "9 samples never scored, 2 scored more than once, 2 positions out of range"
+    with pytest.raises(ValueError, match="passes >= 1"):
+        demo.Coverage(10, 0)
+
+
+def test_blocks_hand_on_concatenated_batches_and_hold_a_bounded_number() -> None:
+    got: list[tuple[np.ndarray, np.ndarray]] = []
+    blocks = demo.Blocks(3, lambda a, b: got.append((a, b)))
+    for i in range(7):
+        blocks.add(np.array([i, i]), np.array([10 * i]))
+        assert len(blocks._held) < 3
+    blocks.flush()
+    assert [a.tolist() for a, _ in got] == [[0, 0, 1, 1, 2, 2], [3, 3, 4, 4, 5, 5], [6, 6]]
+    assert [b.tolist() for _, b in got] == [[0, 10, 20], [30, 40, 50], [60]]

@@ -48,6 +48,8 @@ NET_NAME = "demo"
 RUN_TIMEOUT = 120.0
 #: Extra blob carrying each sample's position in the run (pass * N + sample).
 INDEX_BLOB = "blobfeed_demo_index"
+#: batches whose checks run together (Blocks): bounds what the checks hold
+BLOCK_BATCHES = 64
 #: Share of the digits held out of training; the accuracy is measured on them.
 TEST_SIZE = 0.25
 
@@ -120,6 +122,127 @@ class PositionReader:
             stop = min(start + count, (start // self.n + 1) * self.n, self.total)
             self._next = stop
         return start, stop
+
+
+class Coverage:
+    """How often each position of a run of ``passes`` passes over ``n``
+    samples was delivered, holding only the passes still open.
+
+    A pass's counts (``n`` small ints) exist from its first delivered
+    position until all ``n`` were delivered exactly once; then only the fact
+    that it closed is kept.  So the memory is ``n`` times the passes in
+    flight (those the queues hold part of), whatever ``passes`` is: the
+    demo's ``--passes 10000`` used to hold several arrays of ``n * passes``
+    (964 MB).  Positions delivered more than once (in a closed pass too) and
+    positions never delivered are still counted exactly.  A few microseconds
+    a batch: the demo's consumer calls it once per batch.
+    """
+
+    def __init__(self, n: int, passes: int) -> None:
+        if n < 1 or passes < 1:
+            raise ValueError(f"Coverage needs n >= 1 and passes >= 1, got n={n}, passes={passes}")
+        self.n = n
+        self.passes = passes
+        #: open pass -> delivery count per sample of the pass
+        self._open: dict[int, np.ndarray] = {}
+        #: every pass below this one closed; the closed passes at or above it
+        self._closed_below = 0
+        self._closed: set[int] = set()
+        self._repeated_closed = 0
+        #: positions outside ``[0, n * passes)``
+        self.out_of_range = 0
+
+    def add(self, positions: np.ndarray) -> None:
+        """Count one batch's positions."""
+        pos = np.asarray(positions).ravel()
+        if not len(pos):
+            return
+        lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0 or hi >= self.n * self.passes:
+            bad = (pos < 0) | (pos >= self.n * self.passes)
+            self.out_of_range += int(bad.sum())
+            self.add(pos[~bad])
+            return
+        k_lo, k_hi = lo // self.n, hi // self.n
+        if k_lo == k_hi:  # the common case: the batch lies in one pass
+            self._add_pass(k_lo, pos - k_lo * self.n)
+            return
+        which = pos // self.n
+        for k in range(k_lo, k_hi + 1):
+            samples = pos[which == k]
+            if len(samples):
+                self._add_pass(k, samples - k * self.n)
+
+    def _add_pass(self, k: int, samples: np.ndarray) -> None:
+        if k < self._closed_below or k in self._closed:  # each of its samples came before
+            self._repeated_closed += len(np.unique(samples))
+            return
+        counts = self._open.get(k)
+        if counts is None:
+            counts = self._open[k] = np.zeros(self.n, np.int32)
+        np.add.at(counts, samples, 1)
+        if np.count_nonzero(counts) == self.n and counts.max() == 1:
+            del self._open[k]  # complete, each sample once: forget its counts
+            self._closed.add(k)
+            while self._closed_below in self._closed:
+                self._closed.discard(self._closed_below)
+                self._closed_below += 1
+
+    @property
+    def open_passes(self) -> int:
+        """Passes begun and not yet complete (or spoilt by a repeat)."""
+        return len(self._open)
+
+    def held_bytes(self) -> int:
+        """Bytes of the per-pass counts held now."""
+        return sum(c.nbytes for c in self._open.values())
+
+    @property
+    def repeated(self) -> int:
+        """Positions delivered more than once (each counted once)."""
+        return self._repeated_closed + sum(int((c > 1).sum()) for c in self._open.values())
+
+    def missing(self) -> int:
+        """Positions never delivered."""
+        begun = self._closed_below + len(self._closed) + len(self._open)
+        return (self.passes - begun) * self.n + sum(self.n - int(np.count_nonzero(c)) for c in self._open.values())
+
+    def exact(self) -> bool:
+        """Was every position delivered exactly once?"""
+        return not self._open and self._closed_below == self.passes and self.out_of_range == 0 \
+            and self._repeated_closed == 0
+
+    def problem(self) -> str:
+        """What went wrong, in words ("" when every position came exactly once)."""
+        if self.exact():
+            return ""
+        return (f"{self.missing()} samples never scored, {self.repeated} scored more than once"
+                + (f", {self.out_of_range} positions out of range" if self.out_of_range else ""))
+
+
+class Blocks:
+    """Collects per-batch arrays and hands them on in blocks of ``every``
+    batches, concatenated: a check that costs a few numpy calls then runs
+    once per block, not per batch (the consumer's thread competes with the
+    fetchers for the GIL: per-batch checks slowed the demo by a third).
+    Holds at most ``every`` batches' arrays."""
+
+    def __init__(self, every: int, on_block: Callable[..., None]) -> None:
+        self.every = every
+        self.on_block = on_block
+        self._held: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, *arrays: np.ndarray) -> None:
+        """One batch's arrays (the same number every time)."""
+        self._held.append(arrays)
+        if len(self._held) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand on what is held (the end of the run calls it)."""
+        if self._held:
+            held, self._held = self._held, []
+            self.on_block(*(np.concatenate(column) for column in zip(*held)))
 
 
 def _chunk_sizes(seed: int, worker_id: int, batch_size: int) -> Callable[[], int]:
@@ -352,7 +475,7 @@ class RunStats:
     #: did ``stop()`` join every thread
     clean_stop: bool
     #: how many times each position was delivered
-    seen: np.ndarray
+    seen: Coverage
 
 
 def _feed_and_run(
@@ -393,7 +516,8 @@ def _feed_and_run(
         raise DemoError(f"cannot serve metrics on 127.0.0.1:{args.metrics_port}: {exc}") from exc
     after = ", and after it until stopped: --serve" if args.serve is not None else ""
     print(f"metrics     {server.url}  (served while the demo runs{after})", flush=True)
-    seen = np.zeros(total, np.int64)
+    seen = Coverage(total // args.passes, args.passes)
+    positions = Blocks(BLOCK_BATCHES, seen.add)
     samples = batches = 0
     bar = _progress(args.progress, total, "scoring")
     clean = False
@@ -407,7 +531,7 @@ def _feed_and_run(
             except blobfeed.EndOfInput:
                 break
             pos = net.workspace.fetch_blob(INDEX_BLOB)
-            np.add.at(seen, pos, 1)
+            positions.add(pos)
             consume(outputs, net.workspace)
             samples += len(pos)
             batches += 1
@@ -418,6 +542,7 @@ def _feed_and_run(
         labels = {"source": SOURCE, "net": NET_NAME}
         wait = gc.registry.get_sample_value("blobfeed_dequeue_wait_seconds_sum", labels) or 0.0
         delivered = gc.registry.get_sample_value("blobfeed_delivered_samples_total", labels) or 0.0
+        positions.flush()
         finished = True
     finally:
         bar.close()
@@ -517,13 +642,24 @@ def _run_digits(
         ]
 
     total = reader.total
-    pred = np.full(total, -1, np.int64)
-    label_seen = np.full(total, -1, np.int64)
+    # Counted batch by batch: nothing here grows with --passes (a position
+    # p is image p % n; Coverage checks each position came exactly once).
+    tally = {"same": 0, "labels_out_of_step": 0, "right_test": 0, "right_train": 0}
+
+    def score(position: np.ndarray, logits: np.ndarray, label: np.ndarray) -> None:
+        image = position % n
+        pred = logits.argmax(axis=1)
+        right = pred == label
+        test = is_test[image]
+        tally["same"] += int((pred == direct_pred[image]).sum())
+        tally["labels_out_of_step"] += int((label != data.labels[image]).sum())
+        tally["right_test"] += int((right & test).sum())
+        tally["right_train"] += int((right & ~test).sum())
+
+    scored = Blocks(BLOCK_BATCHES, score)
 
     def consume(outputs: dict[str, np.ndarray], ws: blobfeed.Workspace) -> None:
-        pos = ws.fetch_blob(INDEX_BLOB)
-        pred[pos] = outputs["logits"].argmax(axis=1)
-        label_seen[pos] = ws.fetch_blob("label")
+        scored.add(ws.fetch_blob(INDEX_BLOB), outputs["logits"], ws.fetch_blob("label"))
 
     net = blobfeed.Net(data.model, name=NET_NAME)
     stats = _feed_and_run(
@@ -538,27 +674,19 @@ def _run_digits(
         on_running=on_running,
         keep_serving=keep_serving,
     )
+    scored.flush()
     lines, problems = _report_run(stats, total)
-    if (stats.seen != 1).any():
-        problems.append(
-            f"{int((stats.seen == 0).sum())} samples never scored, "
-            f"{int((stats.seen > 1).sum())} scored more than once"
-        )
-    expected_pred = np.tile(direct_pred, args.passes)
-    expected_labels = np.tile(data.labels, args.passes)
-    if (label_seen != expected_labels).any():
-        problems.append(f"{int((label_seen != expected_labels).sum())} labels arrived out of step")
-    fed_right = pred == label_seen
-    fed_correct = int(fed_right.sum())
-    same = int((pred == expected_pred).sum())
-    match = same == total and fed_correct == direct_correct * args.passes
-    if not match:
-        problems.append(f"{total - same} of {total} predictions differ from direct scoring")
+    if not stats.seen.exact():
+        problems.append(stats.seen.problem())
+    if tally["labels_out_of_step"]:
+        problems.append(f"{tally['labels_out_of_step']} labels arrived out of step")
+    same = tally["same"]
     # The accuracy worth quoting is the held-out split's: the model never saw
     # those images.  Both figures count blobfeed's predictions, every pass.
-    test_run = np.tile(is_test, args.passes)
-    fed_test = int(fed_right[test_run].sum())
-    fed_train = int(fed_right[~test_run].sum())
+    fed_test, fed_train = tally["right_test"], tally["right_train"]
+    match = same == total and stats.seen.exact() and fed_test + fed_train == direct_correct * args.passes
+    if not match:
+        problems.append(f"{total - same} of {total} predictions differ from direct scoring")
     lines += [
         f"accuracy    {fed_test / (n_test * args.passes):.4f} on the {n_test} held-out test images "
         f"({round(100 * n_test / n)} % split, never seen in training): "
@@ -649,7 +777,7 @@ def _run_model(
         raise DemoError(f"--model {path!r}: running it failed: {exc}") from exc
     expected = total - total % batch_size if fixed is not None else total
     lines, problems = _report_run(stats, expected)
-    if fixed is None and (stats.seen != 1).any():
+    if fixed is None and not stats.seen.exact():
         problems.append("some samples were not scored exactly once")
     for name, shape in out_shapes.items():
         lines.append(f"output      {name}: {list(shape)} (first batch)")
