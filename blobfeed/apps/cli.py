@@ -10,6 +10,7 @@ USAGE = """usage: blobfeed COMMAND [options]
 commands:
   demo    score a real dataset with a real ONNX model, fed by blobfeed (no network)
   bench   run workloads W1-W5 against blobfeed and its baselines; exit 1 if a target is missed
+  serve   serve input sources to trainer processes (blobfeed serve MODULE:FUNCTION --help)
 """
 
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if command == "serve":
+        from .serve import main as serve_main
+
+        return serve_main(rest)
     if command == "bench":
         from .bench.cli import main as bench_main
 

@@ -244,7 +244,7 @@ class Connection:
         pending: Item | End | None = first
         counts = source.counts
         try:
-            while not self.closed.is_set():
+            while not self.closed.is_set() and not self._ended:
                 if pending is None:
                     t0 = time.perf_counter()
                     pending = outlet.next(self, POLL_S)
@@ -306,14 +306,17 @@ class Connection:
         self.channel.send(record)
 
     def tell_stopped(self, reason: str) -> None:
-        """The service stops: tell the consumer (best effort), then close."""
+        """The service stops: tell the consumer (best effort); it closes its
+        end once it has it (``closed`` is set when it did)."""
+        if self.sender is None:
+            self.close()  # still in its handshake
+            return
         if not self._ended:
             self._ended = True
             try:
                 self.channel.send({"t": "end", "error": reason, "kind": "stopped"})
             except OSError:
-                pass
-        self.close()
+                self.close()
 
     def close(self) -> None:
         self.closed.set()

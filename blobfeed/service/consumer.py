@@ -248,6 +248,11 @@ class Attachment:
             self.dealer.queue.close(err, after_items=True)
         else:
             self.source.fail(ServiceError(f"{self._service}: {text}"))
+            # nothing more to say: closing lets the service save its state
+            # with every acknowledgement this consumer sent (under the send
+            # lock: after an acknowledgement being sent, never through it)
+            with self._send_lock:
+                self._channel.close()
 
     def _return_slots(self) -> None:
         get, mapping = self._freed.get, self._mapping

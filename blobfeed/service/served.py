@@ -351,8 +351,8 @@ class Equalizer:
         self.source = source
         self.n = n
         self._cond = threading.Condition()
-        #: per outlet: the items taken from its feed and not yet sent
-        self._ahead: list[collections.deque[Item]] = [collections.deque() for _ in range(n)]
+        #: per outlet: the items taken from its feed and not yet sent (its End last)
+        self._ahead: list[collections.deque[Any]] = [collections.deque() for _ in range(n)]
         #: per outlet: the epoch of its next item
         self._epoch = [0] * n
         #: per outlet: batches of its current epoch sent or dropped
@@ -372,7 +372,8 @@ class Equalizer:
                 got = self._ready(k)
                 if got is not None:
                     return got
-                if not self._taking[k] and len(self._ahead[k]) < 2:
+                ahead = self._ahead[k]
+                if not self._taking[k] and len(ahead) < 2 and not (ahead and isinstance(ahead[-1], End)):
                     self._taking[k] = True
                     self._cond.release()
                     try:
@@ -380,11 +381,16 @@ class Equalizer:
                     finally:
                         self._cond.acquire()
                         self._taking[k] = False
-                    if isinstance(item, End):
-                        return item
+                    if isinstance(item, End) and item.error is not None:
+                        return item  # a failure goes out at once
                     if item is not None:
                         e = self._feed_epoch[k]
-                        if type(item.batch) is EpochEnd:
+                        if isinstance(item, End):
+                            # the end of the data ends the last epoch: its
+                            # incomplete round is dropped as at an epoch's end
+                            self._ended[e][k] = True
+                            self._feed_epoch[k] = e + 1
+                        elif type(item.batch) is EpochEnd:
                             self._ended[e][k] = True
                             self._feed_epoch[k] = e + 1
                         else:
@@ -404,6 +410,8 @@ class Equalizer:
         while q:
             head = q[0]
             e = self._epoch[k]
+            if isinstance(head, End):
+                return head  # stays at the head: every later call ends too
             if type(head.batch) is EpochEnd:
                 self._epoch[k] = e + 1
                 self._passed[k] = 0

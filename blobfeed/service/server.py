@@ -37,6 +37,8 @@ logger = logging.getLogger("blobfeed.service")
 
 #: the version of a service state (``FeedServer.state_dict``)
 STATE_VERSION = 1
+#: seconds stop() waits for consumers to close after being told
+STOP_DRAIN_S = 1.0
 
 _current: list["FeedServer"] = []
 
@@ -65,9 +67,17 @@ def serving(server: "FeedServer") -> Iterator["FeedServer"]:
         _current.remove(server)
 
 
-def serve_source(name: str, input_blob_names: Sequence[str], fetch_fun: Any, batch_size: int, **kwargs: Any) -> None:
-    """Serve a source from the server being set up (see :meth:`FeedServer.serve_source`)."""
-    current_server().serve_source(name, input_blob_names, fetch_fun, batch_size, **kwargs)
+def serve_source(
+    name: str, input_blob_names: Sequence[str], fetch_fun: Any, batch_size: int, num_worker_threads: int = 2,
+    **kwargs: Any,
+) -> None:
+    """Serve a source from the server ``blobfeed serve`` is setting up;
+    the arguments are :meth:`FeedServer.serve_source`'s.
+
+    Raises:
+        BlobfeedError: not called while a server is being set up.
+    """
+    current_server().serve_source(name, input_blob_names, fetch_fun, batch_size, num_worker_threads, **kwargs)
 
 
 class FeedServer:
@@ -330,6 +340,11 @@ class FeedServer:
                 last_save = now
                 self.save_state()
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``/metrics`` is served (``/healthz`` beside it), if it is."""
+        return self._metrics.url if self._metrics is not None else None
+
     def health(self) -> tuple[bool, str]:
         """(serving, why): False once stopping, or a source failed."""
         if self._stopping.is_set():
@@ -428,16 +443,25 @@ class FeedServer:
             self._stopping.set()
             conns = list(self._connections)
         why = reason or self.stop_reason or "stopped"
-        if self._started and self.state_file is not None:
-            self.save_state()
-        for s in self.sources.values():
-            s.stopped = True
-        for conn in conns:
-            conn.tell_stopped(f"service at {self.address} stopped ({why})")
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
+        for s in self.sources.values():
+            s.stopped = True
+        # Tell every consumer first, then let the acknowledgements already on
+        # their way arrive (a consumer closes when told): the saved state must
+        # count every batch a consumer's run() returned, or a resume would
+        # deal it again.
+        for conn in conns:
+            conn.tell_stopped(f"service at {self.address} stopped ({why})")
+        deadline = time.monotonic() + STOP_DRAIN_S
+        for conn in conns:
+            conn.closed.wait(max(0.0, deadline - time.monotonic()))
+        if self._started and self.state_file is not None:
+            self.save_state()
+        for conn in conns:
+            conn.close()
         clean = self.coordinator.stop()
         for t in self._threads:
             t.join(timeout=5.0)

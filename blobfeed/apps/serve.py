@@ -1,0 +1,111 @@
+"""``blobfeed serve MODULE:FUNCTION``: run a feeding service until stopped.
+
+FUNCTION (called with no arguments) wires the sources with
+``blobfeed.serve_source(...)``; the service then serves them until SIGTERM
+or SIGINT, when it stops fetching, saves its state (``--state-file``),
+tells every consumer and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import blobfeed
+from blobfeed.service import FeedServer, serving
+
+logger = logging.getLogger("blobfeed.apps.serve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="blobfeed serve",
+        description="Serve input sources to trainer processes that attach with blobfeed.attach_source().",
+    )
+    p.add_argument("target", metavar="MODULE:FUNCTION",
+                   help="FUNCTION of MODULE (importable, or a path/to/file.py) calls blobfeed.serve_source(...)")
+    p.add_argument("--listen", metavar="PATH", default=None,
+                   help="the Unix socket to listen on (default: a new private directory, printed at start)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve /metrics and /healthz on 127.0.0.1:PORT (0: any free port)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="the address for --metrics-port (default loopback)")
+    p.add_argument("--state-file", default=None, metavar="PATH",
+                   help="save the position here on SIGTERM/SIGINT and every --save-every seconds")
+    p.add_argument("--save-every", type=float, default=60.0, metavar="S", help="seconds between saves (60)")
+    p.add_argument("--resume", action="store_true", help="continue from --state-file")
+    p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    return p
+
+
+def load_target(target: str) -> Any:
+    """The function ``MODULE:FUNCTION`` names (MODULE may be a ``.py`` path).
+
+    Raises:
+        ValueError: the target is malformed, or names nothing callable.
+    """
+    module_name, sep, func_name = target.rpartition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"expected MODULE:FUNCTION, got {target!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = os.path.abspath(module_name)
+        if not os.path.exists(path):
+            raise ValueError(f"no file {module_name!r}")
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        # under its own name, so that process workers can import what it defines
+        sys.modules[name] = module
+        sys.path.insert(0, os.path.dirname(path))
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"{module_name} has no function {func_name!r}")
+    return func
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        func = load_target(args.target)
+    except (ValueError, ImportError) as err:
+        print(f"blobfeed serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        server = FeedServer(
+            args.listen, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+            state_file=args.state_file, resume=args.resume, save_every=args.save_every,
+        )
+        with serving(server):
+            func()
+        server.start()
+    except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
+        print(f"blobfeed serve: {err}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, frame: Any) -> None:
+        server.request_stop(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    # one line a consumer's launcher can read for the address
+    print(f"blobfeed serve: listening on {server.address}", flush=True)
+    if server.metrics_url is not None:
+        print(f"blobfeed serve: metrics on {server.metrics_url}", flush=True)
+    try:
+        server.wait()
+    finally:
+        clean = server.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+    print(f"blobfeed serve: stopped ({server.stop_reason})", flush=True)
+    return 0 if clean else 1

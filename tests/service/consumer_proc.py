@@ -1,0 +1,65 @@
+"""A consumer process for the service tests: attaches, runs, writes one
+JSON line per batch (its ids) and a last line with how it ended."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import blobfeed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("address")
+    p.add_argument("out")
+    p.add_argument("--index", type=int, default=None)
+    p.add_argument("--num", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--die-after", type=int, default=None, help="SIGKILL itself after this many batches")
+    p.add_argument("--timeout", type=float, default=20.0)
+    a = p.parse_args()
+    net = blobfeed.Net(None, name=f"rank{a.index}")
+    with open(a.out, "w") as out:
+        def line(obj: object) -> None:
+            out.write(json.dumps(obj) + "\n")
+            out.flush()
+
+        try:
+            att = blobfeed.attach_source(
+                net, ["id", "x"], a.batch_size, "train", a.address, consumer_index=a.index,
+                num_consumers=a.num, timeout=a.timeout,
+            )
+        except (ValueError, blobfeed.BlobfeedError) as err:
+            line({"end": "refused", "type": type(err).__name__, "error": str(err)})
+            return 3
+        line({"attached": att.consumer})
+        n = 0
+        try:
+            while True:
+                try:
+                    got = net.run()
+                except blobfeed.EndOfEpoch as e:
+                    line({"epoch_end": e.epoch})
+                    continue
+                assert not got["id"].flags.writeable
+                line({"ids": got["id"].tolist()})
+                n += 1
+                if a.die_after is not None and n >= a.die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        except blobfeed.EndOfInput:
+            line({"end": "input"})
+        except blobfeed.BlobfeedError as err:
+            line({"end": "error", "type": type(err).__name__, "error": str(err), "t": time.time()})
+            return 4
+        finally:
+            att.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

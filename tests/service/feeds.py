@@ -1,0 +1,56 @@
+"""Fetchers and wiring functions the service tests serve (importable by
+the service's worker processes and by ``blobfeed serve``)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import blobfeed
+
+#: samples per worker: the tests' expected ids come from here
+CALLS = int(os.environ.get("BLOBFEED_TEST_CALLS", "40"))
+
+
+def ids_of(worker: int, call: int) -> np.ndarray:
+    n = 3 + (worker + call) % 5
+    return worker * 100_000 + call * 10 + np.arange(n, dtype=np.int64)
+
+
+def all_ids(workers: int, calls: int = CALLS) -> list[int]:
+    return sorted(int(i) for w in range(workers) for c in range(calls) for i in ids_of(w, c))
+
+
+class Fetch:
+    """A worker's calls, counted per worker (stateful: resumable exactly)."""
+
+    def __init__(self, calls: int = CALLS) -> None:
+        self.calls = calls
+        self.c = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if self.c >= self.calls:
+            self.c = 0  # the next epoch starts over
+            raise StopIteration
+        ids = ids_of(worker_id, self.c)
+        self.c += 1
+        return [ids, np.stack([ids.astype(np.float32)] * 3, axis=1)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"c": self.c}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.c = state["c"]
+
+
+def wire_by_index() -> None:
+    """What the CLI tests serve: 2 workers, 4 consumers by index, deterministic, 2 epochs."""
+    blobfeed.serve_source(
+        "train", ["id", "x"], Fetch(), 8, 2, deterministic=True, num_consumers=int(os.environ.get("N", "4")),
+        epochs=int(os.environ.get("EPOCHS", "1")), grace_period=float(os.environ.get("GRACE", "30")),
+    )
+
+
+def wire_first_come() -> None:
+    blobfeed.serve_source("train", ["id", "x"], Fetch(), 8, 2, deterministic=True)

@@ -1,0 +1,338 @@
+"""The feeding service with real processes and real sockets (issue 18).
+
+Consumers are separate Python processes (tests/service/consumer_proc.py)
+that write one JSON line per batch their ``run()`` returned; every wait is
+bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed.service import FeedServer
+
+from . import feeds
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+CONSUMER = [sys.executable, str(HERE / "consumer_proc.py")]
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def consumer(address: str, out: Path, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([*CONSUMER, address, str(out), *args], env=ENV, stderr=subprocess.PIPE)
+
+
+def finish(procs: list[subprocess.Popen[bytes]], timeout: float = 90.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a consumer did not end within {timeout} s") from None
+    return codes
+
+
+def lines(out: Path) -> list[dict]:
+    return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+
+
+def batches(out: Path) -> list[list[int]]:
+    return [r["ids"] for r in lines(out) if "ids" in r]
+
+
+def wait_for(pred, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def served(workers: int = 2, **kw) -> FeedServer:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, workers, **kw)
+    return server.start()
+
+
+def local_streams(nets: int, workers_per_net: int, **kw) -> list[list[list[int]]]:
+    """What ``nets`` nets in one process get from the same source (the reference)."""
+    gc = blobfeed.GlobalCoordinator()
+    ns = [blobfeed.Net(None, name=f"n{i}") for i in range(nets)]
+    for net in ns:
+        blobfeed.init_data_input_workers(
+            net, ["id", "x"], feeds.Fetch(), 8, workers_per_net, coordinator=gc, timeout=20, **kw
+        )
+    gc.start()
+    got: list[list[list[int]]] = [[] for _ in ns]
+    import threading
+
+    def drain(i: int) -> None:
+        while True:
+            try:
+                got[i].append(ns[i].run()["id"].tolist())
+            except blobfeed.EndOfEpoch:
+                continue
+            except blobfeed.EndOfInput:
+                return
+
+    ts = [threading.Thread(target=drain, args=(i,)) for i in range(nets)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert gc.stop()
+    return got
+
+
+def test_by_index_exactly_once_and_equal_to_four_nets_in_one_process(tmp_path: Path) -> None:
+    with served(4, deterministic=True, num_consumers=4) as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(4)]
+        procs = [consumer(server.address, outs[i], "--index", str(i), "--num", "4") for i in range(4)]
+        assert finish(procs) == [0] * 4
+    streams = [batches(o) for o in outs]
+    flat = [i for s in streams for b in s for i in b]
+    assert sorted(flat) == feeds.all_ids(4)
+    assert streams == local_streams(4, 1, deterministic=True)
+    assert all(lines(o)[-1] == {"end": "input"} for o in outs)
+
+
+def test_first_come_exactly_once_across_four_consumers(tmp_path: Path) -> None:
+    with served(2) as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(4)]
+        procs = [consumer(server.address, o) for o in outs]
+        assert finish(procs) == [0] * 4
+        counts = server.sources["train"].counts
+        assert sum(counts.acknowledged.values()) == sum(len(batches(o)) for o in outs)
+    flat = [i for o in outs for b in batches(o) for i in b]
+    assert sorted(flat) == feeds.all_ids(2)
+
+
+def test_equal_shares_drop_the_incomplete_round(tmp_path: Path) -> None:
+    with served(2, deterministic=True, num_consumers=3, equal=True, epochs=2) as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
+        procs = [consumer(server.address, outs[i], "--index", str(i)) for i in range(3)]
+        assert finish(procs) == [0] * 3
+        dropped = server.sources["train"].counts.dropped_equal
+    per_epoch = []
+    for o in outs:
+        counts, n = [], 0
+        for r in lines(o):
+            if "ids" in r:
+                n += 1
+            elif "epoch_end" in r or r.get("end") == "input":
+                counts.append(n)
+                n = 0
+        per_epoch.append(counts)
+    assert per_epoch[0] == per_epoch[1] == per_epoch[2], per_epoch
+    total = sum(len(batches(o)) for o in outs)
+    # 2 epochs: every batch but the dropped ones reached one consumer
+    per_epoch_batches = -(-len(feeds.all_ids(2)) // 8)
+    assert per_epoch_batches % 3 != 0  # so a round is incomplete
+    assert total + dropped == 2 * per_epoch_batches
+    assert dropped == 2 * (per_epoch_batches % 3)
+
+
+def test_a_killed_consumer_s_batches_go_to_the_others(tmp_path: Path) -> None:
+    with served(2) as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
+        dying = consumer(server.address, outs[0], "--die-after", "3")
+        assert dying.wait(60) == -signal.SIGKILL
+        procs = [consumer(server.address, o) for o in outs[1:]]
+        assert finish(procs) == [0, 0]
+        redealt = sum(server.sources["train"].counts.redealt.values())
+    flat = [i for o in outs for b in batches(o) for i in b]
+    assert sorted(flat) == feeds.all_ids(2)
+    assert redealt > 0  # it died holding prefetched batches
+
+
+def test_a_killed_consumer_index_re_attaches_and_the_stream_goes_on_exactly(tmp_path: Path) -> None:
+    with served(2, deterministic=True, num_consumers=2) as server:
+        first, second, other = (tmp_path / n for n in ("first.jsonl", "second.jsonl", "other.jsonl"))
+        dying = consumer(server.address, first, "--index", "1", "--die-after", "4")
+        peer = consumer(server.address, other, "--index", "0")
+        assert dying.wait(60) == -signal.SIGKILL
+        again = consumer(server.address, second, "--index", "1")
+        assert finish([peer, again]) == [0, 0]
+    reference = local_streams(2, 1, deterministic=True)
+    # the reference wires 2 workers as 2 calls of 1: the same worker ids, the same stream
+    assert batches(first) + batches(second) == reference[1]
+    assert batches(other) == reference[0]
+
+
+def test_a_consumer_index_that_does_not_come_back_fails_the_source_naming_it(tmp_path: Path) -> None:
+    with served(2, deterministic=True, num_consumers=2, grace_period=0.5) as server:
+        dying = consumer(server.address, tmp_path / "d.jsonl", "--index", "1", "--die-after", "2")
+        peer = consumer(server.address, tmp_path / "p.jsonl", "--index", "0")
+        assert dying.wait(60) == -signal.SIGKILL
+        assert finish([peer]) == [4]
+    end = lines(tmp_path / "p.jsonl")[-1]
+    assert end["end"] == "error" and end["type"] == "FetcherError"
+    assert "consumer 1 left and did not come back within 0.5 s" in end["error"]
+
+
+def _serve_cli(tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen[str], str]:
+    sock = str(tmp_path / "feed.sock")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", "tests.service.feeds:wire_by_index",
+         "--listen", sock, *extra],
+        env={**ENV, **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()  # bounded: the server prints it once listening, or exits
+    assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None else "")
+    return p, sock
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_consumers_learn_within_a_second_that_the_service_ended(tmp_path: Path, sig: int) -> None:
+    p, sock = _serve_cli(tmp_path, env={"N": "2", "BLOBFEED_TEST_CALLS": "100000"})
+    try:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(2)]
+        # --timeout 60: a consumer that does not hear of the end would wait a minute
+        procs = [consumer(sock, outs[i], "--index", str(i), "--timeout", "60") for i in range(2)]
+        wait_for(lambda: all(o.exists() and len(lines(o)) > 5 for o in outs), what="batches")
+        killed_at = time.time()
+        p.send_signal(sig)
+        assert finish(procs, 30) == [4, 4]
+        for o in outs:
+            end = lines(o)[-1]
+            assert end["type"] == "ServiceError" and sock in end["error"]
+            assert end["t"] - killed_at < 1.0
+        code = p.wait(30)
+        assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert not os.path.exists(sock) or sig == signal.SIGKILL
+
+
+def test_sigterm_saves_the_state_and_a_resumed_service_continues_exactly(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    env = {"N": "2", "EPOCHS": "2"}
+    p, sock = _serve_cli(tmp_path, "--state-file", str(state), env=env)
+    first = [tmp_path / f"a{i}.jsonl" for i in range(2)]
+    try:
+        procs = [consumer(sock, first[i], "--index", str(i)) for i in range(2)]
+        wait_for(lambda: all(o.exists() and len(lines(o)) > 12 for o in first), what="batches")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        finish(procs, 30)
+    finally:
+        p.kill()
+    saved = json.loads(state.read_text())
+    assert saved["version"] == 1 and "train" in saved["sources"]
+    p, sock = _serve_cli(tmp_path, "--state-file", str(state), "--resume", env=env)
+    second = [tmp_path / f"b{i}.jsonl" for i in range(2)]
+    try:
+        procs = [consumer(sock, second[i], "--index", str(i)) for i in range(2)]
+        assert finish(procs) == [0, 0]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+    reference = local_streams(2, 1, deterministic=True, epochs=2)
+    for i in range(2):
+        assert batches(first[i]) + batches(second[i]) == reference[i]
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(batch_size=16), "is served in batches of 8; the consumer asked for batch_size=16"),
+    (dict(input_blob_names=["x", "id"]), "carries blobs ['id', 'x']; the consumer asked for ['x', 'id']"),
+    (dict(num_consumers=3), "is dealt to 2 consumers; the consumer asked for num_consumers=3"),
+    (dict(consumer_index=2), "the consumer asked for consumer_index=2"),
+    (dict(input_source_name="eval"), "this service has no source 'eval'"),
+])
+def test_bad_attach_arguments_are_a_value_error_at_attach(kwargs: dict, expected: str) -> None:
+    with served(2, deterministic=True, num_consumers=2) as server:
+        args = dict(input_blob_names=["id", "x"], batch_size=8, input_source_name="train")
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+            blobfeed.attach_source(blobfeed.Net(None), address=server.address, **args)
+
+
+def test_an_index_attached_twice_is_refused(tmp_path: Path) -> None:
+    with served(2, deterministic=True, num_consumers=2) as server:
+        with blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", server.address, consumer_index=0):
+            with pytest.raises(ValueError, match="consumer index 0 is attached already"):
+                blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", server.address, consumer_index=0)
+
+
+def test_a_stranger_sending_garbage_is_refused_and_the_service_keeps_serving(caplog, tmp_path: Path) -> None:
+    garbage = [
+        b"\x00\xff not json",
+        b"[1, 2, 3]",
+        json.dumps({"t": "hello", "protocol": 1}).encode(),
+        json.dumps({"t": "ack", "g": 0}).encode(),
+        json.dumps({"t": "hello", "protocol": 1, "source": "train", "blobs": ["id", "x"], "batch_size": True,
+                    "index": None, "num": None, "pid": 1}).encode(),
+        b"{" * 70000,
+    ]
+    with served(2) as server:
+        for data in garbage:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(10)
+            s.connect(server.address)
+            try:
+                s.send(data)
+            except OSError:
+                pass
+            assert s.recv(100) == b""  # closed on us, nothing else said
+            s.close()
+        # a valid hello, then an acknowledgement of something never sent
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address) as att:
+            att._send({"t": "ack", "g": 12345})
+            with pytest.raises(blobfeed.ServiceError):
+                for _ in range(10_000):
+                    net.run(timeout=10)
+        # the service still serves everything to a well-behaved consumer
+        out = tmp_path / "good.jsonl"
+        assert finish([consumer(server.address, out)]) == [0]
+    assert len(batches(out)) > 0
+    warned = [r.getMessage() for r in caplog.records if r.name == "blobfeed.service"]
+    assert any("not JSON" in m for m in warned)
+    assert any("acknowledged item 12345" in m for m in warned)
+
+
+def _fds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def test_twenty_attach_detach_cycles_leave_nothing_behind() -> None:
+    import threading
+
+    with served(2, epochs=None) as server:
+        def cycle() -> None:
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+                for _ in range(3):
+                    net.run(timeout=10)
+
+        cycle()
+        fds, threads = len(_fds()), threading.active_count()
+        for _ in range(20):
+            cycle()
+        wait_for(lambda: len(_fds()) <= fds and threading.active_count() <= threads, 10, "cleanup")
+        assert sum("memfd:blobfeed" in f for f in _fds()) <= 1 + 2  # the last area may still be freed
+    assert not any("memfd:blobfeed" in f for f in _fds())
+    assert not os.path.exists(server.address)
