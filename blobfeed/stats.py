@@ -141,19 +141,35 @@ class AssembleStats:
 class ConsumeStats:
     """What one net's ``run()`` took from one source (the consumer thread writes)."""
 
-    __slots__ = ("batches", "samples", "wait", "timeouts")
+    __slots__ = ("batches", "samples", "wait", "timeouts", "busy", "last_end", "model", "first_batch")
 
     def __init__(self) -> None:
         self.batches = 0
         self.samples = 0
         self.wait = Hist()
         self.timeouts = 0
+        #: seconds the consumer spent between two waits for this source's
+        #: batches (its own work, the model's run included): with ``wait``,
+        #: the input-stall ratio is wait / (wait + busy)
+        self.busy = 0.0
+        #: ``perf_counter()`` when the last wait ended; 0.0 before the first
+        self.last_end = 0.0
+        #: seconds the net's model ran on batches of this source
+        self.model = Hist()
+        #: seconds from ``start()`` (or the first ``run()``, if later) to the
+        #: first batch; None until then
+        self.first_batch: float | None = None
 
     def add(self, o: "ConsumeStats") -> None:
         self.batches += o.batches
         self.samples += o.samples
         self.wait.add(o.wait)
         self.timeouts += o.timeouts
+        self.busy += o.busy
+        self.model.add(o.model)
+        if o.first_batch is not None:
+            # folded in order, retired runs first: the latest run's stands
+            self.first_batch = o.first_batch
 
 
 @dataclass
