@@ -536,3 +536,52 @@ def test_a_measurement_child_runs_from_the_folder_that_holds_the_clone(
     monkeypatch.chdir(tmp_path)
     got = runner._child("W1", "blobfeed", 0.05)
     assert got["samples_lost"] == 0 and got["batches_per_s"] > 0, got
+
+
+def _column_cells(table: list[str]) -> list[dict[str, str]]:
+    """Each line of a report's table (header first) cut into cells under the
+    header's columns: the first column left-aligned, the others right-aligned,
+    each ending where its header ends."""
+    header = table[0]
+    names = re.split(r" {2,}", header.strip())
+    ends = [header.index(names[0]) + len(names[0])]
+    for name in names[1:]:
+        ends.append(header.index(name, ends[-1]) + len(name))
+    rows = []
+    for line in table[1:]:
+        cells, start = {names[0]: line[: ends[0]].strip()}, ends[0]
+        for name, end in zip(names[1:], ends[1:]):
+            cells[name] = line[start:end].strip()
+            start = end
+        rows.append(cells)
+    return rows
+
+
+def test_the_table_separates_its_headers_and_fills_every_pss_cell() -> None:
+    """Issue 19: two headers ran together ("GB/s peak RSS MB", "lost vs
+    ideal") and the PSS column was blank for every thread workload."""
+    results = _passing_results()
+    results["W3/caffe2"]["samples_lost"] = 123_657_152  # the widest cell the bench has printed
+    results["W2/blobfeed"]["pss_mb"] = 108.4  # the others have none, as in a report saved before
+    report_ = {"seconds": 1.0, "repeats": 1, "python": "3.11", "cpus": 2, "results": results}
+    text = report.format_report(report_)
+    lines = text.splitlines()
+    top = lines.index(next(line for line in lines if line.startswith("workload/runner")))
+    table = lines[top: lines.index("", top)]
+    header_names = re.split(r" {2,}", table[0].strip())
+    assert header_names == ["workload/runner"] + [name for name, _ in report.COLUMNS], table[0]
+    rows = _column_cells(table)
+    measured = [r for r in rows if not r["workload/runner"].endswith("/ideal")]
+    assert measured and all(r["PSS MB"] for r in measured), table
+    assert next(r for r in rows if r["workload/runner"] == "W2/blobfeed")["PSS MB"] == "108"
+    assert next(r for r in rows if r["workload/runner"] == "W3/caffe2")["lost"] == "123657152"
+    assert {r["PSS MB"] for r in measured} == {"108", "-"}
+
+
+def test_every_measurement_reads_its_pss() -> None:
+    m = measure.Meter(0.05, warmup=0.0)
+    m.begin()
+    batch = [np.zeros((4, 2), np.float32)]
+    while m.tick(batch):
+        pass
+    assert m.result()["pss_mb"] > 0  # threads too, not only worker processes

@@ -40,7 +40,7 @@ def _run_blobfeed(wl: Workload, seconds: float, tally: Tally, blobfeed: Any, bac
         kwargs.update(deterministic=wl.deterministic, shuffle_buffer=wl.shuffle_buffer, seed=ORDERED_SEED)
     blobfeed.init_data_input_workers(net, list(wl.blobs), fetch, wl.batch, num_worker_threads=workers, coordinator=gc,
                                      **kwargs)
-    m = Meter(seconds, pss=backend is not None)
+    m = Meter(seconds)
     wait_key = ("blobfeed_dequeue_wait_seconds_sum", {"source": "train", "net": "bench"})
     delivered = 0
     m.begin()

@@ -240,28 +240,44 @@ def _installed_text(report: dict[str, Any]) -> str:
     return ", ".join(f"{shown} {'yes' if report.get(key) else 'not installed (skipped)'}" for key, shown in names)
 
 
+#: The table's columns after ``workload/runner``: (header, width), each
+#: right-aligned, at least two spaces wider than its header so no two
+#: headers run together ("GB/s peak RSS MB" and "lost vs ideal" did).
+COLUMNS = [
+    ("batches/s", 12), ("GB/s", 7), ("peak RSS MB", 13), ("PSS MB", 8), ("first ms", 10),
+    ("lost", 11), ("vs ideal", 10), ("vs base", 12),
+]
+#: the width of the ``workload/runner`` column (left-aligned)
+KEY_WIDTH = 17
+
+
+def _table_line(key: str, cells: list[str]) -> str:
+    return (f"{key:<{KEY_WIDTH}}" + "".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS))).rstrip()
+
+
 def format_report(report: dict[str, Any]) -> str:
+    """The report as text: the run, the table of every measurement, the targets."""
     lines = [
         (f"blobfeed bench: {report['seconds']:g} s per measurement, median of {report['repeats']}, "
          f"python {report['python']}, {report['cpus']} cpus, {_installed_text(report)}"),
         "",
-        (f"{'workload/runner':<16}{'batches/s':>11}{'GB/s':>7}{'peak RSS MB':>12}{'PSS MB':>8}{'first ms':>9}"
-         f"{'lost':>10}{'vs ideal':>9}{'vs base':>13}"),
+        _table_line("workload/runner", [name for name, _ in COLUMNS]),
     ]
     results = report["results"]
     for key, r in results.items():
         if key.endswith("/ideal"):
-            lines.append(f"{key:<16}{r['batches_per_s']:>11.1f}")
+            lines.append(_table_line(key, [f"{r['batches_per_s']:.1f}"]))
             continue
-        pss = f"{r['pss_mb']:.0f}" if "pss_mb" in r else ""
+        # "-": not measured (a report saved before every run read its PSS)
+        pss = f"{r['pss_mb']:.0f}" if "pss_mb" in r else "-"
         ideal = f"{r['ideal_ratio']:.2f}" if "ideal_ratio" in r else ""
         wl, runner = key.split("/", 1)
         ratio = base_ratio(results, wl) if runner == "blobfeed" else None
         vs_base = f"{ratio:.2f} x {WORKLOADS[wl].base}" if ratio is not None else ""
-        lines.append(
-            f"{key:<16}{r['batches_per_s']:>11.1f}{r['gb_per_s']:>7.2f}{r['peak_rss_mb']:>12.0f}{pss:>8}"
-            f"{r['first_batch_ms']:>9.1f}{int(r['samples_lost']):>10d}{ideal:>9}{vs_base:>13}".rstrip()
-        )
+        lines.append(_table_line(key, [
+            f"{r['batches_per_s']:.1f}", f"{r['gb_per_s']:.2f}", f"{r['peak_rss_mb']:.0f}", pss,
+            f"{r['first_batch_ms']:.1f}", f"{int(r['samples_lost']):d}", ideal, vs_base,
+        ]))
     for wl, why in report.get("skipped", {}).items():
         lines.append(f"{wl + '/*':<16} skipped: {why}")
     lines += ["", f"{'target':<56}{'measured':>10}  result"]

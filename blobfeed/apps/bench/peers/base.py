@@ -16,11 +16,11 @@ def run_peer(wl: Workload, seconds: float, body: Callable[[Fetcher, Meter], Any]
     """Runs a peer: ``body(fetcher, meter)`` feeds the meter until it says
     stop; then the result, with the ideal where the workload has one.  Peers
     do not count samples: they are not checked for losses.  ``pss``: read
-    the process tree's PSS (default: with worker processes)."""
+    the process tree's PSS (default: always, as the Meter does)."""
     tally = Tally()
     try:
         fetcher = wl.fetcher(tally)
-        m = Meter(seconds, pss=wl.backend != "threads" if pss is None else pss)
+        m = Meter(seconds) if pss is None else Meter(seconds, pss=pss)
         body(fetcher, m)
         return m.result(samples_lost=0, **wl.ideal(tally, m.result()["batches_per_s"]))
     finally:
