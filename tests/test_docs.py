@@ -565,3 +565,9 @@ def test_data_parallel_docs_say_first_come_first_served_and_show_deterministic()
     assert "first come, first served" in shared and "deterministic=True" in shared
     example = (REPO / "examples" / "data_parallel.py").read_text(encoding="utf-8")
     assert "first come, first served" in example and "deterministic=deterministic" in example
+
+
+def test_readme_tells_operators_what_the_demo_does_on_a_signal() -> None:
+    quick = " ".join(_section(README.read_text(encoding="utf-8"), "## Quickstart").split())
+    for said in ("SIGTERM", "143", "--version", "--passes"):
+        assert said in quick, f"README's Quickstart does not mention {said}"
