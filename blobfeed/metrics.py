@@ -7,7 +7,10 @@ sums and the live queues' depths at scrape time.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
+import platform
 import socket
 import threading
 from socketserver import ThreadingMixIn
@@ -62,6 +65,22 @@ def register_collector(registry: CollectorRegistry, hub: MetricsHub) -> None:
 
 
 _INF = float("inf")
+
+
+@functools.lru_cache(maxsize=1)
+def _build_labels() -> tuple[str, str, str]:
+    """blobfeed's, Python's and onnxruntime's versions (read once: they do
+    not change while the process runs)."""
+    from . import __version__
+
+    ort = "none"
+    for dist in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            ort = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return __version__, platform.python_version(), ort
 
 
 def _hist_buckets(h: Hist) -> list[tuple[str, float]]:
@@ -121,7 +140,27 @@ class _Collector:
         timeouts = CounterMetricFamily("blobfeed_dequeue_timeouts", "DequeueTimeouts raised.", labels=SN)
         alive = GaugeMetricFamily("blobfeed_workers_alive", "Fetcher threads running.", labels=S)
         ips = GaugeMetricFamily(
-            "blobfeed_inputs_per_second", "Samples/s fetched over the last few seconds.", labels=S
+            "blobfeed_inputs_per_second",
+            "Samples/s fetched over the last few seconds (Caffe2's inputs_per_sec, as a gauge).",
+            labels=S,
+        )
+        build = GaugeMetricFamily(
+            "blobfeed_build_info", "Always 1; the labels say which blobfeed, Python and onnxruntime run.",
+            labels=["version", "python", "onnxruntime"],
+        )
+        first = GaugeMetricFamily(
+            "blobfeed_first_batch_seconds",
+            "Seconds from start() (or the net's first run(), if later) to its first batch from the source.",
+            labels=SN,
+        )
+        busy = CounterMetricFamily(
+            "blobfeed_consumer_busy_seconds",
+            "Seconds the consumer spent between its waits for this source's batches (its own work and the "
+            "model's run): input-stall ratio = wait / (wait + busy).",
+            labels=SN,
+        )
+        model_s = HistogramMetricFamily(
+            "blobfeed_model_run_seconds", "Time the net's model ran on a batch (Net.run with a model).", labels=SN
         )
         delivered = CounterMetricFamily(
             "blobfeed_delivered_samples", "Samples returned by Net.run().", labels=SN
@@ -172,6 +211,10 @@ class _Collector:
                 direct.add_metric([name, net], n_direct)
                 enqueue_s.add_metric([name, net], _hist_buckets(a.enqueue), a.enqueue.total)
                 wait_s.add_metric([name, net], _hist_buckets(c.wait), c.wait.total)
+                busy.add_metric([name, net], c.busy)
+                model_s.add_metric([name, net], _hist_buckets(c.model), c.model.total)
+                if c.first_batch is not None:
+                    first.add_metric([name, net], c.first_batch)
                 timeouts.add_metric([name, net], c.timeouts)
                 delivered.add_metric([name, net], c.samples)
                 for k, v in a.dropped.items():
@@ -195,9 +238,12 @@ class _Collector:
             else:
                 alive.add_metric([name], 0)
                 buffered.add_metric([name], 0)
+        if sources is not None:  # a scrape (describe() wants no samples)
+            build.add_metric(list(_build_labels()), 1)
         yield from (
             chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap, iq_bytes,
             dq_depth, wait_s, timeouts, alive, ips, delivered, dropped, skipped, buffered, deaths, transport,
+            build, first, busy, model_s,
         )
 
 

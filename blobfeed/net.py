@@ -339,6 +339,7 @@ class Net:
                 feed.to_model(batch)
                 blobs.update(zip(feed.blob_names, batch.arrays))
             inputs = {n: blobs[n] if n in blobs else self.workspace.fetch_blob(n) for n in self.input_names}
+            t0 = time.perf_counter()
             try:
                 if self._device_type == "cpu":
                     outputs = dict(zip(self.output_names, session.run(self.output_names, inputs, options)))
@@ -360,7 +361,9 @@ class Net:
                 ) from exc
         finally:
             self._run_options = None
+        took = time.perf_counter() - t0
         for feed, batch in taken:
+            feed.consume_stats.model.observe(took)  # blobfeed_model_run_seconds
             feed.delivered(batch)
         blobs.update(outputs)
         self.workspace._update(blobs)

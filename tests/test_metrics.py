@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from typing import Any
 
@@ -32,6 +33,10 @@ SPEC_METRICS = {
     "blobfeed_dequeue_timeouts_total": ("counter", {"source", "net"}),
     "blobfeed_workers_alive": ("gauge", {"source"}),
     "blobfeed_inputs_per_second": ("gauge", {"source"}),
+    "blobfeed_build_info": ("gauge", {"version", "python", "onnxruntime"}),
+    "blobfeed_first_batch_seconds": ("gauge", {"source", "net"}),
+    "blobfeed_consumer_busy_seconds_total": ("counter", {"source", "net"}),
+    "blobfeed_model_run_seconds": ("histogram", {"source", "net"}),
 }
 
 
@@ -248,3 +253,65 @@ def test_accounting_identity_holds_under_backpressure(gc: blobfeed.GlobalCoordin
     fetched, accounted = parts()
     assert fetched == accounted
     assert sample(gc, "blobfeed_dropped_samples_total", source="train", reason="stopped") > 0
+
+
+def test_build_info_names_the_versions(gc: blobfeed.GlobalCoordinator) -> None:
+    import importlib.metadata
+    import platform
+
+    labels = {"version": blobfeed.__version__, "python": platform.python_version(),
+              "onnxruntime": importlib.metadata.version("onnxruntime")}
+    assert sample(gc, "blobfeed_build_info", **labels) == 1
+
+
+def test_time_to_first_batch_stall_ratio_and_model_seconds(gc: blobfeed.GlobalCoordinator) -> None:
+    """The input-stall ratio is one line, wait / (wait + busy): here the
+    consumer works WORK seconds after each batch and input never lacks, so
+    busy is at least that work and the ratio is small."""
+    from blobfeed.apps.models import mlp_onnx
+
+    pytest.importorskip("onnx")
+    model, _ = mlp_onnx([3, 4, 2])
+    net = Net(model, name="m")
+    init_data_input_workers(net, ["data"], lambda w, b: [np.zeros((4, 3), np.float32)], 4,
+                            num_worker_threads=1, coordinator=gc)
+    gc.start()
+    runs, work = 6, 0.02
+    for _ in range(runs):
+        net.run(timeout=WAIT)
+        time.sleep(work)  # the consumer's own work between run() calls: what is measured
+    labels = {"source": "train", "net": "m"}
+    first = sample(gc, "blobfeed_first_batch_seconds", **labels)
+    assert 0 < first < WAIT
+    assert sample(gc, "blobfeed_model_run_seconds_count", **labels) == runs
+    assert sample(gc, "blobfeed_model_run_seconds_sum", **labels) > 0
+    busy = sample(gc, "blobfeed_consumer_busy_seconds_total", **labels)
+    wait = sample(gc, "blobfeed_dequeue_wait_seconds_sum", **labels)
+    # five gaps between six run() calls, each the work (and the model's run)
+    assert busy >= (runs - 1) * work
+    assert wait / (wait + busy) < 0.5
+    assert gc.stop(timeout=WAIT)
+    # retired with the source: the counters keep their values
+    assert sample(gc, "blobfeed_consumer_busy_seconds_total", **labels) == busy
+    assert sample(gc, "blobfeed_first_batch_seconds", **labels) == first
+
+
+def test_first_batch_counts_from_a_late_first_run(gc: blobfeed.GlobalCoordinator) -> None:
+    """A consumer that asks late does not count against the pipeline: the
+    time runs from the later of start() and the first run()."""
+    ready = threading.Event()
+
+    def fetch(w: int, b: int) -> list[np.ndarray]:
+        ready.set()
+        return [np.zeros(4)]
+
+    net = Net(name="late")
+    init_data_input_workers(net, ["x"], fetch, 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    assert ready.wait(WAIT)
+    wait_until(lambda: sample(gc, "blobfeed_device_queue_depth", source="train", net="late") > 0,
+               "a batch ready before the first run()")
+    before = time.perf_counter()
+    net.run(timeout=WAIT)
+    took = time.perf_counter() - before
+    assert 0 < sample(gc, "blobfeed_first_batch_seconds", source="train", net="late") <= took

@@ -124,6 +124,10 @@ class Feed:
         self._lost_reason = "stopped"
         #: set when the coordinator starts the enqueuer: run() before that is a user error
         self._started = False
+        #: perf_counter() at the start, and at the net's first dequeue: the
+        #: time to the first batch counts from the later of the two
+        self._started_at = 0.0
+        self._first_ask = 0.0
         #: the first batch handed to the net was checked against its model
         self._first_checked = False
         self._group: FeedGroup | None = None
@@ -173,6 +177,7 @@ class Feed:
 
     def mark_started(self) -> None:
         """The enqueuer and the fetchers are starting."""
+        self._started_at = time.perf_counter()
         self._started = True
 
     def abort(self, error: BaseException) -> int:
@@ -487,6 +492,8 @@ class Feed:
                 Chunk(batch.arrays, batch.n, -1), self.model_checks, self.source.axes,
                 f"source {self.source.name!r}, net {self.net_name!r} (a chunk queued before the net was wired)",
             )
+        # blobfeed_first_batch_seconds: a consumer that asks late does not count against the pipeline
+        self.consume_stats.first_batch = time.perf_counter() - max(self._started_at, self._first_ask)
 
     def _assemble_here(self) -> Batch | None:
         """The net's thread takes or assembles the next batch, if it can without waiting for data.
@@ -536,6 +543,11 @@ class Feed:
         limit = self.timeout if timeout is None else timeout
         cs = self.consume_stats
         t0 = time.perf_counter()
+        if cs.last_end:
+            # the consumer's own time since its last wait (the stall ratio's other half)
+            cs.busy += t0 - cs.last_end
+        else:
+            self._first_ask = t0
         try:
             ok, batch = self.device_queue.get_nowait()
             if ok:
@@ -570,7 +582,8 @@ class Feed:
                             self.source.queue_depth(), self.source.workers_alive(),
                         )
         finally:
-            cs.wait.observe(time.perf_counter() - t0)
+            t1 = cs.last_end = time.perf_counter()
+            cs.wait.observe(t1 - t0)
 
 
 def _unplaced(arrays: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
