@@ -809,8 +809,8 @@ def serve_after_run(server: MetricsServer, seconds: float) -> None:
     except KeyboardInterrupt:  # not the main thread: Ctrl-C arrives as usual
         pass
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         server.close()
     print("serving     stopped", flush=True)
 
