@@ -114,8 +114,17 @@ def test_graphs_the_key_signals(dashboard: dict[str, Any]) -> None:
         "rate(blobfeed_fetch_errors_total",
         "rate(blobfeed_dequeue_timeouts_total",
         "rate(blobfeed_dropped_samples_total",
+        # issue 19 item 10: what users look for
+        "rate(blobfeed_model_run_seconds_bucket",
+        "blobfeed_first_batch_seconds",
+        "blobfeed_build_info",
     ):
         assert needle in exprs, f"the dashboard has no query with {needle}"
+    # the input-stall ratio, one PromQL line: wait / (wait + the consumer's own time)
+    assert any(
+        "rate(blobfeed_dequeue_wait_seconds_sum" in e and "rate(blobfeed_consumer_busy_seconds_total" in e and " / " in e
+        for e in _queries(dashboard)
+    ), "the dashboard has no input-stall ratio"
     assert re.search(r"by \([^)]*\bkind\b", exprs), "fetch errors should be split by kind"
 
 
