@@ -344,4 +344,6 @@ class Connection:
                 self._inflight.clear()
             source.release(self, outlet, unacked)
             logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
+        if area is not None:
+            area.unmap()  # unless what it left unacknowledged still views it
         self.channel.sock.close()

@@ -55,6 +55,10 @@ class _RemoteReader:
         self._dealer.ack()
 
 
+def _no_ack(g: int) -> None:
+    pass
+
+
 class RemoteDealer(ArrivalDealer):
     """A source's dealer whose worker is the service: one queue, filled by
     the receiver thread, read by one net."""
@@ -67,6 +71,10 @@ class RemoteDealer(ArrivalDealer):
 
     def add_net(self) -> _RemoteReader:  # type: ignore[override]
         return _RemoteReader(self)
+
+    def detach(self) -> None:
+        """Forget the connection (the attachment stopped)."""
+        self._send_ack = _no_ack
 
     def ack(self) -> None:
         try:
@@ -294,11 +302,11 @@ class Attachment:
         Returns True when this attachment's threads ended."""
         if self._closed:
             return True
+        self._closed = True  # first: the service's answer to bye is to close
         try:
             self._send({"t": "bye"})
         except OSError:
             pass
-        self._closed = True
         self.source.stop()
         self._channel.close()
         self._freed.put(None)
@@ -306,6 +314,12 @@ class Attachment:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self.feed.release_net()
+        # The metrics hub keeps the source (its totals outlive it), and with
+        # it the dealer: it must not keep this attachment and its mapping
+        # (the batches still in use keep the mapping themselves).
+        self.dealer.detach()
+        self._mapping.close()
+        self._mapping = None  # type: ignore[assignment]
         return not any(t.is_alive() for t in self._threads)
 
     def __enter__(self) -> "Attachment":

@@ -331,6 +331,16 @@ class ServedSource:
         logger.error("%s", error)
         self.coordinator.request_stop()
 
+    def drop_held(self) -> None:
+        """At stop: let go of the batches waiting to be dealt again (they
+        keep the slots of consumers that left mapped)."""
+        for o in self.outlets:
+            o.redo.clear()
+        if self.shared is not None:
+            with self.shared._lock:
+                self.shared.redeal.clear()
+                self.shared.owed.clear()
+
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         inner = self.coordinator.state_dict(self.name)

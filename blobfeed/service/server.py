@@ -137,6 +137,8 @@ class FeedServer:
         self.stop_reason: str | None = None
         self._metrics: Any = None
         self.registry.register(_ServiceCollector(self))
+        #: the state to resume from, read (and checked) now: its seeds wire the sources
+        self._resume_state = self._read_state(self.state_file) if resume else None  # type: ignore[arg-type]
 
     # -- wiring ------------------------------------------------------------------------
     def serve_source(
@@ -205,6 +207,11 @@ class FeedServer:
         slots = check_index("slots", slots, minimum=3)
         names = list(input_blob_names)
         batch_size = check_index("batch_size", batch_size)
+        if seed is None and self._resume_state is not None:
+            # the drawn seed of the run being resumed (what the user would pass)
+            saved = self._resume_state["sources"].get(name, {}).get("inner", {}).get("seed")
+            if isinstance(saved, list) and saved and type(saved[0]) is int:
+                seed = saved[0]
         nets = [Net(None, name=f"consumer-{i}") for i in range(num_consumers or 1)]
         wiring = dict(
             input_source_name=name, max_buffered_batches=max_buffered_batches, timeout=timeout,
@@ -240,7 +247,7 @@ class FeedServer:
             raise ValueError("the server started already")
         if not self.sources:
             raise ValueError("no source to serve: call serve_source() first")
-        if self._resume:
+        if self._resume_state is not None:
             self._load(self.state_file)  # type: ignore[arg-type]
         self._started = True
         self._bind()
@@ -384,7 +391,8 @@ class FeedServer:
         logger.info("service: state saved to %s", self.state_file)
         return True
 
-    def _load(self, path: str) -> None:
+    @staticmethod
+    def _read_state(path: str) -> dict[str, Any]:
         try:
             with open(path) as f:
                 state = json.load(f)
@@ -399,6 +407,11 @@ class FeedServer:
                 f"resume: {path!r} is not a state of this service's version {STATE_VERSION} "
                 "({'version': 1, 'sources': {...}})"
             )
+        return state
+
+    def _load(self, path: str) -> None:
+        state = self._resume_state
+        assert state is not None
         if set(state["sources"]) != set(self.sources):
             raise ValueError(
                 f"resume: {path!r} holds sources {sorted(state['sources'])}; this service serves "
@@ -463,6 +476,8 @@ class FeedServer:
         for conn in conns:
             conn.close()
         clean = self.coordinator.stop()
+        for s in self.sources.values():
+            s.drop_held()  # what waited to be dealt again maps old slots
         for t in self._threads:
             t.join(timeout=5.0)
             clean = clean and not t.is_alive()

@@ -104,6 +104,14 @@ class SlotArea:
             self._cond.notify_all()
         self.close_fd()
 
+    def unmap(self) -> None:
+        """Unmap now if nothing views the slots (else the last view does)."""
+        self._buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
 
 class ConsumerMapping:
     """The consumer's end: the service's slots mapped read-only, handed out
@@ -155,6 +163,14 @@ class ConsumerMapping:
         ref = weakref.ref(root, self._on_free)
         self.outstanding[id(ref)] = (ref, slot)
         return tuple(out)
+
+    def close(self) -> None:
+        """Unmap now if no batch views the slots any more (else the last
+        view unmaps them when it dies)."""
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
 
     def freed(self, ref: Any) -> int | None:
         """The slot whose views died (``ref`` from the ``on_free`` queue)."""

@@ -7,6 +7,7 @@ bounded.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -34,17 +35,33 @@ def consumer(address: str, out: Path, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([*CONSUMER, address, str(out), *args], env=ENV, stderr=subprocess.PIPE)
 
 
-def finish(procs: list[subprocess.Popen[bytes]], timeout: float = 90.0) -> list[int]:
+class Codes(list):
+    """Exit codes that show the consumers' stderr when a comparison fails."""
+
+    def __init__(self, codes: list[int], errs: list[str]) -> None:
+        super().__init__(codes)
+        self.errs = errs
+
+    def __eq__(self, other: object) -> bool:
+        same = list(self) == other
+        if not same:
+            print("\n".join(e[-3000:] for e in self.errs))
+        return same
+
+
+def finish(procs: list[subprocess.Popen[bytes]], timeout: float = 90.0) -> Codes:
     deadline = time.monotonic() + timeout
-    codes = []
+    codes, errs = [], []
     for p in procs:
         try:
-            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise AssertionError(f"a consumer did not end within {timeout} s") from None
-    return codes
+        codes.append(p.returncode)
+        errs.append((err or b"").decode(errors="replace"))
+    return Codes(codes, errs)
 
 
 def lines(out: Path) -> list[dict]:
@@ -151,7 +168,7 @@ def test_a_killed_consumer_s_batches_go_to_the_others(tmp_path: Path) -> None:
     with served(2) as server:
         outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
         dying = consumer(server.address, outs[0], "--die-after", "3")
-        assert dying.wait(60) == -signal.SIGKILL
+        assert finish([dying]) == [-signal.SIGKILL]
         procs = [consumer(server.address, o) for o in outs[1:]]
         assert finish(procs) == [0, 0]
         redealt = sum(server.sources["train"].counts.redealt.values())
@@ -165,7 +182,7 @@ def test_a_killed_consumer_index_re_attaches_and_the_stream_goes_on_exactly(tmp_
         first, second, other = (tmp_path / n for n in ("first.jsonl", "second.jsonl", "other.jsonl"))
         dying = consumer(server.address, first, "--index", "1", "--die-after", "4")
         peer = consumer(server.address, other, "--index", "0")
-        assert dying.wait(60) == -signal.SIGKILL
+        assert finish([dying]) == [-signal.SIGKILL]
         again = consumer(server.address, second, "--index", "1")
         assert finish([peer, again]) == [0, 0]
     reference = local_streams(2, 1, deterministic=True)
@@ -178,7 +195,7 @@ def test_a_consumer_index_that_does_not_come_back_fails_the_source_naming_it(tmp
     with served(2, deterministic=True, num_consumers=2, grace_period=0.5) as server:
         dying = consumer(server.address, tmp_path / "d.jsonl", "--index", "1", "--die-after", "2")
         peer = consumer(server.address, tmp_path / "p.jsonl", "--index", "0")
-        assert dying.wait(60) == -signal.SIGKILL
+        assert finish([dying]) == [-signal.SIGKILL]
         assert finish([peer]) == [4]
     end = lines(tmp_path / "p.jsonl")[-1]
     assert end["end"] == "error" and end["type"] == "FetcherError"
@@ -321,18 +338,35 @@ def _fds() -> list[str]:
 def test_twenty_attach_detach_cycles_leave_nothing_behind() -> None:
     import threading
 
+    gc.collect()
+    # an earlier test's batches may still live in a kept traceback's frames
+    before = sum("memfd:blobfeed" in f for f in _fds())
     with served(2, epochs=None) as server:
         def cycle() -> None:
             net = blobfeed.Net(None)
             with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
                 for _ in range(3):
-                    net.run(timeout=10)
+                    try:
+                        net.run(timeout=10)
+                    except blobfeed.EndOfEpoch:
+                        pass
+
+        def plain_fds() -> int:
+            return sum("memfd:" not in f for f in _fds())
+
+        def areas() -> int:
+            return sum("memfd:blobfeed" in f for f in _fds())
 
         cycle()
-        fds, threads = len(_fds()), threading.active_count()
+        fds, threads = plain_fds(), threading.active_count()
         for _ in range(20):
             cycle()
-        wait_for(lambda: len(_fds()) <= fds and threading.active_count() <= threads, 10, "cleanup")
-        assert sum("memfd:blobfeed" in f for f in _fds()) <= 1 + 2  # the last area may still be freed
-    assert not any("memfd:blobfeed" in f for f in _fds())
+        wait_for(lambda: plain_fds() <= fds and threading.active_count() <= threads, 10, "cleanup")
+        # what the last consumer left unacknowledged waits in its slots for
+        # the next one: that area, mapped here by the service and by the
+        # consumer, at most (20 cycles without cleanup would hold 21)
+        gc.collect()
+        assert areas() <= before + 2
+    gc.collect()
+    assert areas() == before
     assert not os.path.exists(server.address)
