@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import platform
 import socket
+import sys
 import threading
 from socketserver import ThreadingMixIn
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
@@ -71,16 +72,20 @@ _INF = float("inf")
 def _build_labels() -> tuple[str, str, str]:
     """blobfeed's, Python's and onnxruntime's versions (read once: they do
     not change while the process runs)."""
-    from . import __version__
+    # the package's own __version__ (this module may not import its package:
+    # tests/test_layers.py), which is loaded by the time anything scrapes
+    version = getattr(sys.modules.get("blobfeed"), "__version__", None) or _dist_version("blobfeed")
+    return version, platform.python_version(), _dist_version("onnxruntime", "onnxruntime-gpu")
 
-    ort = "none"
-    for dist in ("onnxruntime", "onnxruntime-gpu"):
+
+def _dist_version(*dists: str) -> str:
+    """The installed version of the first of ``dists`` found, else ``none``."""
+    for dist in dists:
         try:
-            ort = importlib.metadata.version(dist)
-            break
+            return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return __version__, platform.python_version(), ort
+    return "none"
 
 
 def _hist_buckets(h: Hist) -> list[tuple[str, float]]:
