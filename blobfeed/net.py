@@ -320,7 +320,7 @@ class Net:
             )
         # Made before any batch is taken, so a stop from here on cancels
         # this run: at once if it comes before the model starts.
-        options = self._run_options = self._new_run_options()  # type: ignore[misc]
+        options = self._run_options = self._new_run_options()
         try:
             if len(feeds) == 1:
                 feed = feeds[0]
