@@ -83,6 +83,21 @@ class _Counts:
         self.dropped_equal = 0
 
 
+def _dequeue(source: "ServedSource", feed: "Feed", timeout: float) -> Any:
+    """The feed's next batch or epoch end; an :class:`End` when its stream
+    ended (None: the data is done) or failed; None when nothing came in time."""
+    try:
+        return feed.dequeue(timeout)
+    except (DequeueTimeout, TimeoutError):
+        return None
+    except FetcherError as err:
+        return End(err)
+    except EndOfInput as end:
+        if source.error is not None:
+            return End(source.error)
+        return End(end if source.stopped else None)
+
+
 class IndexOutlet:
     """The batches of one consumer index: its inner net's feed, and what an
     earlier consumer of that index left unacknowledged (sent again first)."""
@@ -112,14 +127,9 @@ class IndexOutlet:
         return item
 
     def _take(self, timeout: float) -> Item | End | None:
-        try:
-            batch = self.feed.dequeue(timeout)
-        except (DequeueTimeout, TimeoutError):
-            return None
-        except FetcherError as err:
-            return End(err)
-        except EndOfInput as end:
-            return End(self.source.error if self.source.error is not None else None if not self.source.stopped else end)
+        batch = _dequeue(self.source, self.feed, timeout)
+        if batch is None or isinstance(batch, End):
+            return batch
         item = Item(self._s, batch)
         self._s += 1
         return item
@@ -174,14 +184,9 @@ class SharedOutlet:
         # one taker at a time: what a consumer takes, and the epoch ends it
         # hands every other consumer, must be in stream order
         with self._lock:
-            try:
-                batch = self.feed.dequeue(timeout)
-            except (DequeueTimeout, TimeoutError):
-                return None
-            except FetcherError as err:
-                return End(err)
-            except EndOfInput as end:
-                return End(src.error if src.error is not None else None if not src.stopped else end)
+            batch = _dequeue(src, self.feed, timeout)
+            if batch is None or isinstance(batch, End):
+                return batch
             s = self._s
             self._s += 1
             self._items[s] = batch
