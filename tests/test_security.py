@@ -31,6 +31,10 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 #: started itself (its own code, its own user, over pipes no one else holds):
 #: the only place pickle may appear.  Nothing from the network or a file.
 PICKLE_TRUSTED = {"feeders/processes.py", "feeders/child.py", "feeders/transport.py"}
+#: ``blobfeed serve MODULE:FUNCTION`` imports the module its operator names
+#: on the command line (as ``python -m`` does): code of the operator's own,
+#: never anything a peer sent
+OPERATOR_CODE = {"apps/serve.py": r"calls \.import_module\(\)$"}
 
 
 def listening(port: int) -> list[str]:
@@ -216,6 +220,8 @@ def test_no_eval_exec_or_unpickling_anywhere_in_the_package() -> None:
         found = scan(path.read_text(), rel)
         if rel in PICKLE_TRUSTED:
             found = [p for p in found if not re.search(r"imports (pickle|cloudpickle)$|calls pickle\.loads\(\)$", p)]
+        if rel in OPERATOR_CODE:
+            found = [p for p in found if not re.search(OPERATOR_CODE[rel], p)]
         problems += found
     assert not problems, problems
 
