@@ -133,18 +133,21 @@ class BlobsQueue(Generic[T]):
             True once queued; False when the queue is closed (before or while
             waiting) or the timeout passed.
         """
-        with self._not_full:
-            if not self._room_or_closed() and not self._not_full.wait_for(self._room_or_closed, timeout):
-                return False
-            if self._closed:
-                return False
-            self._items.append(blobs)
-            if self._sizes is not None:
-                self._sizes.append(0)
-            self._not_empty.notify()
-            if self._item_watchers:
-                self._item_watch.notify_all()
-            return True
+        try:
+            with self._not_full:
+                if not self._room_or_closed() and not self._not_full.wait_for(self._room_or_closed, timeout):
+                    return False
+                if self._closed:
+                    return False
+                self._items.append(blobs)
+                if self._sizes is not None:
+                    self._sizes.append(0)
+                self._not_empty.notify()
+                if self._item_watchers:
+                    self._item_watch.notify_all()
+                return True
+        except RuntimeError as err:
+            raise self._interrupted(err, self._not_full) from None
 
     def put_sized(self, blobs: T, nbytes: int = 0) -> bool:
         """Queue ``blobs`` of ``nbytes`` bytes, waiting while the queue is full
@@ -184,12 +187,15 @@ class BlobsQueue(Generic[T]):
             True when there is room; False when the queue is closed or the
             timeout passed.
         """
-        with self._lock:
-            self._room_watchers += 1
-            try:
-                return self._room_watch.wait_for(self._room_or_closed, timeout) and not self._closed
-            finally:
-                self._room_watchers -= 1
+        try:
+            with self._lock:
+                self._room_watchers += 1
+                try:
+                    return self._room_watch.wait_for(self._room_or_closed, timeout) and not self._closed
+                finally:
+                    self._room_watchers -= 1
+        except RuntimeError as err:
+            raise self._interrupted(err, self._room_watch) from None
 
     def wait_for_item(self, timeout: float | None = None) -> bool:
         """Wait until an item is queued or the queue is closed, without taking it.
@@ -202,12 +208,15 @@ class BlobsQueue(Generic[T]):
             True when an item is queued or the queue is closed (``get_nowait``
             then tells which); False when the timeout passed.
         """
-        with self._lock:
-            self._item_watchers += 1
-            try:
-                return self._item_watch.wait_for(self._item_or_closed, timeout)
-            finally:
-                self._item_watchers -= 1
+        try:
+            with self._lock:
+                self._item_watchers += 1
+                try:
+                    return self._item_watch.wait_for(self._item_or_closed, timeout)
+                finally:
+                    self._item_watchers -= 1
+        except RuntimeError as err:
+            raise self._interrupted(err, self._item_watch) from None
 
     def get(self, timeout: float | None = None) -> T:
         """Dequeue the oldest batch, waiting for one.
@@ -221,22 +230,42 @@ class BlobsQueue(Generic[T]):
             EndOfInput: the queue was closed and is drained.
             BaseException: the error given to ``close(error)``.
         """
-        with self._not_empty:
-            if not self._item_or_closed() and not self._not_empty.wait_for(self._item_or_closed, timeout):
-                raise DequeueTimeout(f"queue {self.name!r}: no batch within {timeout:g} s")
-            if self._error is not None:
-                # A fresh traceback per raise: the useful one is on __cause__.
-                raise self._error.with_traceback(None)
-            if self._items:
-                item = self._items.popleft()
-                if self._sizes is not None:
-                    self._bytes -= self._sizes.popleft()
-                if len(self._items) <= self._low_water and self._bytes <= self._bytes_low:
-                    self._not_full.notify()
-                    if self._room_watchers:
-                        self._room_watch.notify_all()
-                return item
-            self._raise_drained()
+        try:
+            with self._not_empty:
+                if not self._item_or_closed() and not self._not_empty.wait_for(self._item_or_closed, timeout):
+                    raise DequeueTimeout(f"queue {self.name!r}: no batch within {timeout:g} s")
+                if self._error is not None:
+                    # A fresh traceback per raise: the useful one is on __cause__.
+                    raise self._error.with_traceback(None)
+                if self._items:
+                    item = self._items.popleft()
+                    if self._sizes is not None:
+                        self._bytes -= self._sizes.popleft()
+                    if len(self._items) <= self._low_water and self._bytes <= self._bytes_low:
+                        self._not_full.notify()
+                        if self._room_watchers:
+                            self._room_watch.notify_all()
+                    return item
+                self._raise_drained()
+        except RuntimeError as err:
+            raise self._interrupted(err, self._not_empty) from None
+
+    def _interrupted(self, err: RuntimeError, cond: threading.Condition) -> BaseException:
+        """What to raise for ``err``, escaped from a ``with`` around ``cond.wait``.
+
+        A signal handler's exception (Ctrl-C's KeyboardInterrupt, a SIGTERM
+        handler's SystemExit) can land inside ``Condition.wait`` after it
+        released the lock and before it guards the re-acquire: the ``with``
+        then releases an unlocked lock and Python reports that RuntimeError
+        instead.  The program must get its interrupt; the waiter the wait left
+        registered is woken, so it cannot swallow a later ``notify``.
+        """
+        cause = err.__context__
+        if cause is None or "unlocked lock" not in str(err):
+            return err
+        with self._lock:
+            cond.notify_all()
+        return cause
 
     def _raise_drained(self) -> None:
         if self._final is not None:

@@ -500,3 +500,36 @@ def test_wait_helpers_never_swallow_a_wakeup_meant_for_get_or_put() -> None:
     assert full.get(timeout=WAIT) == "y"
     room.join()
     assert room.result is True
+
+
+@pytest.mark.parametrize("wait", ["get", "put", "wait_for_item", "wait_for_room"])
+def test_ctrl_c_between_a_wait_releasing_the_lock_and_waiting_is_a_keyboard_interrupt(wait: str) -> None:
+    """Ctrl-C lands in the main thread between any two bytecodes, also inside
+    Condition.wait after it released the lock and before its ``try``: the
+    ``with`` block then releases an unlocked lock, and the program got
+    "RuntimeError: release unlocked lock" instead of its KeyboardInterrupt
+    (seen in CI, test_processes.py::test_ctrl_c_is_the_parents_to_handle)."""
+    q: BlobsQueue[int] = BlobsQueue(1, name="q")
+    if wait in ("put", "wait_for_room"):
+        q.put(0)
+    cond = {"get": q._not_empty, "put": q._not_full,
+            "wait_for_item": q._item_watch, "wait_for_room": q._room_watch}[wait]
+
+    def release_then_interrupted() -> None:
+        q._lock.release()
+        raise KeyboardInterrupt
+
+    cond._release_save = release_then_interrupted  # type: ignore[attr-defined]
+    with pytest.raises(KeyboardInterrupt):
+        if wait == "put":
+            q.put(1, timeout=1)
+        else:
+            getattr(q, wait)(timeout=1)
+    # the queue works on: its lock is free and a waiter left behind cannot swallow a wake-up
+    del cond._release_save  # type: ignore[attr-defined]
+    assert q._lock.acquire(timeout=1)
+    q._lock.release()
+    if wait in ("put", "wait_for_room"):
+        assert q.get(timeout=1) == 0
+    q.put(2, timeout=1)
+    assert q.get(timeout=1) == 2
