@@ -66,6 +66,8 @@ class Connection:
         self.outlet: IndexOutlet | SharedOutlet | None = None
         self.area: SlotArea | None = None
         self.sender: threading.Thread | None = None
+        #: the thread running serve() (set by the server)
+        self.receiver: threading.Thread | None = None
         #: set once the consumer was told the end (data done, failure, stop)
         self._ended = False
 
@@ -86,10 +88,13 @@ class Connection:
                     raise WireError(f"{self.peer} sent descriptors")
                 self._handle(check(record, ("ack", "free", "state", "bye"), self.peer))
         except WireError as err:
-            logger.warning("service: %s; connection closed", err)
+            # the text, not the error: a kept log record (a memory handler,
+            # pytest's caplog) would keep its traceback's frames, and with them
+            # this connection's slots, alive
+            logger.warning("service: %s; connection closed", str(err))
         except OSError as err:
             if not self.closed.is_set():
-                logger.info("service: %s: %s", self.peer, err)
+                logger.info("service: %s: %s", self.peer, str(err))
         except Exception:
             logger.exception("service: %s failed", self.peer)
         finally:
@@ -112,7 +117,7 @@ class Connection:
         try:
             source, outlet = self._admit(hello)
         except Refused as err:
-            logger.warning("service: %s refused: %s", self.peer, err)
+            logger.warning("service: %s refused: %s", self.peer, str(err))
             self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
             return False
         self.source, self.outlet = source, outlet
@@ -284,7 +289,7 @@ class Connection:
                 counts.delivered[self.label] += 1
         except OSError as err:
             if not self.closed.is_set():
-                logger.info("service: sending to %s failed: %s", self.peer, err)
+                logger.info("service: sending to %s failed: %s", self.peer, str(err))
             self.close()  # the consumer is gone for us: wake the receiver
         except Exception:
             logger.exception("service: sender of %s failed", self.peer)

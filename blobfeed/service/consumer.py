@@ -255,12 +255,12 @@ class Attachment:
             err = FetcherError(f"{self._service}: {text}")
             self.dealer.queue.close(err, after_items=True)
         else:
+            # The connection stays open: a run() may have taken a batch just
+            # before this and not yet acknowledged it; its acknowledgement
+            # must still reach the service, which saves its state once every
+            # consumer closed (stop(), the process's exit) or after a short
+            # wait, whichever comes first.
             self.source.fail(ServiceError(f"{self._service}: {text}"))
-            # nothing more to say: closing lets the service save its state
-            # with every acknowledgement this consumer sent (under the send
-            # lock: after an acknowledgement being sent, never through it)
-            with self._send_lock:
-                self._channel.close()
 
     def _return_slots(self) -> None:
         get, mapping = self._freed.get, self._mapping

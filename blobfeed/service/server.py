@@ -316,6 +316,7 @@ class FeedServer:
                     return
                 self._connections.add(conn)
             t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)
+            conn.receiver = t
             t.start()
 
     def _serve(self, conn: Connection) -> None:
@@ -476,6 +477,13 @@ class FeedServer:
         for conn in conns:
             conn.close()
         clean = self.coordinator.stop()
+        # A consumer that was leaving hands back what it had not acknowledged
+        # from its receiver thread: wait for that before letting go of what
+        # is held, or the hand-back keeps its slots mapped after the stop.
+        for conn in conns:
+            if conn.receiver is not None:
+                conn.receiver.join(timeout=5.0)
+                clean = clean and not conn.receiver.is_alive()
         for s in self.sources.values():
             s.drop_held()  # what waited to be dealt again maps old slots
         for t in self._threads:
