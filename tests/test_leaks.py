@@ -243,3 +243,30 @@ def test_memory_bounded_with_slow_consumer_and_fast_fetchers(gc: blobfeed.Global
     stress_report.record(f"memory bound, slow consumer, batch {batch}", **figures)
     assert peak <= bound, f"peak {peak} bytes above the bound {bound}"
     assert fetched >= 4 * bound, "the run was too short to tell a bound from a leak"
+
+
+def test_a_stopped_source_keeps_no_chunk_alive(gc: blobfeed.GlobalCoordinator) -> None:
+    """A stopped source stays with its coordinator (its metrics' totals), and
+    with it the error its readers were stopped by.  That error's traceback
+    held the enqueuer's frame, whose local still named the last chunk it
+    took: a chunk kept for as long as the coordinator lived (with process
+    workers a view of shared memory, and so the memory's mapping)."""
+    import weakref
+
+    made: list[weakref.ref[np.ndarray]] = []
+
+    def fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
+        x = np.zeros((4, 3), np.float32)
+        made.append(weakref.ref(x))
+        return [x]
+
+    net = Net(None, name="n")
+    init_data_input_workers(net, ["x"], fetch, 4, num_worker_threads=1, coordinator=gc, max_buffered_batches=2)
+    gc.start()
+    for _ in range(5):
+        net.run(timeout=WAIT)
+    assert gc.stop(timeout=WAIT)
+    del net
+    pygc.collect()
+    alive = sum(r() is not None for r in made)
+    assert alive == 0, f"{alive} of the {len(made)} chunks the fetcher made are still alive after stop()"

@@ -241,18 +241,26 @@ class Feed:
         stats.samples += b.n
         return batch
 
-    def _take(self, queue: Any) -> tuple[bool, Chunk | None]:
+    def _take(self, queue: Any) -> tuple[bool, bool]:
         """The next chunk from ``queue`` into the re-batcher (under the lock);
-        an epoch's end is kept aside instead (see ``_boundary``)."""
+        an epoch's end is kept aside instead (see ``_boundary``).  Returns
+        (the queue answered, it gave a chunk or an end).
+
+        The chunk itself is not returned: a caller's frame would hold it, and
+        a source's stored end or error raised later through that frame keeps
+        the frame, and so the chunk (a view of shared memory, maybe), for as
+        long as the source lives.
+        """
         if self._boundary is not None:
-            return False, None
+            return False, False
         ok, chunk = queue.get_nowait()
         if ok and chunk is not None:
             if type(chunk) is EpochEnd:
                 self._boundary = chunk
             else:
                 self.rebatcher.push(chunk)
-        return ok, chunk
+            return True, True
+        return ok, False
 
     def _epoch_rest(self, stats: AssembleStats) -> Batch | None:
         """At an epoch's end (under the lock): the epoch's last, smaller
@@ -285,12 +293,12 @@ class Feed:
                 # in queue order whichever thread takes them; wait outside it.
                 with self._lock:
                     try:
-                        ok, chunk = self._take(queue)
+                        ok, _ = self._take(queue)
                     except SourceStopped:
                         self._lose_all()
                         return
                     except EndOfInput:
-                        ok, chunk = False, None
+                        ok = False
                         ended = True
                     else:
                         ended = False
@@ -524,12 +532,12 @@ class Feed:
                 if batch is not None:
                     return batch
                 try:
-                    ok, chunk = self._take(queue)
+                    ok, took = self._take(queue)
                 except (EndOfInput, FetcherError):
                     # ended, stopped or failed: the enqueuer settles the end
                     # (last batch, or the error) through the device queue
                     return None
-                if not ok or chunk is None:
+                if not ok or not took:
                     return None
 
     def dequeue(self, timeout: float | None) -> Batch:
