@@ -294,10 +294,12 @@ class Feed:
                 with self._lock:
                     try:
                         ok, _ = self._take(queue)
-                    except SourceStopped:
+                    except SourceStopped as stop:
+                        _forget_frames(stop)
                         self._lose_all()
                         return
-                    except EndOfInput:
+                    except EndOfInput as end:
+                        _forget_frames(end)
                         ok = False
                         ended = True
                     else:
@@ -312,6 +314,7 @@ class Feed:
                 if not ok:
                     queue.wait_for_item()  # woken by a put or a close
         except FetcherError as err:
+            _forget_frames(err)
             if not self._aborted:
                 # the dealer raised the error at its place in the stream
                 # (the source did not abort this feed): what came before it
@@ -533,7 +536,8 @@ class Feed:
                     return batch
                 try:
                     ok, took = self._take(queue)
-                except (EndOfInput, FetcherError):
+                except (EndOfInput, FetcherError) as end:
+                    _forget_frames(end)
                     # ended, stopped or failed: the enqueuer settles the end
                     # (last batch, or the error) through the device queue
                     return None
@@ -592,6 +596,18 @@ class Feed:
         finally:
             t1 = cs.last_end = time.perf_counter()
             cs.wait.observe(t1 - t0)
+
+
+def _forget_frames(err: BaseException) -> None:
+    """Drop the traceback a queue's stored end or error got on its way here.
+
+    The instance is the queue's, kept as long as the source is (its
+    coordinator keeps it for the metrics' totals); its traceback would keep
+    this thread's frames, and through them the feed, the net and its last
+    batch (a shared-memory view, maybe).  Whoever it reaches next gets a
+    traceback of their own.
+    """
+    err.__traceback__ = None
 
 
 def _unplaced(arrays: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
