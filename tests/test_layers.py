@@ -38,7 +38,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.coordinator.wiring": 10.6,
     "blobfeed.coordinator": 11,
     # the feeding service: a source served to nets in other processes
-    "blobfeed.service.wire": 11.1, "blobfeed.service.slots": 11.2, "blobfeed.service.served": 11.3,
+    "blobfeed.service.wire": 11.1, "blobfeed.service.tcp": 11.15, "blobfeed.service.slots": 11.2,
+    "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,
     "blobfeed.service.connection": 11.4, "blobfeed.service.server": 11.5, "blobfeed.service.consumer": 11.5,
     "blobfeed.service": 11.8,
     "blobfeed": 12,

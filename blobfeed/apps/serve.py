@@ -30,8 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("target", metavar="MODULE:FUNCTION",
                    help="FUNCTION of MODULE (importable, or a path/to/file.py) calls blobfeed.serve_source(...)")
-    p.add_argument("--listen", metavar="PATH", default=None,
-                   help="the Unix socket to listen on (default: a new private directory, printed at start)")
+    p.add_argument("--listen", metavar="ADDRESS", default=None,
+                   help="a Unix socket's path (default: feed.sock in a new private directory, mode 0600), or "
+                        "tcp://HOST:PORT to listen on TCP (tcp://:PORT is loopback; port 0 picks one). The "
+                        "real address is printed at start. TCP has no authentication: a non-loopback HOST "
+                        "lets anyone who can reach the port read the data (a warning is logged)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve /metrics and /healthz on 127.0.0.1:PORT (0: any free port)")
     p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",

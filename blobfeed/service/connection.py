@@ -9,6 +9,11 @@
 Anything off the socket is checked (:mod:`.wire`); a record that breaks the
 protocol ends the connection as if the consumer had left, and the service
 goes on serving the others.
+
+On a Unix socket the batches go through shared memory (:class:`.SlotArea`);
+on TCP (:mod:`.tcp`) each batch's bytes follow its record on the stream,
+sent from the batch's own arrays (:class:`.StreamSlots` keeps the slots'
+bookkeeping, so the flow control is the same).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any, Callable
 from ..feeders.chunks import EpochEnd
 from ..feeders.messages import align
 from .served import POLL_S, End, Item, IndexOutlet, ServedSource, SharedOutlet
-from .slots import SlotArea, batch_nbytes
+from .slots import SlotArea, StreamSlots, batch_nbytes
+from .tcp import StreamChannel
 from .wire import PROTOCOL, Channel, WireError, check
 
 __all__ = ["Connection", "HANDSHAKE_S"]
@@ -40,7 +46,11 @@ class Refused(Exception):
 
 
 class Connection:
-    """One consumer connected to the service."""
+    """One consumer connected to the service.
+
+    ``tcp_peer``: the consumer's ``HOST:PORT`` when it came over TCP (the
+    connection then speaks :class:`.StreamChannel`'s frames).
+    """
 
     def __init__(
         self,
@@ -49,9 +59,15 @@ class Connection:
         sources: Callable[[str], ServedSource | None],
         state: Callable[[], dict[str, Any]],
         service: str,
+        tcp_peer: str | None = None,
     ) -> None:
         self.number = number
-        self.channel = Channel(sock, f"connection {number}")
+        self.tcp_peer = tcp_peer
+        # the service accepts no payload from a consumer: a frame that announces some is refused unread
+        self.channel: Channel | StreamChannel = (
+            Channel(sock, f"connection {number}") if tcp_peer is None
+            else StreamChannel(sock, f"connection {number} from {tcp_peer}")
+        )
         self.peer = self.channel.peer
         self.label = str(number)
         self._sources = sources
@@ -64,7 +80,7 @@ class Connection:
         self.closed = threading.Event()
         self.source: ServedSource | None = None
         self.outlet: IndexOutlet | SharedOutlet | None = None
-        self.area: SlotArea | None = None
+        self.area: SlotArea | StreamSlots | None = None
         self.sender: threading.Thread | None = None
         #: the thread running serve() (set by the server)
         self.receiver: threading.Thread | None = None
@@ -123,17 +139,22 @@ class Connection:
         self.source, self.outlet = source, outlet
         self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
         self.peer = f"consumer {self.label} of source {source.name!r} (pid {hello['pid']})"
+        if self.tcp_peer is not None:
+            self.peer += f" from {self.tcp_peer}"
         self.channel.peer = self.peer
         # the slots are sized by the batches: wait for the first one
         first = self._first_item()
         slot_bytes = source.slot_bytes or 0
         terms = source.terms
-        self.area = SlotArea(f"blobfeed-{source.name}-{self.label}", terms.slots, max(slot_bytes, 64))
+        if self.tcp_peer is None:
+            self.area = SlotArea(f"blobfeed-{source.name}-{self.label}", terms.slots, max(slot_bytes, 64))
+        else:
+            self.area = StreamSlots(terms.slots, max(slot_bytes, 64))
         try:
             self.channel.send(
                 {"t": "welcome", "consumer": outlet.index if isinstance(outlet, IndexOutlet) else self.number,
                  "slots": terms.slots, "slot_bytes": self.area.slot_bytes, "epoch": 0, "service": self._service},
-                fds=[self.area.fd],
+                fds=[self.area.fd] if self.area.fd >= 0 else (),
             )
         finally:
             self.area.close_fd()
@@ -285,7 +306,12 @@ class Connection:
                 meta = area.write(slot, item.batch.arrays)
                 with self._lock:
                     self._inflight.append((g, item, slot, meta))
-                self.channel.send({"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta})
+                record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
+                if isinstance(self.channel, StreamChannel):
+                    # over TCP the bytes follow the record, from the batch's own arrays
+                    self.channel.send(record, payload=item.batch.arrays)
+                else:
+                    self.channel.send(record)
                 counts.delivered[self.label] += 1
         except OSError as err:
             if not self.closed.is_set():
@@ -342,7 +368,7 @@ class Connection:
             with self._lock:
                 unacked = []
                 for g, item, slot, meta in self._inflight:
-                    if slot >= 0 and area is not None:
+                    if slot >= 0 and isinstance(area, SlotArea):
                         # its bytes stay where they are: the old mapping lives on in these views
                         item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))
                     unacked.append(item)
@@ -351,4 +377,4 @@ class Connection:
             logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
-        self.channel.sock.close()
+        self.channel.close()

@@ -27,8 +27,9 @@ from ..feeders.chunks import Chunk, EpochEnd
 from ..feeders.dealing import ArrivalDealer
 from ..feeders.source import InputSource
 from ..net import Net
-from .slots import ConsumerMapping
-from .wire import PROTOCOL, Channel, WireError, check
+from .slots import ConsumerMapping, StreamBuffers
+from .transport import connect, consumer_slots
+from .wire import PROTOCOL, WireError, check
 
 __all__ = ["Attachment", "attach_source"]
 
@@ -111,14 +112,10 @@ class Attachment:
         self.source_name = source_name
         self._service = f"service at {address}"
         net._check_attach(source_name, names)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(connect_timeout)
         try:
-            sock.connect(address)
+            self._channel = connect(address, connect_timeout, self._service)
         except OSError as err:
-            sock.close()
             raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
-        self._channel = Channel(sock, self._service)
         self._send_lock = threading.Lock()
         self._closed = False
         self._stopped = threading.Event()
@@ -131,9 +128,11 @@ class Attachment:
                 "batch_size": batch_size, "index": index, "num": num, "pid": os.getpid(),
             })
             welcome, fds = self._welcome()
-            sock.settimeout(None)
+            self._channel.sock.settimeout(None)
             try:
-                self._mapping = ConsumerMapping(fds[0], welcome["slots"], welcome["slot_bytes"], self._freed.put)
+                self._mapping: ConsumerMapping | StreamBuffers = consumer_slots(
+                    self._channel, welcome, fds, batch_size, len(names), self._freed.put
+                )
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -179,8 +178,6 @@ class Attachment:
             record = check(record, ("welcome", "refused"), self._service)
             if record["t"] == "refused":
                 raise ValueError(f"{self._service} refused the attach: {record['error']}")
-            if len(fds) != 1:
-                raise WireError(f"{self._service} sent {len(fds)} descriptors with its welcome, not 1")
             if not (3 <= record["slots"] <= 1024 and 64 <= record["slot_bytes"] <= 1 << 40):
                 raise WireError(f"{self._service} offered {record['slots']} slots of {record['slot_bytes']} bytes")
         except BaseException:
@@ -356,7 +353,8 @@ def attach_source(
         input_blob_names: the blobs, as the service serves them (same names, same order).
         batch_size: must equal the service's batch size for the source.
         input_source_name: the served source.
-        address: the service's socket path; default ``$BLOBFEED_SERVICE``.
+        address: the service's socket path, or ``tcp://HOST:PORT`` for a
+            service listening on TCP; default ``$BLOBFEED_SERVICE``.
         consumer_index: this consumer's index (its rank), for a source the
             service deals by index (``num_consumers``); None: the lowest free one.
         num_consumers: if given, checked against the service's.

@@ -30,6 +30,7 @@ from ..feeders import Feed
 from ..net import Net
 from .connection import Connection
 from .served import ServedSource, SourceTerms
+from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
 
@@ -81,11 +82,16 @@ def serve_source(
 
 
 class FeedServer:
-    """Serves sources to consumers on a Unix socket.
+    """Serves sources to consumers on a Unix socket, or over TCP if asked.
 
     Args:
-        listen: the socket's path; default a new private directory (mode
-            0700) holding ``feed.sock`` (mode 0600), removed at stop.
+        listen: the Unix socket's path (or ``unix:PATH``); default a new
+            private directory (mode 0700) holding ``feed.sock`` (mode 0600),
+            removed at stop.  ``tcp://HOST:PORT`` listens on TCP instead:
+            port 0 picks a free port (:attr:`address` says which);
+            ``tcp://:PORT`` is loopback (127.0.0.1).  TCP has no peer
+            credentials and the service no authentication: an address
+            that is not loopback is logged as a warning (docs/SERVICE.md).
         metrics_port: serve ``/metrics`` and ``/healthz`` on this loopback
             port (0: any free one; None: not at all).
         metrics_addr: the address for them (loopback unless you say otherwise).
@@ -129,7 +135,11 @@ class FeedServer:
         self._numbers = itertools.count()
         self._sock: socket.socket | None = None
         self._private_dir: str | None = None
+        #: where consumers attach: the socket's path, or ``tcp://HOST:PORT`` with the real port
         self.address: str | None = None
+        self._tcp = self._listen is not None and self._listen.startswith("tcp://")
+        if self._listen is not None and self._tcp:
+            parse_tcp(self._listen)  # a malformed address fails here, not at start()
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._stopped = False
@@ -277,6 +287,10 @@ class FeedServer:
         return t
 
     def _bind(self) -> None:
+        if self._tcp:
+            assert self._listen is not None
+            self._sock, self.address = listen_tcp(self._listen)
+            return
         if self._listen is None:
             self._private_dir = tempfile.mkdtemp(prefix="blobfeed-")  # mode 0700
             path = os.path.join(self._private_dir, "feed.sock")
@@ -305,10 +319,20 @@ class FeedServer:
         assert sock is not None
         while not self._stopping.is_set():
             try:
-                conn_sock, _ = sock.accept()
+                conn_sock, origin = sock.accept()
             except OSError:
                 return  # closed by stop()
-            conn = Connection(conn_sock, next(self._numbers), self.sources.get, self.state_dict, str(self.address))
+            tcp_peer = None
+            if self._tcp:
+                tcp_peer = format_tcp(origin[0], origin[1])[len("tcp://"):]
+                try:
+                    accepted(conn_sock)
+                except OSError:
+                    conn_sock.close()  # it went away at once
+                    continue
+            conn = Connection(
+                conn_sock, next(self._numbers), self.sources.get, self.state_dict, str(self.address), tcp_peer
+            )
             with self._lock:
                 if self._stopping.is_set():
                     conn.tell_stopped(f"service at {self.address} is stopping")
@@ -448,7 +472,7 @@ class FeedServer:
 
     def stop(self, reason: str | None = None) -> bool:
         """Stop serving: save the state (``state_file``), tell every consumer,
-        stop the workers, remove the socket.  Idempotent.  Returns True when
+        stop the workers, remove the socket (its file, for a Unix socket).  Idempotent.  Returns True when
         every thread ended."""
         with self._lock:
             if self._stopped:
@@ -491,7 +515,7 @@ class FeedServer:
             clean = clean and not t.is_alive()
         if self._metrics is not None:
             self._metrics.close()
-        if self.address is not None and self._private_dir is None:
+        if self.address is not None and self._private_dir is None and not self._tcp:
             with contextlib.suppress(OSError):
                 os.unlink(self.address)
         if self._private_dir is not None:

@@ -8,6 +8,13 @@ it out as read-only views of its mapping and tells the service the slot is
 free once every view of it has died (``free`` record).  A slot the consumer
 never frees (a batch the user keeps) simply stays taken: the others keep
 circulating.
+
+Over TCP (:mod:`.tcp`) there is no shared memory: the service keeps only
+the ring's bookkeeping (:class:`StreamSlots`) and sends a batch's bytes
+after its record, straight from the batch's arrays; the consumer reads them
+into a buffer of its own per slot (:class:`StreamBuffers`) and hands out
+the same read-only views.  The ``free`` records, and so the flow control,
+are the same.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import numpy as np
 from ..feeders.messages import align
 from .wire import WireError, dtype_from_wire, dtype_to_wire
 
-__all__ = ["ConsumerMapping", "SlotArea", "batch_nbytes"]
+__all__ = ["ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes"]
 
 
 def batch_nbytes(arrays: Sequence[np.ndarray]) -> int:
@@ -31,29 +38,19 @@ def batch_nbytes(arrays: Sequence[np.ndarray]) -> int:
     return sum(align(a.nbytes) for a in arrays)
 
 
-class SlotArea:
-    """The service's end of one connection's slots.  Thread-safe."""
+class _Ring:
+    """Which of a connection's slots are free (the service's side).  Thread-safe."""
 
-    def __init__(self, name: str, slots: int, slot_bytes: int) -> None:
+    def __init__(self, slots: int, slot_bytes: int) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, slots * slot_bytes)
-            self._mm = mmap.mmap(self.fd, slots * slot_bytes)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self._buf = np.frombuffer(self._mm, np.uint8)
+        self.fd = -1
         self._cond = threading.Condition()
         self._free = list(range(slots - 1, -1, -1))
         self._closed = False
 
     def close_fd(self) -> None:
-        """The consumer has its own descriptor now: ours is not needed."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Nothing to close (see :class:`SlotArea`)."""
 
     def take(self, timeout: float) -> int | None:
         """A free slot, waiting up to ``timeout``; None if none came (or closed)."""
@@ -75,6 +72,64 @@ class SlotArea:
                 raise WireError(f"{peer} freed slot {slot}, which it does not hold")
             self._free.append(slot)
             self._cond.notify()
+
+    def close(self) -> None:
+        """Wake the sender."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def unmap(self) -> None:
+        """Nothing mapped (see :class:`SlotArea`)."""
+
+
+class StreamSlots(_Ring):
+    """The service's end of a TCP connection's slots: the bookkeeping only;
+    a batch's bytes go on the stream after its record, from its own arrays."""
+
+    def write(self, slot: int, arrays: Sequence[np.ndarray]) -> list[list[Any]]:
+        """What the ``batch`` record says of ``arrays`` (their bytes are the
+        frame's payload, laid out as in a slot: see :func:`layout`).
+
+        Raises:
+            ValueError: the batch does not fit a slot (the source's layout changed).
+        """
+        meta, size = layout(arrays)
+        if size > self.slot_bytes:
+            raise ValueError(f"a batch of {size} bytes does not fit a slot of {self.slot_bytes}")
+        return meta
+
+
+def layout(arrays: Sequence[np.ndarray]) -> tuple[list[list[Any]], int]:
+    """``[dtype, shape, offset]`` of each array packed into a slot (each at
+    an aligned offset, from 0), and the bytes they take."""
+    meta = []
+    off = 0
+    for a in arrays:
+        meta.append([dtype_to_wire(a.dtype), list(a.shape), off])
+        off += align(a.nbytes)
+    return meta, off
+
+
+class SlotArea(_Ring):
+    """The service's end of one connection's slots (shared memory).  Thread-safe."""
+
+    def __init__(self, name: str, slots: int, slot_bytes: int) -> None:
+        super().__init__(slots, slot_bytes)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, slots * slot_bytes)
+            self._mm = mmap.mmap(self.fd, slots * slot_bytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._buf = np.frombuffer(self._mm, np.uint8)
+
+    def close_fd(self) -> None:
+        """The consumer has its own descriptor now: ours is not needed."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def write(self, slot: int, arrays: Sequence[np.ndarray]) -> list[list[Any]]:
         """Copy ``arrays`` once into ``slot``; what the ``batch`` record says of them."""
@@ -99,9 +154,7 @@ class SlotArea:
 
     def close(self) -> None:
         """Wake the sender; the mapping goes with the last view of it."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        super().close()
         self.close_fd()
 
     def unmap(self) -> None:
@@ -176,3 +229,126 @@ class ConsumerMapping:
         """The slot whose views died (``ref`` from the ``on_free`` queue)."""
         entry = self.outstanding.pop(id(ref), None)
         return None if entry is None else entry[1]
+
+
+class StreamBuffers:
+    """The consumer's end over TCP: a buffer of its own per slot, into which
+    each batch's bytes are read off the stream, handed out as read-only
+    views; ``on_free`` as for :class:`ConsumerMapping`.
+
+    What the service says of a batch is checked before a byte of it is read
+    (untrusted: it came off a socket): the slot is one the consumer does not
+    hold (a batch is never written under views still in use); there is one
+    array per blob, each of ``n <= batch_size`` samples, packed from offset
+    0 as the service packs them; the payload is exactly their size and fits
+    the slot agreed at attach; and every batch has the dtypes and
+    per-sample shapes of the first (a source's first chunk fixes them).
+
+    Args:
+        channel: the connection, positioned at the batch's payload
+            (:class:`~.tcp.StreamChannel`: ``unread``, ``recv_payload_into``).
+        slots, slot_bytes: what the service's ``welcome`` said.
+        batch_size, n_blobs: what the consumer attached with.
+        on_free: told (a weakref) when the last view of a batch died.
+    """
+
+    def __init__(
+        self, channel: Any, slots: int, slot_bytes: int, batch_size: int, n_blobs: int,
+        on_free: Callable[[Any], None],
+    ) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._channel = channel
+        self._batch_size = batch_size
+        self._n_blobs = n_blobs
+        # anonymous memory, one mapping per slot: its pages are committed
+        # only when a batch is read into them
+        self._mms = [mmap.mmap(-1, slot_bytes) for _ in range(slots)]
+        self._on_free = on_free
+        #: id(weakref) -> (weakref, slot): the refs must live to fire
+        self.outstanding: dict[int, tuple[Any, int]] = {}
+        #: slots handed out whose views may still live
+        self._held: set[int] = set()
+        self._lock = threading.Lock()
+        #: (dtype, per-sample shape) of each blob, from the first batch
+        self._layout: list[tuple[np.dtype, tuple[int, ...]]] | None = None
+
+    def views(self, slot: int, n: int, meta: Any, peer: str) -> tuple[np.ndarray, ...]:
+        """Read the payload of a ``batch`` record into ``slot``'s buffer; its arrays, read-only.
+
+        Raises:
+            WireError: the record and the payload do not agree with each
+                other, with the slot, or with what was agreed (see the class).
+            OSError: the connection failed.
+        """
+        if not 0 <= slot < self.slots:
+            raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
+        if not 0 < n <= self._batch_size:
+            raise WireError(f"{peer}: a batch of {n} samples; this consumer attached with batch_size={self._batch_size}")
+        if not isinstance(meta, list) or len(meta) != self._n_blobs:
+            raise WireError(f"{peer}: a batch's arrays must be a list of {self._n_blobs} (one per blob)")
+        shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
+        off = 0
+        for i, m in enumerate(meta):
+            where = f"{peer}: array {i}"
+            if not (isinstance(m, list) and len(m) == 3 and isinstance(m[1], list) and type(m[2]) is int):
+                raise WireError(f"{where}: must be [dtype, shape, offset]")
+            dt = dtype_from_wire(m[0], where)
+            shape = m[1]
+            if len(shape) > 32 or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape) or not shape or shape[0] != n:
+                raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
+            if m[2] != off:
+                raise WireError(f"{where}: at offset {m[2]}; packed after the arrays before it, it starts at {off}")
+            off += align(dt.itemsize * int(np.prod(shape, dtype=object)))
+            if off > self.slot_bytes:
+                raise WireError(f"{where}: the arrays take {off} bytes or more, over the slot's {self.slot_bytes}")
+            shapes.append((dt, tuple(shape[1:])))
+        if self._layout is None:
+            self._layout = shapes
+        elif shapes != self._layout:
+            raise WireError(
+                f"{peer}: a batch of (dtype, per-sample shape) {_show(shapes)}; the first batch had "
+                f"{_show(self._layout)}"
+            )
+        unread = self._channel.unread
+        if unread != off:
+            raise WireError(f"{peer}: {unread} bytes of payload for arrays that take {off}")
+        with self._lock:
+            if slot in self._held:
+                raise WireError(f"{peer}: batch in slot {slot}, whose last batch the consumer has not freed")
+            self._held.add(slot)
+        mm = self._mms[slot]
+        with memoryview(mm) as whole, whole[:off] as part:
+            self._channel.recv_payload_into(part)
+        root = np.frombuffer(mm, np.uint8, count=self.slot_bytes)
+        root.flags.writeable = False
+        out = []
+        for (dt, sample), m in zip(shapes, meta):
+            nbytes = dt.itemsize * n * int(np.prod(sample, dtype=np.int64))
+            out.append(root[m[2]:m[2] + nbytes].view(dt).reshape((n, *sample)))
+        # every view's base is `root` (numpy collapses view chains): the slot
+        # is free once `root` dies
+        ref = weakref.ref(root, self._on_free)
+        self.outstanding[id(ref)] = (ref, slot)
+        return tuple(out)
+
+    def freed(self, ref: Any) -> int | None:
+        """The slot whose views died (``ref`` from the ``on_free`` queue)."""
+        entry = self.outstanding.pop(id(ref), None)
+        if entry is None:
+            return None
+        with self._lock:
+            self._held.discard(entry[1])
+        return entry[1]
+
+    def close(self) -> None:
+        """Let go of the buffers no batch views any more (the others go with their last view)."""
+        for mm in self._mms:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+
+def _show(shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> str:
+    return "[" + ", ".join(f"({dt.str}, {sample})" for dt, sample in shapes) + "]"

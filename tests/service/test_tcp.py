@@ -1,0 +1,465 @@
+"""The feeding service over TCP (issue 18: "TCP only when asked, loopback
+unless an address is given"), with real processes and real sockets.
+
+Batches travel inline on the stream (blobfeed/service/tcp.py); the same
+acknowledgements, slots and dealing as on the Unix socket, so the streams
+must be the same.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed.service import FeedServer
+from blobfeed.service import connection as connection_mod
+from blobfeed.service.tcp import MAGIC, PREFIX, parse_tcp
+
+from ..test_security import listening
+from . import feeds
+from .test_service import ENV, ROOT, batches, consumer, finish, lines, local_streams, wait_for
+
+LOOPBACK = "tcp://127.0.0.1:0"
+
+
+def served(listen: str | None = LOOPBACK, workers: int = 2, name: str = "train", **kw: Any) -> FeedServer:
+    server = FeedServer(listen)
+    server.serve_source(name, ["id", "x"], feeds.Fetch(), 8, workers, **kw)
+    return server.start()
+
+
+def by_index(server: FeedServer, tmp_path: Path, tag: str, n: int) -> list[list[list[int]]]:
+    outs = [tmp_path / f"{tag}{i}.jsonl" for i in range(n)]
+    procs = [consumer(str(server.address), outs[i], "--index", str(i), "--num", str(n)) for i in range(n)]
+    assert finish(procs) == [0] * n
+    assert all(lines(o)[-1] == {"end": "input"} for o in outs)
+    return [batches(o) for o in outs]
+
+
+# -- addresses ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("tcp://127.0.0.1:0", ("127.0.0.1", 0)),
+    ("tcp://:5000", ("127.0.0.1", 5000)),
+    ("tcp://[::1]:5000", ("::1", 5000)),
+    ("tcp://localhost:65535", ("localhost", 65535)),
+    ("tcp://0.0.0.0:7", ("0.0.0.0", 7)),
+])
+def test_tcp_addresses(address: str, expected: tuple[str, int]) -> None:
+    assert parse_tcp(address) == expected
+
+
+@pytest.mark.parametrize("address, message", [
+    ("tcp://127.0.0.1", "expected tcp://HOST:PORT"),
+    ("tcp://127.0.0.1:65536", "port from 0 to 65535"),
+    ("tcp://127.0.0.1:-1", "port from 0 to 65535"),
+    ("tcp://::1:5000", "IPv6 address goes in brackets"),
+    ("tcp://host/path:5000", "expected tcp://HOST:PORT"),
+])
+def test_a_malformed_tcp_address_is_a_value_error_naming_it(address: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FeedServer(address)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", address)
+
+
+def test_loopback_by_default_the_real_port_and_a_warning_for_any_other_address(caplog) -> None:
+    caplog.set_level(logging.WARNING, "blobfeed.service")
+    with served("tcp://:0") as server:
+        host, port = parse_tcp(str(server.address))
+        assert host == "127.0.0.1" and port > 0
+        assert listening(port) == ["127.0.0.1"]
+    assert not [r for r in caplog.records if "not a loopback address" in r.getMessage()]
+    with served("tcp://0.0.0.0:0") as server:
+        port = parse_tcp(str(server.address))[1]
+        assert listening(port) == ["0.0.0.0"]
+    warned = [r.getMessage() for r in caplog.records if "not a loopback address" in r.getMessage()]
+    assert len(warned) == 1 and "anyone who can reach this port can attach and read the served data" in warned[0]
+
+
+def test_attach_port_0_or_nobody_there_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="port 0 is for listening"):
+        blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", "tcp://127.0.0.1:0")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    free = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    with pytest.raises(blobfeed.ServiceError, match=f"no service at tcp://127.0.0.1:{free}"):
+        blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", f"tcp://127.0.0.1:{free}")
+
+
+# -- exactly once, the same streams as on the Unix socket --------------------------------
+
+
+def test_by_index_over_tcp_is_exactly_once_and_the_unix_socket_s_stream(tmp_path: Path) -> None:
+    with served(workers=4, deterministic=True, num_consumers=4) as server:
+        assert str(server.address).startswith("tcp://127.0.0.1:")
+        over_tcp = by_index(server, tmp_path, "tcp", 4)
+    with served(None, workers=4, deterministic=True, num_consumers=4) as server:
+        over_unix = by_index(server, tmp_path, "unix", 4)
+    flat = sorted(i for s in over_tcp for b in s for i in b)
+    assert flat == feeds.all_ids(4)
+    assert over_tcp == over_unix
+    assert over_tcp == local_streams(4, 1, deterministic=True)
+
+
+def test_first_come_over_tcp_is_exactly_once_across_three_consumers(tmp_path: Path) -> None:
+    with served() as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
+        assert finish([consumer(str(server.address), o) for o in outs]) == [0] * 3
+        counts = server.sources["train"].counts
+        assert sum(counts.acknowledged.values()) == sum(len(batches(o)) for o in outs)
+    flat = sorted(i for o in outs for b in batches(o) for i in b)
+    assert flat == feeds.all_ids(2)
+
+
+def test_a_killed_tcp_consumer_s_batches_go_to_the_others(tmp_path: Path) -> None:
+    with served() as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
+        dying = consumer(str(server.address), outs[0], "--die-after", "3")
+        assert finish([dying]) == [-signal.SIGKILL]
+        assert finish([consumer(str(server.address), o) for o in outs[1:]]) == [0, 0]
+        redealt = sum(server.sources["train"].counts.redealt.values())
+    flat = sorted(i for o in outs for b in batches(o) for i in b)
+    assert flat == feeds.all_ids(2)
+    assert redealt > 0
+
+
+def test_the_address_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    with served(epochs=None) as server:
+        monkeypatch.setenv("BLOBFEED_SERVICE", str(server.address))
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train") as att:
+            got = net.run(timeout=10)
+            assert att.address == server.address
+            assert got["id"].shape == (8,) and not got["x"].flags.writeable
+            assert (got["x"][:, 0] == got["id"]).all()
+            del got
+
+
+# -- the command line; the service's end --------------------------------------------------
+
+
+def _serve_tcp(*extra: str, env: dict | None = None) -> tuple[subprocess.Popen[str], str]:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", "tests.service.feeds:wire_by_index",
+         "--listen", LOOPBACK, *extra],
+        env={**ENV, **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()  # bounded: printed once listening, or the process exits
+    m = re.fullmatch(r"blobfeed serve: listening on (tcp://127\.0\.0\.1:(\d+))\n", line)
+    assert m, (line, p.stderr.read() if p.poll() is not None else "")
+    assert int(m[2]) > 0
+    return p, m[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_serve_prints_the_real_port_and_consumers_learn_within_a_second_that_it_ended(
+    tmp_path: Path, sig: int
+) -> None:
+    p, address = _serve_tcp(env={"N": "2", "BLOBFEED_TEST_CALLS": "100000"})
+    try:
+        assert listening(parse_tcp(address)[1]) == ["127.0.0.1"]
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(2)]
+        # --timeout 60: a consumer that does not hear of the end would wait a minute
+        procs = [consumer(address, outs[i], "--index", str(i), "--timeout", "60") for i in range(2)]
+        wait_for(lambda: all(o.exists() and len(lines(o)) > 5 for o in outs), what="batches")
+        ended_at = time.time()
+        p.send_signal(sig)
+        assert finish(procs, 30) == [4, 4]
+        for o in outs:
+            end = lines(o)[-1]
+            assert end["type"] == "ServiceError" and address in end["error"], end
+            assert end["t"] - ended_at < 1.0
+        assert p.wait(30) == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+def test_sigterm_and_resume_over_tcp_continue_exactly(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    env = {"N": "2", "EPOCHS": "2"}
+    p, address = _serve_tcp("--state-file", str(state), env=env)
+    first = [tmp_path / f"a{i}.jsonl" for i in range(2)]
+    try:
+        procs = [consumer(address, first[i], "--index", str(i)) for i in range(2)]
+        wait_for(lambda: all(o.exists() and len(lines(o)) > 12 for o in first), what="batches")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        finish(procs, 30)
+    finally:
+        p.kill()
+    p, address = _serve_tcp("--state-file", str(state), "--resume", env=env)
+    second = [tmp_path / f"b{i}.jsonl" for i in range(2)]
+    try:
+        assert finish([consumer(address, second[i], "--index", str(i)) for i in range(2)]) == [0, 0]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+    reference = local_streams(2, 1, deterministic=True, epochs=2)
+    for i in range(2):
+        assert batches(first[i]) + batches(second[i]) == reference[i], i
+
+
+# -- strangers and liars -------------------------------------------------------------------
+
+
+def frame(record: Any, payload: bytes = b"", announced: int | None = None, size: int | None = None) -> bytes:
+    data = record if isinstance(record, bytes) else json.dumps(record).encode()
+    return PREFIX.pack(MAGIC, len(data) if size is None else size,
+                       len(payload) if announced is None else announced) + data + payload
+
+
+HELLO = {"t": "hello", "protocol": 1, "source": "train", "blobs": ["id", "x"], "batch_size": 8,
+         "index": None, "num": None, "pid": 1}
+
+
+def _closed_on_us(s: socket.socket) -> bool:
+    """The service closed the connection (a reset if it left our bytes unread)."""
+    try:
+        while True:
+            if s.recv(1 << 16) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+
+
+def test_a_stranger_on_the_tcp_port_is_refused_and_the_service_keeps_serving(
+    caplog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO, "blobfeed.service")
+    monkeypatch.setattr(connection_mod, "HANDSHAKE_S", 0.5)
+    garbage = [
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", "not a blobfeed peer"),
+        (os.urandom(4096), "not a blobfeed peer"),
+        (frame(b"{" * 10, size=70_000), "a record of 70000 bytes, over 65536"),
+        (frame(HELLO, announced=1 << 40), "announced 1099511627776 bytes of payload"),
+        (frame(HELLO, payload=b"\0" * 64), "announced 64 bytes of payload after a record; at most 0 here"),
+        (frame(b"\x00\xff not json"), "not JSON"),
+        (frame([1, 2, 3]), "without a kind"),
+        (frame({**HELLO, "batch_size": True}), "'batch_size' is bool"),
+        (frame({**HELLO, "extra": 1}), "unknown fields ['extra']"),
+        (frame({"t": "ack", "g": 0}), "kind 'ack' here"),
+        (frame(HELLO)[:30], "inside a record"),
+        (frame(HELLO)[:9], "inside a frame"),
+        (b"", "said nothing within"),  # and then silence past the handshake's limit
+    ]
+    with served(epochs=None) as server:
+        host, port = parse_tcp(str(server.address))
+        for data, _ in garbage:
+            with socket.create_connection((host, port), timeout=10) as s:
+                try:
+                    s.sendall(data)
+                    if data and len(data) < 40:
+                        s.shutdown(socket.SHUT_WR)  # a frame cut short
+                except OSError:
+                    pass
+                assert _closed_on_us(s)
+        # after a valid hello: a frame with payload, an acknowledgement of
+        # nothing sent, a slot it does not hold, a record cut short
+        lies = [
+            (frame({"t": "free", "slot": 0}, payload=b"x" * 64), "announced 64 bytes of payload"),
+            (frame({"t": "ack", "g": 12345}), "acknowledged item 12345"),
+            (frame({"t": "free", "slot": 99}), "freed slot 99, which it does not hold"),
+            (frame({"t": "free", "slot": 0}, size=1000), "inside a record"),
+        ]
+        for data, expected in lies:
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address) as att:
+                sock = att._channel.sock
+                sock.sendall(data)
+                if "inside" in expected:
+                    sock.shutdown(socket.SHUT_WR)
+                with pytest.raises(blobfeed.ServiceError):
+                    for _i in range(10_000):
+                        net.run(timeout=10)
+            del net, att
+        # the service still serves everything to a well-behaved consumer
+        out = tmp_path / "good.jsonl"
+        p = consumer(str(server.address), out)
+        wait_for(lambda: out.exists() and len(batches(out)) >= 20, 30, "a good consumer's batches")
+        p.kill()
+        finish([p])
+    warned = [r.getMessage() for r in caplog.records if r.name == "blobfeed.service" and r.levelno >= logging.WARNING]
+    for _, expected in garbage + lies:
+        assert any(expected in m for m in warned), (expected, warned)
+    # each names where it came from
+    assert all(re.search(r"from 127\.0\.0\.1:\d+", m) for m in warned if "connection" in m and "refused" not in m)
+    caplog.clear()  # its records' errors hold frames that held the liars' batches
+
+
+class FakeService:
+    """A TCP 'service' that welcomes one consumer and then says what a test tells it."""
+
+    def __init__(self, frames: list[bytes], slots: int = 3, slot_bytes: int = 1024) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.frames = frames
+        self.welcome = frame({"t": "welcome", "consumer": 0, "slots": slots, "slot_bytes": slot_bytes,
+                              "epoch": 0, "service": self.address})
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(10)
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(10)
+            conn.recv(1 << 16)  # its hello
+            conn.sendall(self.welcome)
+            for f in self.frames:
+                conn.sendall(f)
+            # then the end of the stream; what the consumer says is read (and
+            # dropped) until it leaves: a close with unread bytes would reset
+            # the connection, and a reset may overtake the frames sent
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(0.1)
+            while not self.done.is_set():
+                try:
+                    if not conn.recv(1 << 16):
+                        return
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+        self.sock.close()
+
+
+def batch_frame(ids: np.ndarray, slot: int = 0, g: int = 0, x: np.ndarray | None = None, **lie: Any) -> bytes:
+    """A ``batch`` frame as the service sends it for blobs id (int64) and x (float32, 3 per sample)."""
+    x = np.stack([ids.astype(np.float32)] * 3, axis=1) if x is None else x
+    n = len(ids)
+    off_x = -(-ids.nbytes // 64) * 64
+    arrays = [["<i8", [n], 0], [x.dtype.str, list(x.shape), off_x]]
+    payload = ids.tobytes() + bytes(off_x - ids.nbytes) + x.tobytes()
+    payload += bytes(-len(payload) % 64)
+    record = {"t": "batch", "g": g, "slot": slot, "n": n, "arrays": arrays}
+    record.update(lie.pop("record", {}))
+    payload = lie.pop("payload", payload)
+    return frame(record, payload=payload, **lie)
+
+
+IDS = np.arange(8, dtype=np.int64)
+
+
+@pytest.mark.parametrize("frames, expected", [
+    ([batch_frame(IDS, payload=b"\0" * 320)], "320 bytes of payload for arrays that take 192"),
+    ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0], ["<f4", [8, 3], 128]]})],
+     "array 1: at offset 128; packed after the arrays before it, it starts at 64"),
+    ([batch_frame(IDS, record={"n": 7})], "array 0: bad shape [8] for 7 samples"),
+    ([batch_frame(np.arange(9, dtype=np.int64))], "a batch of 9 samples; this consumer attached with batch_size=8"),
+    ([batch_frame(IDS, slot=3)], "batch in slot 3, of 3"),
+    ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0]]})], "a list of 2 (one per blob)"),
+    ([batch_frame(IDS, record={"arrays": [["|O", [8], 0], ["<f4", [8, 3], 64]]})], "not a plain number type"),
+    ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0], ["<f4", [8, 300], 64]]})],
+     "array 1: the arrays take 9664 bytes or more, over the slot's 1024"),
+    ([batch_frame(IDS, announced=2048)], "announced 2048 bytes of payload after a record; at most 1024"),
+    ([batch_frame(IDS), batch_frame(IDS, g=1)], "batch in slot 0, whose last batch the consumer has not freed"),
+    ([batch_frame(IDS), batch_frame(IDS, slot=1, g=1, x=np.zeros((8, 4), np.float32))],
+     "the first batch had [(<i8, ()), (<f4, (3,))]"),
+    ([frame({"t": "epoch_end", "g": 0, "epoch": 0, "dropped": 0}, payload=b"\0" * 64)],
+     "64 bytes of payload after a 'epoch_end' record"),
+    ([batch_frame(IDS)[:-10]], "closed the connection 10 bytes before a payload's end"),
+])
+def test_a_lying_service_fails_the_consumer_naming_the_lie(frames: list[bytes], expected: str) -> None:
+    fake = FakeService(frames)
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+            with pytest.raises(blobfeed.ServiceError) as info:
+                held = [net.run(timeout=10) for _ in range(len(frames) + 1)]
+                del held
+            assert expected in str(info.value.__cause__ or info.value), str(info.value)
+            assert fake.address in str(info.value)
+    finally:
+        fake.close()
+
+
+def test_a_batch_read_off_the_stream_is_the_service_s_bytes_read_only() -> None:
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    x = np.arange(9, dtype=np.float32).reshape(3, 3)
+    fake = FakeService([batch_frame(ids, x=x), frame({"t": "end", "error": None, "kind": "end"})])
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+            got = net.run(timeout=10)
+            assert got["id"].tolist() == [5, 6, 7] and np.array_equal(got["x"], x)
+            assert not got["id"].flags.writeable and not got["x"].flags.writeable
+            with pytest.raises(ValueError):
+                got["x"][0, 0] = 1.0
+            del got
+            with pytest.raises(blobfeed.EndOfInput):
+                net.run(timeout=10)
+    finally:
+        fake.close()
+
+
+def _fds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def test_twenty_tcp_attach_detach_cycles_leave_nothing_behind() -> None:
+    before = len(_fds())
+    with served(name="tcpcycles", epochs=None) as server:
+        def cycle() -> None:
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "tcpcycles", server.address):
+                for _ in range(3):
+                    try:
+                        net.run(timeout=10)
+                    except blobfeed.EndOfEpoch:
+                        pass
+
+        cycle()
+        fds, threads = len(_fds()), threading.active_count()
+        for _ in range(20):
+            cycle()
+        wait_for(lambda: len(_fds()) <= fds and threading.active_count() <= threads, 10, "cleanup")
+        wait_for(lambda: server.sources["tcpcycles"].connected == 0, 10, "the service to see them leave")
+    gc.collect()
+    wait_for(lambda: len(_fds()) <= before, 10, "the service's sockets closed")
+
+
+def test_a_hello_for_no_such_source_is_refused_in_one_frame_then_closed() -> None:
+    with served() as server:
+        host, port = parse_tcp(str(server.address))
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(frame({**HELLO, "source": "nope"}))
+            got = b""
+            while True:
+                part = s.recv(1 << 16)
+                if not part:
+                    break
+                got += part
+    magic, size, payload = PREFIX.unpack(got[:PREFIX.size])
+    assert (magic, payload, len(got)) == (MAGIC, 0, PREFIX.size + size)
+    assert json.loads(got[PREFIX.size:]) == {"t": "refused", "error": "this service has no source 'nope'", "kind": "value"}
