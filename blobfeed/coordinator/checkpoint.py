@@ -36,6 +36,8 @@ def layout(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
         "shuffle_buffer": source.dealing.shuffle_buffer,
         # per net, in wiring order
         "drop_last": [bool(f.drop_last) for f in source.feeds],
+        # equal shares drop rounds: another stream
+        "equal": source.dealing.equal,
     }
 
 
@@ -44,7 +46,7 @@ def state_dict(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
     return source.dealer.state(layout(source, seeds), [f.net_name for f in source.feeds])
 
 
-#: what a state must hold (``seed``, ``shuffle_buffer``, ``drop_last`` came later: see _LAYOUT)
+#: what a state must hold (``seed``, ``shuffle_buffer``, ``drop_last``, ``equal`` came later: see _LAYOUT)
 _REQUIRED = ("version", "num_workers", "batch_size", "blobs", "axes", "position", "nets")
 #: layout key -> what a message calls it
 _LAYOUT: tuple[tuple[str, str], ...] = (
@@ -55,6 +57,7 @@ _LAYOUT: tuple[tuple[str, str], ...] = (
     ("seed", "seed"),
     ("shuffle_buffer", "shuffle_buffer"),
     ("drop_last", "drop_last (per net)"),
+    ("equal", "equal"),
 )
 _POSITION = ("batches", "rr", "offset", "calls", "states")
 
@@ -137,8 +140,8 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     for key, what in _LAYOUT:
         if key not in state:
             # saved before the key was recorded: seed could be anything;
-            # shuffle_buffer and drop_last had their defaults
-            implied = {"shuffle_buffer": 0, "drop_last": [False] * k}.get(key)
+            # shuffle_buffer, drop_last and equal had their defaults
+            implied = {"shuffle_buffer": 0, "drop_last": [False] * k, "equal": False}.get(key)
             if implied is None or _same(implied, wired[key]):
                 continue
             raise ValueError(

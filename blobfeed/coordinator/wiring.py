@@ -125,6 +125,7 @@ def init_data_input_workers(
     shuffle_buffer: int = 0,
     epochs: int | None = 1,
     max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
+    equal: bool = False,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
 
@@ -192,6 +193,19 @@ def init_data_input_workers(
             pass it, but a chunk always enters an empty queue (with
             ``deterministic``, ``shuffle_buffer`` or ``epochs``: each worker's
             equal share, and an empty lane).  The first call for a source sets it.
+        equal: every net on the source gets the same number of batches per
+            epoch, so a data-parallel step never waits for a net that ran
+            out first.  The batches are dealt in turn (batch *i* to the
+            *i mod k*-th net wired, as with ``deterministic``, which still
+            decides whether the workers' chunks are read in strict round
+            robin) and go out in rounds of one batch per net, each once it is
+            complete; an epoch's last, incomplete round (the end of the data
+            ends the last epoch) is dropped, counted
+            (``blobfeed_dropped_samples_total{reason="equal"}``) and logged.
+            With ``drop_last`` the epoch's last partial batch is dropped
+            before the round is judged.  Every call for one source must
+            agree on it, and with it on ``drop_last``; not with
+            ``dont_rebatch``.
 
     Returns:
         The global coordinator; call its ``start()``.
@@ -243,6 +257,12 @@ def init_data_input_workers(
         epochs = check_index("epochs", epochs)
     if max_buffered_bytes is not None:
         max_buffered_bytes = check_index("max_buffered_bytes", max_buffered_bytes)
+    equal = check_flag("equal", equal)
+    if equal and dont_rebatch:
+        raise ValueError(
+            "equal=True deals the source's batches in rounds, one per net, cut once for every net: "
+            "it cannot be combined with dont_rebatch=True (each chunk its own batch)"
+        )
     if (deterministic or shuffle_buffer or epochs != 1) and dont_rebatch:
         raise ValueError(
             "deterministic=True, shuffle_buffer and epochs re-batch the source's stream once: "
@@ -268,7 +288,9 @@ def init_data_input_workers(
     base_seed = seed if seed is not None else gc._known.seed_of(input_source_name)
     if base_seed is None:
         base_seed = draw_base_seed(input_source_name)
-    dealing = DealingOptions(deterministic, shuffle_buffer, epochs)
+    # with equal=True the dealer drops an epoch's last partial batch itself
+    # (see DealingOptions.drop_last), so every net must agree on drop_last
+    dealing = DealingOptions(deterministic, shuffle_buffer, epochs, equal, drop_last and equal)
     with gc._lock:
         # Every check first, so a refused call leaves nothing behind.
         source = gc._sources.get(input_source_name)
@@ -312,13 +334,13 @@ def init_data_input_workers(
             if fixed is not None and fixed != batch_size:
                 raise ValueError(
                     f"source {input_source_name!r} is re-batched once for all its nets (deterministic, "
-                    f"shuffle_buffer or epochs) with batch_size={fixed}; "
+                    f"shuffle_buffer, epochs or equal) with batch_size={fixed}; "
                     f"this call asks for {batch_size}: such a source has one batch size"
                 )
             if fixed is not None and any(c.started for c in gc._coordinators if c.name == input_source_name):
                 raise ValueError(
                     f"source {input_source_name!r} deals its batches to its nets in turn (deterministic, "
-                    f"shuffle_buffer or epochs) and already started: "
+                    f"shuffle_buffer, epochs or equal) and already started: "
                     "wire every net before start()"
                 )
             source.register_fetchers(num_worker_threads)  # atomic with the source's end

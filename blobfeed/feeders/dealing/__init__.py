@@ -4,8 +4,10 @@
   the next chunk to whichever net asks first.
 * :class:`LaneDealer` -- a lane per worker, read in strict round robin
   (``deterministic=True``) or first-ready (epochs, a shuffle that need not
-  be deterministic), cut into batches once per source, through an optional
-  shuffle stage, dealt to the nets in turn, with a position per batch.
+  be deterministic, ``equal=True``), cut into batches once per source,
+  through an optional shuffle stage, dealt to the nets in turn (with
+  ``equal=True``: in whole rounds, one batch per net), with a position per
+  batch.
 
 :func:`make_dealer` chooses one from the wiring arguments, once; nothing
 downstream asks which one a source has.
@@ -63,5 +65,5 @@ def make_dealer(
     return LaneDealer(
         source, batch_size, axes, capacity=capacity, outbox_samples=2 * batch_size,
         on_error=on_error_in_order, on_dropped=on_dropped, strict=options.deterministic, shuffle=shuffle,
-        max_bytes=max_bytes,
+        max_bytes=max_bytes, equal=options.equal, drop_last=options.drop_last,
     )

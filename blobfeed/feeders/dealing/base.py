@@ -58,17 +58,25 @@ class DealingOptions:
     shuffle_buffer: int = 0
     #: passes over the data (None: endless)
     epochs: int | None = 1
+    #: every net gets the same number of batches per epoch: batches go out
+    #: in rounds of one per net, an epoch's last incomplete round is dropped
+    equal: bool = False
+    #: with ``equal``: the epoch's last partial batch is dropped before the
+    #: rounds are counted (the nets' ``drop_last``, which must agree); False
+    #: without ``equal`` (each net's feed applies its own)
+    drop_last: bool = False
 
     @property
     def in_arrival_order(self) -> bool:
         """Chunks can be taken as they arrive, by whichever net asks first."""
-        return not self.deterministic and not self.shuffle_buffer and self.epochs == 1
+        return not self.deterministic and not self.shuffle_buffer and self.epochs == 1 and not self.equal
 
     def describe(self) -> str:
-        return (
+        text = (
             f"deterministic={self.deterministic}, shuffle_buffer={self.shuffle_buffer}, "
-            f"epochs={self.epochs}"
+            f"epochs={self.epochs}, equal={self.equal}"
         )
+        return f"{text}, drop_last={self.drop_last}" if self.equal else text
 
 
 class Reader(Protocol):

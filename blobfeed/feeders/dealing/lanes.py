@@ -24,12 +24,25 @@ last (partial) batch is dealt, every net gets an :class:`EpochEnd`, and the
 next epoch starts afresh: round robin from the first worker, as a run
 started in that epoch would.  So a position is always "this epoch, these
 calls of each worker in it".
+
+Equal shares (``equal=True``, several nets): the batches go out in rounds,
+batches *r k* ... *r k + k - 1* for the *k* nets.  The pieces of a round
+wait in the dealer (``_round``) until its last batch is complete, then go
+to the outboxes together; at the end of an epoch (or of the data) a round
+that is not complete is dropped, counted (reason ``"equal"``) and logged,
+and its batch numbers are dealt again from the next epoch on: every epoch
+starts a round, at net 0.  No net ever sees a batch of a dropped round, so
+no net's position passes one, and a state never points into one.  With
+``drop_last`` the epoch's last partial batch is dropped here (not by the
+nets' feeds) before the round is judged, so it cannot leave one net a
+batch short.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import logging
 import sys
 import threading
 from typing import Any, Callable, Sequence
@@ -40,6 +53,8 @@ from ..shuffle import ShuffleBuffer
 from .base import DealerStats, DropCounter
 
 __all__ = ["LaneDealer", "NetOutbox", "READABLE_VERSIONS", "STATE_VERSION"]
+
+logger = logging.getLogger("blobfeed.feeders")
 
 #: the layout version of ``state_dict``; a state of another version is refused
 #: (version 1, before epochs, is read as a state in epoch 0)
@@ -139,6 +154,12 @@ class LaneDealer:
             shared equally by the lanes; a chunk always enters a lane that
             holds none (so a worker whose turn it is is never blocked).
             The shuffle buffer's rows are bounded by its size in samples.
+        equal: with several nets, every net gets the same number of batches
+            per epoch (see the module docstring): a round of batches, one per
+            net, goes out once complete; an epoch's last incomplete round is
+            dropped (``on_dropped("equal", n)``).
+        drop_last: with ``equal``, the epoch's last partial batch is dropped
+            (``on_dropped("drop_last", n)``) before its round is judged.
     """
 
     resumable: bool
@@ -156,9 +177,20 @@ class LaneDealer:
         strict: bool = True,
         shuffle: ShuffleBuffer | None = None,
         max_bytes: int | None = None,
+        equal: bool = False,
+        drop_last: bool = False,
     ) -> None:
         self.source = source
         self.strict = strict
+        self.equal = equal
+        self.drop_last = drop_last
+        #: equal shares: the nets per round (set at start; 0: every batch goes out at once)
+        self._round_k = 0
+        #: the pieces of the round being filled, (batch, outbox, piece), and their samples
+        self._round: list[tuple[int, NetOutbox, Chunk]] = []
+        self._round_n = 0
+        #: log lines to write once the lock is released: (format, args)
+        self._notes: list[tuple[Any, ...]] = []
         #: only a strict stream is a function of the wiring
         self.resumable = strict
         self.shuffle = shuffle
@@ -272,6 +304,8 @@ class LaneDealer:
         with self._lock:
             if not self._started:
                 self._started = True
+                # one net gets every round whole: nothing to hold back
+                self._round_k = len(self.outboxes) if self.equal and len(self.outboxes) > 1 else 0
                 self._record(self._batch)
 
     # -- workers -----------------------------------------------------------------
@@ -345,6 +379,11 @@ class LaneDealer:
             if self.shuffle is not None:
                 # its chunks may hold a worker's shared memory: let go now
                 lost += self.shuffle.clear()
+            # an unfinished round of equal shares never goes out (an error
+            # in the stream ends the epoch short too)
+            lost += self._round_n
+            self._round.clear()
+            self._round_n = 0
             self._room.notify_all()
             self._items.notify_all()
             if in_order:
@@ -366,7 +405,7 @@ class LaneDealer:
 
     def stats(self) -> DealerStats:
         with self._lock:
-            held = self._lane_samples() + sum(b.samples for b in self.outboxes)
+            held = self._lane_samples() + sum(b.samples for b in self.outboxes) + self._round_n
             if self.shuffle is not None:
                 held += len(self.shuffle)
             return DealerStats(held, self._lane_chunks, self.capacity, self._queued_bytes, self.max_bytes)
@@ -409,6 +448,12 @@ class LaneDealer:
                 exc = self._close_reason
             elif self._eof:
                 exc = EndOfInput(f"source {self.source!r}: every worker finished")
+            notes = self._notes
+            if notes:
+                self._notes = []
+        if notes:
+            for note in notes:
+                logger.info(*note)  # never under the lock: a slow handler would stall every net
         if error is not None:
             self._on_error(error)  # outside the lock: it closes the source's lanes
         if piece is not None:
@@ -533,6 +578,8 @@ class LaneDealer:
             self._batch += 1
             self._filled = 0
             self._record(self._batch)
+            if self._round_k and not self._batch % self._round_k:
+                self._release_round()
         return True
 
     def _drop_prefix(self, chunk: Chunk) -> BaseException | None:
@@ -617,13 +664,22 @@ class LaneDealer:
         self._deal(batch)
         self._batch += 1
         self._record(self._batch)
+        if self._round_k and not self._batch % self._round_k:
+            self._release_round()
 
     def _end(self) -> Any:
         """Every lane ended (and the shuffle buffer, if any, is empty): the
         last partial batch (if any) is dealt already; stop."""
+        partial = bool(self._filled)
         if self._filled:
             self._batch += 1
             self._filled = 0
+            self._record(self._batch)
+        if self._round_k:
+            # the end of the data ends the last epoch: its round is judged
+            # as at any epoch's end; the position after the last round that
+            # went out is the end (a resume there deals nothing more)
+            self._settle_round(partial)
             self._record(self._batch)
         self._eof = True
         self._items.notify_all()
@@ -633,9 +689,12 @@ class LaneDealer:
         """Every lane reached the end of this epoch: its last partial batch
         is dealt already; every net gets the epoch's end; the next epoch
         starts where a run started in it would."""
+        partial = bool(self._filled)
         if self._filled:
             self._batch += 1
             self._filled = 0
+        if self._round_k:
+            self._settle_round(partial)
         for box in self.outboxes:
             if self._epoch >= box.marks_from:
                 box.pieces.append(EpochEnd(self._epoch))  # type: ignore[arg-type]
@@ -648,6 +707,60 @@ class LaneDealer:
         self._record(self._batch)
         self._items.notify_all()
         return True
+
+    def _release_round(self) -> None:
+        """The round being filled is complete: its pieces go to their nets
+        (under the lock)."""
+        for _, box, piece in self._round:
+            box.pieces.append(piece)
+            box.samples += piece.n
+        self._round.clear()
+        self._round_n = 0
+
+    def _settle_round(self, partial: bool) -> None:
+        """Equal shares at the end of an epoch (or of the data), with
+        ``_batch`` batches dealt, the last of them partial if ``partial``
+        (under the lock): a complete last round goes out; an incomplete one
+        is dropped and counted, and its batch numbers are dealt again from
+        the next epoch on, so every epoch starts a round at net 0."""
+        k = self._round_k
+        ended = self._batch
+        if partial and self.drop_last:
+            # dropped here rather than by one net's feed, which would leave
+            # that net a batch short of the others
+            last = self._batch - 1
+            n = 0
+            while self._round and self._round[-1][0] == last:
+                n += self._round.pop()[2].n
+            self._round_n -= n
+            self._batch = last
+            if n:
+                if self._on_dropped is not None:
+                    self._on_dropped("drop_last", n)
+                self._notes.append((
+                    "source %r: dropped the last partial batch of epoch %d, %d samples (drop_last=True)",
+                    self.source, self._epoch, n,
+                ))
+        if self._batch % k:
+            start = self._batch - self._batch % k
+            n = self._round_n
+            self._round.clear()
+            self._round_n = 0
+            if n and self._on_dropped is not None:
+                self._on_dropped("equal", n)
+            self._notes.append((
+                "source %r: dropped the incomplete last round of epoch %d: %d batches (%d samples) for "
+                "%d of its %d nets (equal=True: every net gets the same number of batches per epoch)",
+                self.source, self._epoch, self._batch - start, n, self._batch - start, k,
+            ))
+            self._batch = start
+        else:
+            self._release_round()
+        # positions past the last round that went out were never reached by
+        # any net (none of their batches went out): gone, so a state cannot
+        # find one; the entries at or below every net's next batch stay
+        for b in range(self._batch + 1, ended + 1):
+            self._positions.pop(b, None)
 
     def _piece(self, chunk: Chunk, lo: int, n: int) -> Chunk:
         if lo == 0 and n == chunk.n:
@@ -663,6 +776,11 @@ class LaneDealer:
         if self._batch < box.skip_until:
             # before this net's resumed position: it had it already
             self._dropped_on_resume(piece.n)
+            return
+        if self._round_k:
+            # equal shares: it waits for the rest of its round
+            self._round.append((self._batch, box, piece))
+            self._round_n += piece.n
             return
         box.pieces.append(piece)
         box.samples += piece.n
@@ -743,6 +861,8 @@ class LaneDealer:
             self._batch = pos["batches"]
             self._rr = pos["rr"]
             self._filled = 0
+            self._round.clear()
+            self._round_n = 0
             self._calls = list(pos["calls"])
             self._states = list(pos["states"])
             for box, (_, nxt, *rest) in zip(self.outboxes, state["nets"]):
