@@ -18,10 +18,17 @@ Which net gets what depends on the mode:
   whatever the timing.  With a fetcher that is itself deterministic, the
   batches are also the same on every run (README, "Reproducibility and
   resume"); this one is not (its workers share a cursor).
+* ``equal=True`` (with ``deterministic=True`` here): what a DDP-style loop
+  needs, where every step runs every replica once.  The batches go out in
+  rounds, one per net, and the last incomplete round is dropped (counted as
+  ``blobfeed_dropped_samples_total{reason="equal"}``, and logged), so both
+  nets get exactly the same number of batches and no step waits for a net
+  that ran out first.
 
-The example runs both, and checks that every sample id reached exactly one of
-the two nets, that each net's predictions match numpy, and that the
-deterministic run's shares are even.
+The example runs all three, and checks that every sample id reached exactly
+one of the two nets (with ``equal=True``: or was counted as dropped), that
+each net's predictions match numpy, that the deterministic run's shares are
+even and that the equal run's batch counts are the same.
 
 Run:  python examples/data_parallel.py
 """
@@ -41,7 +48,10 @@ BATCH = 128
 SOURCE = "train"
 
 
-def run(model: bytes, features: np.ndarray, expected: np.ndarray, *, deterministic: bool) -> list[str]:
+def run(
+    model: bytes, features: np.ndarray, expected: np.ndarray, *, deterministic: bool, equal: bool = False,
+    batch: int = BATCH,
+) -> list[str]:
     """Feed two replicas from one source; returns the failures (none: it checked out)."""
     ids = np.arange(N_SAMPLES, dtype=np.int64)
     # One dataset, read in chunks of 1..BATCH samples by every fetcher of the source.
@@ -62,9 +72,9 @@ def run(model: bytes, features: np.ndarray, expected: np.ndarray, *, determinist
     for net in nets:
         # The same source name for both calls: they share the source.
         blobfeed.init_data_input_workers(
-            net, ["data", "sample_id"], fetch_fun, batch_size=BATCH,
+            net, ["data", "sample_id"], fetch_fun, batch_size=batch,
             num_worker_threads=2, input_source_name=SOURCE, timeout=10.0,
-            coordinator=coordinator, deterministic=deterministic,
+            coordinator=coordinator, deterministic=deterministic, equal=equal,
         )
 
     seen: dict[str, list[np.ndarray]] = {net.name: [] for net in nets}
@@ -96,6 +106,11 @@ def run(model: bytes, features: np.ndarray, expected: np.ndarray, *, determinist
         for t in consumers:
             t.join(timeout=60)
     finally:
+        # samples of the last incomplete round (equal=True), read before the
+        # stop, which would add what it discards
+        dropped = coordinator.registry.get_sample_value(
+            "blobfeed_dropped_samples_total", {"source": SOURCE, "reason": "equal"}
+        ) or 0.0
         ok = coordinator.stop()  # also wakes a consumer still waiting in run()
 
     failures = []
@@ -105,19 +120,29 @@ def run(model: bytes, features: np.ndarray, expected: np.ndarray, *, determinist
         failures.append("a consumer did not finish")
     per_net = {name: int(sum(len(b) for b in batches)) for name, batches in seen.items()}
     got = np.concatenate([b for batches in seen.values() for b in batches] or [np.empty(0, np.int64)])
-    if len(got) != N_SAMPLES or not np.array_equal(np.sort(got), ids):
-        dupes = len(got) - len(np.unique(got))
-        failures.append(f"{len(got)} samples delivered ({dupes} duplicates), expected each of {N_SAMPLES} once")
-    if deterministic and abs(per_net["replica0"] - per_net["replica1"]) > BATCH:
+    dupes = len(got) - len(np.unique(got))
+    if dupes or len(got) + dropped != N_SAMPLES or not np.isin(got, ids).all():
+        failures.append(
+            f"{len(got)} samples delivered ({dupes} duplicates) and {dropped:.0f} dropped, "
+            f"expected each of {N_SAMPLES} once"
+        )
+    if not equal and dropped:
+        failures.append(f"{dropped:.0f} samples dropped without equal=True")
+    if deterministic and abs(per_net["replica0"] - per_net["replica1"]) > batch:
         failures.append(f"deterministic=True dealt uneven shares: {per_net}")
+    if equal and len(seen["replica0"]) != len(seen["replica1"]):
+        failures.append(f"equal=True dealt {len(seen['replica0'])} and {len(seen['replica1'])} batches")
     if any(mismatches.values()):
         failures.append(f"batches whose predictions differ from numpy: {mismatches}")
     if not ok:
         failures.append("stop() left threads running")
 
     mode = "deterministic=True (batches dealt in turn)" if deterministic else "arrival order (first come, first served)"
+    if equal:
+        mode = "deterministic=True, equal=True (rounds of one batch per net)"
     split = ", ".join(f"{name}: {n} samples in {len(seen[name])} batches" for name, n in per_net.items())
-    print(f"{mode}: source {SOURCE!r} fed 2 nets; {split}")
+    tail = f"; {dropped:.0f} samples of the last incomplete round dropped" if equal else ""
+    print(f"{mode}: source {SOURCE!r} fed 2 nets; {split}{tail}")
     return failures
 
 
@@ -129,11 +154,14 @@ def main() -> None:
 
     failures = run(model, features, expected, deterministic=False)
     failures += run(model, features, expected, deterministic=True)
+    # 75 batches of 160: the 38th round has one batch, for replica0 only, and is dropped
+    failures += run(model, features, expected, deterministic=True, equal=True, batch=160)
     if failures:
         print("FAILED: " + "; ".join(failures))
         raise SystemExit(1)
-    print(f"in both modes every one of {N_SAMPLES} samples reached exactly one net; "
-          "predictions match numpy; the dealt shares are even; clean stops")
+    print(f"in every mode each of {N_SAMPLES} samples reached exactly one net (or, with equal=True, "
+          "was counted as dropped); predictions match numpy; the dealt shares are even, and equal "
+          "with equal=True; clean stops")
 
 
 if __name__ == "__main__":
