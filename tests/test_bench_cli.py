@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,16 @@ def _peer_results() -> dict[str, dict[str, Any]]:
         "W4pd/blobfeed": _result(batches_per_s=950.0, pss_mb=200.0, ideal_ratio=0.85, ideal_batches_per_s=500.0),
         "W1s/blobfeed": _result(batches_per_s=180.0),
         "W2s/blobfeed": _result(batches_per_s=250.0),  # 0.5 x W2: the target's edge, met
+        # the feeding service: S1 1.2 x the pipelines, half their PSS, 0.6 x the copy bound; S2 0.6 x
+        "S1/service": _result(batches_per_s=120.0, gb_per_s=1.2, pss_mb=300.0, first_batch_ms=900.0),
+        "S1/pipes": _result(batches_per_s=100.0, gb_per_s=1.0, pss_mb=600.0, first_batch_ms=2000.0),
+        "S1/copy": _result(batches_per_s=200.0, gb_per_s=2.0),
+        "S1/raysplit": _result(batches_per_s=30.0, pss_mb=2400.0),
+        "S2/service": _result(batches_per_s=600.0, pss_mb=200.0),
+        "S2/pipes": _result(batches_per_s=1000.0, pss_mb=150.0),
+        "S2/raysplit": _result(batches_per_s=400.0, pss_mb=2200.0),
+        "attach/service": {"first_batch_ms": 12.0, "attach_ms_max": 20.0, "attach_cycles": 5, "peak_rss_mb": 300.0,
+                           "samples_lost": 0},
     }
 
 
@@ -339,6 +350,15 @@ def test_a_peer_target_uses_the_best_peer_that_ran_and_names_the_missing() -> No
         (("W4pd/blobfeed", "batches_per_s", 850.0), r"  W4pd batches/s vs W4p >= 0\.9: measured 0\.85"),
         (("W1s/blobfeed", "batches_per_s", 120.0), r"  W1s batches/s vs W1 >= 0\.5: measured 0\.40"),
         (("W2s/blobfeed", "batches_per_s", 245.0), r"  W2s batches/s vs W2 >= 0\.5: measured 0\.49"),
+        (("S1/service", "batches_per_s", 90.0), r"  S1 batches/s vs four independent pipelines >= 1\.0: measured 0\.90"),
+        (("S1/service", "pss_mb", 420.0),
+         r"  S1 total PSS vs four independent pipelines <= 0\.6: measured 0\.70 \(420 MiB against 600 MiB\)"),
+        (("S1/copy", "gb_per_s", 3.0), r"  S1 GB/s vs the copy bound >= 0\.5: measured 0\.40"),
+        (("S2/service", "batches_per_s", 450.0), r"  S2 batches/s vs four independent pipelines >= 0\.5: measured 0\.45"),
+        (("S2/raysplit", "batches_per_s", 1200.0),
+         r"  S2 batches/s vs Ray Data streaming_split\(4\) >= 1\.0: measured 0\.50"),
+        (("attach/service", "first_batch_ms", 650.0),
+         r"  attach first batch after attach_source <= 500 ms: measured 650\.00 \(slowest of 5: 20 ms\)"),
     ],
 )
 def test_a_missed_new_target_exits_1(
@@ -394,6 +414,109 @@ def test_a_workload_skipped_for_want_of_pillow_is_not_evaluated(
     out = capsys.readouterr().out
     assert re.search(r"^W6p/\* +skipped: PIL not installed$", out, re.M), out
     assert "  not evaluated: W6p every target (workload skipped: PIL not installed)" in out
+
+
+# --------------------------------------------------------------------------- the feeding service: S1, S2, attach
+@pytest.mark.parametrize(("workload", "runner_"), [
+    ("S1", "service"), ("S1", "pipes"), ("S2", "service"), ("S2", "pipes"), ("attach", "service"),
+])
+def test_a_sample_lost_by_the_service_or_a_pipeline_exits_1(
+    workload: str, runner_: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {**_passing_results(), **_peer_results()}
+    results[f"{workload}/{runner_}"]["samples_lost"] = 1
+    assert _run_main(monkeypatch, results) == 1
+    assert re.search(rf"^  {workload} samples lost == 0 \({runner_}\): measured 1$", capsys.readouterr().out, re.M)
+
+
+def test_the_service_targets_and_the_attach_row(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_main(monkeypatch, {**_passing_results(), **_peer_results()}) == 0
+    out = capsys.readouterr().out
+    for line in [
+        r"S1 batches/s vs four independent pipelines >= 1\.0 +1\.20  ok",
+        r"S1 total PSS vs four independent pipelines <= 0\.6 +0\.50  ok  \[300 MiB against 600 MiB\]",
+        r"S1 GB/s vs the copy bound >= 0\.5 +0\.60  ok",
+        r"S2 batches/s vs four independent pipelines >= 0\.5 +0\.60  ok",
+        r"S1 batches/s vs Ray Data streaming_split\(4\) >= 1\.0 +4\.00  ok",
+        r"S2 batches/s vs Ray Data streaming_split\(4\) >= 1\.0 +1\.50  ok",
+        r"attach first batch after attach_source <= 500 ms +12\.00  ok  \[slowest of 5: 20 ms\]",
+        r"S1 samples lost == 0 \(pipes\) +0  ok",
+    ]:
+        assert re.search(rf"^{line}$", out, re.M), (line, out)
+    lines = out.splitlines()
+    top = lines.index(next(line for line in lines if line.startswith("workload/runner")))
+    cells = {r["workload/runner"]: r for r in _column_cells(lines[top: lines.index("", top)])}
+    # attach times attaching, not a rate: its other cells say "not measured"
+    assert cells["attach/service"] == {
+        "workload/runner": "attach/service", "batches/s": "-", "GB/s": "-", "peak RSS MB": "300", "PSS MB": "-",
+        "first ms": "12.0", "lost": "0", "vs ideal": "", "vs base": "",
+    }
+    assert cells["S1/service"]["PSS MB"] == "300"
+
+
+def test_without_ray_data_the_streaming_split_targets_say_not_installed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {k: v for k, v in {**_passing_results(), **_peer_results()}.items() if not k.endswith("/raysplit")}
+    rows = report.evaluate(_report(results))
+    for wl in ("S1", "S2"):
+        row = _row(rows, wl, "batches/s vs Ray Data streaming_split(4)")
+        assert row["ok"] is None and row["ratio"] is None
+        assert row["detail"] == "peer missing: raysplit (ray[data] not installed)"
+    # installed, yet it did not run (the run was cut short): no reason is made up
+    row = _row(report.evaluate(_report(results, raydata=True)), "S1", "batches/s vs Ray Data")
+    assert row["detail"] == "peer missing: raysplit"
+    assert _run_main(monkeypatch, results) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^S1 batches/s vs Ray Data streaming_split\(4\) >= 1\.0 +- +not evaluated \(peer missing\)  "
+                     r"\[raysplit \(ray\[data\] not installed\)\]$", out, re.M), out
+
+
+def test_the_service_workloads_are_opt_in_and_named_like_the_others() -> None:
+    service_wls = ["S1", "S2", "attach"]
+    assert not set(DEFAULT) & set(service_wls)  # 4 consumer processes each: not in the default run
+    assert cli.parse_workloads("s1,ATTACH") == ["S1", "attach"]
+    assert cli.build_parser().parse_args(["--workload", "S1"]).workloads == "S1"  # argparse takes the prefix
+    assert runner._plan(service_wls, {"PIL"}) == [
+        ("S1", "service"), ("S1", "pipes"), ("S1", "copy"), ("S2", "service"), ("S2", "pipes"), ("attach", "service"),
+    ]
+    with_ray = runner._plan(service_wls, {"PIL", "ray", "ray.data"})
+    assert [p for p in with_ray if p[1] == "raysplit"] == [("S1", "raysplit"), ("S2", "raysplit")]
+    one = runner.CHILD_OVERHEAD_S + runner.WARMUP_S + 5.0
+    assert runner.estimate_seconds(service_wls, 5.0, 3, {"PIL", "ray", "ray.data"}) == pytest.approx(
+        runner.estimate_seconds(service_wls, 5.0, 3, {"PIL"}) + 3 * 2 * (one + runner.RAYSPLIT_EXTRA_S))
+    assert runner.estimate_seconds(["S1"], 5.0, 1, {"PIL"}) > 3 * one  # four consumers' start on top
+
+
+def test_watch_consumers_times_every_consumers_window_and_names_a_missing_one() -> None:
+    counts = measure.Tally()
+    stop = threading.Event()
+
+    def consumer(k: int) -> None:
+        while not stop.is_set():
+            counts.add(k, 1)
+            time.sleep(0.001)  # pacing, as a consumer's work would
+
+    threads = [threading.Thread(target=consumer, args=(k,)) for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        w = measure.watch_consumers(counts, 2, 0.2, time.perf_counter(), lambda: None, warmup=0.05, pss=False)
+        assert len(w.batches) == 2 and all(b > 0 for b in w.batches)
+        assert w.seconds >= 0.2 and w.first_batch_s >= 0
+        with pytest.raises(TimeoutError, match=r"consumers \[2\] had no batch"):
+            measure.watch_consumers(counts, 3, 0.1, time.perf_counter(), lambda: None, start_timeout=0.1, pss=False)
+
+        def died() -> None:
+            raise RuntimeError("consumer 2 exited with 1")
+
+        with pytest.raises(RuntimeError, match="consumer 2 exited"):
+            measure.watch_consumers(counts, 3, 0.1, time.perf_counter(), died, pss=False)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        counts.close()
 
 
 # --------------------------------------------------------------------------- the pieces the runners share
@@ -474,9 +597,9 @@ def test_tree_pss_counts_the_children() -> None:
 
 
 # --------------------------------------------------------------------------- real runs
-def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str) -> str:
+def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runner_: str = "blobfeed") -> str:
     out = proc.stdout
-    assert re.search(rf"^{workload}/blobfeed ", out, re.M), out + proc.stderr
+    assert re.search(rf"^{workload}/{runner_} ", out, re.M), out + proc.stderr
     m = re.search(r"^verdict: (all \d+ targets met|MISSED (\d+) of \d+ targets:)$", out, re.M)
     assert m, out + proc.stderr
     missed_rows = re.findall(r"  MISSED$", out, re.M)
@@ -536,6 +659,43 @@ def test_a_measurement_child_runs_from_the_folder_that_holds_the_clone(
     monkeypatch.chdir(tmp_path)
     got = runner._child("W1", "blobfeed", 0.05)
     assert got["samples_lost"] == 0 and got["batches_per_s"] > 0, got
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
+    """S1, S2 and attach for real, at 0.1 s a measurement: consumer processes,
+    a service, four pipelines each; what they report, not their speed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "S1,S2,attach", "--seconds", "0.1",
+         "--repeats", "1"],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+    )
+    out = _check_real_run(proc, "S1", "service")
+    lines = out.splitlines()
+    top = lines.index(next(line for line in lines if line.startswith("workload/runner")))
+    cells = {r["workload/runner"]: r for r in _column_cells(lines[top: lines.index("", top)])}
+    for key in ("S1/service", "S1/pipes", "S2/service", "S2/pipes"):
+        assert float(cells[key]["batches/s"]) > 0 and int(cells[key]["PSS MB"]) > 0, cells[key]
+        assert cells[key]["lost"] == "0", cells[key]
+    assert float(cells["S1/copy"]["GB/s"]) > 0
+    assert cells["attach/service"]["batches/s"] == "-" and float(cells["attach/service"]["first ms"]) > 0
+    for line in [r"S1 batches/s vs four independent pipelines >= 1\.0 ", r"S1 total PSS vs four independent pipelines <= 0\.6 ",
+                 r"S1 GB/s vs the copy bound >= 0\.5 ", r"S2 batches/s vs four independent pipelines >= 0\.5 ",
+                 r"S1 batches/s vs Ray Data streaming_split\(4\) >= 1\.0 ", r"S2 samples lost == 0 \(service\) +0  ok",
+                 r"attach samples lost == 0 \(service\) +0  ok", r"attach first batch after attach_source <= 500 ms "]:
+        assert re.search(rf"^{line}", out, re.M), (line, out)
+
+
+@pytest.mark.timeout(120)
+def test_the_service_consumers_run_from_the_folder_that_holds_the_clone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer processes drop the current directory from sys.path, as
+    the measuring children do (a clone named blobfeed in it is not the package)."""
+    (tmp_path / "blobfeed").symlink_to(ROOT, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    got = runner._child("attach", "service", 0.05)
+    assert got["samples_lost"] == 0 and got["attach_cycles"] >= 3 and got["first_batch_ms"] > 0, got
 
 
 def _column_cells(table: list[str]) -> list[dict[str, str]]:

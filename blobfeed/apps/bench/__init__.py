@@ -1,4 +1,4 @@
-"""``blobfeed bench``: workloads W1-W6, W1p-W6p and the ordered modes (docs/BENCHMARKS.md), blobfeed beside its baselines and peers.
+"""``blobfeed bench``: workloads W1-W6, W1p-W6p, the ordered modes and the feeding service (docs/BENCHMARKS.md), blobfeed beside its baselines and peers.
 
 Every (workload, runner) measurement runs in a fresh child process so that
 peak RSS belongs to that runner alone; repetitions are interleaved (A B A B
@@ -23,6 +23,17 @@ not installed.  R1's fetchers wait on I/O (50 ms per 256 KiB chunk): runners
 ``ray1``, ``ray2``, ``ray4`` (nodes), and ``ray2max`` (the same chunks with
 no wait: the driver's ingest limit).  R2 is W2 through Ray (``ray``: one
 node, 2 actors) beside W2 through threads (``blobfeed``) in the same run.
+
+S1, S2 and attach measure the feeding service (``blobfeed.service``), each
+consumer a process of its own.  S1 (W2's chunks and batch) and S2 (W1's):
+``service`` is one ``FeedServer`` (2 worker processes) dealing to 4
+consumer processes by index; ``pipes`` is 4 consumer processes with a
+pipeline each (2 workers: processes for S1, threads for S2); ``copy`` (S1)
+the copy bound; ``raysplit`` Ray Data's ``streaming_split(4)`` to 4 Ray
+actors, where ``ray[data]`` is installed.  The window is timed from outside
+the consumers and the PSS is the whole process tree's.  attach: the time
+from ``attach_source(...)`` to the first batch on a running service.  They
+are not in the default run (``--workloads S1,S2,attach``).
 
 Runners:
 
@@ -51,6 +62,8 @@ Runners:
   local cluster of 2 CPUs started before the clock: ``map_batches`` makes
   blocks of the workload's chunks, ``iter_batches`` re-batches them to the
   exact batch (see ``peers.ray_data``); its PSS column is the whole cluster's.
+  ``raysplit`` (S1, S2): the same through ``streaming_split(4)``.
+* ``service``, ``pipes`` (S1, S2, attach): see above.
 
 Exit status: 0 when every evaluated target is met; 1 when any is missed,
 including blobfeed losing a sample in any repetition (the missed targets are
@@ -64,6 +77,8 @@ The modules, by job:
 * ``measure`` -- inside one measurement: the tally the workers report to,
   the meter of the timed window, the PSS of a process tree;
 * ``library`` -- blobfeed's runners (threads, processes, Ray actors);
+* ``service`` -- the feeding service's runners (S1, S2, attach) and their
+  consumer processes;
 * ``peers`` -- one module per baseline or peer (``caffe2``, ``copy_bound``,
   ``model_alone``, ``torch_dataloader``, ``grain_dataset``, ``mp_pool``,
   ``ray_data``), each with its ``RUNNERS`` and the package they need;

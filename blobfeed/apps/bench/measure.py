@@ -11,6 +11,7 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,13 @@ class Tally:
         self._owner = os.getpid()
         self._q: Any = None  # memoryview of int64
         self._d: Any = None  # memoryview of float64
+
+    @classmethod
+    def attach(cls, path: str) -> "Tally":
+        """The tally another process made, at ``path`` (it stays that process's to delete)."""
+        tally = cls.__new__(cls)
+        tally.__setstate__({"path": path})
+        return tally
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path}
@@ -82,6 +90,10 @@ class Tally:
     # the runner
     def finish(self) -> None:
         self._open()[0][0] = 1
+
+    def count(self, worker: int) -> int:
+        """What slot ``worker`` counted (``add``)."""
+        return int(self._open()[0][self._COUNTS + worker % self.WORKERS])
 
     def fetched(self) -> int:
         q = self._open()[0]
@@ -212,3 +224,83 @@ class Meter:
         out.update(self.extra)
         out.update(extra)
         return out
+
+
+@dataclass
+class ConsumerWindow:
+    """What :func:`watch_consumers` measured."""
+
+    #: batches each consumer took inside the window
+    batches: list[int]
+    #: the window's length, seconds
+    seconds: float
+    #: from ``t_start`` until every consumer had its first batch, seconds
+    first_batch_s: float
+    #: the largest total PSS of this process's tree read in the window, MiB
+    pss_mb: float
+
+
+def watch_consumers(
+    counts: Tally,
+    consumers: int,
+    seconds: float,
+    t_start: float,
+    check: Callable[[], None],
+    *,
+    warmup: float = Meter.warmup,
+    start_timeout: float = 120.0,
+    poll_s: float = 0.01,
+    pss: bool = True,
+) -> ConsumerWindow:
+    """Batches/s of consumers in other processes, measured from outside.
+
+    Consumer ``k`` adds 1 to slot ``k`` of ``counts`` for each batch it
+    takes.  This waits until every consumer has had a batch (calling
+    ``check`` between looks: it raises when a consumer died), lets
+    ``warmup`` pass, then counts what all of them take over ``seconds`` of
+    wall time: the window every consumer runs in.  The counters are read
+    every ``poll_s``, a batch or two of each consumer at its edges.  The
+    total PSS of this process and its descendants (the consumers are among
+    them) is read about once a second in the window and at its end; a
+    reading is not taken out of the window (the consumers do not wait for
+    it), and costs this process a few ms.
+
+    Raises:
+        TimeoutError: a consumer had no batch within ``start_timeout``.
+    """
+    first: list[float | None] = [None] * consumers
+    deadline = time.perf_counter() + start_timeout
+    while True:
+        now = time.perf_counter()
+        for k in range(consumers):
+            if first[k] is None and counts.count(k) > 0:
+                first[k] = now
+        if all(t is not None for t in first):
+            break
+        check()
+        if now > deadline:
+            waiting = [k for k, t in enumerate(first) if t is None]
+            raise TimeoutError(f"consumers {waiting} had no batch within {start_timeout:g} s")
+        time.sleep(poll_s)
+    t_all = max(t for t in first if t is not None)
+    while time.perf_counter() < t_all + warmup:
+        check()
+        time.sleep(poll_s)
+    t0 = time.perf_counter()
+    c0 = [counts.count(k) for k in range(consumers)]
+    peak = 0.0
+    next_pss = t0
+    while True:
+        now = time.perf_counter()
+        if now >= t0 + seconds:
+            break
+        if pss and now >= next_pss:
+            peak = max(peak, tree_pss_mb())
+            next_pss = now + 1.0
+        check()
+        time.sleep(min(poll_s, max(0.0, t0 + seconds - time.perf_counter())))
+    t1 = time.perf_counter()
+    c1 = [counts.count(k) for k in range(consumers)]
+    if pss:
+        peak = max(peak, tree_pss_mb())
+    return ConsumerWindow([b - a for a, b in zip(c0, c1)], t1 - t0, t_all - t_start, peak)

@@ -46,6 +46,24 @@ FIRST_BATCH_TARGETS = [("W1", 50.0), ("W1p", 500.0)]
 MODE_TARGETS = [("W1d", 0.8), ("W2d", 0.8), ("W4pd", 0.9), ("W1s", 0.5), ("W2s", 0.5)]
 
 
+#: the feeding service (S1, S2): (workload, description, numerator runner,
+#: denominator runner, metric, comparison, threshold); "pipes" is one
+#: independent pipeline per consumer process, "raysplit" Ray Data's
+#: streaming_split (a peer: not evaluated where ray[data] is not installed)
+SERVICE_TARGETS = [
+    ("S1", "batches/s vs four independent pipelines", "service", "pipes", "batches_per_s", ">=", 1.0),
+    ("S1", "total PSS vs four independent pipelines", "service", "pipes", "pss_mb", "<=", 0.6),
+    ("S1", "GB/s vs the copy bound", "service", "copy", "gb_per_s", ">=", 0.5),
+    ("S2", "batches/s vs four independent pipelines", "service", "pipes", "batches_per_s", ">=", 0.5),
+    ("S1", "batches/s vs Ray Data streaming_split(4)", "service", "raysplit", "batches_per_s", ">=", 1.0),
+    ("S2", "batches/s vs Ray Data streaming_split(4)", "service", "raysplit", "batches_per_s", ">=", 1.0),
+]
+#: the runners of S1, S2 and attach that are blobfeed (checked for lost samples)
+SERVICE_RUNNERS = ("service", "pipes")
+#: attach: from ``attach_source(...)`` to the first batch, milliseconds
+ATTACH_LIMIT_MS = 500.0
+
+
 def base_ratio(results: dict[str, dict[str, Any]], wl: str) -> float | None:
     """blobfeed's batches/s on ``wl`` over its batches/s on ``wl``'s base
     workload (W1d: W1), or None when ``wl`` has no base or either did not run."""
@@ -170,8 +188,47 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         a = res.get(f"{wl}/blobfeed")
         if a:
             rows.append(_row(wl, f"first batch <= {limit_ms:g} ms", a["first_batch_ms"], a["first_batch_ms"] <= limit_ms))
+    rows += _service_rows(report)
     for wl, why in report.get("skipped", {}).items():
         rows.append(_row(wl, "every target", None, None, f"workload skipped: {why}"))
+    return rows
+
+
+def _service_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of S1, S2 and attach (the feeding service)."""
+    res = report["results"]
+    rows = []
+    for wl, what, num, den, metric, op, threshold in SERVICE_TARGETS:
+        a = res.get(f"{wl}/{num}")
+        if a is None:
+            continue
+        target = f"{what} {op} {threshold}"
+        b = res.get(f"{wl}/{den}")
+        if b is None:
+            if den == "raysplit":
+                why = "" if report.get("raydata") else " (ray[data] not installed)"
+                rows.append(_row(wl, target, None, None, f"peer missing: {den}{why}"))
+            continue
+        if metric not in a or metric not in b or not b[metric]:
+            rows.append(_row(wl, target, None, None, f"no {metric} measured"))
+            continue
+        ratio = a[metric] / b[metric]
+        ok = ratio >= threshold if op == ">=" else ratio <= threshold
+        detail = f"{a[metric]:.0f} MiB against {b[metric]:.0f} MiB" if metric == "pss_mb" else ""
+        rows.append(_row(wl, target, ratio, ok, detail))
+    for wl, w in WORKLOADS.items():
+        if not w.consumers:
+            continue
+        for runner in SERVICE_RUNNERS:
+            a = res.get(f"{wl}/{runner}")
+            if a:
+                lost = a.get("samples_lost_total", a["samples_lost"])
+                rows.append(_row(wl, f"samples lost == 0 ({runner})", lost, lost == 0))
+    a = res.get("attach/service")
+    if a:
+        detail = f"slowest of {a['attach_cycles']:.0f}: {a['attach_ms_max']:.0f} ms" if "attach_ms_max" in a else ""
+        rows.append(_row("attach", f"first batch after attach_source <= {ATTACH_LIMIT_MS:g} ms", a["first_batch_ms"],
+                         a["first_batch_ms"] <= ATTACH_LIMIT_MS, detail))
     return rows
 
 
@@ -251,6 +308,11 @@ COLUMNS = [
 KEY_WIDTH = 17
 
 
+def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
+    """A measured figure, or "-" where the runner did not measure it."""
+    return format(result[key], fmt) if key in result else "-"
+
+
 def _table_line(key: str, cells: list[str]) -> str:
     return (f"{key:<{KEY_WIDTH}}" + "".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS))).rstrip()
 
@@ -268,15 +330,15 @@ def format_report(report: dict[str, Any]) -> str:
         if key.endswith("/ideal"):
             lines.append(_table_line(key, [f"{r['batches_per_s']:.1f}"]))
             continue
-        # "-": not measured (a report saved before every run read its PSS)
-        pss = f"{r['pss_mb']:.0f}" if "pss_mb" in r else "-"
+        # "-": not measured (a report saved before every run read its PSS;
+        # attach times attaching, not a rate)
         ideal = f"{r['ideal_ratio']:.2f}" if "ideal_ratio" in r else ""
         wl, runner = key.split("/", 1)
         ratio = base_ratio(results, wl) if runner == "blobfeed" else None
         vs_base = f"{ratio:.2f} x {WORKLOADS[wl].base}" if ratio is not None else ""
         lines.append(_table_line(key, [
-            f"{r['batches_per_s']:.1f}", f"{r['gb_per_s']:.2f}", f"{r['peak_rss_mb']:.0f}", pss,
-            f"{r['first_batch_ms']:.1f}", f"{int(r['samples_lost']):d}", ideal, vs_base,
+            _cell(r, "batches_per_s", ".1f"), _cell(r, "gb_per_s", ".2f"), _cell(r, "peak_rss_mb", ".0f"),
+            _cell(r, "pss_mb", ".0f"), _cell(r, "first_batch_ms", ".1f"), f"{int(r['samples_lost']):d}", ideal, vs_base,
         ]))
     for wl, why in report.get("skipped", {}).items():
         lines.append(f"{wl + '/*':<16} skipped: {why}")

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from . import library, peers
+from . import library, peers, service
 from .library import W5_SLICE_S
 from .measure import Meter
 from .peers.ray_data import RAYDATA_NEEDS
@@ -20,9 +20,11 @@ from .report import summarize
 from .workloads import WORKLOADS, Workload, ensure_w6_corpus
 
 #: every runner by name: blobfeed's, then the peers'
-RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {**library.RUNNERS, **peers.RUNNERS}
+RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
+    **library.RUNNERS, **service.RUNNERS, **peers.RUNNERS,
+}
 #: the optional package each runner needs; the others need only the standard library
-RUNNER_NEEDS: dict[str, str] = {**library.NEEDS, **peers.NEEDS}
+RUNNER_NEEDS: dict[str, str] = {**library.NEEDS, **service.NEEDS, **peers.NEEDS}
 
 
 def installed(module: str) -> bool:
@@ -71,6 +73,19 @@ RAY_NODE_S = 1.5
 #: raydata: ``import ray.data``, a local cluster, Ray Data's first batch
 #: (its workers' start) and ``ray.shutdown()``.
 RAYDATA_EXTRA_S = 9.0
+#: S1, S2 (4 consumer processes): until every consumer has had a batch (their
+#: start, the service's or the pipelines' workers: four pipelines of process
+#: workers start 4 forkservers and 8 workers), then the drain and the
+#: processes' exit; by runner and the backend of its workers.  From one run
+#: of ``--workloads S1,S2,attach --seconds 1 --repeats 1`` (24.8 s) on this
+#: project's 2-core machine while another suite ran (load 5).
+SERVICE_EXTRA_S = {("service", "processes"): 2.1, ("pipes", "processes"): 5.0, ("pipes", "threads"): 2.1}
+#: attach: the service's start, the cycle that ends past the window (a
+#: consumer process's start, about 0.5 s) and the drain of the rest
+ATTACH_EXTRA_S = 2.9
+#: raysplit: a local cluster, 4 actors, until each has had a block, and
+#: ``ray.shutdown()`` (one measurement of 2 s took 11.3 s, of S1 and of S2)
+RAYSPLIT_EXTRA_S = 8.5
 
 
 def _packages(packages: Collection[str] | bool) -> frozenset[str]:
@@ -125,6 +140,12 @@ def estimate_seconds(workloads: list[str], seconds: float, repeats: int, package
             one += POOL_EXTRA_S
         elif r == "raydata":
             one += RAYDATA_EXTRA_S
+        elif r == "raysplit":
+            one += RAYSPLIT_EXTRA_S
+        elif r == "service" and wl.consumers == 1:  # attach: no warm-up, cycles for the window
+            one += ATTACH_EXTRA_S - WARMUP_S
+        elif r in ("service", "pipes"):
+            one += SERVICE_EXTRA_S[(r, wl.backend if r == "service" else wl.pipes_backend)]
         elif r.startswith("ray"):
             nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
             one += RAY_CLUSTER_S + RAY_NODE_S * nodes

@@ -367,6 +367,11 @@ class Workload:
     #: batch and backend): the table shows blobfeed's batches/s over that
     #: workload's, when both ran
     base: str = ""
+    #: S1, S2, attach: consumer processes fed by one feeding service whose
+    #: workers use ``backend``; ``pipes_backend``: the backend of the
+    #: independent pipelines (one per consumer) it is set against
+    consumers: int = 0
+    pipes_backend: str = ""
 
     def ideal(self, tally: Tally, batches_per_s: float) -> dict[str, Any]:
         """The ideal from the CPU times the workers recorded in this very
@@ -389,6 +394,8 @@ SHUFFLE_BUFFER = 10_000
 #: batches, in the same order, on every run
 ORDERED_SEED = 0
 PROCESS_PEERS = ("grain2", "grain2b", "torch2", "torch2it", "pool")
+#: S1, S2: the consumer processes (trainer ranks) of the service
+SERVICE_CONSUMERS = 4
 
 WORKLOADS = {
     "W1": Workload("W1", 32, ("data", "label"), W1Fetch, ("blobfeed", "caffe2", *IN_PROCESS_PEERS, "raydata"),
@@ -413,6 +420,15 @@ WORKLOADS = {
                    "I/O-bound fetchers on 1, 2, 4 Ray nodes", needs=("ray",)),
     "R2": Workload("R2", 64, ("data", "label"), W2Fetch, ("blobfeed", "ray"), "W2 through Ray beside threads",
                    needs=("ray",)),
+    # the feeding service (blobfeed.service): consumer processes of one service
+    "S1": Workload("S1", 64, ("data", "label"), W2Fetch, ("service", "pipes", "copy", "raysplit"),
+                   "W2 from one service to 4 consumer processes", backend="processes", consumers=SERVICE_CONSUMERS,
+                   pipes_backend="processes"),
+    "S2": Workload("S2", 32, ("data", "label"), W1Fetch, ("service", "pipes", "raysplit"),
+                   "W1 from one service to 4 consumer processes", backend="processes", consumers=SERVICE_CONSUMERS,
+                   pipes_backend="threads"),
+    "attach": Workload("attach", 64, ("data", "label"), W2Fetch, ("service",),
+                       "first batch after attach_source on a running service", backend="processes", consumers=1),
     # the ordered modes: blobfeed only, each against its default-mode workload
     "W1d": Workload("W1d", 32, ("data", "label"), W1Fetch, ("blobfeed",), "W1, deterministic=True",
                     deterministic=True, base="W1"),

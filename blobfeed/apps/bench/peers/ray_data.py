@@ -1,8 +1,10 @@
-"""``raydata``: Ray Data on a local cluster of 2 CPUs, where ``ray[data]``
-is installed (W1, W2, W3)."""
+"""Ray Data, where ``ray[data]`` is installed: ``raydata`` (W1, W2, W3), on
+a local cluster of 2 CPUs, and ``raysplit`` (S1, S2), the same dataset
+through ``streaming_split`` to consumer processes (Ray actors)."""
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..measure import Meter
+from ..measure import Meter, Tally, watch_consumers
 from ..workloads import Fetcher, Workload
 from .base import run_peer
 
@@ -109,9 +111,94 @@ def run_raydata(wl: Workload, seconds: float) -> dict[str, Any]:
         ray.shutdown()
 
 
+class SplitConsumer:
+    """``raysplit``'s consumer: a Ray actor (a process of its own, as a Ray
+    Train worker) that takes its split's batches as fast as it can and
+    counts each in its slot of the measurement's tally, until the tally's
+    stop flag."""
+
+    def consume(self, split: Any, counts: Tally, slot: int, batch: int, blob: str) -> int:
+        taken = 0
+        for b in split.iter_batches(batch_size=batch, batch_format="numpy", prefetch_batches=RAYDATA_PREFETCH,
+                                    drop_last=True):
+            taken += len(b[blob])
+            counts.add(slot, 1)
+            if counts.stopping:
+                break
+        return taken
+
+
+#: raysplit's blocks: see docs/BENCHMARKS.md, "The feeding service: S1, S2, attach"
+RAYSPLIT_BLOCK_BYTES = 16 << 20
+#: raysplit: seconds to wait for the consumers to see the stop flag before Ray is shut down regardless
+RAYSPLIT_STOP_S = 30.0
+
+
+def run_raysplit(wl: Workload, seconds: float) -> dict[str, Any]:
+    """Ray Data's ``streaming_split(n)`` (S1, S2): the ``raydata`` dataset
+    (the same blocks of the workload's chunks, made by Ray tasks on the
+    cluster's ``RAYDATA_CPUS``) split among ``wl.consumers`` Ray actors of
+    no CPU of their own (as trainer processes), each iterating its split
+    with ``iter_batches(batch_size=wl.batch, batch_format="numpy",
+    drop_last=True)``.  The window is timed from outside, as the service's
+    (``measure.watch_consumers``); the PSS column is the whole cluster's,
+    the consumers included.  Its ``first_batch_ms`` is from the splits'
+    first request, once the cluster is up."""
+    import logging
+
+    import ray
+    import ray.data
+
+    counts = Tally()
+    ray.init(address="local", num_cpus=RAYDATA_CPUS, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)
+    try:
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.target_max_block_size = RAYSPLIT_BLOCK_BYTES
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        fetcher = wl.fetcher(None)  # RayDataChunks takes chunks: nothing to count
+        one = fetcher.chunk(0)
+        per_block = max(1, round(RAYSPLIT_BLOCK_BYTES / sum(a.nbytes for a in one)))
+        ds = ray.data.range(RAYDATA_ROWS, override_num_blocks=RAYDATA_READ_TASKS).map_batches(
+            RayDataChunks(fetcher, wl.blobs, RAYDATA_CPUS), batch_size=per_block, batch_format="numpy"
+        )
+        actor: Any = ray.remote(num_cpus=0)(SplitConsumer)
+        consumers = [actor.remote() for _ in range(wl.consumers)]
+        t_start = time.perf_counter()
+        splits = ds.streaming_split(wl.consumers, equal=False)
+        refs = [c.consume.remote(split, counts, k, wl.batch, wl.blobs[0])
+                for k, (c, split) in enumerate(zip(consumers, splits))]
+
+        def check() -> None:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if done:
+                ray.get(done)  # raises a consumer's error
+                raise RuntimeError(f"{wl.id}/raysplit: a consumer's split ended inside the window")
+
+        w = watch_consumers(counts, wl.consumers, seconds, t_start, check)
+        counts.finish()
+        ray.wait(refs, num_returns=len(refs), timeout=RAYSPLIT_STOP_S)
+        total = sum(w.batches)
+        return {
+            "batches_per_s": total / w.seconds,
+            "gb_per_s": total * wl.batch * sum(a.nbytes // len(a) for a in one) / w.seconds / 1e9,
+            "first_batch_ms": w.first_batch_s * 1e3,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "pss_mb": w.pss_mb,
+            "consumer_min_share": min(w.batches) / (total / len(w.batches)) if total else 0.0,
+            "chunks_per_block": per_block,
+            "samples_lost": 0,  # a peer: not checked
+        }
+    finally:
+        ray.shutdown()
+        counts.close()
+
+
 #: this peer's runners, by the name the workloads give them
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "raydata": run_raydata,
+    "raysplit": run_raysplit,
 }
 #: the optional package they need
 NEEDS = {name: "ray.data" for name in RUNNERS}

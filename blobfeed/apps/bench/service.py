@@ -1,0 +1,333 @@
+"""S1, S2 and attach: blobfeed's feeding service (``blobfeed.service``)
+against independent pipelines, each consumer a process of its own.
+
+* ``service`` (S1, S2): one :class:`blobfeed.service.FeedServer` in the
+  measuring process, its source's 2 workers processes, and 4 consumer
+  processes that attach to it by index (``consumer_index=k,
+  num_consumers=4``, as torchrun ranks would) and take batches as fast as
+  they can (a ``Net`` with no model).
+* ``pipes`` (S1, S2): 4 consumer processes, each with its own pipeline
+  (``init_data_input_workers`` with 2 workers: processes for S1, threads
+  for S2): what each rank runs without the service.
+* ``attach`` (workload attach): the service of S1, running; consumer
+  processes attach to it one after another, and each times
+  ``attach_source(...)`` to the first batch ``net.run()`` returns.
+
+The consumers are started as the bench's measuring children are (the
+current directory dropped from ``sys.path``) and report each batch in a
+:class:`~.measure.Tally` slot of their own; the measuring process times
+the window from outside (:func:`~.measure.watch_consumers`) and reads the
+whole tree's PSS: the service, its workers and the consumers, or the 4
+pipelines with all their workers.  After the window the fetchers stop, the
+consumers drain to ``EndOfInput`` and report what they took: one sample
+fetched and not delivered fails the run, as for every blobfeed runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+from .measure import Tally, watch_consumers
+from .workloads import WORKLOADS, Workload
+
+#: the served source's name and the service's workers
+SOURCE = "train"
+SERVICE_WORKERS = 2
+#: seconds a consumer waits for a batch, and for its process to end after the drain
+CONSUMER_TIMEOUT_S = 60.0
+#: attach: consumers attach one after another until the window is over, at least this many
+ATTACH_CYCLES_MIN = 3
+
+#: A consumer process's ``__main__``: the current directory off ``sys.path``
+#: first (see ``runner.CHILD_MAIN``: run from the folder holding the clone,
+#: its ``blobfeed/`` would be taken for the package), then :func:`consumer_main`.
+CONSUMER_MAIN = (
+    "import sys\n"
+    "if sys.path and sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    "from blobfeed.apps.bench.service import consumer_main\n"
+    "sys.exit(consumer_main(sys.argv[1:]))\n"
+)
+
+
+def consumer_command(*args: str) -> list[str]:
+    """The command line of a consumer process."""
+    return [sys.executable, "-c", CONSUMER_MAIN, *args]
+
+
+def _batch_bytes(wl: Workload) -> int:
+    chunk = wl.fetcher(None).chunk(0)
+    return wl.batch * sum(a.nbytes // len(a) for a in chunk)
+
+
+# --------------------------------------------------------------------------- the consumer processes
+def _consume(net: Any, blob: str, slot: int, counts: Tally, stop_on_flag: bool) -> tuple[int, int]:
+    """``net.run()`` until ``EndOfInput`` (or ``counts``' stop flag, with
+    ``stop_on_flag``), each batch counted in ``slot``; (samples, batches)."""
+    import blobfeed
+
+    samples = batches = 0
+    while True:
+        try:
+            out = net.run(timeout=CONSUMER_TIMEOUT_S)
+        except blobfeed.EndOfEpoch:
+            continue
+        except blobfeed.EndOfInput:
+            return samples, batches
+        samples += len(out[blob])
+        batches += 1
+        del out  # the batch's slot goes back before the next wait
+        counts.add(slot, 1)
+        if stop_on_flag and counts.stopping:
+            return samples, batches
+
+
+def _serve_consumer(wl: Workload, a: argparse.Namespace, counts: Tally) -> dict[str, Any]:
+    import blobfeed
+
+    net = blobfeed.Net(None, name=f"consumer{a.index}")
+    index = a.index if a.num is not None else None  # first come: the service picks
+    with blobfeed.attach_source(net, list(wl.blobs), wl.batch, SOURCE, a.address, consumer_index=index,
+                                num_consumers=a.num, timeout=CONSUMER_TIMEOUT_S):
+        samples, batches = _consume(net, wl.blobs[0], a.index, counts, False)
+    return {"delivered": samples, "batches": batches}
+
+
+def _pipe_consumer(wl: Workload, a: argparse.Namespace, counts: Tally) -> dict[str, Any]:
+    import blobfeed
+
+    fetched = Tally()
+    try:
+        net = blobfeed.Net(None, name=f"pipe{a.index}")
+        gc = blobfeed.GlobalCoordinator()
+        kwargs: dict[str, Any] = {} if wl.pipes_backend == "threads" else {"backend": wl.pipes_backend}
+        blobfeed.init_data_input_workers(net, list(wl.blobs), wl.fetcher(fetched), wl.batch,
+                                         num_worker_threads=SERVICE_WORKERS, coordinator=gc, **kwargs)
+        gc.start()
+        try:
+            samples, batches = _consume(net, wl.blobs[0], a.index, counts, True)
+            fetched.finish()  # then drain: every sample fetched must come out
+            more, _ = _consume(net, wl.blobs[0], a.index, Tally.attach(counts.path), False)
+        finally:
+            gc.stop()
+        return {"delivered": samples + more, "batches": batches, "lost": fetched.fetched() - samples - more}
+    finally:
+        fetched.close()
+
+
+def _attach_consumer(wl: Workload, a: argparse.Namespace, counts: Tally) -> dict[str, Any]:
+    import blobfeed
+
+    net = blobfeed.Net(None, name="attach")
+    t0 = time.perf_counter()
+    att = blobfeed.attach_source(net, list(wl.blobs), wl.batch, SOURCE, a.address, timeout=CONSUMER_TIMEOUT_S)
+    t1 = time.perf_counter()
+    try:
+        out = net.run(timeout=CONSUMER_TIMEOUT_S)
+        t2 = time.perf_counter()
+        n = len(out[wl.blobs[0]])
+        del out
+    finally:
+        att.stop()
+    counts.add(a.index, 1)
+    return {"delivered": n, "batches": 1, "attach_ms": (t2 - t0) * 1e3, "connect_ms": (t1 - t0) * 1e3}
+
+
+CONSUMERS: dict[str, Callable[[Workload, argparse.Namespace, Tally], dict[str, Any]]] = {
+    "service": _serve_consumer, "pipe": _pipe_consumer, "attach": _attach_consumer,
+}
+
+
+def consumer_main(argv: list[str]) -> int:
+    """A consumer process (see :data:`CONSUMER_MAIN`): runs, then prints one
+    JSON line of what it took."""
+    p = argparse.ArgumentParser(prog="blobfeed bench consumer")
+    p.add_argument("mode", choices=sorted(CONSUMERS))
+    p.add_argument("workload", choices=sorted(WORKLOADS))
+    p.add_argument("index", type=int)
+    p.add_argument("counts", help="the path of the measurement's counting Tally")
+    p.add_argument("--address", default=None)
+    p.add_argument("--num", type=int, default=None)
+    a = p.parse_args(argv)
+    counts = Tally.attach(a.counts)
+    print(json.dumps(CONSUMERS[a.mode](WORKLOADS[a.workload], a, counts)), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the measuring process
+class _Consumers:
+    """Consumer processes started by this one; their output in temporary files."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[subprocess.Popen[bytes], IO[bytes], IO[bytes]]] = []
+
+    def start(self, *args: str) -> None:
+        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.procs.append((subprocess.Popen(consumer_command(*args), stdout=out, stderr=err), out, err))
+
+    @staticmethod
+    def _stderr(err: IO[bytes]) -> str:
+        err.seek(0)
+        return err.read().decode(errors="replace")[-2000:]
+
+    def check(self) -> None:
+        """Raises RuntimeError, with its stderr, if a consumer ended badly."""
+        for k, (proc, _, err) in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None and code != 0:
+                raise RuntimeError(f"consumer {k} exited with {code}:\n{self._stderr(err)}")
+
+    def results(self, timeout: float = CONSUMER_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Waits for every consumer; what each printed."""
+        deadline = time.monotonic() + timeout
+        out_list = []
+        for k, (proc, out, err) in enumerate(self.procs):
+            try:
+                code = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"consumer {k} did not end within {timeout:g} s:\n{self._stderr(err)}") from None
+            if code != 0:
+                raise RuntimeError(f"consumer {k} exited with {code}:\n{self._stderr(err)}")
+            out.seek(0)
+            lines = out.read().decode().strip().splitlines()
+            if not lines:
+                raise RuntimeError(f"consumer {k} printed nothing:\n{self._stderr(err)}")
+            out_list.append(json.loads(lines[-1]))
+        return out_list
+
+    def kill(self) -> None:
+        for proc, out, err in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            out.close()
+            err.close()
+        self.procs = []
+
+
+@contextmanager
+def _running_service(wl: Workload, fetched: Tally, num_consumers: int | None) -> Iterator[Any]:
+    import blobfeed
+
+    server = blobfeed.FeedServer(log_interval=3600.0)
+    server.serve_source(SOURCE, list(wl.blobs), wl.fetcher(fetched), wl.batch, SERVICE_WORKERS,
+                        num_consumers=num_consumers, backend=wl.backend)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: float, t_start: float
+                   ) -> dict[str, Any]:
+    w = watch_consumers(counts, wl.consumers, seconds, t_start, consumers.check)
+    total = sum(w.batches)
+    fair = min(w.batches) / (total / len(w.batches)) if total else 0.0
+    return {
+        "batches_per_s": total / w.seconds,
+        "gb_per_s": total * _batch_bytes(wl) / w.seconds / 1e9,
+        "first_batch_ms": w.first_batch_s * 1e3,
+        "pss_mb": w.pss_mb,
+        "consumer_min_share": fair,  # the slowest consumer's batches over the mean
+    }
+
+
+def run_service(wl: Workload, seconds: float) -> dict[str, Any]:
+    """S1, S2: one service, ``wl.consumers`` consumer processes dealt by index."""
+    fetched, counts = Tally(), Tally()
+    consumers = _Consumers()
+    try:
+        t_start = time.perf_counter()
+        with _running_service(wl, fetched, wl.consumers) as server:
+            for k in range(wl.consumers):
+                consumers.start("service", wl.id, str(k), counts.path, "--address", str(server.address),
+                                "--num", str(wl.consumers))
+            out = _window_result(wl, counts, consumers, seconds, t_start)
+            fetched.finish()  # the source ends: every consumer drains to EndOfInput
+            done = consumers.results()
+        delivered = sum(r["delivered"] for r in done)
+        out.update(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   samples_lost=int(fetched.fetched() - delivered))
+        return out
+    finally:
+        consumers.kill()
+        counts.close()
+        fetched.close()
+
+
+def run_pipes(wl: Workload, seconds: float) -> dict[str, Any]:
+    """S1, S2's yardstick: ``wl.consumers`` processes, each with its own pipeline."""
+    counts = Tally()
+    consumers = _Consumers()
+    try:
+        t_start = time.perf_counter()
+        for k in range(wl.consumers):
+            consumers.start("pipe", wl.id, str(k), counts.path)
+        out = _window_result(wl, counts, consumers, seconds, t_start)
+        counts.finish()  # each pipeline stops its fetchers and drains
+        done = consumers.results()
+        out.update(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   samples_lost=int(sum(r["lost"] for r in done)))
+        return out
+    finally:
+        consumers.kill()
+        counts.close()
+
+
+def run_attach(wl: Workload, seconds: float) -> dict[str, Any]:
+    """attach: consumer processes attach to a running service (S1's source,
+    first come) one after another, for ``seconds`` and at least
+    :data:`ATTACH_CYCLES_MIN` times; each takes one batch and detaches.
+    ``first_batch_ms`` is the median from ``attach_source(...)`` to that
+    batch (``attach_ms_max`` the slowest); the process's start is not in it."""
+    fetched, counts = Tally(), Tally()
+    attached: list[dict[str, Any]] = []
+    try:
+        with _running_service(wl, fetched, None) as server:
+            t0 = time.perf_counter()
+            while len(attached) < ATTACH_CYCLES_MIN or time.perf_counter() - t0 < seconds:
+                consumers = _Consumers()
+                try:
+                    consumers.start("attach", wl.id, "0", counts.path, "--address", str(server.address))
+                    attached += consumers.results()
+                finally:
+                    consumers.kill()
+            # the rest of the source, to the end: every sample fetched must come out once
+            fetched.finish()
+            consumers = _Consumers()
+            try:
+                consumers.start("service", wl.id, "1", counts.path, "--address", str(server.address))
+                drained = consumers.results()[0]["delivered"]
+            finally:
+                consumers.kill()
+        times = [r["attach_ms"] for r in attached]
+        delivered = drained + sum(r["delivered"] for r in attached)
+        return {
+            "first_batch_ms": statistics.median(times), "attach_ms_max": max(times), "attach_cycles": len(times),
+            "connect_ms": statistics.median(r["connect_ms"] for r in attached),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "samples_lost": int(fetched.fetched() - delivered),
+        }
+    finally:
+        counts.close()
+        fetched.close()
+
+
+#: the service's runners, by the name the workloads give them
+RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
+    "service": lambda wl, s: (run_attach if wl.id == "attach" else run_service)(wl, s),
+    "pipes": run_pipes,
+}
+#: they need no optional package
+NEEDS: dict[str, str] = {}
