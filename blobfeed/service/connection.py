@@ -86,6 +86,10 @@ class Connection:
         self.receiver: threading.Thread | None = None
         #: set once the consumer was told the end (data done, failure, stop)
         self._ended = False
+        #: why the service stops, once it does (the sender tells the consumer)
+        self._stopping: str | None = None
+        self._sender_done = False
+        self._tell_lock = threading.Lock()
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -265,12 +269,25 @@ class Connection:
 
     # -- the sender --------------------------------------------------------------------
     def _send_loop(self, first: Item | End | None) -> None:
+        try:
+            self._send_items(first)
+        finally:
+            # the service stops: this thread tells the consumer, after
+            # whatever it was sending (a frame is never cut); whoever comes
+            # second of it and tell_stopped() sends the record
+            with self._tell_lock:
+                self._sender_done = True
+                reason = self._stopping
+            if reason is not None:
+                self._tell(reason, wait=True)
+
+    def _send_items(self, first: Item | End | None) -> None:
         source, outlet, area = self.source, self.outlet, self.area
         assert source is not None and outlet is not None and area is not None
         pending: Item | End | None = first
         counts = source.counts
         try:
-            while not self.closed.is_set() and not self._ended:
+            while not self.closed.is_set() and not self._ended and self._stopping is None:
                 if pending is None:
                     t0 = time.perf_counter()
                     pending = outlet.next(self, POLL_S)
@@ -298,7 +315,7 @@ class Connection:
                     )
                     continue
                 slot = None
-                while slot is None and not self.closed.is_set():
+                while slot is None and not self.closed.is_set() and self._stopping is None:
                     slot = area.take(POLL_S)
                 if slot is None:
                     self._unsent(item)
@@ -313,6 +330,8 @@ class Connection:
                 else:
                     self.channel.send(record)
                 counts.delivered[self.label] += 1
+            if isinstance(pending, Item):
+                self._unsent(pending)  # the first item, taken before a stop
         except OSError as err:
             if not self.closed.is_set():
                 logger.info("service: sending to %s failed: %s", self.peer, str(err))
@@ -338,16 +357,27 @@ class Connection:
 
     def tell_stopped(self, reason: str) -> None:
         """The service stops: tell the consumer (best effort); it closes its
-        end once it has it (``closed`` is set when it did)."""
+        end once it has it (``closed`` is set when it did).  Never blocks:
+        the sender tells it after the frame it is sending, if it still runs
+        (it may be stuck in a send to a consumer that does not read, until
+        the stop closes the connection)."""
         if self.sender is None:
             self.close()  # still in its handshake
             return
-        if not self._ended:
-            self._ended = True
-            try:
-                self.channel.send({"t": "end", "error": reason, "kind": "stopped"})
-            except OSError:
-                self.close()
+        with self._tell_lock:
+            self._stopping = reason
+            done = self._sender_done
+        if done:
+            self._tell(reason, wait=False)
+
+    def _tell(self, reason: str, wait: bool) -> None:
+        if self._ended or self.closed.is_set():
+            return
+        self._ended = True
+        try:
+            self.channel.send({"t": "end", "error": reason, "kind": "stopped"}, wait=wait)
+        except OSError:
+            self.close()
 
     def close(self) -> None:
         self.closed.set()

@@ -49,6 +49,8 @@ MAGIC = b"BFD1"
 _IOV = 512
 #: seconds without traffic before the kernel probes a silent peer, between probes, probes
 _KEEPALIVE = (10, 5, 3)
+#: seconds ``send(wait=False)`` waits for another send to finish
+NO_WAIT_S = 0.5
 
 
 def parse_tcp(address: str) -> tuple[str, int]:
@@ -185,13 +187,20 @@ class StreamChannel:
         self.unread = 0
 
     # -- out -----------------------------------------------------------------------------
-    def send(self, record: dict[str, Any], fds: Sequence[int] = (), payload: Sequence[np.ndarray] = ()) -> None:
+    def send(
+        self, record: dict[str, Any], fds: Sequence[int] = (), payload: Sequence[np.ndarray] = (), wait: bool = True,
+    ) -> None:
         """Send ``record``, then ``payload``'s arrays each at a 64-byte
         aligned offset (the slot layout; padding is zeros).
 
+        ``wait=False``: a record that cannot go out at once (another send
+        holds the connection for over :data:`NO_WAIT_S`, or the socket's
+        buffer is full: a peer that does not read) raises instead of
+        blocking; the connection must then be closed (the frame may be cut).
+
         Raises:
             WireError: descriptors (TCP cannot carry them), or a record over MAX_RECORD.
-            OSError: the connection failed.
+            OSError: the connection failed (``TimeoutError``, ``BlockingIOError``: see ``wait``).
         """
         if fds:
             raise WireError(f"a TCP connection cannot pass descriptors (to {self.peer})")
@@ -210,6 +219,16 @@ class StreamChannel:
                 parts.append(memoryview(bytes(align(size) - size)))
                 size = align(size)
         head = memoryview(PREFIX.pack(MAGIC, len(data), size) + data)
+        if not wait:
+            if not self._send_lock.acquire(timeout=NO_WAIT_S):
+                raise TimeoutError(f"the connection to {self.peer} is busy sending (it does not read?)")
+            try:
+                frame = head.tobytes() + b"".join(p.tobytes() for p in parts)
+                if self.sock.send(frame, socket.MSG_DONTWAIT) != len(frame):
+                    raise BlockingIOError(f"{self.peer} does not read: a record was cut short")
+            finally:
+                self._send_lock.release()
+            return
         with self._send_lock:
             _send_buffers(self.sock, [head, *parts])
 

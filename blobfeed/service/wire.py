@@ -72,14 +72,20 @@ class Channel:
         #: who is at the other end, for messages
         self.peer = peer
 
-    def send(self, record: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    def send(self, record: dict[str, Any], fds: Sequence[int] = (), wait: bool = True) -> None:
+        """Send one record (and ``fds``).  ``wait=False``: raise
+        ``BlockingIOError`` rather than wait for room in the socket's buffer
+        (a peer that does not read)."""
         data = json.dumps(record, separators=(",", ":")).encode()
         if len(data) > MAX_RECORD:
             raise WireError(f"record of {len(data)} bytes to {self.peer} is over {MAX_RECORD}")
+        flags = 0 if wait else socket.MSG_DONTWAIT
         if fds:
-            self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        else:
+            self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], flags)
+        elif wait:
             self.sock.sendall(data)
+        else:
+            self.sock.send(data, flags)  # one record, whole or not at all (SOCK_SEQPACKET)
 
     def recv(self) -> tuple[dict[str, Any], list[int]] | None:
         """The next record and the descriptors that came with it; None at EOF.

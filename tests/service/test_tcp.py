@@ -463,3 +463,38 @@ def test_a_hello_for_no_such_source_is_refused_in_one_frame_then_closed() -> Non
     magic, size, payload = PREFIX.unpack(got[:PREFIX.size])
     assert (magic, payload, len(got)) == (MAGIC, 0, PREFIX.size + size)
     assert json.loads(got[PREFIX.size:]) == {"t": "refused", "error": "this service has no source 'nope'", "kind": "value"}
+
+
+class _Big:
+    """8 MB batches: four in flight fill any socket's buffers."""
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        return [np.zeros((8, 1_000_000), np.uint8)]
+
+
+def test_stop_does_not_wait_for_a_consumer_that_stopped_reading() -> None:
+    """A consumer that attached and then read nothing (a hung trainer, a
+    peer behind a full window) leaves the service's sender blocked in a
+    send that holds the connection; telling that consumer the service stops
+    blocked stop() for as long (for ever, here)."""
+    server = FeedServer(LOOPBACK)
+    server.serve_source("big", ["x"], _Big(), 8, 1, epochs=None)
+    server.start()
+    host, port = parse_tcp(str(server.address))
+    mute = socket.create_connection((host, port), timeout=10)
+    try:
+        mute.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        mute.sendall(frame({**HELLO, "source": "big", "blobs": ["x"]}))
+        wait_for(lambda: server.sources["big"].connected >= 1, 30, "the mute consumer attached")
+        # its first 8 MB batch fills the buffers at once; the sender then
+        # blocks in its send (nothing to wait on: that it is stuck is the point)
+        time.sleep(0.5)
+        stopper = threading.Thread(target=server.stop, daemon=True)
+        t0 = time.monotonic()
+        stopper.start()
+        stopper.join(15)
+        assert not stopper.is_alive(), "stop() hung on a consumer that does not read"
+        assert time.monotonic() - t0 < 5
+    finally:
+        mute.close()
+        server.stop()
