@@ -93,6 +93,19 @@ def test_loopback_by_default_the_real_port_and_a_warning_for_any_other_address(c
     assert len(warned) == 1 and "anyone who can reach this port can attach and read the served data" in warned[0]
 
 
+def test_ipv6_loopback() -> None:
+    try:
+        probe = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError as err:
+        pytest.skip(f"no IPv6 loopback here: {err}")
+    probe.close()
+    with served("tcp://[::1]:0", epochs=None) as server:
+        assert re.fullmatch(r"tcp://\[::1\]:\d+", str(server.address))
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            assert net.run(timeout=10)["id"].shape == (8,)
+
+
 def test_attach_port_0_or_nobody_there_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="port 0 is for listening"):
         blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", "tcp://127.0.0.1:0")
