@@ -284,7 +284,9 @@ class StreamBuffers:
         if not 0 <= slot < self.slots:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
         if not 0 < n <= self._batch_size:
-            raise WireError(f"{peer}: a batch of {n} samples; this consumer attached with batch_size={self._batch_size}")
+            raise WireError(
+                f"{peer}: a batch of {n} samples; this consumer attached with batch_size={self._batch_size}"
+            )
         if not isinstance(meta, list) or len(meta) != self._n_blobs:
             raise WireError(f"{peer}: a batch's arrays must be a list of {self._n_blobs} (one per blob)")
         shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
@@ -295,7 +297,10 @@ class StreamBuffers:
                 raise WireError(f"{where}: must be [dtype, shape, offset]")
             dt = dtype_from_wire(m[0], where)
             shape = m[1]
-            if len(shape) > 32 or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape) or not shape or shape[0] != n:
+            if (
+                not shape or len(shape) > 32 or shape[0] != n
+                or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+            ):
                 raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
             if m[2] != off:
                 raise WireError(f"{where}: at offset {m[2]}; packed after the arrays before it, it starts at {off}")
