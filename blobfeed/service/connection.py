@@ -272,14 +272,17 @@ class Connection:
         try:
             self._send_items(first)
         finally:
-            # the service stops: this thread tells the consumer, after
-            # whatever it was sending (a frame is never cut); whoever comes
-            # second of it and tell_stopped() sends the record
+            # The service stops and tell_stopped() could not tell the
+            # consumer at once (this thread was sending): this thread tells
+            # it, after its frame (a frame is never cut).
             with self._tell_lock:
                 self._sender_done = True
-                reason = self._stopping
-            if reason is not None:
-                self._tell(reason, wait=True)
+                tell = self._stopping is not None and self._claim_end()
+            if tell:
+                try:
+                    self.channel.send({"t": "end", "error": self._stopping, "kind": "stopped"})
+                except OSError:
+                    self.close()
 
     def _send_items(self, first: Item | End | None) -> None:
         source, outlet, area = self.source, self.outlet, self.area
@@ -357,27 +360,37 @@ class Connection:
 
     def tell_stopped(self, reason: str) -> None:
         """The service stops: tell the consumer (best effort); it closes its
-        end once it has it (``closed`` is set when it did).  Never blocks:
-        the sender tells it after the frame it is sending, if it still runs
-        (it may be stuck in a send to a consumer that does not read, until
-        the stop closes the connection)."""
+        end once it has it (``closed`` is set when it did).
+
+        Never blocks for long: if the connection is busy (the sender is in
+        the middle of a batch, or stuck sending to a consumer that does not
+        read) the sender tells it after that frame; a stuck one is freed
+        when the stop closes the connection."""
         if self.sender is None:
             self.close()  # still in its handshake
             return
+        record = {"t": "end", "error": reason, "kind": "stopped"}
         with self._tell_lock:
             self._stopping = reason
-            done = self._sender_done
-        if done:
-            self._tell(reason, wait=False)
+            if not self._claim_end():
+                return
+            try:
+                self.channel.send(record, wait=False)
+            except (TimeoutError, BlockingIOError):
+                # nothing went out: the sender tells, unless it is done already
+                if self._sender_done:
+                    self.close()  # closing is the only word left
+                else:
+                    self._ended = False
+            except OSError:
+                self.close()
 
-    def _tell(self, reason: str, wait: bool) -> None:
+    def _claim_end(self) -> bool:
+        """(Under ``_tell_lock``.) True if the end is still to be told; it is claimed."""
         if self._ended or self.closed.is_set():
-            return
+            return False
         self._ended = True
-        try:
-            self.channel.send({"t": "end", "error": reason, "kind": "stopped"}, wait=wait)
-        except OSError:
-            self.close()
+        return True
 
     def close(self) -> None:
         self.closed.set()

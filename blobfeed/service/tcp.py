@@ -198,14 +198,16 @@ class StreamChannel:
         """Send ``record``, then ``payload``'s arrays each at a 64-byte
         aligned offset (the slot layout; padding is zeros).
 
-        ``wait=False``: a record that cannot go out at once (another send
-        holds the connection for over :data:`NO_WAIT_S`, or the socket's
-        buffer is full: a peer that does not read) raises instead of
-        blocking; the connection must then be closed (the frame may be cut).
+        ``wait=False``: a record that cannot go out at once raises instead
+        of blocking: ``TimeoutError`` if another send holds the connection
+        for over :data:`NO_WAIT_S`, ``BlockingIOError`` if the socket's
+        buffer is full (a peer that does not read); nothing was sent then.
+        Only part of it fitting raises ``ConnectionError``: the frame is
+        cut, the connection must be closed.
 
         Raises:
             WireError: descriptors (TCP cannot carry them), or a record over MAX_RECORD.
-            OSError: the connection failed (``TimeoutError``, ``BlockingIOError``: see ``wait``).
+            OSError: the connection failed (and see ``wait``).
         """
         if fds:
             raise WireError(f"a TCP connection cannot pass descriptors (to {self.peer})")
@@ -230,7 +232,7 @@ class StreamChannel:
             try:
                 frame = head.tobytes() + b"".join(p.tobytes() for p in parts)
                 if self.sock.send(frame, socket.MSG_DONTWAIT) != len(frame):
-                    raise BlockingIOError(f"{self.peer} does not read: a record was cut short")
+                    raise ConnectionError(f"{self.peer} does not read: a record was cut short")
             finally:
                 self._send_lock.release()
             return
