@@ -41,6 +41,9 @@ LAYERS: dict[str, int] = {
     "blobfeed.service.wire": 11.1, "blobfeed.service.tcp": 11.15, "blobfeed.service.slots": 11.2,
     "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,
     "blobfeed.service.connection": 11.4, "blobfeed.service.server": 11.5, "blobfeed.service.consumer": 11.5,
+    # the consumer end's dealer (every transport's), the consumer end over Ray (consumer.py
+    # dispatches ray:// addresses down to it) and the service as a Ray actor (a FeedServer)
+    "blobfeed.service.remote": 11.05, "blobfeed.service.ray_attach": 11.45, "blobfeed.service.ray_service": 11.6,
     "blobfeed.service": 11.8,
     "blobfeed": 12,
     "blobfeed.ray": 13,

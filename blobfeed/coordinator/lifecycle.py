@@ -623,8 +623,10 @@ _STOP_ENTRIES = frozenset({
 #: Every module of ``blobfeed.apps`` is one; these are their former names.
 _APPLICATIONS = frozenset({"blobfeed.bench", "blobfeed.cli", "blobfeed.demo", "blobfeed.models"})
 #: The feeding service stops its own coordinator as a user would: from its
-#: server's stop() and monitor, never holding a lock of the pipeline.
-_SERVICE_STOPPERS = frozenset({"blobfeed.service.server", "blobfeed.service.served"})
+#: server's stop() and monitor (and its Ray actor's), never holding a lock of the pipeline.
+_SERVICE_STOPPERS = frozenset({
+    "blobfeed.service.server", "blobfeed.service.served", "blobfeed.service.ray_service",
+})
 _APPS_PACKAGE = "blobfeed.apps"
 
 

@@ -11,7 +11,6 @@ behave as with a local source.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -24,9 +23,9 @@ from ..arguments import check_index, check_timeout
 from ..errors import EndOfInput, FetcherError, ServiceError
 from ..feeders import Feed
 from ..feeders.chunks import Chunk, EpochEnd
-from ..feeders.dealing import ArrivalDealer
 from ..feeders.source import InputSource
 from ..net import Net
+from .remote import RemoteDealer, _RemoteReader  # noqa: F401  (_RemoteReader: tests patch it here)
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import connect, consumer_slots
 from .wire import PROTOCOL, WireError, check
@@ -37,52 +36,6 @@ logger = logging.getLogger("blobfeed.service")
 
 #: the environment variable :func:`attach_source` reads the address from
 ADDRESS_ENV = "BLOBFEED_SERVICE"
-
-
-class _RemoteReader:
-    """The net's end: the queue's methods, and acknowledgements to the service."""
-
-    def __init__(self, dealer: "RemoteDealer") -> None:
-        q = dealer.queue
-        self.get_nowait = q.get_nowait
-        self.wait_for_item = q.wait_for_item
-        self.qsize = q.qsize
-        self._dealer = dealer
-
-    def returned(self) -> None:
-        self._dealer.ack()
-
-    def epoch_returned(self, dropped: int = 0) -> None:
-        self._dealer.ack()
-
-
-def _no_ack(g: int) -> None:
-    pass
-
-
-class RemoteDealer(ArrivalDealer):
-    """A source's dealer whose worker is the service: one queue, filled by
-    the receiver thread, read by one net."""
-
-    def __init__(self, source: str, capacity: int, fail: Any, send_ack: Any) -> None:
-        super().__init__(source, capacity, fail)
-        #: the service's numbers of the items queued for the net, in order
-        self.numbers: collections.deque[int] = collections.deque()
-        self._send_ack = send_ack
-
-    def add_net(self) -> _RemoteReader:  # type: ignore[override]
-        return _RemoteReader(self)
-
-    def detach(self) -> None:
-        """Forget the connection (the attachment stopped)."""
-        self._send_ack = _no_ack
-
-    def ack(self) -> None:
-        try:
-            g = self.numbers.popleft()
-        except IndexError:
-            return
-        self._send_ack(g)
 
 
 class Attachment:
@@ -348,6 +301,11 @@ def attach_source(
     ``for out in net``, ``EndOfEpoch``/``EndOfInput``, ``timeout`` and
     errors with their cause.  Each batch reaches exactly one consumer.
 
+    An address ``ray://NAME`` (or ``ray://NAMESPACE/NAME``) attaches to a
+    service running as a Ray actor (:func:`blobfeed.ray.serve_on_ray`): the
+    batches come through Ray's object store, and the call returns a
+    :class:`~.ray_attach.RayAttachment`, with the same methods.
+
     Args:
         net: the net to feed.
         input_blob_names: the blobs, as the service serves them (same names, same order).
@@ -393,6 +351,14 @@ def attach_source(
             raise ValueError(f"consumer_index={consumer_index} is not below num_consumers={num_consumers}")
     timeout = check_timeout("timeout", timeout)
     connect_timeout = check_timeout("connect_timeout", connect_timeout)
+    if address.startswith("ray://"):
+        # a service running as a named Ray actor (blobfeed.ray.serve_on_ray): Ray carries the batches
+        from .ray_attach import RayAttachment
+
+        return RayAttachment(  # type: ignore[return-value]  # the same stop/state_dict/context manager
+            net, names, batch_size, input_source_name, address, consumer_index, num_consumers,
+            timeout, connect_timeout, coordinator,
+        )
     return Attachment(
         net, names, batch_size, input_source_name, address, consumer_index, num_consumers,
         timeout, connect_timeout, coordinator,
