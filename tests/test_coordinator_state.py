@@ -373,3 +373,145 @@ def test_a_shuffled_source_saved_after_an_epoch_end_resumes_exactly() -> None:
         assert rest(net2) == expected
     finally:
         gc2.stop()
+
+
+class _Resetting:
+    """A stateful fetcher that starts over at each StopIteration (as a
+    dataset iterator does): its state after the StopIteration is the next
+    epoch's start."""
+
+    def __init__(self) -> None:
+        self.c = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if self.c >= 5:
+            self.c = 0
+            raise StopIteration
+        self.c += 1
+        return [np.arange(4, dtype=np.int64) + worker_id * 1000 + self.c * 10]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"c": self.c}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.c = state["c"]
+
+
+class _ResettingStateless:
+    """The same data, counted per worker by the fetcher itself, no state_dict:
+    a resume replays the calls."""
+
+    def __init__(self) -> None:
+        self.c: dict[int, int] = {}
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        c = self.c.get(worker_id, 0)
+        if c >= 5:
+            self.c[worker_id] = 0
+            raise StopIteration
+        self.c[worker_id] = c + 1
+        return [np.arange(4, dtype=np.int64) + worker_id * 1000 + (c + 1) * 10]
+
+
+def _epochs_pipeline(nets: int, fetch: Any) -> tuple[blobfeed.GlobalCoordinator, list[Net]]:
+    gc = blobfeed.GlobalCoordinator()
+    out = []
+    for j in range(nets):
+        net = Net(None, name=f"n{j}")
+        init_data_input_workers(net, ["x"], fetch, 4, 2, coordinator=gc, deterministic=True, epochs=2,
+                                seed=3, timeout=WAIT)
+        out.append(net)
+    return gc, out
+
+
+def _in_turn(nets: list[Net]) -> list[list[Any]]:
+    """What each net gets to its end, taken in dealing order (net 0, net 1, ...)."""
+    got: list[list[Any]] = [[] for _ in nets]
+    live = list(range(len(nets)))
+    while live:
+        for j in list(live):
+            try:
+                got[j].append(nets[j].run()["x"].tolist())
+            except blobfeed.EndOfEpoch as end:
+                got[j].append(("end", end.epoch))
+            except EndOfInput:
+                live.remove(j)
+    return got
+
+
+def _to_the_end(net: Net) -> list[Any]:
+    out: list[Any] = []
+    while True:
+        try:
+            out.append(net.run()["x"].tolist())
+        except blobfeed.EndOfEpoch as end:
+            out.append(("end", end.epoch))
+        except EndOfInput:
+            return out
+
+
+@pytest.mark.parametrize("fetch", [_ResettingStateless, _Resetting], ids=["stateless", "stateful"])
+def test_a_state_saved_with_one_net_an_epoch_ahead_resumes_exactly(fetch: Callable[[], Any]) -> None:
+    """Net 0 told of epoch 0's end while net 1 was still in it: the check
+    bounded the ends a net was told of by the position's epoch (the slowest
+    net's) and refused the state the same version had written (seen under
+    load in the service's SIGTERM + --resume test)."""
+    gc, (a, b) = _epochs_pipeline(2, fetch())
+    gc.start()
+    try:
+        ahead = taken_b = 0
+        while True:  # net 1 two batches behind, until net 0 is told of the end
+            try:
+                a.run()
+            except blobfeed.EndOfEpoch:
+                break
+            ahead += 1
+            if ahead - taken_b > 2:
+                b.run()
+                taken_b += 1
+        state = json.loads(json.dumps(gc.state_dict("train")))
+        expected = _in_turn([b, a])[::-1]  # net 1 first: it is behind
+    finally:
+        gc.stop(timeout=WAIT)
+    assert ahead > 0 and state["nets"][0][2] == 1 and state["nets"][1][2] == 0
+    gc, nets = _epochs_pipeline(2, fetch())
+    gc.load_state_dict("train", state)
+    gc.start()
+    try:
+        got = _in_turn(nets[::-1])[::-1]
+    finally:
+        gc.stop(timeout=WAIT)
+    assert got == expected
+
+
+def _to_the_end_of_epoch(net: Net) -> int:
+    n = 0
+    while True:
+        try:
+            net.run()
+            n += 1
+        except blobfeed.EndOfEpoch:
+            return n
+
+
+def test_a_stateful_fetcher_saved_at_an_epoch_boundary_resumes_into_the_next_epoch() -> None:
+    """The state recorded for a worker at the next epoch's start was its
+    fetcher's state before the StopIteration (its last call of the epoch),
+    so the resumed fetcher raised StopIteration at once and the epoch came
+    out empty."""
+    gc, (net,) = _epochs_pipeline(1, _Resetting())
+    gc.start()
+    try:
+        first = _to_the_end_of_epoch(net)
+        state = json.loads(json.dumps(gc.state_dict("train")))
+        expected = _to_the_end(net)
+    finally:
+        gc.stop(timeout=WAIT)
+    assert first == 10 and len([x for x in expected if not isinstance(x, tuple)]) == 10
+    gc, (net,) = _epochs_pipeline(1, _Resetting())
+    gc.load_state_dict("train", state)
+    gc.start()
+    try:
+        assert _to_the_end(net) == expected
+    finally:
+        gc.stop(timeout=WAIT)

@@ -51,6 +51,16 @@ class Chunk(NamedTuple):
     state: Any = None
 
 
+class StoppedWithState(StopIteration):
+    """A stateful ``fetch_fun`` raised StopIteration; ``state`` is its
+    ``state_dict()`` right after (the next epoch's start: a fetcher that
+    starts over at the end of its data has reset itself by then)."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+
+
 class Stamped(NamedTuple):
     """A result of a stateful ``fetch_fun`` with its state right after the
     call (deterministic mode): the state travels with its chunk, so a resume

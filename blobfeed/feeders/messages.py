@@ -67,6 +67,8 @@ class EpochDone(NamedTuple):
     """``fetch_fun`` raised StopIteration; the worker goes on with the next epoch."""
 
     seconds: float
+    #: a stateful fetcher's state after the StopIteration (the next epoch's start)
+    state: Any = None
 
 
 class Exhausted(NamedTuple):

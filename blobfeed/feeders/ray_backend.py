@@ -672,7 +672,8 @@ class _Worker:
             elif kind is EpochDone:
                 self.epoch += 1
                 self.epoch_calls = 0
-                self.last_state = None
+                # a restarted actor starts the next epoch from its fetcher's state then
+                self.last_state = event.state
                 go = deliver(intake, event)
             else:
                 go = deliver(intake, event)

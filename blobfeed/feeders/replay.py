@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from .chunks import Stamped
+from .chunks import Stamped, StoppedWithState
 
 __all__ = ["Replayed", "is_stateful"]
 
@@ -56,7 +56,13 @@ class Replayed:
                         raise
                     except Exception:  # skipped the first time too (on_error="skip")
                         pass
-        raw = fetch(worker_id, batch_size)
+        try:
+            raw = fetch(worker_id, batch_size)
+        except StopIteration:
+            if self.stateful:
+                # where the next epoch resumes from: the state after the end
+                raise StoppedWithState(fetch.state_dict()) from None  # type: ignore[attr-defined]
+            raise
         if self.stateful:
             return Stamped(raw, fetch.state_dict())  # type: ignore[attr-defined]
         return raw

@@ -322,12 +322,13 @@ class WorkerIntake:
     def started(self) -> None:
         self.source.fetcher_started()
 
-    def epoch_ended(self) -> bool:
+    def epoch_ended(self, state: Any = None) -> bool:
         """The worker's ``fetch_fun`` raised StopIteration and it goes on with
-        the next epoch (its calls count from 0 again).  Returns False when
-        the worker must stop instead."""
+        the next epoch (its calls count from 0 again; ``state``: a stateful
+        fetcher's state after the StopIteration).  Returns False when the
+        worker must stop instead."""
         self.calls = 0
-        return self.source.dealer.end_epoch(self.worker_id)
+        return self.source.dealer.end_epoch(self.worker_id, state)
 
     def finished(self, exhausted: bool) -> None:
         """The worker ended; ``exhausted``: by StopIteration (its data is done)."""

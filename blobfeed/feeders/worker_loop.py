@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
 from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
-from .chunks import Pin, Stamped
+from .chunks import Pin, Stamped, StoppedWithState
 from .messages import EpochDone, Exhausted, Raised, Result
 
 if TYPE_CHECKING:
@@ -63,8 +63,9 @@ def worker_events(
                 t0 = perf()
                 try:
                     raw = fetch_fun(worker_id, hint())
-                except StopIteration:
+                except StopIteration as stop:
                     seconds = perf() - t0
+                    after = stop.state if type(stop) is StoppedWithState else None
                     break
                 except BaseException as exc:
                     yield Raised(perf() - t0, exc)
@@ -79,7 +80,7 @@ def worker_events(
             if is_last_epoch(epochs, epoch):
                 yield Exhausted(seconds)
                 return
-            yield EpochDone(seconds)
+            yield EpochDone(seconds, after)
             epoch += 1
     finally:
         set_worker_info(None)
@@ -107,7 +108,7 @@ def deliver(intake: "WorkerIntake", event: Any, pin: Pin | None = None, transpor
         return intake.exception(event.error, fatal=event.fatal, remote_tb=event.tb)
     if type(event) is EpochDone:
         intake.stats.fetch.observe(event.seconds)
-        return intake.epoch_ended()
+        return intake.epoch_ended(event.state)
     if type(event) is Exhausted:
         intake.stats.fetch.observe(event.seconds)
         return None

@@ -95,7 +95,7 @@ class ArrivalDealer:
     def end_of_input(self) -> None:
         self.queue.close()
 
-    def end_epoch(self, worker_id: int) -> bool:
+    def end_epoch(self, worker_id: int, state: Any = None) -> bool:
         raise AssertionError("an arrival-order source has no epochs (make_dealer chooses lanes for epochs)")
 
     def close(self, reason: BaseException | None, *, in_order: bool = False) -> int:

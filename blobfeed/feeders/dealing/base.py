@@ -158,8 +158,9 @@ class Dealer(Protocol):
         """Every worker of the source finished."""
         ...
 
-    def end_epoch(self, worker_id: int) -> bool:
-        """The worker's epoch ended and it goes on; False: it must stop."""
+    def end_epoch(self, worker_id: int, state: Any = None) -> bool:
+        """The worker's epoch ended and it goes on; False: it must stop.
+        ``state``: a stateful fetcher's state at the next epoch's start."""
         ...
 
     # -- ending

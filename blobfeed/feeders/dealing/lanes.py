@@ -71,7 +71,12 @@ _ENDED = _Ended()
 
 class _NextEpoch:
     """A lane's marker: its worker's data ended for this epoch; it goes on
-    with the next one."""
+    with the next one (``state``: its stateful fetcher's state then)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
 
 
 _NEXT_EPOCH = _NextEpoch()
@@ -240,6 +245,8 @@ class LaneDealer:
         #: (lists by lane index, so that recording a position is two C copies)
         self._calls: list[int] = []
         self._states: list[Any] = []
+        #: per lane: its fetcher's state at the next epoch's start, once its epoch ended
+        self._next_states: list[Any] = []
         self._lane_of: dict[int, int] = {}
         #: batches completed -> the position after them, kept until every
         #: net has returned past it.  Entries are immutable tuples and never
@@ -278,6 +285,7 @@ class LaneDealer:
                 self._lane_of[wid] = len(self._calls)
                 self._calls.append(0)
                 self._states.append(None)
+                self._next_states.append(None)
             # Deep lanes matter: a worker that waits a whole GIL switch
             # interval (5 ms: hundreds of small chunks) must not starve the
             # round robin, as it would not starve the internal queue.
@@ -347,10 +355,11 @@ class LaneDealer:
     def end_of_input(self) -> None:
         """Every lane ends with its own marker: nothing more to do."""
 
-    def end_epoch(self, worker_id: int) -> bool:
-        """The worker's data ended for this epoch and it starts the next one.
-        False once the stream is closed (the worker must stop)."""
-        return self._mark(worker_id, _NEXT_EPOCH)
+    def end_epoch(self, worker_id: int, state: Any = None) -> bool:
+        """The worker's data ended for this epoch and it starts the next one
+        (``state``: its stateful fetcher's state at that start).  False once
+        the stream is closed (the worker must stop)."""
+        return self._mark(worker_id, _NEXT_EPOCH if state is None else _NextEpoch(state))
 
     def _mark(self, worker_id: int, item: Any) -> bool:
         with self._lock:
@@ -530,7 +539,7 @@ class LaneDealer:
         if not lane:
             return None
         head = lane[0]
-        if head is _ENDED or head is _NEXT_EPOCH:
+        if head is _ENDED or type(head) is _NextEpoch:
             if self._prefix and wid == self._prefix_lane:
                 return self._fail_state(
                     f"state['position']['offset'] is {self._offset}, but worker {wid} has no "
@@ -540,6 +549,9 @@ class LaneDealer:
             self._ended.add(wid)
             if head is _ENDED:
                 self._done.add(wid)
+            elif head.state is not None:
+                # the position's state once the next epoch starts (its calls at 0)
+                self._next_states[self._lane_of[wid]] = head.state
             self._rr = (self._rr + 1) % n_lanes
             self._room.notify_all()
             return True
@@ -703,6 +715,10 @@ class LaneDealer:
         self._rr = 0
         self._offset = 0
         self._calls = [0] * len(self._calls)
+        for i, state in enumerate(self._next_states):
+            if state is not None:
+                self._states[i] = state
+        self._next_states = [None] * len(self._next_states)
         # the position after the epoch's last batch is the next epoch's start
         self._record(self._batch)
         self._items.notify_all()
