@@ -238,14 +238,7 @@ class BlobsQueue(Generic[T]):
                     # A fresh traceback per raise: the useful one is on __cause__.
                     raise self._error.with_traceback(None)
                 if self._items:
-                    item = self._items.popleft()
-                    if self._sizes is not None:
-                        self._bytes -= self._sizes.popleft()
-                    if len(self._items) <= self._low_water and self._bytes <= self._bytes_low:
-                        self._not_full.notify()
-                        if self._room_watchers:
-                            self._room_watch.notify_all()
-                    return item
+                    return self._pop()
                 self._raise_drained()
         except RuntimeError as err:
             raise self._interrupted(err, self._not_empty) from None
@@ -267,6 +260,18 @@ class BlobsQueue(Generic[T]):
             cond.notify_all()
         return cause
 
+    def _pop(self) -> T:
+        """Take the oldest item (under the lock; there is one) and wake a
+        producer once the queue drained to its marks."""
+        item = self._items.popleft()
+        if self._sizes is not None:
+            self._bytes -= self._sizes.popleft()
+        if len(self._items) <= self._low_water and self._bytes <= self._bytes_low:
+            self._not_full.notify()
+            if self._room_watchers:
+                self._room_watch.notify_all()
+        return item
+
     def _raise_drained(self) -> None:
         if self._final is not None:
             raise self._final.with_traceback(None)
@@ -285,14 +290,7 @@ class BlobsQueue(Generic[T]):
             if self._error is not None:
                 raise self._error.with_traceback(None)
             if self._items:
-                item = self._items.popleft()
-                if self._sizes is not None:
-                    self._bytes -= self._sizes.popleft()
-                if len(self._items) <= self._low_water and self._bytes <= self._bytes_low:
-                    self._not_full.notify()
-                    if self._room_watchers:
-                        self._room_watch.notify_all()
-                return True, item
+                return True, self._pop()
             if self._closed:
                 self._raise_drained()
             return False, None
