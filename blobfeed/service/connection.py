@@ -19,6 +19,7 @@ bookkeeping, so the flow control is the same).
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import socket
@@ -31,7 +32,7 @@ from ..feeders.messages import align
 from .served import POLL_S, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
-from .wire import PROTOCOL, Channel, WireError, check
+from .wire import MAX_RECORD, PROTOCOL, Channel, WireError, check, freed_slots
 
 __all__ = ["Connection", "HANDSHAKE_S"]
 
@@ -39,6 +40,12 @@ logger = logging.getLogger("blobfeed.service")
 
 #: seconds a peer has to say hello before it is dropped
 HANDSHAKE_S = 5.0
+#: at most this many batches in one ``batches`` record (fewer if their layout is long)
+BATCHES_PER_RECORD = 64
+#: a ``batches`` record goes out once its batches' slots hold this many bytes
+#: (large batches go one by one: the consumer starts on the first while the
+#: next is copied)
+FLUSH_BYTES = 1 << 20
 
 
 class Refused(Exception):
@@ -77,6 +84,8 @@ class Connection:
         #: what was sent and not acknowledged: (g, item, slot, meta), in order
         self._inflight: collections.deque[tuple[int, Item, int, Any]] = collections.deque()
         self._g = 0
+        #: the number of the next item to send (what the consumer may acknowledge is below it)
+        self._sent = 0
         self.closed = threading.Event()
         self.source: ServedSource | None = None
         self.outlet: IndexOutlet | SharedOutlet | None = None
@@ -97,8 +106,19 @@ class Connection:
         try:
             if not self._handshake():
                 return
+            resets = 0
             while not self.closed.is_set():
-                got = self.channel.recv()
+                try:
+                    got = self.channel.recv()
+                except ConnectionResetError:
+                    # A consumer that died with records unread (batches sent
+                    # to it) resets the socket, and Linux reports the reset
+                    # before the records it sent last, its acknowledgements:
+                    # read them (a batch run() returned is acknowledged).
+                    resets += 1
+                    if resets > 1 or self.tcp_peer is not None:
+                        raise
+                    continue
                 if got is None:
                     return
                 record, fds = got
@@ -106,7 +126,7 @@ class Connection:
                     os.close(fd)  # a consumer never sends descriptors
                 if fds:
                     raise WireError(f"{self.peer} sent descriptors")
-                self._handle(check(record, ("ack", "free", "state", "bye"), self.peer))
+                self._handle(check(record, ("ack", "state", "bye"), self.peer))
         except WireError as err:
             # the text, not the error: a kept log record (a memory handler,
             # pytest's caplog) would keep its traceback's frames, and with them
@@ -149,15 +169,15 @@ class Connection:
         # the slots are sized by the batches: wait for the first one
         first = self._first_item()
         slot_bytes = source.slot_bytes or 0
-        terms = source.terms
+        slots = source.slots
         if self.tcp_peer is None:
-            self.area = SlotArea(f"blobfeed-{source.name}-{self.label}", terms.slots, max(slot_bytes, 64))
+            self.area = SlotArea(f"blobfeed-{source.name}-{self.label}", slots, max(slot_bytes, 64))
         else:
-            self.area = StreamSlots(terms.slots, max(slot_bytes, 64))
+            self.area = StreamSlots(slots, max(slot_bytes, 64))
         try:
             self.channel.send(
                 {"t": "welcome", "consumer": outlet.index if isinstance(outlet, IndexOutlet) else self.number,
-                 "slots": terms.slots, "slot_bytes": self.area.slot_bytes, "epoch": 0, "service": self._service},
+                 "slots": slots, "slot_bytes": self.area.slot_bytes, "epoch": 0, "service": self._service},
                 fds=[self.area.fd] if self.area.fd >= 0 else (),
             )
         finally:
@@ -235,10 +255,10 @@ class Connection:
     def _handle(self, record: dict[str, Any]) -> None:
         kind = record["t"]
         if kind == "ack":
-            self._ack(record["g"])
-        elif kind == "free":
+            if record["g"] != -1:
+                self._ack(record["g"])
             assert self.area is not None
-            self.area.give_back(record["slot"], self.peer)
+            self.area.give_back(freed_slots(record, self.peer), self.peer)
         elif kind == "state":
             try:
                 reply = {"t": "state_is", "state": self._state(), "error": None}
@@ -249,16 +269,24 @@ class Connection:
             self.closed.set()
 
     def _ack(self, g: int) -> None:
+        """The consumer's run() returned every item up to ``g`` (cumulative)."""
         assert self.source is not None and self.outlet is not None
+        inflight, outlet, acknowledged = self._inflight, self.outlet, self.source.counts.acknowledged
         with self._lock:
-            if not self._inflight or self._inflight[0][0] != g:
-                head = self._inflight[0][0] if self._inflight else None
-                raise WireError(f"{self.peer} acknowledged item {g}; its next unacknowledged item is {head}")
-            _, item, _, _ = self._inflight.popleft()
-            self.outlet.acked(item)
-            if type(item.batch) is not EpochEnd:
-                self.source.counts.acknowledged[self.label] += 1
-            self._settle_dropped()
+            head = inflight[0][0] if inflight else None
+            if head is None or head < 0 or not head <= g < self._sent:
+                raise WireError(
+                    f"{self.peer} acknowledged items up to {g}; its next unacknowledged item is {head} "
+                    f"and the last sent {self._sent - 1}"
+                )
+            n = 0
+            while inflight and 0 <= inflight[0][0] <= g:
+                _, item, _, _ = inflight.popleft()
+                outlet.acked(item)
+                if type(item.batch) is not EpochEnd:
+                    n += 1
+                self._settle_dropped()
+            acknowledged[self.label] += n
 
     def _settle_dropped(self) -> None:
         """Batches dropped for equal shares go past the stream in their turn (under the lock)."""
@@ -289,18 +317,35 @@ class Connection:
         assert source is not None and outlet is not None and area is not None
         pending: Item | End | None = first
         counts = source.counts
+        stream = isinstance(self.channel, StreamChannel)
+        # Unix socket: the batches written and not sent yet, sent together in
+        # one "batches" record once no other batch is ready at once (or no
+        # slot is free, or FLUSH_BYTES / a record's worth are waiting): a
+        # record, a syscall and a wake-up per burst rather than per batch,
+        # and never a wait with a batch unsent.
+        ready: list[list[Any]] = []
+        ready_bytes = 0
+        per_record = BATCHES_PER_RECORD
         try:
             while not self.closed.is_set() and not self._ended and self._stopping is None:
                 if pending is None:
-                    t0 = time.perf_counter()
-                    pending = outlet.next(self, POLL_S)
-                    counts.waited[self.label] += time.perf_counter() - t0
-                    if pending is None:
-                        continue
+                    if ready:
+                        pending = outlet.next(self, 0.0)
+                        if pending is None:
+                            self._flush(ready)
+                            ready_bytes = 0
+                            continue
+                    else:
+                        t0 = time.perf_counter()
+                        pending = outlet.next(self, POLL_S)
+                        counts.waited[self.label] += time.perf_counter() - t0
+                        if pending is None:
+                            continue
                 item, pending = pending, None
                 if isinstance(item, End):
                     # the connection stays: the consumer still acknowledges
                     # what it has, and leaves when it is done
+                    self._flush(ready)
                     self._end(item)
                     return
                 if item.drop:
@@ -308,40 +353,74 @@ class Connection:
                         self._inflight.append((-1, item, -1, None))
                         self._settle_dropped()
                     continue
-                g = self._g
-                self._g += 1
                 if type(item.batch) is EpochEnd:
+                    self._flush(ready)
+                    ready_bytes = 0
+                    g = self._g
+                    self._g += 1
                     with self._lock:
                         self._inflight.append((g, item, -1, None))
+                    self._sent = g + 1  # before: the acknowledgement may come before send() returns
                     self.channel.send(
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
                     continue
-                slot = None
-                while slot is None and not self.closed.is_set() and self._stopping is None:
-                    slot = area.take(POLL_S)
+                slot = area.take_nowait()
                 if slot is None:
-                    self._unsent(item)
-                    return
+                    self._flush(ready)  # what the consumer frees depends on what it has
+                    ready_bytes = 0
+                    while slot is None and not self.closed.is_set() and self._stopping is None:
+                        slot = area.take(POLL_S)
+                    if slot is None:
+                        self._unsent(item)
+                        return
+                g = self._g
+                self._g += 1
                 meta = area.write(slot, item.batch.arrays)
                 with self._lock:
                     self._inflight.append((g, item, slot, meta))
-                record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
-                if isinstance(self.channel, StreamChannel):
+                if stream:
                     # over TCP the bytes follow the record, from the batch's own arrays
-                    self.channel.send(record, payload=item.batch.arrays)
-                else:
-                    self.channel.send(record)
-                counts.delivered[self.label] += 1
+                    record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
+                    self._sent = g + 1
+                    self.channel.send(record, payload=item.batch.arrays)  # type: ignore[call-arg]
+                    counts.delivered[self.label] += 1
+                    continue
+                entry = [g, slot, item.batch.n, meta]
+                if not ready and per_record == BATCHES_PER_RECORD:
+                    # as many as fit half a record (a batch's layout does not change)
+                    size = len(json.dumps(entry, separators=(",", ":"))) + 1
+                    per_record = max(1, min(BATCHES_PER_RECORD, MAX_RECORD // 2 // size))
+                ready.append(entry)
+                ready_bytes += area.slot_bytes
+                if len(ready) >= per_record or ready_bytes >= FLUSH_BYTES:
+                    self._flush(ready)
+                    ready_bytes = 0
             if isinstance(pending, Item):
                 self._unsent(pending)  # the first item, taken before a stop
+            # batches written and not sent (the service stops, or the
+            # consumer left) stay in _inflight: unacknowledged, dealt again
         except OSError as err:
             if not self.closed.is_set():
                 logger.info("service: sending to %s failed: %s", self.peer, str(err))
+            if isinstance(err, (ConnectionResetError, BrokenPipeError)) and self.tcp_peer is None:
+                # the consumer died: the receiver still reads what it sent
+                # last (its acknowledgements), then its end, and leaves
+                return
             self.close()  # the consumer is gone for us: wake the receiver
         except Exception:
             logger.exception("service: sender of %s failed", self.peer)
             self.close()
+
+    def _flush(self, ready: list[list[Any]]) -> None:
+        """Send the batches in ``ready`` in one record (Unix socket)."""
+        if not ready:
+            return
+        self._sent = ready[-1][0] + 1  # before: the acknowledgement may come before send() returns
+        self.channel.send({"t": "batches", "items": ready})
+        assert self.source is not None
+        self.source.counts.delivered[self.label] += len(ready)
+        ready.clear()
 
     def _unsent(self, item: Item) -> None:
         """An item taken for the consumer that never reached it: it counts as unacknowledged."""

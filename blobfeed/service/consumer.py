@@ -28,7 +28,7 @@ from ..net import Net
 from .remote import RemoteDealer, _RemoteReader  # noqa: F401  (_RemoteReader: tests patch it here)
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import connect, consumer_slots
-from .wire import PROTOCOL, WireError, check
+from .wire import MAX_ITEMS, PROTOCOL, WireError, batch_items, check
 
 __all__ = ["Attachment", "attach_source"]
 
@@ -73,8 +73,9 @@ class Attachment:
         self._closed = False
         self._stopped = threading.Event()
         self._state_replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        #: weakrefs of batches whose views all died (put by their callbacks: C code)
-        self._freed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: weakrefs of batches whose views all died (put by their callbacks:
+        #: C code), None to end the outbox thread
+        self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         try:
             self._send({
                 "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names,
@@ -84,7 +85,7 @@ class Attachment:
             self._channel.sock.settimeout(None)
             try:
                 self._mapping: ConsumerMapping | StreamBuffers = consumer_slots(
-                    self._channel, welcome, fds, batch_size, len(names), self._freed.put
+                    self._channel, welcome, fds, batch_size, len(names), self._out.put
                 )
             finally:
                 for fd in fds:
@@ -108,7 +109,7 @@ class Attachment:
         self.feed.mark_started()
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
-            threading.Thread(target=self._return_slots, name=f"blobfeed-attach-slots-{source_name}", daemon=True),
+            threading.Thread(target=self._outbox, name=f"blobfeed-attach-out-{source_name}", daemon=True),
             threading.Thread(target=self.feed.run, name=f"blobfeed-attach-enqueue-{source_name}", daemon=True),
         ]
         for t in self._threads:
@@ -140,10 +141,13 @@ class Attachment:
         return record, fds
 
     def _ack(self, g: int) -> None:
+        # Sent before run() returns: once run() returned a batch, its
+        # acknowledgement is in the socket even if the process dies next
+        # (a SIGKILL); the slots freed since take the same record.
         if self._closed:
             return
         try:
-            self._send({"t": "ack", "g": g})
+            self._send({"t": "ack", "g": g, "slots": self._freed_slots()})
         except OSError:
             pass  # the receiver reports the service's end
 
@@ -160,9 +164,18 @@ class Attachment:
                 record, fds = got
                 for fd in fds:
                     os.close(fd)
-                record = check(record, ("batch", "epoch_end", "end", "state_is"), self._service)
+                record = check(record, ("batches", "batch", "epoch_end", "end", "state_is"), self._service)
                 kind = record["t"]
-                if kind == "batch":
+                if kind == "batches":
+                    for g, slot, n, meta in batch_items(record, self._service):
+                        if not 0 < n < 1 << 40:
+                            raise WireError(f"{self._service} sent a batch of {n} samples")
+                        arrays = mapping.views(slot, n, meta, self._service)
+                        dealer.numbers.append(g)
+                        if not put(Chunk(arrays, n, 0, seq)):
+                            return
+                        seq += 1
+                elif kind == "batch":
                     n = record["n"]
                     if not 0 < n < 1 << 40:
                         raise WireError(f"{self._service} sent a batch of {n} samples")
@@ -212,19 +225,37 @@ class Attachment:
             # wait, whichever comes first.
             self.source.fail(ServiceError(f"{self._service}: {text}"))
 
-    def _return_slots(self) -> None:
-        get, mapping = self._freed.get, self._mapping
+    def _freed_slots(self) -> list[int]:
+        """The slots whose batches died since the last look (without waiting)."""
+        get, mapping, slots = self._out.get_nowait, self._mapping, []
+        while len(slots) < MAX_ITEMS:
+            try:
+                ref = get()
+            except queue.Empty:
+                break
+            if ref is None:
+                self._out.put(None)  # for the outbox thread: it ends
+                break
+            slot = mapping.freed(ref)
+            if slot is not None:
+                slots.append(slot)
+        return slots
+
+    def _outbox(self) -> None:
+        """Free the slots whose batches died (those an acknowledgement did not take along)."""
+        get, mapping = self._out.get, self._mapping
         while True:
             ref = get()
             if ref is None:
                 return
             slot = mapping.freed(ref)
-            if slot is None or self._closed:
+            slots = ([] if slot is None else [slot]) + self._freed_slots()
+            if not slots or self._closed:
                 continue
             try:
-                self._send({"t": "free", "slot": slot})
+                self._send({"t": "ack", "g": -1, "slots": slots})
             except OSError:
-                pass
+                pass  # the receiver reports the service's end
 
     # -- the user's side ---------------------------------------------------------------
     def state_dict(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -259,7 +290,7 @@ class Attachment:
             pass
         self.source.stop()
         self._channel.close()
-        self._freed.put(None)
+        self._out.put(None)
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))

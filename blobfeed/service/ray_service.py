@@ -167,7 +167,7 @@ class _RayConsumer:
         try:
             out: list[tuple[Any, ...]] = []
             counts = source.counts
-            slots = source.terms.slots
+            slots = source.slots
             deadline = time.monotonic() + TAKE_WAIT_S
             while not self.closed.is_set() and not self._ended:
                 if self._told is not None:
@@ -360,7 +360,7 @@ class RayFeedServer(FeedServer):
         return {
             "t": "welcome", "cid": conn.cid,
             "consumer": outlet.index if isinstance(outlet, IndexOutlet) else conn.number,
-            "slots": source.terms.slots, "service": self.ray_address, "lease": self.lease,
+            "slots": source.slots, "service": self.ray_address, "lease": self.lease,
         }
 
     def _await_index(self, hello: dict[str, Any]) -> None:

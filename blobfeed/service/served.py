@@ -38,6 +38,20 @@ logger = logging.getLogger("blobfeed.service")
 
 #: how long an outlet waits for its feed before looking at its connection again
 POLL_S = 0.1
+#: serve_source(slots=None): each consumer gets slots for about this many
+#: bytes of batches, at least SLOTS_MIN and at most SLOTS_MAX.  Small batches
+#: need many in flight (a round trip per batch otherwise bounds the rate);
+#: large ones need few (each is copied once, and the slots are memory).
+SLOTS_BYTES = 8 << 20
+SLOTS_MIN = 4
+SLOTS_MAX = 64
+
+
+def default_slots(slot_bytes: int | None) -> int:
+    """Slots per consumer for batches of ``slot_bytes`` (None: not known yet)."""
+    if not slot_bytes:
+        return SLOTS_MIN
+    return max(SLOTS_MIN, min(SLOTS_MAX, SLOTS_BYTES // slot_bytes))
 
 
 class End(NamedTuple):
@@ -69,7 +83,8 @@ class SourceTerms(NamedTuple):
     num_consumers: int | None
     equal: bool
     grace_period: float
-    slots: int
+    #: None: :func:`default_slots` of the batch size
+    slots: int | None
 
 
 class _Counts:
@@ -85,9 +100,12 @@ class _Counts:
 
 def _dequeue(source: "ServedSource", feed: "Feed", timeout: float) -> Any:
     """The feed's next batch or epoch end; an :class:`End` when its stream
-    ended (None: the data is done) or failed; None when nothing came in time."""
+    ended (None: the data is done) or failed; None when nothing came in time
+    (``timeout`` 0: nothing is queued now; never counted as a timeout)."""
+    if timeout <= 0 and not feed.device_queue.qsize():
+        return None
     try:
-        return feed.dequeue(timeout)
+        return feed.dequeue(timeout if timeout > 0 else POLL_S)
     except (DequeueTimeout, TimeoutError):
         return None
     except FetcherError as err:
@@ -263,6 +281,11 @@ class ServedSource:
             self.outlets = []
             self.shared = SharedOutlet(self, feeds[0], set())
 
+    @property
+    def slots(self) -> int:
+        """Slots per consumer: the ``slots`` served with, else :func:`default_slots`."""
+        return self.terms.slots or default_slots(self.slot_bytes)
+
     # -- attach ----------------------------------------------------------------------
     def claim(self, conn: Any, index: int | None) -> IndexOutlet | SharedOutlet:
         """The outlet ``conn`` takes its batches from.
@@ -392,7 +415,7 @@ class Equalizer:
                     self._taking[k] = True
                     self._cond.release()
                     try:
-                        item = outlet._take(min(POLL_S, max(deadline - time.monotonic(), 0.001)))
+                        item = outlet._take(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
                     finally:
                         self._cond.acquire()
                         self._taking[k] = False

@@ -162,7 +162,7 @@ class FeedServer:
         num_consumers: int | None = None,
         equal: bool = False,
         grace_period: float = 30.0,
-        slots: int = 4,
+        slots: int | None = None,
         max_buffered_batches: int = 800,
         timeout: float = 600.0,
         drop_last: bool = False,
@@ -191,7 +191,8 @@ class FeedServer:
                 index) before the source fails; also how long the first
                 consumer waits for the first batch.
             slots: batches in flight per consumer (shared-memory slots, one
-                batch each; at least 3).
+                batch each; at least 3).  None: enough for about 8 MiB of
+                batches, 4 to 64 (``served.default_slots``; 4 on Ray).
             timeout: the workers' timeout, as for init_data_input_workers.
 
         The other arguments are those of ``init_data_input_workers``.
@@ -214,7 +215,8 @@ class FeedServer:
                 f"source {name!r}: equal=True needs num_consumers (the shares are equal among that many consumers)"
             )
         grace_period = check_timeout("grace_period", grace_period)
-        slots = check_index("slots", slots, minimum=3)
+        if slots is not None:
+            slots = check_index("slots", slots, minimum=3)
         names = list(input_blob_names)
         batch_size = check_index("batch_size", batch_size)
         if seed is None and self._resume_state is not None:

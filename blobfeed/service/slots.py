@@ -61,17 +61,30 @@ class _Ring:
                 return None
             return self._free.pop()
 
-    def give_back(self, slot: int, peer: str) -> None:
-        """The consumer freed ``slot``.
+    def take_nowait(self) -> int | None:
+        """A free slot if there is one now, else None."""
+        with self._cond:
+            if self._closed or not self._free:
+                return None
+            return self._free.pop()
+
+    def give_back(self, slots: list[int], peer: str) -> None:
+        """The consumer freed ``slots`` (one ``ack``'s).
 
         Raises:
-            WireError: ``slot`` is no slot, or one that is free already.
+            WireError: one is no slot, or one that is free already (those
+                before it are freed).
         """
+        if not slots:
+            return
         with self._cond:
-            if not 0 <= slot < self.slots or slot in self._free:
-                raise WireError(f"{peer} freed slot {slot}, which it does not hold")
-            self._free.append(slot)
-            self._cond.notify()
+            try:
+                for slot in slots:
+                    if not 0 <= slot < self.slots or slot in self._free:
+                        raise WireError(f"{peer} freed slot {slot}, which it does not hold")
+                    self._free.append(slot)
+            finally:
+                self._cond.notify()
 
     def close(self) -> None:
         """Wake the sender."""

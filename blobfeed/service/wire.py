@@ -26,11 +26,16 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = [
-    "MAX_RECORD", "PROTOCOL", "Channel", "WireError", "check", "dtype_from_wire", "dtype_to_wire",
+    "MAX_ITEMS", "MAX_RECORD", "PROTOCOL", "Channel", "WireError", "batch_items", "check", "dtype_from_wire",
+    "dtype_to_wire", "freed_slots",
 ]
 
-#: the version a consumer and a service must share
-PROTOCOL = 1
+#: the version a consumer and a service must share (2: ``batches`` carry
+#: several batches, ``ack`` is cumulative and frees slots; 1 had one record
+#: per batch, per acknowledgement and per freed slot)
+PROTOCOL = 2
+#: batches one ``batches`` record may carry, slots one ``ack`` may free
+MAX_ITEMS = 1024
 #: the longest record either end accepts
 MAX_RECORD = 64 * 1024
 #: descriptors one record may carry
@@ -141,18 +146,45 @@ _FIELDS: dict[str, dict[str, Any]] = {
         "protocol": int, "source": str, "blobs": list, "batch_size": int, "index": (int, type(None)),
         "num": (int, type(None)), "pid": int,
     },
-    "ack": {"g": int},
-    "free": {"slot": int},
+    # everything up to item g (-1: nothing new) was returned by run(); these slots are free
+    "ack": {"g": int, "slots": list},
     "state": {},
     "bye": {},
     # service -> consumer
     "welcome": {"consumer": int, "slots": int, "slot_bytes": int, "epoch": int, "service": str},
     "refused": {"error": str, "kind": str},
     "batch": {"g": int, "slot": int, "n": int, "arrays": list},
+    # several batches (Unix socket): each [g, slot, n, arrays] as in "batch"
+    "batches": {"items": list},
     "epoch_end": {"g": int, "epoch": int, "dropped": int},
     "end": {"error": (str, type(None)), "kind": str},
     "state_is": {"state": (dict, type(None)), "error": (str, type(None))},
 }
+
+
+def freed_slots(record: dict[str, Any], peer: str) -> list[int]:
+    """The slots an ``ack`` frees: a list of at most :data:`MAX_ITEMS` ints
+    (each slot's range is the ring's to check)."""
+    slots = record["slots"]
+    if len(slots) > MAX_ITEMS or not all(type(s) is int for s in slots):
+        raise WireError(f"{peer} sent an 'ack' whose slots are not a list of at most {MAX_ITEMS} ints")
+    return slots
+
+
+def batch_items(record: dict[str, Any], peer: str) -> list[list[Any]]:
+    """The entries of a ``batches`` record: 1 to :data:`MAX_ITEMS` lists
+    ``[g, slot, n, arrays]`` of three ints and a list (their values are the
+    slots' to check)."""
+    items = record["items"]
+    if not 0 < len(items) <= MAX_ITEMS:
+        raise WireError(f"{peer} sent a 'batches' record of {len(items)} batches (1 to {MAX_ITEMS})")
+    for entry in items:
+        if not (
+            type(entry) is list and len(entry) == 4 and type(entry[0]) is int and 0 <= entry[0] < 2**62
+            and type(entry[1]) is int and type(entry[2]) is int and type(entry[3]) is list
+        ):
+            raise WireError(f"{peer} sent a 'batches' entry that is not [g, slot, n, arrays]: {str(entry)[:60]}")
+    return items
 
 
 def check(record: dict[str, Any], kinds: Sequence[str], peer: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import blobfeed
 from blobfeed.service import FeedServer
 from blobfeed.service import connection as connection_mod
 from blobfeed.service.tcp import MAGIC, PREFIX, parse_tcp
+from blobfeed.service.wire import PROTOCOL
 
 from ..test_security import listening
 from . import feeds
@@ -241,7 +242,7 @@ def frame(record: Any, payload: bytes = b"", announced: int | None = None, size:
                        len(payload) if announced is None else announced) + data + payload
 
 
-HELLO = {"t": "hello", "protocol": 1, "source": "train", "blobs": ["id", "x"], "batch_size": 8,
+HELLO = {"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"], "batch_size": 8,
          "index": None, "num": None, "pid": 1}
 
 
@@ -275,7 +276,8 @@ def test_a_stranger_on_the_tcp_port_is_refused_and_the_service_keeps_serving(
         (frame(HELLO)[:9], "inside a frame"),
         (b"", "said nothing within"),  # and then silence past the handshake's limit
     ]
-    with served(epochs=None) as server:
+    # 4 slots: a liar is not sent a whole epoch before its lie is read
+    with served(epochs=None, slots=4) as server:
         host, port = parse_tcp(str(server.address))
         for data, _ in garbage:
             with socket.create_connection((host, port), timeout=10) as s:
@@ -289,10 +291,11 @@ def test_a_stranger_on_the_tcp_port_is_refused_and_the_service_keeps_serving(
         # after a valid hello: a frame with payload, an acknowledgement of
         # nothing sent, a slot it does not hold, a record cut short
         lies = [
-            (frame({"t": "free", "slot": 0}, payload=b"x" * 64), "announced 64 bytes of payload"),
-            (frame({"t": "ack", "g": 12345}), "acknowledged item 12345"),
-            (frame({"t": "free", "slot": 99}), "freed slot 99, which it does not hold"),
-            (frame({"t": "free", "slot": 0}, size=1000), "inside a record"),
+            (frame({"t": "ack", "g": -1, "slots": [0]}, payload=b"x" * 64), "announced 64 bytes of payload"),
+            (frame({"t": "ack", "g": 12345, "slots": []}), "acknowledged items up to 12345"),
+            (frame({"t": "ack", "g": -1, "slots": [99]}), "freed slot 99, which it does not hold"),
+            (frame({"t": "ack", "g": -1, "slots": ["0"]}), "slots are not a list of at most"),
+            (frame({"t": "ack", "g": -1, "slots": [0]}, size=1000), "inside a record"),
         ]
         for data, expected in lies:
             net = blobfeed.Net(None)
