@@ -68,6 +68,11 @@ def serving(server: "FeedServer") -> Iterator["FeedServer"]:
         _current.remove(server)
 
 
+#: serve_source's default max_buffered_batches: enough chunks to keep the
+#: workers busy while every consumer's slots are full, not 800 (~1 GB of W2)
+SERVED_BUFFERED_CHUNKS = 64
+
+
 def serve_source(
     name: str, input_blob_names: Sequence[str], fetch_fun: Any, batch_size: int, num_worker_threads: int = 2,
     **kwargs: Any,
@@ -163,7 +168,7 @@ class FeedServer:
         equal: bool = False,
         grace_period: float = 30.0,
         slots: int | None = None,
-        max_buffered_batches: int = 800,
+        max_buffered_batches: int = SERVED_BUFFERED_CHUNKS,
         timeout: float = 600.0,
         drop_last: bool = False,
         on_error: Literal["raise", "skip"] = "raise",
@@ -190,6 +195,10 @@ class FeedServer:
             grace_period: seconds a consumer index may stay away (dealt by
                 index) before the source fails; also how long the first
                 consumer waits for the first batch.
+            max_buffered_batches: chunks the source buffers ahead of its
+                nets (default :data:`SERVED_BUFFERED_CHUNKS`, not
+                init_data_input_workers' 800: each consumer's slots and
+                queue already hold batches ahead, and the buffer is memory).
             slots: batches in flight per consumer (shared-memory slots, one
                 batch each; at least 3).  None: enough for about 8 MiB of
                 batches, 4 to 64 (``served.default_slots``; 4 on Ray).
