@@ -19,7 +19,6 @@ bookkeeping, so the flow control is the same).
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import socket
@@ -116,7 +115,7 @@ class Connection:
                     # before the records it sent last, its acknowledgements:
                     # read them (a batch run() returned is acknowledged).
                     resets += 1
-                    if resets > 1 or self.tcp_peer is not None:
+                    if resets > 1:
                         raise
                     continue
                 if got is None:
@@ -323,8 +322,9 @@ class Connection:
         # slot is free, or FLUSH_BYTES / a record's worth are waiting): a
         # record, a syscall and a wake-up per burst rather than per batch,
         # and never a wait with a batch unsent.
-        ready: list[list[Any]] = []
+        ready: list[str] = []  # each [g, slot, n, arrays] as JSON text
         ready_bytes = 0
+        last_g = -1
         per_record = BATCHES_PER_RECORD
         try:
             while not self.closed.is_set() and not self._ended and self._stopping is None:
@@ -332,7 +332,7 @@ class Connection:
                     if ready:
                         pending = outlet.next(self, 0.0)
                         if pending is None:
-                            self._flush(ready)
+                            self._flush(ready, last_g)
                             ready_bytes = 0
                             continue
                     else:
@@ -345,7 +345,7 @@ class Connection:
                 if isinstance(item, End):
                     # the connection stays: the consumer still acknowledges
                     # what it has, and leaves when it is done
-                    self._flush(ready)
+                    self._flush(ready, last_g)
                     self._end(item)
                     return
                 if item.drop:
@@ -354,7 +354,7 @@ class Connection:
                         self._settle_dropped()
                     continue
                 if type(item.batch) is EpochEnd:
-                    self._flush(ready)
+                    self._flush(ready, last_g)
                     ready_bytes = 0
                     g = self._g
                     self._g += 1
@@ -367,7 +367,7 @@ class Connection:
                     continue
                 slot = area.take_nowait()
                 if slot is None:
-                    self._flush(ready)  # what the consumer frees depends on what it has
+                    self._flush(ready, last_g)  # what the consumer frees depends on what it has
                     ready_bytes = 0
                     while slot is None and not self.closed.is_set() and self._stopping is None:
                         slot = area.take(POLL_S)
@@ -376,7 +376,10 @@ class Connection:
                         return
                 g = self._g
                 self._g += 1
-                meta = area.write(slot, item.batch.arrays)
+                if stream:
+                    meta = area.write(slot, item.batch.arrays)
+                else:
+                    meta, text = area.write_encoded(slot, item.batch.arrays)  # type: ignore[union-attr]
                 with self._lock:
                     self._inflight.append((g, item, slot, meta))
                 if stream:
@@ -386,15 +389,15 @@ class Connection:
                     self.channel.send(record, payload=item.batch.arrays)  # type: ignore[call-arg]
                     counts.delivered[self.label] += 1
                     continue
-                entry = [g, slot, item.batch.n, meta]
+                entry = f"[{g},{slot},{item.batch.n},{text}]"
                 if not ready and per_record == BATCHES_PER_RECORD:
                     # as many as fit half a record (a batch's layout does not change)
-                    size = len(json.dumps(entry, separators=(",", ":"))) + 1
-                    per_record = max(1, min(BATCHES_PER_RECORD, MAX_RECORD // 2 // size))
+                    per_record = max(1, min(BATCHES_PER_RECORD, MAX_RECORD // 2 // (len(entry) + 1)))
                 ready.append(entry)
+                last_g = g
                 ready_bytes += area.slot_bytes
                 if len(ready) >= per_record or ready_bytes >= FLUSH_BYTES:
-                    self._flush(ready)
+                    self._flush(ready, last_g)
                     ready_bytes = 0
             if isinstance(pending, Item):
                 self._unsent(pending)  # the first item, taken before a stop
@@ -403,7 +406,7 @@ class Connection:
         except OSError as err:
             if not self.closed.is_set():
                 logger.info("service: sending to %s failed: %s", self.peer, str(err))
-            if isinstance(err, (ConnectionResetError, BrokenPipeError)) and self.tcp_peer is None:
+            if isinstance(err, (ConnectionResetError, BrokenPipeError)):
                 # the consumer died: the receiver still reads what it sent
                 # last (its acknowledgements), then its end, and leaves
                 return
@@ -412,12 +415,13 @@ class Connection:
             logger.exception("service: sender of %s failed", self.peer)
             self.close()
 
-    def _flush(self, ready: list[list[Any]]) -> None:
-        """Send the batches in ``ready`` in one record (Unix socket)."""
+    def _flush(self, ready: list[str], last_g: int = -1) -> None:
+        """Send the batches in ``ready`` (the last numbered ``last_g``) in one record (Unix socket)."""
         if not ready:
             return
-        self._sent = ready[-1][0] + 1  # before: the acknowledgement may come before send() returns
-        self.channel.send({"t": "batches", "items": ready})
+        self._sent = last_g + 1  # before: the acknowledgement may come before send() returns
+        data = ('{"t":"batches","items":[' + ",".join(ready) + "]}").encode()
+        self.channel.send_encoded(data)  # type: ignore[union-attr]
         assert self.source is not None
         self.source.counts.delivered[self.label] += len(ready)
         ready.clear()

@@ -92,6 +92,12 @@ class Channel:
         else:
             self.sock.send(data, flags)  # one record, whole or not at all (SOCK_SEQPACKET)
 
+    def send_encoded(self, data: bytes) -> None:
+        """Send one record already encoded (``json.dumps`` of a dict with a ``t``)."""
+        if len(data) > MAX_RECORD:
+            raise WireError(f"record of {len(data)} bytes to {self.peer} is over {MAX_RECORD}")
+        self.sock.sendall(data)
+
     def recv(self) -> tuple[dict[str, Any], list[int]] | None:
         """The next record and the descriptors that came with it; None at EOF.
 
