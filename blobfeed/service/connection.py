@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from ..feeders.chunks import EpochEnd
 from ..feeders.messages import align
 from .served import POLL_S, End, Item, IndexOutlet, ServedSource, SharedOutlet
@@ -45,6 +47,10 @@ BATCHES_PER_RECORD = 64
 #: (large batches go one by one: the consumer starts on the first while the
 #: next is copied)
 FLUSH_BYTES = 1 << 20
+#: batches this large are kept as their slot's copy once written (their
+#: source buffer is freed at once: S1's 9.6 MB batches held one per slot
+#: in flight otherwise); smaller ones are not worth the views
+LET_GO_BYTES = 1 << 16
 
 
 class Refused(Exception):
@@ -380,6 +386,12 @@ class Connection:
                     meta = area.write(slot, item.batch.arrays)
                 else:
                     meta, text = area.write_encoded(slot, item.batch.arrays)  # type: ignore[union-attr]
+                    if area.slot_bytes >= LET_GO_BYTES:
+                        # the slot holds the batch now: keep that (for a
+                        # consumer that leaves without acknowledging it), and
+                        # let the inner pipeline's buffer go back to its pool
+                        # at once rather than at the acknowledgement
+                        item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))  # type: ignore[union-attr]
                 with self._lock:
                     self._inflight.append((g, item, slot, meta))
                 if stream:
@@ -495,8 +507,11 @@ class Connection:
                 unacked = []
                 for g, item, slot, meta in self._inflight:
                     if slot >= 0 and isinstance(area, SlotArea):
-                        # its bytes stay where they are: the old mapping lives on in these views
-                        item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))
+                        # copied out of the slot, so the area goes with its
+                        # consumer: with many slots in flight, re-dealt
+                        # batches of several consumers that left would keep
+                        # each one's whole area mapped until dealt again
+                        item = item._replace(batch=item.batch._replace(arrays=_copied(area.read(slot, meta))))
                     unacked.append(item)
                 self._inflight.clear()
             source.release(self, outlet, unacked)
@@ -504,3 +519,11 @@ class Connection:
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
         self.channel.close()
+
+
+def _copied(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Read-only copies of ``arrays``."""
+    out = tuple(np.array(a) for a in arrays)
+    for a in out:
+        a.flags.writeable = False
+    return out

@@ -480,3 +480,20 @@ def test_an_acknowledgement_sent_just_before_the_consumer_died_with_batches_unre
         s.close()  # as a SIGKILL would, with batches unread
         wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
         assert sum(server.sources["train"].counts.acknowledged.values()) == 1
+
+
+def test_a_consumer_that_leaves_with_batches_unacknowledged_leaves_no_slots_mapped() -> None:
+    """What it had not acknowledged is copied out of its slots for the next
+    consumer: the service kept views of the slots instead, so with many
+    slots in flight, batches left by several consumers kept each one's whole
+    area mapped until dealt again (the 20-cycle test saw 3 areas)."""
+    with served(2, name="leaver", epochs=None) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "leaver", server.address):
+            net.run(timeout=10)
+            wait_for(lambda: sum(server.sources["leaver"].counts.delivered.values()) >= 3, 10, "batches in flight")
+        del net
+        wait_for(lambda: server.sources["leaver"].connected == 0, 10, "the consumer's end seen")
+        gc.collect()
+        assert len(server.sources["leaver"].shared.redeal) >= 1  # re-dealt later, from copies
+        wait_for(lambda: not any("memfd:blobfeed-leaver-" in f for f in _fds()), 10, "the slots unmapped")
