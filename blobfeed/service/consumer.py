@@ -70,6 +70,8 @@ class Attachment:
         except OSError as err:
             raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
         self._send_lock = threading.Lock()
+        #: the Unix socket's channel takes records encoded here (the acknowledgements)
+        self._encoded = hasattr(self._channel, "send_encoded")
         self._closed = False
         self._stopped = threading.Event()
         self._state_replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
@@ -147,7 +149,13 @@ class Attachment:
         if self._closed:
             return
         try:
-            self._send({"t": "ack", "g": g, "slots": self._freed_slots()})
+            slots = self._freed_slots()
+            if self._encoded:
+                data = ('{"t":"ack","g":%d,"slots":[%s]}' % (g, ",".join(map(str, slots)))).encode()
+                with self._send_lock:
+                    self._channel.send_encoded(data)  # type: ignore[union-attr]
+            else:
+                self._send({"t": "ack", "g": g, "slots": slots})
         except OSError:
             pass  # the receiver reports the service's end
 

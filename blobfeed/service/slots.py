@@ -219,6 +219,8 @@ class ConsumerMapping:
         self._on_free = on_free
         #: id(weakref) -> (weakref, slot): the refs must live to fire
         self.outstanding: dict[int, tuple[Any, int]] = {}
+        #: (dtype text, shape, offset) -> what _check_array found of it
+        self._checked: dict[tuple[Any, ...], tuple[np.dtype, tuple[int, ...], int, int]] = {}
 
     def views(self, slot: int, n: int, meta: Any, peer: str) -> tuple[np.ndarray, ...]:
         """The arrays of a ``batch`` record, checked to lie inside ``slot``
@@ -232,24 +234,46 @@ class ConsumerMapping:
         # `root` is the base of every view below
         root = np.frombuffer(self._mm, np.uint8, count=self.slot_bytes, offset=slot * self.slot_bytes)
         out = []
+        checked = self._checked
         for i, m in enumerate(meta):
-            where = f"{peer}: array {i}"
-            if not (isinstance(m, list) and len(m) == 3 and isinstance(m[1], list) and type(m[2]) is int):
-                raise WireError(f"{where}: must be [dtype, shape, offset]")
-            dt = dtype_from_wire(m[0], where)
-            shape = m[1]
-            if len(shape) > 32 or not all(type(d) is int and d >= 0 for d in shape) or not shape or shape[0] != n:
-                raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
-            nbytes = dt.itemsize * int(np.prod(shape, dtype=object))
-            off = m[2]
-            if off < 0 or off % 8 or off + nbytes > self.slot_bytes:
-                raise WireError(f"{where}: {nbytes} bytes at offset {off} do not fit a slot of {self.slot_bytes}")
+            # a source's batches have a handful of layouts: each is checked once
+            # (only plain ints: True would find the entry of 1)
+            if (
+                type(m) is list and len(m) == 3 and type(m[0]) is str and type(m[1]) is list
+                and type(m[2]) is int and all(type(d) is int for d in m[1])
+            ):
+                known = checked.get((m[0], tuple(m[1]), m[2]))
+            else:
+                known = None
+            if known is None:
+                known = self._check_array(m, n, f"{peer}: array {i}")
+            dt, shape, off, nbytes = known
+            if shape[0] != n:
+                raise WireError(f"{peer}: array {i}: bad shape {list(shape)!r} for {n} samples")
             out.append(root[off:off + nbytes].view(dt).reshape(shape))
         # every view's base is `root` (numpy collapses view chains): the slot
         # is free once `root` dies, which is when the last view died
         ref = weakref.ref(root, self._on_free)
         self.outstanding[id(ref)] = (ref, slot)
         return tuple(out)
+
+    def _check_array(self, m: Any, n: int, where: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        """``[dtype, shape, offset]`` checked to fit a slot: (dtype, shape, offset, bytes), remembered."""
+        if not (isinstance(m, list) and len(m) == 3 and isinstance(m[1], list) and type(m[2]) is int):
+            raise WireError(f"{where}: must be [dtype, shape, offset]")
+        dt = dtype_from_wire(m[0], where)
+        shape = m[1]
+        if len(shape) > 32 or not all(type(d) is int and d >= 0 for d in shape) or not shape or shape[0] != n:
+            raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
+        nbytes = dt.itemsize * int(np.prod(shape, dtype=object))
+        off = m[2]
+        if off < 0 or off % 8 or off + nbytes > self.slot_bytes:
+            raise WireError(f"{where}: {nbytes} bytes at offset {off} do not fit a slot of {self.slot_bytes}")
+        known = (dt, tuple(shape), off, nbytes)
+        if len(self._checked) >= 256:
+            self._checked.clear()
+        self._checked[(m[0], known[1], off)] = known
+        return known
 
     def close(self) -> None:
         """Unmap now if no batch views the slots any more (else the last

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import os
 import signal
 import socket
@@ -497,3 +498,34 @@ def test_a_consumer_that_leaves_with_batches_unacknowledged_leaves_no_slots_mapp
         gc.collect()
         assert len(server.sources["leaver"].shared.redeal) >= 1  # re-dealt later, from copies
         wait_for(lambda: not any("memfd:blobfeed-leaver-" in f for f in _fds()), 10, "the slots unmapped")
+
+
+def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> None:
+    """The consumer remembers the [dtype, shape, offset] it checked; a later
+    record that lies (another sample count, an offset past the slot, a shape
+    dressed as something else) is refused all the same."""
+    from blobfeed.service.slots import ConsumerMapping
+    from blobfeed.service.wire import WireError
+
+    fd = os.memfd_create("layout-test")
+    try:
+        os.ftruncate(fd, 4 * 1024)
+        m = ConsumerMapping(fd, 4, 1024, lambda ref: None)
+    finally:
+        os.close(fd)
+    good = [["<f8", [8, 3], 0], ["<i8", [8], 192]]
+    a, b = m.views(1, 8, good, "svc")
+    assert a.shape == (8, 3) and b.shape == (8,) and not a.flags.writeable
+    del a, b
+    for n, meta, what in [
+        (7, good, "for 7 samples"),
+        (8, [["<f8", [8, 3], 1024], good[1]], "do not fit"),
+        (8, [["<f8", {8: 0, 3: 0}, 0], good[1]], "must be [dtype, shape, offset]"),
+        (8, [["<f8", [8, 3], 0, 0], good[1]], "must be [dtype, shape, offset]"),
+        (8, [["|O8", [8, 3], 0], good[1]], "not a plain number type"),
+        (8, [["<f8", [8, True], 0], good[1]], "bad shape"),
+        (8, [["<f8", [8, 3], 0.0], good[1]], "must be [dtype, shape, offset]"),
+    ]:
+        with pytest.raises(WireError, match=re.escape(what)):
+            m.views(2, n, meta, "svc")
+    m.close()
