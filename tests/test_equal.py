@@ -512,3 +512,83 @@ def test_equal_refuses_dont_rebatch_naming_both() -> None:
 def test_equal_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="equal must be a bool"):
         init_data_input_workers(Net(), BLOBS, Fetch(), 5, coordinator=blobfeed.GlobalCoordinator(), equal="yes")
+
+
+class _Uneven:
+    """Worker 0 has many chunks of a whole batch each; the others one."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.calls = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        self.calls += 1
+        if self.calls > (40 if worker_id == 0 else 1):
+            raise StopIteration
+        return [np.full((batch_size, self.rows), worker_id, np.float32)]
+
+
+def test_a_round_held_back_never_holds_a_workers_shared_memory() -> None:
+    """A round's pieces wait until its last batch is cut.  On worker
+    processes they were views of a worker's shared-memory slots: once the
+    other workers' data ended, one worker had to fill whole rounds of 9 nets
+    with 8 slots, waited for a slot the round held, and every net timed out.
+    The pieces are copied out now, as the shuffle buffer does."""
+    from blobfeed.feeders.processes import ProcessBackend
+
+    k, bs = 9, 64
+    gc = blobfeed.GlobalCoordinator()
+    nets = [Net(name=f"n{i}") for i in range(k)]
+    for net in nets:
+        # 64 rows of 4 KiB: a chunk big enough to travel in a slot
+        init_data_input_workers(net, ["x"], _Uneven(1024), bs, num_worker_threads=1, coordinator=gc,
+                                deterministic=True, seed=1, equal=True, timeout=WAIT,
+                                backend=ProcessBackend(slots=8, slot_bytes=1 << 20))
+    gc.start()
+    try:
+        for _ in range(4):  # rounds 2-4 come from worker 0 alone
+            for net in nets:
+                assert net.run()["x"].shape == (bs, 1024)
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+def test_equal_with_a_shuffle_buffer_and_drop_last_keeps_the_counts_equal() -> None:
+    """The shuffle stage cuts the epoch's last, partial batch itself; the
+    dealer did not see it as partial and dealt it in a round, then the net
+    it reached dropped it (its own drop_last): that net had a batch fewer
+    in every epoch ([[2, 2], [1, 1]])."""
+    def fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
+        info = get_worker_info()
+        c = calls.get((worker_id, info.epoch), 0)
+        if c * 4 >= 7:
+            raise StopIteration
+        calls[(worker_id, info.epoch)] = c + 1
+        return [np.arange(c * 4, min(7, c * 4 + 4), dtype=np.int64) + worker_id * 100 + info.epoch * 1000]
+
+    calls: dict[tuple[int, int], int] = {}
+    gc = blobfeed.GlobalCoordinator()
+    nets = [Net(name=f"n{i}") for i in range(2)]
+    for net in nets:
+        # one worker a call: 2 workers, 14 samples an epoch
+        init_data_input_workers(net, ["ids"], fetch, 4, num_worker_threads=1, coordinator=gc, deterministic=True,
+                                seed=1, epochs=2, equal=True, drop_last=True, shuffle_buffer=1000, timeout=WAIT)
+    gc.start()
+    counts: list[list[int]] = [[0], [0]]
+    sizes: list[set[int]] = [set(), set()]
+    live = [0, 1]
+    try:
+        while live:
+            for j in list(live):
+                try:
+                    sizes[j].add(len(nets[j].run()["ids"]))
+                    counts[j][-1] += 1
+                except EndOfEpoch:
+                    counts[j].append(0)
+                except EndOfInput:
+                    live.remove(j)
+    finally:
+        assert gc.stop(timeout=WAIT)
+    # 14 samples an epoch: 3 whole batches and 2 samples; the partial one
+    # dropped (drop_last), then the incomplete round (equal)
+    assert counts == [[1, 1], [1, 1]] and sizes == [{4}, {4}], (counts, sizes)

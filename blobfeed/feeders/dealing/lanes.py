@@ -47,6 +47,8 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from ...errors import EndOfInput, FetcherError
 from ..chunks import Chunk, EpochEnd
 from ..shuffle import ShuffleBuffer
@@ -240,6 +242,8 @@ class LaneDealer:
         self._prefix_lane = -1
         self._batch = 0  # global index of the batch being filled
         self._filled = 0  # samples in it so far
+        #: the shuffle stage's last batch was partial (the epoch's last)
+        self._shuffled_partial = False
         #: per worker: calls whose chunk is wholly dealt, and the fetcher's
         #: state after the last of them (a stateful fetch_fun)
         #: (lists by lane index, so that recording a position is two C copies)
@@ -672,17 +676,20 @@ class LaneDealer:
             self._room.notify_all()
 
     def _deal_batch(self, batch: Chunk) -> None:
-        """A whole batch made by the shuffle stage."""
+        """A whole batch made by the shuffle stage (the epoch's last may be partial)."""
+        self._shuffled_partial = batch.n < self.batch_size
         self._deal(batch)
         self._batch += 1
         self._record(self._batch)
-        if self._round_k and not self._batch % self._round_k:
+        if self._round_k and not self._batch % self._round_k and not self._shuffled_partial:
+            # (a partial one is the epoch's last: the epoch's end settles its round)
             self._release_round()
 
     def _end(self) -> Any:
         """Every lane ended (and the shuffle buffer, if any, is empty): the
         last partial batch (if any) is dealt already; stop."""
-        partial = bool(self._filled)
+        partial = bool(self._filled) or self._shuffled_partial
+        self._shuffled_partial = False
         if self._filled:
             self._batch += 1
             self._filled = 0
@@ -701,7 +708,8 @@ class LaneDealer:
         """Every lane reached the end of this epoch: its last partial batch
         is dealt already; every net gets the epoch's end; the next epoch
         starts where a run started in it would."""
-        partial = bool(self._filled)
+        partial = bool(self._filled) or self._shuffled_partial
+        self._shuffled_partial = False
         if self._filled:
             self._batch += 1
             self._filled = 0
@@ -794,7 +802,13 @@ class LaneDealer:
             self._dropped_on_resume(piece.n)
             return
         if self._round_k:
-            # equal shares: it waits for the rest of its round
+            # equal shares: it waits for the rest of its round.  A piece in a
+            # worker's shared memory is copied out: the round may need more
+            # of that worker's chunks than it has slots, and would wait for
+            # them forever
+            if piece.pin is not None:
+                piece = Chunk(tuple(np.array(a) for a in piece.arrays), piece.n, piece.worker_id, piece.seq,
+                              None, piece.state)
             self._round.append((self._batch, box, piece))
             self._round_n += piece.n
             return
