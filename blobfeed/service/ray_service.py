@@ -127,19 +127,24 @@ class _RayConsumer:
         self.peer = f"consumer {self.label} of source {source.name!r} (pid {pid}, over Ray)"
 
     # -- the consumer's calls ----------------------------------------------------------
-    def ack(self, upto: int) -> None:
+    def ack(self, upto: int) -> bool:
         """Items up to ``upto`` were returned by the consumer's run()
-        (cumulative, so a late or repeated call changes nothing).
+        (cumulative, so a late or repeated call changes nothing).  False:
+        the consumer was taken as gone (its lease expired) before this
+        came, and what it held is dealt again: its run() must not return it.
 
         Raises:
             WireError: ``upto`` was never sent.
         """
         assert self.source is not None and self.outlet is not None
         with self._lock:
+            if self._left:
+                return False
             if not -1 <= upto < self._g:
                 raise WireError(f"{self.peer} acknowledged item {upto}; {self._g} were sent")
             self._settle(upto)
         self._wake.set()  # a take waiting for room
+        return True
 
     def _settle(self, upto: int) -> None:
         """Under the lock: acknowledge the head up to ``upto``; a batch
@@ -401,12 +406,11 @@ class RayFeedServer(FeedServer):
         if conn is None:
             return False
         try:
-            conn.ack(_int("upto", upto, -1, 1 << 62))
+            return conn.ack(_int("upto", upto, -1, 1 << 62))
         except WireError as err:
             logger.warning("service: %s; taken as gone", str(err))
             conn.leave("it broke the protocol")
             return False
-        return True
 
     def bye(self, cid: Any, upto: Any) -> None:
         conn = self._consumer(cid)
