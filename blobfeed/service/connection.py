@@ -1,10 +1,12 @@
 """The service's end of one consumer: a handshake, then two threads.
 
 * the *receiver* (the thread that accepted the handshake) reads the
-  consumer's records: ``ack`` (its ``run()`` returned the next batch),
-  ``free`` (a slot's views died), ``state``, ``bye``;
-* the *sender* takes the consumer's next batch from its outlet, writes it
-  once into a free slot and sends a ``batch`` record.
+  consumer's records: ``ack`` (its ``run()`` returned every item up to
+  ``g``; and the slots whose views died since), ``state``, ``bye``;
+* the *sender* takes the consumer's next batches from its outlet, writes
+  each once into a free slot and sends them together in a ``batches``
+  record (Unix socket: every batch ready with a free slot; over TCP one
+  ``batch`` frame each).
 
 Anything off the socket is checked (:mod:`.wire`); a record that breaks the
 protocol ends the connection as if the consumer had left, and the service

@@ -5,7 +5,7 @@ The service makes one anonymous ``memfd`` per connection (no name in
 cut into ``slots`` slots of ``slot_bytes``, and passes its descriptor once,
 at attach.  It writes each batch once into a free slot; the consumer hands
 it out as read-only views of its mapping and tells the service the slot is
-free once every view of it has died (``free`` record).  A slot the consumer
+free once every view of it has died (in its next ``ack`` record).  A slot the consumer
 never frees (a batch the user keeps) simply stays taken: the others keep
 circulating.
 
@@ -13,7 +13,7 @@ Over TCP (:mod:`.tcp`) there is no shared memory: the service keeps only
 the ring's bookkeeping (:class:`StreamSlots`) and sends a batch's bytes
 after its record, straight from the batch's arrays; the consumer reads them
 into a buffer of its own per slot (:class:`StreamBuffers`) and hands out
-the same read-only views.  The ``free`` records, and so the flow control,
+the same read-only views.  The freed slots in ``ack`` records, and so the flow control,
 are the same.
 """
 
