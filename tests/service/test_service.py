@@ -529,3 +529,21 @@ def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> N
         with pytest.raises(WireError, match=re.escape(what)):
             m.views(2, n, meta, "svc")
     m.close()
+
+
+def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
+    """Protocol 2 changed the records (batches together, cumulative acks
+    carrying the freed slots): a peer of protocol 1 is told so, not fed."""
+    from blobfeed.service.wire import PROTOCOL
+
+    assert PROTOCOL == 2
+    with served(2) as server:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        s.connect(server.address)
+        s.send(json.dumps({"t": "hello", "protocol": 1, "source": "train", "blobs": ["id", "x"],
+                           "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
+        reply = json.loads(s.recv(1 << 16))
+        s.close()
+    assert reply["t"] == "refused"
+    assert "protocol 1 (this service speaks 2): upgrade blobfeed on one side" in reply["error"]
