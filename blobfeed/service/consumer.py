@@ -21,11 +21,9 @@ from typing import Any, Sequence
 
 from ..arguments import check_index, check_timeout
 from ..errors import EndOfInput, FetcherError, ServiceError
-from ..feeders import Feed
 from ..feeders.chunks import Chunk, EpochEnd
-from ..feeders.source import InputSource
 from ..net import Net
-from .remote import RemoteDealer, _RemoteReader  # noqa: F401  (_RemoteReader: tests patch it here)
+from .remote import RemoteDealer, _RemoteReader, remote_feed  # noqa: F401  (_RemoteReader: tests patch it here)
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import connect, consumer_slots
 from .wire import MAX_ITEMS, PROTOCOL, WireError, batch_items, check
@@ -97,18 +95,9 @@ class Attachment:
             raise
         self.consumer = welcome["consumer"]
         self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
-        self.source = InputSource(
-            source_name, welcome["slots"] + 1, len(names), [0] * len(names), gc._hub,
-            dealer=lambda src: RemoteDealer(source_name, welcome["slots"] + 1, src.fail, self._ack),
+        self.source, self.dealer, self.feed = remote_feed(
+            net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, gc._hub
         )
-        self.dealer: RemoteDealer = self.source.dealer  # type: ignore[assignment]
-        self.feed = Feed(
-            self.source, net.name, net._place, names, batch_size, timeout=timeout, device_queue_capacity=1,
-            dont_rebatch=True, drop_last=False, hub=gc._hub, model_inputs=net.input_specs,
-        )
-        net._attach(self.feed)
-        self.source.add_feed(self.feed)
-        self.feed.mark_started()
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
             threading.Thread(target=self._outbox, name=f"blobfeed-attach-out-{source_name}", daemon=True),

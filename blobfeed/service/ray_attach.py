@@ -40,11 +40,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import FetcherError, ServiceError
-from ..feeders import Feed
 from ..feeders.chunks import Chunk, EpochEnd
-from ..feeders.source import InputSource
 from ..net import Net
-from .remote import RemoteDealer
+from .remote import remote_feed
 from .wire import PROTOCOL, WireError
 
 __all__ = [
@@ -228,18 +226,9 @@ class RayAttachment:
         #: set when the attachment stops (ends the heartbeat)
         self._wake = threading.Event()
         self._ack_call = self._actor.ack.options(concurrency_group="ack")
-        self.source = InputSource(
-            source_name, self._slots + 1, len(names), [0] * len(names), gc._hub,
-            dealer=lambda src: RemoteDealer(source_name, self._slots + 1, src.fail, self._ack),
+        self.source, self.dealer, self.feed = remote_feed(
+            net, names, batch_size, source_name, self._slots, timeout, self._ack, gc._hub
         )
-        self.dealer: RemoteDealer = self.source.dealer  # type: ignore[assignment]
-        self.feed = Feed(
-            self.source, net.name, net._place, names, batch_size, timeout=timeout, device_queue_capacity=1,
-            dont_rebatch=True, drop_last=False, hub=gc._hub, model_inputs=net.input_specs,
-        )
-        net._attach(self.feed)
-        self.source.add_feed(self.feed)
-        self.feed.mark_started()
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-ray-recv-{source_name}", daemon=True),
             threading.Thread(target=self._heartbeat, name=f"blobfeed-attach-ray-ack-{source_name}", daemon=True),

@@ -10,11 +10,16 @@ service's number of each item the net's ``run()`` returned.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from ..feeders import Feed
 from ..feeders.dealing import ArrivalDealer
+from ..feeders.source import InputSource
 
-__all__ = ["RemoteDealer"]
+if TYPE_CHECKING:
+    from ..net import Net
+
+__all__ = ["RemoteDealer", "remote_feed"]
 
 
 class _RemoteReader:
@@ -69,3 +74,26 @@ class RemoteDealer(ArrivalDealer):
         except IndexError:
             return
         self._send_ack(g)
+
+
+def remote_feed(
+    net: "Net", names: list[str], batch_size: int, source_name: str, slots: int, timeout: float,
+    send_ack: Callable[[int], None], hub: Any,
+) -> tuple[InputSource, RemoteDealer, Feed]:
+    """The net's end of a served source, one more reader of a source: an
+    :class:`InputSource` whose dealer is a :class:`RemoteDealer` (``slots``
+    + 1 items deep) and an ordinary :class:`Feed` on ``net`` that takes the
+    service's whole batches as they come (no re-batching, one batch ahead),
+    started; its enqueuer (``feed.run``) is the caller's thread to run."""
+    source = InputSource(
+        source_name, slots + 1, len(names), [0] * len(names), hub,
+        dealer=lambda src: RemoteDealer(source_name, slots + 1, src.fail, send_ack),
+    )
+    feed = Feed(
+        source, net.name, net._place, names, batch_size, timeout=timeout, device_queue_capacity=1,
+        dont_rebatch=True, drop_last=False, hub=hub, model_inputs=net.input_specs,
+    )
+    net._attach(feed)
+    source.add_feed(feed)
+    feed.mark_started()
+    return source, source.dealer, feed  # type: ignore[return-value]
