@@ -487,6 +487,15 @@ class _ServiceActor:
             self.error = exc
             if self.server is not None:
                 self.server.stop("its setup failed")
+        finally:
+            if self._private_dir is not None:
+                # The state handed in was read by start(); what a stop saves
+                # goes back in stop()'s answer: no file stays on this node,
+                # whatever happens to the actor later.
+                if self.server is not None:
+                    self.server.state_file = None
+                shutil.rmtree(self._private_dir, ignore_errors=True)
+                self._private_dir = None
 
     def ready(self) -> dict[str, Any]:
         if self.error is not None:
@@ -536,8 +545,6 @@ class _ServiceActor:
             state, error = self.server.state_dict(), None
         except (ValueError, RuntimeError) as err:
             state, error = None, str(err)
-        if self._private_dir is not None:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
         return {"clean": clean, "state": state, "error": error}
 
 

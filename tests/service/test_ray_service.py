@@ -273,6 +273,11 @@ def test_stop_and_resume_continue_exactly(cluster: Any) -> None:
     )
     with resumed:
         seconds = ray.get([task(resumed.address, "ab"[i], i, 2) for i in range(2)], timeout=WAIT)
+        # the state handed in went through a file on the actor's node (this
+        # machine): read at start and gone, whatever happens to the actor later
+        import glob
+        import tempfile
+        assert not glob.glob(os.path.join(tempfile.gettempdir(), "blobfeed-ray-*"))
     reference = local_streams(2, 1, deterministic=True, epochs=2)
     for i in range(2):
         assert firsts[i]["batches"] + seconds[i]["batches"] == reference[i], i
