@@ -745,3 +745,24 @@ def test_every_measurement_reads_its_pss() -> None:
     while m.tick(batch):
         pass
     assert m.result()["pss_mb"] > 0  # threads too, not only worker processes
+
+
+def test_a_killed_runs_tallies_are_deleted_by_the_next_run() -> None:
+    """A run killed (SIGKILL, a timeout) cannot delete its shared-memory
+    tallies; they stayed in /dev/shm for good (seven found on the machine)."""
+    code = "from blobfeed.apps.bench import measure; t = measure.Tally(); print(t.path, flush=True); import time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        left = Path(proc.stdout.readline().strip())
+        assert left.exists()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert left.exists()  # its owner could not clean up
+    tally = measure.Tally()
+    try:
+        assert not left.exists()
+        assert Path(tally.path).exists()
+    finally:
+        tally.close()

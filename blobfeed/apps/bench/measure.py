@@ -39,8 +39,11 @@ class Tally:
 
     def __init__(self) -> None:
         shm = "/dev/shm"
-        folder = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-        fd, self.path = tempfile.mkstemp(prefix="blobfeed-bench-", dir=folder)
+        folder = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+        # A run that was killed could not delete its tallies: the name
+        # carries the owner's pid, so the next run deletes those of the dead.
+        _sweep(folder)
+        fd, self.path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=folder)
         os.ftruncate(fd, self.SIZE)
         os.close(fd)
         self._owner = os.getpid()
@@ -118,6 +121,27 @@ class Tally:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+_PREFIX = "blobfeed-bench-"
+
+
+def _sweep(folder: str) -> None:
+    """Delete the tallies in ``folder`` whose owner process is gone."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        pid = name[len(_PREFIX):].partition("-")[0]
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue  # not ours to judge, or its owner lives
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
 
 
 def _pss_kb(pid: int) -> int:
