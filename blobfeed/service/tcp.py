@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..feeders.messages import align
-from .wire import MAX_RECORD, WireError
+from .wire import MAX_RECORD, WireError, decode_record
 
 __all__ = ["PREFIX", "StreamChannel", "connect_tcp", "format_tcp", "is_loopback", "listen_tcp", "parse_tcp"]
 
@@ -271,12 +271,7 @@ class StreamChannel:
             )
         data = self._read(size, "record")
         assert data is not None
-        try:
-            record = json.loads(data)
-        except (UnicodeDecodeError, ValueError) as err:
-            raise WireError(f"{self.peer} sent a record that is not JSON: {data[:40]!r}") from err
-        if not isinstance(record, dict) or not isinstance(record.get("t"), str):
-            raise WireError(f"{self.peer} sent a record without a kind: {data[:40]!r}")
+        record = decode_record(data, self.peer)
         if payload and record["t"] not in self.payload_kinds:
             raise WireError(f"{self.peer} sent {payload} bytes of payload after a {record['t']!r} record")
         self.unread = payload

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = [
-    "MAX_ITEMS", "MAX_RECORD", "PROTOCOL", "Channel", "WireError", "batch_items", "check", "dtype_from_wire",
-    "dtype_to_wire", "freed_slots",
+    "MAX_ITEMS", "MAX_RECORD", "PROTOCOL", "Channel", "WireError", "batch_items", "check", "decode_record",
+    "dtype_from_wire", "dtype_to_wire", "freed_slots",
 ]
 
 #: the version a consumer and a service must share (2: ``batches`` carry
@@ -115,12 +115,7 @@ class Channel:
         try:
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_RECORD:
                 raise WireError(f"{self.peer} sent a record over {MAX_RECORD} bytes (or too many descriptors)")
-            try:
-                record = json.loads(data)
-            except (UnicodeDecodeError, ValueError) as err:
-                raise WireError(f"{self.peer} sent a record that is not JSON: {data[:40]!r}") from err
-            if not isinstance(record, dict) or not isinstance(record.get("t"), str):
-                raise WireError(f"{self.peer} sent a record without a kind: {data[:40]!r}")
+            record = decode_record(data, self.peer)
         except WireError:
             for fd in fds:
                 os.close(fd)
@@ -133,6 +128,22 @@ class Channel:
         except OSError:
             pass
         self.sock.close()
+
+
+def decode_record(data: bytes, peer: str) -> dict[str, Any]:
+    """One record off the wire: a JSON object with a kind (``"t"``), its
+    fields still unchecked (see :func:`check`).
+
+    Raises:
+        WireError: not JSON, or not an object with a kind.
+    """
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise WireError(f"{peer} sent a record that is not JSON: {data[:40]!r}") from err
+    if not isinstance(record, dict) or not isinstance(record.get("t"), str):
+        raise WireError(f"{peer} sent a record without a kind: {data[:40]!r}")
+    return record
 
 
 def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
