@@ -56,9 +56,6 @@ class Attachment:
         connect_timeout: float,
         coordinator: Any,
     ) -> None:
-        from ..coordinator import global_coordinator
-
-        gc = coordinator if coordinator is not None else global_coordinator
         self.address = address
         self.source_name = source_name
         self._service = f"service at {address}"
@@ -96,7 +93,7 @@ class Attachment:
         self.consumer = welcome["consumer"]
         self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
         self.source, self.dealer, self.feed = remote_feed(
-            net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, gc._hub
+            net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, coordinator
         )
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),

@@ -174,9 +174,6 @@ class RayAttachment:
         connect_timeout: float,
         coordinator: Any,
     ) -> None:
-        from ..coordinator import global_coordinator
-
-        gc = coordinator if coordinator is not None else global_coordinator
         namespace, name = parse_ray_address(address)
         self.address = address
         self.source_name = source_name
@@ -227,7 +224,7 @@ class RayAttachment:
         self._wake = threading.Event()
         self._ack_call = self._actor.ack.options(concurrency_group="ack")
         self.source, self.dealer, self.feed = remote_feed(
-            net, names, batch_size, source_name, self._slots, timeout, self._ack, gc._hub
+            net, names, batch_size, source_name, self._slots, timeout, self._ack, coordinator
         )
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-ray-recv-{source_name}", daemon=True),

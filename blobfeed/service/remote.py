@@ -78,13 +78,17 @@ class RemoteDealer(ArrivalDealer):
 
 def remote_feed(
     net: "Net", names: list[str], batch_size: int, source_name: str, slots: int, timeout: float,
-    send_ack: Callable[[int], None], hub: Any,
+    send_ack: Callable[[int], None], coordinator: Any,
 ) -> tuple[InputSource, RemoteDealer, Feed]:
     """The net's end of a served source, one more reader of a source: an
     :class:`InputSource` whose dealer is a :class:`RemoteDealer` (``slots``
     + 1 items deep) and an ordinary :class:`Feed` on ``net`` that takes the
     service's whole batches as they come (no re-batching, one batch ahead),
-    started; its enqueuer (``feed.run``) is the caller's thread to run."""
+    started; its enqueuer (``feed.run``) is the caller's thread to run.
+    Their metrics go to ``coordinator``'s registry (None: the global one's)."""
+    from ..coordinator import global_coordinator
+
+    hub = (coordinator if coordinator is not None else global_coordinator)._hub
     source = InputSource(
         source_name, slots + 1, len(names), [0] * len(names), hub,
         dealer=lambda src: RemoteDealer(source_name, slots + 1, src.fail, send_ack),
