@@ -185,7 +185,8 @@ class Attachment:
                 elif kind == "state_is":
                     self._state_replies.put(record)
                 else:  # end
-                    self._ended(record)
+                    if self._ended(record):
+                        self._after_the_end()
                     return
         except (WireError, ServiceError, OSError) as err:
             if self._closed:
@@ -202,22 +203,55 @@ class Attachment:
         finally:
             self._state_replies.put({"t": "state_is", "state": None, "error": f"{self._service} is gone"})
 
-    def _ended(self, record: dict[str, Any]) -> None:
+    def _ended(self, record: dict[str, Any]) -> bool:
+        """The service's ``end``; True when it is the stream's (the data's
+        end or a worker's error), after which the connection still matters."""
         kind, text = record["kind"], record["error"]
         if kind == "end" and text is None:
             self.dealer.end_of_input()  # what is queued, then EndOfInput
-        elif kind == "fetcher":
+            return True
+        if kind == "fetcher":
             # the stream reached an error of the service's workers: what came
             # before it is still handed out, then the error
             err = FetcherError(f"{self._service}: {text}")
             self.dealer.queue.close(err, after_items=True)
-        else:
-            # The connection stays open: a run() may have taken a batch just
-            # before this and not yet acknowledged it; its acknowledgement
-            # must still reach the service, which saves its state once every
-            # consumer closed (stop(), the process's exit) or after a short
-            # wait, whichever comes first.
-            self.source.fail(ServiceError(f"{self._service}: {text}"))
+            return True
+        # The connection stays open: a run() may have taken a batch just
+        # before this and not yet acknowledged it; its acknowledgement must
+        # still reach the service, which saves its state once every consumer
+        # closed (stop(), the process's exit) or after a short wait,
+        # whichever comes first.
+        self.source.fail(ServiceError(f"{self._service}: {text}"))
+        return False
+
+    def _after_the_end(self) -> None:
+        """The stream's end came, but batches before it may still wait here
+        unacknowledged.  Reads on: should the service stop or go away while
+        some do, they are not handed out (their acknowledgements could not
+        be counted, and a resumed service deals them again)."""
+        try:
+            while True:
+                got = self._channel.recv()
+                if got is None:
+                    why = "closed the connection"
+                    break
+                record, fds = got
+                for fd in fds:
+                    os.close(fd)
+                record = check(record, ("end", "state_is"), self._service)
+                if record["t"] == "state_is":
+                    self._state_replies.put(record)
+                    continue
+                why = f"stopped ({record['error']})"
+                break
+        except (WireError, OSError) as err:
+            why = f"failed ({err})"
+        left = len(self.dealer.numbers)
+        if left and not self._closed:
+            self.source.fail(ServiceError(
+                f"{self._service} {why} before this consumer acknowledged the {left} items it still had: "
+                "they are not handed out (a resumed service deals them again)"
+            ))
 
     def _freed_slots(self) -> list[int]:
         """The slots whose batches died since the last look (without waiting)."""

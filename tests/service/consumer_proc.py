@@ -22,7 +22,12 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--die-after", type=int, default=None, help="SIGKILL itself after this many batches")
     p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--hold-after", type=int, default=None,
+                   help="after this many batches, wait (up to 60 s) for SIGUSR1 before the next run()")
     a = p.parse_args()
+    if a.hold_after is not None:
+        # blocked in every thread (they inherit it), so sigtimedwait takes it
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     net = blobfeed.Net(None, name=f"rank{a.index}")
     with open(a.out, "w") as out:
         def line(obj: object) -> None:
@@ -51,6 +56,11 @@ def main() -> int:
                 n += 1
                 if a.die_after is not None and n >= a.die_after:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if n == a.hold_after:
+                    line({"holding": n})
+                    if signal.sigtimedwait({signal.SIGUSR1}, 60) is None:
+                        line({"end": "never released"})
+                        return 5
         except blobfeed.EndOfInput:
             line({"end": "input"})
         except blobfeed.BlobfeedError as err:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -218,49 +219,60 @@ def _serve_cli(tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[su
     return p, sock
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_consumers_learn_within_a_second_that_the_service_ended(tmp_path: Path, sig: int) -> None:
-    p, sock = _serve_cli(tmp_path, env={"N": "2", "BLOBFEED_TEST_CALLS": "100000"})
+def consumers_learn_of_the_end(p: subprocess.Popen[bytes], address: str, tmp_path: Path, sig: int) -> None:
+    """Two consumers of the service ``p`` (at ``address``) take batches; ``sig``
+    ends the service: each run() raises ServiceError naming it within 1 s."""
     try:
         outs = [tmp_path / f"c{i}.jsonl" for i in range(2)]
         # --timeout 60: a consumer that does not hear of the end would wait a minute
-        procs = [consumer(sock, outs[i], "--index", str(i), "--timeout", "60") for i in range(2)]
+        procs = [consumer(address, outs[i], "--index", str(i), "--timeout", "60") for i in range(2)]
         wait_for(lambda: all(o.exists() and len(lines(o)) > 5 for o in outs), what="batches")
-        killed_at = time.time()
+        ended_at = time.time()
         p.send_signal(sig)
         assert finish(procs, 30) == [4, 4]
         for o in outs:
             end = lines(o)[-1]
-            assert end["type"] == "ServiceError" and sock in end["error"]
-            assert end["t"] - killed_at < 1.0
-        code = p.wait(30)
-        assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
+            assert end["type"] == "ServiceError" and address in end["error"], end
+            assert end["t"] - ended_at < 1.0
+        assert p.wait(30) == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
     finally:
         p.kill()
         p.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_consumers_learn_within_a_second_that_the_service_ended(tmp_path: Path, sig: int) -> None:
+    p, sock = _serve_cli(tmp_path, env={"N": "2", "BLOBFEED_TEST_CALLS": "100000"})
+    consumers_learn_of_the_end(p, sock, tmp_path, sig)
     assert not os.path.exists(sock) or sig == signal.SIGKILL
 
 
-def test_sigterm_saves_the_state_and_a_resumed_service_continues_exactly(tmp_path: Path) -> None:
+def resume_is_exact(tmp_path: Path, serve: Any) -> None:
+    """``serve(*flags)`` starts ``blobfeed serve`` (2 consumers by index, 2
+    epochs) and returns (process, address).  Two consumers take batches,
+    SIGTERM saves the state, a service started with ``--resume`` serves the
+    rest: each consumer's two parts are its stream of one uninterrupted run."""
     state = tmp_path / "state.json"
-    env = {"N": "2", "EPOCHS": "2"}
-    p, sock = _serve_cli(tmp_path, "--state-file", str(state), env=env)
+    p, address = serve("--state-file", str(state))
     first = [tmp_path / f"a{i}.jsonl" for i in range(2)]
     try:
-        procs = [consumer(sock, first[i], "--index", str(i)) for i in range(2)]
-        wait_for(lambda: all(o.exists() and len(lines(o)) > 12 for o in first), what="batches")
+        # each consumer holds after its 13th batch, mid-epoch, until the service is gone
+        procs = [consumer(address, first[i], "--index", str(i), "--hold-after", "13") for i in range(2)]
+        wait_for(lambda: all(o.exists() and {"holding": 13} in lines(o) for o in first), what="13 batches each")
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
-        finish(procs, 30)
+        for c in procs:
+            c.send_signal(signal.SIGUSR1)
+        assert finish(procs, 30) == [4, 4]  # their next run(): the service stopped
     finally:
         p.kill()
+        p.wait(10)
     saved = json.loads(state.read_text())
     assert saved["version"] == 1 and "train" in saved["sources"]
-    p, sock = _serve_cli(tmp_path, "--state-file", str(state), "--resume", env=env)
+    p, address = serve("--state-file", str(state), "--resume")
     second = [tmp_path / f"b{i}.jsonl" for i in range(2)]
     try:
-        procs = [consumer(sock, second[i], "--index", str(i)) for i in range(2)]
-        assert finish(procs) == [0, 0]
+        assert finish([consumer(address, second[i], "--index", str(i)) for i in range(2)]) == [0, 0]
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(30)
@@ -268,6 +280,10 @@ def test_sigterm_saves_the_state_and_a_resumed_service_continues_exactly(tmp_pat
     for i in range(2):
         a, b = batches(first[i]), batches(second[i])
         assert a + b == reference[i], (i, len(a), len(b), len(reference[i]), a[-3:], b[:3], saved)
+
+
+def test_sigterm_saves_the_state_and_a_resumed_service_continues_exactly(tmp_path: Path) -> None:
+    resume_is_exact(tmp_path, lambda *flags: _serve_cli(tmp_path, *flags, env={"N": "2", "EPOCHS": "2"}))
 
 
 @pytest.mark.parametrize("kwargs, expected", [
