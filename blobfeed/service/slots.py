@@ -19,6 +19,7 @@ are the same.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -31,7 +32,37 @@ import numpy as np
 from ..feeders.messages import align
 from .wire import WireError, dtype_from_wire, dtype_to_wire
 
-__all__ = ["ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes"]
+__all__ = ["ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes", "sealed_memfd"]
+
+#: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module): no new
+#: writable mapping and no write(), while the mappings made before stay writable
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+
+
+def sealed_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A ``memfd`` of ``size`` bytes and the service's writable mapping of it,
+    sealed before its descriptor goes to any consumer.
+
+    A consumer gets the descriptor, so without seals a hostile one could
+    truncate it (the service's next write into it dies of SIGBUS, and every
+    consumer with it) or map it writable and change the batches other
+    consumers read.  Sealed, its size is fixed and only the mapping made
+    here may write it; a kernel without ``F_SEAL_FUTURE_WRITE`` (before
+    5.1) still gets the size seals.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        size_seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, size_seals | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except OSError:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, size_seals | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
 
 
 def batch_nbytes(arrays: Sequence[np.ndarray]) -> int:
@@ -130,13 +161,7 @@ class SlotArea(_Ring):
 
     def __init__(self, name: str, slots: int, slot_bytes: int) -> None:
         super().__init__(slots, slot_bytes)
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, slots * slot_bytes)
-            self._mm = mmap.mmap(self.fd, slots * slot_bytes)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.fd, self._mm = sealed_memfd(name, slots * slot_bytes)
         self._buf = np.frombuffer(self._mm, np.uint8)
         #: (dtype, shape) of each array -> (meta, its JSON): a source's
         #: batches have a handful of layouts (the last of an epoch is smaller)

@@ -22,6 +22,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--die-after", type=int, default=None, help="SIGKILL itself after this many batches")
     p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--max-batches", type=int, default=None, help="detach after this many batches (exit 0)")
     p.add_argument("--hold-after", type=int, default=None,
                    help="after this many batches, wait (up to 60 s) for SIGUSR1 before the next run()")
     a = p.parse_args()
@@ -54,6 +55,9 @@ def main() -> int:
                 assert not got["id"].flags.writeable
                 line({"ids": got["id"].tolist()})
                 n += 1
+                if n == a.max_batches:
+                    line({"end": "enough"})
+                    return 0
                 if a.die_after is not None and n >= a.die_after:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if n == a.hold_after:

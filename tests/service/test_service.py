@@ -563,3 +563,52 @@ def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
         s.close()
     assert reply["t"] == "refused"
     assert "protocol 1 (this service speaks 2): upgrade blobfeed on one side" in reply["error"]
+
+
+def _hostile_hello(address: str, index: int) -> tuple[socket.socket, list[int]]:
+    """Attach by hand as consumer ``index``: the welcome's descriptors, kept."""
+    from blobfeed.service.wire import PROTOCOL
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(address)
+    s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
+                       "batch_size": 8, "index": index, "num": None, "pid": os.getpid()}).encode())
+    data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+    assert json.loads(data)["t"] == "welcome"
+    fds = [int.from_bytes(d[k:k + 4], sys.byteorder) for _l, _k, d in ancdata for k in range(0, len(d) - len(d) % 4, 4)]
+    return s, fds
+
+
+def test_a_consumer_cannot_shrink_or_write_the_shared_memory_it_is_handed(tmp_path: Path) -> None:
+    """A consumer is handed the descriptor of the memory its batches are
+    written into.  Unsealed, a hostile one truncated it and the service died
+    of SIGBUS at its next write (every consumer with it), or mapped it
+    writable and changed batches under the service.  The memory is sealed:
+    its size is fixed, and nobody but the service may write it."""
+    import mmap
+
+    p, sock = _serve_cli(tmp_path, env={"N": "2", "BLOBFEED_TEST_CALLS": "100000"})
+    try:
+        s, fds = _hostile_hello(sock, 0)
+        assert fds, "the welcome carries the slots' descriptor"
+        size = os.fstat(fds[0]).st_size
+        with pytest.raises(PermissionError):
+            os.ftruncate(fds[0], 0)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fds[0], size)  # writable
+        with pytest.raises(PermissionError):
+            os.pwrite(fds[0], b"x", 0)
+        assert os.fstat(fds[0]).st_size == size
+        for fd in fds:
+            os.close(fd)
+        s.close()
+        # the service still serves (it wrote into the hostile consumer's slots meanwhile)
+        outs = [tmp_path / f"good{i}.jsonl" for i in range(2)]
+        procs = [consumer(sock, outs[i], "--index", str(i), "--max-batches", "20") for i in range(2)]
+        assert finish(procs) == [0, 0]
+        assert [len(batches(o)) for o in outs] == [20, 20]
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait(10)
