@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.coordinator": 11,
     # the feeding service: a source served to nets in other processes
     "blobfeed.service.wire": 11.1, "blobfeed.service.tcp": 11.15, "blobfeed.service.slots": 11.2,
+    "blobfeed.service.arena": 11.22,
     "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,
     "blobfeed.service.connection": 11.4, "blobfeed.service.server": 11.5, "blobfeed.service.consumer": 11.5,
     # the consumer end's dealer (every transport's), the consumer end over Ray (consumer.py

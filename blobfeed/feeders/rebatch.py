@@ -7,13 +7,13 @@ import math
 import mmap
 import queue
 import weakref
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from .chunks import Batch, Chunk
 
-__all__ = ["BufferPool", "Cut", "Rebatcher"]
+__all__ = ["BatchMemory", "BufferPool", "Cut", "Rebatcher"]
 
 #: batches at least this big are assembled into recycled buffers
 POOL_MIN_BYTES = 1 << 20
@@ -23,6 +23,16 @@ POOL_KEEP = 8
 POOL_WINDOW = 64
 _NEVER = 1 << 62
 _ALIGN = 64
+
+
+class BatchMemory(Protocol):
+    """Memory of someone else's that big batches may be assembled in (a
+    served source's arena, which its consumers map)."""
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A uint8 array of at least ``nbytes`` whose death gives its memory
+        back (the owner watches it), or None: use the pool's own."""
+        ...
 
 
 class BufferPool:
@@ -61,6 +71,8 @@ class BufferPool:
         #: per size, the fewest spares seen free at a call in this window
         self._low: dict[int, int] = {}
         self._calls = 0
+        #: where batches are assembled first, if set (see Rebatcher.use_memory)
+        self.memory: BatchMemory | None = None
 
     def batch(self, layout: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
         """Uninitialised arrays of these shapes and dtypes, in one buffer."""
@@ -70,6 +82,10 @@ class BufferPool:
             offsets.append(total)
             nbytes = math.prod(shape) * dtype.itemsize
             total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if self.memory is not None:
+            root = self.memory.take(total)
+            if root is not None:
+                return self._views(root, layout, offsets)
         free = self._free.setdefault(total, [])
         self._low[total] = min(self._low.get(total, len(free)), len(free))
         self._calls += 1
@@ -82,6 +98,12 @@ class BufferPool:
         root = np.frombuffer(memoryview(mem), np.uint8)
         ref = weakref.ref(root, self._returned.put)
         self._out[id(ref)] = (ref, total, mem)
+        return self._views(root, layout, offsets)
+
+    @staticmethod
+    def _views(
+        root: np.ndarray, layout: Sequence[tuple[tuple[int, ...], np.dtype]], offsets: list[int]
+    ) -> list[np.ndarray]:
         return [
             root[off:off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
             for (shape, dtype), off in zip(layout, offsets)
@@ -160,6 +182,11 @@ class Rebatcher:
             sample_bytes = sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n)
             if sample_bytes:
                 self._big_at = -(-POOL_MIN_BYTES // sample_bytes)
+
+    def use_memory(self, memory: BatchMemory | None) -> None:
+        """Assemble big batches in ``memory`` while it has room (a served
+        source's arena: its consumers then read them without another copy)."""
+        self._pool.memory = memory
 
     def pop(self) -> Batch | None:
         """A full batch if enough samples are pending, else None."""

@@ -24,6 +24,7 @@ import collections
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -32,6 +33,7 @@ import numpy as np
 
 from ..feeders.chunks import EpochEnd
 from ..feeders.messages import align
+from .arena import consumer_pidfd
 from .served import POLL_S, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
@@ -106,6 +108,12 @@ class Connection:
         self._stopping: str | None = None
         self._sender_done = False
         self._tell_lock = threading.Lock()
+        #: per slot of the consumer's, the batch of the source's arena it
+        #: stands for, until the consumer says its views died
+        self._lent: dict[int, Any] = {}
+        #: the consumer's process, once it was sent the arena (see _send_arena)
+        self._pidfd = -1
+        self._arena_sent = False
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -265,7 +273,11 @@ class Connection:
             if record["g"] != -1:
                 self._ack(record["g"])
             assert self.area is not None
-            self.area.give_back(freed_slots(record, self.peer), self.peer)
+            slots = freed_slots(record, self.peer)
+            lent = self._lent
+            for slot in slots:
+                lent.pop(slot, None)
+            self.area.give_back(slots, self.peer)
         elif kind == "state":
             try:
                 reply = {"t": "state_is", "state": self._state(), "error": None}
@@ -325,6 +337,7 @@ class Connection:
         pending: Item | End | None = first
         counts = source.counts
         stream = isinstance(self.channel, StreamChannel)
+        arena = None if stream else source.arena
         # Unix socket: the batches written and not sent yet, sent together in
         # one "batches" record once no other batch is ready at once (or no
         # slot is free, or FLUSH_BYTES / a record's worth are waiting): a
@@ -384,7 +397,17 @@ class Connection:
                         return
                 g = self._g
                 self._g += 1
-                if stream:
+                located = None if arena is None else arena.locate(item.batch.arrays)
+                if located is not None:
+                    # assembled in the source's arena: the consumer reads it
+                    # there; its slot only stands for it (the flow control)
+                    if not self._arena_sent:
+                        self._send_arena()
+                    a_slot, text = located
+                    meta = None
+                    self._lent[slot] = item.batch.arrays
+                    text = f"{text},{a_slot}"  # the entry's fifth element: the arena slot
+                elif stream:
                     meta = area.write(slot, item.batch.arrays)
                 else:
                     meta, text = area.write_encoded(slot, item.batch.arrays)  # type: ignore[union-attr]
@@ -428,6 +451,18 @@ class Connection:
         except Exception:
             logger.exception("service: sender of %s failed", self.peer)
             self.close()
+
+    def _send_arena(self) -> None:
+        """Hand the consumer the source's arena (before the first batch in it),
+        and keep a handle on its process: slots it leaves holding stay taken
+        until that process is gone (see :meth:`.SourceArena.park`)."""
+        assert self.source is not None
+        arena = self.source.arena
+        pid = struct.unpack("3i", self.channel.sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        self._pidfd = consumer_pidfd(pid)
+        self.channel.send({"t": "arena", "slots": arena.slots, "slot_bytes": arena.slot_bytes}, fds=[arena.fd])
+        self._arena_sent = True
 
     def _flush(self, ready: list[str], last_g: int = -1) -> None:
         """Send the batches in ``ready`` (the last numbered ``last_g``) in one record (Unix socket)."""
@@ -508,7 +543,7 @@ class Connection:
             with self._lock:
                 unacked = []
                 for g, item, slot, meta in self._inflight:
-                    if slot >= 0 and isinstance(area, SlotArea):
+                    if slot >= 0 and meta is not None and isinstance(area, SlotArea):
                         # copied out of the slot, so the area goes with its
                         # consumer: with many slots in flight, re-dealt
                         # batches of several consumers that left would keep
@@ -518,6 +553,12 @@ class Connection:
                 self._inflight.clear()
             source.release(self, outlet, unacked)
             logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
+        lent, self._lent = list(self._lent.values()), {}
+        pidfd, self._pidfd = self._pidfd, -1
+        if lent and source is not None:
+            source.arena.park(pidfd, lent)  # until the consumer's process is gone
+        elif pidfd >= 0:
+            os.close(pidfd)
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
         self.channel.close()

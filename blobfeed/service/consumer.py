@@ -156,15 +156,26 @@ class Attachment:
                 if got is None:
                     raise ServiceError(f"{self._service} closed the connection (it stopped or died)")
                 record, fds = got
-                for fd in fds:
-                    os.close(fd)
-                record = check(record, ("batches", "batch", "epoch_end", "end", "state_is"), self._service)
+                try:
+                    record = check(record, ("batches", "batch", "epoch_end", "end", "state_is", "arena"),
+                                   self._service)
+                    if record["t"] == "arena":
+                        if not isinstance(mapping, ConsumerMapping):
+                            raise WireError(f"{self._service} sent an arena over TCP")
+                        mapping.add_arena(fds, record["slots"], record["slot_bytes"], self._service)
+                        continue
+                    if fds:
+                        raise WireError(f"{self._service} sent descriptors with a {record['t']!r} record")
+                finally:
+                    for fd in fds:
+                        os.close(fd)
                 kind = record["t"]
                 if kind == "batches":
-                    for g, slot, n, meta in batch_items(record, self._service):
+                    for entry in batch_items(record, self._service):
+                        g, slot, n, meta = entry[:4]
                         if not 0 < n < 1 << 40:
                             raise WireError(f"{self._service} sent a batch of {n} samples")
-                        arrays = mapping.views(slot, n, meta, self._service)
+                        arrays = mapping.views(slot, n, meta, self._service, *entry[4:])
                         dealer.numbers.append(g)
                         if not put(Chunk(arrays, n, 0, seq)):
                             return

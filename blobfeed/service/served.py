@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DequeueTimeout, EndOfInput, FetcherError
 from ..feeders.chunks import Batch, EpochEnd
+from .arena import SourceArena
 
 if TYPE_CHECKING:
     from ..coordinator import GlobalCoordinator
@@ -48,6 +49,11 @@ SLOTS_MIN = 3
 SLOTS_MAX = 64
 #: slots when the batch size is not known when the consumer is welcomed (Ray)
 SLOTS_UNKNOWN = 4
+#: consumers a first-come source's arena is sized for (their number is not known)
+ARENA_CONSUMERS = 4
+#: batches each inner net holds in the arena besides those lent to its
+#: consumer: one in its device queue, one staged behind it, one being assembled
+ARENA_PER_NET = 3
 
 
 def default_slots(slot_bytes: int | None) -> int:
@@ -283,6 +289,17 @@ class ServedSource:
         else:
             self.outlets = []
             self.shared = SharedOutlet(self, feeds[0], set())
+        #: big batches are assembled here, in memory the consumers map
+        self.arena = SourceArena(terms.name, self._arena_slots)
+        for feed in feeds:
+            feed.rebatcher.use_memory(self.arena)
+
+    def _arena_slots(self, slot_bytes: int) -> int:
+        """How many batches of ``slot_bytes`` the arena holds: what every
+        consumer's slots lend out, and what each inner net holds besides."""
+        per_consumer = self.terms.slots or default_slots(slot_bytes)
+        consumers = self.terms.num_consumers or ARENA_CONSUMERS
+        return consumers * per_consumer + len(self.feeds) * ARENA_PER_NET + 2
 
     @property
     def slots(self) -> int:
@@ -371,6 +388,7 @@ class ServedSource:
             with self.shared._lock:
                 self.shared.redeal.clear()
                 self.shared.owed.clear()
+        self.arena.close()
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

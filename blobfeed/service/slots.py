@@ -34,6 +34,10 @@ from .wire import WireError, dtype_from_wire, dtype_to_wire
 
 __all__ = ["ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes", "sealed_memfd"]
 
+#: the largest arena a consumer maps (see arena.py): slots, and bytes of address space
+MAX_ARENA_SLOTS = 4096
+MAX_ARENA_BYTES = 1 << 40
+
 #: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module): no new
 #: writable mapping and no write(), while the mappings made before stay writable
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
@@ -242,14 +246,32 @@ class ConsumerMapping:
             raise WireError(f"the service's shared memory holds {size} bytes, not {slots} x {slot_bytes}")
         self._mm = mmap.mmap(fd, slots * slot_bytes, prot=mmap.PROT_READ)
         self._on_free = on_free
+        #: the source's arena, once the service handed it over: (mapping, slots, slot_bytes)
+        self._arena: tuple[mmap.mmap, int, int] | None = None
         #: id(weakref) -> (weakref, slot): the refs must live to fire
         self.outstanding: dict[int, tuple[Any, int]] = {}
         #: (dtype text, shape, offset) -> what _check_array found of it
         self._checked: dict[tuple[Any, ...], tuple[np.dtype, tuple[int, ...], int, int]] = {}
 
-    def views(self, slot: int, n: int, meta: Any, peer: str) -> tuple[np.ndarray, ...]:
+    def add_arena(self, fds: list[int], slots: int, slot_bytes: int, peer: str) -> None:
+        """Map the source's arena (an ``arena`` record: once, one descriptor,
+        sizes checked; the caller closes ``fds``)."""
+        if self._arena is not None:
+            raise WireError(f"{peer} sent a second arena")
+        if len(fds) != 1:
+            raise WireError(f"{peer} sent an arena with {len(fds)} descriptors, not 1")
+        if not (0 < slots <= MAX_ARENA_SLOTS and 64 <= slot_bytes and slots * slot_bytes <= MAX_ARENA_BYTES):
+            raise WireError(f"{peer} offered an arena of {slots} slots of {slot_bytes} bytes")
+        size = os.fstat(fds[0]).st_size
+        if size < slots * slot_bytes:
+            raise WireError(f"{peer}'s arena holds {size} bytes, not {slots} x {slot_bytes}")
+        self._arena = (mmap.mmap(fds[0], slots * slot_bytes, prot=mmap.PROT_READ), slots, slot_bytes)
+
+    def views(self, slot: int, n: int, meta: Any, peer: str, arena_slot: int | None = None) -> tuple[np.ndarray, ...]:
         """The arrays of a ``batch`` record, checked to lie inside ``slot``
-        and to hold ``n`` samples each (untrusted: the record came off a socket)."""
+        (or, with ``arena_slot``, inside that slot of the source's arena,
+        ``slot`` standing for it) and to hold ``n`` samples each (untrusted:
+        the record came off a socket)."""
         if not 0 <= slot < self.slots:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
         if not isinstance(meta, list) or not meta or len(meta) > 1024:
@@ -257,7 +279,16 @@ class ConsumerMapping:
         # a fresh array over the mapping, not a slice of one: numpy collapses
         # view chains to the first array whose base is not an array, so this
         # `root` is the base of every view below
-        root = np.frombuffer(self._mm, np.uint8, count=self.slot_bytes, offset=slot * self.slot_bytes)
+        if arena_slot is None:
+            size = self.slot_bytes
+            root = np.frombuffer(self._mm, np.uint8, count=size, offset=slot * size)
+        else:
+            if self._arena is None:
+                raise WireError(f"{peer}: a batch in an arena it never sent")
+            mm, slots, size = self._arena
+            if not 0 <= arena_slot < slots:
+                raise WireError(f"{peer}: batch in arena slot {arena_slot}, of {slots}")
+            root = np.frombuffer(mm, np.uint8, count=size, offset=arena_slot * size)
         out = []
         checked = self._checked
         for i, m in enumerate(meta):
@@ -270,8 +301,8 @@ class ConsumerMapping:
                 known = checked.get((m[0], tuple(m[1]), m[2]))
             else:
                 known = None
-            if known is None:
-                known = self._check_array(m, n, f"{peer}: array {i}")
+            if known is None or known[2] + known[3] > size:
+                known = self._check_array(m, n, f"{peer}: array {i}", size)
             dt, shape, off, nbytes = known
             if shape[0] != n:
                 raise WireError(f"{peer}: array {i}: bad shape {list(shape)!r} for {n} samples")
@@ -282,7 +313,7 @@ class ConsumerMapping:
         self.outstanding[id(ref)] = (ref, slot)
         return tuple(out)
 
-    def _check_array(self, m: Any, n: int, where: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    def _check_array(self, m: Any, n: int, where: str, size: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
         """``[dtype, shape, offset]`` checked to fit a slot: (dtype, shape, offset, bytes), remembered."""
         if not (isinstance(m, list) and len(m) == 3 and isinstance(m[1], list) and type(m[2]) is int):
             raise WireError(f"{where}: must be [dtype, shape, offset]")
@@ -292,8 +323,8 @@ class ConsumerMapping:
             raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
         nbytes = dt.itemsize * int(np.prod(shape, dtype=object))
         off = m[2]
-        if off < 0 or off % 8 or off + nbytes > self.slot_bytes:
-            raise WireError(f"{where}: {nbytes} bytes at offset {off} do not fit a slot of {self.slot_bytes}")
+        if off < 0 or off % 8 or off + nbytes > size:
+            raise WireError(f"{where}: {nbytes} bytes at offset {off} do not fit a slot of {size}")
         known = (dt, tuple(shape), off, nbytes)
         if len(self._checked) >= 256:
             self._checked.clear()
@@ -303,10 +334,12 @@ class ConsumerMapping:
     def close(self) -> None:
         """Unmap now if no batch views the slots any more (else the last
         view unmaps them when it dies)."""
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        for mm in (self._mm, self._arena[0] if self._arena is not None else None):
+            try:
+                if mm is not None:
+                    mm.close()
+            except BufferError:
+                pass
 
     def freed(self, ref: Any) -> int | None:
         """The slot whose views died (``ref`` from the ``on_free`` queue)."""
@@ -356,14 +389,17 @@ class StreamBuffers:
         #: (dtype, per-sample shape) of each blob, from the first batch
         self._layout: list[tuple[np.dtype, tuple[int, ...]]] | None = None
 
-    def views(self, slot: int, n: int, meta: Any, peer: str) -> tuple[np.ndarray, ...]:
+    def views(self, slot: int, n: int, meta: Any, peer: str, arena_slot: int | None = None) -> tuple[np.ndarray, ...]:
         """Read the payload of a ``batch`` record into ``slot``'s buffer; its arrays, read-only.
 
         Raises:
             WireError: the record and the payload do not agree with each
-                other, with the slot, or with what was agreed (see the class).
+                other, with the slot, or with what was agreed (see the class);
+                a batch said to be in an arena (there is none over TCP).
             OSError: the connection failed.
         """
+        if arena_slot is not None:
+            raise WireError(f"{peer}: a batch in an arena, over TCP")
         if not 0 <= slot < self.slots:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
         if not 0 < n <= self._batch_size:

@@ -30,10 +30,11 @@ __all__ = [
     "dtype_from_wire", "dtype_to_wire", "freed_slots",
 ]
 
-#: the version a consumer and a service must share (2: ``batches`` carry
-#: several batches, ``ack`` is cumulative and frees slots; 1 had one record
-#: per batch, per acknowledgement and per freed slot)
-PROTOCOL = 2
+#: the version a consumer and a service must share (3: a batch may lie in
+#: the source's arena, handed over once in an ``arena`` record; 2:
+#: ``batches`` carry several batches, ``ack`` is cumulative and frees
+#: slots; 1 had one record per batch, per acknowledgement and per freed slot)
+PROTOCOL = 3
 #: batches one ``batches`` record may carry, slots one ``ack`` may free
 MAX_ITEMS = 1024
 #: the longest record either end accepts
@@ -171,8 +172,11 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "welcome": {"consumer": int, "slots": int, "slot_bytes": int, "epoch": int, "service": str},
     "refused": {"error": str, "kind": str},
     "batch": {"g": int, "slot": int, "n": int, "arrays": list},
-    # several batches (Unix socket): each [g, slot, n, arrays] as in "batch"
+    # several batches (Unix socket): each [g, slot, n, arrays] as in "batch",
+    # or [g, slot, n, arrays, arena slot] for a batch in the source's arena
     "batches": {"items": list},
+    # the source's arena (its descriptor alongside): slots of slot_bytes
+    "arena": {"slots": int, "slot_bytes": int},
     "epoch_end": {"g": int, "epoch": int, "dropped": int},
     "end": {"error": (str, type(None)), "kind": str},
     "state_is": {"state": (dict, type(None)), "error": (str, type(None))},
@@ -190,17 +194,21 @@ def freed_slots(record: dict[str, Any], peer: str) -> list[int]:
 
 def batch_items(record: dict[str, Any], peer: str) -> list[list[Any]]:
     """The entries of a ``batches`` record: 1 to :data:`MAX_ITEMS` lists
-    ``[g, slot, n, arrays]`` of three ints and a list (their values are the
+    ``[g, slot, n, arrays]`` of three ints and a list, and for a batch in
+    the source's arena a fifth int, its arena slot (their values are the
     slots' to check)."""
     items = record["items"]
     if not 0 < len(items) <= MAX_ITEMS:
         raise WireError(f"{peer} sent a 'batches' record of {len(items)} batches (1 to {MAX_ITEMS})")
     for entry in items:
         if not (
-            type(entry) is list and len(entry) == 4 and type(entry[0]) is int and 0 <= entry[0] < 2**62
+            type(entry) is list and 4 <= len(entry) <= 5 and type(entry[0]) is int and 0 <= entry[0] < 2**62
             and type(entry[1]) is int and type(entry[2]) is int and type(entry[3]) is list
+            and (len(entry) == 4 or type(entry[4]) is int)
         ):
-            raise WireError(f"{peer} sent a 'batches' entry that is not [g, slot, n, arrays]: {str(entry)[:60]}")
+            raise WireError(
+                f"{peer} sent a 'batches' entry that is not [g, slot, n, arrays(, arena slot)]: {str(entry)[:60]}"
+            )
     return items
 
 

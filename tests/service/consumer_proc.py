@@ -23,6 +23,7 @@ def main() -> int:
     p.add_argument("--die-after", type=int, default=None, help="SIGKILL itself after this many batches")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--max-batches", type=int, default=None, help="detach after this many batches (exit 0)")
+    p.add_argument("--check-rows", action="store_true", help="each row of x holds its id throughout (exit 6 if not)")
     p.add_argument("--hold-after", type=int, default=None,
                    help="after this many batches, wait (up to 60 s) for SIGUSR1 before the next run()")
     a = p.parse_args()
@@ -53,6 +54,9 @@ def main() -> int:
                     line({"epoch_end": e.epoch})
                     continue
                 assert not got["id"].flags.writeable
+                if a.check_rows and not (got["x"] == got["id"][:, None]).all():
+                    line({"end": "bad rows", "ids": got["id"].tolist()})
+                    return 6
                 line({"ids": got["id"].tolist()})
                 n += 1
                 if n == a.max_batches:

@@ -54,3 +54,16 @@ def wire_by_index() -> None:
 
 def wire_first_come() -> None:
     blobfeed.serve_source("train", ["id", "x"], Fetch(), 8, 2, deterministic=True)
+
+
+#: samples of BigFetch: 64 KiB of float32 each, so a batch of 32 is 2 MiB
+BIG_ROW = 16 * 1024
+
+
+class BigFetch(Fetch):
+    """Fetch's ids with 64 KiB rows: batches big enough to be assembled in
+    the source's arena (2 MiB for 32 samples)."""
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        ids, _ = super().__call__(worker_id, batch_size)
+        return [ids, np.repeat(ids.astype(np.float32)[:, None], BIG_ROW, axis=1)]

@@ -548,21 +548,22 @@ def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> N
 
 
 def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
-    """Protocol 2 changed the records (batches together, cumulative acks
-    carrying the freed slots): a peer of protocol 1 is told so, not fed."""
+    """Protocol 3 changed the records (batches in the source's arena; 2:
+    batches together, cumulative acks carrying the freed slots): a peer of
+    an older protocol is told so, not fed."""
     from blobfeed.service.wire import PROTOCOL
 
-    assert PROTOCOL == 2
+    assert PROTOCOL == 3
     with served(2) as server:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(10)
         s.connect(server.address)
-        s.send(json.dumps({"t": "hello", "protocol": 1, "source": "train", "blobs": ["id", "x"],
+        s.send(json.dumps({"t": "hello", "protocol": 2, "source": "train", "blobs": ["id", "x"],
                            "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
         reply = json.loads(s.recv(1 << 16))
         s.close()
     assert reply["t"] == "refused"
-    assert "protocol 1 (this service speaks 2): upgrade blobfeed on one side" in reply["error"]
+    assert "protocol 2 (this service speaks 3): upgrade blobfeed on one side" in reply["error"]
 
 
 def _hostile_hello(address: str, index: int) -> tuple[socket.socket, list[int]]:

@@ -1,0 +1,207 @@
+"""Where a served source assembles its big batches: memory every consumer maps.
+
+A batch that spans chunks is copied once, by the re-batcher, into a buffer
+of its pool (:class:`~blobfeed.feeders.rebatch.BufferPool`).  For a served
+source that buffer is a slot of this arena: one sealed ``memfd`` per source
+(:func:`.slots.sealed_memfd`), whose descriptor each consumer on the Unix
+socket receives once (an ``arena`` record, before the first batch that lies
+in it) and maps read-only.  Such a batch then goes out as a reference
+(arena slot, offsets) and the consumer's views read the very bytes the
+re-batcher wrote: one copy in all, where writing it into the consumer's own
+slots made two.  Batches that are views of one chunk, small ones, and any
+batch when the arena is full still go through the consumer's slots.
+
+A slot is free again when nothing in the service refers to its batch any
+more (a weak reference to the slot's root array says so, as in the pool).
+Each connection refers to the batches it lent until its consumer says
+their views died (the ``ack`` that frees its slot).  A consumer that left
+while still holding some may be alive (detached, the user keeping a batch):
+those slots stay out of circulation until its process has exited (a
+``pidfd`` says so), so no batch changes under a view a user kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import select
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .slots import sealed_memfd
+
+__all__ = ["SourceArena", "consumer_pidfd"]
+
+logger = logging.getLogger("blobfeed.service")
+
+#: slots start on page boundaries
+_PAGE = 4096
+#: at most this many slots, and this many bytes of address space, per source
+MAX_SLOTS = 512
+MAX_BYTES = 1 << 36
+
+
+class SourceArena:
+    """The batch memory of one served source.  Thread-safe.
+
+    Made on the first :meth:`take`: its slots are as large as that request
+    (a whole batch of the source's layout), and ``slots_for(slot_bytes)``
+    says how many.
+    """
+
+    def __init__(self, name: str, slots_for: Callable[[int], int]) -> None:
+        self.name = name
+        self._slots_for = slots_for
+        self._lock = threading.Lock()
+        self.fd = -1
+        self.slots = 0
+        self.slot_bytes = 0
+        self._mm: Any = None
+        self._base = 0
+        self._free: list[int] = []
+        #: weak references to slots' roots that died (put by their callbacks: C code)
+        self._returned: "queue.SimpleQueue[weakref.ref[np.ndarray]]" = queue.SimpleQueue()
+        #: id(weakref) -> (weakref, slot)
+        self._out: dict[int, tuple["weakref.ref[np.ndarray]", int]] = {}
+        #: (pidfd, what a departed consumer may still view): kept until it exits
+        self._parked: list[tuple[int, list[Any]]] = []
+        #: (dtype, shape, offset) of each array -> the batch entry's JSON for them
+        self._layouts: dict[tuple[Any, ...], str] = {}
+        self._closed = False
+        self._failed = False
+
+    # -- the re-batcher's side -----------------------------------------------------------
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A free slot of at least ``nbytes``, as a uint8 array that frees the
+        slot when it (and every view of it) dies; None when the arena is
+        full, closed, or its slots are too small (the caller uses memory of
+        its own)."""
+        with self._lock:
+            if self._closed or self._failed:
+                return None
+            if self._mm is None and not self._create(nbytes):
+                return None
+            if nbytes > self.slot_bytes:
+                return None
+            if self._parked:
+                self._reap()  # (rare: a consumer left holding batches)
+            self._collect()
+            if not self._free:
+                return None
+            slot = self._free.pop()  # the warmest: freed last
+            # over the mapping itself: numpy stops at a base that is not an
+            # array, so every view of a batch keeps `root` alive
+            root = np.frombuffer(self._mm, np.uint8, count=self.slot_bytes, offset=slot * self.slot_bytes)
+            ref = weakref.ref(root, self._returned.put)
+            self._out[id(ref)] = (ref, slot)
+            return root
+
+    def _create(self, nbytes: int) -> bool:
+        slot_bytes = -(-nbytes // _PAGE) * _PAGE
+        slots = max(1, min(MAX_SLOTS, self._slots_for(slot_bytes), MAX_BYTES // slot_bytes))
+        try:
+            self.fd, self._mm = sealed_memfd(f"blobfeed-{self.name}-batches", slots * slot_bytes)
+        except OSError as err:
+            # no shared memory to be had: batches go through each consumer's slots
+            logger.warning("source %r: no shared batch memory (%s); batches are copied for each consumer",
+                           self.name, err)
+            self._failed = True
+            return False
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self._free = list(range(slots - 1, -1, -1))
+        self._base = np.frombuffer(self._mm, np.uint8, count=1).__array_interface__["data"][0]
+        return True
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                ref = self._returned.get_nowait()
+            except queue.Empty:
+                return
+            entry = self._out.pop(id(ref), None)
+            if entry is not None:
+                self._free.append(entry[1])
+
+    # -- the senders' side ---------------------------------------------------------------
+    def locate(self, arrays: Sequence[np.ndarray]) -> tuple[int, str] | None:
+        """Where ``arrays`` lie when they are one batch assembled in a slot
+        here: (the slot, their ``[dtype, shape, offset]`` list as JSON);
+        else None."""
+        base, size = self._base, self.slot_bytes
+        if not size or not arrays:
+            return None
+        slot = -1
+        key = []
+        for a in arrays:
+            addr = a.__array_interface__["data"][0]
+            rel = addr - base
+            if not 0 <= rel < self.slots * size or not a.flags.c_contiguous:
+                return None
+            s, off = divmod(rel, size)
+            if slot < 0:
+                slot = s
+            if s != slot or off + a.nbytes > size:
+                return None
+            key.append((a.dtype.str, a.shape, off))
+        k = tuple(key)
+        text = self._layouts.get(k)
+        if text is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            text = self._layouts[k] = json.dumps([[d, list(s), o] for d, s, o in key], separators=(",", ":"))
+        return slot, text
+
+    def park(self, pidfd: int, lent: list[Any]) -> None:
+        """A consumer left while viewing ``lent`` (batches of this arena):
+        they stay taken until its process, ``pidfd``, has exited (-1: not
+        known: until the arena closes).  Owns ``pidfd`` from here."""
+        with self._lock:
+            if self._closed or pidfd == -2:  # -2: it has exited already
+                if pidfd >= 0:
+                    os.close(pidfd)
+                return
+            self._parked.append((pidfd, lent))
+
+    def _reap(self) -> None:
+        """Let go of what consumers that exited since had kept (under the lock)."""
+        keep = []
+        for pidfd, lent in self._parked:
+            if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:
+                os.close(pidfd)  # it exited: its mapping went with it
+            else:
+                keep.append((pidfd, lent))
+        self._parked = keep
+
+    def close(self) -> None:
+        """No more slots are handed out; the memory goes with the last batch that views it."""
+        with self._lock:
+            self._closed = True
+            parked, self._parked = self._parked, []
+            fd, self.fd = self.fd, -1
+        for pidfd, _ in parked:
+            if pidfd >= 0:
+                os.close(pidfd)
+        if fd >= 0:
+            os.close(fd)
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # batches still view it: unmapped when the last one dies
+
+
+def consumer_pidfd(pid: int) -> int:
+    """A ``pidfd`` of the consumer process ``pid`` (from the socket's peer
+    credentials); -2 when it has exited already, -1 when none can be had
+    (it then counts as alive)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -2  # exited already
+    except (OSError, AttributeError):
+        return -1

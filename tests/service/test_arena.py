@@ -1,0 +1,262 @@
+"""A served source's arena: big batches assembled once, in memory every
+consumer maps (blobfeed/service/arena.py).  Real processes and sockets where
+it matters; every wait bounded."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed.service import FeedServer
+from blobfeed.service.arena import SourceArena, consumer_pidfd
+from blobfeed.service.slots import ConsumerMapping, StreamBuffers, sealed_memfd
+from blobfeed.service.wire import WireError
+
+from . import feeds
+from .test_service import batches, consumer, finish, lines, wait_for
+
+BATCH = 32  # of BigFetch's 64 KiB rows: 2 MiB, so assembled in the arena
+
+
+def big_served(**kw) -> FeedServer:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.BigFetch(), BATCH, 2, **kw)
+    return server.start()
+
+
+def take(net: blobfeed.Net) -> dict[str, np.ndarray]:
+    """The net's next batch, past epoch ends."""
+    for _ in range(100):
+        try:
+            return net.run(timeout=20)
+        except blobfeed.EndOfEpoch:
+            continue
+    raise AssertionError("100 epoch ends in a row")
+
+
+def _mappings(name: str) -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of this process's mappings of memfd ``name``."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if f"memfd:{name}" in line:
+                span, perms = line.split()[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                out.append((lo, hi, perms))
+    return out
+
+
+def test_big_batches_go_to_consumers_through_the_arena_exactly_once_with_their_bytes(tmp_path: Path) -> None:
+    with big_served(deterministic=True, num_consumers=2) as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(2)]
+        procs = [consumer(server.address, outs[i], "--index", str(i), "--batch-size", str(BATCH), "--check-rows")
+                 for i in range(2)]
+        assert finish(procs) == [0, 0]
+        arena = server.sources["train"].arena
+        assert arena.slots > 0 and arena.slot_bytes >= BATCH * feeds.BIG_ROW * 4
+    got = [i for o in outs for b in batches(o) for i in b]
+    assert sorted(got) == feeds.all_ids(2)
+    # batch i went to consumer i % 2, every batch but an epoch's last whole
+    assert all(len(b) == BATCH for o in outs for b in batches(o)[:-1])
+
+
+def test_a_consumer_s_batch_is_a_read_only_view_of_the_arena() -> None:
+    with big_served() as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            out = net.run(timeout=20)
+            addr = out["x"].__array_interface__["data"][0]
+            maps = _mappings("blobfeed-train-batches")
+            # the service's mapping (rw) and the consumer's (read-only), of one memfd
+            assert {p[:2] for _, _, p in maps} == {"rw", "r-"}
+            assert any(lo <= addr < hi and p.startswith("r-") for lo, hi, p in maps)
+            assert not out["x"].flags.writeable
+            assert (out["x"] == out["id"][:, None]).all()
+            del out
+
+
+def test_a_batch_kept_after_detaching_never_changes_while_the_service_goes_on() -> None:
+    """A detached consumer that keeps a batch still views its arena slot:
+    the slot stays out of circulation while that process lives (here, this
+    one), so the batch never changes under it."""
+    with big_served(epochs=None) as server:
+        arena = server.sources["train"].arena
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            kept = take(net)
+        before = np.array(kept["x"])
+        net2 = blobfeed.Net(None)
+        with blobfeed.attach_source(net2, ["id", "x"], BATCH, "train", server.address):
+            for _ in range(3 * arena.slots):  # every other slot reused many times over
+                out = take(net2)
+                assert (out["x"] == out["id"][:, None]).all()
+                del out
+        assert np.array_equal(kept["x"], before)
+        assert (kept["x"] == kept["id"][:, None]).all()
+
+
+def test_a_killed_consumer_s_slots_come_back_once_its_process_is_gone(tmp_path: Path) -> None:
+    with big_served(epochs=None, slots=3) as server:
+        out = tmp_path / "dies.jsonl"
+        # it dies holding the batches in its slots (run() returned them, it never freed them)
+        p = consumer(server.address, out, "--batch-size", str(BATCH), "--die-after", "2")
+        assert finish([p]) == [-9]
+        arena = server.sources["train"].arena
+        wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            for _ in range(5):
+                b = take(net)
+                assert (b["x"] == b["id"][:, None]).all()
+                del b
+            assert not arena._parked  # taken back: the process is gone
+
+
+def test_big_batches_over_tcp_are_sent_from_the_arena_s_bytes(tmp_path: Path) -> None:
+    server = FeedServer(listen="tcp://127.0.0.1:0")
+    server.serve_source("train", ["id", "x"], feeds.BigFetch(), BATCH, 2)
+    with server.start():
+        out = tmp_path / "tcp.jsonl"
+        assert finish([consumer(server.address, out, "--batch-size", str(BATCH), "--check-rows")]) == [0]
+    assert sorted(i for b in batches(out) for i in b) == feeds.all_ids(2)
+
+
+# -- the arena itself ------------------------------------------------------------------------
+def test_the_arena_hands_out_slots_and_takes_them_back_when_their_views_die() -> None:
+    arena = SourceArena("unit", lambda slot_bytes: 2)
+    a = arena.take(5000)
+    assert a is not None and arena.slot_bytes == 8192 and arena.slots == 2
+    b = arena.take(100)
+    assert b is not None and arena.take(100) is None  # full
+    assert arena.take(9000) is None  # larger than a slot
+    view = a[64:64 + 800].view(np.float64)
+    del a
+    assert arena.take(100) is None  # `view` still keeps its slot
+    del view
+    c = arena.take(100)
+    assert c is not None
+    del b, c
+    arena.close()
+    assert arena.take(100) is None
+    gc.collect()
+    assert not _mappings("blobfeed-unit-batches")
+
+
+def test_locate_says_where_a_batch_lies_only_when_it_is_one_slot_of_the_arena() -> None:
+    arena = SourceArena("where", lambda slot_bytes: 3)
+    try:
+        s0, s1 = arena.take(4096), arena.take(4096)
+        assert s0 is not None and s1 is not None
+        ids = s0[:64].view(np.int64)
+        x = s0[64:64 + 8 * 12].view(np.float32).reshape(8, 3)
+        slot, text = arena.locate([ids, x])
+        assert slot * arena.slot_bytes == s0.__array_interface__["data"][0] - arena._base
+        assert text == '[["<i8",[8],0],["<f4",[8,3],64]]'
+        assert arena.locate([ids, s1[:96].view(np.float32).reshape(8, 3)]) is None  # two slots
+        assert arena.locate([ids, np.zeros((8, 3), np.float32)]) is None  # not in the arena
+        assert arena.locate([x[:, :2]]) is None  # not contiguous
+        del ids, x, s0, s1
+    finally:
+        arena.close()
+
+
+def test_a_departed_consumer_s_slots_stay_taken_until_its_process_exits() -> None:
+    arena = SourceArena("park", lambda slot_bytes: 1)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        root = arena.take(100)
+        assert root is not None
+        arena.park(consumer_pidfd(child.pid), [root[:8]])
+        del root
+        assert arena.take(100) is None  # the child lives: it may still view the slot
+        child.communicate(timeout=10)  # it exits
+        assert arena.take(100) is not None
+        assert not arena._parked
+    finally:
+        child.kill()
+        child.wait(10)
+        arena.close()
+
+
+def test_a_consumer_that_exited_already_gives_its_slots_back_at_once() -> None:
+    arena = SourceArena("gone", lambda slot_bytes: 1)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)
+    root = arena.take(100)
+    assert root is not None
+    arena.park(consumer_pidfd(child.pid), [root])
+    del root
+    assert arena.take(100) is not None
+    arena.close()
+
+
+# -- a lying service -----------------------------------------------------------------------------
+def _consumer_mapping() -> ConsumerMapping:
+    fd = os.memfd_create("slots-test")
+    try:
+        os.ftruncate(fd, 4 * 1024)
+        return ConsumerMapping(fd, 4, 1024, lambda ref: None)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("slots, slot_bytes, size, nfds, expected", [
+    (2, 4096, 8192, 2, "with 2 descriptors, not 1"),
+    (0, 4096, 8192, 1, "an arena of 0 slots"),
+    (4097, 4096, 8192, 1, "an arena of 4097 slots"),
+    (2, 1 << 40, 8192, 1, "an arena of 2 slots of 1099511627776 bytes"),
+    (4, 4096, 8192, 1, "arena holds 8192 bytes, not 4 x 4096"),
+])
+def test_an_arena_that_does_not_add_up_is_refused(slots: int, slot_bytes: int, size: int, nfds: int,
+                                                   expected: str) -> None:
+    m = _consumer_mapping()
+    fd, mm = sealed_memfd("arena-test", size)
+    fds = [fd] + [os.dup(fd) for _ in range(nfds - 1)]
+    try:
+        with pytest.raises(WireError, match=re.escape(expected)):
+            m.add_arena(fds, slots, slot_bytes, "svc")
+    finally:
+        for f in fds:
+            os.close(f)
+        mm.close()
+        m.close()
+
+
+def test_arena_batches_are_checked_like_slot_batches() -> None:
+    m = _consumer_mapping()
+    fd, mm = sealed_memfd("arena-test", 2 * 4096)
+    meta = [["<i8", [8], 0], ["<f4", [8, 3], 64]]
+    try:
+        with pytest.raises(WireError, match="an arena it never sent"):
+            m.views(0, 8, meta, "svc", 0)
+        m.add_arena([fd], 2, 4096, "svc")
+        with pytest.raises(WireError, match="a second arena"):
+            m.add_arena([fd], 2, 4096, "svc")
+        ids, x = m.views(0, 8, meta, "svc", 1)
+        assert ids.shape == (8,) and x.shape == (8, 3) and not x.flags.writeable
+        with pytest.raises(WireError, match="arena slot 2, of 2"):
+            m.views(0, 8, meta, "svc", 2)
+        with pytest.raises(WireError, match="do not fit a slot of 4096"):
+            m.views(1, 8, [["<i8", [8], 4090]], "svc", 0)
+        # a layout checked against the arena's larger slots is checked again against a slot's
+        m.views(1, 8, [["<i8", [8], 2048]], "svc", 0)
+        with pytest.raises(WireError, match="do not fit a slot of 1024"):
+            m.views(1, 8, [["<i8", [8], 2048]], "svc")
+        del ids, x
+    finally:
+        os.close(fd)
+        mm.close()
+        m.close()
+
+
+def test_a_batch_in_an_arena_over_tcp_is_refused() -> None:
+    with pytest.raises(WireError, match="a batch in an arena, over TCP"):
+        StreamBuffers.views(object.__new__(StreamBuffers), 0, 8, [], "svc", 0)  # type: ignore[arg-type]
