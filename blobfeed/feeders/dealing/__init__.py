@@ -22,11 +22,11 @@ import numpy as np
 from ..shuffle import ShuffleBuffer
 from .arrival import ArrivalDealer
 from .base import Dealer, DealerStats, DealingOptions, DropCounter, Reader
-from .lanes import READABLE_VERSIONS, STATE_VERSION, LaneDealer, NetOutbox
+from .lanes import READABLE_VERSIONS, STATE_VERSION, LaneDealer, NetOutbox, default_outbox_samples
 
 __all__ = [
     "ArrivalDealer", "Dealer", "DealerStats", "DealingOptions", "DropCounter", "LaneDealer", "NetOutbox",
-    "READABLE_VERSIONS", "Reader", "STATE_VERSION", "make_dealer",
+    "READABLE_VERSIONS", "Reader", "STATE_VERSION", "default_outbox_samples", "make_dealer",
 ]
 
 
@@ -42,6 +42,7 @@ def make_dealer(
     on_error_in_order: Callable[[BaseException], None],
     on_dropped: DropCounter,
     max_bytes: int | None = None,
+    outbox_samples: int | None = None,
 ) -> Dealer:
     """The dealer for a source wired with ``options``.
 
@@ -58,12 +59,15 @@ def make_dealer(
         on_dropped: ``(reason, samples)`` for samples thrown away on purpose.
         max_bytes: the bytes of chunks it may hold (``max_buffered_bytes``;
             None: unbounded).
+        outbox_samples: a lane dealer's run-ahead per net, in samples
+            (None: :func:`~.lanes.default_outbox_samples`, two batches with
+            one net, one with several).
     """
     if options.in_arrival_order:
         return ArrivalDealer(source, capacity, on_error, max_bytes)
     shuffle = ShuffleBuffer(options.shuffle_buffer, axes, shuffle_rng()) if options.shuffle_buffer else None
     return LaneDealer(
-        source, batch_size, axes, capacity=capacity, outbox_samples=2 * batch_size,
+        source, batch_size, axes, capacity=capacity, outbox_samples=outbox_samples,
         on_error=on_error_in_order, on_dropped=on_dropped, strict=options.deterministic, shuffle=shuffle,
         max_bytes=max_bytes, equal=options.equal, drop_last=options.drop_last,
     )

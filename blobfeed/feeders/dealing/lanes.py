@@ -54,7 +54,7 @@ from ..chunks import Chunk, EpochEnd
 from ..shuffle import ShuffleBuffer
 from .base import DealerStats, DropCounter
 
-__all__ = ["LaneDealer", "NetOutbox", "READABLE_VERSIONS", "STATE_VERSION"]
+__all__ = ["LaneDealer", "NetOutbox", "READABLE_VERSIONS", "STATE_VERSION", "default_outbox_samples"]
 
 logger = logging.getLogger("blobfeed.feeders")
 
@@ -62,6 +62,21 @@ logger = logging.getLogger("blobfeed.feeders")
 #: (version 1, before epochs, is read as a state in epoch 0)
 STATE_VERSION = 2
 READABLE_VERSIONS = (1, 2)
+
+
+def default_outbox_samples(batch_size: int, nets: int) -> int:
+    """How far a lane dealer runs ahead of the slowest of ``nets`` nets by
+    default, in samples waiting in one outbox.
+
+    One net: two batches (its outbox is the whole run-ahead of the stream).
+    Several: one batch each.  Each net's feed holds a batch staged and its
+    device queue more, so a second batch per outbox bought no throughput
+    (S1 served deterministically: the same batches/s with 1 and 2), while
+    every piece waiting in an outbox holds its chunk -- with process workers,
+    one of the worker's shared-memory slots, which *k* full outboxes take
+    from the worker *k* batches at a time.
+    """
+    return batch_size * (2 if nets <= 1 else 1)
 
 
 class _Ended:
@@ -148,7 +163,13 @@ class LaneDealer:
         outbox_samples: how far the stream runs ahead of the slowest net
             (samples waiting in one outbox), so a net that stops taking cannot
             make the others grow memory without bound: they wait for it, as
-            solvers fed by Caffe's DataReader do.
+            solvers fed by Caffe's DataReader do.  None: two
+            batches with one net, one batch with several
+            (:func:`default_outbox_samples`).  Every piece waiting in an
+            outbox holds its chunk, and a chunk of a process worker holds one
+            of that worker's few shared-memory slots: with *k* nets up to *k*
+            outboxes are full at once, while each net's feed already holds
+            its next batch ahead.
         on_error: the source's failure, called when the stream reaches a
             worker's error (outside the lock).
         on_dropped: ``(reason, samples)``, for samples thrown away on purpose
@@ -177,7 +198,7 @@ class LaneDealer:
         batch_size: int,
         axes: Sequence[int],
         capacity: int,
-        outbox_samples: int,
+        outbox_samples: int | None,
         on_error: Callable[[BaseException], None],
         *,
         on_dropped: DropCounter | None = None,
@@ -214,7 +235,11 @@ class LaneDealer:
         self._lane_bytes: dict[int, int] = {}
         #: bytes of the chunks in all lanes
         self._queued_bytes = 0
-        self.outbox_samples = outbox_samples
+        if outbox_samples is not None and (type(outbox_samples) is not int or outbox_samples < 1):
+            raise ValueError(f"source {source!r}: outbox_samples must be an int >= 1, got {outbox_samples!r}")
+        #: what the wiring asked for (None: by the number of nets, at start)
+        self._outbox_asked = outbox_samples
+        self.outbox_samples = default_outbox_samples(batch_size, 1) if outbox_samples is None else outbox_samples
         self._on_error = on_error
         self._on_dropped = on_dropped
         self._lock = threading.Lock()
@@ -318,6 +343,8 @@ class LaneDealer:
                 self._started = True
                 # one net gets every round whole: nothing to hold back
                 self._round_k = len(self.outboxes) if self.equal and len(self.outboxes) > 1 else 0
+                if self._outbox_asked is None:
+                    self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes))
                 self._record(self._batch)
 
     # -- workers -----------------------------------------------------------------
