@@ -11,16 +11,18 @@ from blobfeed import Net, init_data_input_workers
 from blobfeed.coordinator import GlobalCoordinator
 from blobfeed.feeders.chunks import Chunk
 from blobfeed.feeders.dealing import LaneDealer, default_outbox_samples
+from blobfeed.feeders.dealing.lanes import BIG_BATCH_BYTES
 
 
 class _Pin:
     """Stands for a worker's slot: the dealer passes it on with every piece."""
 
 
-def _fill(dealer: LaneDealer, chunks: int) -> list[_Pin]:
+def _fill(dealer: LaneDealer, chunks: int, sample_bytes: int = BIG_BATCH_BYTES) -> list[_Pin]:
+    """``chunks`` chunks of one sample, said to be ``sample_bytes`` bytes."""
     pins = [_Pin() for _ in range(chunks)]
     for seq, pin in enumerate(pins):
-        assert dealer.put(0, Chunk((np.array([seq]),), 1, 0, seq, pin))  # type: ignore[arg-type]
+        assert dealer.put(0, Chunk((np.array([seq]),), 1, 0, seq, pin), sample_bytes)  # type: ignore[arg-type]
     return pins
 
 
@@ -35,16 +37,16 @@ def _take_all(box: object) -> list[int]:
 
 
 def test_several_nets_hold_one_batch_each_while_one_net_takes() -> None:
-    """Net 0 takes, nets 1-3 do not: each of their outboxes holds one batch
-    (the stream then waits for them), not two -- with 4 nets on 2 process
-    workers, two batches each was every slot of both workers (S1)."""
+    """Net 0 takes, nets 1-3 do not: with big batches each of their outboxes
+    holds one batch (the stream then waits for them), not two -- with 4 nets
+    on 2 process workers, two batches each was every slot of both workers (S1)."""
     bs = 4
     dealer = LaneDealer("s", bs, [0], capacity=1000, outbox_samples=None, on_error=lambda e: None)
     dealer.add_lanes([0])
     boxes = [dealer.add_net() for _ in range(4)]
     dealer.start()
-    assert dealer.outbox_samples == bs
     _fill(dealer, 100)
+    assert dealer.outbox_samples == bs
     got = _take_all(boxes[0])
     # batches 0 and 4; batch 5 waits for net 1, whose outbox is full
     assert got == [0, 1, 2, 3, 16, 17, 18, 19]
@@ -56,6 +58,18 @@ def test_several_nets_hold_one_batch_each_while_one_net_takes() -> None:
     # the others take theirs, in order, and the stream goes on: exactly once
     for i, box in enumerate(boxes[1:], 1):
         assert _take_all(box)[:4] == list(range(4 * i, 4 * i + 4))
+
+
+def test_several_nets_with_small_batches_keep_two_batches_each() -> None:
+    bs = 4
+    dealer = LaneDealer("s", bs, [0], capacity=1000, outbox_samples=None, on_error=lambda e: None)
+    dealer.add_lanes([0])
+    boxes = [dealer.add_net() for _ in range(4)]
+    dealer.start()
+    _fill(dealer, 100, sample_bytes=BIG_BATCH_BYTES // bs - 1)
+    assert dealer.outbox_samples == 2 * bs
+    assert _take_all(boxes[0]) == [0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35]
+    assert [box.samples for box in boxes[1:]] == [2 * bs] * 3
 
 
 def test_one_net_runs_two_batches_ahead_as_before() -> None:
@@ -88,22 +102,22 @@ def test_a_bad_outbox_is_refused(bad: object) -> None:
 
 @pytest.mark.parametrize("nets", [1, 4])
 def test_wired_nets_get_the_default_for_their_number(nets: int) -> None:
-    """init_data_input_workers: several nets on one deterministic source run
-    one batch ahead each, one net two (its pipeline is unchanged)."""
+    """init_data_input_workers: several nets on one deterministic source of
+    big batches run one batch ahead each, one net two (its pipeline is
+    unchanged)."""
     gc = GlobalCoordinator()
     group = [Net(None, name=f"n{i}") for i in range(nets)]
 
     def fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
-        return [np.zeros((3, 2), np.float32)]
+        return [np.zeros((3, 1 << 16), np.float32)]  # 256 KiB a sample
 
     for net in group:
         init_data_input_workers(net, ["x"], fetch, 8, 1, coordinator=gc, deterministic=True,
                                 input_source_name="src")
     try:
         gc.start()
-        dealer = gc._sources["src"].dealer
-        assert dealer.outbox_samples == (16 if nets == 1 else 8)
         for net in group:
-            assert net.run(timeout=30)["x"].shape == (8, 2)
+            assert net.run(timeout=30)["x"].shape == (8, 1 << 16)
+        assert gc._sources["src"].dealer.outbox_samples == (16 if nets == 1 else 8)
     finally:
         assert gc.stop()

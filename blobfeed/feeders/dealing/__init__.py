@@ -60,8 +60,8 @@ def make_dealer(
         max_bytes: the bytes of chunks it may hold (``max_buffered_bytes``;
             None: unbounded).
         outbox_samples: a lane dealer's run-ahead per net, in samples
-            (None: :func:`~.lanes.default_outbox_samples`, two batches with
-            one net, one with several).
+            (None: :func:`~.lanes.default_outbox_samples`, two batches, one
+            with several nets and big batches).
     """
     if options.in_arrival_order:
         return ArrivalDealer(source, capacity, on_error, max_bytes)
