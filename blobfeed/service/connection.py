@@ -2,7 +2,8 @@
 
 * the *receiver* (the thread that accepted the handshake) reads the
   consumer's records: ``ack`` (its ``run()`` returned every item up to
-  ``g``; and the slots whose views died since), ``state``, ``bye``;
+  ``g``; and the slots whose views died since; and how long its ``run()``
+  has waited in all), ``state``, ``bye``;
 * the *sender* takes the consumer's next batches from its outlet, writes
   each once into a free slot and sends them together in a ``batches``
   record (Unix socket: every batch ready with a free slot; over TCP one
@@ -114,6 +115,8 @@ class Connection:
         #: the consumer's process, once it was sent the arena (see _send_arena)
         self._pidfd = -1
         self._arena_sent = False
+        #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
+        self._run_waited = 0.0
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -270,6 +273,7 @@ class Connection:
     def _handle(self, record: dict[str, Any]) -> None:
         kind = record["t"]
         if kind == "ack":
+            self._consumer_waited(record["waited"])
             if record["g"] != -1:
                 self._ack(record["g"])
             assert self.area is not None
@@ -285,7 +289,23 @@ class Connection:
                 reply = {"t": "state_is", "state": None, "error": str(err)}
             self.channel.send(reply)
         elif kind == "bye":
+            self._consumer_waited(record["waited"])
             self.closed.set()
+
+    def _consumer_waited(self, total: float) -> None:
+        """The consumer's run() has waited ``total`` seconds in all (checked
+        finite and >= 0 by the wire): what it grew by since its last record
+        counts for its label.  Its records come in order on one connection,
+        so a total that shrinks is a lie."""
+        if total < self._run_waited:
+            raise WireError(
+                f"{self.peer} said its run() has waited {total!r} s in all, less than the {self._run_waited!r} s "
+                "it said before"
+            )
+        if total > self._run_waited:
+            assert self.source is not None
+            self.source.counts.run_waited[self.label] += total - self._run_waited
+            self._run_waited = total
 
     def _ack(self, g: int) -> None:
         """The consumer's run() returned every item up to ``g`` (cumulative)."""

@@ -137,13 +137,30 @@ class Attachment:
         try:
             slots = self._freed_slots()
             if self._encoded:
-                data = ('{"t":"ack","g":%d,"slots":[%s]}' % (g, ",".join(map(str, slots)))).encode()
+                listed = ",".join(map(str, slots))
                 with self._send_lock:
+                    # the wait read under the lock: the totals go out in the order they were read
+                    data = ('{"t":"ack","g":%d,"slots":[%s],"waited":%r}' % (g, listed, self._waited())).encode()
                     self._channel.send_encoded(data)  # type: ignore[union-attr]
             else:
-                self._send({"t": "ack", "g": g, "slots": slots})
+                self._send_waited({"t": "ack", "g": g, "slots": slots})
         except OSError:
             pass  # the receiver reports the service's end
+
+    def _waited(self) -> float:
+        """Seconds this attachment's ``run()`` has waited for its batches in
+        all (the feed's ``blobfeed_dequeue_wait_seconds``), told the service
+        with every ``ack`` and the ``bye``: it shows per consumer which one
+        is starved.  Never decreases (a sum of waits)."""
+        return float(self.feed.consume_stats.wait.total)
+
+    def _send_waited(self, record: dict[str, Any]) -> None:
+        """Send ``record`` with the wait so far (an ``ack``, the ``bye``):
+        read under the send lock, so that the service never sees it shrink
+        (the net's thread and the outbox thread both send acks)."""
+        with self._send_lock:
+            record["waited"] = self._waited()
+            self._channel.send(record)
 
     # -- threads -----------------------------------------------------------------------
     def _receive(self) -> None:
@@ -292,7 +309,7 @@ class Attachment:
             if not slots or self._closed:
                 continue
             try:
-                self._send({"t": "ack", "g": -1, "slots": slots})
+                self._send_waited({"t": "ack", "g": -1, "slots": slots})
             except OSError:
                 pass  # the receiver reports the service's end
 
@@ -324,7 +341,7 @@ class Attachment:
             return True
         self._closed = True  # first: the service's answer to bye is to close
         try:
-            self._send({"t": "bye"})
+            self._send_waited({"t": "bye"})
         except OSError:
             pass
         self.source.stop()

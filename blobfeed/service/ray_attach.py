@@ -293,7 +293,7 @@ class RayAttachment:
         if self._closed:
             return
         try:
-            counted = self._call(self._ack_call.remote(self._cid, g), timeout=ACK_TIMEOUT_S)
+            counted = self._call(self._ack_call.remote(self._cid, g, self._waited()), timeout=ACK_TIMEOUT_S)
         except ServiceError as err:
             self.source.fail(err)
             raise
@@ -305,12 +305,18 @@ class RayAttachment:
             self.source.fail(err)
             raise err
 
+    def _waited(self) -> float:
+        """Seconds this attachment's ``run()`` has waited for its batches in
+        all (the feed's ``blobfeed_dequeue_wait_seconds``), told the service
+        with every acknowledgement and the ``bye``."""
+        return float(self.feed.consume_stats.wait.total)
+
     def _heartbeat(self) -> None:
         """Renew the lease while the net does not call run() (a long step,
         a consumer that is done but still attached)."""
         while not self._wake.wait(HEARTBEAT_S):
             try:
-                self._call(self._ack_call.remote(self._cid, self._acked), timeout=ACK_TIMEOUT_S)
+                self._call(self._ack_call.remote(self._cid, self._acked, self._waited()), timeout=ACK_TIMEOUT_S)
             except ServiceError:
                 return  # the receiver (or the next run()) reports the service's end
 
@@ -407,7 +413,7 @@ class RayAttachment:
         ray = _ray()
         try:
             # waited for (bounded): the index is free for the next consumer once stop() returns
-            ref = self._actor.bye.options(concurrency_group="control").remote(self._cid, upto)
+            ref = self._actor.bye.options(concurrency_group="control").remote(self._cid, upto, self._waited())
             ray.wait([ref], timeout=min(timeout, 5.0))
         except Exception as err:  # the service is gone: nothing to take back
             logger.debug("%s: bye: %r", self._service, err)

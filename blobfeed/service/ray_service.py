@@ -59,7 +59,7 @@ from .connection import Connection, Refused
 from .ray_attach import HEARTBEAT_S, POLL_S, TAKE_WAIT_S, parse_ray_address, ray_failure
 from .served import End, IndexOutlet, Item, ServedSource, SharedOutlet
 from .server import FeedServer, serving
-from .wire import WireError, check
+from .wire import WireError, check, seconds
 
 __all__ = ["RayFeedServer", "RayService", "serve_on_ray"]
 
@@ -120,6 +120,8 @@ class _RayConsumer:
         self._ended = False
         self._left = False
         self._wake = threading.Event()
+        #: the seconds the consumer's run() has waited in all, the most it said so far
+        self._run_waited = 0.0
 
     def attached(self, source: ServedSource, outlet: IndexOutlet | SharedOutlet, pid: int) -> None:
         self.source, self.outlet = source, outlet
@@ -127,11 +129,17 @@ class _RayConsumer:
         self.peer = f"consumer {self.label} of source {source.name!r} (pid {pid}, over Ray)"
 
     # -- the consumer's calls ----------------------------------------------------------
-    def ack(self, upto: int) -> bool:
+    def ack(self, upto: int, waited: float | None = None) -> bool:
         """Items up to ``upto`` were returned by the consumer's run()
         (cumulative, so a late or repeated call changes nothing).  False:
         the consumer was taken as gone (its lease expired) before this
         came, and what it held is dealt again: its run() must not return it.
+
+        ``waited``: the seconds its run() has waited in all (checked by the
+        caller); what it grew by counts.  Ray runs a consumer's calls on
+        several threads, so an older total may come after a newer one: the
+        largest stands (a socket's records come in order, and there a
+        total that shrinks is refused).
 
         Raises:
             WireError: ``upto`` was never sent.
@@ -143,6 +151,9 @@ class _RayConsumer:
             if not -1 <= upto < self._g:
                 raise WireError(f"{self.peer} acknowledged item {upto}; {self._g} were sent")
             self._settle(upto)
+            if waited is not None and waited > self._run_waited:
+                self.source.counts.run_waited[self.label] += waited - self._run_waited
+                self._run_waited = waited
         self._wake.set()  # a take waiting for room
         return True
 
@@ -401,23 +412,23 @@ class RayFeedServer(FeedServer):
             return [("end", "gone", str(err))]
         return conn.take()
 
-    def ack(self, cid: Any, upto: Any) -> bool:
+    def ack(self, cid: Any, upto: Any, waited: Any) -> bool:
         conn = self._consumer(cid)
         if conn is None:
             return False
         try:
-            return conn.ack(_int("upto", upto, -1, 1 << 62))
+            return conn.ack(_int("upto", upto, -1, 1 << 62), seconds(waited, f"{conn.peer} sent waited"))
         except WireError as err:
             logger.warning("service: %s; taken as gone", str(err))
             conn.leave("it broke the protocol")
             return False
 
-    def bye(self, cid: Any, upto: Any) -> None:
+    def bye(self, cid: Any, upto: Any, waited: Any) -> None:
         conn = self._consumer(cid)
         if conn is None:
             return
         try:
-            conn.ack(_int("upto", upto, -1, 1 << 62))
+            conn.ack(_int("upto", upto, -1, 1 << 62), seconds(waited, f"{conn.peer} sent waited"))
         except WireError as err:
             logger.warning("service: %s", str(err))
         conn.leave("it detached")
@@ -443,7 +454,8 @@ class RayFeedServer(FeedServer):
             c = s.counts
             out[name] = {
                 "delivered": dict(c.delivered), "acknowledged": dict(c.acknowledged), "redealt": dict(c.redealt),
-                "waited": dict(c.waited), "dropped_equal": c.dropped_equal, "connected": s.connected,
+                "waited": dict(c.waited), "run_waited": dict(c.run_waited), "dropped_equal": c.dropped_equal,
+                "connected": s.connected,
                 "error": None if s.error is None else str(s.error),
             }
         return out
@@ -517,13 +529,13 @@ class _ServiceActor:
         assert self.server is not None
         return self.server.take(cid, upto)
 
-    def ack(self, cid: Any, upto: Any) -> bool:
+    def ack(self, cid: Any, upto: Any, waited: Any) -> bool:
         assert self.server is not None
-        return self.server.ack(cid, upto)
+        return self.server.ack(cid, upto, waited)
 
-    def bye(self, cid: Any, upto: Any) -> None:
+    def bye(self, cid: Any, upto: Any, waited: Any) -> None:
         assert self.server is not None
-        self.server.bye(cid, upto)
+        self.server.bye(cid, upto, waited)
 
     def state(self, cid: Any = None, upto: Any = -1) -> dict[str, Any]:
         assert self.server is not None

@@ -97,13 +97,17 @@ class SourceTerms(NamedTuple):
 
 
 class _Counts:
-    """Per consumer label: batches delivered / acknowledged / re-dealt, seconds waited."""
+    """Per consumer label: batches delivered / acknowledged / re-dealt,
+    seconds waited (by the service, for a batch the consumer had room for;
+    by the consumer's run(), as it reported them)."""
 
     def __init__(self) -> None:
         self.delivered: collections.Counter[str] = collections.Counter()
         self.acknowledged: collections.Counter[str] = collections.Counter()
         self.redealt: collections.Counter[str] = collections.Counter()
         self.waited: collections.Counter[str] = collections.Counter()
+        #: the consumers' own waits: what each connection's reported total grew by, summed per label
+        self.run_waited: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.dropped_equal = 0
 
 

@@ -585,6 +585,11 @@ class _ServiceCollector:
             "Seconds a consumer had room for a batch and the service had none for it",
             labels=["source", "consumer"],
         )
+        run_waited = CounterMetricFamily(
+            "blobfeed_service_consumer_run_wait_seconds",
+            "Seconds the consumer's run() waited for a batch, as the consumer reported it with its acknowledgements",
+            labels=["source", "consumer"],
+        )
         for name, s in list(self._server.sources.items()):
             consumers.add_metric([name], s.connected)
             c = s.counts
@@ -593,6 +598,9 @@ class _ServiceCollector:
                     fams[k].add_metric([name, label], v)
             for label, v in list(c.waited.items()):
                 waited.add_metric([name, label], v)
+            for label, secs in list(c.run_waited.items()):
+                run_waited.add_metric([name, label], secs)
         yield consumers
         yield from fams.values()
         yield waited
+        yield run_waited

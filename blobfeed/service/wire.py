@@ -27,14 +27,15 @@ import numpy as np
 
 __all__ = [
     "MAX_ITEMS", "MAX_RECORD", "PROTOCOL", "Channel", "WireError", "batch_items", "check", "decode_record",
-    "dtype_from_wire", "dtype_to_wire", "freed_slots",
+    "dtype_from_wire", "dtype_to_wire", "freed_slots", "seconds",
 ]
 
-#: the version a consumer and a service must share (3: a batch may lie in
-#: the source's arena, handed over once in an ``arena`` record; 2:
+#: the version a consumer and a service must share (4: ``ack`` and ``bye``
+#: carry the seconds the consumer's run() has waited so far; 3: a batch may
+#: lie in the source's arena, handed over once in an ``arena`` record; 2:
 #: ``batches`` carry several batches, ``ack`` is cumulative and frees
 #: slots; 1 had one record per batch, per acknowledgement and per freed slot)
-PROTOCOL = 3
+PROTOCOL = 4
 #: batches one ``batches`` record may carry, slots one ``ack`` may free
 MAX_ITEMS = 1024
 #: the longest record either end accepts
@@ -157,6 +158,9 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+#: a field's type: a number of seconds (see :func:`seconds`)
+_SECONDS = object()
+
 #: per kind, each field's type (bool is never an int here)
 _FIELDS: dict[str, dict[str, Any]] = {
     # consumer -> service
@@ -164,10 +168,13 @@ _FIELDS: dict[str, dict[str, Any]] = {
         "protocol": int, "source": str, "blobs": list, "batch_size": int, "index": (int, type(None)),
         "num": (int, type(None)), "pid": int,
     },
-    # everything up to item g (-1: nothing new) was returned by run(); these slots are free
-    "ack": {"g": int, "slots": list},
+    # everything up to item g (-1: nothing new) was returned by run(); these
+    # slots are free; run() has waited this many seconds in all for this
+    # attachment's batches (never less than in the consumer's last record)
+    "ack": {"g": int, "slots": list, "waited": _SECONDS},
     "state": {},
-    "bye": {},
+    # it leaves; run()'s wait in all, as in "ack" (its last wait, for the end, came after the last ack)
+    "bye": {"waited": _SECONDS},
     # service -> consumer
     "welcome": {"consumer": int, "slots": int, "slot_bytes": int, "epoch": int, "service": str},
     "refused": {"error": str, "kind": str},
@@ -212,6 +219,16 @@ def batch_items(record: dict[str, Any], peer: str) -> list[list[Any]]:
     return items
 
 
+def seconds(value: Any, where: str) -> float:
+    """``value`` as a number of seconds: an int or a float (never a bool),
+    finite, from 0 up to 2**62 (JSON lets NaN and Infinity through);
+    else :class:`WireError` starting with ``where``."""
+    # NaN fails both comparisons
+    if type(value) not in (int, float) or not 0 <= value < 2**62:
+        raise WireError(f"{where} is not a number of seconds (finite, >= 0): {str(value)[:24]}")
+    return float(value)
+
+
 def check(record: dict[str, Any], kinds: Sequence[str], peer: str) -> dict[str, Any]:
     """``record`` if it is one of ``kinds`` with exactly the fields that
     kind has, each of its type; else :class:`WireError`."""
@@ -226,6 +243,9 @@ def check(record: dict[str, Any], kinds: Sequence[str], peer: str) -> dict[str, 
         if name not in record:
             raise WireError(f"{peer} sent a {kind!r} record without {name!r}")
         value = record[name]
+        if typ is _SECONDS:
+            record[name] = seconds(value, f"{peer} sent a {kind!r} record whose {name!r}")
+            continue
         if isinstance(value, bool) or not isinstance(value, typ):
             raise WireError(f"{peer} sent a {kind!r} record whose {name!r} is {type(value).__name__}")
         if isinstance(value, int) and not -(2**62) < value < 2**62:

@@ -26,6 +26,9 @@ def main() -> int:
     p.add_argument("--check-rows", action="store_true", help="each row of x holds its id throughout (exit 6 if not)")
     p.add_argument("--hold-after", type=int, default=None,
                    help="after this many batches, wait (up to 60 s) for SIGUSR1 before the next run()")
+    p.add_argument("--source", default="train")
+    p.add_argument("--report-wait", action="store_true",
+                   help="after detaching, a last line with the seconds run() waited in all, as this process measured")
     a = p.parse_args()
     if a.hold_after is not None:
         # blocked in every thread (they inherit it), so sigtimedwait takes it
@@ -38,7 +41,7 @@ def main() -> int:
 
         try:
             att = blobfeed.attach_source(
-                net, ["id", "x"], a.batch_size, "train", a.address, consumer_index=a.index,
+                net, ["id", "x"], a.batch_size, a.source, a.address, consumer_index=a.index,
                 num_consumers=a.num, timeout=a.timeout,
             )
         except (ValueError, blobfeed.BlobfeedError) as err:
@@ -76,6 +79,8 @@ def main() -> int:
             return 4
         finally:
             att.stop()
+            if a.report_wait:
+                line({"waited": att.feed.consume_stats.wait.total})
     return 0
 
 

@@ -123,8 +123,10 @@ def consume(address: str, index: int | None = None, num: int | None = None) -> d
         "read_only": True,
     }
     with blobfeed.attach_source(net, ["id", "x"], 8, "train", address, consumer_index=index, num_consumers=num,
-                                timeout=WAIT):
+                                timeout=WAIT) as att:
         _run(net, out, None)
+    # what its run() waited in all, as this process measured it (the bye told the service)
+    out["waited"] = att.feed.consume_stats.wait.total
     return out
 
 
@@ -179,6 +181,8 @@ def test_by_index_across_nodes_is_exactly_the_stream_of_four_nets_in_one_process
     assert sorted(flat(*streams)) == feeds.all_ids(4)
     assert streams == local_streams(4, 1, deterministic=True)
     assert stats["acknowledged"] == {str(i): len(s) for i, s in enumerate(streams)}
+    # each consumer's own wait, as its acknowledgements and bye reported it
+    assert stats["run_waited"] == {str(i): pytest.approx(o["waited"], rel=1e-9, abs=1e-9) for i, o in enumerate(outs)}
 
 
 def test_first_come_with_ray_actors_as_workers_is_exactly_once(cluster: Any) -> None:

@@ -333,7 +333,7 @@ def test_a_stranger_sending_garbage_is_refused_and_the_service_keeps_serving(cap
         # a valid hello, then an acknowledgement of something never sent
         net = blobfeed.Net(None)
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address) as att:
-            att._send({"t": "ack", "g": 12345, "slots": []})
+            att._send({"t": "ack", "g": 12345, "slots": [], "waited": 0.0})
             with pytest.raises(blobfeed.ServiceError):
                 for _ in range(10_000):
                     net.run(timeout=10)
@@ -493,7 +493,7 @@ def test_an_acknowledgement_sent_just_before_the_consumer_died_with_batches_unre
         first = record["items"][0][0] if record["t"] == "batches" else record["g"]
         # the service fills the other slots meanwhile: they stay unread
         wait_for(lambda: sum(server.sources["train"].counts.delivered.values()) >= 4, 10, "the slots filled")
-        s.send(json.dumps({"t": "ack", "g": first, "slots": []}).encode())
+        s.send(json.dumps({"t": "ack", "g": first, "slots": [], "waited": 0.0}).encode())
         s.close()  # as a SIGKILL would, with batches unread
         wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
         assert sum(server.sources["train"].counts.acknowledged.values()) == 1
@@ -548,22 +548,23 @@ def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> N
 
 
 def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
-    """Protocol 3 changed the records (batches in the source's arena; 2:
-    batches together, cumulative acks carrying the freed slots): a peer of
-    an older protocol is told so, not fed."""
+    """Protocol 4 changed the records (acks carry the consumer's wait; 3:
+    batches in the source's arena; 2: batches together, cumulative acks
+    carrying the freed slots): a peer of an older protocol is told so, not
+    fed."""
     from blobfeed.service.wire import PROTOCOL
 
-    assert PROTOCOL == 3
+    assert PROTOCOL == 4
     with served(2) as server:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(10)
         s.connect(server.address)
-        s.send(json.dumps({"t": "hello", "protocol": 2, "source": "train", "blobs": ["id", "x"],
+        s.send(json.dumps({"t": "hello", "protocol": 3, "source": "train", "blobs": ["id", "x"],
                            "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
         reply = json.loads(s.recv(1 << 16))
         s.close()
     assert reply["t"] == "refused"
-    assert "protocol 2 (this service speaks 3): upgrade blobfeed on one side" in reply["error"]
+    assert "protocol 3 (this service speaks 4): upgrade blobfeed on one side" in reply["error"]
 
 
 def _hostile_hello(address: str, index: int) -> tuple[socket.socket, list[int]]:

@@ -264,11 +264,12 @@ def test_a_stranger_on_the_tcp_port_is_refused_and_the_service_keeps_serving(
         # after a valid hello: a frame with payload, an acknowledgement of
         # nothing sent, a slot it does not hold, a record cut short
         lies = [
-            (frame({"t": "ack", "g": -1, "slots": [0]}, payload=b"x" * 64), "announced 64 bytes of payload"),
-            (frame({"t": "ack", "g": 12345, "slots": []}), "acknowledged items up to 12345"),
-            (frame({"t": "ack", "g": -1, "slots": [99]}), "freed slot 99, which it does not hold"),
-            (frame({"t": "ack", "g": -1, "slots": ["0"]}), "slots are not a list of at most"),
-            (frame({"t": "ack", "g": -1, "slots": [0]}, size=1000), "inside a record"),
+            (frame({"t": "ack", "g": -1, "slots": [0], "waited": 0.0}, payload=b"x" * 64),
+             "announced 64 bytes of payload"),
+            (frame({"t": "ack", "g": 12345, "slots": [], "waited": 0.0}), "acknowledged items up to 12345"),
+            (frame({"t": "ack", "g": -1, "slots": [99], "waited": 0.0}), "freed slot 99, which it does not hold"),
+            (frame({"t": "ack", "g": -1, "slots": ["0"], "waited": 0.0}), "slots are not a list of at most"),
+            (frame({"t": "ack", "g": -1, "slots": [0], "waited": 0.0}, size=1000), "inside a record"),
         ]
         for data, expected in lies:
             net = blobfeed.Net(None)
@@ -532,7 +533,7 @@ def test_an_acknowledgement_sent_just_before_a_tcp_consumer_died_with_batches_un
         first = read_frame(s)
         assert first["t"] == "batch"
         wait_for(lambda: sum(server.sources["train"].counts.delivered.values()) >= 4, 10, "the slots filled")
-        s.sendall(frame({"t": "ack", "g": first["g"], "slots": []}))
+        s.sendall(frame({"t": "ack", "g": first["g"], "slots": [], "waited": 0.0}))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a death
         s.close()
         wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
