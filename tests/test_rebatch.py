@@ -635,3 +635,81 @@ def test_shuffle_rest_at_the_end_leaves_as_room_allows() -> None:
         assert ok and piece is not None
         seen.extend(piece.arrays[0])
     assert sorted(seen) == list(range(100))
+
+
+def big_chunks_axis(sizes: Sequence[int], feat_axis: int, row: int = 20_000) -> list[Chunk]:
+    """big_chunks with ``feat`` on ``feat_axis`` (0: (n, row); 1: (row, n))."""
+    out, lo = [], 0
+    for n in sizes:
+        ids = np.arange(lo, lo + n, dtype=np.int64)
+        feat = np.repeat(ids.astype(np.float32)[:, None], row, axis=1)
+        out.append(Chunk((ids, feat if feat_axis == 0 else feat.T), n, 0))
+        lo += n
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=30), min_size=0, max_size=12),
+    batch_size=st.integers(min_value=13, max_value=25),
+    resize_at=st.one_of(st.none(), st.integers(min_value=0, max_value=11)),
+    new_size=st.integers(min_value=13, max_value=25),
+    feat_axis=st.sampled_from([0, 1]),
+)
+def test_property_big_batches_filled_as_chunks_arrive_are_exact(
+    sizes: list[int], batch_size: int, resize_at: int | None, new_size: int, feat_axis: int
+) -> None:
+    """Big batches (here >= 13 rows of 80 kB: >= 1 MiB) are filled at push;
+    every sample once, in order, aligned across blobs, exact sizes, views
+    where a batch lies inside one chunk, also when the batch size changes
+    half way (reset_data_input)."""
+    rb = Rebatcher([0, feat_axis], batch_size)
+    chunks = big_chunks_axis(sizes, feat_axis)
+    out: list[Batch] = []
+    bs = batch_size
+    for k, chunk in enumerate(chunks):
+        if k == resize_at:
+            rb.batch_size = bs = new_size
+        rb.push(chunk)
+        while (b := rb.pop()) is not None:
+            assert b.n == bs
+            out.append(b)
+    last = rb.pop_partial()
+    if last is not None:
+        out.append(last)
+    assert rb.pending == 0 and rb.pop_partial() is None
+    lo = 0
+    for b in out:
+        ids, feat = b.arrays
+        rows = feat if feat_axis == 0 else feat.T
+        np.testing.assert_array_equal(ids, np.arange(lo, lo + b.n))
+        np.testing.assert_array_equal(rows[:, 0], np.arange(lo, lo + b.n, dtype=np.float32))
+        np.testing.assert_array_equal(rows[:, -1], np.arange(lo, lo + b.n, dtype=np.float32))
+        assert not ids.flags.writeable and not feat.flags.writeable
+        inside = [c for c in chunks if c.arrays[0][0] <= lo and lo + b.n <= c.arrays[0][-1] + 1]
+        if inside and resize_at is None and b.n == batch_size:
+            assert shares_all(b, inside[0])  # (an epoch's smaller last batch is filled like the others)
+        lo += b.n
+    assert lo == sum(sizes)
+
+
+def test_a_chunk_a_big_batch_spans_is_let_go_at_push() -> None:
+    """Its piece is copied into the batch as it arrives: the chunk (in a
+    worker's shared-memory slot, with process workers) is not held until
+    the batch is complete."""
+    import weakref
+
+    rb = Rebatcher([0, 0], 16)
+    chunks = big_chunks([5, 6, 7])
+    refs = [weakref.ref(c.arrays[1]) for c in chunks]
+    for c in chunks[:2]:
+        rb.push(c)
+    del c
+    chunks = chunks[2:]
+    assert refs[0]() is None and refs[1]() is None  # copied: the rebatcher holds neither
+    assert rb.pop() is None and rb.pending == 11
+    rb.push(chunks[0])
+    b = rb.pop()
+    assert b is not None and list(b.arrays[0]) == list(range(16))
+    assert refs[2]() is not None  # its last two rows wait for the next batch
+    assert rb.pending == 2

@@ -160,6 +160,13 @@ class Rebatcher:
     byte is copied at most once -- not at all when a batch lies inside one
     chunk (the batch is then a view of the chunk).  Every batch's arrays are
     read-only (see :func:`_read_only`).
+
+    A big batch (1 MiB or more) that spans chunks is filled as its chunks
+    arrive: each piece is copied into the batch's buffer at :meth:`push`, and
+    the chunk is let go at once.  Holding the chunks until the batch was
+    complete kept a worker process's shared-memory slots busy (a batch of
+    small chunks holds many), so that chunks arriving meanwhile had to be
+    copied out of their slots: a second copy of up to half the bytes.
     """
 
     def __init__(self, axes: Sequence[int], batch_size: int, *, whole_chunks: bool = False) -> None:
@@ -174,6 +181,12 @@ class Rebatcher:
         self.pending = 0
         #: batches of at least this many samples are big (from the first chunk)
         self._big_at = _NEVER
+        #: the big batch being filled (an array per blob, ``_fill_bs`` samples) and its samples so far
+        self._fill: list[np.ndarray] | None = None
+        self._filled = 0
+        self._fill_bs = 0
+        #: big batches filled and not handed out yet, in order (before everything in _pieces)
+        self._done: collections.deque[list[np.ndarray]] = collections.deque()
 
     def push(self, chunk: Chunk) -> None:
         self._pieces.append([chunk.arrays, 0, chunk.n, chunk.pin])
@@ -182,6 +195,53 @@ class Rebatcher:
             sample_bytes = sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n)
             if sample_bytes:
                 self._big_at = -(-POOL_MIN_BYTES // sample_bytes)
+        if self.big:
+            self._absorb()
+
+    def _absorb(self) -> None:
+        """Copy what is pending into big batches as far as it goes: every
+        piece that a batch spanning chunks needs is copied now, and its chunk
+        let go.  A batch that lies inside one chunk stays a view."""
+        bs = self.batch_size
+        if self._fill is not None and self._fill_bs != bs:
+            self._unfill()
+        pieces = self._pieces
+        while pieces:
+            head = pieces[0]
+            arrays, start, n, _ = head
+            if self._fill is None:
+                if n - start >= bs:
+                    return  # the next batch is a view of this chunk
+                layout = []
+                for a, ax in zip(arrays, self.axes):
+                    shape = list(a.shape)
+                    shape[ax] = bs
+                    layout.append((tuple(shape), a.dtype))
+                self._fill, self._filled, self._fill_bs = self._pool.batch(layout), 0, bs
+            fill, filled = self._fill, self._filled
+            take = min(bs - filled, n - start)
+            for sl, dst, src in zip(self._slicers, fill, arrays):
+                np.copyto(sl(dst, filled, filled + take), sl(src, start, start + take), casting="no")
+            self._filled = filled + take
+            if start + take == n:
+                pieces.popleft()
+            else:
+                head[1] = start + take
+            if self._filled == bs:
+                self._done.append(fill)
+                self._fill = None
+
+    def _unfill(self) -> None:
+        """The batch size changed: what was filled goes back to the head of
+        the pending pieces, in order, to be cut at the new size."""
+        back = [(f, self._fill_bs) for f in self._done]
+        if self._fill is not None:
+            back.append((self._fill, self._filled))
+        for fill, k in reversed(back):
+            arrays = tuple([sl(f, 0, k) for sl, f in zip(self._slicers, fill)])
+            self._pieces.appendleft([arrays, 0, k, None])
+        self._done.clear()
+        self._fill = None
 
     def use_memory(self, memory: BatchMemory | None) -> None:
         """Assemble big batches in ``memory`` while it has room (a served
@@ -204,10 +264,7 @@ class Rebatcher:
         bs = self.batch_size  # once: another thread may reset it (reset_data_input)
         if self.pending < bs:
             return None
-        views, parts = self._cut(bs)
-        if views is not None:
-            return Batch(_read_only(views), bs)
-        return self._join(parts, bs)  # type: ignore[arg-type]
+        return self._take(bs)
 
     def pop_partial(self) -> Batch | None:
         """Everything pending as one (smaller) batch, or None when empty."""
@@ -220,6 +277,8 @@ class Rebatcher:
         number of samples discarded."""
         n = self.pending
         self._pieces.clear()
+        self._done.clear()
+        self._fill = None
         self.pending = 0
         return n
 
@@ -254,7 +313,19 @@ class Rebatcher:
         return self._join(parts, bs)  # type: ignore[arg-type]
 
     def _cut(self, bs: int) -> tuple[tuple[np.ndarray, ...] | None, list[list[np.ndarray]] | None]:
-        """(views, None) when the batch lies inside one chunk, else (None, parts)."""
+        """(views, None) when the batch lies inside one chunk or was filled
+        already, else (None, parts)."""
+        if self._done or self._fill is not None:
+            if self._done and bs == self._fill_bs:
+                self.pending -= bs
+                return tuple(self._done.popleft()), None
+            fill = self._fill
+            if fill is not None and not self._done and bs == self._filled and not self._pieces:
+                # the rest at an epoch's end (pop_partial): what was filled
+                self._fill = None
+                self.pending -= bs
+                return tuple([sl(f, 0, bs) for sl, f in zip(self._slicers, fill)]), None
+            self._unfill()  # another size (the batch size changed): cut below
         head = self._pieces[0]
         arrays, start, n, pin = head
         self.pending -= bs
