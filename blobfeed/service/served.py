@@ -3,9 +3,10 @@
 The source is wired as it would be in one process, by
 ``init_data_input_workers`` on a coordinator of the service's own, into
 nets that only dequeue: one per consumer index when the source is dealt by
-index (``num_consumers=n``: the dealer gives batch *i* to net *i mod n*,
-exactly as it does for *n* nets in one process), else one net whose batches
-go to whichever consumer is ready first.  A consumer connection takes its
+index (``num_consumers=n``: with ``deterministic=True`` the dealer gives
+batch *i* to net *i mod n*, otherwise each net takes chunks as they come,
+exactly as for *n* nets in one process), else one net whose batches go to
+whichever consumer is ready first.  A consumer connection takes its
 batches from its *outlet* (:class:`IndexOutlet`, :class:`SharedOutlet`) and
 acknowledges each one when its ``run()`` returned it; only then is the
 inner net told it returned the batch, so the source's position (its

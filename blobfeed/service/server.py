@@ -188,11 +188,14 @@ class FeedServer:
         the consumers that attach to ``name``.
 
         Args:
-            num_consumers: deal by index: batch *i* goes to the consumer with
-                ``consumer_index == i % num_consumers`` (with
-                ``deterministic=True``: the same on every run, exactly as
-                ``num_consumers`` nets in one process).  None: first come,
-                first served.
+            num_consumers: deal by index: each consumer index has a net of
+                its own (what a consumer leaves unacknowledged waits for its
+                index).  With ``deterministic=True`` batch *i* goes to the
+                consumer with ``consumer_index == i % num_consumers``, the
+                same on every run, exactly as ``num_consumers`` nets in one
+                process; without it each index's net takes chunks as they
+                come (a faster consumer gets more; ``equal=True`` evens the
+                counts).  None: first come, first served.
             equal: every consumer gets the same number of batches per epoch
                 (the last incomplete round is dropped and counted; needs
                 ``num_consumers``).

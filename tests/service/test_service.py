@@ -614,3 +614,46 @@ def test_a_consumer_cannot_shrink_or_write_the_shared_memory_it_is_handed(tmp_pa
     finally:
         p.kill()
         p.wait(10)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dealt_by_index_a_share_follows_the_speed_unless_deterministic(deterministic: bool) -> None:
+    """num_consumers gives each index a net of its own.  Without
+    deterministic=True each takes the source's chunks as they come (as n
+    nets in one process): a rank that runs alone takes most batches.  With
+    it, batch i goes to consumer i % n: the rank alone gets its own batches,
+    then nothing until the other takes its turn."""
+    # 3 slots: what rank 0's connection takes ahead of its run() is small (~5 of ~50 batches)
+    with served(2, num_consumers=2, slots=3, deterministic=deterministic) as server:
+        nets = [blobfeed.Net(None, name=f"rank{i}") for i in range(2)]
+        atts = [blobfeed.attach_source(nets[i], ["id", "x"], 8, "train", server.address, consumer_index=i)
+                for i in range(2)]
+        try:
+            got: list[list[list[int]]] = [[], []]
+            with pytest.raises(blobfeed.DequeueTimeout if deterministic else blobfeed.EndOfInput):
+                for _ in range(100):
+                    got[1].append(nets[1].run(timeout=0.5 if deterministic else 20)["id"].tolist())
+            alone = len(got[1])
+
+            def drain(i: int) -> None:  # each rank in its own thread, as each in its process
+                while True:
+                    try:
+                        got[i].append(nets[i].run(timeout=20)["id"].tolist())
+                    except blobfeed.EndOfInput:
+                        return
+
+            threads = [threading.Thread(target=drain, args=(i,)) for i in range(2 if deterministic else 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads)
+        finally:
+            for a in atts:
+                a.stop()
+    total = len(got[0]) + len(got[1])
+    if deterministic:
+        assert 0 < alone <= 12 and abs(len(got[0]) - len(got[1])) <= 1
+    else:
+        assert alone > total // 2 + 5
+    assert sorted(i for g in got for b in g for i in b) == feeds.all_ids(2)
