@@ -523,7 +523,7 @@ def test_big_spanning_batches_kept_by_the_user_are_never_overwritten() -> None:
         assert type(b.arrays[1]) is np.ndarray
 
 
-def _pipeline_faults_per_batch() -> tuple[float, int]:
+def _pipeline_faults_per_batch(**kw: Any) -> tuple[float, int]:
     """Page faults per batch of a W2-like pipeline (chunks of 1..16 images,
     batches of 64 spanning chunks), and the pages of one batch."""
     import resource
@@ -539,7 +539,7 @@ def _pipeline_faults_per_batch() -> tuple[float, int]:
 
     gc = blobfeed.GlobalCoordinator()
     net = blobfeed.Net(name="n")
-    blobfeed.init_data_input_workers(net, ["x", "y"], fetch, 64, coordinator=gc, seed=0)
+    blobfeed.init_data_input_workers(net, ["x", "y"], fetch, 64, coordinator=gc, seed=0, **kw)
     gc.start()
     try:
         for _ in range(50):
@@ -560,6 +560,26 @@ def test_big_spanning_batches_reuse_warm_memory() -> None:
     batch, and a third of the throughput)."""
     faults, pages = _pipeline_faults_per_batch()
     assert faults < pages * 0.05, f"{faults:.0f} page faults per batch of {pages} pages"
+
+
+def test_a_size_class_pool_reuses_one_buffer_for_chunks_of_different_sizes() -> None:
+    """Chunks copied out of a worker's slots (see _SlotRing.hold) have a
+    varying row count; into fresh pages that copy cost three times the copy
+    (W2p: 6-13 % of the batches/s).  The receiver's pool rounds sizes up to
+    a power of two, so chunks of 9 to 13 images share warm buffers."""
+    from blobfeed.feeders.rebatch import BufferPool
+
+    pool = BufferPool(size_classes=True)
+    image = (3, 224, 224)
+    seen = set()
+    for n in [9, 13, 12, 10, 11] * 10:  # 1.35-1.96 MB: one class of 2 MiB
+        arrays = pool.batch([((n, *image), np.dtype(np.uint8)), ((n,), np.dtype(np.int64))])
+        assert arrays[0].shape == (n, *image) and arrays[1].shape == (n,)
+        seen.add(arrays[0].__array_interface__["data"][0])
+        del arrays  # the chunk was taken into a batch: its buffer comes back
+    assert len(seen) == 1
+    small = pool.batch([((3,), np.dtype(np.int64))])
+    assert small[0].base.nbytes == 1 << 16  # the smallest class
 
 
 def test_buffer_pool_lets_go_of_spares_a_window_never_needed() -> None:

@@ -25,6 +25,7 @@ pickles or unpickles: each transport does that its own way.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -134,7 +135,7 @@ def read_arrays(root: np.ndarray | None, packed: Arrays) -> list[np.ndarray] | t
     as some view of it does."""
     arrays = []
     for dt, shape, off in packed.meta:
-        n = int(np.prod(shape)) * np.dtype(dt).itemsize
+        n = math.prod(shape) * np.dtype(dt).itemsize
         flat = root[off:off + n] if root is not None and n else np.empty(0, np.uint8)
         arrays.append(flat.view(dt).reshape(shape))
     return tuple(arrays) if packed.as_tuple else arrays
@@ -142,7 +143,8 @@ def read_arrays(root: np.ndarray | None, packed: Arrays) -> list[np.ndarray] | t
 
 def packed_nbytes(packed: Arrays) -> int:
     """Bytes of the buffer the arrays of ``packed`` span."""
-    return max((off + int(np.prod(shape)) * np.dtype(dt).itemsize for dt, shape, off in packed.meta), default=0)
+    # math.prod, not np.prod: a fifth of the parent's interpreter time per chunk went to np.prod's dispatch
+    return max((off + math.prod(shape) * np.dtype(dt).itemsize for dt, shape, off in packed.meta), default=0)
 
 
 class Unsendable:

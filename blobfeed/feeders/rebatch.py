@@ -62,7 +62,10 @@ class BufferPool:
     enqueuer assembles every big batch).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, size_classes: bool = False) -> None:
+        #: round each request up to a power of two: for buffers of many
+        #: sizes (chunks of a varying row count), so that they are reused
+        self._size_classes = size_classes
         self._free: dict[int, list[np.ndarray]] = {}
         self._returned: "queue.SimpleQueue[weakref.ref[np.ndarray]]" = queue.SimpleQueue()
         #: by id of the weak reference to a batch's root array (a weak
@@ -82,6 +85,8 @@ class BufferPool:
             offsets.append(total)
             nbytes = math.prod(shape) * dtype.itemsize
             total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if self._size_classes:
+            total = max(1 << (max(total, 1) - 1).bit_length(), 1 << 16)
         if self.memory is not None:
             root = self.memory.take(total)
             if root is not None:
