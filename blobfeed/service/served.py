@@ -124,10 +124,16 @@ def _dequeue(source: "ServedSource", feed: "Feed", timeout: float) -> Any:
         return None
     except FetcherError as err:
         return End(err)
-    except EndOfInput as end:
+    except EndOfInput:
         if source.error is not None:
             return End(source.error)
-        return End(end if source.stopped else None)
+        if source.stopped:
+            # the service stops (its stop raced the consumer's "stopped"
+            # record): consumers hear that, not a worker's error
+            stopped = EndOfInput(f"source {source.name!r}: the service stopped")
+            stopped.service_stop = True  # type: ignore[attr-defined]
+            return End(stopped)
+        return End(None)
 
 
 class IndexOutlet:

@@ -657,3 +657,30 @@ def test_dealt_by_index_a_share_follows_the_speed_unless_deterministic(determini
     else:
         assert alone > total // 2 + 5
     assert sorted(i for g in got for b in g for i in b) == feeds.all_ids(2)
+
+
+def test_a_source_ended_by_the_service_s_stop_reaches_the_consumer_as_stopped() -> None:
+    """When the stop ends the inner nets' feeds before the connection told
+    its consumer "stopped", the sender hands on the end it dequeued: it went
+    out as a worker's error ("fetcher", the consumer raised FetcherError
+    with a queue's message) instead of the service's stop."""
+    from blobfeed.service.connection import Connection
+    from blobfeed.service.served import _dequeue
+
+    class Feed:
+        device_queue = type("Q", (), {"qsize": staticmethod(lambda: 1)})()
+
+        def dequeue(self, timeout: float) -> None:
+            raise blobfeed.EndOfInput("queue 'train/consumer-0' is closed and drained")
+
+    source = type("S", (), {"error": None, "stopped": True, "name": "train"})()
+    end = _dequeue(source, Feed(), 0.1)  # type: ignore[arg-type]
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn = Connection(a, 0, lambda name: None, dict, "service at x")
+        conn._end(end)
+        record = json.loads(b.recv(1 << 16))
+    finally:
+        a.close()
+        b.close()
+    assert record["kind"] == "stopped" and "the service stopped" in record["error"]
