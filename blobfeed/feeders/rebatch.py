@@ -7,13 +7,13 @@ import math
 import mmap
 import queue
 import weakref
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from .chunks import Batch, Chunk
 
-__all__ = ["BatchMemory", "BufferPool", "Cut", "Rebatcher"]
+__all__ = ["BatchMemory", "BufferPool", "Cut", "Rebatcher", "died"]
 
 #: batches at least this big are assembled into recycled buffers
 POOL_MIN_BYTES = 1 << 20
@@ -23,6 +23,16 @@ POOL_KEEP = 8
 POOL_WINDOW = 64
 _NEVER = 1 << 62
 _ALIGN = 64
+
+
+def died(returned: "queue.SimpleQueue[weakref.ref[Any]]") -> Iterator["weakref.ref[Any]"]:
+    """The weak references their callbacks put on ``returned`` so far (its
+    referents died), without waiting."""
+    while True:
+        try:
+            yield returned.get_nowait()
+        except queue.Empty:
+            return
 
 
 class BatchMemory(Protocol):
@@ -115,11 +125,7 @@ class BufferPool:
         ]
 
     def _collect(self) -> None:
-        while True:
-            try:
-                ref = self._returned.get_nowait()
-            except queue.Empty:
-                return
+        for ref in died(self._returned):
             _, total, mem = self._out.pop(id(ref))
             free = self._free.setdefault(total, [])
             if len(free) < POOL_KEEP:

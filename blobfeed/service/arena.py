@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..feeders.rebatch import died
 from .slots import sealed_memfd
 
 __all__ = ["SourceArena", "consumer_pidfd"]
@@ -118,11 +119,7 @@ class SourceArena:
         return True
 
     def _collect(self) -> None:
-        while True:
-            try:
-                ref = self._returned.get_nowait()
-            except queue.Empty:
-                return
+        for ref in died(self._returned):
             entry = self._out.pop(id(ref), None)
             if entry is not None:
                 self._free.append(entry[1])

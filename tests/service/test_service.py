@@ -567,8 +567,9 @@ def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
     assert "protocol 3 (this service speaks 4): upgrade blobfeed on one side" in reply["error"]
 
 
-def _hostile_hello(address: str, index: int) -> tuple[socket.socket, list[int]]:
-    """Attach by hand as consumer ``index``: the welcome's descriptors, kept."""
+def hand_hello(address: str, index: int | None = None) -> tuple[socket.socket, list[int]]:
+    """Attach by hand (as consumer ``index``; None: first come): the socket
+    after the welcome, and the descriptors that came with it (the caller's)."""
     from blobfeed.service.wire import PROTOCOL
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -592,7 +593,7 @@ def test_a_consumer_cannot_shrink_or_write_the_shared_memory_it_is_handed(tmp_pa
 
     p, sock = _serve_cli(tmp_path, env={"N": "2", "BLOBFEED_TEST_CALLS": "100000"})
     try:
-        s, fds = _hostile_hello(sock, 0)
+        s, fds = hand_hello(sock, 0)
         assert fds, "the welcome carries the slots' descriptor"
         size = os.fstat(fds[0]).st_size
         with pytest.raises(PermissionError):

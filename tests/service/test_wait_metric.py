@@ -28,6 +28,7 @@ from blobfeed.service import FeedServer
 from blobfeed.service.wire import PROTOCOL, WireError, check
 
 from . import feeds
+from .test_service import hand_hello
 from .test_service import consumer, finish, lines, wait_for
 
 RUN_WAIT = "blobfeed_service_consumer_run_wait_seconds"
@@ -126,16 +127,9 @@ def test_the_wire_takes_a_wait_as_a_float_and_requires_it() -> None:
 
 def _hello(address: str) -> socket.socket:
     """Attach by hand (first come): the welcome read, its descriptors closed."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(10)
-    s.connect(address)
-    s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
-                       "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
-    data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
-    for _level, _kind, d in ancdata:
-        for k in range(0, len(d) - len(d) % 4, 4):
-            os.close(int.from_bytes(d[k:k + 4], sys.byteorder))
-    assert json.loads(data)["t"] == "welcome"
+    s, fds = hand_hello(address)
+    for fd in fds:
+        os.close(fd)
     return s
 
 
