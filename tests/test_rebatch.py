@@ -675,9 +675,10 @@ def big_chunks_axis(sizes: Sequence[int], feat_axis: int, row: int = 20_000) -> 
     resize_at=st.one_of(st.none(), st.integers(min_value=0, max_value=11)),
     new_size=st.integers(min_value=13, max_value=25),
     feat_axis=st.sampled_from([0, 1]),
+    pop_every=st.booleans(),
 )
 def test_property_big_batches_filled_as_chunks_arrive_are_exact(
-    sizes: list[int], batch_size: int, resize_at: int | None, new_size: int, feat_axis: int
+    sizes: list[int], batch_size: int, resize_at: int | None, new_size: int, feat_axis: int, pop_every: bool
 ) -> None:
     """Big batches (here >= 13 rows of 80 kB: >= 1 MiB) are filled at push;
     every sample once, in order, aligned across blobs, exact sizes, views
@@ -691,7 +692,7 @@ def test_property_big_batches_filled_as_chunks_arrive_are_exact(
         if k == resize_at:
             rb.batch_size = bs = new_size
         rb.push(chunk)
-        while (b := rb.pop()) is not None:
+        while (pop_every or k == len(chunks) - 1) and (b := rb.pop()) is not None:
             assert b.n == bs
             out.append(b)
     last = rb.pop_partial()
@@ -733,3 +734,28 @@ def test_a_chunk_a_big_batch_spans_is_let_go_at_push() -> None:
     assert b is not None and list(b.arrays[0]) == list(range(16))
     assert refs[2]() is not None  # its last two rows wait for the next batch
     assert rb.pending == 2
+
+
+def test_a_filled_batch_waiting_when_the_batch_size_grows_is_cut_again() -> None:
+    """Found by review: a big batch filled and waiting (its fill ended on a
+    chunk's end), then a larger batch size (reset_data_input) before it was
+    handed out: the next push started a fill of the new size, and the
+    waiting batch of 14 went out labelled 16, its samples counted twice and
+    two later ones lost."""
+    rb = Rebatcher([0, 0], 14)
+    chunks = big_chunks_axis([7, 7, 7, 7, 7], 0)
+    rb.push(chunks[0])
+    rb.push(chunks[1])  # one batch of 14 filled, nothing being filled
+    rb.batch_size = 16
+    assert rb.pop() is None  # 14 pending
+    out = []
+    for c in chunks[2:]:
+        rb.push(c)
+        while (b := rb.pop()) is not None:
+            out.append(b)
+    last = rb.pop_partial()
+    assert last is not None
+    out.append(last)
+    assert [b.n for b in out] == [16, 16, 3]
+    assert [i for b in out for i in b.arrays[0]] == list(range(35))
+    assert all(len(b.arrays[0]) == b.n == len(b.arrays[1]) for b in out)

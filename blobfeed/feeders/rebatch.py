@@ -214,8 +214,8 @@ class Rebatcher:
         piece that a batch spanning chunks needs is copied now, and its chunk
         let go.  A batch that lies inside one chunk stays a view."""
         bs = self.batch_size
-        if self._fill is not None and self._fill_bs != bs:
-            self._unfill()
+        if (self._fill is not None or self._done) and self._fill_bs != bs:
+            self._unfill()  # filled at another size: cut again at this one
         pieces = self._pieces
         while pieces:
             head = pieces[0]
