@@ -69,8 +69,10 @@ class SourceArena:
         self._returned: "queue.SimpleQueue[weakref.ref[np.ndarray]]" = queue.SimpleQueue()
         #: id(weakref) -> (weakref, slot)
         self._out: dict[int, tuple["weakref.ref[np.ndarray]", int]] = {}
-        #: (pidfd, what a departed consumer may still view): kept until it exits
-        self._parked: list[tuple[int, list[Any]]] = []
+        #: per consumer process that left viewing batches: [its pidfd, those
+        #: batches], kept until it exits (one pidfd per process, however
+        #: often it attached)
+        self._parked: dict[int, list[Any]] = {}
         #: (dtype, shape, offset) of each array -> the batch entry's JSON for them
         self._layouts: dict[tuple[Any, ...], str] = {}
         self._closed = False
@@ -153,34 +155,46 @@ class SourceArena:
             text = self._layouts[k] = json.dumps([[d, list(s), o] for d, s, o in key], separators=(",", ":"))
         return slot, text
 
-    def park(self, pidfd: int, lent: list[Any]) -> None:
-        """A consumer left while viewing ``lent`` (batches of this arena):
-        they stay taken until its process, ``pidfd``, has exited (-1: not
-        known: until the arena closes).  Owns ``pidfd`` from here."""
+    def park(self, pid: int, pidfd: int, lent: list[Any]) -> None:
+        """A consumer left while it may still view ``lent`` (batches of this
+        arena its ``run()`` returned): they stay taken until its process
+        ``pid`` (``pidfd``; -1: none could be had: until the arena closes;
+        -2: it exited already) has exited.  Owns ``pidfd`` from here."""
         with self._lock:
-            if self._closed or pidfd == -2:  # -2: it has exited already
+            if self._closed or pidfd == -2:
                 if pidfd >= 0:
                     os.close(pidfd)
                 return
-            self._parked.append((pidfd, lent))
+            parked = self._parked.get(pid)
+            if parked is None:
+                self._parked[pid] = [pidfd, lent]
+                return
+            if pidfd >= 0:
+                if parked[0] < 0:
+                    parked[0] = pidfd
+                else:
+                    os.close(pidfd)  # the process's first one serves
+            parked[1].extend(lent)
 
     def _reap(self) -> None:
         """Let go of what consumers that exited since had kept (under the lock)."""
-        keep = []
-        for pidfd, lent in self._parked:
-            if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:
-                os.close(pidfd)  # it exited: its mapping went with it
-            else:
-                keep.append((pidfd, lent))
-        self._parked = keep
+        poller = select.poll()  # not select(): descriptors may pass 1023
+        for pidfd, _ in self._parked.values():
+            if pidfd >= 0:
+                poller.register(pidfd, select.POLLIN)
+        gone = {fd for fd, _ in poller.poll(0)}
+        for pid, (pidfd, _) in list(self._parked.items()):
+            if pidfd in gone:
+                os.close(pidfd)  # it exited: its mappings went with it
+                del self._parked[pid]
 
     def close(self) -> None:
         """No more slots are handed out; the memory goes with the last batch that views it."""
         with self._lock:
             self._closed = True
-            parked, self._parked = self._parked, []
+            parked, self._parked = self._parked, {}
             fd, self.fd = self.fd, -1
-        for pidfd, _ in parked:
+        for pidfd, _ in parked.values():
             if pidfd >= 0:
                 os.close(pidfd)
         if fd >= 0:

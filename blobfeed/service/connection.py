@@ -113,6 +113,7 @@ class Connection:
         #: stands for, until the consumer says its views died
         self._lent: dict[int, Any] = {}
         #: the consumer's process, once it was sent the arena (see _send_arena)
+        self._peer_pid = 0
         self._pidfd = -1
         self._arena_sent = False
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
@@ -186,6 +187,23 @@ class Connection:
         self.channel.peer = self.peer
         # the slots are sized by the batches: wait for the first one
         first = self._first_item()
+        try:
+            self._welcome(first)
+        except BaseException:
+            if isinstance(first, Item):
+                self._unsent(first)  # the consumer is gone: dealt again, not lost
+            raise
+        logger.info("service: %s attached", self.peer)
+        self.sender = threading.Thread(
+            target=self._send_loop, args=(first,), name=f"blobfeed-service-send-{self.number}", daemon=True
+        )
+        self.sender.start()
+        return True
+
+    def _welcome(self, first: Item | End | None) -> None:
+        """Make the consumer's slots and send the welcome (with their descriptor)."""
+        source, outlet = self.source, self.outlet
+        assert source is not None and outlet is not None
         slot_bytes = source.slot_bytes or 0
         slots = source.slots
         if self.tcp_peer is None:
@@ -200,12 +218,6 @@ class Connection:
             )
         finally:
             self.area.close_fd()
-        logger.info("service: %s attached", self.peer)
-        self.sender = threading.Thread(
-            target=self._send_loop, args=(first,), name=f"blobfeed-service-send-{self.number}", daemon=True
-        )
-        self.sender.start()
-        return True
 
     def _admit(self, hello: dict[str, Any]) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
         if hello["protocol"] != PROTOCOL:
@@ -417,16 +429,22 @@ class Connection:
                         return
                 g = self._g
                 self._g += 1
+                recorded = False
                 located = None if arena is None else arena.locate(item.batch.arrays)
                 if located is not None:
                     # assembled in the source's arena: the consumer reads it
                     # there; its slot only stands for it (the flow control)
-                    if not self._arena_sent:
-                        self._send_arena()
                     a_slot, text = located
                     meta = None
-                    self._lent[slot] = item.batch.arrays
+                    self._lent[slot] = (g, item.batch.arrays)
                     text = f"{text},{a_slot}"  # the entry's fifth element: the arena slot
+                    if not self._arena_sent:
+                        # recorded first: should the consumer be gone, the
+                        # batch is unacknowledged (dealt again), not lost
+                        with self._lock:
+                            self._inflight.append((g, item, slot, meta))
+                        recorded = True
+                        self._send_arena()
                 elif stream:
                     meta = area.write(slot, item.batch.arrays)
                 else:
@@ -437,8 +455,9 @@ class Connection:
                         # let the inner pipeline's buffer go back to its pool
                         # at once rather than at the acknowledgement
                         item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))  # type: ignore[union-attr]
-                with self._lock:
-                    self._inflight.append((g, item, slot, meta))
+                if not recorded:
+                    with self._lock:
+                        self._inflight.append((g, item, slot, meta))
                 if stream:
                     # over TCP the bytes follow the record, from the batch's own arrays
                     record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
@@ -480,7 +499,7 @@ class Connection:
         arena = self.source.arena
         pid = struct.unpack("3i", self.channel.sock.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-        self._pidfd = consumer_pidfd(pid)
+        self._peer_pid, self._pidfd = pid, consumer_pidfd(pid)
         self.channel.send({"t": "arena", "slots": arena.slots, "slot_bytes": arena.slot_bytes}, fds=[arena.fd])
         self._arena_sent = True
 
@@ -559,6 +578,8 @@ class Connection:
         if self.sender is not None and self.sender is not threading.current_thread():
             self.sender.join(timeout=10.0)
         source, outlet, area = self.source, self.outlet, self.area
+        # what its run() never returned cannot be in the user's hands
+        not_returned = {g for g, _, _, _ in self._inflight}
         if source is not None and outlet is not None:
             with self._lock:
                 unacked = []
@@ -573,10 +594,16 @@ class Connection:
                 self._inflight.clear()
             source.release(self, outlet, unacked)
             logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
-        lent, self._lent = list(self._lent.values()), {}
+        # Batches its run() returned and it did not free yet: the user may
+        # still hold them (a net keeps its last batch), so their arena slots
+        # wait for the consumer's process to end.  The others (sent, never
+        # returned) are dealt again with the arena's bytes; their slots come
+        # back with the batch.
+        held = [arrays for g, arrays in self._lent.values() if g not in not_returned]
+        self._lent = {}
         pidfd, self._pidfd = self._pidfd, -1
-        if lent and source is not None:
-            source.arena.park(pidfd, lent)  # until the consumer's process is gone
+        if held and source is not None:
+            source.arena.park(self._peer_pid, pidfd, held)
         elif pidfd >= 0:
             os.close(pidfd)
         if area is not None:

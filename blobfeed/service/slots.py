@@ -32,7 +32,9 @@ import numpy as np
 from ..feeders.messages import align
 from .wire import WireError, dtype_from_wire, dtype_to_wire
 
-__all__ = ["ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes", "sealed_memfd"]
+__all__ = [
+    "ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes", "check_sealed", "sealed_memfd",
+]
 
 #: the largest arena a consumer maps (see arena.py): slots, and bytes of address space
 MAX_ARENA_SLOTS = 4096
@@ -41,6 +43,18 @@ MAX_ARENA_BYTES = 1 << 40
 #: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module): no new
 #: writable mapping and no write(), while the mappings made before stay writable
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+
+
+def check_sealed(fd: int, peer: str, what: str) -> None:
+    """A consumer maps only shared memory whose size is sealed: a hostile
+    service could otherwise truncate it under the consumer's views, and the
+    consumer would die of SIGBUS reading them."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as err:
+        raise WireError(f"{peer} sent {what} that is not a sealed memfd ({err})") from None
+    if seals & fcntl.F_SEAL_SHRINK == 0:
+        raise WireError(f"{peer} sent {what} that can shrink (not sealed against it)")
 
 
 def sealed_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
@@ -241,6 +255,7 @@ class ConsumerMapping:
     def __init__(self, fd: int, slots: int, slot_bytes: int, on_free: Callable[[Any], None]) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
+        check_sealed(fd, "the service", "slots")
         size = os.fstat(fd).st_size
         if size < slots * slot_bytes:
             raise WireError(f"the service's shared memory holds {size} bytes, not {slots} x {slot_bytes}")
@@ -262,6 +277,7 @@ class ConsumerMapping:
             raise WireError(f"{peer} sent an arena with {len(fds)} descriptors, not 1")
         if not (0 < slots <= MAX_ARENA_SLOTS and 64 <= slot_bytes and slots * slot_bytes <= MAX_ARENA_BYTES):
             raise WireError(f"{peer} offered an arena of {slots} slots of {slot_bytes} bytes")
+        check_sealed(fds[0], peer, "an arena")
         size = os.fstat(fds[0]).st_size
         if size < slots * slot_bytes:
             raise WireError(f"{peer}'s arena holds {size} bytes, not {slots} x {slot_bytes}")

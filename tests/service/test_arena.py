@@ -174,7 +174,7 @@ def test_a_departed_consumer_s_slots_stay_taken_until_its_process_exits() -> Non
     try:
         root = arena.take(100)
         assert root is not None
-        arena.park(consumer_pidfd(child.pid), [root[:8]])
+        arena.park(child.pid, consumer_pidfd(child.pid), [root[:8]])
         del root
         assert arena.take(100) is None  # the child lives: it may still view the slot
         child.communicate(timeout=10)  # it exits
@@ -192,7 +192,7 @@ def test_a_consumer_that_exited_already_gives_its_slots_back_at_once() -> None:
     child.wait(10)
     root = arena.take(100)
     assert root is not None
-    arena.park(consumer_pidfd(child.pid), [root])
+    arena.park(child.pid, consumer_pidfd(child.pid), [root])
     del root
     assert arena.take(100) is not None
     arena.close()
@@ -200,12 +200,12 @@ def test_a_consumer_that_exited_already_gives_its_slots_back_at_once() -> None:
 
 # -- a lying service -----------------------------------------------------------------------------
 def _consumer_mapping() -> ConsumerMapping:
-    fd = os.memfd_create("slots-test")
+    fd, mm = sealed_memfd("slots-test", 4 * 1024)
     try:
-        os.ftruncate(fd, 4 * 1024)
         return ConsumerMapping(fd, 4, 1024, lambda ref: None)
     finally:
         os.close(fd)
+        mm.close()
 
 
 @pytest.mark.parametrize("slots, slot_bytes, size, nfds, expected", [
@@ -260,3 +260,133 @@ def test_arena_batches_are_checked_like_slot_batches() -> None:
 def test_a_batch_in_an_arena_over_tcp_is_refused() -> None:
     with pytest.raises(WireError, match="a batch in an arena, over TCP"):
         StreamBuffers.views(object.__new__(StreamBuffers), 0, 8, [], "svc", 0)  # type: ignore[arg-type]
+
+
+def test_consumers_gone_before_their_first_arena_batch_lose_no_batch() -> None:
+    """Found by review: the arena record went out after the batch was taken
+    and before it was recorded as sent; a consumer gone by then (a broken
+    pipe) took the batch with it, and a first-come source's acknowledged
+    prefix stuck behind it for good."""
+    from .test_service import hand_hello
+
+    with big_served() as server:
+        for _ in range(10):
+            s, fds = hand_hello(server.address, batch_size=BATCH)
+            for fd in fds:
+                os.close(fd)
+            s.close()  # gone before its first batch
+        net = blobfeed.Net(None)
+        got: list[int] = []
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            while True:
+                try:
+                    out = net.run(timeout=20)
+                except blobfeed.EndOfInput:
+                    break
+                got.extend(out["id"].tolist())
+                del out
+    assert sorted(got) == feeds.all_ids(2)
+
+
+def test_a_consumer_gone_before_its_welcome_loses_no_batch() -> None:
+    """The first consumer's handshake takes the first batch (it sizes the
+    slots) before the welcome goes out; a consumer gone by then (the
+    welcome's send fails) took that batch with it."""
+    import json
+    import socket
+
+    from blobfeed.service.wire import PROTOCOL
+
+    with big_served() as server:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(server.address)
+        s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
+                           "batch_size": BATCH, "index": None, "num": None, "pid": os.getpid()}).encode())
+        s.close()  # before the welcome
+        net = blobfeed.Net(None)
+        got: list[int] = []
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            while True:
+                try:
+                    out = net.run(timeout=20)
+                except blobfeed.EndOfInput:
+                    break
+                got.extend(out["id"].tolist())
+                del out
+    assert sorted(got) == feeds.all_ids(2)
+
+
+def test_only_batches_run_returned_wait_for_a_departed_process_and_on_one_descriptor() -> None:
+    """Found by review: every batch a detaching consumer had been sent was
+    parked until its process exited, also those its run() never returned
+    (they cannot be in the user's hands), and each departure kept a pidfd of
+    its own: a process that attached again and again used the arena up and
+    piled descriptors.  Now only what run() returned and was not freed
+    waits (a net keeps its last batch), on one pidfd per process."""
+    with big_served(epochs=None, slots=3) as server:
+        arena = server.sources["train"].arena
+        fds_before = 0
+        for cycle in range(5):
+            if cycle == 1:  # the arena and the first pidfd are there now
+                fds_before = len(os.listdir("/proc/self/fd"))
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+                take(net)  # its other slots hold batches sent ahead, never returned
+                wait_for(lambda: sum(server.sources["train"].counts.delivered.values()) >= 3 * (cycle + 1),
+                         10, "batches sent ahead")
+            wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
+        parked = arena._parked[os.getpid()]
+        # at most each net's last batch, which the net still holds (one that
+        # came through the consumer's slots, the arena being busy, is not here)
+        assert 1 <= len(parked[1]) <= 5
+        assert len(os.listdir("/proc/self/fd")) == fds_before  # one pidfd for this process
+
+
+def test_a_consumer_s_descriptor_above_1023_is_watched_all_the_same() -> None:
+    """Found by review: parked processes were watched with select(), which
+    refuses descriptors past 1023: a busy service's next batch failed its
+    source with ValueError."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"the hard descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    arena = SourceArena("high", lambda slot_bytes: 1)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    filler: list[int] = []
+    try:
+        while not filler or filler[-1] < 1030:
+            filler.append(os.dup(0))
+        root = arena.take(100)
+        assert root is not None
+        pidfd = consumer_pidfd(child.pid)
+        assert pidfd > 1023
+        arena.park(child.pid, pidfd, [root])
+        del root
+        assert arena.take(100) is None  # watched, still alive
+        child.communicate(timeout=10)
+        assert arena.take(100) is not None
+    finally:
+        for fd in filler:
+            os.close(fd)
+        child.kill()
+        child.wait(10)
+        arena.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_consumer_refuses_shared_memory_that_can_shrink() -> None:
+    """A hostile service could truncate unsealed memory under a consumer's
+    views (SIGBUS in the consumer): slots and arena must come sealed."""
+    fd = os.memfd_create("unsealed")
+    try:
+        os.ftruncate(fd, 8192)
+        with pytest.raises(WireError, match="can shrink"):
+            ConsumerMapping(fd, 2, 4096, lambda ref: None)
+        m = _consumer_mapping()
+        with pytest.raises(WireError, match="an arena that can shrink"):
+            m.add_arena([fd], 2, 4096, "svc")
+        m.close()
+    finally:
+        os.close(fd)

@@ -523,12 +523,14 @@ def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> N
     from blobfeed.service.slots import ConsumerMapping
     from blobfeed.service.wire import WireError
 
-    fd = os.memfd_create("layout-test")
+    from blobfeed.service.slots import sealed_memfd
+
+    fd, mm = sealed_memfd("layout-test", 4 * 1024)
     try:
-        os.ftruncate(fd, 4 * 1024)
         m = ConsumerMapping(fd, 4, 1024, lambda ref: None)
     finally:
         os.close(fd)
+        mm.close()
     good = [["<f8", [8, 3], 0], ["<i8", [8], 192]]
     a, b = m.views(1, 8, good, "svc")
     assert a.shape == (8, 3) and b.shape == (8,) and not a.flags.writeable
@@ -567,7 +569,7 @@ def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
     assert "protocol 3 (this service speaks 4): upgrade blobfeed on one side" in reply["error"]
 
 
-def hand_hello(address: str, index: int | None = None) -> tuple[socket.socket, list[int]]:
+def hand_hello(address: str, index: int | None = None, batch_size: int = 8) -> tuple[socket.socket, list[int]]:
     """Attach by hand (as consumer ``index``; None: first come): the socket
     after the welcome, and the descriptors that came with it (the caller's)."""
     from blobfeed.service.wire import PROTOCOL
@@ -576,7 +578,7 @@ def hand_hello(address: str, index: int | None = None) -> tuple[socket.socket, l
     s.settimeout(10)
     s.connect(address)
     s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
-                       "batch_size": 8, "index": index, "num": None, "pid": os.getpid()}).encode())
+                       "batch_size": batch_size, "index": index, "num": None, "pid": os.getpid()}).encode())
     data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
     assert json.loads(data)["t"] == "welcome"
     fds = [int.from_bytes(d[k:k + 4], sys.byteorder) for _l, _k, d in ancdata for k in range(0, len(d) - len(d) % 4, 4)]
