@@ -283,7 +283,8 @@ class Attachment:
 
     def _freed_slots(self) -> list[int]:
         """The slots whose batches died since the last look (without waiting)."""
-        get, mapping, slots = self._out.get_nowait, self._mapping, []
+        get, mapping = self._out.get_nowait, self._mapping
+        slots: list[int] = []
         while len(slots) < MAX_ITEMS:
             try:
                 ref = get()

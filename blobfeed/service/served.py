@@ -106,7 +106,7 @@ class _Counts:
         self.delivered: collections.Counter[str] = collections.Counter()
         self.acknowledged: collections.Counter[str] = collections.Counter()
         self.redealt: collections.Counter[str] = collections.Counter()
-        self.waited: collections.Counter[str] = collections.Counter()
+        self.waited: collections.defaultdict[str, float] = collections.defaultdict(float)
         #: the consumers' own waits: what each connection's reported total grew by, summed per label
         self.run_waited: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.dropped_equal = 0
