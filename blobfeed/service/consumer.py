@@ -23,7 +23,7 @@ from ..arguments import check_index, check_timeout
 from ..errors import EndOfInput, FetcherError, ServiceError
 from ..feeders.chunks import Chunk, EpochEnd
 from ..net import Net
-from .remote import RemoteDealer, _RemoteReader, remote_feed  # noqa: F401  (_RemoteReader: tests patch it here)
+from .remote import Attached, RemoteDealer, _RemoteReader, remote_feed  # noqa: F401  (_RemoteReader: tests patch it here)
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import connect, consumer_slots
 from .wire import MAX_ITEMS, PROTOCOL, WireError, batch_items, check
@@ -36,7 +36,7 @@ logger = logging.getLogger("blobfeed.service")
 ADDRESS_ENV = "BLOBFEED_SERVICE"
 
 
-class Attachment:
+class Attachment(Attached):
     """A net attached to a served source (what :func:`attach_source` returns).
 
     ``stop()`` (or leaving a ``with`` block) detaches: the service takes
@@ -56,10 +56,7 @@ class Attachment:
         connect_timeout: float,
         coordinator: Any,
     ) -> None:
-        self.address = address
-        self.source_name = source_name
-        self._service = f"service at {address}"
-        net._check_attach(source_name, names)
+        super().__init__(net, names, source_name, address)
         try:
             self._channel = connect(address, connect_timeout, self._service)
         except OSError as err:
@@ -146,13 +143,6 @@ class Attachment:
                 self._send_waited({"t": "ack", "g": g, "slots": slots})
         except OSError:
             pass  # the receiver reports the service's end
-
-    def _waited(self) -> float:
-        """Seconds this attachment's ``run()`` has waited for its batches in
-        all (the feed's ``blobfeed_dequeue_wait_seconds``), told the service
-        with every ``ack`` and the ``bye``: it shows per consumer which one
-        is starved.  Never decreases (a sum of waits)."""
-        return float(self.feed.consume_stats.wait.total)
 
     def _send_waited(self, record: dict[str, Any]) -> None:
         """Send ``record`` with the wait so far (an ``ack``, the ``bye``):
@@ -360,14 +350,6 @@ class Attachment:
         self._mapping = None  # type: ignore[assignment]
         return not any(t.is_alive() for t in self._threads)
 
-    def __enter__(self) -> "Attachment":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"<Attachment {self._service}>"
 
 
 def attach_source(

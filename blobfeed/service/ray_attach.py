@@ -42,7 +42,7 @@ import numpy as np
 from ..errors import FetcherError, ServiceError
 from ..feeders.chunks import Chunk, EpochEnd
 from ..net import Net
-from .remote import remote_feed
+from .remote import Attached, remote_feed
 from .wire import PROTOCOL, WireError
 
 __all__ = [
@@ -152,7 +152,7 @@ def check_reply(reply: Any, n_blobs: int, next_g: int, limit: int, where: str) -
     return reply
 
 
-class RayAttachment:
+class RayAttachment(Attached):
     """A net attached to a source of a service that runs as a Ray actor
     (what :func:`blobfeed.attach_source` returns for a ``ray://`` address).
 
@@ -175,10 +175,7 @@ class RayAttachment:
         coordinator: Any,
     ) -> None:
         namespace, name = parse_ray_address(address)
-        self.address = address
-        self.source_name = source_name
-        self._service = f"service at {address}"
-        net._check_attach(source_name, names)
+        super().__init__(net, names, source_name, address)
         ray = _ray()
         if not ray.is_initialized():
             # the service is on a running cluster: join it, never start one
@@ -305,12 +302,6 @@ class RayAttachment:
             self.source.fail(err)
             raise err
 
-    def _waited(self) -> float:
-        """Seconds this attachment's ``run()`` has waited for its batches in
-        all (the feed's ``blobfeed_dequeue_wait_seconds``), told the service
-        with every acknowledgement and the ``bye``."""
-        return float(self.feed.consume_stats.wait.total)
-
     def _heartbeat(self) -> None:
         """Renew the lease while the net does not call run() (a long step,
         a consumer that is done but still attached)."""
@@ -423,13 +414,3 @@ class RayAttachment:
         self.feed.release_net()
         self.dealer.detach()
         return not any(t.is_alive() for t in self._threads)
-
-    def __enter__(self) -> "RayAttachment":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"<RayAttachment {self._service}>"
-

@@ -10,7 +10,7 @@ service's number of each item the net's ``run()`` returned.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..feeders import Feed
 from ..feeders.dealing import ArrivalDealer
@@ -19,7 +19,46 @@ from ..feeders.source import InputSource
 if TYPE_CHECKING:
     from ..net import Net
 
-__all__ = ["RemoteDealer", "remote_feed"]
+__all__ = ["Attached", "RemoteDealer", "remote_feed"]
+
+
+_A = TypeVar("_A", bound="Attached")
+
+
+class Attached:
+    """What every attachment of a net to a served source has, whatever
+    carries the batches (:class:`~.consumer.Attachment` on a socket,
+    :class:`~.ray_attach.RayAttachment` on Ray): the net checked and named
+    sources, the wait its ``run()`` reports to the service, ``stop()`` on
+    leaving a ``with`` block."""
+
+    #: set by the transport once its feed is wired (see remote_feed)
+    feed: Feed
+
+    def __init__(self, net: "Net", names: list[str], source_name: str, address: str) -> None:
+        net._check_attach(source_name, names)
+        self.address = address
+        self.source_name = source_name
+        self._service = f"service at {address}"
+
+    def _waited(self) -> float:
+        """Seconds this attachment's ``run()`` has waited for its batches in
+        all (the feed's ``blobfeed_dequeue_wait_seconds``), told the service
+        with every acknowledgement and the ``bye``: it shows per consumer
+        which one is starved.  Never decreases (a sum of waits)."""
+        return float(self.feed.consume_stats.wait.total)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        raise NotImplementedError
+
+    def __enter__(self: _A) -> _A:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._service}>"
 
 
 class _RemoteReader:

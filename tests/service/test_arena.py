@@ -42,6 +42,20 @@ def take(net: blobfeed.Net) -> dict[str, np.ndarray]:
     raise AssertionError("100 epoch ends in a row")
 
 
+def drain_ids(server: FeedServer) -> list[int]:
+    """The ids one consumer attached now takes until the source's end."""
+    net = blobfeed.Net(None)
+    got: list[int] = []
+    with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+        while True:
+            try:
+                out = net.run(timeout=20)
+            except blobfeed.EndOfInput:
+                return got
+            got.extend(out["id"].tolist())
+            del out
+
+
 def _mappings(name: str) -> list[tuple[int, int, str]]:
     """(start, end, permissions) of this process's mappings of memfd ``name``."""
     out = []
@@ -275,16 +289,7 @@ def test_consumers_gone_before_their_first_arena_batch_lose_no_batch() -> None:
             for fd in fds:
                 os.close(fd)
             s.close()  # gone before its first batch
-        net = blobfeed.Net(None)
-        got: list[int] = []
-        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
-            while True:
-                try:
-                    out = net.run(timeout=20)
-                except blobfeed.EndOfInput:
-                    break
-                got.extend(out["id"].tolist())
-                del out
+        got = drain_ids(server)
     assert sorted(got) == feeds.all_ids(2)
 
 
@@ -303,16 +308,7 @@ def test_a_consumer_gone_before_its_welcome_loses_no_batch() -> None:
         s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
                            "batch_size": BATCH, "index": None, "num": None, "pid": os.getpid()}).encode())
         s.close()  # before the welcome
-        net = blobfeed.Net(None)
-        got: list[int] = []
-        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
-            while True:
-                try:
-                    out = net.run(timeout=20)
-                except blobfeed.EndOfInput:
-                    break
-                got.extend(out["id"].tolist())
-                del out
+        got = drain_ids(server)
     assert sorted(got) == feeds.all_ids(2)
 
 

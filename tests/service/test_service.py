@@ -347,6 +347,17 @@ def test_a_stranger_sending_garbage_is_refused_and_the_service_keeps_serving(cap
     caplog.clear()  # its records' errors hold the frames that held this consumer's batches
 
 
+def attach_run_detach(address: str, source: str) -> None:
+    """One attach/detach cycle of a consumer in this process: three run()s."""
+    net = blobfeed.Net(None)
+    with blobfeed.attach_source(net, ["id", "x"], 8, source, address):
+        for _ in range(3):
+            try:
+                net.run(timeout=10)
+            except blobfeed.EndOfEpoch:
+                pass
+
+
 def _fds() -> list[str]:
     out = []
     for fd in os.listdir("/proc/self/fd"):
@@ -364,13 +375,7 @@ def test_twenty_attach_detach_cycles_leave_nothing_behind() -> None:
     # still be on their way out
     with served(2, name="cycles", epochs=None) as server:
         def cycle() -> None:
-            net = blobfeed.Net(None)
-            with blobfeed.attach_source(net, ["id", "x"], 8, "cycles", server.address):
-                for _ in range(3):
-                    try:
-                        net.run(timeout=10)
-                    except blobfeed.EndOfEpoch:
-                        pass
+            attach_run_detach(server.address, "cycles")
 
         def plain_fds() -> int:
             return sum("memfd:" not in f for f in _fds())

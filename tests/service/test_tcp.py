@@ -35,7 +35,7 @@ from blobfeed.service.wire import PROTOCOL
 from ..test_security import listening
 from . import feeds
 from .test_service import (
-    ENV, ROOT, _fds, batches, consumer, consumers_learn_of_the_end, finish, lines, local_streams,
+    ENV, ROOT, _fds, attach_run_detach, batches, consumer, consumers_learn_of_the_end, finish, lines, local_streams,
     resume_is_exact, wait_for,
 )
 
@@ -432,13 +432,7 @@ def test_twenty_tcp_attach_detach_cycles_leave_nothing_behind() -> None:
     before = len(_fds())
     with served(name="tcpcycles", epochs=None) as server:
         def cycle() -> None:
-            net = blobfeed.Net(None)
-            with blobfeed.attach_source(net, ["id", "x"], 8, "tcpcycles", server.address):
-                for _ in range(3):
-                    try:
-                        net.run(timeout=10)
-                    except blobfeed.EndOfEpoch:
-                        pass
+            attach_run_detach(server.address, "tcpcycles")
 
         cycle()
         fds, threads = len(_fds()), threading.active_count()
