@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
+import os
 import threading
 import time
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -111,3 +115,32 @@ def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT) -> No
     while not pred():
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.002)
+
+
+@contextlib.contextmanager
+def local_ray_cluster(nodes: Sequence[dict[str, Any]], **init: Any) -> Iterator[Any]:
+    """A Ray cluster of simulated nodes on this machine (``ray.cluster_utils``):
+    a head with no CPUs, one node per entry of ``nodes`` (its ``add_node``
+    arguments), the driver connected with ``init``'s ``ray.init`` arguments.
+    The repository is on the workers' ``PYTHONPATH``: actors import the
+    tests' fetchers by reference.  Everything is shut down and restored after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    root = str(Path(__file__).resolve().parent.parent)
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([old_path] if old_path else []))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for node in nodes:
+            c.add_node(**node)
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level=logging.WARNING, log_to_driver=False, **init)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path

@@ -19,7 +19,6 @@ actors, nodes, restarts, bundles and the object store's views.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import sys
 import threading
@@ -41,7 +40,7 @@ from blobfeed.ray import RayBackend
 
 from . import test_determinism as det
 from . import test_epochs as ep
-from .helpers import drain, sample, wait_until
+from .helpers import drain, local_ray_cluster, sample, wait_until
 from .test_processes import (
     SHM_ROWS,
     WIDE,
@@ -68,7 +67,6 @@ from .test_processes import (
     worker_infos,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 SRC = "train"
 #: the bound of every wait here (an actor's first start on a loaded 2-core machine takes ~1-2 s)
 WAIT = 20.0
@@ -84,17 +82,7 @@ def backend(**kw: Any) -> RayBackend:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    # the actors import the fetchers of these test modules by reference
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([old_path] if old_path else []))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        c.add_node(num_cpus=2, resources={"spot": 1})
-        c.add_node(num_cpus=2)
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level=logging.WARNING, log_to_driver=False)
+    with local_ray_cluster([{"num_cpus": 2, "resources": {"spot": 1}}, {"num_cpus": 2}]) as c:
         # The cluster's first actors pay for what Ray starts lazily (worker
         # processes, their imports): here, once, with a generous bound, not
         # inside the first test's 5-20 s waits.
@@ -103,13 +91,6 @@ def cluster() -> Iterator[Any]:
         for w in warm:
             ray.kill(w)
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
 
 
 @ray.remote

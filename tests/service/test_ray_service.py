@@ -18,11 +18,9 @@ batches travelling through Ray's object store between nodes.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -36,9 +34,9 @@ import blobfeed
 from blobfeed.ray import RayBackend, RayService, serve_on_ray
 
 from . import feeds
+from ..helpers import local_ray_cluster
 from .test_service import local_streams
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 NAMESPACE = "blobfeed-service-tests"
 #: the bound of every wait here
 WAIT = 30.0
@@ -51,28 +49,12 @@ LEASE = 2.0
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    # the service actor and the consumers import this module's functions by reference
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([old_path] if old_path else []))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        c.add_node(num_cpus=2, resources={"a": 1})
-        c.add_node(num_cpus=2, resources={"b": 1})
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    with local_ray_cluster([{"num_cpus": 2, "resources": {"a": 1}}, {"num_cpus": 2, "resources": {"b": 1}}],
+                           namespace=NAMESPACE) as c:
         # what Ray starts lazily (worker processes, their imports) is paid
         # for here, once, with a generous bound, not inside a test's waits
         ray.get([_warm.options(num_cpus=CPU, resources=NODE[n]).remote() for n in "abab"], timeout=120)
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
 
 
 @ray.remote
