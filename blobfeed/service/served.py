@@ -52,6 +52,10 @@ SLOTS_MAX = 64
 SLOTS_UNKNOWN = 4
 #: consumers a first-come source's arena is sized for (their number is not known)
 ARENA_CONSUMERS = 4
+#: first come, a consumer holds at most its share of its slots unacknowledged:
+#: the slots divided among ARENA_CONSUMERS consumers (more if more are
+#: attached), but never fewer than this (what a few slots hold anyway)
+SHARE_MIN = 4
 #: batches each inner net holds in the arena besides those lent to its
 #: consumer: one in its device queue, one staged behind it, one being assembled
 ARENA_PER_NET = 3
@@ -186,15 +190,45 @@ class IndexOutlet:
 class SharedOutlet:
     """First come, first served: one inner net, whose batches go to whichever
     consumer is ready; what a leaving consumer had not acknowledged goes to
-    the others first.  Epoch ends go to every connected consumer."""
+    the others first.  Epoch ends go to every connected consumer.
+
+    Three promises hold whoever leaves, and when:
+
+    * **Epochs stay whole.**  A consumer is told an epoch's end only once no
+      other consumer holds a batch of that epoch (or an earlier one) it has
+      not acknowledged: should its holder leave, the batch goes to a
+      consumer still in that epoch, never to one told it ended.  The first
+      consumer told goes on with the next epoch; the others follow as the
+      batches out are acknowledged or handed back.
+    * **The end waits.**  The data's end goes to a consumer only once no
+      other consumer holds an unacknowledged batch and none waits to be
+      dealt again (a worker's error goes out at once, as ever).
+    * **Fair shares.**  A consumer holds at most :meth:`share` batches
+      unacknowledged, so one that attaches a moment after another still
+      gets batches of a small data set.
+    """
 
     def __init__(self, source: "ServedSource", feed: "Feed", skip: set[int]) -> None:
         self.source = source
         self.feed = feed
-        self._lock = threading.Lock()
+        #: guards everything below; waited on for a change (an ack, a hand-back, a take)
+        self._cond = threading.Condition()
+        #: one taker of the inner feed at a time: the stream's order is the order taken
+        self._taking = False
+        #: batches handed back by consumers that left, to go out first (in order)
         self.redeal: collections.deque[Item] = collections.deque()
-        #: per connection, epoch ends it is owed
-        self.owed: dict[Any, collections.deque[Item]] = {}
+        #: per connection: the epoch of the batches it takes now (its epoch ends told)
+        self._epoch_of: dict[Any, int] = {}
+        #: per connection: batches it holds unacknowledged
+        self._held: collections.Counter[Any] = collections.Counter()
+        #: every batch dealt and not acknowledged (s -> (holder, epoch); holder None: in redeal)
+        self._out: dict[int, tuple[Any, int]] = {}
+        #: the epoch of the inner stream's next item
+        self._epoch = 0
+        #: the epoch ends the inner stream passed, by epoch, until every consumer was told
+        self._ends: dict[int, EpochEnd] = {}
+        #: the inner stream's end, once reached (the data's end or a failure)
+        self._end: End | None = None
         self._s = 0
         #: items acknowledged past the prefix (their s); the prefix: every s below is acknowledged
         self._acked: set[int] = set()
@@ -204,50 +238,133 @@ class SharedOutlet:
         self._items: dict[int, Any] = {}
 
     def join(self, conn: Any) -> None:
-        with self._lock:
-            self.owed[conn] = collections.deque()
+        with self._cond:
+            # the oldest epoch a batch is still out in: should its holder
+            # leave, this consumer can take it (it is told that epoch's end after)
+            self._epoch_of[conn] = min([self._epoch] + [e for _, e in self._out.values()])
+
+    def share(self) -> int:
+        """Batches a consumer may hold unacknowledged: its slots divided
+        among the consumers attached, at least :data:`ARENA_CONSUMERS` of
+        them, and at least :data:`SHARE_MIN` (under the lock)."""
+        slots = self.source.slots
+        return max(SHARE_MIN, -(-slots // max(ARENA_CONSUMERS, len(self._epoch_of))))
 
     def next(self, conn: Any, timeout: float) -> Item | End | None:
         src = self.source
-        with self._lock:
-            owed = self.owed.get(conn)
-            if owed:
-                return owed.popleft()
-            if self.redeal:
-                item = self.redeal.popleft()
-                src.counts.redealt[conn.label] += 1
-                return item
-        if src.error is not None:
-            return End(src.error)
-        # one taker at a time: what a consumer takes, and the epoch ends it
-        # hands every other consumer, must be in stream order
-        with self._lock:
-            batch = _dequeue(src, self.feed, timeout)
-            if batch is None or isinstance(batch, End):
-                return batch
-            s = self._s
-            self._s += 1
-            self._items[s] = batch
-            if s in self.skip:
-                # acknowledged before a resume: not dealt again
-                self.skip.discard(s)
-                self._ack(s)
-                src.hub.count_dropped(src.name, "resume", getattr(batch, "n", 0))
-                return None
-            if type(batch) is EpochEnd:
-                # every consumer is told; the stream moves past it at once
-                for other, queue in self.owed.items():
-                    if other is not conn:
-                        queue.append(Item(-1, batch))
-                self._ack(s)
-                return Item(-1, batch)
-            return Item(s, batch)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = self._ready(conn)
+                if got is not None:
+                    return got
+                if src.error is not None:
+                    return End(src.error)
+                if self._may_take(conn):
+                    # take from the inner feed, the lock released meanwhile
+                    # (acknowledgements go on); no one else takes meanwhile
+                    self._taking = True
+                    self._cond.release()
+                    try:
+                        batch = _dequeue(src, self.feed, min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+                    finally:
+                        self._cond.acquire()
+                        self._taking = False
+                        self._cond.notify_all()
+                    if batch is not None:
+                        got = self._taken(conn, batch)
+                        if got is not None:
+                            return got
+                        continue
+                    if time.monotonic() < deadline:
+                        continue  # it waited for the feed already
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, POLL_S))
+
+    def _ready(self, conn: Any) -> Item | End | None:
+        """What ``conn`` may have now without taking from the feed (under the lock)."""
+        e = self._epoch_of.get(conn)
+        if e is None:
+            return None  # it left
+        if self._held[conn] < self.share():
+            for i, item in enumerate(self.redeal):
+                if self._out[item.s][1] <= e:
+                    del self.redeal[i]
+                    self._out[item.s] = (conn, self._out[item.s][1])
+                    self._held[conn] += 1
+                    self.source.counts.redealt[conn.label] += 1
+                    return item
+        if self._end is not None and self._end.error is not None:
+            return self._end  # a failure goes out at once
+        if e < self._epoch:
+            if not self._others_hold(conn, e):
+                self._epoch_of[conn] = e + 1
+                end = self._ends[e]
+                self._prune()
+                return Item(-1, end)
+            return None
+        if self._end is not None and not self._others_hold(conn, None):
+            return self._end  # stays: every later call ends too
+        return None
+
+    def _prune(self) -> None:
+        """Forget the epoch ends no consumer, present or to come, is still to be told (under the lock)."""
+        if self._ends:
+            low = min([self._epoch, *self._epoch_of.values()] + [e for _, e in self._out.values()])
+            for e in [e for e in self._ends if e < low]:
+                del self._ends[e]
+
+    def _others_hold(self, conn: Any, epoch: int | None) -> bool:
+        """Does a consumer other than ``conn``, or the redeal, hold a batch
+        of ``epoch`` or before (None: of any epoch)?"""
+        return any(holder is not conn and (epoch is None or e <= epoch) for holder, e in self._out.values())
+
+    def _may_take(self, conn: Any) -> bool:
+        return (
+            not self._taking and self._end is None and self._epoch_of.get(conn) == self._epoch
+            and self._held[conn] < self.share()
+        )
+
+    def _taken(self, conn: Any, batch: Any) -> Item | None:
+        """The inner feed gave ``batch`` (or its end) to ``conn`` (under the lock):
+        the item ``conn`` gets, or None when it is to look again."""
+        if isinstance(batch, End):
+            self._end = batch
+            self._cond.notify_all()
+            return None
+        s = self._s
+        self._s += 1
+        self._items[s] = batch
+        if type(batch) is EpochEnd:
+            # told to each consumer once no other holds a batch of this epoch;
+            # the stream moves past it at once (a resume's skip included)
+            self.skip.discard(s)
+            self._ends[self._epoch] = batch
+            self._epoch += 1
+            self._ack(s)
+            self._cond.notify_all()
+            return None
+        if s in self.skip:
+            # acknowledged before a resume: not dealt again
+            self.skip.discard(s)
+            self._ack(s)
+            self.source.hub.count_dropped(self.source.name, "resume", getattr(batch, "n", 0))
+            return None
+        self._out[s] = (conn, self._epoch)
+        self._held[conn] += 1
+        return Item(s, batch)
 
     def acked(self, item: Item) -> None:
         if item.s < 0:
             return  # an epoch end told to one consumer: the stream passed it
-        with self._lock:
+        with self._cond:
+            holder, _ = self._out.pop(item.s, (None, 0))
+            if holder is not None:
+                self._held[holder] -= 1
             self._ack(item.s)
+            self._cond.notify_all()
 
     def _ack(self, s: int) -> None:
         self._acked.add(s)
@@ -258,15 +375,31 @@ class SharedOutlet:
             self.prefix += 1
 
     def left(self, conn: Any, unacked: list[Item]) -> None:
-        with self._lock:
-            self.owed.pop(conn, None)
+        with self._cond:
+            self._epoch_of.pop(conn, None)
+            self._held.pop(conn, None)
             batches = [i for i in unacked if i.s >= 0]
+            for i in batches:
+                _, e = self._out.get(i.s, (None, self._epoch))
+                self._out[i.s] = (None, e)
             self.redeal.extendleft(reversed(batches))
+            self._prune()
+            self._cond.notify_all()
+
+    def drop(self) -> None:
+        """At stop: let go of the batches waiting to be dealt again."""
+        with self._cond:
+            for item in self.redeal:
+                self._out.pop(item.s, None)
+            self.redeal.clear()
+            self._cond.notify_all()
 
     def acked_after(self) -> list[int]:
-        """Items acknowledged past the prefix (relative to it), for a state."""
-        with self._lock:
-            return sorted(s - self.prefix for s in self._acked)
+        """Items acknowledged past the prefix (relative to it), for a state:
+        those acknowledged in this run, and those a resume is still to skip
+        (acknowledged in a run before; 0 when the prefix waits at one)."""
+        with self._cond:
+            return sorted(s - self.prefix for s in self._acked | self.skip)
 
 
 class ServedSource:
@@ -396,9 +529,7 @@ class ServedSource:
         for o in self.outlets:
             o.redo.clear()
         if self.shared is not None:
-            with self.shared._lock:
-                self.shared.redeal.clear()
-                self.shared.owed.clear()
+            self.shared.drop()
         self.arena.close()
 
     # -- state -----------------------------------------------------------------------

@@ -209,6 +209,8 @@ class FeedServer:
             slots: batches in flight per consumer (shared-memory slots, one
                 batch each; at least 3).  None: enough for about 8 MiB of
                 batches, 4 to 64 (``served.default_slots``; 4 on Ray).
+                First come, a consumer holds at most its share of them
+                unacknowledged (``SharedOutlet.share``).
             timeout: the workers' timeout, as for init_data_input_workers.
 
         The other arguments are those of ``init_data_input_workers``.
@@ -468,8 +470,8 @@ class FeedServer:
             served = self.sources[name]
             if served.shared is not None:
                 after = s.get("acked_after", [])
-                if not isinstance(after, list) or not all(type(x) is int and 0 < x < 1 << 40 for x in after):
-                    raise ValueError(f"{where}: 'acked_after' must be a list of positive ints")
+                if not isinstance(after, list) or not all(type(x) is int and 0 <= x < 1 << 40 for x in after):
+                    raise ValueError(f"{where}: 'acked_after' must be a list of ints from 0 to 2**40")
                 served.shared.skip = set(after)
         logger.info("service: resumed from %s", path)
 

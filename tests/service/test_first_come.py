@@ -1,0 +1,216 @@
+"""First come, first served (``num_consumers=None``): the promises of the
+shared net's dealing when consumers leave, at an epoch's end and at the
+data's end, its fairness to a consumer that attaches late, its resume, and
+the stop (issue 24).
+
+Consumers are in this process (an attachment and a ``Net`` with no model)
+unless the test is about a process that dies; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import blobfeed
+from blobfeed.service import FeedServer
+from blobfeed.service.served import ARENA_CONSUMERS
+
+from . import feeds
+from .test_service import batches, consumer, finish, lines, wait_for
+
+BATCH = 8
+
+
+def n_batches(samples: int) -> int:
+    return -(-samples // BATCH)
+
+
+def metric(server: FeedServer, name: str, **labels: str) -> float:
+    return sum(
+        s.value for fam in server.registry.collect() for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+class Drain:
+    """A consumer's run() loop in a thread: its ids per epoch, and how it ended."""
+
+    def __init__(self, net: blobfeed.Net) -> None:
+        self.net = net
+        self.epochs: list[list[int]] = [[]]
+        self.batches = 0
+        self.end: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                got = self.net.run(timeout=30)
+            except blobfeed.EndOfEpoch:
+                self.epochs.append([])
+                continue
+            except BaseException as err:  # EndOfInput, or what failed the test
+                self.end = err
+                return
+            self.epochs[-1].extend(int(i) for i in got["id"])
+            self.batches += 1
+
+
+def attach(server: FeedServer) -> tuple[blobfeed.Net, Any]:
+    net = blobfeed.Net(None)
+    return net, blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address, timeout=30)
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_boundary_waits_for_the_batches_a_consumer_that_leaves_still_holds(epochs: int) -> None:
+    """A holds batches (its run() never returned them), B runs.  B is told
+    neither the epoch's end nor the data's end while A holds batches of that
+    epoch: A leaves, B gets them, then the end.  The end went out to B while
+    A held them: A's epoch-0 batches reached B after its EndOfEpoch(0), or
+    nobody (the data's end)."""
+    server = FeedServer()
+    # 4 slots: A holds 4 batches, B takes the rest (the fairness bound is another test's)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, deterministic=True, epochs=epochs, slots=4)
+    server.start()
+    counts = server.sources["train"].counts
+    per_epoch = n_batches(len(feeds.all_ids(2)))
+    net_a, a = attach(server)
+    net_b, b = None, None
+    try:
+        wait_for(lambda: counts.delivered[str(a.consumer)] >= 3, 30, "batches in A's slots")
+        net_b, b = attach(server)
+        drain = Drain(net_b)
+        # B takes every batch of the epoch that A does not hold
+        wait_for(lambda: drain.batches + counts.delivered[str(a.consumer)] >= per_epoch or drain.end is not None,
+                 30, "B's share of epoch 0")
+        held = counts.delivered[str(a.consumer)]
+        assert drain.end is None and len(drain.epochs) == 1, (drain.end, [len(e) for e in drain.epochs])
+        a.stop()  # never ran: what A holds goes to B, before the end
+        drain.thread.join(60)
+        assert not drain.thread.is_alive()
+    finally:
+        for att in (a, b):
+            if att is not None:
+                att.stop()
+        server.stop()
+    assert isinstance(drain.end, blobfeed.EndOfInput) and not isinstance(drain.end, blobfeed.EndOfEpoch), drain.end
+    assert [sorted(e) for e in drain.epochs] == [feeds.all_ids(2)] * epochs
+    assert sum(counts.redealt.values()) == held
+    del net_a, net_b
+
+
+def test_first_come_loses_nothing_when_a_consumer_dies_after_the_fetchers_finished(tmp_path: Path) -> None:
+    """The tester's case: a consumer SIGKILLed once everything was dealt.
+    The others had been told the data's end while it held batches, and what
+    it held was re-dealt to nobody: samples lost, and fetched != delivered +
+    dropped + buffered."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2)
+    server.start()
+    total = n_batches(len(feeds.all_ids(2)))
+    counts = server.sources["train"].counts
+    outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
+    try:
+        holder = consumer(server.address, outs[0], "--hold-after", "2")
+        wait_for(lambda: outs[0].exists() and {"holding": 2} in lines(outs[0]), 30, "the holder's 2 batches")
+        others = [consumer(server.address, o) for o in outs[1:]]
+        wait_for(lambda: sum(counts.delivered.values()) >= total, 60, "every batch dealt")
+        wait_for(lambda: all(o.exists() and any("attached" in r for r in lines(o)) for o in outs[1:]), 60,
+                 "the others attached")
+        holder.send_signal(signal.SIGKILL)
+        assert finish([holder]) == [-signal.SIGKILL]
+        assert finish(others, 60) == [0, 0]
+        fetched = metric(server, "blobfeed_fetched_samples_total", source="train")
+        delivered = metric(server, "blobfeed_delivered_samples_total", source="train")
+        dropped = metric(server, "blobfeed_dropped_samples_total", source="train")
+        buffered = metric(server, "blobfeed_buffered_samples", source="train")
+    finally:
+        server.stop()
+    flat = sorted(i for o in outs for b in batches(o) for i in b)
+    assert flat == feeds.all_ids(2)
+    assert all(lines(o)[-1] == {"end": "input"} for o in outs[1:])
+    assert fetched == len(flat) == delivered + dropped + buffered, (fetched, delivered, dropped, buffered)
+
+
+def test_a_consumer_that_attaches_late_gets_its_share_of_a_small_data_set() -> None:
+    """The first consumer prefetched most of a small data set into its 64
+    slots, and one that attached a moment later got EndOfInput at once,
+    with no batch: first come, a consumer holds at most its share ahead."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, max_buffered_batches=200)
+    server.start()
+    samples = len(feeds.all_ids(2))
+    counts = server.sources["train"].counts
+    net_a, a = attach(server)
+    b = None
+    try:
+        # everything fetched: what A did not take waits in the service
+        slots = 64  # 1 KiB batches: many in flight (checked below)
+        wait_for(lambda: metric(server, "blobfeed_fetched_samples_total", source="train") >= samples
+                 and counts.delivered[str(a.consumer)] >= slots // ARENA_CONSUMERS, 30, "the fetch")
+        ahead = counts.delivered[str(a.consumer)]
+        net_b, b = attach(server)
+        drains = [Drain(net_a), Drain(net_b)]
+        for d in drains:
+            d.thread.join(60)
+        slots = server.sources["train"].slots
+    finally:
+        for att in (a, b):
+            if att is not None:
+                att.stop()
+        server.stop()
+    assert slots == 64  # 1 KiB batches: many in flight
+    assert ahead == slots // ARENA_CONSUMERS < n_batches(samples)
+    assert drains[1].batches > 0
+    assert sorted(drains[0].epochs[0] + drains[1].epochs[0]) == feeds.all_ids(2)
+    del net_a, net_b
+
+
+def test_a_service_resumed_twice_deals_no_batch_again(tmp_path: Path) -> None:
+    """Consumers acknowledged out of order, SIGTERM (the batches acknowledged
+    past the saved position are saved as such), resume, stop again before any
+    consumer attached, resume again: those batches were loaded but not saved
+    the second time, and the third run dealt them again."""
+    state = tmp_path / "state.json"
+
+    def server(resume: bool) -> FeedServer:
+        s = FeedServer(state_file=state, resume=resume)
+        s.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, deterministic=True, slots=4)
+        return s.start()
+
+    first = server(False)
+    counts = first.sources["train"].counts
+    net_a, a = attach(first)  # holds its batches: never runs
+    b = None
+    try:
+        wait_for(lambda: counts.delivered[str(a.consumer)] >= 3, 30, "batches in A's slots")
+        net_b, b = attach(first)
+        returned = [int(i) for _ in range(5) for i in net_b.run(timeout=30)["id"]]
+        wait_for(lambda: sum(counts.acknowledged.values()) == 5, 30, "B's acknowledgements")
+    finally:
+        first.stop()
+        for att in (a, b):
+            if att is not None:
+                att.stop()
+    saved = json.loads(state.read_text())["sources"]["train"]
+    assert saved["acked_after"], saved  # B's batches lie past the position (A's come first)
+    server(True).stop()  # no consumer attaches
+    assert json.loads(state.read_text())["sources"]["train"]["acked_after"] == saved["acked_after"]
+    third = server(True)
+    net_c, c = attach(third)
+    try:
+        drain = Drain(net_c)
+        drain.thread.join(60)
+    finally:
+        c.stop()
+        third.stop()
+    assert isinstance(drain.end, blobfeed.EndOfInput), drain.end
+    assert sorted(returned + drain.epochs[0]) == feeds.all_ids(2)
+    del net_a, net_b, net_c
