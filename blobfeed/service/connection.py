@@ -107,6 +107,8 @@ class Connection:
         self._ended = False
         #: why the service stops, once it does (the sender tells the consumer)
         self._stopping: str | None = None
+        #: set once the consumer was told the service stops (also after the data's end)
+        self._stop_told = False
         self._sender_done = False
         self._tell_lock = threading.Lock()
         #: per slot of the consumer's, the batch of the source's arena it
@@ -126,7 +128,10 @@ class Connection:
             if not self._handshake():
                 return
             resets = 0
-            while not self.closed.is_set():
+            # Until the consumer's end or its bye, even once the service closed
+            # the connection (a stop): what it sent before is still read, so
+            # an acknowledgement on its way counts before the state is saved.
+            while True:
                 try:
                     got = self.channel.recv()
                 except ConnectionResetError:
@@ -145,7 +150,8 @@ class Connection:
                     os.close(fd)  # a consumer never sends descriptors
                 if fds:
                     raise WireError(f"{self.peer} sent descriptors")
-                self._handle(check(record, ("ack", "state", "bye"), self.peer))
+                if self._handle(check(record, ("ack", "state", "bye"), self.peer)):
+                    return
         except WireError as err:
             # the text, not the error: a kept log record (a memory handler,
             # pytest's caplog) would keep its traceback's frames, and with them
@@ -282,7 +288,8 @@ class Connection:
             return item
         return None
 
-    def _handle(self, record: dict[str, Any]) -> None:
+    def _handle(self, record: dict[str, Any]) -> bool:
+        """Act on one of the consumer's records; True when it said bye."""
         kind = record["t"]
         if kind == "ack":
             self._consumer_waited(record["waited"])
@@ -303,6 +310,8 @@ class Connection:
         elif kind == "bye":
             self._consumer_waited(record["waited"])
             self.closed.set()
+            return True
+        return False
 
     def _consumer_waited(self, total: float) -> None:
         """The consumer's run() has waited ``total`` seconds in all (checked
@@ -356,7 +365,7 @@ class Connection:
             # it, after its frame (a frame is never cut).
             with self._tell_lock:
                 self._sender_done = True
-                tell = self._stopping is not None and self._claim_end()
+                tell = self._stopping is not None and self._claim_stop()
             if tell:
                 try:
                     self.channel.send({"t": "end", "error": self._stopping, "kind": "stopped"})
@@ -527,11 +536,16 @@ class Connection:
             kind = "fetcher" if not getattr(err, "service_stop", False) else "stopped"
             record = {"t": "end", "error": str(err), "kind": kind}
         self._ended = True
+        if record["kind"] == "stopped":
+            with self._tell_lock:
+                self._stop_told = True
         self.channel.send(record)
 
     def tell_stopped(self, reason: str) -> None:
-        """The service stops: tell the consumer (best effort); it closes its
-        end once it has it (``closed`` is set when it did).
+        """The service stops: tell the consumer (best effort), also one that
+        has the data's end already (it may still be returning batches); it
+        answers ``bye`` once its ``run()`` returns no more batches, and
+        ``closed`` is set then.
 
         Never blocks for long: if the connection is busy (the sender is in
         the middle of a batch, or stuck sending to a consumer that does not
@@ -543,7 +557,7 @@ class Connection:
         record = {"t": "end", "error": reason, "kind": "stopped"}
         with self._tell_lock:
             self._stopping = reason
-            if not self._claim_end():
+            if not self._claim_stop():
                 return
             try:
                 self.channel.send(record, wait=False)
@@ -552,15 +566,15 @@ class Connection:
                 if self._sender_done:
                     self.close()  # closing is the only word left
                 else:
-                    self._ended = False
+                    self._stop_told = False
             except OSError:
                 self.close()
 
-    def _claim_end(self) -> bool:
-        """(Under ``_tell_lock``.) True if the end is still to be told; it is claimed."""
-        if self._ended or self.closed.is_set():
+    def _claim_stop(self) -> bool:
+        """(Under ``_tell_lock``.) True if the stop is still to be told; it is claimed."""
+        if self._stop_told or self.closed.is_set():
             return False
-        self._ended = True
+        self._stop_told = True
         return True
 
     def close(self) -> None:

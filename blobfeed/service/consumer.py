@@ -65,6 +65,8 @@ class Attachment(Attached):
         #: the Unix socket's channel takes records encoded here (the acknowledgements)
         self._encoded = hasattr(self._channel, "send_encoded")
         self._closed = False
+        #: the service said it stops (set under the send lock): run() returns no more batches
+        self._stop_heard = False
         self._stopped = threading.Event()
         self._state_replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         #: weakrefs of batches whose views all died (put by their callbacks:
@@ -126,23 +128,49 @@ class Attachment(Attached):
         return record, fds
 
     def _ack(self, g: int) -> None:
-        # Sent before run() returns: once run() returned a batch, its
-        # acknowledgement is in the socket even if the process dies next
-        # (a SIGKILL); the slots freed since take the same record.
+        """Sent before run() returns: once run() returned a batch, its
+        acknowledgement is in the socket even if the process dies next
+        (a SIGKILL); the slots freed since take the same record.
+
+        Raises:
+            ServiceError: the service said it stops, or the record could not
+                be sent: the service cannot count the batch (a resumed
+                service deals it again), so run() must not return it.
+        """
         if self._closed:
             return
         try:
             slots = self._freed_slots()
-            if self._encoded:
-                listed = ",".join(map(str, slots))
-                with self._send_lock:
-                    # the wait read under the lock: the totals go out in the order they were read
+            with self._send_lock:
+                if self._stop_heard:
+                    raise ServiceError(
+                        f"{self._service} stopped: this batch is not handed out (a resumed service deals it again)"
+                    )
+                # the wait read under the lock: the totals go out in the order they were read
+                if self._encoded:
+                    listed = ",".join(map(str, slots))
                     data = ('{"t":"ack","g":%d,"slots":[%s],"waited":%r}' % (g, listed, self._waited())).encode()
                     self._channel.send_encoded(data)  # type: ignore[union-attr]
-            else:
-                self._send_waited({"t": "ack", "g": g, "slots": slots})
-        except OSError:
-            pass  # the receiver reports the service's end
+                else:
+                    self._channel.send({"t": "ack", "g": g, "slots": slots, "waited": self._waited()})
+        except OSError as err:
+            raise ServiceError(
+                f"{self._service} cannot be told this batch was returned ({err}): it is not handed out "
+                "(a resumed service deals it again)"
+            ) from err
+
+    def _heard_stop(self) -> None:
+        """The service stops: from now on run() returns no batch, and the
+        service is told so (``bye``) after every acknowledgement sent
+        before, so that the state it saves counts each of them."""
+        with self._send_lock:
+            if self._stop_heard:
+                return
+            self._stop_heard = True
+            try:
+                self._channel.send({"t": "bye", "waited": self._waited()})
+            except OSError:
+                pass  # gone already: it saves what it read
 
     def _send_waited(self, record: dict[str, Any]) -> None:
         """Send ``record`` with the wait so far (an ``ack``, the ``bye``):
@@ -234,11 +262,9 @@ class Attachment(Attached):
             err = FetcherError(f"{self._service}: {text}")
             self.dealer.queue.close(err, after_items=True)
             return True
-        # The connection stays open: a run() may have taken a batch just
-        # before this and not yet acknowledged it; its acknowledgement must
-        # still reach the service, which saves its state once every consumer
-        # closed (stop(), the process's exit) or after a short wait,
-        # whichever comes first.
+        # The service stops: run() returns no batch from now on (the bye
+        # tells the service every acknowledgement is in), then fails.
+        self._heard_stop()
         self.source.fail(ServiceError(f"{self._service}: {text}"))
         return False
 
@@ -260,6 +286,7 @@ class Attachment(Attached):
                 if record["t"] == "state_is":
                     self._state_replies.put(record)
                     continue
+                self._heard_stop()
                 why = f"stopped ({record['error']})"
                 break
         except (WireError, OSError) as err:

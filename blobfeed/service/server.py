@@ -40,6 +40,8 @@ logger = logging.getLogger("blobfeed.service")
 STATE_VERSION = 1
 #: seconds stop() waits for consumers to close after being told
 STOP_DRAIN_S = 1.0
+#: seconds stop() waits, in all, for the connections' threads once closed
+STOP_JOIN_S = 5.0
 
 _current: list["FeedServer"] = []
 
@@ -507,27 +509,34 @@ class FeedServer:
             self._sock.close()
         for s in self.sources.values():
             s.stopped = True
-        # Tell every consumer first, then let the acknowledgements already on
-        # their way arrive (a consumer closes when told): the saved state must
-        # count every batch a consumer's run() returned, or a resume would
-        # deal it again.
+        # The saved state must count every batch a consumer's run() returned,
+        # or a resume would deal it again.  Tell every consumer first (also
+        # one that has the data's end and still returns batches): told, its
+        # run() returns no more batches, and it says bye after its last
+        # acknowledgement.  Then close every connection, so that no batch
+        # is acknowledged after the save: the receivers still read what was
+        # sent before (a consumer that did not answer in time), and on a
+        # Unix socket a consumer's later acknowledgement fails, and its
+        # run() raises instead of returning the batch.  Only then save.
         for conn in conns:
             conn.tell_stopped(f"service at {self.address} stopped ({why})")
         deadline = time.monotonic() + STOP_DRAIN_S
         for conn in conns:
             conn.closed.wait(max(0.0, deadline - time.monotonic()))
-        if self._started and self.state_file is not None:
-            self.save_state()
         for conn in conns:
             conn.close()
-        clean = self.coordinator.stop()
         # A consumer that was leaving hands back what it had not acknowledged
         # from its receiver thread: wait for that before letting go of what
         # is held, or the hand-back keeps its slots mapped after the stop.
+        clean = True
+        deadline = time.monotonic() + STOP_JOIN_S
         for conn in conns:
             if conn.receiver is not None:
-                conn.receiver.join(timeout=5.0)
+                conn.receiver.join(timeout=max(0.0, deadline - time.monotonic()))
                 clean = clean and not conn.receiver.is_alive()
+        if self._started and self.state_file is not None:
+            self.save_state()
+        clean = self.coordinator.stop() and clean
         for s in self.sources.values():
             s.drop_held()  # what waited to be dealt again maps old slots
         for t in self._threads:

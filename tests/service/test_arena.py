@@ -330,7 +330,9 @@ def test_only_batches_run_returned_wait_for_a_departed_process_and_on_one_descri
                 take(net)  # its other slots hold batches sent ahead, never returned
                 wait_for(lambda: sum(server.sources["train"].counts.delivered.values()) >= 3 * (cycle + 1),
                          10, "batches sent ahead")
-            wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
+            # its connection's thread done (it closes the socket and the pidfd after the hand-back)
+            wait_for(lambda: server.sources["train"].connected == 0 and not server._connections, 10,
+                     "the consumer's end seen")
         parked = arena._parked[os.getpid()]
         # at most each net's last batch, which the net still holds (one that
         # came through the consumer's slots, the arena being busy, is not here)

@@ -10,6 +10,7 @@ unless the test is about a process that dies; every wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -214,3 +215,95 @@ def test_a_service_resumed_twice_deals_no_batch_again(tmp_path: Path) -> None:
     assert isinstance(drain.end, blobfeed.EndOfInput), drain.end
     assert sorted(returned + drain.epochs[0]) == feeds.all_ids(2)
     del net_a, net_b, net_c
+
+
+def test_a_consumer_holding_the_end_returns_no_batch_the_saved_state_does_not_count(tmp_path: Path) -> None:
+    """SIGTERM while a consumer already holds the rest of its stream and the
+    end: it was not told the service stops, kept returning batches through
+    the drain, and one returned between the save and the close was dealt
+    again on resume.  Told, its run() returns no batch any more."""
+    state = tmp_path / "state.json"
+    ids = sorted(int(i) for w in range(2) for c in range(6) for i in feeds.ids_of(w, c))
+
+    def server(resume: bool) -> FeedServer:
+        s = FeedServer(state_file=state, resume=resume)
+        # 2 x 6 chunks: 5 batches, all in the consumer's slots with the end
+        s.serve_source("train", ["id", "x"], feeds.Fetch(calls=6), BATCH, 2, deterministic=True)
+        return s.start()
+
+    first = server(False)
+    net, att = attach(first)
+    try:
+        wait_for(lambda: any(c._ended for c in list(first._connections)), 30, "the end sent to the consumer")
+        returned = [int(i) for _ in range(2) for i in net.run(timeout=30)["id"]]
+        save = first.save_state
+        late: list[Any] = []
+
+        def save_then_run() -> bool:
+            # a run() of the consumer's right after the save, before the connection is closed
+            saved = save()
+            try:
+                late.append(net.run(timeout=5))
+            except blobfeed.BlobfeedError as err:
+                late.append(err)
+            return saved
+
+        first.save_state = save_then_run  # type: ignore[method-assign]
+        first.stop()
+    finally:
+        first.stop()
+        att.stop()
+    assert len(late) == 1
+    if isinstance(late[0], dict):
+        returned += [int(i) for i in late[0]["id"]]
+    else:
+        assert isinstance(late[0], blobfeed.ServiceError), late[0]
+    second = server(True)
+    net2, att2 = attach(second)
+    try:
+        drain = Drain(net2)
+        drain.thread.join(60)
+    finally:
+        att2.stop()
+        second.stop()
+    assert sorted(returned + drain.epochs[0]) == ids
+    del net, net2
+
+
+def test_a_consumer_that_does_not_answer_the_stop_cannot_acknowledge_after_the_save(tmp_path: Path) -> None:
+    """A consumer that does not say bye when told the service stops (stalled,
+    or an older blobfeed): the state was saved while its connection was still
+    open, so an acknowledgement it sent then counted nowhere, and its run()
+    had returned the batch.  The connection is closed before the save: on a
+    Unix socket that acknowledgement fails (its run() raises instead)."""
+    from .test_service import hand_hello
+
+    server = FeedServer(state_file=tmp_path / "state.json")
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, deterministic=True, slots=4)
+    server.start()
+    sock, fds = hand_hello(server.address)
+    for fd in fds:
+        os.close(fd)
+    try:
+        record = json.loads(sock.recv(1 << 16))
+        assert record["t"] == "batches"
+        first = record["items"][0][0]
+        save = server.save_state
+        after_save: list[BaseException | None] = []
+
+        def save_then_ack() -> bool:
+            saved = save()
+            try:
+                sock.send(json.dumps({"t": "ack", "g": first, "slots": [], "waited": 0.0}).encode())
+                after_save.append(None)
+            except OSError as err:
+                after_save.append(err)
+            return saved
+
+        server.save_state = save_then_ack  # type: ignore[method-assign]
+        server.stop()
+    finally:
+        server.stop()
+        sock.close()
+    assert isinstance(after_save[0], BrokenPipeError), after_save
+    assert sum(server.sources["train"].counts.acknowledged.values()) == 0
