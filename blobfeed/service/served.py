@@ -194,15 +194,15 @@ class SharedOutlet:
 
     Three promises hold whoever leaves, and when:
 
-    * **Epochs stay whole.**  A consumer is told an epoch's end only once no
-      other consumer holds a batch of that epoch (or an earlier one) it has
-      not acknowledged: should its holder leave, the batch goes to a
-      consumer still in that epoch, never to one told it ended.  The first
-      consumer told goes on with the next epoch; the others follow as the
-      batches out are acknowledged or handed back.
-    * **The end waits.**  The data's end goes to a consumer only once no
-      other consumer holds an unacknowledged batch and none waits to be
-      dealt again (a worker's error goes out at once, as ever).
+    * **Epochs stay whole.**  An epoch's end goes to a consumer only once
+      every batch of that epoch (and before) was acknowledged: while one is
+      out, its holder may leave, and it must go to a consumer still in that
+      epoch, never to one told it ended.  So no consumer takes the next
+      epoch's batches before every batch of this one was returned (a
+      barrier, as a DDP step is anyway).
+    * **The end waits.**  The data's end goes to a consumer only once every
+      batch was acknowledged, none held and none waiting to be dealt again
+      (a worker's error goes out at once, as ever).
     * **Fair shares.**  A consumer holds at most :meth:`share` batches
       unacknowledged, so one that attaches a moment after another still
       gets batches of a small data set.
@@ -299,13 +299,13 @@ class SharedOutlet:
         if self._end is not None and self._end.error is not None:
             return self._end  # a failure goes out at once
         if e < self._epoch:
-            if not self._others_hold(conn, e):
+            if not self._out_until(e):
                 self._epoch_of[conn] = e + 1
                 end = self._ends[e]
                 self._prune()
                 return Item(-1, end)
             return None
-        if self._end is not None and not self._others_hold(conn, None):
+        if self._end is not None and not self._out:
             return self._end  # stays: every later call ends too
         return None
 
@@ -316,10 +316,12 @@ class SharedOutlet:
             for e in [e for e in self._ends if e < low]:
                 del self._ends[e]
 
-    def _others_hold(self, conn: Any, epoch: int | None) -> bool:
-        """Does a consumer other than ``conn``, or the redeal, hold a batch
-        of ``epoch`` or before (None: of any epoch)?"""
-        return any(holder is not conn and (epoch is None or e <= epoch) for holder, e in self._out.values())
+    def _out_until(self, epoch: int) -> bool:
+        """Is a batch of ``epoch`` or before still out (held unacknowledged,
+        or waiting to be dealt again)?  Should it be the asking consumer's
+        own, it may still leave, and then only a consumer in that epoch may
+        take it: one told the epoch's end must not."""
+        return any(e <= epoch for _, e in self._out.values())
 
     def _may_take(self, conn: Any) -> bool:
         return (

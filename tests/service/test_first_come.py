@@ -228,7 +228,8 @@ def test_a_consumer_holding_the_end_returns_no_batch_the_saved_state_does_not_co
     def server(resume: bool) -> FeedServer:
         s = FeedServer(state_file=state, resume=resume)
         # 2 x 6 chunks: 5 batches, all in the consumer's slots with the end
-        s.serve_source("train", ["id", "x"], feeds.Fetch(calls=6), BATCH, 2, deterministic=True)
+        # (dealt by index: first come, the end waits for them to be returned)
+        s.serve_source("train", ["id", "x"], feeds.Fetch(calls=6), BATCH, 2, deterministic=True, num_consumers=1)
         return s.start()
 
     first = server(False)
@@ -307,3 +308,99 @@ def test_a_consumer_that_does_not_answer_the_stop_cannot_acknowledge_after_the_s
         sock.close()
     assert isinstance(after_save[0], BrokenPipeError), after_save
     assert sum(server.sources["train"].counts.acknowledged.values()) == 0
+
+
+class _Feed:
+    """An inner feed that gives a scripted stream (then EndOfInput), and
+    counts what the stream moved past."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = list(items)
+        self.passed: list[Any] = []
+        self.device_queue = self
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def dequeue(self, timeout: float) -> Any:
+        if not self.items:
+            raise blobfeed.EndOfInput("scripted stream done")
+        return self.items.pop(0)
+
+    def delivered(self, batch: Any) -> None:
+        self.passed.append(batch)
+
+
+def _outlet(items: list[Any], slots: int = 64) -> Any:
+    from types import SimpleNamespace
+
+    from blobfeed.service.served import SharedOutlet, _Counts
+
+    source = SimpleNamespace(
+        name="train", error=None, stopped=False, slots=slots, counts=_Counts(),
+        hub=SimpleNamespace(count_dropped=lambda *a: None),
+    )
+    return SharedOutlet(source, _Feed(items), set())  # type: ignore[arg-type]
+
+
+def test_the_first_come_rules_step_by_step() -> None:
+    """The dealing's rules on a scripted stream, whoever leaves and joins
+    when: a batch out keeps its epoch's end (and the data's end) from every
+    consumer, its own holder too; what a consumer leaves goes to one still in
+    that epoch; one that joins while batches of an epoch are out starts in it."""
+    from blobfeed.feeders.chunks import Batch, EpochEnd
+
+    from blobfeed.service.served import End, Item
+
+    b = [Batch((), 1) for _ in range(6)]
+    out = _outlet([b[0], b[1], b[2], b[3], EpochEnd(0), b[4], b[5]])
+    x, y, j = (type("Conn", (), {"label": n})() for n in "xyj")
+    out.join(x)
+    out.join(y)
+    got = {c: [] for c in (x, y, j)}
+
+    def take(c: Any) -> Any:
+        item = out.next(c, 0.01)  # the scripted feed's end is seen by waiting for it, as the real one's
+        if isinstance(item, Item):
+            got[c].append(item)
+        return item
+
+    assert [take(x).batch, take(x).batch, take(y).batch, take(y).batch] == b[:4]
+    assert take(x) is None  # the feed's epoch end is taken; x's own batches of epoch 0 are out
+    for item in got[x]:
+        out.acked(item)
+    assert take(x) is None  # y still holds two of epoch 0
+    out.left(y, got[y])  # y leaves: x is still in epoch 0, and takes them
+    assert [take(x).batch, take(x).batch] == b[2:4]
+    assert take(x) is None
+    for item in got[x][2:]:
+        out.acked(item)
+    assert take(x).batch == EpochEnd(0)
+    assert take(x).batch is b[4]
+    out.join(j)  # a batch of epoch 1 is out: j starts in epoch 1
+    assert take(j).batch is b[5]
+    assert take(j) is None and take(x) is None  # the data's end waits for b4 and b5
+    out.acked(got[x][-1])
+    assert take(j) is None  # its own b5 is out: it may still leave
+    out.left(j, got[j][-1:])
+    assert take(x).batch is b[5]
+    assert take(x) is None
+    out.acked(got[x][-1])
+    assert take(x) == End(None)
+    assert take(x) == End(None)  # the end stays
+    assert out.acked_after() == [] and out.prefix == 7 and len(out.feed.passed) == 7
+    assert sum(out.source.counts.redealt.values()) == 3
+
+
+def test_first_come_a_consumer_holds_at_most_its_share() -> None:
+    """64 slots among at least 4 consumers: 16 each; with 8 attached, 8 each."""
+    from blobfeed.feeders.chunks import Batch
+
+    out = _outlet([Batch((), 1) for _ in range(100)])
+    conns = [type("Conn", (), {"label": str(i)})() for i in range(8)]
+    out.join(conns[0])
+    assert sum(out.next(conns[0], 0.0) is not None for _ in range(20)) == 16
+    for c in conns[1:]:
+        out.join(c)
+    assert out.next(conns[0], 0.0) is None
+    assert sum(out.next(conns[1], 0.0) is not None for _ in range(20)) == 8
