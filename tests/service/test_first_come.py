@@ -331,7 +331,7 @@ class _Feed:
         self.passed.append(batch)
 
 
-def _outlet(items: list[Any], slots: int = 64) -> Any:
+def _outlet(items: list[Any], slots: int = 64, skip: set[int] | None = None) -> Any:
     from types import SimpleNamespace
 
     from blobfeed.service.served import SharedOutlet, _Counts
@@ -340,7 +340,7 @@ def _outlet(items: list[Any], slots: int = 64) -> Any:
         name="train", error=None, stopped=False, slots=slots, counts=_Counts(),
         hub=SimpleNamespace(count_dropped=lambda *a: None),
     )
-    return SharedOutlet(source, _Feed(items), set())  # type: ignore[arg-type]
+    return SharedOutlet(source, _Feed(items), set() if skip is None else skip)  # type: ignore[arg-type]
 
 
 def test_the_first_come_rules_step_by_step() -> None:
@@ -404,3 +404,48 @@ def test_first_come_a_consumer_holds_at_most_its_share() -> None:
         out.join(c)
     assert out.next(conns[0], 0.0) is None
     assert sum(out.next(conns[1], 0.0) is not None for _ in range(20)) == 8
+
+
+def test_a_resumed_outlet_saves_what_it_is_still_to_skip_and_tells_a_skipped_epoch_end() -> None:
+    """A resume skips the batches acknowledged past the saved position: until
+    dealt, they are saved again as such, also when the position waits right
+    at one (offset 0); and an epoch end among them is still told (the stream
+    passes it, the consumers must hear of it)."""
+    from blobfeed.feeders.chunks import Batch, EpochEnd
+
+    b = [Batch((), 1) for _ in range(5)]
+    out = _outlet([b[0], b[1], EpochEnd(0), b[3], b[4]], skip={2, 3})
+    x = type("Conn", (), {"label": "x"})()
+    out.join(x)
+    assert out.acked_after() == [2, 3]
+    got = [out.next(x, 0.01), out.next(x, 0.01)]
+    assert [i.batch for i in got] == b[:2]
+    for item in got:
+        out.acked(item)
+    assert out.prefix == 2 and out.acked_after() == [0, 1]
+    assert out.next(x, 0.01).batch == EpochEnd(0)
+    assert out.next(x, 0.01).batch is b[4]  # b3 skipped
+    assert out.acked_after() == [] and out.prefix == 4
+
+
+def test_a_state_whose_position_waits_at_a_batch_acknowledged_after_it_resumes(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+
+    def server(resume: bool) -> FeedServer:
+        s = FeedServer(state_file=state, resume=resume)
+        s.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, deterministic=True)
+        return s
+
+    server(False).start().stop()
+    saved = json.loads(state.read_text())
+    saved["sources"]["train"]["acked_after"] = [0, 2]
+    state.write_text(json.dumps(saved))
+    resumed = server(True).start()
+    try:
+        assert resumed.sources["train"].shared.skip == {0, 2}
+    finally:
+        resumed.stop()
+    saved["sources"]["train"]["acked_after"] = [-1]
+    state.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="'acked_after' must be a list of ints"):
+        server(True).start()
