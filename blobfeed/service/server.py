@@ -473,7 +473,9 @@ class FeedServer:
             if served.shared is not None:
                 after = s.get("acked_after", [])
                 if not isinstance(after, list) or not all(type(x) is int and 0 <= x < 1 << 40 for x in after):
-                    raise ValueError(f"{where}: 'acked_after' must be a list of ints in [0, 2**40) (offsets past the saved position)")
+                    raise ValueError(
+                        f"{where}: 'acked_after' must be a list of ints in [0, 2**40) (offsets past the saved position)"
+                    )
                 served.shared.skip = set(after)
         logger.info("service: resumed from %s", path)
 
