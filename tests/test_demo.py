@@ -320,7 +320,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"blobfeed {blobfeed.__version__}\n"
-    assert "--version" in cli.USAGE
+    assert "--version" in cli.usage()
 
 
 def test_sigterm_mid_run_says_so_and_exits_as_ctrl_c_does() -> None:

@@ -40,6 +40,8 @@ import numpy as np
 import blobfeed
 from blobfeed.metrics import MetricsServer, start_http_server
 
+from .argtypes import port, positive_int, seconds_or_more
+
 __all__ = ["InputSpec", "TrainedDigits", "digits_mlp_onnx", "inspect_model_inputs", "main", "train_digits"]
 
 SOURCE = "demo"
@@ -822,30 +824,6 @@ def _finish(lines: list[str], problems: list[str]) -> int:
     return 1 if problems else 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _serve_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``blobfeed demo`` command line."""
     p = argparse.ArgumentParser(
@@ -859,15 +837,15 @@ def build_parser() -> argparse.ArgumentParser:
         "printed apart, labelled as such). Exit status: 0 when every prediction matches "
         "direct onnxruntime scoring, 1 when a check fails, 2 for a usage problem.",
     )
-    p.add_argument("--batch-size", type=_positive, default=64, help="samples per batch (default 64)")
-    p.add_argument("--workers", type=_positive, default=2, help="fetcher threads (default 2)")
-    p.add_argument("--passes", type=_positive, default=100, help="passes over the data (default 100)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="samples per batch (default 64)")
+    p.add_argument("--workers", type=positive_int, default=2, help="fetcher threads (default 2)")
+    p.add_argument("--passes", type=positive_int, default=100, help="passes over the data (default 100)")
     p.add_argument(
-        "--metrics-port", type=_port, default=0,
+        "--metrics-port", type=port, default=0,
         help="port for the metrics on 127.0.0.1 (default 0: a free port, printed)",
     )
     p.add_argument(
-        "--serve", type=_serve_seconds, nargs="?", const=math.inf, default=None, metavar="SECONDS",
+        "--serve", type=seconds_or_more, nargs="?", const=math.inf, default=None, metavar="SECONDS",
         help="keep serving the metrics after the run, so the printed URL can be visited: "
         "until Ctrl-C or SIGTERM, or for SECONDS when given (default: stop serving when the run ends)",
     )
@@ -876,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an ONNX model with float inputs to feed synthetic data instead of the digits classifier",
     )
     p.add_argument(
-        "--samples", type=_positive, default=None,
+        "--samples", type=positive_int, default=None,
         help="samples per pass with --model (default 1024)",
     )
     p.add_argument(

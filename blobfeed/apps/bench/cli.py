@@ -10,23 +10,10 @@ import subprocess
 import sys
 from collections.abc import Collection
 
+from ..argtypes import positive_float, positive_int
 from .report import evaluate, format_report, verdict
 from .runner import RUNNERS, WARMUP_S, _packages, _plan, available_packages, estimate_seconds, run_all
 from .workloads import WORKLOADS, w6_corpus_dir
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 DEFAULT_WORKLOADS = "W1,W2,W3,W4,W5"
@@ -104,11 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {', '.join(WORKLOADS)}, or all (default: {DEFAULT_WORKLOADS})",
     )
     p.add_argument(
-        "--seconds", type=_positive_float, default=DEFAULT_SECONDS,
+        "--seconds", type=positive_float, default=DEFAULT_SECONDS,
         help=f"measured seconds per measurement, after a {WARMUP_S:g} s warm-up (default: {DEFAULT_SECONDS:g} s)",
     )
     p.add_argument(
-        "--repeats", type=_positive_int, default=DEFAULT_REPEATS,
+        "--repeats", type=positive_int, default=DEFAULT_REPEATS,
         help=f"repetitions of every measurement; the median is reported (default: {DEFAULT_REPEATS})",
     )
     p.add_argument("--json", metavar="PATH", help="also write the raw results and the verdict here (default: none)")
