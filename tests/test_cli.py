@@ -4,9 +4,13 @@ git/pip/docker users expect them, and the messages of every option type."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -120,3 +124,58 @@ def test_the_serve_metrics_port_is_checked_as_a_port(capsys: pytest.CaptureFixtu
         with pytest.raises(SystemExit):
             serve._parser().parse_args(["x:y", "--metrics-port", bad])
         assert said in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a taken metrics port
+def _listener() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_serve_with_a_taken_metrics_port_fails_before_the_target_runs(tmp_path: Path) -> None:
+    """Issue 24: the port was found taken only in start(), after the target
+    had wired its sources (and process workers started), and the message had
+    an "[Errno 98]" in it.  Now: one line naming the port, exit 2, and the
+    target never imported."""
+    marker = tmp_path / "imported"
+    target = tmp_path / "wiring.py"
+    target.write_text(f"open({str(marker)!r}, 'w').close()\ndef wire():\n    pass\n")
+    sock, port = _listener()
+    with sock:
+        proc = subprocess.run(
+            [sys.executable, "-m", "blobfeed.apps.cli", "serve", f"{target}:wire", "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"blobfeed serve: cannot serve metrics on 127.0.0.1:{port}: Address already in use; "
+        "choose another --metrics-port, or 0 for any free port"], proc.stderr
+    assert not marker.exists()
+
+
+def test_serve_serves_its_metrics_and_health(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "N": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", "tests.service.feeds:wire_by_index",
+         "--listen", str(tmp_path / "feed.sock"), "--metrics-port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()  # bounded: printed once listening, or the process exits
+        line = proc.stdout.readline()
+        m = re.match(r"blobfeed serve: metrics on (http://127\.0\.0\.1:\d+)/metrics$", line.strip())
+        assert m, line
+        with urllib.request.urlopen(m.group(1) + "/metrics", timeout=10) as resp:
+            assert b"blobfeed_" in resp.read()
+        with urllib.request.urlopen(m.group(1) + "/healthz", timeout=10) as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

@@ -492,14 +492,16 @@ def _feed_and_run(
     consume: Callable[[dict[str, np.ndarray], blobfeed.Workspace], None],
     on_running: Callable[[str], None] | None,
     keep_serving: list[MetricsServer],
+    metrics: "_Metrics",
 ) -> RunStats:
-    """Serve the metrics, feed ``net`` from ``fetch_fun`` until the data ends, stop.
+    """Feed ``net`` from ``fetch_fun`` until the data ends, stop; the metrics
+    are served by ``metrics.server`` (bound before anything else ran).
 
     With ``--serve`` the metrics server is left open after a run that got to
     the end of its input and appended to ``keep_serving``: the caller closes
     it.  Otherwise it is closed here.
     """
-    gc = blobfeed.GlobalCoordinator()  # isolated: its own registry
+    gc, server = metrics.coordinator, metrics.server
     blobfeed.init_data_input_workers(
         net,
         blob_names,
@@ -511,11 +513,6 @@ def _feed_and_run(
         drop_last=drop_last,
         coordinator=gc,
     )
-    try:
-        server = start_http_server(args.metrics_port, addr="127.0.0.1", registry=gc.registry)
-    except OSError as exc:
-        gc.stop()
-        raise DemoError(f"cannot serve metrics on 127.0.0.1:{args.metrics_port}: {exc}") from exc
     after = ", and after it until stopped: --serve" if args.serve is not None else ""
     print(f"metrics     {server.url}  (served while the demo runs{after})", flush=True)
     seen = Coverage(total // args.passes, args.passes)
@@ -581,7 +578,8 @@ def _report_run(stats: RunStats, expected: int) -> tuple[list[str], list[str]]:
 
 
 def _run_digits(
-    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer]
+    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer],
+    metrics: "_Metrics",
 ) -> int:
     try:
         import onnx  # noqa: F401
@@ -675,6 +673,7 @@ def _run_digits(
         consume=consume,
         on_running=on_running,
         keep_serving=keep_serving,
+        metrics=metrics,
     )
     scored.flush()
     lines, problems = _report_run(stats, total)
@@ -703,7 +702,8 @@ def _run_digits(
 
 
 def _run_model(
-    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer]
+    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer],
+    metrics: "_Metrics",
 ) -> int:
     import onnxruntime as ort
 
@@ -772,6 +772,7 @@ def _run_model(
             consume=consume,
             on_running=on_running,
             keep_serving=keep_serving,
+            metrics=metrics,
         )
     except (blobfeed.BlobfeedError, DemoError):
         raise
@@ -824,6 +825,34 @@ def _finish(lines: list[str], problems: list[str]) -> int:
     return 1 if problems else 0
 
 
+@dataclass
+class _Metrics:
+    """The run's coordinator (its own registry) and the server of its metrics."""
+
+    coordinator: blobfeed.GlobalCoordinator
+    server: MetricsServer
+
+
+def _bind_metrics(port: int) -> _Metrics:
+    """A coordinator with a registry of its own, and its metrics served on
+    ``127.0.0.1:port``: done first, so that a taken port is found at once.
+
+    Raises:
+        DemoError: the port cannot be bound; one message naming it.
+    """
+    gc = blobfeed.GlobalCoordinator()  # isolated: its own registry; starts nothing yet
+    try:
+        server = start_http_server(port, addr="127.0.0.1", registry=gc.registry)
+    except OSError as exc:
+        gc.stop()
+        # said once: the library's own message names the address already, and
+        # wrapping str(exc) repeated it, after an "[Errno 98]"
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        hint = "; choose another --metrics-port, or 0 for any free port" if port else ""
+        raise DemoError(f"cannot serve metrics on 127.0.0.1:{port}: {reason}{hint}") from None
+    return _Metrics(gc, server)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``blobfeed demo`` command line."""
     p = argparse.ArgumentParser(
@@ -842,7 +871,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=positive_int, default=100, help="passes over the data (default 100)")
     p.add_argument(
         "--metrics-port", type=port, default=0,
-        help="port for the metrics on 127.0.0.1 (default 0: a free port, printed)",
+        help="port for the metrics on 127.0.0.1 (default 0: a free port, printed); bound before anything "
+        "else runs: a taken port fails at once with exit status 2",
     )
     p.add_argument(
         "--serve", type=seconds_or_more, nargs="?", const=math.inf, default=None, metavar="SECONDS",
@@ -895,15 +925,22 @@ def main(argv: Sequence[str] | None = None, *, on_running: Callable[[str], None]
         args.samples = 1024
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The port first: a taken --metrics-port fails at once, before the
+    # training, the model's load and the workers (it used to fail after them).
+    try:
+        metrics = _bind_metrics(args.metrics_port)
+    except DemoError as exc:
+        print(f"blobfeed demo: error: {exc}", file=sys.stderr)
+        return 2
     keep_serving: list[MetricsServer] = []
     # An operator's SIGTERM (kill, a container stop) ends the run as Ctrl-C
     # does: a line, the threads stopped, an exit status; not a silent death.
     previous = _handle_sigterm()
     try:
         if args.model is not None:
-            status = _run_model(args, on_running, keep_serving)
+            status = _run_model(args, on_running, keep_serving, metrics)
         else:
-            status = _run_digits(args, on_running, keep_serving)
+            status = _run_digits(args, on_running, keep_serving, metrics)
         for server in keep_serving:
             serve_after_run(server, args.serve)
         return status
@@ -922,6 +959,8 @@ def main(argv: Sequence[str] | None = None, *, on_running: Callable[[str], None]
     finally:
         for server in keep_serving:
             server.close()  # idempotent: closes it when the report itself failed
+        metrics.server.close()  # idempotent: when the run never got to feeding
+        metrics.coordinator.stop()
         for handler in previous:
             # None: the handler was not set from Python; the default is the nearest
             signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
