@@ -766,3 +766,107 @@ def test_a_killed_runs_tallies_are_deleted_by_the_next_run() -> None:
         assert Path(tally.path).exists()
     finally:
         tally.close()
+
+
+# --------------------------------------------------------------------------- failed measurements (issue 24)
+def _canned(w: str, r: str, seconds: float) -> dict[str, Any]:
+    """A stand-in for a measurement's child: the canned passing results."""
+    return copy.deepcopy({**_passing_results(), **_peer_results()}[f"{w}/{r}"])
+
+
+def test_a_timed_out_peer_is_a_failed_row_and_the_rest_is_judged(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 24: one peer's timeout (pool on W4p) ended the run with "a
+    measurement failed, no verdict", throwing every other result away."""
+    asked: list[tuple[str, str]] = []
+
+    def measure(w: str, r: str, seconds: float) -> dict[str, Any]:
+        asked.append((w, r))
+        if (w, r) == ("W4p", "pool"):
+            raise runner.MeasurementFailed("timed out after 170 s (killed)")
+        return _canned(w, r, seconds)
+
+    monkeypatch.setattr(runner, "measure_one", measure)
+    monkeypatch.setattr(runner, "available_packages", lambda: frozenset({"PIL"}))
+    status = cli.main(["--workloads", "W1,W4p", "--repeats", "2", "--seconds", "0.1"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert status == 2, out  # a failed row: not a pass, whatever the rest says
+    assert asked.count(("W4p", "pool")) == 1  # not tried again in repetition 2
+    assert asked.count(("W4p", "blobfeed")) == 2 and asked.count(("W1", "caffe2")) == 2
+    assert re.search(r"^W4p/pool +measurement failed: repetition 1: timed out after 170 s \(killed\)$", out, re.M), out
+    assert re.search(r"^W1/blobfeed +\d", out, re.M), out  # the other rows are all there
+    # the verdict on the rest, then the failure
+    assert re.search(r"^verdict: 1 measurement FAILED; on the rest: all \d+ targets met$", out, re.M), out
+    assert re.search(r"^failed measurements \(exit status 2\):\n  W4p/pool: repetition 1: timed out", out, re.M), out
+    assert re.search(r"^W4p batches/s vs the two-core ideal >= 0\.85 +0\.90  ok$", out, re.M), out
+    assert "W4p/pool failed in repetition 1: timed out" in captured.err
+
+
+def test_a_target_whose_measurement_failed_is_not_judged_on_it() -> None:
+    results = {**_passing_results(), **_peer_results()}
+    results["W1/caffe2"] = {"failed": "repetition 2: exited with status 1: MemoryError"}
+    results["W2p/pool"] = {"failed": "repetition 1: timed out after 170 s (killed)"}
+    rows = report.evaluate(_report(results))
+    failed = [r for r in rows if r.get("failed")]
+    assert {(r["workload"], r["runner"]) for r in failed} == {("W1", "caffe2"), ("W2p", "pool")}
+    row = _row(rows, "W1", "batches/s vs Caffe2")
+    assert row["ok"] is None and row["detail"] == "measurement failed: W1/caffe2"
+    row = _row(rows, "W2p", "batches/s vs the best process peer")
+    assert row["ok"] is True and "measurement failed: pool" in row["detail"]  # judged on the peers that ran
+    status, lines = report.verdict(rows)
+    assert status == 2
+    assert lines[0].startswith("verdict: 2 measurements FAILED; on the rest: all ")
+
+
+def test_a_ratio_past_the_physical_bound_is_a_failed_measurement(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 24: W4 printed "3.57 ok": 690 batches/s against one core's
+    ideal of 193, from threads running pure-Python work on a 2-core machine."""
+    impossible = _result(batches_per_s=690.0, ideal_batches_per_s=193.0, ideal_ratio=690.0 / 193.0, wait_share=0.5)
+    raw = {("W4", "blobfeed"): [_result(batches_per_s=180.0, ideal_batches_per_s=193.0, ideal_ratio=0.93), impossible],
+           ("W4", "caffe2"): [_result(batches_per_s=110.0, ideal_batches_per_s=190.0, ideal_ratio=0.58)] * 2,
+           ("W4p", "blobfeed"): [_result(batches_per_s=400.0, ideal_batches_per_s=450.0, ideal_ratio=0.89)],
+           ("W4p", "pool"): [_result(batches_per_s=900.0, ideal_batches_per_s=450.0, ideal_ratio=2.0)]}
+    results = report.summarize(raw, cpus=2)
+    why = results["W4/blobfeed"]["failed"]
+    assert why == ("repetition 2: 690 batches/s is 3.58 x the 1-core ideal (193 batches/s), above the possible 1.10 "
+                   "(its threads run pure-Python work under the GIL: one core at most)"), why
+    assert "above the possible 1.10 (its work runs on 2 cores at most)" in results["W4p/pool"]["failed"]
+    assert "W4/ideal" not in results and "failed" not in results["W4/caffe2"]
+    assert report.summarize(raw, cpus=1)["W4p/blobfeed"]["failed"].endswith(
+        "above the possible 0.55 (its 2 workers share the machine's 1 cpus)")
+    rows = report.evaluate(_report(results))
+    row = _row(rows, "W4", "batches/s vs one core's ideal")
+    assert row["ok"] is None and row["detail"] == "measurement failed: W4/blobfeed"
+    status, lines = report.verdict(rows)
+    assert status == 2
+    text = report.format_report(_report(results))
+    assert re.search(r"^W4/blobfeed +measurement failed: repetition 2: 690 batches/s is 3\.58 x", text, re.M), text
+    assert re.search(r"^W4 batches/s vs one core's ideal >= 0\.9 +- +not evaluated \(measurement failed\)", text, re.M)
+    assert not re.search(r"^W4 batches/s vs one core's ideal.* ok", text, re.M)
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_measurement_is_killed_with_every_process_it_started() -> None:
+    """The child and the Pool's workers it forked: none is left behind."""
+    t0 = time.monotonic()
+    with pytest.raises(runner.MeasurementFailed, match=r"^timed out after 4 s \(killed\)$"):
+        runner._child("W1p", "pool", 60.0, timeout=4.0)
+    assert time.monotonic() - t0 < 60
+
+    def left() -> list[int]:
+        pids = []
+        for name in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if b"--child\0W1p\0pool\0" in f.read():
+                        pids.append(int(name))
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:  # SIGKILL is delivered at once; their reaping is not ours
+        time.sleep(0.1)
+    assert not left()

@@ -3,9 +3,11 @@ process, repeated and interleaved."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -178,23 +180,67 @@ def child_command(*args: str) -> list[str]:
     return [sys.executable, "-c", CHILD_MAIN, *args]
 
 
-def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
+class MeasurementFailed(Exception):
+    """A measurement's child crashed, hung past its time limit, or printed no result."""
+
+
+def child_timeout(seconds: float) -> float:
+    """How long a measurement's child may take before it counts as hung."""
+    return seconds * 10 + 120
+
+
+def _child(wl_id: str, runner: str, seconds: float, timeout: float | None = None) -> dict[str, Any]:
     """One measurement in a fresh child process (``python -m
-    blobfeed.apps.bench --child``), so that its peak RSS is its own."""
-    env = dict(os.environ)
-    proc = subprocess.run(
+    blobfeed.apps.bench --child``), so that its peak RSS is its own.
+
+    The child leads a process group of its own: when it hangs past
+    ``timeout`` (default :func:`child_timeout`), it is killed with every
+    process it started (a Pool's workers, torch's, grain's), none left behind.
+
+    Raises:
+        MeasurementFailed: it crashed, timed out or printed no result; the
+            message is one line that says which.
+    """
+    limit = child_timeout(seconds) if timeout is None else timeout
+    proc = subprocess.Popen(
         child_command("--child", wl_id, runner, str(seconds)),
-        check=False, capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ), start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except BaseException as exc:  # the time limit, or Ctrl-C: the whole group goes
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise MeasurementFailed(f"timed out after {limit:g} s (killed)") from None
+        raise
+    finally:
+        # what the child started and left running (it exited, its group may not have)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode != 0:
-        raise RuntimeError(f"{wl_id}/{runner} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        last = next((line for line in reversed(err.splitlines()) if line.strip()), "no message")
+        raise MeasurementFailed(f"exited with status {proc.returncode}: {last.strip()}")
+    try:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise MeasurementFailed(f"printed no result (stdout: {out.strip()[-200:]!r})") from None
+    if not isinstance(result, dict):
+        raise MeasurementFailed(f"printed {type(result).__name__}, not a result")
+    return result
 
 
-def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = sys.stderr) -> dict[str, Any]:
+#: how run_all runs one measurement (tests put a stand-in here)
+measure_one: Callable[[str, str, float], dict[str, Any]] = _child
+
+
+def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = None) -> dict[str, Any]:
     """Every measurement of ``workloads`` whose packages are installed,
     ``repeats`` times, interleaved (A B A B ...: a shared machine's drift
     hits every runner alike); the report :func:`report.format_report` prints."""
+    if progress is None:
+        progress = sys.stderr  # looked up now: whatever stderr is at the call
     packages = available_packages()
     plan = _plan(workloads, packages)
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in plan}
@@ -202,15 +248,24 @@ def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = 
         ensure_w6_corpus(progress=progress)
     total = len(plan) * repeats
     done = 0
+    failures: dict[tuple[str, str], str] = {}
     t0 = time.monotonic()
     for rep in range(repeats):
         for w, r in plan:
             done += 1
+            if (w, r) in failures:  # failed once: its row is failed, the rest of the run goes on
+                continue
             progress.write(f"\r[{done}/{total}] {w:<3} {r:<9} rep {rep + 1}/{repeats}  {time.monotonic() - t0:5.0f} s elapsed ")
             progress.flush()
-            raw[(w, r)].append(_child(w, r, seconds))
+            try:
+                raw[(w, r)].append(measure_one(w, r, seconds))
+            except MeasurementFailed as exc:
+                failures[(w, r)] = f"repetition {rep + 1}: {exc}"
+                progress.write(f"\nblobfeed bench: {w}/{r} failed in repetition {rep + 1}: {exc}; "
+                               f"its row is reported as failed, the other measurements go on\n")
     progress.write("\n")
-    results = summarize(raw)
+    results = summarize(raw, failures, cpus=os.cpu_count() or 1)
     return {"seconds": seconds, "repeats": repeats, "torch": "torch" in packages, "grain": "grain" in packages,
             "pillow": "PIL" in packages, "raydata": "ray.data" in packages, "skipped": _skipped_workloads(workloads, packages),
-            "results": results, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+            "results": results, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+            "elapsed_s": time.monotonic() - t0}
