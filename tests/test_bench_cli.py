@@ -12,6 +12,7 @@ import copy
 import json
 import multiprocessing
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -870,3 +871,62 @@ def test_a_hung_measurement_is_killed_with_every_process_it_started() -> None:
     while left() and time.monotonic() < deadline:  # SIGKILL is delivered at once; their reaping is not ours
         time.sleep(0.1)
     assert not left()
+
+
+def test_a_slow_pss_reading_is_not_taken_out_of_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: W4 reported 3.57 x one core's ideal.  The PSS reading ran in
+    the consumer's thread and its time was taken out of the window; under
+    W4's pure-Python fetcher threads one reading took seconds (each file read
+    waits a GIL switch interval), while the fetchers went on filling the
+    queue.  Here a producer makes 200 items/s and a reading takes 0.4 s:
+    the meter must still say about 200/s."""
+    def slow_reading(root: int | None = None) -> float:
+        time.sleep(0.4)  # what one reading cost under W4's threads, shortened
+        return 1.0
+
+    monkeypatch.setattr(measure, "tree_pss_mb", slow_reading)
+    items: "queue.Queue[list[np.ndarray]]" = queue.Queue()
+    stop = threading.Event()
+    batch = [np.zeros((1, 1))]
+
+    def producer() -> None:
+        next_at = time.perf_counter()
+        while not stop.is_set():
+            items.put(batch)
+            next_at += 1 / 200
+            time.sleep(max(0.0, next_at - time.perf_counter()))  # pacing: the producer's speed
+
+    t = threading.Thread(target=producer)
+    t.start()
+    try:
+        m = measure.Meter(1.5, warmup=0.2)
+        m.begin()
+        while m.tick(items.get(timeout=10)):
+            pass
+        rate = m.result()["batches_per_s"]
+    finally:
+        stop.set()
+        t.join(10)
+    assert 150 < rate < 200 * 1.1, rate
+    assert m.result()["pss_mb"] > 1.0  # read by the sampler process, not the patched function
+
+
+def test_the_pss_sampler_reads_a_tree_and_leaves_nothing_behind() -> None:
+    sampler = measure.PssSampler(interval=0.05)
+    pid = sampler._proc.pid
+    sampler.go()
+    child = subprocess.Popen([sys.executable, "-c", "import time, numpy; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while measure._pss_kb(child.pid) < 5000 and time.monotonic() < deadline:  # until numpy is in
+            time.sleep(0.05)
+        alone = measure._pss_kb(os.getpid()) / 1024
+        peak = sampler.stop()
+        assert peak > alone + 4, (peak, alone)  # the child counted, the sampler itself not
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    other = measure.PssSampler()
+    other.close()
+    assert other._proc is None and other.stop() == 0.0
