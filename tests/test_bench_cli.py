@@ -930,3 +930,51 @@ def test_the_pss_sampler_reads_a_tree_and_leaves_nothing_behind() -> None:
     other = measure.PssSampler()
     other.close()
     assert other._proc is None and other.stop() == 0.0
+
+
+# --------------------------------------------------------------------------- the legend and the lost column (issue 24)
+def test_the_table_has_a_legend_of_the_runners_it_shows() -> None:
+    """Issue 24: torch0, torch0it, W4/ideal had no legend, and W3/caffe2's
+    lost (147550048) was unexplained."""
+    results = {**_passing_results(), "W1/torch0it": _result(batches_per_s=290.0)}
+    results["W3/caffe2"].update(samples_lost=147_550_048, lost_share=0.88)
+    results["W2/caffe2"].update(lost_share=0.05)
+    text = report.format_report(_report(results))
+    lines = text.splitlines()
+    top = lines.index("runners:")
+    end = lines.index("", top)
+    shown = {line.split()[0] for line in lines[top + 1: end] if line.startswith("  ")}
+    assert shown == {"blobfeed", "caffe2", "copy", "model", "torch0it", "ideal"}, lines[top:end]
+    caffe2 = next(line for line in lines[top:end] if line.startswith("  caffe2 "))
+    assert "drops, by design, when its queue is full" in caffe2 and "(here: W2 5%, W3 88% of the samples fetched)" in caffe2
+    lost = next(line for line in lines[top:end] if line.startswith("lost: "))
+    assert "summed over the 3 repetitions" in lost and '"-": the runner does not count its samples' in lost
+    # every runner the bench has is in the legend
+    assert set(runner.RUNNERS) <= set(report.RUNNER_LEGEND)
+
+
+def test_lost_means_the_same_on_every_row() -> None:
+    """The column showed the median of the repetitions (the verdict their
+    sum), and 0 for peers that do not count: now the sum for every runner
+    that counts, and "-" for those that do not."""
+    raw = {
+        ("W1", "blobfeed"): [_result(), _result(samples_lost=7), _result()],
+        ("W1", "caffe2"): [_result(samples_lost=n) for n in (10, 20, 30)],
+        ("W1", "torch0it"): [{k: v for k, v in _result().items() if k != "samples_lost"}] * 3,
+    }
+    results = report.summarize(raw)
+    lines = report.format_report(_report(results)).splitlines()
+    top = lines.index(next(line for line in lines if line.startswith("workload/runner")))
+    cells = {r["workload/runner"]: r for r in _column_cells(lines[top: lines.index("", top)])}
+    assert cells["W1/blobfeed"]["lost"] == "7"
+    assert cells["W1/caffe2"]["lost"] == "60"
+    assert cells["W1/torch0it"]["lost"] == "-"
+
+
+def test_a_peer_reports_no_lost_count() -> None:
+    def body(fetcher: workloads.Fetcher, m: measure.Meter) -> None:
+        m.begin()
+        base.feed(m, (fetcher.chunk(0) for _ in iter(int, 1)))
+
+    got = base.run_peer(workloads.WORKLOADS["W1"], 0.05, body, pss=False)
+    assert got["batches_per_s"] > 0 and "samples_lost" not in got

@@ -416,6 +416,69 @@ COLUMNS = [
 KEY_WIDTH = 17
 
 
+def _lost_cell(result: dict[str, Any]) -> str:
+    """Samples lost, summed over the repetitions (as the verdict counts
+    them); "-" for a runner that does not count its samples."""
+    if "samples_lost_total" in result:
+        return str(int(result["samples_lost_total"]))
+    if "samples_lost" in result:  # a report saved before the sum was kept
+        return str(int(result["samples_lost"]))
+    return "-"
+
+
+#: what each runner is, for the legend under the table (one line per runner that appears)
+RUNNER_LEGEND = {
+    "blobfeed": "blobfeed: a Net with no model (W5: the MLP), 2 fetcher threads (W*p: worker processes)",
+    "caffe2": "Caffe2's original re-batching (np.append, np.split), written from its description; "
+              "its lost column is the leftovers it drops, by design, when its queue is full",
+    "copy": "the copy bound: each batch's bytes copied once with np.copyto, out of cache",
+    "model": "the model alone: InferenceSession.run on batches made in advance",
+    "grain0": "grain, no worker process: chunks re-batched by grain",
+    "torch0": "torch DataLoader, num_workers=0, a map-style dataset of single samples",
+    "torch0it": "torch DataLoader, num_workers=0, an iterable dataset of the chunks, re-batched in the loop",
+    "grain2": "grain mp_prefetch, 2 worker processes, chunks re-batched in the parent",
+    "grain2b": "grain mp_prefetch, 2 worker processes, exact batches made in the workers",
+    "torch2": "torch DataLoader, num_workers=2, a map-style dataset of single samples",
+    "torch2it": "torch DataLoader, num_workers=2, an iterable dataset of the chunks, re-batched in the parent",
+    "pool": "multiprocessing.Pool(2).imap of the fetch function, re-batched in the parent (what one writes by hand)",
+    "raydata": "Ray Data: map_batches blocks of the chunks, iter_batches to the exact batch, on a local cluster",
+    "raysplit": "Ray Data's streaming_split(4) to 4 Ray actors",
+    "service": "one feeding service (FeedServer, 2 worker processes) dealing to the consumer processes",
+    "pipes": "one independent pipeline in each consumer process",
+    "ray": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
+    "ray1": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
+    "ray2": "blobfeed's fetchers as Ray actors: 2 simulated nodes of 2 actors",
+    "ray4": "blobfeed's fetchers as Ray actors: 4 simulated nodes of 2 actors",
+    "ray2max": "ray2 with no wait in the fetchers: the driver's ingest limit",
+    "ideal": "not a runner: the batches/s the cores could deliver if the pipeline cost nothing, from the CPU "
+             "time of blobfeed's own fetches (vs ideal: a runner's batches/s over its own measurement's ideal)",
+}
+
+
+def legend(report: dict[str, Any]) -> list[str]:
+    """The lines under the table: what each runner in it is, and what the
+    lost column counts."""
+    results = report["results"]
+    runners = list(dict.fromkeys(key.split("/", 1)[1] for key in results))
+    width = max(len(r) for r in runners) + 2 if runners else 0
+    lines = ["runners:"]
+    for runner in runners:
+        text = RUNNER_LEGEND.get(runner, "")
+        if runner == "caffe2":
+            shares = [f"{key.split('/')[0]} {r['lost_share']:.0%}" for key, r in results.items()
+                      if key.endswith("/caffe2") and "lost_share" in r]
+            if shares:
+                text += f" (here: {', '.join(shares)} of the samples fetched)"
+        lines.append(f"  {runner:<{width}}{text}")
+    repeats = report.get("repeats")
+    over = ("in the one repetition" if repeats == 1 else
+            f"summed over the {repeats} repetitions" if repeats else "summed over the repetitions")
+    lines.append(f"lost: samples fetched and never delivered, {over} (blobfeed must lose none); "
+                 "\"-\": the runner does not count its samples (the peers, the copy bound, the model alone), "
+                 "or did not measure that column")
+    return lines
+
+
 def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
     """A measured figure, or "-" where the runner did not measure it."""
     return format(result[key], fmt) if key in result else "-"
@@ -449,10 +512,11 @@ def format_report(report: dict[str, Any]) -> str:
         vs_base = f"{ratio:.2f} x {WORKLOADS[wl].base}" if ratio is not None else ""
         lines.append(_table_line(key, [
             _cell(r, "batches_per_s", ".1f"), _cell(r, "gb_per_s", ".2f"), _cell(r, "peak_rss_mb", ".0f"),
-            _cell(r, "pss_mb", ".0f"), _cell(r, "first_batch_ms", ".1f"), f"{int(r['samples_lost']):d}", ideal, vs_base,
+            _cell(r, "pss_mb", ".0f"), _cell(r, "first_batch_ms", ".1f"), _lost_cell(r), ideal, vs_base,
         ]))
     for wl, why in report.get("skipped", {}).items():
         lines.append(f"{wl + '/*':<16} skipped: {why}")
+    lines += ["", *legend(report)]
     lines += ["", f"{'target':<56}{'measured':>10}  result"]
     for row in evaluate(report):
         if row.get("failed"):
