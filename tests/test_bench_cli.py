@@ -978,3 +978,45 @@ def test_a_peer_reports_no_lost_count() -> None:
 
     got = base.run_peer(workloads.WORKLOADS["W1"], 0.05, body, pss=False)
     assert got["batches_per_s"] > 0 and "samples_lost" not in got
+
+
+# --------------------------------------------------------------------------- the estimate (issue 24)
+def test_the_estimate_is_computed_from_the_options_and_checked_at_the_end(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """298 s were said and 361 s taken: the estimate printed before the run
+    comes from the options and the runners it will run, and the run says
+    at the end how long it took."""
+    monkeypatch.setattr(runner, "measure_one", _canned)
+    monkeypatch.setattr(runner, "available_packages", lambda: frozenset({"PIL"}))
+    said = {}
+    for argv in (["--workloads", "W1", "--seconds", "1", "--repeats", "1"],
+                 ["--workloads", "W1", "--seconds", "4", "--repeats", "1"],
+                 ["--workloads", "W1", "--seconds", "1", "--repeats", "3"],
+                 ["--workloads", "W1,W4", "--seconds", "1", "--repeats", "1"]):
+        cli.main(argv)
+        captured = capsys.readouterr()
+        m = re.search(r"^blobfeed bench: (\d+) measurements \((\d+) per repeat x (\d+)\), about (\d+) s ", captured.err, re.M)
+        assert m, captured.err
+        wls, secs, reps = argv[1].split(","), float(argv[3]), int(argv[5])
+        est = runner.estimate_seconds(wls, secs, reps, {"PIL"})
+        assert int(m.group(4)) == round(est)
+        assert int(m.group(1)) == reps * len(runner._plan(wls, {"PIL"}))
+        assert re.search(rf"^blobfeed bench: took \d+ s \([\d.]+ min\); estimated {round(est)} s$", captured.out, re.M)
+        said[tuple(argv)] = est
+    one, longer, repeated, with_w4 = said.values()
+    assert longer == pytest.approx(one + 2 * 3.0)  # two measurements, 3 s more each
+    assert repeated == pytest.approx(3 * one)
+    # W4's runners calibrate their loop: more than two more W1-like measurements
+    assert with_w4 - one == pytest.approx(runner.measurement_seconds("W4", "blobfeed", 1.0)
+                                          + runner.measurement_seconds("W4", "caffe2", 1.0))
+    assert runner.measurement_seconds("W4", "blobfeed", 1.0) > runner.measurement_seconds("W1", "blobfeed", 1.0)
+
+
+def test_each_runner_has_its_own_overheads() -> None:
+    base = runner.CHILD_OVERHEAD_S + runner.WARMUP_S + 5.0
+    assert runner.measurement_seconds("W1", "blobfeed", 5.0) == pytest.approx(base)
+    assert runner.measurement_seconds("W1p", "pool", 5.0) == pytest.approx(base + runner.POOL_EXTRA_S)
+    assert runner.measurement_seconds("W4p", "blobfeed", 5.0) == pytest.approx(
+        base + runner.PROCESSES_EXTRA_S + runner.CALIBRATION_S + runner.CPU_PROCESSES_DRAIN_S)
+    assert runner.measurement_seconds("W5", "blobfeed", 5.0) > base + 5.0  # the interleaved slices

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Collection
 
 from ..argtypes import positive_float, positive_int
@@ -70,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"--workloads all runs {_run_length(everything, packages)}; {peer_note}. The first run that "
         f"includes W6 or W6p also generates W6's JPEG corpus into {w6_corpus_dir()} (a few seconds). "
         f"Each measurement is a child process: start-up, a {WARMUP_S:g} s warm-up, then the measured "
-        f"window. Exit status: 0 when every evaluated target is met; 1 when any target is missed, "
+        f"window, and its runner's set-up, calibration and drain. Every run prints its own estimate "
+        f"before it starts (from its --workloads, --seconds, --repeats and the runners installed), and "
+        f"at the end how long it took. Exit status: 0 when every evaluated target is met; 1 when any target is missed, "
         f"including blobfeed losing a sample in any repetition (the missed targets are listed), or when "
         f"no target could be evaluated; 2 for a usage error, or when any measurement failed: crashed, "
         f"hung past its time limit (10 x --seconds + 120 s; killed with every process it started), or "
@@ -122,16 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     if not wls:
         p.error("no workload given")
     packages = available_packages()
-    n = len(_plan(wls, packages)) * args.repeats
+    per = len(_plan(wls, packages))
     est = estimate_seconds(wls, args.seconds, args.repeats, packages)
-    print(f"blobfeed bench: {n} measurements, about {est:.0f} s", file=sys.stderr, flush=True)
+    print(f"blobfeed bench: {per * args.repeats} measurements ({per} per repeat x {args.repeats}), about "
+          f"{est:.0f} s ({est / 60:.1f} min): each a child process's start-up, a {WARMUP_S:g} s warm-up, a "
+          f"{args.seconds:g} s window, and its runner's set-up and drain", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
     # a measurement that crashes or hangs is a failed row of the report: the rest is still judged
     report = run_all(wls, args.seconds, args.repeats)
+    took = time.monotonic() - t0
+    report.update(estimated_s=est, took_s=took)
     rows = evaluate(report)
     status, why = verdict(rows)
     print(format_report(report))
     print()
     print("\n".join(why))
+    # so that the estimate can be checked against the run
+    print(f"blobfeed bench: took {took:.0f} s ({took / 60:.1f} min); estimated {est:.0f} s")
     if args.json:
         report["targets"] = rows
         report["passed"] = status == 0
