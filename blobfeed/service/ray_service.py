@@ -113,7 +113,7 @@ class _RayConsumer:
         self._lock = threading.Lock()
         #: one take at a time; leave() waits for the running one
         self._busy = threading.Lock()
-        #: what was sent and not acknowledged, in order: (g, item); g -1: dropped for equal shares
+        #: what was sent and not acknowledged, in order: (g, item)
         self._inflight: collections.deque[tuple[int, Item]] = collections.deque()
         self._g = 0
         self._told: str | None = None
@@ -158,8 +158,7 @@ class _RayConsumer:
         return True
 
     def _settle(self, upto: int) -> None:
-        """Under the lock: acknowledge the head up to ``upto``; a batch
-        dropped for equal shares goes past the stream in its turn."""
+        """Under the lock: acknowledge the head up to ``upto``."""
         assert self.source is not None and self.outlet is not None
         counts = self.source.counts
         while self._inflight:
@@ -224,11 +223,6 @@ class _RayConsumer:
                     self._ended = True
                     out.append(_end_record(item))
                     break
-                if item.drop:
-                    with self._lock:
-                        self._inflight.append((-1, item))
-                        self._settle(-1)  # at the head (all before it acknowledged): past the stream now
-                    continue
                 g = self._g
                 self._g += 1
                 with self._lock:
@@ -454,7 +448,7 @@ class RayFeedServer(FeedServer):
             c = s.counts
             out[name] = {
                 "delivered": dict(c.delivered), "acknowledged": dict(c.acknowledged), "redealt": dict(c.redealt),
-                "waited": dict(c.waited), "run_waited": dict(c.run_waited), "dropped_equal": c.dropped_equal,
+                "waited": dict(c.waited), "run_waited": dict(c.run_waited),
                 "connected": s.connected,
                 "error": None if s.error is None else str(s.error),
             }

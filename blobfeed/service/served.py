@@ -79,9 +79,6 @@ class Item(NamedTuple):
 
     s: int
     batch: Any
-    #: a batch of an incomplete last round (``equal=True``): never sent,
-    #: acknowledged to the stream in its turn
-    drop: bool = False
 
 
 class SourceTerms(NamedTuple):
@@ -109,7 +106,6 @@ class _Counts:
         self.waited: collections.defaultdict[str, float] = collections.defaultdict(float)
         #: the consumers' own waits: what each connection's reported total grew by, summed per label
         self.run_waited: collections.defaultdict[str, float] = collections.defaultdict(float)
-        self.dropped_equal = 0
 
 
 def _dequeue(source: "ServedSource", feed: "Feed", timeout: float) -> Any:
@@ -161,11 +157,7 @@ class IndexOutlet:
             return self.redo.popleft()
         if src.error is not None:
             return End(src.error)
-        item = src.equalizer.next(self, timeout) if src.equalizer is not None else self._take(timeout)
-        return item
-
-    def _take(self, timeout: float) -> Item | End | None:
-        batch = _dequeue(self.source, self.feed, timeout)
+        batch = _dequeue(src, self.feed, timeout)
         if batch is None or isinstance(batch, End):
             return batch
         item = Item(self._s, batch)
@@ -291,12 +283,9 @@ class ServedSource:
         #: the batch layout, known from the first batch (sizes the slots)
         self.slot_bytes: int | None = None
         self.connected = 0
-        self.equalizer: Equalizer | None = None
         if terms.num_consumers is not None:
             self.outlets: list[IndexOutlet] = [IndexOutlet(self, i, f) for i, f in enumerate(feeds)]
             self.shared: SharedOutlet | None = None
-            if terms.equal:
-                self.equalizer = Equalizer(self, len(feeds))
         else:
             self.outlets = []
             self.shared = SharedOutlet(self, feeds[0], set())
@@ -408,104 +397,3 @@ class ServedSource:
         if self.shared is not None:
             state["acked_after"] = self.shared.acked_after()
         return state
-
-
-class Equalizer:
-    """``equal=True`` for a source dealt by index: consumer *k*'s *r*-th batch
-    of an epoch goes out only once every consumer's feed has given its
-    *r*-th batch of that epoch; a round that some consumer has no batch for
-    (the epoch's last, incomplete one) is dropped and counted, so every
-    consumer gets the same number of batches per epoch."""
-
-    def __init__(self, source: ServedSource, n: int) -> None:
-        self.source = source
-        self.n = n
-        self._cond = threading.Condition()
-        #: per outlet: the items taken from its feed and not yet sent (its End last)
-        self._ahead: list[collections.deque[Any]] = [collections.deque() for _ in range(n)]
-        #: per outlet: the epoch of its next item
-        self._epoch = [0] * n
-        #: per outlet: batches of its current epoch sent or dropped
-        self._passed = [0] * n
-        #: per epoch, per outlet: batches taken from its feed; whether its end was
-        self._taken: dict[int, list[int]] = collections.defaultdict(lambda: [0] * n)
-        self._ended: dict[int, list[bool]] = collections.defaultdict(lambda: [False] * n)
-        #: per outlet: the epoch of the next item taken from its feed
-        self._feed_epoch = [0] * n
-        self._taking = [False] * n
-
-    def next(self, outlet: IndexOutlet, timeout: float) -> Item | End | None:
-        k = outlet.index
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                got = self._ready(k)
-                if got is not None:
-                    return got
-                ahead = self._ahead[k]
-                if not self._taking[k] and len(ahead) < 2 and not (ahead and isinstance(ahead[-1], End)):
-                    self._taking[k] = True
-                    self._cond.release()
-                    try:
-                        item = outlet._take(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-                    finally:
-                        self._cond.acquire()
-                        self._taking[k] = False
-                    if isinstance(item, End) and item.error is not None:
-                        return item  # a failure goes out at once
-                    if item is not None:
-                        e = self._feed_epoch[k]
-                        if isinstance(item, End):
-                            # the end of the data ends the last epoch: its
-                            # incomplete round is dropped as at an epoch's end
-                            self._ended[e][k] = True
-                            self._feed_epoch[k] = e + 1
-                        elif type(item.batch) is EpochEnd:
-                            self._ended[e][k] = True
-                            self._feed_epoch[k] = e + 1
-                        else:
-                            self._taken[e][k] += 1
-                        self._ahead[k].append(item)
-                        self._cond.notify_all()
-                        continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(min(left, POLL_S))
-
-    def _ready(self, k: int) -> Item | None:
-        """Outlet ``k``'s next item, if it may go out now (under the lock);
-        drops its head when that is a batch of an incomplete round."""
-        q = self._ahead[k]
-        while q:
-            head = q[0]
-            e = self._epoch[k]
-            if isinstance(head, End):
-                return head  # stays at the head: every later call ends too
-            if type(head.batch) is EpochEnd:
-                self._epoch[k] = e + 1
-                self._passed[k] = 0
-                if all(ep > e for ep in self._epoch):
-                    self._taken.pop(e, None)
-                    self._ended.pop(e, None)
-                return q.popleft()
-            r = self._passed[k]
-            taken, ended = self._taken[e], self._ended[e]
-            if all(t > r for t in taken):
-                self._passed[k] = r + 1
-                return q.popleft()
-            if any(ended[j] and taken[j] <= r for j in range(self.n)):
-                # a batch of an incomplete last round: never sent; the
-                # connection acknowledges it to the stream in its turn, so a
-                # resume never replays it
-                self._passed[k] = r + 1
-                item = q.popleft()
-                src = self.source
-                src.counts.dropped_equal += 1
-                src.hub.count_dropped(src.name, "equal", item.batch.n)
-                logger.info(
-                    "source %r: consumer %d's batch of the incomplete last round dropped (equal=True)", src.name, k
-                )
-                return item._replace(drop=True)
-            return None
-        return None

@@ -198,7 +198,10 @@ class FeedServer:
                 counts).  None: first come, first served.
             equal: every consumer gets the same number of batches per epoch
                 (the last incomplete round is dropped and counted; needs
-                ``num_consumers``).
+                ``num_consumers``).  The source's dealer does it, as for
+                nets in one process: batches go out in rounds, batch *i* of
+                an epoch to consumer *i mod num_consumers*, every epoch
+                starting at consumer 0.
             grace_period: seconds a consumer index may stay away (dealt by
                 index) before the source fails; also how long the first
                 consumer waits for the first batch.
@@ -245,7 +248,7 @@ class FeedServer:
             input_source_name=name, max_buffered_batches=max_buffered_batches, timeout=timeout,
             drop_last=drop_last, on_error=on_error, seed=seed, backend=backend,
             worker_init_fun=worker_init_fun, deterministic=deterministic, shuffle_buffer=shuffle_buffer,
-            epochs=epochs, coordinator=self.coordinator, device_queue_capacity=INNER_QUEUE,
+            epochs=epochs, equal=equal, coordinator=self.coordinator, device_queue_capacity=INNER_QUEUE,
         )
         init_data_input_workers(nets[0], names, fetch_fun, batch_size, num_worker_threads, **wiring)
         feeds = [nets[0]._feeds[0]]
