@@ -372,12 +372,15 @@ class ServedSource:
                 return
 
     def fail(self, error: BaseException) -> None:
+        """The source fails with ``error``: its consumers get it, its
+        workers stop.  The service's other sources go on (they share the
+        coordinator: only this source's name is stopped, not waited for)."""
         with self._lock:
             if self.error is not None:
                 return
             self.error = error
         logger.error("%s", error)
-        self.coordinator.request_stop()
+        self.coordinator._request_stop_named(self.name)
 
     def drop_held(self) -> None:
         """At stop: let go of the batches waiting to be dealt again (they
