@@ -2,8 +2,8 @@
 
 FUNCTION (called with no arguments) wires the sources with
 ``blobfeed.serve_source(...)``; the service then serves them until SIGTERM
-or SIGINT, when it stops fetching, saves its state (``--state-file``),
-tells every consumer and exits 0.
+or SIGINT, or until every source ended, when it stops fetching, saves its
+state (``--state-file``), tells every consumer and exits 0.
 """
 
 from __future__ import annotations

@@ -647,7 +647,8 @@ class RayService:
         return self._get(_control(self.actor, "stats").remote(), timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until the service is asked to stop or a source failed; True if so.
+        """Until the service is asked to stop, or every source ended
+        (:meth:`FeedServer.wait`); True if so.
 
         Raises:
             ServiceError: the service died.

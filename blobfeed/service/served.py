@@ -150,6 +150,9 @@ class IndexOutlet:
         self.left_at: float | None = time.monotonic()
         #: a consumer attached to it once (the grace period counts from its leaving)
         self.attached_once = False
+        #: its feed's data ended (a consumer was handed the end): nothing more
+        #: comes but what ``redo`` holds
+        self.finished = False
 
     def next(self, conn: Any, timeout: float) -> Item | End | None:
         src = self.source
@@ -159,6 +162,8 @@ class IndexOutlet:
             return End(src.error)
         batch = _dequeue(src, self.feed, timeout)
         if batch is None or isinstance(batch, End):
+            if isinstance(batch, End) and batch.error is None:
+                self.finished = True
             return batch
         item = Item(self._s, batch)
         self._s += 1
@@ -194,6 +199,8 @@ class SharedOutlet:
         #: items the inner stream holds before the prefix that a resumed run must skip
         self.skip = skip
         self._items: dict[int, Any] = {}
+        #: the feed's data ended (a consumer was handed the end)
+        self.finished = False
 
     def join(self, conn: Any) -> None:
         with self._lock:
@@ -216,6 +223,8 @@ class SharedOutlet:
         with self._lock:
             batch = _dequeue(src, self.feed, timeout)
             if batch is None or isinstance(batch, End):
+                if isinstance(batch, End) and batch.error is None:
+                    self.finished = True
                 return batch
             s = self._s
             self._s += 1
@@ -357,12 +366,35 @@ class ServedSource:
                         "return (within %.3g s)", self.name, outlet.index, len(unacked), self.terms.grace_period,
                     )
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the source failed (a consumer index that did not come back, a
+        fetcher error of its workers), None while it has not."""
+        if self.error is not None:
+            return self.error
+        inner = self.feeds[0].source
+        return inner.error if isinstance(inner.error, BaseException) else None
+
+    @property
+    def ended(self) -> bool:
+        """Its data was dealt to the end (every batch acknowledged) and every
+        consumer left: the source has nothing more to do."""
+        if self.failure is not None or self.stopped or self.connected:
+            return False
+        if self.shared is not None:
+            return self.shared.finished and not self.shared.redeal
+        return all(o.finished and not o.redo and o.holder is None for o in self.outlets)
+
     def check_grace(self) -> None:
-        """Fail the source if a consumer index has been away longer than the grace period."""
+        """Fail the source if a consumer index has been away longer than the
+        grace period (an index whose data ended and that left nothing
+        unacknowledged is not away: it is done)."""
         if self.error is not None or self.stopped or not self.outlets:
             return
         now = time.monotonic()
         for o in self.outlets:
+            if o.finished and not o.redo:
+                continue
             if o.holder is None and o.left_at is not None and o.attached_once and now - o.left_at > self.terms.grace_period:
                 self.fail(FetcherError(
                     f"source {self.name!r}: consumer {o.index} left and did not come back within "

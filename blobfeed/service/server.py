@@ -40,6 +40,8 @@ logger = logging.getLogger("blobfeed.service")
 STATE_VERSION = 1
 #: seconds stop() waits for consumers to close after being told
 STOP_DRAIN_S = 1.0
+#: what wait() and /healthz say once every source ended
+ENDED = "every source ended"
 
 _current: list["FeedServer"] = []
 
@@ -287,7 +289,7 @@ class FeedServer:
                 from ..metrics import start_http_server
 
                 self._metrics = start_http_server(
-                    self._metrics_port, self._metrics_addr, self.registry, health=self.health
+                    self._metrics_port, self._metrics_addr, self.registry, health=self.health, ready=self.ready
                 )
             self.coordinator.start()
             for feed in self._extra_feeds:
@@ -377,8 +379,9 @@ class FeedServer:
         while not self._stopping.wait(0.1):
             for s in self.sources.values():
                 s.check_grace()
-                if s.error is not None and self.stop_reason is None:
-                    self.stop_reason = f"source {s.name!r} failed: {s.error}"
+                failure = s.failure
+                if failure is not None and self.stop_reason is None:
+                    self.stop_reason = f"source {s.name!r} failed: {failure}"
             now = time.monotonic()
             if now - last_log >= self._log_interval:
                 for name, s in self.sources.items():
@@ -399,13 +402,30 @@ class FeedServer:
         return self._metrics.url if self._metrics is not None else None
 
     def health(self) -> tuple[bool, str]:
-        """(serving, why): False once stopping, or a source failed."""
+        """``/healthz`` (liveness): (healthy, what the service is doing).
+
+        ``(True, "ok")`` while serving; ``(True, "done: ...")`` once every
+        source ended (a clean finish is not a failure: nothing to restart);
+        False once stopping, or a source failed (a consumer index that did
+        not come back, or a fetcher error), naming it and why.
+        """
         if self._stopping.is_set():
             return False, "stopping"
-        failed = [n for n, s in self.sources.items() if s.error is not None]
+        failed = [(n, s.failure) for n, s in self.sources.items() if s.failure is not None]
         if failed:
-            return False, f"failed sources: {failed}"
+            return False, "; ".join(f"source {n!r} failed: {err}" for n, err in failed)
+        if self._all_ended():
+            return True, f"done: {ENDED}"
         return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        """``/readyz`` (readiness): True only while serving (``"ok"``); once
+        every source ended, stopping or failed, False with ``health()``'s text."""
+        ok, text = self.health()
+        return ok and text == "ok", text
+
+    def _all_ended(self) -> bool:
+        return self._started and all(s.ended for s in self.sources.values())
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -483,9 +503,16 @@ class FeedServer:
         self._stopping.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until a stop is requested, or every source ended; True if so."""
+        """Until a stop is requested, or every source ended (its data dealt
+        to the end, every batch acknowledged, every consumer gone); True if
+        so (``stop_reason`` then says "every source ended").  A source that
+        failed has not ended: the service stays up, its health failing."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._stopping.is_set():
+            if self._all_ended():
+                if self.stop_reason is None:
+                    self.stop_reason = ENDED
+                return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             self._stopping.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))

@@ -56,3 +56,147 @@ def test_one_source_failing_its_grace_period_leaves_the_others_serving() -> None
             assert server.sources["b"].error is None and not server.sources["b"].feeds[0].source.stopped
     finally:
         assert server.stop()
+
+
+def get(url: str) -> tuple[int, str]:
+    """An HTTP GET: (status, body), bounded."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+class FailingFetch(feeds.Fetch):
+    """Worker 0's fourth call raises."""
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if worker_id == 0 and self.c == 3:
+            raise RuntimeError("disk on fire")
+        return super().__call__(worker_id, batch_size)
+
+
+def test_healthz_is_503_once_a_source_failed_with_a_fetcher_error() -> None:
+    """/healthz looked only at grace-period failures: after the only
+    source failed with a fetcher error (on_error="raise", the consumer got
+    FetcherError) it still said 200 "ok"."""
+    server = FeedServer(metrics_port=0)
+    server.serve_source("train", ["id", "x"], FailingFetch(), 8, 2, on_error="raise")
+    with server.start():
+        base = server.metrics_url.rsplit("/", 1)[0]
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            with pytest.raises(blobfeed.FetcherError, match="disk on fire"):
+                for _ in range(1000):
+                    net.run(timeout=20)
+        status, body = get(f"{base}/healthz")
+        assert status == 503 and "source 'train' failed" in body and "disk on fire" in body, body
+        assert get(f"{base}/readyz")[0] == 503
+
+
+def drain_by_index(address: str, n: int, source: str = "train") -> list[list[list[int]]]:
+    """``n`` consumers by index, in threads, each run to EndOfInput and detached."""
+    import threading
+
+    got: list[list[list[int]]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        net = blobfeed.Net(None, name=f"rank{i}")
+        try:
+            with blobfeed.attach_source(net, ["id", "x"], 8, source, address, consumer_index=i, num_consumers=n):
+                while True:
+                    try:
+                        got[i].append(net.run(timeout=20)["id"].tolist())
+                    except blobfeed.EndOfEpoch:
+                        continue
+                    except blobfeed.EndOfInput:
+                        return
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    return got
+
+
+def test_a_finished_run_by_index_is_done_not_failed_and_wait_returns(caplog: pytest.LogCaptureFixture) -> None:
+    """Every consumer reached EndOfInput and detached: the source used to
+    "fail" at grace_period (/healthz 503, an error logged), /healthz said
+    "ok" before that, and wait() never returned although its docstring
+    says it does once every source ended."""
+    server = FeedServer(metrics_port=0)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True, num_consumers=2,
+                        grace_period=0.2)
+    with server.start():
+        base = server.metrics_url.rsplit("/", 1)[0]
+        assert get(f"{base}/readyz") == (200, "ok\n")
+        got = drain_by_index(server.address, 2)
+        assert sorted(i for g in got for b in g for i in b) == feeds.all_ids(2)
+        assert server.wait(timeout=20)
+        assert server.stop_reason == "every source ended"
+        source = server.sources["train"]
+        # long past the grace period (as if): a finished index is not "away"
+        for o in source.outlets:
+            o.left_at -= 100
+        source.check_grace()
+        assert source.error is None
+        status, body = get(f"{base}/healthz")
+        assert status == 200 and body.startswith("done: every source ended"), body
+        status, body = get(f"{base}/readyz")
+        assert status == 503 and body.startswith("done: every source ended"), body
+    assert not [r for r in caplog.records if r.levelno >= 40], [r.getMessage() for r in caplog.records]
+
+
+def test_wait_waits_for_every_source_and_for_the_consumers_to_leave() -> None:
+    """One source ended, the other (endless) still serves: wait() goes on;
+    a consumer attached after its end keeps the source from being ended."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True, num_consumers=1)
+    server.serve_source("more", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    with server.start():
+        drain_by_index(server.address, 1)
+        assert not server.wait(timeout=0.3)
+        assert server.health() == (True, "ok")
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "more", server.address):
+            run_batches(net, 3)
+
+
+def test_first_come_ends_once_its_consumers_have_everything_and_left() -> None:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2)
+    with server.start():
+        net = blobfeed.Net(None)
+        got = []
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            while True:
+                try:
+                    got.append(net.run(timeout=20)["id"].tolist())
+                except blobfeed.EndOfInput:
+                    break
+            assert not server.wait(timeout=0.2)  # still attached
+        assert server.wait(timeout=20)
+    assert sorted(i for b in got for i in b) == feeds.all_ids(2)
+
+
+def test_blobfeed_serve_exits_0_once_every_source_ended(tmp_path: Path) -> None:
+    from .test_service import _serve_cli, consumer, finish
+
+    p, sock = _serve_cli(tmp_path, env={"N": "2"})
+    try:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(2)]
+        assert finish([consumer(sock, outs[i], "--index", str(i)) for i in range(2)]) == [0, 0]
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert p.returncode == 0, err
+    assert "stopped (every source ended)" in out
