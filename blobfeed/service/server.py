@@ -459,20 +459,62 @@ class FeedServer:
 
     @staticmethod
     def _read_state(path: str) -> dict[str, Any]:
+        """The state in ``path``, its shape checked at every level down to
+        each source's inner state (which ``load_state_dict`` checks).
+
+        Raises:
+            ValueError: no such file, not JSON, or a field of the wrong
+                kind, value or name (the message names it).
+        """
         try:
             with open(path) as f:
                 state = json.load(f)
         except FileNotFoundError:
             raise ValueError(f"resume: no state file {path!r}") from None
+        except RecursionError:
+            raise ValueError(f"resume: {path!r} is not a service state: nested too deeply") from None
         except (OSError, ValueError) as err:
             raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(
-            state.get("sources"), dict
-        ):
-            raise ValueError(
-                f"resume: {path!r} is not a state of this service's version {STATE_VERSION} "
-                "({'version': 1, 'sources': {...}})"
-            )
+        where = f"resume: {path!r}"
+
+        def bad(field: str, message: str) -> ValueError:
+            return ValueError(f"{where}: {field}: {message}")
+
+        def fields(obj: dict[str, Any], field: str, known: tuple[str, ...], required: tuple[str, ...]) -> None:
+            for key in obj:
+                if key not in known:
+                    raise bad(field, f"unknown field {key!r} (expected {', '.join(map(repr, known))})")
+            for key in required:
+                if key not in obj:
+                    raise bad(f"{_field(field, key)}", "missing (the state is damaged, or not from state_dict())")
+
+        if not isinstance(state, dict):
+            raise bad("the state", f"expected an object {{'version': {STATE_VERSION}, 'sources': {{...}}}}, "
+                      f"got {_kind(state)}")
+        fields(state, "the state", ("version", "sources"), ("version", "sources"))
+        if type(state["version"]) is not int or state["version"] != STATE_VERSION:
+            raise bad("state['version']", f"this service reads version {STATE_VERSION}, got {_kind(state['version'])}")
+        sources = state["sources"]
+        if not isinstance(sources, dict):
+            raise bad("state['sources']", f"expected an object (source name: its state), got {_kind(sources)}")
+        for name, s in sources.items():
+            field = _field("state['sources']", name)
+            if not isinstance(s, dict):
+                raise bad(field, "expected an object {'service_version': 1, 'source': NAME, 'inner': {...}}, "
+                          f"got {_kind(s)}")
+            fields(s, field, ("service_version", "source", "inner", "acked_after"), ("inner",))
+            if "service_version" in s and (type(s["service_version"]) is not int or s["service_version"] != 1):
+                raise bad(_field(field, "service_version"), f"expected 1, got {_kind(s['service_version'])}")
+            if "source" in s and s["source"] != name:
+                raise bad(_field(field, "source"), f"expected {name!r} (the name it is saved under), "
+                          f"got {_kind(s['source'])}")
+            if not isinstance(s["inner"], dict):
+                raise bad(_field(field, "inner"), "expected an object (the source's position, from its "
+                          f"state_dict()), got {_kind(s['inner'])}")
+            after = s.get("acked_after", [])
+            if not isinstance(after, list) or not all(type(x) is int and 0 < x < 1 << 40 for x in after):
+                raise bad(_field(field, "acked_after"), "expected a list of positive ints (batches acknowledged "
+                          f"past the position), got {_kind(after)}")
         return state
 
     def _load(self, path: str) -> None:
@@ -484,16 +526,14 @@ class FeedServer:
                 f"{sorted(self.sources)}"
             )
         for name, s in state["sources"].items():
-            where = f"resume: {path!r}, source {name!r}"
-            if not isinstance(s, dict) or not isinstance(s.get("inner"), dict):
-                raise ValueError(f"{where}: expected {{'inner': state, ...}}")
-            self.coordinator.load_state_dict(name, s["inner"])
+            try:
+                self.coordinator.load_state_dict(name, s["inner"])
+            except (ValueError, TypeError) as err:
+                field = _field(_field("state['sources']", name), "inner")
+                raise ValueError(f"resume: {path!r}: {field} (the source's position): {err}") from None
             served = self.sources[name]
             if served.shared is not None:
-                after = s.get("acked_after", [])
-                if not isinstance(after, list) or not all(type(x) is int and 0 < x < 1 << 40 for x in after):
-                    raise ValueError(f"{where}: 'acked_after' must be a list of positive ints")
-                served.shared.skip = set(after)
+                served.shared.skip = set(s.get("acked_after", []))
         logger.info("service: resumed from %s", path)
 
     # -- stopping ----------------------------------------------------------------------
@@ -579,6 +619,19 @@ class FeedServer:
 
     def __repr__(self) -> str:
         return f"<FeedServer {sorted(self.sources)} at {self.address}>"
+
+
+def _field(field: str, key: object) -> str:
+    """``field[key]``, as a message names a field of a state."""
+    return f"{field}[{key!r}]"
+
+
+def _kind(value: object) -> str:
+    """What a message says a state held: its JSON kind, and the value if short."""
+    kinds = {dict: "an object", list: "a list", str: "a str", bool: "a bool", int: "an int", float: "a number"}
+    kind = kinds.get(type(value), "null" if value is None else type(value).__name__)
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return kind if value is None or len(text) > 60 else f"{kind} {text}"
 
 
 def _alive(path: str) -> bool:

@@ -7,6 +7,7 @@ what the service is doing, a state file is checked at every level, and
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -200,3 +201,119 @@ def test_blobfeed_serve_exits_0_once_every_source_ended(tmp_path: Path) -> None:
         p.wait(10)
     assert p.returncode == 0, err
     assert "stopped (every source ended)" in out
+
+
+def wire_resumable(server: FeedServer) -> None:
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True, num_consumers=2, epochs=2)
+
+
+def saved_state(tmp_path: Path) -> dict:
+    """A real state of ``wire_resumable``'s source, a few batches in."""
+    server = FeedServer()
+    wire_resumable(server)
+    with server.start():
+        nets = [blobfeed.Net(None, name=f"r{i}") for i in range(2)]
+        atts = [blobfeed.attach_source(nets[i], ["id", "x"], 8, "train", server.address, consumer_index=i)
+                for i in range(2)]
+        try:
+            for net in nets:
+                run_batches(net, 3)
+            return atts[0].state_dict()
+        finally:
+            for a in atts:
+                a.stop()
+
+
+def resume_from(tmp_path: Path, state: object, raw: str | None = None) -> None:
+    """Resume ``wire_resumable``'s service from ``state`` (or the text ``raw``)."""
+    path = tmp_path / "state.json"
+    path.write_text(raw if raw is not None else json.dumps(state))
+    server = FeedServer(state_file=path, resume=True)
+    wire_resumable(server)
+    server.start()
+    server.stop()
+
+
+def test_the_cli_refuses_a_state_of_the_wrong_shape_with_exit_2_naming_the_field(tmp_path: Path) -> None:
+    """A list or a string where an object belongs crashed --resume with an
+    AttributeError traceback."""
+    import subprocess
+    import sys
+
+    from .test_service import ENV, ROOT
+
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"version": 1, "sources": {"train": "x"}}))
+    p = subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", "tests.service.feeds:wire_by_index",
+         "--listen", str(tmp_path / "feed.sock"), "--state-file", str(state), "--resume"],
+        env={**ENV, "N": "2"}, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    assert "state['sources']['train']: expected an object" in p.stderr and "got a str" in p.stderr, p.stderr
+
+
+BAD_SHAPES = [
+    # (where in the state, what to put there, what the message says)
+    ((), [], "the state: expected an object"),
+    ((), "x", "the state: expected an object"),
+    (("version",), True, "state['version']"),
+    (("version",), "1", "state['version']"),
+    (("sources",), [], "state['sources']: expected an object"),
+    (("sources",), None, "state['sources']: expected an object"),
+    (("sources", "train"), "x", "state['sources']['train']: expected an object"),
+    (("sources", "train"), [1], "state['sources']['train']: expected an object"),
+    (("sources", "train", "inner"), [], "state['sources']['train']['inner']: expected an object"),
+    (("sources", "train", "inner"), 1.5, "state['sources']['train']['inner']: expected an object"),
+    (("sources", "train", "service_version"), "1", "state['sources']['train']['service_version']"),
+    (("sources", "train", "source"), "eval", "state['sources']['train']['source']"),
+    (("sources", "train", "acked_after"), "x", "state['sources']['train']['acked_after']"),
+    (("sources", "train", "acked_after"), [True], "state['sources']['train']['acked_after']"),
+    (("sources", "train", "surprise"), 1, "state['sources']['train']: unknown field 'surprise'"),
+    (("surprise",), 1, "the state: unknown field 'surprise'"),
+    (("sources", "train", "inner", "position"), [], "state['position']"),
+    (("sources", "train", "inner", "nets"), "x", "nets"),
+    (("sources", "train", "inner", "nets", 0), {"a": 1}, "state['nets'][0]"),
+    (("sources", "train", "inner", "position", "calls"), {}, "state['position']['calls']"),
+    (("sources", "train", "inner", "seed"), "x", "seed"),
+    (("sources", "train", "inner", "blobs"), None, "blob layout"),
+]
+
+
+@pytest.mark.parametrize("where, value, message", BAD_SHAPES, ids=[f"{'.'.join(map(str, w)) or 'top'}={v!r}" for w, v, _ in BAD_SHAPES])
+def test_every_level_of_a_state_s_shape_is_checked_naming_the_field(
+    tmp_path: Path, where: tuple, value: object, message: str, good_state: dict,
+) -> None:
+    import copy
+
+    state = copy.deepcopy(good_state)
+    if not where:
+        state = value
+    else:
+        holder = state
+        for k in where[:-1]:
+            holder = holder[k]
+        holder[where[-1]] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resume_from(tmp_path, state)
+
+
+def test_a_state_nested_too_deeply_or_missing_its_parts_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a service state"):
+        resume_from(tmp_path, None, raw="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=re.escape("state['version']: missing")):
+        resume_from(tmp_path, {"sources": {}})
+    with pytest.raises(ValueError, match=re.escape("state['sources']['train']['inner']: missing")):
+        resume_from(tmp_path, {"version": 1, "sources": {"train": {}}})
+
+
+@pytest.fixture(scope="module")
+def good_state(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    state = saved_state(tmp_path_factory.mktemp("state"))
+    assert set(state["sources"]) == {"train"}
+    return state
+
+
+def test_the_good_state_resumes(tmp_path: Path, good_state: dict) -> None:
+    resume_from(tmp_path, good_state)
