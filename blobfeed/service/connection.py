@@ -74,7 +74,7 @@ class Connection:
         sock: socket.socket,
         number: int,
         sources: Callable[[str], ServedSource | None],
-        state: Callable[[], dict[str, Any]],
+        state: Callable[[str | None], dict[str, Any]],
         service: str,
         tcp_peer: str | None = None,
     ) -> None:
@@ -296,7 +296,8 @@ class Connection:
             self.area.give_back(slots, self.peer)
         elif kind == "state":
             try:
-                reply = {"t": "state_is", "state": self._state(), "error": None}
+                state = self._state(self.source.name if self.source is not None else None)
+                reply = {"t": "state_is", "state": state, "error": None}
             except (ValueError, RuntimeError) as err:
                 reply = {"t": "state_is", "state": None, "error": str(err)}
             self.channel.send(reply)

@@ -428,16 +428,19 @@ class RayFeedServer(FeedServer):
         conn.leave("it detached")
 
     def consumer_state(self, cid: Any, upto: Any) -> dict[str, Any]:
-        """The state, after the asking consumer's last acknowledgement (if a consumer asks)."""
+        """The state, after the asking consumer's last acknowledgement (if a
+        consumer asks: its source must be resumable)."""
+        source = None
         if cid is not None:
             conn = self._consumer(cid)
             if conn is not None:
+                source = conn.source.name if conn.source is not None else None
                 try:
                     conn.ack(_int("upto", upto, -1, 1 << 62))
                 except WireError as err:
                     return {"state": None, "error": str(err)}
         try:
-            return {"state": self.state_dict(), "error": None}
+            return {"state": self.state_dict(source), "error": None}
         except (ValueError, RuntimeError) as err:
             return {"state": None, "error": str(err)}
 

@@ -426,6 +426,11 @@ class ServedSource:
         self.arena.close()
 
     # -- state -----------------------------------------------------------------------
+    @property
+    def resumable(self) -> bool:
+        """Can it save and load a state (``deterministic=True``)?"""
+        return bool(self.feeds[0].source.dealer.resumable)
+
     def state_dict(self) -> dict[str, Any]:
         inner = self.coordinator.state_dict(self.name)
         state: dict[str, Any] = {"service_version": 1, "source": self.name, "inner": inner}

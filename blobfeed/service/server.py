@@ -428,16 +428,31 @@ class FeedServer:
         return self._started and all(s.ended for s in self.sources.values())
 
     # -- state -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Every source's position, as of the batches its consumers acknowledged.
+    def state_dict(self, source: str | None = None) -> dict[str, Any]:
+        """Every resumable source's position, as of the batches its consumers
+        acknowledged.  Each source's state stands alone: one that is not
+        resumable (not ``deterministic=True``) is left out, and starts
+        afresh when the service is resumed.
+
+        Args:
+            source: the source that must be in it (a consumer of it asks).
 
         Raises:
-            ValueError: a source is not resumable (not ``deterministic=True``).
+            ValueError: ``source`` is not resumable; or, asked for none,
+                no source is.
         """
-        return {
-            "version": STATE_VERSION,
-            "sources": {name: s.state_dict() for name, s in self.sources.items()},
-        }
+        states: dict[str, Any] = {}
+        refused: dict[str, ValueError] = {}
+        for name, s in self.sources.items():
+            try:
+                states[name] = s.state_dict()
+            except ValueError as err:
+                refused[name] = err
+        if source is not None and source in refused:
+            raise refused[source]
+        if not states and refused:
+            raise ValueError("; ".join(str(err) for err in refused.values()))
+        return {"version": STATE_VERSION, "sources": states}
 
     def save_state(self) -> bool:
         """Write :meth:`state_dict` to ``state_file`` atomically; False if it could not."""
@@ -520,11 +535,16 @@ class FeedServer:
     def _load(self, path: str) -> None:
         state = self._resume_state
         assert state is not None
-        if set(state["sources"]) != set(self.sources):
+        # every resumable source must be in it; one that is not starts afresh
+        resumable = {name for name, s in self.sources.items() if s.resumable}
+        if not set(state["sources"]) <= set(self.sources) or not resumable <= set(state["sources"]):
             raise ValueError(
                 f"resume: {path!r} holds sources {sorted(state['sources'])}; this service serves "
-                f"{sorted(self.sources)}"
+                f"{sorted(self.sources)}, of which {sorted(resumable)} are resumable (deterministic=True): "
+                "the state must hold every resumable source, and no other"
             )
+        for name in sorted(set(self.sources) - set(state["sources"])):
+            logger.info("service: source %r is not resumable (not deterministic=True): it starts afresh", name)
         for name, s in state["sources"].items():
             try:
                 self.coordinator.load_state_dict(name, s["inner"])

@@ -317,3 +317,52 @@ def good_state(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_the_good_state_resumes(tmp_path: Path, good_state: dict) -> None:
     resume_from(tmp_path, good_state)
+
+
+def test_each_source_s_state_stands_alone(tmp_path: Path) -> None:
+    """A second, non-deterministic source on the service kept the
+    deterministic one's state from being saved at stop, and the
+    deterministic source's Attachment.state_dict() raised about the other."""
+    path = tmp_path / "state.json"
+
+    def wire(server: FeedServer) -> None:
+        wire_resumable(server)
+        server.serve_source("other", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+
+    server = FeedServer(state_file=path)
+    wire(server)
+    with server.start():
+        nets = [blobfeed.Net(None, name=f"r{i}") for i in range(2)]
+        other = blobfeed.Net(None, name="other")
+        atts = [blobfeed.attach_source(nets[i], ["id", "x"], 8, "train", server.address, consumer_index=i)
+                for i in range(2)]
+        atts.append(blobfeed.attach_source(other, ["id", "x"], 8, "other", server.address))
+        try:
+            for net in nets:
+                run_batches(net, 3)
+            run_batches(other, 3)
+            state = atts[0].state_dict()
+            assert set(state["sources"]) == {"train"}
+            assert server.state_dict() == state
+            with pytest.raises(ValueError, match="source 'other' is not deterministic"):
+                atts[2].state_dict()
+        finally:
+            for a in atts:
+                a.stop()
+    saved = json.loads(path.read_text())
+    assert set(saved["sources"]) == {"train"}
+    # a resumed service continues "train" and starts "other" afresh
+    server = FeedServer(state_file=path, resume=True)
+    wire(server)
+    with server.start():
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "other", server.address):
+            assert run_batches(net, 1)
+
+
+def test_a_service_of_no_resumable_source_says_so_naming_them() -> None:
+    server = FeedServer()
+    server.serve_source("other", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    with server.start():
+        with pytest.raises(ValueError, match="source 'other' is not deterministic"):
+            server.state_dict()
