@@ -392,7 +392,8 @@ class GlobalCoordinator:
         inside = _inside_blobfeed()
         if inside is not None:
             self._request_stop_named(name)
-            logger.error(
+            # a documented, correct use (TF's Looper stops its own coordinator): not an error
+            logger.info(
                 "stop_coordinator(%r) called from inside blobfeed (%s): requested, not waited for",
                 name, inside,
             )
