@@ -100,7 +100,7 @@ class _RayConsumer:
         self.label = str(number)
         self.peer = f"Ray consumer {number}"
         #: where Connection._admit looks the source up
-        self._sources = server.sources.get
+        self._sources = server.source_for
         #: said bye, its lease expired, or the service closed it
         self.closed = threading.Event()
         #: it left: what it had not acknowledged was handed back

@@ -28,7 +28,7 @@ from ..coordinator import GlobalCoordinator, init_data_input_workers
 from ..errors import BlobfeedError
 from ..feeders import Feed
 from ..net import Net
-from .connection import Connection
+from .connection import Connection, Refused
 from .served import ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 
@@ -354,7 +354,7 @@ class FeedServer:
                     conn_sock.close()  # it went away at once
                     continue
             conn = Connection(
-                conn_sock, next(self._numbers), self.sources.get, self.state_dict, str(self.address), tcp_peer
+                conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer
             )
             with self._lock:
                 if self._stopping.is_set():
@@ -365,6 +365,17 @@ class FeedServer:
             t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)
             conn.receiver = t
             t.start()
+
+    def source_for(self, name: str) -> ServedSource:
+        """The source a consumer asks for by ``name``.
+
+        Raises:
+            Refused: no such source (the message lists those served).
+        """
+        source = self.sources.get(name)
+        if source is None:
+            raise Refused(f"this service has no source {name!r}; it serves {sorted(self.sources)}")
+        return source
 
     def _serve(self, conn: Connection) -> None:
         try:

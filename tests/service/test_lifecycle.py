@@ -366,3 +366,13 @@ def test_a_service_of_no_resumable_source_says_so_naming_them() -> None:
     with server.start():
         with pytest.raises(ValueError, match="source 'other' is not deterministic"):
             server.state_dict()
+
+
+def test_an_unknown_source_is_refused_listing_the_sources_served() -> None:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1)
+    server.serve_source("eval", ["id", "x"], feeds.Fetch(), 8, 1)
+    with server.start():
+        with pytest.raises(ValueError, match=re.escape("this service has no source 'training'; it serves "
+                                                       "['eval', 'train']")):
+            blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "training", server.address)
