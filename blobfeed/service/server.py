@@ -8,6 +8,7 @@ See docs/SERVICE.md for the guarantees and how they compare.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -324,16 +325,24 @@ class FeedServer:
             if os.path.exists(path):
                 if not stat.S_ISSOCK(os.stat(path).st_mode):
                     raise ValueError(f"listen={path!r} exists and is not a socket")
-                if _alive(path):
-                    raise ValueError(f"listen={path!r}: another service is listening there")
-                os.unlink(path)  # a stale socket of a service that died
+                live = _alive(path)
+                if live is not None:
+                    raise ValueError(
+                        f"listen={path!r}: another program is listening there ({live}, another service "
+                        "or not): stop it, or listen elsewhere"
+                    )
+                os.unlink(path)  # a stale socket of a program that died
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         old = os.umask(0o177)  # the socket file is made 0600
         try:
             sock.bind(path)
+            sock.listen(64)
+        except OSError as err:
+            sock.close()
+            # the socket's own error names no path ("No such file or directory")
+            raise OSError(err.errno, f"cannot listen on {path!r}: {err.strerror or err}") from err
         finally:
             os.umask(old)
-        sock.listen(64)
         self._sock = sock
         self.address = path
 
@@ -665,15 +674,27 @@ def _kind(value: object) -> str:
     return kind if value is None or len(text) > 60 else f"{kind} {text}"
 
 
-def _alive(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+def _alive(path: str) -> str | None:
+    """What is live at the socket file ``path`` (a program has it bound,
+    and listening for a connected type), None if it is stale.  Every type
+    is tried: connecting with another type than the socket's fails
+    (EPROTOTYPE) even when it is live."""
+    for kind in ("SOCK_SEQPACKET", "SOCK_STREAM", "SOCK_DGRAM"):
+        s = socket.socket(socket.AF_UNIX, getattr(socket, kind))
+        try:
+            s.settimeout(1.0)
+            s.connect(path)
+            return f"a live {kind} socket"
+        except (TimeoutError, BlockingIOError):
+            return f"a live {kind} socket, its backlog full"
+        except OSError as err:
+            if err.errno in (errno.ECONNREFUSED, errno.EPROTOTYPE):
+                continue  # nobody there, or a socket of another type
+            # cannot tell (no permission, say): never take it over
+            return f"a socket that a {kind} probe could not reach: {err.strerror or err}"
+        finally:
+            s.close()
+    return None
 
 
 class _ServiceCollector:

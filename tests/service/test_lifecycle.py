@@ -376,3 +376,39 @@ def test_an_unknown_source_is_refused_listing_the_sources_served() -> None:
         with pytest.raises(ValueError, match=re.escape("this service has no source 'training'; it serves "
                                                        "['eval', 'train']")):
             blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "training", server.address)
+
+
+def test_listen_in_a_missing_directory_names_the_path_and_the_cause(tmp_path: Path) -> None:
+    path = tmp_path / "missing-dir" / "feed.sock"
+    server = FeedServer(listen=path)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1)
+    with pytest.raises(OSError) as info:
+        server.start()
+    assert str(path) in str(info.value) and "No such file or directory" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["SOCK_STREAM", "SOCK_DGRAM", "SOCK_SEQPACKET"])
+def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path, kind: str) -> None:
+    """The liveness probe tried SOCK_SEQPACKET only: a live stream socket
+    was taken for a stale one, taken over and later deleted."""
+    import socket
+
+    path = tmp_path / "theirs.sock"
+    theirs = socket.socket(socket.AF_UNIX, getattr(socket, kind))
+    theirs.bind(str(path))
+    if kind != "SOCK_DGRAM":
+        theirs.listen(1)
+    try:
+        server = FeedServer(listen=path)
+        server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1)
+        with pytest.raises(ValueError, match=re.escape(f"listen={str(path)!r}: another program is listening there")):
+            server.start()
+        assert path.exists()
+    finally:
+        theirs.close()
+    # once it is gone, its file is stale: replaced, and removed at stop
+    server = FeedServer(listen=path)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1)
+    with server.start():
+        assert server.address == str(path)
+    assert not path.exists()
