@@ -99,8 +99,6 @@ class _RayConsumer:
         self.cid = secrets.token_hex(8)
         self.label = str(number)
         self.peer = f"Ray consumer {number}"
-        #: where Connection._admit looks the source up
-        self._sources = server.source_for
         #: said bye, its lease expired, or the service closed it
         self.closed = threading.Event()
         #: it left: what it had not acknowledged was handed back
@@ -122,6 +120,10 @@ class _RayConsumer:
         self._wake = threading.Event()
         #: the seconds the consumer's run() has waited in all, the most it said so far
         self._run_waited = 0.0
+
+    def _sources(self, name: str) -> ServedSource:
+        """Where ``Connection._admit`` looks the source up (the server's lookup)."""
+        return self.server.source_for(name)
 
     def attached(self, source: ServedSource, outlet: IndexOutlet | SharedOutlet, pid: int) -> None:
         self.source, self.outlet = source, outlet
