@@ -343,7 +343,7 @@ def test_each_source_s_state_stands_alone(tmp_path: Path) -> None:
             run_batches(other, 3)
             state = atts[0].state_dict()
             assert set(state["sources"]) == {"train"}
-            assert server.state_dict() == state
+            assert set(server.state_dict()["sources"]) == {"train"}
             with pytest.raises(ValueError, match="source 'other' is not deterministic"):
                 atts[2].state_dict()
         finally:
