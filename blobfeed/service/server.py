@@ -163,6 +163,22 @@ class FeedServer:
         self._resume_state = self._read_state(self.state_file) if resume else None  # type: ignore[arg-type]
 
     # -- wiring ------------------------------------------------------------------------
+    def setup(self, wire: Callable[[], Any]) -> "FeedServer":
+        """Call ``wire()`` with :func:`blobfeed.serve_source` adding to this server.
+
+        The Python form of ``blobfeed serve MODULE:FUNCTION``: the same wiring
+        function serves from the command line, from Python and on Ray
+        (``serve_on_ray(name, wire)``). Call it before :meth:`start`.
+
+        Returns:
+            This server, so that ``FeedServer().setup(wire).start()`` reads as one step.
+        """
+        if not callable(wire):
+            raise TypeError(f"setup() takes the wiring function, got {type(wire).__name__}")
+        with serving(self):
+            wire()
+        return self
+
     def serve_source(
         self,
         name: str,

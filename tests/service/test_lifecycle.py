@@ -411,3 +411,23 @@ def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path
     with server.start():
         assert server.address == str(path)
     assert not path.exists()
+
+
+def test_setup_wires_what_blobfeed_serve_would_into_this_server() -> None:
+    """``FeedServer.setup(wire)`` is the Python form of ``blobfeed serve
+    MODULE:wire`` (issue 24: the example reached for the undocumented
+    ``blobfeed.service.serving``); outside it, serve_source has no server."""
+    server = FeedServer()
+    assert server.setup(feeds.wire_first_come) is server
+    assert list(server.sources) == ["train"]
+    with pytest.raises(blobfeed.BlobfeedError, match="blobfeed serve"):
+        feeds.wire_first_come()
+    with pytest.raises(TypeError, match="wiring function"):
+        server.setup("my_data.py:wire")  # type: ignore[arg-type]
+    server.start()
+    try:
+        net = blobfeed.Net(None, name="c")
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            assert len(net.run(timeout=20)["id"]) == 8
+    finally:
+        assert server.stop()
