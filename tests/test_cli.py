@@ -170,8 +170,9 @@ def test_serve_serves_its_metrics_and_health(tmp_path: Path) -> None:
         assert m, line
         with urllib.request.urlopen(m.group(1) + "/metrics", timeout=10) as resp:
             assert b"blobfeed_" in resp.read()
-        with urllib.request.urlopen(m.group(1) + "/healthz", timeout=10) as resp:
-            assert resp.status == 200
+        for path in ("/healthz", "/readyz"):  # as FeedServer serves them itself
+            with urllib.request.urlopen(m.group(1) + path, timeout=10) as resp:
+                assert resp.status == 200 and resp.read().strip() == b"ok", path
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err

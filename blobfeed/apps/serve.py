@@ -2,10 +2,10 @@
 
 FUNCTION (called with no arguments) wires the sources with
 ``blobfeed.serve_source(...)``; the service then serves them until SIGTERM
-or SIGINT, when it stops fetching, saves its state (``--state-file``),
-tells every consumer and exits 0.  Exit status 2 for a usage problem: a bad
-option or target, or a ``--metrics-port`` that is taken (bound first, before
-the target is imported, so that it fails at once).
+or SIGINT, or until every source ended, when it stops fetching, saves its
+state (``--state-file``), tells every consumer and exits 0.  Exit status 2
+for a usage problem: a bad option or target, or a ``--metrics-port`` that is
+taken (bound first, before the target is imported, so that it fails at once).
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def _error_text(err: BaseException) -> str:
 def _serve_metrics(server: FeedServer, args: argparse.Namespace, started: list[bool]) -> MetricsServer | None:
     """``--metrics-port``: bound before the target is imported, its sources
     wired or a worker started, so that a taken port fails at once.
-    ``/healthz`` says "starting" (503) until the service listens.
+    ``/healthz`` and ``/readyz`` say "starting" (503) until the service
+    listens, then what ``server.health()`` and ``server.ready()`` say (as
+    when FeedServer serves them itself).
 
     Raises:
         OSError: the port cannot be bound; the message names it once.
@@ -102,8 +104,11 @@ def _serve_metrics(server: FeedServer, args: argparse.Namespace, started: list[b
     def health() -> tuple[bool, str]:
         return server.health() if started else (False, "starting")
 
+    def ready() -> tuple[bool, str]:
+        return server.ready() if started else (False, "starting")
+
     try:
-        return start_http_server(args.metrics_port, args.metrics_addr, server.registry, health=health)
+        return start_http_server(args.metrics_port, args.metrics_addr, server.registry, health=health, ready=ready)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         hint = "; choose another --metrics-port, or 0 for any free port" if args.metrics_port else ""
