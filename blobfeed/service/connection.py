@@ -74,7 +74,7 @@ class Connection:
         sock: socket.socket,
         number: int,
         sources: Callable[[str], ServedSource | None],
-        state: Callable[[], dict[str, Any]],
+        state: Callable[[str | None], dict[str, Any]],
         service: str,
         tcp_peer: str | None = None,
     ) -> None:
@@ -280,7 +280,7 @@ class Connection:
             item = outlet.next(self, POLL_S)
             if item is None:
                 continue
-            if isinstance(item, Item) and type(item.batch) is not EpochEnd and not item.drop:
+            if isinstance(item, Item) and type(item.batch) is not EpochEnd:
                 b = item.batch
                 # a whole batch, whatever this one holds (an epoch's last may be smaller)
                 full = sum(align(a.nbytes // b.n * source.terms.batch_size) for a in b.arrays)
@@ -303,7 +303,8 @@ class Connection:
             self.area.give_back(slots, self.peer)
         elif kind == "state":
             try:
-                reply = {"t": "state_is", "state": self._state(), "error": None}
+                state = self._state(self.source.name if self.source is not None else None)
+                reply = {"t": "state_is", "state": state, "error": None}
             except (ValueError, RuntimeError) as err:
                 reply = {"t": "state_is", "state": None, "error": str(err)}
             self.channel.send(reply)
@@ -345,15 +346,7 @@ class Connection:
                 outlet.acked(item)
                 if type(item.batch) is not EpochEnd:
                     n += 1
-                self._settle_dropped()
             acknowledged[self.label] += n
-
-    def _settle_dropped(self) -> None:
-        """Batches dropped for equal shares go past the stream in their turn (under the lock)."""
-        assert self.outlet is not None
-        while self._inflight and self._inflight[0][1].drop:
-            _, item, _, _ = self._inflight.popleft()
-            self.outlet.acked(item)
 
     # -- the sender --------------------------------------------------------------------
     def _send_loop(self, first: Item | End | None) -> None:
@@ -410,11 +403,6 @@ class Connection:
                     self._flush(ready, last_g)
                     self._end(item)
                     return
-                if item.drop:
-                    with self._lock:
-                        self._inflight.append((-1, item, -1, None))
-                        self._settle_dropped()
-                    continue
                 if type(item.batch) is EpochEnd:
                     self._flush(ready, last_g)
                     ready_bytes = 0

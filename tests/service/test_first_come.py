@@ -447,5 +447,5 @@ def test_a_state_whose_position_waits_at_a_batch_acknowledged_after_it_resumes(t
         resumed.stop()
     saved["sources"]["train"]["acked_after"] = [-1]
     state.write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match="'acked_after' must be a list of ints"):
+    with pytest.raises(ValueError, match=r"\['acked_after'\]: expected a list of ints >= 0"):
         server(True).start()
