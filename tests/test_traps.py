@@ -72,6 +72,69 @@ def test_unguarded_script_names_the_main_module_guard_in_one_line(tmp_path: Path
     assert "bootstrapping phase" not in done.stderr
 
 
+#: the same, the fetcher reading a module-level array of 1 MB (the usual
+#: case): cloudpickle sends the array with the function, by value
+UNGUARDED_BIG = """\
+import os
+import threading
+import numpy as np
+import blobfeed
+
+DATA = np.zeros((1 << 18, 1), np.float32)  # 1 MiB
+
+def fetch_fun(worker_id, batch_size):
+    return [DATA[:batch_size]]
+
+net = blobfeed.Net(name="n")
+coordinator = blobfeed.init_data_input_workers(
+    net, ["data"], fetch_fun, 8, num_worker_threads=2, timeout=60,
+    backend=blobfeed.ProcessBackend(start_method={method!r}))
+try:
+    coordinator.start()
+    print(net.run()["data"].shape)
+finally:
+    coordinator.stop()
+    # what is left of the pipeline: blobfeed's threads, and worker processes
+    # (descendants but the forkserver and the resource tracker themselves)
+    print("threads:", sorted(t.name for t in threading.enumerate() if t.name.startswith("blobfeed")))
+    kids = {{}}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{{pid}}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError):
+            continue
+        kids.setdefault(int(stat[1]), []).append((int(pid), stat[0], cmd))
+    left, todo = [], [(os.getpid(), 0)]
+    while todo:
+        parent, depth = todo.pop()
+        for pid, state, cmd in kids.get(parent, []):
+            todo.append((pid, depth + 1))
+            helper = b"forkserver" in cmd or b"resource_tracker" in cmd
+            if not (helper and depth == 0 and state != "Z"):
+                left.append((pid, state))
+    print("processes:", left, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_unguarded_script_with_a_large_fetcher_names_the_guard(tmp_path: Path, method: str) -> None:
+    # The payload of a worker (fetch_fun and its 1 MiB array) no longer
+    # travels in multiprocessing's start-up pipe, which the worker stops
+    # reading when the main module's import ends it: the parent's write
+    # failed with a 34-line BrokenPipeError that said nothing of the guard.
+    done = _run_script(tmp_path, UNGUARDED_BIG.format(method=method))
+    assert done.returncode == 1, done.stderr
+    assert "BrokenPipeError" not in done.stderr, done.stderr
+    line = _error_line(done.stderr)
+    assert "script.py" in line and "if __name__ == '__main__':" in line, line
+    assert "threads: []" in done.stdout, done.stdout
+    assert "processes: []" in done.stdout, done.stdout
+    assert len(done.stderr.splitlines()) < 30, done.stderr
+
+
 def test_main_module_failing_in_the_worker_for_another_reason(tmp_path: Path) -> None:
     # guarded, but the module's own top-level code fails in the worker process
     # (a port the parent already holds, say): the child's own exception is
