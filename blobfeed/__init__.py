@@ -14,7 +14,7 @@ from .coordinator import (
     init_data_input_workers,
     init_workers,
 )
-from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
+from .errors import BlobfeedError, BlobfeedWarning, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
 from .net import Net, Workspace
 from .queues import BlobsQueue
@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Attachment",
     "BlobfeedError",
+    "BlobfeedWarning",
     "BlobsQueue",
     "ChunkError",
     "DataInputCoordinator",

@@ -187,10 +187,11 @@ class _Clock:
 
 
 def test_none_warning_is_rate_limited_and_counted(gc, caplog, monkeypatch) -> None:
-    from blobfeed.feeders import source as source_mod
+    from blobfeed.feeders import source as source_mod, worker_loop
 
     clock = _Clock()
     monkeypatch.setattr(source_mod, "_clock", clock, raising=False)
+    monkeypatch.setattr(worker_loop, "_sleep", lambda s: None)  # 2 500 None at full speed
     calls = 0
 
     def fetch_fun(worker_id: int, batch_size: int):
@@ -249,3 +250,140 @@ def test_dequeue_timeout_of_a_slow_fetcher_says_nothing_of_none(gc) -> None:
         assert "None" not in str(err.value)
     finally:
         release.set()
+
+
+# -- a fetch_fun returning None at the end of its data: backoff, a visible warning ------------
+
+
+def test_fetcher_returning_only_none_backs_off(gc) -> None:
+    # It spun: 3.5 million calls per 10 s per worker, 100 % of a core each,
+    # until the 600 s timeout.  Consecutive None are met with a growing
+    # pause, bounded by worker_loop.EMPTY_BACKOFF_MAX_S.
+    calls = {0: 0, 1: 0}
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        calls[worker_id] += 1
+        return None
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=2, coordinator=gc)
+    gc.start()
+    with pytest.raises(DequeueTimeout):
+        net.run(timeout=1.0)
+    # ~12 quick calls, then about 10 per second each
+    assert 0 < calls[0] < 60 and 0 < calls[1] < 60, calls
+
+
+def test_fetcher_returning_none_now_and_then_is_not_slowed(gc, monkeypatch) -> None:
+    from blobfeed.feeders import worker_loop
+
+    slept: list[float] = []
+    monkeypatch.setattr(worker_loop, "_sleep", slept.append)
+    calls = 0
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        nonlocal calls
+        calls += 1
+        if calls > 3000:
+            raise StopIteration
+        if calls % 4:  # three None in a row, then a chunk
+            return None
+        return [np.full(4, calls, np.int64)]
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    n = 0
+    with pytest.raises(blobfeed.EndOfInput):
+        while True:
+            net.run(timeout=20)
+            n += 1
+    assert n == 750
+    assert slept == []
+
+
+def test_backoff_of_a_long_run_of_none_is_reset_by_a_chunk(gc, monkeypatch) -> None:
+    from blobfeed.feeders import worker_loop
+
+    slept: list[float] = []
+    monkeypatch.setattr(worker_loop, "_sleep", slept.append)
+    calls = 0
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        nonlocal calls
+        calls += 1
+        if calls in (41, 82):
+            return [np.zeros(4, np.int64)]
+        if calls > 82:
+            raise StopIteration
+        return None
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    net.run(timeout=20)
+    net.run(timeout=20)
+    with pytest.raises(blobfeed.EndOfInput):
+        net.run(timeout=20)
+    # two runs of 40 None: the same pauses in each, growing, bounded
+    assert len(slept) % 2 == 0 and slept[: len(slept) // 2] == slept[len(slept) // 2:], slept
+    first = slept[: len(slept) // 2]
+    assert first == sorted(first) and 0 < first[0] <= 0.002, first
+    assert max(first) == worker_loop.EMPTY_BACKOFF_MAX_S <= 0.5, first
+
+
+FETCH_NONE_AT_END = """\
+import numpy as np
+import blobfeed
+
+def fetch_fun(worker_id, batch_size):
+    return None  # "the end of my data"
+
+net = blobfeed.Net(name="n")
+c = blobfeed.init_data_input_workers(net, ["data"], fetch_fun, 8, num_worker_threads=2, timeout=1)
+c.start()
+try:
+    net.run()
+except blobfeed.DequeueTimeout as exc:
+    print("timeout:", exc)
+c.stop()
+"""
+
+
+def test_first_none_is_shown_without_logging_configured(tmp_path: Path) -> None:
+    # The warning went only to logging, and the "blobfeed" logger has a
+    # NullHandler: an application that configured no logging saw nothing.
+    done = _run_script(tmp_path, FETCH_NONE_AT_END)
+    assert done.returncode == 0, done.stderr
+    shown = [ln for ln in done.stderr.splitlines() if "BlobfeedWarning" in ln]
+    # once for the source, not per worker nor per call
+    assert len(shown) == 1, done.stderr
+    assert "source 'train'" in shown[0] and "returned None" in shown[0], shown[0]
+    assert "raise StopIteration" in shown[0], shown[0]
+    assert "timeout:" in done.stdout and "StopIteration" in done.stdout, done.stdout
+
+
+def test_none_warning_made_an_error_by_the_filters_fails_the_source(tmp_path: Path) -> None:
+    # "-W error" (a test suite's filterwarnings = error): the warning raises
+    # inside blobfeed's intake, and fails the source as a FetcherError
+    # (not a dead receiver or fetcher thread, and a run() waiting its timeout)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent("""\
+            import warnings
+            import blobfeed
+            warnings.filterwarnings("error", category=blobfeed.BlobfeedWarning)
+            net = blobfeed.Net(name="n")
+            c = blobfeed.init_data_input_workers(net, ["x"], lambda w, b: None, 4, num_worker_threads=1)
+            c.start()
+            try:
+                net.run(timeout=20)
+            except blobfeed.FetcherError as exc:
+                print("error:", type(exc.__cause__).__name__, exc)
+            print("stopped:", c.stop(timeout=5))
+        """)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "error: BlobfeedWarning source 'train', worker 0: " in done.stdout, done.stdout
+    assert "stopped: True" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
