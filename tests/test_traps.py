@@ -9,6 +9,7 @@ module is the point), each with a bound.
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -387,3 +388,77 @@ def test_none_warning_made_an_error_by_the_filters_fails_the_source(tmp_path: Pa
     assert "error: BlobfeedWarning source 'train', worker 0: " in done.stdout, done.stdout
     assert "stopped: True" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr, done.stderr
+
+
+# -- deterministic nets drained one after the other from one thread ----------------------------
+
+
+def _two_dealt_nets(gc, n_chunks: int = 40):
+    calls = {0: 0, 1: 0}
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        calls[worker_id] += 1
+        if calls[worker_id] > n_chunks:
+            raise StopIteration
+        return [np.full(4, calls[worker_id], np.int64)]
+
+    nets = [Net(name=f"r{i}") for i in range(2)]
+    for net in nets:
+        init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=1, coordinator=gc,
+                                deterministic=True, device_queue_capacity=2)
+    return nets
+
+
+def test_a_net_waiting_for_its_sibling_says_so(gc) -> None:
+    # Draining r0 to its end, then r1, from one thread: r0 waited out its
+    # timeout with "data input is slow ... 0 fetchers alive" while its
+    # sibling r1 held the next batch; nothing said so.
+    r0, r1 = _two_dealt_nets(gc)
+    gc.start()
+    took = 0
+    with pytest.raises(DequeueTimeout) as err:
+        for _ in range(80):
+            r0.run(timeout=1.0)
+            took += 1
+    assert 0 < took < 40
+    msg = str(err.value)
+    assert "net 'r1'" in msg and "in turn" in msg and "own thread" in msg, msg
+    # ... and it is true: once r1 took what it holds, r0 goes on
+    held = int(re.search(r"which holds (\d+) batch", msg).group(1))
+    assert held >= 1, msg
+    for _ in range(held):
+        r1.run(timeout=5)
+    r0.run(timeout=5)
+
+
+def test_slow_input_warning_names_the_sibling(gc, caplog, monkeypatch) -> None:
+    from blobfeed.feeders import enqueuer
+
+    monkeypatch.setattr(enqueuer, "SLOW_INPUT_WARN_S", 0.2)
+    r0, _ = _two_dealt_nets(gc)
+    gc.start()
+    with caplog.at_level(logging.WARNING, logger="blobfeed"):
+        with pytest.raises(DequeueTimeout):
+            for _ in range(80):
+                r0.run(timeout=0.7)
+    slow = [r.getMessage() for r in caplog.records if "data input is slow" in r.getMessage()]
+    assert slow and all("net 'r1'" in m and "own thread" in m for m in slow), slow
+
+
+def test_a_slow_fetcher_on_a_dealt_source_names_no_sibling(gc) -> None:
+    release = threading.Event()
+
+    def fetch_fun(worker_id: int, batch_size: int):
+        release.wait(5)
+        raise StopIteration
+
+    nets = [Net(name=f"r{i}") for i in range(2)]
+    for net in nets:
+        init_data_input_workers(net, ["x"], fetch_fun, 4, num_worker_threads=1, coordinator=gc, deterministic=True)
+    gc.start()
+    try:
+        with pytest.raises(DequeueTimeout) as err:
+            nets[0].run(timeout=0.2)
+        assert "r1" not in str(err.value), err.value
+    finally:
+        release.set()

@@ -581,6 +581,7 @@ class Feed:
                     raise DequeueTimeout(
                         f"source {self.source.name!r}, net {self.net_name!r}: "
                         f"no batch within {limit:.3g} s{self.source.starved_hint()}"
+                        f"{self.source.sibling_hint(self._input)}"
                     ) from None
                 try:
                     return self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))
@@ -589,9 +590,10 @@ class Feed:
                     if waited >= SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
                         logger.warning(
                             "data input is slow: net %r has waited %.0f s for source %r "
-                            "(internal queue %d chunks, %d fetchers alive)",
+                            "(internal queue %d chunks, %d fetchers alive)%s",
                             self.net_name, waited, self.source.name,
                             self.source.queue_depth(), self.source.workers_alive(),
+                            self.source.sibling_hint(self._input),
                         )
         finally:
             t1 = cs.last_end = time.perf_counter()

@@ -267,6 +267,34 @@ class InputSource:
             "skips a call: a fetch_fun ends its worker by raising StopIteration"
         )
 
+    def sibling_hint(self, reader: Reader) -> str:
+        """What a ``DequeueTimeout`` (and the "data input is slow" warning)
+        adds when the net of ``reader`` waits because a sibling net has not
+        taken its batches: a source that deals its batches to its nets in
+        turn cannot go on past a net's batch until that net runs, so nets
+        drained one after the other from one thread wait for ever.  "" when
+        that is not why."""
+        stalled_by = getattr(self.dealer, "stalled_by", None)
+        stalled = None if stalled_by is None else stalled_by(reader)
+        if stalled is None:
+            return ""
+        index, dealt = stalled
+        feeds = list(self.feeds)
+        if index >= len(feeds):  # pragma: no cover - a feed is wired with its outbox
+            return ""
+        # outboxes are made in wiring order, as the feeds are added
+        holder = feeds[index]
+        names = [f.net_name for f in feeds]
+        batch = self.dealer.batch_size or 1
+        ready = holder.device_queue_depth() + -(-dealt // batch)
+        return (
+            f"; the data is there: source {self.name!r} deals its batches to its {len(feeds)} nets "
+            f"{names} in turn (batch i to net i mod {len(feeds)}: deterministic, shuffle_buffer, "
+            f"epochs or equal), and its next batch goes to net {holder.net_name!r}, which holds "
+            f"{ready} batch{'' if ready == 1 else 'es'} its run() has not taken. Take the nets' "
+            "batches in turn (one run() of each net per step), or run each net from its own thread"
+        )
+
     # -- metrics -------------------------------------------------------------
     def device_queue_depths(self) -> list[tuple[str, int]]:
         return [(f.net_name, f.device_queue_depth()) for f in list(self.feeds)]
