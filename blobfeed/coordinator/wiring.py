@@ -355,7 +355,7 @@ def init_data_input_workers(
             source, net.name, net._place, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,
             dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
-            model_inputs=net.input_specs,
+            model_inputs=net.input_specs, writable=net.writable,
         )
         net._attach(feed)
         source.add_feed(feed)

@@ -86,6 +86,7 @@ class Feed:
         drop_last: bool,
         hub: MetricsHub,
         model_inputs: dict[str, ModelInput] | None = None,
+        writable: bool = False,
     ) -> None:
         self.source = source
         #: this net's end of the source's dealer: where chunks come from
@@ -97,7 +98,7 @@ class Feed:
         self.timeout = timeout
         self.dont_rebatch = dont_rebatch
         self.drop_last = drop_last
-        self.rebatcher = Rebatcher(source.axes, batch_size, whole_chunks=dont_rebatch)
+        self.rebatcher = Rebatcher(source.axes, batch_size, whole_chunks=dont_rebatch, writable=writable)
         # low_water=0: the enqueuer sleeps until the net has taken every
         # queued batch, then refills in one go -- one wake-up per
         # `capacity` batches instead of one per batch.
