@@ -20,6 +20,7 @@ from .net import Net, Workspace
 from .queues import BlobsQueue
 from .service import Attachment, FeedServer, attach_source, serve_source
 from .worker_info import WorkerInfo, get_worker_info
+from . import data_workers  # Caffe2's module name: from blobfeed import data_workers
 
 # A library never configures logging; without this, Python's last-resort
 # handler would print blobfeed's warnings to stderr of an application that
