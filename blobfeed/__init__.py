@@ -14,12 +14,13 @@ from .coordinator import (
     init_data_input_workers,
     init_workers,
 )
-from .errors import BlobfeedError, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
+from .errors import BlobfeedError, BlobfeedWarning, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
 from .net import Net, Workspace
 from .queues import BlobsQueue
 from .service import Attachment, FeedServer, attach_source, serve_source
 from .worker_info import WorkerInfo, get_worker_info
+from . import data_workers  # Caffe2's module name: from blobfeed import data_workers
 
 # A library never configures logging; without this, Python's last-resort
 # handler would print blobfeed's warnings to stderr of an application that
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Attachment",
     "BlobfeedError",
+    "BlobfeedWarning",
     "BlobsQueue",
     "ChunkError",
     "DataInputCoordinator",

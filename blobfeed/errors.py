@@ -14,12 +14,17 @@
 * :class:`ServiceError` -- the *feeding service* a consumer attached to
   stopped, died or dropped the connection (a kind of :class:`FetcherError`:
   the source failed for this consumer).
+
+And one warning category, :class:`BlobfeedWarning`, for a use of the library
+the program should change (a ``fetch_fun`` returning ``None``): issued with
+:func:`warnings.warn`, so it shows on stderr whether or not logging is set up.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "BlobfeedError",
+    "BlobfeedWarning",
     "ChunkError",
     "DequeueTimeout",
     "EndOfEpoch",
@@ -31,6 +36,13 @@ __all__ = [
 
 class BlobfeedError(Exception):
     """Base class of every error blobfeed raises on purpose."""
+
+
+class BlobfeedWarning(UserWarning):
+    """Something the program should change, said once through
+    :mod:`warnings` (shown on stderr by default, even without logging set
+    up; silence or turn into errors with ``warnings.filterwarnings``).
+    Ongoing conditions are logged under the ``blobfeed`` logger besides."""
 
 
 class DequeueTimeout(BlobfeedError, TimeoutError):

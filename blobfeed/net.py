@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
-from .arguments import check_timeout
+from .arguments import check_flag, check_timeout
 from .errors import EndOfEpoch, EndOfInput
 from .feeders import EpochEnd, Feed, FeedGroup, ModelInput
 
@@ -100,6 +100,16 @@ class Net:
             (needs onnxruntime with the CUDA execution provider).
         providers: onnxruntime execution providers; default from ``device``.
         session_options: an ``onnxruntime.SessionOptions``.
+        writable: batches are the caller's to write, as ``torch.from_numpy``
+            expects (it warns "The given NumPy array is not writable" once
+            per process at a read-only array, and a tensor made of one must
+            never be written).  A batch that views memory blobfeed does not
+            own (a fetcher's array, a worker process's shared memory, Ray's
+            object store) is copied once, on the enqueuer thread, ahead of
+            ``run()``; a batch blobfeed copied already (it spans chunks) is
+            handed out as it is.  Costs at most one copy per byte; default
+            ``False``: every array is read-only and nothing is copied.  Set
+            when the net is wired to its sources.
 
     ``run()`` is meant for one thread at a time (one consumer per net, as in
     Caffe2); the workspace itself is thread-safe.  ``for outputs in net:``
@@ -114,10 +124,13 @@ class Net:
         device: str = "cpu",
         providers: Sequence[Any] | None = None,
         session_options: "ort.SessionOptions | None" = None,
+        writable: bool = False,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"Net name must be a non-empty str, got {name!r}")
         self.name = name
+        #: the batches are the caller's to write (see the class docstring)
+        self.writable = check_flag("writable", writable)
         self.device = device
         self._device_type, self._device_id = _parse_device(device)
         if self._device_type == "cuda":
@@ -233,7 +246,8 @@ class Net:
             caller's to write), or the dequeued blobs when the net has no
             model.  Inputs and outputs are also stored in ``workspace``.
             Every array of a batch is read-only, on every backend: it may be
-            a view of the fetcher's own array; ``np.array(x)`` copies it.
+            a view of the fetcher's own array; ``np.array(x)`` copies it,
+            and ``Net(writable=True)`` hands out batches the caller may write.
 
         Raises:
             DequeueTimeout: a source had no batch within the timeout.

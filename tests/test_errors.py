@@ -305,3 +305,130 @@ def test_a_stopped_source_hands_out_nothing_not_even_a_held_batch(gc: blobfeed.G
     delivered = sample(gc, "blobfeed_delivered_samples_total", source="A", net="n")
     dropped = sum(sample(gc, "blobfeed_dropped_samples_total", source="A", reason=r) for r in ("drop_last", "stopped", "error"))
     assert delivered == 0 and fetched == dropped > 0, (fetched, delivered, dropped)
+
+
+# -- errors that name the fix (issue 24) ------------------------------------------------------------
+
+
+def test_dtype_not_the_models_names_the_astype(gc: blobfeed.GlobalCoordinator) -> None:
+    pytest.importorskip("onnx")
+    from blobfeed.apps.models import mlp_onnx
+
+    model, _ = mlp_onnx([3, 2], input_name="x")
+    net = Net(model, name="m")
+    # numpy's default float64 into a float32 model
+    init_data_input_workers(net, ["x"], lambda w, b: [np.zeros((4, 3))], 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    with pytest.raises(ChunkError) as err:
+        net.run(timeout=WAIT)
+    assert "tensor(float)" in str(err.value) and "float64" in str(err.value), err.value
+    assert ".astype(np.float32)" in str(err.value), err.value
+
+
+def test_dtype_not_as_earlier_chunks_names_the_astype(gc: blobfeed.GlobalCoordinator) -> None:
+    calls = [[np.zeros((4, 3), np.float32)], [np.zeros((4, 3), np.float64)]]
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], lambda w, b: calls.pop(0) if calls else None, 8, num_worker_threads=1,
+                            coordinator=gc)
+    gc.start()
+    with pytest.raises(ChunkError) as err:
+        net.run(timeout=WAIT)
+    assert ".astype(np.float32)" in str(err.value), err.value
+
+
+class Tensor:
+    """Looks like a torch.Tensor to blobfeed (torch is not installed here)."""
+
+    __module__ = "torch"
+
+    def __init__(self, a: np.ndarray) -> None:
+        self._a = a
+
+    def numpy(self) -> np.ndarray:
+        return self._a
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["in-a-list", "alone"])
+def test_a_torch_tensor_names_numpy(gc: blobfeed.GlobalCoordinator, whole: bool) -> None:
+    t = Tensor(np.zeros((4, 3), np.float32))
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], lambda w, b: t if whole else [t], 4, num_worker_threads=1, coordinator=gc)
+    gc.start()
+    with pytest.raises(ChunkError) as err:
+        net.run(timeout=WAIT)
+    msg = str(err.value)
+    assert "torch.Tensor" in msg and ".numpy()" in msg, msg
+
+
+def test_an_array_like_names_asarray(gc: blobfeed.GlobalCoordinator) -> None:
+    net = Net(name="n")
+    init_data_input_workers(net, ["x", "y"], lambda w, b: [np.zeros(4), [1, 2, 3, 4]], 4, num_worker_threads=1,
+                            coordinator=gc)
+    gc.start()
+    with pytest.raises(ChunkError, match=r"np\.asarray"):
+        net.run(timeout=WAIT)
+
+
+def fetch_one_arg(batch_size):
+    return None
+
+
+def fetch_three_args(worker_id, batch_size, extra):
+    return None
+
+
+def fetch_keyword_only(*, worker_id, batch_size):
+    return None
+
+
+@pytest.mark.parametrize("fun, what", [
+    (fetch_one_arg, "fetch_one_arg(batch_size)"),
+    (fetch_three_args, "fetch_three_args(worker_id, batch_size, extra)"),
+    (fetch_keyword_only, "fetch_keyword_only(*, worker_id, batch_size)"),
+    (lambda: None, "<lambda>()"),
+])
+def test_fetch_fun_of_the_wrong_signature_is_refused_when_wired(gc: blobfeed.GlobalCoordinator, fun, what) -> None:
+    # it was found only in the worker, at the first run(): a FetcherError
+    with pytest.raises(TypeError) as err:
+        init_data_input_workers(Net(name="n"), ["x"], fun, 4, coordinator=gc)
+    msg = str(err.value)
+    assert what in msg and "fetch_fun(worker_id, batch_size)" in msg, msg
+    assert "test_errors.py" in msg, msg  # where it is defined
+    assert gc.get_worker_ids() == []
+
+
+class CallableFetcher:
+    def __call__(self, worker_id, batch_size):
+        raise StopIteration
+
+
+def test_fetch_funs_of_any_fitting_kind_are_accepted(gc: blobfeed.GlobalCoordinator) -> None:
+    import functools
+
+    def three(prefix, worker_id, batch_size):
+        raise StopIteration
+
+    def varargs(*args, **kwargs):
+        raise StopIteration
+
+    def defaults(worker_id, batch_size, extra=1):
+        raise StopIteration
+
+    # partials, callable objects, *args, defaults, and builtins whose
+    # signature cannot be read
+    for i, fun in enumerate([functools.partial(three, "p"), CallableFetcher(), varargs, defaults, max, print]):
+        init_data_input_workers(Net(name=f"n{i}"), ["x"], fun, 4, input_source_name=f"s{i}", coordinator=gc)
+    with pytest.raises(TypeError, match="worker_init_fun"):
+        init_data_input_workers(Net(name="w"), ["x"], varargs, 4, input_source_name="w", coordinator=gc,
+                                worker_init_fun=lambda: None)
+
+
+def test_caffe2_module_name() -> None:
+    # a Caffe2 port: `from caffe2.python import data_workers` becomes this
+    from blobfeed import data_workers
+
+    assert data_workers.init_data_input_workers is blobfeed.init_data_input_workers
+    assert data_workers.global_coordinator is blobfeed.global_coordinator
+    assert data_workers.GlobalCoordinator is blobfeed.GlobalCoordinator
+    assert data_workers.get_worker_ids(3) == [0, 1, 2]
+    assert set(data_workers.__all__) <= set(dir(data_workers))

@@ -901,7 +901,14 @@ def test_library_warnings_do_not_reach_stderr_without_logging_config() -> None:
     got = last_json(proc)
     assert got["skipped"] == 1 and got["stop"] is True and got["root_handlers"] == 0, got
     assert got["null_handler"], "the 'blobfeed' logger has no logging.NullHandler"
-    assert proc.stderr == "", f"blobfeed wrote to stderr:\n{proc.stderr[-2000:]}"
+    # The one thing on stderr: the first None's BlobfeedWarning, said once
+    # through the warnings module on purpose (a fetch_fun returning None at
+    # the end of its data otherwise waits out the timeout without a word);
+    # the program's warning filters rule it, not logging's last resort.
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and "BlobfeedWarning: source 'train', worker 0: fetch_fun returned None" in lines[0], (
+        f"blobfeed wrote to stderr:\n{proc.stderr[-2000:]}"
+    )
 
 
 # =============================================================================================

@@ -46,6 +46,8 @@ LAYERS: dict[str, int] = {
     # dispatches ray:// addresses down to it) and the service as a Ray actor (a FeedServer)
     "blobfeed.service.remote": 11.05, "blobfeed.service.ray_attach": 11.45, "blobfeed.service.ray_service": 11.6,
     "blobfeed.service": 11.8,
+    # Caffe2's module name (from blobfeed import data_workers): re-exports the coordinator's
+    "blobfeed.data_workers": 11.9,
     "blobfeed": 12,
     "blobfeed.ray": 13,
     # the applications (blobfeed.apps): one way among themselves too

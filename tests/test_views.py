@@ -113,3 +113,69 @@ def test_model_outputs_are_writable_and_the_workspace_inputs_read_only(gc: blobf
     y -= 0.5  # the model's output: a fresh array, the caller's
     _assert_read_only(net.workspace.fetch_blob("x"))
     assert (fetch.data[0] == 0.0).all()
+
+
+# -- Net(writable=True): what torch.from_numpy wants, without a warning per batch -------------------
+
+
+def _writable_batches(gc: blobfeed.GlobalCoordinator, fetch: Source, batch_size: int, **kw) -> list[np.ndarray]:
+    net = Net(name="w", writable=True)
+    init_data_input_workers(net, ["x"], fetch, batch_size, num_worker_threads=1, coordinator=gc, **kw)
+    gc.start()
+    out = []
+    while True:
+        try:
+            x = net.run(timeout=WAIT)["x"]
+        except EndOfInput:
+            return out
+        assert x.flags.writeable
+        x -= 0.5  # torch.from_numpy(x) shares this memory and may write it
+        out.append(x)
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+# 2 MiB chunks: batches of 1 MiB and more that span chunks are filled in
+# blobfeed's recycled buffers (rebatch.BufferPool), handed out as they are
+@pytest.mark.parametrize("rows", [2048, BIG_ROWS, SMALL_ROWS], ids=["huge", "big", "small"])
+def test_writable_batches_are_the_callers_and_never_change_the_source(
+    gc: blobfeed.GlobalCoordinator, backend: str, rows: int, monkeypatch
+) -> None:
+    from blobfeed.feeders import rebatch
+
+    copies = []
+    real = rebatch._writable_copy
+    monkeypatch.setattr(rebatch, "_writable_copy", lambda a: copies.append(a.shape) or real(a))
+    # rows // 2: batches inside a chunk (views: copied); 3 * rows // 4 spans
+    # chunks (blobfeed's own copies: handed out as they are, not copied again)
+    for bs, views in ((rows // 2, 6), (3 * rows // 4, 2)):
+        copies.clear()
+        fetch = Source(rows, BIG_COLS, 3)
+        batches = _writable_batches(gc, fetch, bs, backend=backend)
+        assert sum(len(b) for b in batches) == 3 * rows
+        assert all((b == np.floor(b)).sum() == 0 for b in batches)  # every one written once
+        assert gc.stop(timeout=WAIT)
+        for i, a in enumerate(fetch.data):
+            assert (a == float(i)).all(), "writing a batch changed the fetcher's array"
+        if backend == "threads":
+            # 3 chunks of 4/4 batches: 6 inside a chunk; of 3/4: the 1st, and the 4th's rest
+            assert len(copies) == views, (bs, copies)
+
+
+def test_writable_whole_chunks_leave_the_fetchers_array_alone(gc: blobfeed.GlobalCoordinator) -> None:
+    fetch = Source(SMALL_ROWS, 4, 2)
+    batches = _writable_batches(gc, fetch, 3, dont_rebatch=True)
+    assert [len(b) for b in batches] == [SMALL_ROWS, SMALL_ROWS]
+    assert all((a == float(i)).all() and a.flags.writeable for i, a in enumerate(fetch.data))
+
+
+def test_writable_is_a_flag() -> None:
+    with pytest.raises(TypeError, match="writable"):
+        Net(name="w", writable="yes")  # type: ignore[arg-type]
+    assert Net(name="w").writable is False
+
+
+def test_writable_shuffled_and_deterministic_batches(gc: blobfeed.GlobalCoordinator) -> None:
+    fetch = Source(SMALL_ROWS, 4, 4)
+    batches = _writable_batches(gc, fetch, 4, deterministic=True, shuffle_buffer=16, seed=1)
+    assert len(batches) == 8
+    assert all((a == float(i)).all() for i, a in enumerate(fetch.data))

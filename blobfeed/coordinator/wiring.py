@@ -5,6 +5,7 @@ wiring of a net to a source.  Each call adds one group to a
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any, Callable, Iterable, Literal, Sequence
 
@@ -65,6 +66,39 @@ def _check_common(
     if not isinstance(gc, GlobalCoordinator):
         raise TypeError(f"coordinator must be a GlobalCoordinator, got {type(coordinator).__name__}")
     return gc, loggers
+
+
+def check_call(what: str, fun: Callable[..., Any], params: Sequence[str]) -> None:
+    """Refuse, when it is wired, a function blobfeed will call with the
+    positional arguments ``params`` but whose signature cannot take them:
+    otherwise the ``TypeError`` comes from a worker, at the first ``run()``.
+
+    A signature that cannot be read (a builtin, some C callables) is
+    accepted: the call will tell.
+
+    Raises:
+        TypeError: naming the function, where it is defined, what it
+            accepts and how blobfeed calls it.
+    """
+    try:
+        sig = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*params)
+    except TypeError as exc:
+        inner = fun.func if isinstance(fun, functools.partial) else fun
+        name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+        if inner is not fun:
+            name = f"functools.partial({name}, ...)"
+        inner = inspect.unwrap(inner)
+        code = getattr(inner, "__code__", None) if inspect.isfunction(inner) else None
+        where = f" (defined at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        raise TypeError(
+            f"{what} {name}{sig}{where} cannot be called as {what}({', '.join(params)}): {exc}. "
+            f"blobfeed calls it with {len(params)} positional argument{'s' if len(params) != 1 else ''}"
+            f" ({', '.join(params)})"
+        ) from None
 
 
 def init_workers(
@@ -232,6 +266,7 @@ def init_data_input_workers(
         raise ValueError(f"input_blob_names has duplicates: {dupes}")
     if not callable(fetch_fun):
         raise TypeError(f"fetch_fun must be callable, got {type(fetch_fun).__name__}")
+    check_call("fetch_fun", fetch_fun, ("worker_id", "batch_size"))
     batch_size = check_index("batch_size", batch_size)
     num_worker_threads = check_index("num_worker_threads", num_worker_threads)
     max_buffered_batches = check_index("max_buffered_batches", max_buffered_batches)
@@ -274,6 +309,8 @@ def init_data_input_workers(
         seed = check_index("seed", seed, minimum=0)
     if worker_init_fun is not None and not callable(worker_init_fun):
         raise TypeError(f"worker_init_fun must be callable, got {type(worker_init_fun).__name__}")
+    if worker_init_fun is not None:
+        check_call("worker_init_fun", worker_init_fun, ("worker_id",))
     runner = resolve_backend(backend)
     runner.check(fetch_fun, worker_init_fun)
     clash = sorted(set(names).intersection(net.output_names))
@@ -355,7 +392,7 @@ def init_data_input_workers(
             source, net.name, net._place, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,
             dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
-            model_inputs=net.input_specs,
+            model_inputs=net.input_specs, writable=net.writable,
         )
         net._attach(feed)
         source.add_feed(feed)

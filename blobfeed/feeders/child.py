@@ -79,13 +79,28 @@ def _wait_for_hangup(fd: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _read_payload(fd: int) -> bytearray:
+    """The pickled ``(fetch_fun, worker_init_fun)`` the parent wrote into
+    the memfd ``fd`` (see ``processes._payload_fd``)."""
+    size = os.fstat(fd).st_size
+    out = bytearray(size)
+    view = memoryview(out)
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[done:]], done)
+        if n <= 0:
+            raise EOFError(f"the worker's payload ends at byte {done} of {size}")
+        done += n
+    return out
+
+
 def child_main(
     worker_id: int,
     index: int,
     num_workers: int,
     source: str,
     seed: int,
-    payload: bytes,
+    payload_fd: FdHandle,
     on_error: str,
     area_fd: FdHandle,
     slots: int,
@@ -109,6 +124,10 @@ def child_main(
     # is over: a death before this flag is the start-up's, and the parent
     # says so (a script without the __main__ guard, see processes.py)
     area.set_started()
+    try:
+        payload = _read_payload(payload_fd.fd)
+    finally:
+        os.close(payload_fd.fd)
     # A process fetch_fun forks (a helper that outlives us) must not keep
     # the slots mapped, and with them the parent's memory, after we end.
     if hasattr(mmap, "MADV_DONTFORK"):
@@ -126,7 +145,7 @@ def child_main(
 
 def _work(
     first: WorkerInfo,
-    payload: bytes,
+    payload: bytes | bytearray,
     on_error: str,
     area: SlotArea,
     free_r: int,

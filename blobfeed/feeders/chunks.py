@@ -97,6 +97,33 @@ def _bad_chunk(where: str, detail: str, kind: type[Exception] = ValueError) -> C
     return err
 
 
+def _astype_hint(dtype: np.dtype | None) -> str:
+    """How to convert a chunk's array to ``dtype`` (a number or bool type), or ""."""
+    if dtype is None or dtype.kind not in "biufc":
+        return ""
+    return f"; convert it in fetch_fun: arr.astype(np.{'bool_' if dtype.kind == 'b' else dtype.name})"
+
+
+def _not_an_array(arr: Any) -> str:
+    """What a blob that is not a numpy array is, and how to make it one:
+    a tensor of torch (or anything with ``.numpy()``, such as TensorFlow's)
+    names ``.numpy()``; anything numpy can convert names ``np.asarray``.
+    Duck-typed: torch is never imported."""
+    kind = type(arr)
+    module = getattr(kind, "__module__", "") or ""
+    name = f"{module.split('.')[0]}.{kind.__name__}" if module and module != "builtins" else kind.__name__
+    if callable(getattr(arr, "numpy", None)):
+        if module.split(".")[0] == "torch":
+            return (
+                f"got a {name}: return tensor.numpy() instead (tensor.detach().cpu().numpy() for "
+                "one that requires grad or lives on a GPU); blobfeed carries numpy arrays"
+            )
+        return f"got a {name}: return its .numpy() instead; blobfeed carries numpy arrays"
+    if hasattr(arr, "__array__") or isinstance(arr, (list, tuple, int, float, bool)):
+        return f"expected a numpy.ndarray, got {name}: convert it with np.asarray(...)"
+    return f"expected a numpy.ndarray, got {name}"
+
+
 def _plain(arr: Any, where: str) -> np.ndarray:
     """The one rule for what a blob may be: a plain ``numpy.ndarray`` in
     native byte order.
@@ -109,7 +136,7 @@ def _plain(arr: Any, where: str) -> np.ndarray:
     passed on as is, onnxruntime would read wrong numbers.
     """
     if not isinstance(arr, np.ndarray):
-        raise _bad_chunk(where, f"expected a numpy.ndarray, got {type(arr).__name__}", TypeError)
+        raise _bad_chunk(where, _not_an_array(arr), TypeError)
     if isinstance(arr, np.ma.MaskedArray):
         raise _bad_chunk(
             where,
@@ -151,9 +178,11 @@ class ModelInput(NamedTuple):
         else:
             want = _ONNX_DTYPES.get(self.onnx_type)
             if arr.dtype.kind == "O" or (want is not None and arr.dtype != want):
+                fix = _astype_hint(want)
+                default = " (numpy's default)" if arr.dtype == np.float64 else ""
                 return (
                     f"the model's input is {self.onnx_type} (numpy {want}), "
-                    f"the chunk's dtype is {arr.dtype}"
+                    f"the chunk's dtype is {arr.dtype}{default}{fix}"
                 )
         if self.shape is not None:
             if arr.ndim != len(self.shape):
@@ -209,10 +238,15 @@ class ChunkValidator:
             return "none"
         where = f"source {self.source!r}, worker {worker_id}"
         if not isinstance(raw, (list, tuple)):
+            hint = ""
+            if not isinstance(raw, np.ndarray) and callable(getattr(raw, "numpy", None)):
+                hint = f" ({_not_an_array(raw)}, in a list: [tensor.numpy()])"
+            elif isinstance(raw, np.ndarray) and len(names) == 1:
+                hint = " (one array: return [arr])"
             raise _bad_chunk(
                 where,
                 f"fetch_fun must return a list or tuple of {len(names)} numpy arrays "
-                f"({', '.join(names)}), got {type(raw).__name__}",
+                f"({', '.join(names)}), got {type(raw).__name__}{hint}",
                 TypeError,
             )
         if len(raw) != len(names):
@@ -255,11 +289,12 @@ class ChunkValidator:
             ax = self.axes[i]
             shape = arr.shape
             if arr.dtype != dtype or shape[:ax] + shape[ax + 1 :] != sample_shape:
+                fix = _astype_hint(dtype) if arr.dtype != dtype else ""
                 raise _bad_chunk(
                     f"{where}, blob {names[i]!r}",
                     f"expected dtype {dtype} and per-sample shape {sample_shape} (as earlier "
                     f"chunks), got dtype {arr.dtype} and per-sample shape "
-                    f"{shape[:ax] + shape[ax + 1 :]} (array shape {shape})",
+                    f"{shape[:ax] + shape[ax + 1 :]} (array shape {shape}){fix}",
                 )
         return Chunk(tuple(arrays), n, worker_id, seq, pin)
 

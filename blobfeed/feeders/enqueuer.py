@@ -86,6 +86,7 @@ class Feed:
         drop_last: bool,
         hub: MetricsHub,
         model_inputs: dict[str, ModelInput] | None = None,
+        writable: bool = False,
     ) -> None:
         self.source = source
         #: this net's end of the source's dealer: where chunks come from
@@ -97,7 +98,7 @@ class Feed:
         self.timeout = timeout
         self.dont_rebatch = dont_rebatch
         self.drop_last = drop_last
-        self.rebatcher = Rebatcher(source.axes, batch_size, whole_chunks=dont_rebatch)
+        self.rebatcher = Rebatcher(source.axes, batch_size, whole_chunks=dont_rebatch, writable=writable)
         # low_water=0: the enqueuer sleeps until the net has taken every
         # queued batch, then refills in one go -- one wake-up per
         # `capacity` batches instead of one per batch.
@@ -581,6 +582,7 @@ class Feed:
                     raise DequeueTimeout(
                         f"source {self.source.name!r}, net {self.net_name!r}: "
                         f"no batch within {limit:.3g} s{self.source.starved_hint()}"
+                        f"{self.source.sibling_hint(self._input)}"
                     ) from None
                 try:
                     return self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))
@@ -589,9 +591,10 @@ class Feed:
                     if waited >= SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
                         logger.warning(
                             "data input is slow: net %r has waited %.0f s for source %r "
-                            "(internal queue %d chunks, %d fetchers alive)",
+                            "(internal queue %d chunks, %d fetchers alive)%s",
                             self.net_name, waited, self.source.name,
                             self.source.queue_depth(), self.source.workers_alive(),
+                            self.source.sibling_hint(self._input),
                         )
         finally:
             t1 = cs.last_end = time.perf_counter()

@@ -141,6 +141,28 @@ def _exit_if_importing_main() -> None:
     os._exit(MAIN_REENTRY_EXIT)
 
 
+def _payload_fd(payload: bytes) -> int:
+    """A memfd holding ``payload``, for the workers to read at start-up.
+
+    The payload (``fetch_fun`` pickled, with whatever it refers to: often a
+    module-level array of megabytes) does not travel in the process object
+    multiprocessing writes to a new process's start-up pipe.  A process
+    that ends while importing the main module (a script without the
+    ``__main__`` guard, :func:`_exit_if_importing_main`) stops reading that
+    pipe, and a write past the pipe's 64 KiB buffer then failed in
+    ``start()`` with a bare BrokenPipeError, before the cause could be named.
+    """
+    fd = os.memfd_create("blobfeed-payload", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> bytes:
     """``(fetch_fun, worker_init_fun)`` pickled for the children.
 
@@ -293,7 +315,7 @@ class _Worker:
             name=self.name,
             args=(
                 w.worker_id, info.index, info.num_workers, info.source, info.seed,
-                group.payload, w.intake.on_error, FdHandle(area_fd), backend.slots,
+                FdHandle(group.payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
                 backend.slot_bytes, FdHandle(free_r), FdHandle(out_w), backend.start_method == "forkserver",
                 group.plan.epochs, group.plan.first_epoch,
             ),
@@ -607,7 +629,7 @@ class _ProcessGroup:
     def __init__(self, backend: ProcessBackend, plan: LaunchPlan, payload: bytes) -> None:
         self.backend = backend
         self.plan = plan
-        self.payload = payload
+        self.payload_fd = _payload_fd(payload)
         self.source = plan.source
         self.ctx = multiprocessing.get_context(backend.start_method)
         #: what each worker process imports first (named if it fails there)
@@ -629,6 +651,9 @@ class _ProcessGroup:
         except BaseException:
             self._abort_start()
             raise
+        finally:
+            # every worker has its copy now (or never will): ours goes
+            os.close(self.payload_fd)
         self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()

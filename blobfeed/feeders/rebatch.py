@@ -156,6 +156,13 @@ def _read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
     return arrays
 
 
+def _writable_copy(a: np.ndarray) -> np.ndarray:
+    """A batch array of ``Net(writable=True)`` that views memory not
+    blobfeed's (a fetcher's array, a worker process's slot): copied, so a
+    write never reaches the source."""
+    return np.array(a)
+
+
 def _slicer(axis: int) -> Callable[[np.ndarray, int, int], np.ndarray]:
     if axis == 0:
         return lambda a, lo, hi: a[lo:hi]
@@ -180,11 +187,17 @@ class Rebatcher:
     copied out of their slots: a second copy of up to half the bytes.
     """
 
-    def __init__(self, axes: Sequence[int], batch_size: int, *, whole_chunks: bool = False) -> None:
+    def __init__(
+        self, axes: Sequence[int], batch_size: int, *, whole_chunks: bool = False, writable: bool = False
+    ) -> None:
         self.axes = tuple(axes)
         self.batch_size = batch_size
         #: dont_rebatch: every chunk is one batch, whatever its size
         self.whole_chunks = whole_chunks
+        #: ``Net(writable=True)``: batches are the caller's to write (a batch
+        #: viewing a chunk is copied; blobfeed's own copies are handed out as
+        #: they are)
+        self.writable = writable
         self._slicers = [_slicer(ax) for ax in self.axes]
         self._pool = BufferPool()
         # [arrays, start, n, pin]: start is the first sample not yet handed out
@@ -267,11 +280,11 @@ class Rebatcher:
             arrays, start, n, pin = self._pieces.popleft()
             self.pending -= n - start
             if pin is not None and not pin.views_ok():
-                arrays = tuple(np.array(a) for a in arrays)
-            else:
-                # views: the chunk's arrays are the fetcher's own objects
-                arrays = tuple([a.view() for a in arrays])
-            return Batch(_read_only(arrays), n - start)
+                return Batch(self._hand_out(tuple(np.array(a) for a in arrays), True), n - start)
+            if self.writable:
+                return Batch(tuple([_writable_copy(a) for a in arrays]), n - start)
+            # views: the chunk's arrays are the fetcher's own objects
+            return Batch(_read_only(tuple([a.view() for a in arrays])), n - start)
         bs = self.batch_size  # once: another thread may reset it (reset_data_input)
         if self.pending < bs:
             return None
@@ -301,8 +314,8 @@ class Rebatcher:
         bs = self.pending if partial else self.batch_size
         if not bs or self.pending < bs:
             return None
-        views, parts = self._cut(bs)
-        return Cut(bs, views, parts)
+        views, parts, own = self._cut(bs)
+        return Cut(bs, views, parts, own)
 
     @property
     def big(self) -> bool:
@@ -313,29 +326,40 @@ class Rebatcher:
     def join(self, cut: "Cut") -> Batch:
         """The batch of ``cut``: its views, or one copy of its parts."""
         if cut.views is not None:
-            return Batch(_read_only(cut.views), cut.n)
+            return Batch(self._hand_out(cut.views, cut.own), cut.n)
         assert cut.parts is not None
         return self._join(cut.parts, cut.n)
 
     def _take(self, bs: int) -> Batch:
-        views, parts = self._cut(bs)
+        views, parts, own = self._cut(bs)
         if views is not None:
-            return Batch(_read_only(views), bs)
+            return Batch(self._hand_out(views, own), bs)
         return self._join(parts, bs)  # type: ignore[arg-type]
 
-    def _cut(self, bs: int) -> tuple[tuple[np.ndarray, ...] | None, list[list[np.ndarray]] | None]:
-        """(views, None) when the batch lies inside one chunk or was filled
-        already, else (None, parts)."""
+    def _hand_out(self, arrays: tuple[np.ndarray, ...], own: bool) -> tuple[np.ndarray, ...]:
+        """A batch's arrays as ``run()`` hands them out: read-only, or with
+        ``writable`` the caller's (``own``: blobfeed's own copy, else a view
+        of a chunk, copied)."""
+        if not self.writable:
+            return _read_only(arrays)
+        if own:
+            return arrays
+        return tuple([_writable_copy(a) for a in arrays])
+
+    def _cut(self, bs: int) -> tuple[tuple[np.ndarray, ...] | None, list[list[np.ndarray]] | None, bool]:
+        """(views, None, own) when the batch lies inside one chunk (``own``
+        False) or was filled already (in blobfeed's memory: ``own`` True),
+        else (None, parts, False)."""
         if self._done or self._fill is not None:
             if self._done and bs == self._fill_bs:
                 self.pending -= bs
-                return tuple(self._done.popleft()), None
+                return tuple(self._done.popleft()), None, True
             fill = self._fill
             if fill is not None and not self._done and bs == self._filled and not self._pieces:
                 # the rest at an epoch's end (pop_partial): what was filled
                 self._fill = None
                 self.pending -= bs
-                return tuple([sl(f, 0, bs) for sl, f in zip(self._slicers, fill)]), None
+                return tuple([sl(f, 0, bs) for sl, f in zip(self._slicers, fill)]), None, True
             self._unfill()  # another size (the batch size changed): cut below
         head = self._pieces[0]
         arrays, start, n, pin = head
@@ -350,8 +374,8 @@ class Rebatcher:
             else:
                 head[1] = start + bs
             if pin is not None and not pin.views_ok():
-                return None, [[a] for a in out]
-            return out, None
+                return None, [[a] for a in out], False
+            return out, None, False
         parts: list[list[np.ndarray]] = [[] for _ in arrays]
         need = bs
         while need:
@@ -365,11 +389,11 @@ class Rebatcher:
                 self._pieces.popleft()
             else:
                 head[1] = start + take
-        return None, parts
+        return None, parts, False
 
     def _join(self, parts: list[list[np.ndarray]], bs: int) -> Batch:
         if bs < self._big_at:
-            return Batch(_read_only(tuple([np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)])), bs)
+            return Batch(self._hand_out(tuple([np.concatenate(p, axis=ax) for p, ax in zip(parts, self.axes)]), True), bs)
         layout = []
         for p, ax in zip(parts, self.axes):
             shape = list(p[0].shape)
@@ -378,7 +402,7 @@ class Rebatcher:
         out = self._pool.batch(layout)
         for p, ax, o in zip(parts, self.axes, out):
             np.concatenate(p, axis=ax, out=o)
-        return Batch(_read_only(tuple(out)), bs)
+        return Batch(self._hand_out(tuple(out), True), bs)
 
 
 class Cut(NamedTuple):
@@ -389,3 +413,5 @@ class Cut(NamedTuple):
     views: tuple[np.ndarray, ...] | None
     #: else, per blob, the slices to join (copied once)
     parts: list[list[np.ndarray]] | None
+    #: ``views`` are blobfeed's own memory (a big batch filled as its chunks came)
+    own: bool = False

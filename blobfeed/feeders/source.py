@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import ChunkError, EndOfInput, FetcherError
+from ..errors import BlobfeedWarning, ChunkError, EndOfInput, FetcherError
 from ..stats import FetchStats, MetricsHub
 from .chunks import ChunkValidator, ModelInput, Pin, Stamped, guess_samples
 from .dealing import Dealer, DealingOptions, Reader, make_dealer
@@ -123,6 +124,8 @@ class InputSource:
         #: per worker id, its calls since its last chunk that returned None or
         #: no samples (each intake writes only its own key; gone once it ends)
         self.empty_runs: dict[int, int] = {}
+        #: a BlobfeedWarning said that a fetcher returned None (or no samples)
+        self.empty_warned = False
         hub.attach_source(self)
 
     @property
@@ -264,6 +267,34 @@ class InputSource:
             "skips a call: a fetch_fun ends its worker by raising StopIteration"
         )
 
+    def sibling_hint(self, reader: Reader) -> str:
+        """What a ``DequeueTimeout`` (and the "data input is slow" warning)
+        adds when the net of ``reader`` waits because a sibling net has not
+        taken its batches: a source that deals its batches to its nets in
+        turn cannot go on past a net's batch until that net runs, so nets
+        drained one after the other from one thread wait for ever.  "" when
+        that is not why."""
+        stalled_by = getattr(self.dealer, "stalled_by", None)
+        stalled = None if stalled_by is None else stalled_by(reader)
+        if stalled is None:
+            return ""
+        index, dealt = stalled
+        feeds = list(self.feeds)
+        if index >= len(feeds):  # pragma: no cover - a feed is wired with its outbox
+            return ""
+        # outboxes are made in wiring order, as the feeds are added
+        holder = feeds[index]
+        names = [f.net_name for f in feeds]
+        batch = self.dealer.batch_size or 1
+        ready = holder.device_queue_depth() + -(-dealt // batch)
+        return (
+            f"; the data is there: source {self.name!r} deals its batches to its {len(feeds)} nets "
+            f"{names} in turn (batch i to net i mod {len(feeds)}: deterministic, shuffle_buffer, "
+            f"epochs or equal), and its next batch goes to net {holder.net_name!r}, which holds "
+            f"{ready} batch{'' if ready == 1 else 'es'} its run() has not taken. Take the nets' "
+            "batches in turn (one run() of each net per step), or run each net from its own thread"
+        )
+
     # -- metrics -------------------------------------------------------------
     def device_queue_depths(self) -> list[tuple[str, int]]:
         return [(f.net_name, f.device_queue_depth()) for f in list(self.feeds)]
@@ -366,8 +397,7 @@ class WorkerIntake:
             return False
         if isinstance(chunk, str):
             stats.errors[chunk] += 1
-            self._skipped_empty(chunk)
-            return True
+            return self._skipped_empty(chunk)
         if self._empty_run:
             self._empty_run = 0
             src.empty_runs[self.worker_id] = 0
@@ -388,16 +418,20 @@ class WorkerIntake:
             stats.dropped[src.lost_reason] += chunk.n
         return ok
 
-    def _skipped_empty(self, kind: str) -> None:
+    def _skipped_empty(self, kind: str) -> bool:
         """A call returned ``None`` or no samples (``kind``): skipped, and
         warned of at most once per kind per ``SKIP_WARN_INTERVAL_S``, with
-        the count."""
+        the count.  Returns False when the worker must stop (the program's
+        warning filters turned the warning into an error)."""
         self._empty_run += 1
-        self.source.empty_runs[self.worker_id] = self._empty_run
+        src = self.source
+        src.empty_runs[self.worker_id] = self._empty_run
+        if not src.empty_warned and not self._warn_once(kind):
+            return False
         self._unwarned[kind] += 1
         now = _clock()
         if now < self._warn_at[kind]:
-            return
+            return True
         self._warn_at[kind] = now + SKIP_WARN_INTERVAL_S
         n, self._unwarned[kind] = self._unwarned[kind], 0
         logger.warning(
@@ -407,6 +441,35 @@ class WorkerIntake:
             self._where, "None" if kind == "none" else "a chunk with no samples", n,
             "" if n == 1 else "s", self._empty_run, SKIP_WARN_INTERVAL_S,
         )
+        return True
+
+    def _warn_once(self, kind: str) -> bool:
+        """The first call of the source's fetchers that gave no chunk: a
+        :class:`~blobfeed.BlobfeedWarning`, shown on stderr even when the
+        program set up no logging (the ``blobfeed`` logger has only a
+        NullHandler), because a fetch_fun that returns None at the end of its
+        data otherwise waits out the consumer's timeout without a word."""
+        src = self.source
+        with src._lock:
+            if src.empty_warned:
+                return True
+            src.empty_warned = True
+        what = "None" if kind == "none" else "a chunk with no samples"
+        try:
+            warnings.warn(
+                f"{self._where}: fetch_fun returned {what}, which only skips the call: the worker "
+                "calls it again (slowed down while it returns no data). If its data is done, raise "
+                "StopIteration to end the worker. (Said once per source; later such calls are "
+                "logged under the 'blobfeed' logger, and counted in "
+                f"blobfeed_fetch_errors_total{{kind=\"{kind}\"}})",
+                BlobfeedWarning, stacklevel=2,
+            )
+        except Exception as exc:  # the program's filters made it an error ("-W error")
+            err = FetcherError(f"{self._where}: {exc}")
+            err.__cause__ = exc
+            src.dealer.put_error(self.worker_id, err)
+            return False
+        return True
 
     def exception(self, exc: BaseException, *, fatal: bool = False, remote_tb: str | None = None) -> bool:
         """``fetch_fun`` raised ``exc`` (``fatal``: starting the worker failed:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
+import numpy as np
+
 from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 from .chunks import Pin, Stamped, StoppedWithState
 from .messages import EpochDone, Exhausted, Raised, Result
@@ -25,7 +27,37 @@ from .messages import EpochDone, Exhausted, Raised, Result
 if TYPE_CHECKING:
     from .source import WorkerIntake
 
-__all__ = ["deliver", "skips", "worker_events"]
+__all__ = ["EMPTY_BACKOFF_MAX_S", "deliver", "skips", "worker_events"]
+
+#: consecutive calls that gave no data (``None``, or arrays with no
+#: element) a worker makes at full speed; each further one waits first ...
+EMPTY_FREE_CALLS = 3
+#: ... twice as long as the one before, from this ...
+EMPTY_BACKOFF_MIN_S = 0.001
+#: ... up to this: a fetcher that only returns None is called about ten
+#: times a second instead of spinning a core
+EMPTY_BACKOFF_MAX_S = 0.1
+_sleep = time.sleep
+
+
+def _no_data(raw: Any) -> bool:
+    """Whether a value ``fetch_fun`` returned carries no data: ``None``, or a
+    list or tuple of arrays without one element (the chunk of no samples)."""
+    if raw is None:
+        return True
+    if type(raw) is not list and type(raw) is not tuple or not raw:
+        return False
+    for a in raw:
+        if not isinstance(a, np.ndarray) or a.size:
+            return False
+    return True
+
+
+def _back_off(run: int, halted: Callable[[], bool]) -> None:
+    """Wait before the next call of a worker whose last ``run`` calls gave no
+    data (at most :data:`EMPTY_BACKOFF_MAX_S`: a stop waits no longer)."""
+    if run > EMPTY_FREE_CALLS and not halted():
+        _sleep(min(EMPTY_BACKOFF_MAX_S, EMPTY_BACKOFF_MIN_S * 2.0 ** min(run - EMPTY_FREE_CALLS - 1, 30)))
 
 
 def worker_events(
@@ -59,6 +91,7 @@ def worker_events(
                     yield Raised(0.0, exc, True)
                     return
             seconds = 0.0
+            empty_run = 0  # consecutive calls that gave no data
             while not halted():
                 t0 = perf()
                 try:
@@ -73,8 +106,16 @@ def worker_events(
                 seconds = perf() - t0
                 if type(raw) is Stamped:  # a stateful fetch_fun's state travels with its result
                     yield Result(seconds, raw.raw, raw.state)
+                    raw = raw.raw
                 else:
                     yield Result(seconds, raw)
+                # a fetcher that returns None at the end of its data must not
+                # spin a core until the consumer's timeout: back off
+                if _no_data(raw):
+                    empty_run += 1
+                    _back_off(empty_run, halted)
+                else:
+                    empty_run = 0
             else:
                 return  # halted
             if is_last_epoch(epochs, epoch):

@@ -523,6 +523,19 @@ class LaneDealer:
                 timeout,
             )
 
+    def stalled_by(self, box: NetOutbox) -> tuple[int, int] | None:
+        """Why ``box``'s net has nothing while the stream is held up by a
+        sibling: ``(index, samples)`` of the net whose turn it is, whose full
+        outbox (``samples`` dealt to it and not taken) stops the stream;
+        None when ``box`` has pieces, the stream can go on, or it ended."""
+        with self._lock:
+            if box.pieces or self._closed or self._error is not None or self._eof or len(self.outboxes) < 2:
+                return None
+            turn = self.outboxes[self._batch % len(self.outboxes)]
+            if turn is box or self._outbox_has_room():
+                return None
+            return turn.index, turn.samples
+
     def epoch_returned(self, box: NetOutbox, dropped: int) -> None:
         with self._lock:
             box.next_batch += dropped * len(self.outboxes)
