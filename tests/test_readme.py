@@ -50,3 +50,35 @@ def test_tutorial_runs_epochs_on_one_wiring() -> None:
     assert "epochs=2" in code
     assert code.count("init_data_input_workers(") == 1, "the tutorial wires the source more than once"
     assert "info.epoch" in code, "the tutorial's fetcher does not start over at a new epoch"
+
+
+#: a stand-in for torch with what the README's loop calls: ``from_numpy``
+#: warns, as torch does, at an array that is not writable
+FAKE_TORCH = '''
+import sys, types, warnings
+torch = types.ModuleType("torch")
+def from_numpy(a):
+    if not a.flags.writeable:
+        warnings.warn("The given NumPy array is not writable", UserWarning)
+    return a
+torch.from_numpy = from_numpy
+sys.modules["torch"] = torch
+'''
+
+
+def test_the_torch_loop_runs_without_a_warning_per_batch() -> None:
+    """The README's PyTorch loop (issue 24: torch users got a warning on
+    every batch) runs after the tutorial, with a stand-in for torch that
+    warns as torch does; the warnings are errors."""
+    section = README.read_text().split("## With PyTorch", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the PyTorch section lost its loop"
+    loop = blocks[0].replace("        ...  ", "        seen_torch += len(y)  ")
+    code = "\n".join([
+        FAKE_TORCH, tutorial_code(), "iters.clear()", "seen_torch = 0",
+        "import warnings", "warnings.simplefilter('error')", loop,
+        "assert seen_torch == 2 * 10_000, seen_torch", "print('torch loop ok')",
+    ])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch loop ok" in proc.stdout
