@@ -35,7 +35,7 @@ import numpy as np
 from ..feeders.chunks import EpochEnd
 from ..feeders.messages import align
 from .arena import consumer_pidfd
-from .served import POLL_S, End, Item, IndexOutlet, ServedSource, SharedOutlet
+from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
 from .wire import MAX_RECORD, PROTOCOL, Channel, WireError, check, freed_slots
@@ -185,39 +185,59 @@ class Connection:
         if self.tcp_peer is not None:
             self.peer += f" from {self.tcp_peer}"
         self.channel.peer = self.peer
-        # the slots are sized by the batches: wait for the first one
-        first = self._first_item()
-        try:
-            self._welcome(first)
-        except BaseException:
-            if isinstance(first, Item):
-                self._unsent(first)  # the consumer is gone: dealt again, not lost
-            raise
+        # Welcomed at once: its slots are made and offered (a "slots" record)
+        # before its first batch, sized by that batch.  Before it, only
+        # epoch ends, batches dropped for equal shares or the end may come,
+        # and none needs a slot.
+        self._welcome()
         logger.info("service: %s attached", self.peer)
         self.sender = threading.Thread(
-            target=self._send_loop, args=(first,), name=f"blobfeed-service-send-{self.number}", daemon=True
+            target=self._send_loop, args=(None,), name=f"blobfeed-service-send-{self.number}", daemon=True
         )
         self.sender.start()
         return True
 
-    def _welcome(self, first: Item | End | None) -> None:
-        """Make the consumer's slots and send the welcome (with their descriptor)."""
+    def _welcome(self) -> None:
+        """Welcome the consumer: its index, and the most slots it will be offered."""
         source, outlet = self.source, self.outlet
         assert source is not None and outlet is not None
-        slot_bytes = source.slot_bytes or 0
-        slots = source.slots
+        self._most_slots = source.terms.slots or (source.slots if source.slot_bytes else SLOTS_MAX)
+        self.channel.send(
+            {"t": "welcome", "consumer": outlet.index if isinstance(outlet, IndexOutlet) else self.number,
+             "slots": self._most_slots, "epoch": 0, "service": self._service}
+        )
+
+    def _offer_slots(self, batch: Any) -> SlotArea | StreamSlots:
+        """Make the consumer's slots, sized by the source's batches (this,
+        its first, if the source's first), and offer them (a ``slots``
+        record, with their descriptor on a Unix socket)."""
+        source = self.source
+        assert source is not None
+        if source.slot_bytes is None:
+            # a whole batch, whatever this one holds (an epoch's last may be smaller)
+            full = sum(align(a.nbytes // batch.n * source.terms.batch_size) for a in batch.arrays)
+            source.slot_bytes = max(full, batch_nbytes(batch.arrays), 64)
+        slot_bytes = max(source.slot_bytes, batch_nbytes(batch.arrays))
+        slots = min(self._most_slots, source.slots)
         if self.tcp_peer is None:
-            self.area = SlotArea(f"blobfeed-{source.name}-{self.label}", slots, max(slot_bytes, 64))
+            area: SlotArea | StreamSlots = SlotArea(f"blobfeed-{source.name}-{self.label}", slots, slot_bytes)
         else:
-            self.area = StreamSlots(slots, max(slot_bytes, 64))
+            area = StreamSlots(slots, slot_bytes)
         try:
             self.channel.send(
-                {"t": "welcome", "consumer": outlet.index if isinstance(outlet, IndexOutlet) else self.number,
-                 "slots": slots, "slot_bytes": self.area.slot_bytes, "epoch": 0, "service": self._service},
-                fds=[self.area.fd] if self.area.fd >= 0 else (),
+                {"t": "slots", "slots": slots, "slot_bytes": slot_bytes}, fds=[area.fd] if area.fd >= 0 else ()
             )
+        except BaseException:
+            area.close()
+            area.unmap()
+            raise
         finally:
-            self.area.close_fd()
+            area.close_fd()
+        # published once its descriptor is closed (close() and _leave() act on it from the receiver)
+        self.area = area
+        if self.closed.is_set():
+            area.close()  # close() came before there was an area to wake
+        return area
 
     def _admit(self, hello: dict[str, Any]) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
         if hello["protocol"] != PROTOCOL:
@@ -262,34 +282,17 @@ class Connection:
         except ValueError as err:
             raise Refused(str(err)) from None
 
-    def _first_item(self) -> Item | End | None:
-        """The consumer's first item, taken before the slots are made when
-        the batch layout is not known yet (it sizes them)."""
-        source, outlet = self.source, self.outlet
-        assert source is not None and outlet is not None
-        if source.slot_bytes is not None:
-            return None
-        deadline = time.monotonic() + source.terms.grace_period
-        while not self.closed.is_set() and time.monotonic() < deadline:
-            item = outlet.next(self, POLL_S)
-            if item is None:
-                continue
-            if isinstance(item, Item) and type(item.batch) is not EpochEnd and not item.drop:
-                b = item.batch
-                # a whole batch, whatever this one holds (an epoch's last may be smaller)
-                full = sum(align(a.nbytes // b.n * source.terms.batch_size) for a in b.arrays)
-                source.slot_bytes = max(full, batch_nbytes(b.arrays))
-            return item
-        return None
-
     def _handle(self, record: dict[str, Any]) -> None:
         kind = record["t"]
         if kind == "ack":
             self._consumer_waited(record["waited"])
             if record["g"] != -1:
                 self._ack(record["g"])
-            assert self.area is not None
             slots = freed_slots(record, self.peer)
+            if not slots:
+                return
+            if self.area is None:
+                raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
             lent = self._lent
             for slot in slots:
                 lent.pop(slot, None)
@@ -365,7 +368,7 @@ class Connection:
 
     def _send_items(self, first: Item | End | None) -> None:
         source, outlet, area = self.source, self.outlet, self.area
-        assert source is not None and outlet is not None and area is not None
+        assert source is not None and outlet is not None
         pending: Item | End | None = first
         counts = source.counts
         stream = isinstance(self.channel, StreamChannel)
@@ -418,6 +421,12 @@ class Connection:
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
                     continue
+                if area is None:
+                    try:
+                        area = self._offer_slots(item.batch)  # before its first batch, sized by it
+                    except BaseException:
+                        self._unsent(item)  # the consumer is gone: dealt again, not lost
+                        raise
                 slot = area.take_nowait()
                 if slot is None:
                     self._flush(ready, last_g)  # what the consumer frees depends on what it has

@@ -200,8 +200,7 @@ class FeedServer:
                 (the last incomplete round is dropped and counted; needs
                 ``num_consumers``).
             grace_period: seconds a consumer index may stay away (dealt by
-                index) before the source fails; also how long the first
-                consumer waits for the first batch.
+                index) before the source fails.
             max_buffered_batches: chunks the source buffers ahead of its
                 nets (default :data:`SERVED_BUFFERED_CHUNKS`, not
                 init_data_input_workers' 800: each consumer's slots and
