@@ -118,6 +118,11 @@ class Connection:
         self._arena_sent = False
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
         self._run_waited = 0.0
+        #: slots of the batches in _inflight (sent or being sent, not acknowledged)
+        self._unacked_slots: set[int] = set()
+        #: of those, the slots the consumer freed already: they go back to the
+        #: ring with their batch's acknowledgement, not before (see _free)
+        self._freed_early: set[int] = set()
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -296,7 +301,7 @@ class Connection:
             lent = self._lent
             for slot in slots:
                 lent.pop(slot, None)
-            self.area.give_back(slots, self.peer)
+            self.area.give_back(self._free(slots), self.peer)
         elif kind == "state":
             try:
                 reply = {"t": "state_is", "state": self._state(), "error": None}
@@ -306,6 +311,30 @@ class Connection:
         elif kind == "bye":
             self._consumer_waited(record["waited"])
             self.closed.set()
+
+    def _free(self, slots: list[int]) -> list[int]:
+        """Of the slots the consumer freed, those that may be written again now.
+
+        A slot whose batch is not acknowledged yet keeps its batch until the
+        acknowledgement (or, should the consumer leave, until it was dealt
+        again from it): a consumer that freed it and left without the
+        acknowledgement would otherwise have that batch dealt again out of
+        a slot that holds another one by then.  An honest consumer does
+        free early: a net on a GPU drops the host's views once its batch is
+        on the device, before run() returns it.
+
+        Raises:
+            WireError: a slot it freed already.
+        """
+        with self._lock:
+            early = self._unacked_slots.intersection(slots)
+            if not early:
+                return slots
+            twice = early & self._freed_early
+            if twice or len(early) < sum(1 for s in slots if s in early):
+                raise WireError(f"{self.peer} freed slot {min(twice or early)}, which it does not hold")
+            self._freed_early |= early
+            return [s for s in slots if s not in early]
 
     def _consumer_waited(self, total: float) -> None:
         """The consumer's run() has waited ``total`` seconds in all (checked
@@ -334,13 +363,22 @@ class Connection:
                     f"and the last sent {self._sent - 1}"
                 )
             n = 0
+            back = []
             while inflight and 0 <= inflight[0][0] <= g:
-                _, item, _, _ = inflight.popleft()
+                _, item, slot, _ = inflight.popleft()
+                if slot >= 0:
+                    self._unacked_slots.discard(slot)
+                    if slot in self._freed_early:
+                        self._freed_early.discard(slot)
+                        back.append(slot)
                 outlet.acked(item)
                 if type(item.batch) is not EpochEnd:
                     n += 1
                 self._settle_dropped()
             acknowledged[self.label] += n
+        if back:
+            assert self.area is not None
+            self.area.give_back(back, self.peer)
 
     def _settle_dropped(self) -> None:
         """Batches dropped for equal shares go past the stream in their turn (under the lock)."""
@@ -452,6 +490,7 @@ class Connection:
                         # batch is unacknowledged (dealt again), not lost
                         with self._lock:
                             self._inflight.append((g, item, slot, meta))
+                            self._unacked_slots.add(slot)
                         recorded = True
                         self._send_arena()
                 elif stream:
@@ -467,6 +506,7 @@ class Connection:
                 if not recorded:
                     with self._lock:
                         self._inflight.append((g, item, slot, meta))
+                        self._unacked_slots.add(slot)
                 if stream:
                     # over TCP the bytes follow the record, from the batch's own arrays
                     record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}

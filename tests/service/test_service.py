@@ -7,6 +7,7 @@ bounded.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import re
@@ -888,3 +889,63 @@ def test_unix_slots_offered_over_the_consumer_s_limits_are_a_service_error(tmp_p
                 net.run(timeout=10)
     finally:
         fake.close()
+
+
+# -- a slot freed before its batch is acknowledged (issue 24, item 6) ----------------------
+
+
+def _records(s: socket.socket) -> Any:
+    """The records a hand-made consumer receives (descriptors closed)."""
+    while True:
+        data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+        for _l, _k, d in ancdata:
+            for k in range(0, len(d) - len(d) % 4, 4):
+                os.close(int.from_bytes(d[k:k + 4], sys.byteorder))
+        if not data:
+            return
+        yield json.loads(data)
+
+
+def test_a_consumer_freeing_slots_it_never_acknowledged_cannot_corrupt_the_others() -> None:
+    """A lying consumer freed the slots of batches it never acknowledged,
+    then left: the service wrote new batches into those slots, and at its
+    departure dealt its 'unacknowledged' batches again out of the
+    overwritten slots (the honest consumer got 32 samples twice and 48
+    never).  A freed slot whose batch is unacknowledged now comes back only
+    with the acknowledgement; the batch in it is intact until then."""
+    with served(2, slots=4) as server:
+        s, fds = hand_hello(server.address)
+        for fd in fds:
+            os.close(fd)
+        s.settimeout(2)  # no more batches within 2 s: its frees were not taken for acknowledgements
+        freed = 0
+        with contextlib.suppress(TimeoutError):
+            for record in _records(s):
+                if record["t"] == "end":
+                    break
+                if record["t"] == "batches":
+                    slots = [entry[1] for entry in record["items"]]
+                    s.send(json.dumps({"t": "ack", "g": -1, "slots": slots, "waited": 0.0}).encode())
+                    freed += len(slots)
+                    if freed >= 12:  # three times its slots: rewritten, if the service reused them
+                        break
+        s.close()
+        wait_for(lambda: server.sources["train"].connected == 0, 10, "the liar's departure seen")
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            got = items_of(net)
+    flat = [i for b in got if b != "epoch" for i in b]
+    assert sorted(flat) == feeds.all_ids(2)
+
+
+def test_a_consumer_placing_batches_on_a_device_frees_slots_before_it_acknowledges_them() -> None:
+    """A net on a GPU copies each batch to the device as it queues it: the
+    host views die, and the slot is freed, before run() returns (and
+    acknowledges) the batch.  That consumer is honest: it is served to the
+    end, every batch once."""
+    with served(2, slots=3) as server:
+        net = blobfeed.Net(None)
+        net._place = lambda arrays: tuple(np.array(a) for a in arrays)  # type: ignore[method-assign]  # a device copy
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            got = items_of(net)
+    assert sorted(i for b in got if b != "epoch" for i in b) == feeds.all_ids(2)
