@@ -348,9 +348,12 @@ class Attachment(Attached):
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self.feed.release_net()
-        # The metrics hub keeps the source (its totals outlive it), and with
-        # it the dealer: it must not keep this attachment and its mapping
-        # (the batches still in use keep the mapping themselves).
+        # The metrics hub keeps the source's counts (they outlive it), not
+        # the source: with it, its error and its feed's last batch would
+        # keep the slots mapped for the life of the process
+        self.source.hub.detach_source(self.source)
+        # nor may the dealer keep this attachment and its mapping (the
+        # batches still in use keep the mapping themselves)
         self.dealer.detach()
         if self._mapping is not None:
             self._mapping.close()

@@ -949,3 +949,67 @@ def test_a_consumer_placing_batches_on_a_device_frees_slots_before_it_acknowledg
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
             got = items_of(net)
     assert sorted(i for b in got if b != "epoch" for i in b) == feeds.all_ids(2)
+
+
+# -- a consumer lets go of a dead service's memory (issue 24, item 7) ---------------------
+
+
+def _memfds() -> tuple[int, int]:
+    """This process's mappings of memfds, and its open memfd descriptors."""
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:" in line for line in f)
+    return maps, sum("memfd:" in f for f in _fds())
+
+
+def test_a_consumer_lets_go_of_a_killed_service_s_memory(tmp_path: Path) -> None:
+    """After the service was SIGKILLed and the consumer got its
+    ServiceError, stop() and dropping the net left the dead service's slots
+    mapped: the error's cause held the receiver's frame (its mapping, the
+    last batch's views), and the metrics hub held the source holding that
+    error for the life of the process."""
+    gc.collect()
+    before = _memfds()
+    p, sock = _serve_cli(tmp_path, env={"N": "1", "BLOBFEED_TEST_CALLS": "100000"})
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", sock, consumer_index=0, timeout=20)
+        for _ in range(5):
+            net.run(timeout=20)
+        assert _memfds() > before
+        p.kill()
+        p.wait(10)
+        with pytest.raises(blobfeed.ServiceError) as info:
+            for _ in range(10_000):
+                net.run(timeout=20)
+        assert sock in str(info.value)
+        att.stop()
+        del net, att, info
+    finally:
+        p.kill()
+        p.wait(10)
+    gc.collect()
+    assert _memfds() == before
+
+
+def test_a_consumer_lets_go_of_a_lying_service_s_memory(tmp_path: Path) -> None:
+    """A service that lied (a batch of 9 rows) left one memfd open in the
+    consumer: the error kept the frame that held the mapping."""
+    gc.collect()
+    before = _memfds()
+    fake = FakeUnixService(tmp_path / "fake.sock", [
+        batches_record([0, 0, 8, [ID8, X8]]), batches_record([1, 1, 9, [["<i8", [9], 0], ["<f4", [9, 3], 128]]]),
+    ])
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10)
+        try:
+            with pytest.raises(blobfeed.ServiceError, match="a batch of 9 samples"):
+                for _ in range(3):
+                    net.run(timeout=10)
+        finally:
+            att.stop()
+        del net, att
+    finally:
+        fake.close()
+    gc.collect()
+    assert _memfds() == before
