@@ -44,7 +44,8 @@ __all__ = ["Connection", "HANDSHAKE_S"]
 
 logger = logging.getLogger("blobfeed.service")
 
-#: seconds a peer has to say hello before it is dropped
+#: seconds a peer has from its connection to the end of its hello (the
+#: whole hello, not each read: a hello that trickles in is dropped too)
 HANDSHAKE_S = 5.0
 #: at most this many batches in one ``batches`` record (fewer if their layout is long)
 BATCHES_PER_RECORD = 64
@@ -103,6 +104,9 @@ class Connection:
         self.sender: threading.Thread | None = None
         #: the thread running serve() (set by the server)
         self.receiver: threading.Thread | None = None
+        #: called once the handshake is over, whatever its outcome (the
+        #: server bounds the connections in their handshake)
+        self.on_handshake_done: Callable[[], None] = _nothing
         #: set once the consumer was told the end (data done, failure, stop)
         self._ended = False
         #: why the service stops, once it does (the sender tells the consumer)
@@ -128,8 +132,11 @@ class Connection:
     def serve(self) -> None:
         """Body of the receiver thread: handshake, then records until the consumer leaves."""
         try:
-            if not self._handshake():
-                return
+            try:
+                if not self._handshake():
+                    return
+            finally:
+                self.on_handshake_done()
             resets = 0
             while not self.closed.is_set():
                 try:
@@ -165,11 +172,11 @@ class Connection:
             self._leave()
 
     def _handshake(self) -> bool:
-        self.channel.sock.settimeout(HANDSHAKE_S)
         try:
-            got = self.channel.recv()
+            got = self.channel.recv_within(HANDSHAKE_S)  # the whole hello, however it trickles in
         except (socket.timeout, TimeoutError):
-            logger.warning("service: %s said nothing within %.0f s; closed", self.peer, HANDSHAKE_S)
+            logger.warning("service: %s did not finish its hello within %.3g s (said nothing within, or too "
+                           "slowly); closed", self.peer, HANDSHAKE_S)
             return False
         if got is None:
             return False
@@ -658,6 +665,10 @@ class Connection:
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
         self.channel.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _copied(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:

@@ -75,7 +75,7 @@ class Attachment(Attached):
                 "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names,
                 "batch_size": batch_size, "index": index, "num": num, "pid": os.getpid(),
             })
-            welcome = self._welcome()
+            welcome = self._welcome(connect_timeout)
             self._channel.sock.settimeout(None)
         except WireError as err:
             self._channel.close()
@@ -105,9 +105,9 @@ class Attachment(Attached):
         with self._send_lock:
             self._channel.send(record)
 
-    def _welcome(self) -> dict[str, Any]:
+    def _welcome(self, timeout: float) -> dict[str, Any]:
         try:
-            got = self._channel.recv()
+            got = self._channel.recv_within(timeout)  # the whole welcome, however it trickles in
         except (socket.timeout, TimeoutError):
             raise ServiceError(f"{self._service} did not answer the attach of source {self.source_name!r}") from None
         if got is None:

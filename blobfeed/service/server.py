@@ -40,6 +40,9 @@ logger = logging.getLogger("blobfeed.service")
 STATE_VERSION = 1
 #: seconds stop() waits for consumers to close after being told
 STOP_DRAIN_S = 1.0
+#: connections in their handshake at once (each has HANDSHAKE_S for its
+#: hello); the next one is accepted when one of them is done
+MAX_HANDSHAKES = 64
 
 _current: list["FeedServer"] = []
 
@@ -334,10 +337,17 @@ class FeedServer:
     def _accept_loop(self) -> None:
         sock = self._sock
         assert sock is not None
+        # at most MAX_HANDSHAKES connections in their handshake: peers that
+        # connect and say nothing (or trickle) cannot each hold a thread and a
+        # descriptor; the others wait in the listen backlog meanwhile
+        handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         while not self._stopping.is_set():
+            if not handshakes.acquire(timeout=0.1):
+                continue
             try:
                 conn_sock, origin = sock.accept()
             except OSError:
+                handshakes.release()
                 return  # closed by stop()
             tcp_peer = None
             if self._tcp:
@@ -346,14 +356,17 @@ class FeedServer:
                     accepted(conn_sock)
                 except OSError:
                     conn_sock.close()  # it went away at once
+                    handshakes.release()
                     continue
             conn = Connection(
                 conn_sock, next(self._numbers), self.sources.get, self.state_dict, str(self.address), tcp_peer
             )
+            conn.on_handshake_done = handshakes.release
             with self._lock:
                 if self._stopping.is_set():
                     conn.tell_stopped(f"service at {self.address} is stopping")
                     conn_sock.close()
+                    handshakes.release()
                     return
                 self._connections.add(conn)
             t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)

@@ -136,6 +136,15 @@ class Channel:
             raise
         return record, fds
 
+    def recv_within(self, seconds: float) -> tuple[dict[str, Any], list[int]] | None:
+        """:meth:`recv` within ``seconds`` (a record comes whole on this socket).
+
+        Raises:
+            TimeoutError: nothing came in time.
+        """
+        self.sock.settimeout(seconds)
+        return self.recv()
+
     def close(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -611,3 +612,68 @@ def test_offered_slots_cost_memory_only_as_batches_arrive() -> None:
             del att
     finally:
         fake.close()
+
+
+# -- the handshake is bounded as a whole, and in number (issue 24, item 5) -----------------
+
+
+def test_a_hello_sent_a_byte_at_a_time_is_dropped_when_the_handshake_s_time_is_up(
+    caplog, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer sending a valid hello one byte every 0.4 s was still connected
+    after 9 s: the limit applied to each read, not to the handshake, so each
+    such peer held a thread and a descriptor for as long as it liked."""
+    monkeypatch.setattr(connection_mod, "HANDSHAKE_S", 1.0)
+    with served() as server:
+        host, port = parse_tcp(str(server.address))
+        with socket.create_connection((host, port), timeout=10) as s:
+            t0 = time.monotonic()
+            closed = False
+            for b in frame(HELLO):
+                try:
+                    s.send(bytes([b]))
+                except OSError:
+                    closed = True
+                    break
+                readable, _, _ = select.select([s], [], [], 0.2)  # a byte every 0.2 s, or the service's close
+                if readable:
+                    closed = _closed_on_us(s)
+                    break
+            assert closed and time.monotonic() - t0 < 4.0
+    assert any("did not finish its hello within 1 s" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("listen", [None, LOOPBACK])
+def test_at_most_so_many_connections_are_in_their_handshake_at_once(
+    listen: str | None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Silent peers each held a thread in its handshake, as many as they
+    opened.  At most MAX_HANDSHAKES are in their handshake at once; the
+    next connection waits (in the listen backlog) until one ends, and an
+    honest consumer still attaches once the silent ones are dropped."""
+    from blobfeed.service import server as server_mod
+
+    monkeypatch.setattr(connection_mod, "HANDSHAKE_S", 1.5)
+    monkeypatch.setattr(server_mod, "MAX_HANDSHAKES", 2)
+    with served(listen) as server:
+        def connect() -> socket.socket:
+            if listen is None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.settimeout(10)
+                s.connect(str(server.address))
+                return s
+            host, port = parse_tcp(str(server.address))
+            return socket.create_connection((host, port), timeout=10)
+
+        silent = [connect() for _ in range(4)]
+        try:
+            wait_for(lambda: len(server._connections) >= 2, 10, "two silent peers in their handshake")
+            for _ in range(5):  # while they are, the others are not taken in
+                assert len(server._connections) == 2
+                time.sleep(0.1)
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, connect_timeout=20):
+                assert net.run(timeout=20)["id"].shape == (8,)
+        finally:
+            for s in silent:
+                s.close()
