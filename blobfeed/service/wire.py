@@ -173,8 +173,8 @@ def decode_record(data: bytes, peer: str) -> dict[str, Any]:
 
 #: a JSON string (brackets inside one do not nest), and a bracket pair with nothing inside
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"\\')
 
 
 def _shallow(data: bytes) -> bool:
@@ -183,14 +183,14 @@ def _shallow(data: bytes) -> bool:
     and 60 000 levels fit a 64 KiB record)."""
     if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
         return True
-    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    for _ in range(MAX_DEPTH):
-        brackets, found = _EMPTY_PAIR.subn(b"", brackets)  # the innermost level
-        if not brackets:
-            return True
-        if not found:
-            return False  # unbalanced: not JSON
-    return False
+    # what strings hold but brackets, quotes and backslashes goes first (a
+    # string's bounds stay where they were), then the strings, then the rest
+    brackets = _STRING.sub(b"", data.translate(None, _NOT_STRUCTURE)).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return True
+    steps = np.frombuffer(brackets, np.uint8)
+    depth = np.cumsum(np.where((steps == ord("[")) | (steps == ord("{")), 1, -1))
+    return int(depth.max()) <= MAX_DEPTH
 
 
 def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
