@@ -307,6 +307,7 @@ def start_http_server(
     registry: CollectorRegistry | None = None,
     *,
     health: Callable[[], tuple[bool, str]] | None = None,
+    ready: Callable[[], tuple[bool, str]] | None = None,
 ) -> MetricsServer:
     """Serve the metrics at ``http://addr:port/metrics`` from a daemon thread.
 
@@ -318,6 +319,7 @@ def start_http_server(
             registry, where ``blobfeed.global_coordinator`` puts its metrics.
         health: also serve ``/healthz``: 200 with the text while it returns
             (True, text), 503 otherwise (a feeding service's liveness).
+        ready: likewise ``/readyz`` (a feeding service's readiness).
 
     Returns:
         A :class:`MetricsServer` with ``port``, ``url`` and ``close()``.
@@ -333,8 +335,9 @@ def start_http_server(
         registry = prometheus_client.REGISTRY
     server_class = _ThreadingWSGIServer6 if ":" in addr else _ThreadingWSGIServer
     app = make_wsgi_app(registry)
-    if health is not None:
-        app = _with_health(app, health)
+    checks = {path: f for path, f in (("/healthz", health), ("/readyz", ready)) if f is not None}
+    if checks:
+        app = _with_health(app, checks)
     try:
         httpd = make_server(addr, port, app, server_class, handler_class=_QuietHandler)
     except OSError as exc:
@@ -350,10 +353,11 @@ def start_http_server(
     return MetricsServer(httpd, thread)
 
 
-def _with_health(app: Any, health: Callable[[], tuple[bool, str]]) -> Any:
+def _with_health(app: Any, checks: dict[str, Callable[[], tuple[bool, str]]]) -> Any:
     def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
-        if environ.get("PATH_INFO") == "/healthz":
-            ok, text = health()
+        check = checks.get(environ.get("PATH_INFO", ""))
+        if check is not None:
+            ok, text = check()
             start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
             return [text.encode() + b"\n"]
         return app(environ, start_response)

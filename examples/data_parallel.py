@@ -16,8 +16,8 @@ Which net gets what depends on the mode:
 * ``deterministic=True``: the source deals its batches in turn, batch *i* to
   the *i mod 2*-th net wired, so the shares are even (within one batch)
   whatever the timing.  With a fetcher that is itself deterministic, the
-  batches are also the same on every run (README, "Reproducibility and
-  resume"); this one is not (its workers share a cursor).
+  batches are also the same on every run (docs/RESUME.md);
+  this one is not (its workers share a cursor).
 * ``equal=True`` (with ``deterministic=True`` here): what a DDP-style loop
   needs, where every step runs every replica once.  The batches go out in
   rounds, one per net, and the last incomplete round is dropped (counted as

@@ -70,9 +70,7 @@ def main() -> int:
     server = blobfeed.FeedServer()
     with server:
         os.environ["WORLD_SIZE"] = str(WORLD)
-        wire_into = blobfeed.service.serving(server)
-        with wire_into:
-            wire()
+        server.setup(wire)  # what `blobfeed serve service_torchrun.py:wire` does
         server.start()
         env = {**os.environ, "BLOBFEED_SERVICE": str(server.address), "WORLD_SIZE": str(WORLD)}
         ranks = [

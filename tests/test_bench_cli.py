@@ -12,6 +12,7 @@ import copy
 import json
 import multiprocessing
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -766,3 +767,256 @@ def test_a_killed_runs_tallies_are_deleted_by_the_next_run() -> None:
         assert Path(tally.path).exists()
     finally:
         tally.close()
+
+
+# --------------------------------------------------------------------------- failed measurements (issue 24)
+def _canned(w: str, r: str, seconds: float) -> dict[str, Any]:
+    """A stand-in for a measurement's child: the canned passing results."""
+    return copy.deepcopy({**_passing_results(), **_peer_results()}[f"{w}/{r}"])
+
+
+def test_a_timed_out_peer_is_a_failed_row_and_the_rest_is_judged(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 24: one peer's timeout (pool on W4p) ended the run with "a
+    measurement failed, no verdict", throwing every other result away."""
+    asked: list[tuple[str, str]] = []
+
+    def measure(w: str, r: str, seconds: float) -> dict[str, Any]:
+        asked.append((w, r))
+        if (w, r) == ("W4p", "pool"):
+            raise runner.MeasurementFailed("timed out after 170 s (killed)")
+        return _canned(w, r, seconds)
+
+    monkeypatch.setattr(runner, "measure_one", measure)
+    monkeypatch.setattr(runner, "available_packages", lambda: frozenset({"PIL"}))
+    status = cli.main(["--workloads", "W1,W4p", "--repeats", "2", "--seconds", "0.1"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert status == 2, out  # a failed row: not a pass, whatever the rest says
+    assert asked.count(("W4p", "pool")) == 1  # not tried again in repetition 2
+    assert asked.count(("W4p", "blobfeed")) == 2 and asked.count(("W1", "caffe2")) == 2
+    assert re.search(r"^W4p/pool +measurement failed: repetition 1: timed out after 170 s \(killed\)$", out, re.M), out
+    assert re.search(r"^W1/blobfeed +\d", out, re.M), out  # the other rows are all there
+    # the verdict on the rest, then the failure
+    assert re.search(r"^verdict: 1 measurement FAILED; on the rest: all \d+ targets met$", out, re.M), out
+    assert re.search(r"^failed measurements \(exit status 2\):\n  W4p/pool: repetition 1: timed out", out, re.M), out
+    assert re.search(r"^W4p batches/s vs the two-core ideal >= 0\.85 +0\.90  ok$", out, re.M), out
+    assert "W4p/pool failed in repetition 1: timed out" in captured.err
+
+
+def test_a_target_whose_measurement_failed_is_not_judged_on_it() -> None:
+    results = {**_passing_results(), **_peer_results()}
+    results["W1/caffe2"] = {"failed": "repetition 2: exited with status 1: MemoryError"}
+    results["W2p/pool"] = {"failed": "repetition 1: timed out after 170 s (killed)"}
+    rows = report.evaluate(_report(results))
+    failed = [r for r in rows if r.get("failed")]
+    assert {(r["workload"], r["runner"]) for r in failed} == {("W1", "caffe2"), ("W2p", "pool")}
+    row = _row(rows, "W1", "batches/s vs Caffe2")
+    assert row["ok"] is None and row["detail"] == "measurement failed: W1/caffe2"
+    row = _row(rows, "W2p", "batches/s vs the best process peer")
+    assert row["ok"] is True and "measurement failed: pool" in row["detail"]  # judged on the peers that ran
+    status, lines = report.verdict(rows)
+    assert status == 2
+    assert lines[0].startswith("verdict: 2 measurements FAILED; on the rest: all ")
+
+
+def test_a_ratio_past_the_physical_bound_is_a_failed_measurement(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 24: W4 printed "3.57 ok": 690 batches/s against one core's
+    ideal of 193, from threads running pure-Python work on a 2-core machine."""
+    impossible = _result(batches_per_s=690.0, ideal_batches_per_s=193.0, ideal_ratio=690.0 / 193.0, wait_share=0.5)
+    raw = {("W4", "blobfeed"): [_result(batches_per_s=180.0, ideal_batches_per_s=193.0, ideal_ratio=0.93), impossible],
+           ("W4", "caffe2"): [_result(batches_per_s=110.0, ideal_batches_per_s=190.0, ideal_ratio=0.58)] * 2,
+           ("W4p", "blobfeed"): [_result(batches_per_s=400.0, ideal_batches_per_s=450.0, ideal_ratio=0.89)],
+           ("W4p", "pool"): [_result(batches_per_s=900.0, ideal_batches_per_s=450.0, ideal_ratio=2.0)]}
+    results = report.summarize(raw, cpus=2)
+    why = results["W4/blobfeed"]["failed"]
+    assert why == ("repetition 2: 690 batches/s is 3.58 x the 1-core ideal (193 batches/s), above the possible 1.10 "
+                   "(its threads run pure-Python work under the GIL: one core at most)"), why
+    assert "above the possible 1.10 (its work runs on 2 cores at most)" in results["W4p/pool"]["failed"]
+    assert "W4/ideal" not in results and "failed" not in results["W4/caffe2"]
+    assert report.summarize(raw, cpus=1)["W4p/blobfeed"]["failed"].endswith(
+        "above the possible 0.55 (its 2 workers share the machine's 1 cpus)")
+    rows = report.evaluate(_report(results))
+    row = _row(rows, "W4", "batches/s vs one core's ideal")
+    assert row["ok"] is None and row["detail"] == "measurement failed: W4/blobfeed"
+    status, lines = report.verdict(rows)
+    assert status == 2
+    text = report.format_report(_report(results))
+    assert re.search(r"^W4/blobfeed +measurement failed: repetition 2: 690 batches/s is 3\.58 x", text, re.M), text
+    assert re.search(r"^W4 batches/s vs one core's ideal >= 0\.9 +- +not evaluated \(measurement failed\)", text, re.M)
+    assert not re.search(r"^W4 batches/s vs one core's ideal.* ok", text, re.M)
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_measurement_is_killed_with_every_process_it_started() -> None:
+    """The child and the Pool's workers it forked: none is left behind."""
+    t0 = time.monotonic()
+    with pytest.raises(runner.MeasurementFailed, match=r"^timed out after 4 s \(killed\)$"):
+        runner._child("W1p", "pool", 60.0, timeout=4.0)
+    assert time.monotonic() - t0 < 60
+
+    def left() -> list[int]:
+        pids = []
+        for name in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if b"--child\0W1p\0pool\0" in f.read():
+                        pids.append(int(name))
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:  # SIGKILL is delivered at once; their reaping is not ours
+        time.sleep(0.1)
+    assert not left()
+
+
+def test_a_slow_pss_reading_is_not_taken_out_of_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: W4 reported 3.57 x one core's ideal.  The PSS reading ran in
+    the consumer's thread and its time was taken out of the window; under
+    W4's pure-Python fetcher threads one reading took seconds (each file read
+    waits a GIL switch interval), while the fetchers went on filling the
+    queue.  Here a producer makes 200 items/s and a reading takes 0.4 s:
+    the meter must still say about 200/s."""
+    def slow_reading(root: int | None = None) -> float:
+        time.sleep(0.4)  # what one reading cost under W4's threads, shortened
+        return 1.0
+
+    monkeypatch.setattr(measure, "tree_pss_mb", slow_reading)
+    items: "queue.Queue[list[np.ndarray]]" = queue.Queue()
+    stop = threading.Event()
+    batch = [np.zeros((1, 1))]
+
+    def producer() -> None:
+        next_at = time.perf_counter()
+        while not stop.is_set():
+            items.put(batch)
+            next_at += 1 / 200
+            time.sleep(max(0.0, next_at - time.perf_counter()))  # pacing: the producer's speed
+
+    t = threading.Thread(target=producer)
+    t.start()
+    try:
+        m = measure.Meter(1.5, warmup=0.2)
+        m.begin()
+        while m.tick(items.get(timeout=10)):
+            pass
+        rate = m.result()["batches_per_s"]
+    finally:
+        stop.set()
+        t.join(10)
+    assert 150 < rate < 200 * 1.1, rate
+    assert m.result()["pss_mb"] > 1.0  # read by the sampler process, not the patched function
+
+
+def test_the_pss_sampler_reads_a_tree_and_leaves_nothing_behind() -> None:
+    sampler = measure.PssSampler(interval=0.05)
+    pid = sampler._proc.pid
+    sampler.go()
+    child = subprocess.Popen([sys.executable, "-c", "import time, numpy; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while measure._pss_kb(child.pid) < 5000 and time.monotonic() < deadline:  # until numpy is in
+            time.sleep(0.05)
+        alone = measure._pss_kb(os.getpid()) / 1024
+        peak = sampler.stop()
+        assert peak > alone + 4, (peak, alone)  # the child counted, the sampler itself not
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    other = measure.PssSampler()
+    other.close()
+    assert other._proc is None and other.stop() == 0.0
+
+
+# --------------------------------------------------------------------------- the legend and the lost column (issue 24)
+def test_the_table_has_a_legend_of_the_runners_it_shows() -> None:
+    """Issue 24: torch0, torch0it, W4/ideal had no legend, and W3/caffe2's
+    lost (147550048) was unexplained."""
+    results = {**_passing_results(), "W1/torch0it": _result(batches_per_s=290.0)}
+    results["W3/caffe2"].update(samples_lost=147_550_048, lost_share=0.88)
+    results["W2/caffe2"].update(lost_share=0.05)
+    text = report.format_report(_report(results))
+    lines = text.splitlines()
+    top = lines.index("runners:")
+    end = lines.index("", top)
+    shown = {line.split()[0] for line in lines[top + 1: end] if line.startswith("  ")}
+    assert shown == {"blobfeed", "caffe2", "copy", "model", "torch0it", "ideal"}, lines[top:end]
+    caffe2 = next(line for line in lines[top:end] if line.startswith("  caffe2 "))
+    assert "drops, by design, when its queue is full" in caffe2 and "(here: W2 5%, W3 88% of the samples fetched)" in caffe2
+    lost = next(line for line in lines[top:end] if line.startswith("lost: "))
+    assert "summed over the 3 repetitions" in lost and '"-": the runner does not count its samples' in lost
+    # every runner the bench has is in the legend
+    assert set(runner.RUNNERS) <= set(report.RUNNER_LEGEND)
+
+
+def test_lost_means_the_same_on_every_row() -> None:
+    """The column showed the median of the repetitions (the verdict their
+    sum), and 0 for peers that do not count: now the sum for every runner
+    that counts, and "-" for those that do not."""
+    raw = {
+        ("W1", "blobfeed"): [_result(), _result(samples_lost=7), _result()],
+        ("W1", "caffe2"): [_result(samples_lost=n) for n in (10, 20, 30)],
+        ("W1", "torch0it"): [{k: v for k, v in _result().items() if k != "samples_lost"}] * 3,
+    }
+    results = report.summarize(raw)
+    lines = report.format_report(_report(results)).splitlines()
+    top = lines.index(next(line for line in lines if line.startswith("workload/runner")))
+    cells = {r["workload/runner"]: r for r in _column_cells(lines[top: lines.index("", top)])}
+    assert cells["W1/blobfeed"]["lost"] == "7"
+    assert cells["W1/caffe2"]["lost"] == "60"
+    assert cells["W1/torch0it"]["lost"] == "-"
+
+
+def test_a_peer_reports_no_lost_count() -> None:
+    def body(fetcher: workloads.Fetcher, m: measure.Meter) -> None:
+        m.begin()
+        base.feed(m, (fetcher.chunk(0) for _ in iter(int, 1)))
+
+    got = base.run_peer(workloads.WORKLOADS["W1"], 0.05, body, pss=False)
+    assert got["batches_per_s"] > 0 and "samples_lost" not in got
+
+
+# --------------------------------------------------------------------------- the estimate (issue 24)
+def test_the_estimate_is_computed_from_the_options_and_checked_at_the_end(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """298 s were said and 361 s taken: the estimate printed before the run
+    comes from the options and the runners it will run, and the run says
+    at the end how long it took."""
+    monkeypatch.setattr(runner, "measure_one", _canned)
+    monkeypatch.setattr(runner, "available_packages", lambda: frozenset({"PIL"}))
+    said = {}
+    for argv in (["--workloads", "W1", "--seconds", "1", "--repeats", "1"],
+                 ["--workloads", "W1", "--seconds", "4", "--repeats", "1"],
+                 ["--workloads", "W1", "--seconds", "1", "--repeats", "3"],
+                 ["--workloads", "W1,W4", "--seconds", "1", "--repeats", "1"]):
+        cli.main(argv)
+        captured = capsys.readouterr()
+        m = re.search(r"^blobfeed bench: (\d+) measurements \((\d+) per repeat x (\d+)\), about (\d+) s ", captured.err, re.M)
+        assert m, captured.err
+        wls, secs, reps = argv[1].split(","), float(argv[3]), int(argv[5])
+        est = runner.estimate_seconds(wls, secs, reps, {"PIL"})
+        assert int(m.group(4)) == round(est)
+        assert int(m.group(1)) == reps * len(runner._plan(wls, {"PIL"}))
+        assert re.search(rf"^blobfeed bench: took \d+ s \([\d.]+ min\); estimated {round(est)} s$", captured.out, re.M)
+        said[tuple(argv)] = est
+    one, longer, repeated, with_w4 = said.values()
+    assert longer == pytest.approx(one + 2 * 3.0)  # two measurements, 3 s more each
+    assert repeated == pytest.approx(3 * one)
+    # W4's runners calibrate their loop: more than two more W1-like measurements
+    assert with_w4 - one == pytest.approx(runner.measurement_seconds("W4", "blobfeed", 1.0)
+                                          + runner.measurement_seconds("W4", "caffe2", 1.0))
+    assert runner.measurement_seconds("W4", "blobfeed", 1.0) > runner.measurement_seconds("W1", "blobfeed", 1.0)
+
+
+def test_each_runner_has_its_own_overheads() -> None:
+    base = runner.CHILD_OVERHEAD_S + runner.WARMUP_S + 5.0
+    assert runner.measurement_seconds("W1", "blobfeed", 5.0) == pytest.approx(base)
+    assert runner.measurement_seconds("W1p", "pool", 5.0) == pytest.approx(base + runner.POOL_EXTRA_S)
+    assert runner.measurement_seconds("W4p", "blobfeed", 5.0) == pytest.approx(
+        base + runner.PROCESSES_EXTRA_S + runner.CALIBRATION_S + runner.CPU_PROCESSES_DRAIN_S)
+    assert runner.measurement_seconds("W5", "blobfeed", 5.0) > base + 5.0  # the interleaved slices

@@ -93,6 +93,29 @@ def test_stop_coordinator_from_its_own_worker_fun_completes(
     assert [c.is_active for c in gc._coordinators] == [True]
 
 
+def test_stop_coordinator_from_its_own_worker_fun_is_logged_at_info_not_error(
+    gc: blobfeed.GlobalCoordinator, retired: dict[str, threading.Event], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Looper pattern is a documented, correct use ("requested, not
+    waited for"): it was logged at ERROR level."""
+    import logging
+
+    results: list[bool] = []
+
+    def worker_fun(worker_id: int) -> None:
+        if not results:
+            results.append(gc.stop_coordinator("looper"))
+
+    caplog.set_level(logging.INFO, logger="blobfeed")
+    init_workers(worker_fun, num_worker_threads=1, worker_name="looper", coordinator=gc)
+    gc.start()
+    assert wait_retired(retired, "looper"), "the coordinator was never retired"
+    assert results == [False]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "stop_coordinator('looper')" in r.getMessage()]
+    assert said and all(level == logging.INFO for level, _ in said), said
+    assert "requested, not waited for" in said[0][1]
+
+
 def test_stop_from_inside_a_fetch_fun_completes_on_its_own(
     gc: blobfeed.GlobalCoordinator, retired: dict[str, threading.Event]
 ) -> None:

@@ -315,12 +315,33 @@ def test_a_busy_metrics_port_is_named(capsys: pytest.CaptureFixture[str]) -> Non
         assert info.value.errno is not None
 
 
+@pytest.mark.parametrize("extra", [[], ["--model", "/nonexistent/model.onnx"]])
+def test_a_busy_metrics_port_fails_first_with_one_line(
+    extra: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 24: the message said the port twice ("cannot serve metrics on
+    127.0.0.1:P: [Errno 98] cannot serve metrics on 127.0.0.1:P: ..."), and
+    came after the model was trained (or loaded): the port is bound first."""
+    def no_training(seed: int) -> None:
+        raise AssertionError("trained before the port was checked")
+
+    monkeypatch.setattr(demo, "train_digits", no_training)
+    sock, port = _busy_port()
+    with sock:
+        assert demo.main(["--passes", "1", "--progress", "off", "--metrics-port", str(port), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran: no dataset, model or feeding line
+    lines = captured.err.splitlines()
+    assert lines == [f"blobfeed demo: error: cannot serve metrics on 127.0.0.1:{port}: Address already in use; "
+                     "choose another --metrics-port, or 0 for any free port"], lines
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     import blobfeed
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"blobfeed {blobfeed.__version__}\n"
-    assert "--version" in cli.USAGE
+    assert "--version" in cli.usage()
 
 
 def test_sigterm_mid_run_says_so_and_exits_as_ctrl_c_does() -> None:

@@ -370,6 +370,8 @@ import blobfeed  # noqa: E402
 
 CONTRACT = REPO / "docs" / "CONTRACT.md"
 README = REPO / "README.md"
+API = REPO / "docs" / "API.md"
+RESUME = REPO / "docs" / "RESUME.md"
 
 
 def _section(text: str, heading: str) -> str:
@@ -423,11 +425,11 @@ def test_contract_signature_of_init_data_input_workers_is_the_codes() -> None:
     assert call.endswith("-> " + str(returns).strip("'\"")), call
 
 
-def test_readme_signature_of_init_data_input_workers_is_the_codes() -> None:
-    heading = re.search(r"^### `(init_data_input_workers\(.*\))`$", README.read_text(encoding="utf-8"), re.M)
-    assert heading, "README.md lost its init_data_input_workers heading"
+def test_api_signature_of_init_data_input_workers_is_the_codes() -> None:
+    heading = re.search(r"^## `(init_data_input_workers\(.*\))`$", API.read_text(encoding="utf-8"), re.M)
+    assert heading, "docs/API.md lost its init_data_input_workers heading"
     assert _documented_params(heading.group(1)) == _code_params(blobfeed.init_data_input_workers), (
-        "README.md's signature of init_data_input_workers differs from the code's:\n"
+        "docs/API.md's signature of init_data_input_workers differs from the code's:\n"
         f"  docs: {heading.group(1)}\n  code: {inspect.signature(blobfeed.init_data_input_workers)}"
     )
 
@@ -449,9 +451,9 @@ def test_worker_info_fields_are_documented() -> None:
     section = _section(CONTRACT.read_text(encoding="utf-8"), "## Inside a fetcher")
     rows = re.findall(r"^\| `(\w+)` \|", section, re.M)
     assert rows == fields, f"docs/CONTRACT.md's WorkerInfo table lists {rows}; WorkerInfo has {fields}"
-    readme = README.read_text(encoding="utf-8")
-    m = re.search(r"a frozen `WorkerInfo\(([^)]*)\)`", readme)
-    assert m, "README.md lost its WorkerInfo(...) line"
+    api = API.read_text(encoding="utf-8")
+    m = re.search(r"a frozen `WorkerInfo\(([^)]*)\)`", api)
+    assert m, "docs/API.md lost its WorkerInfo(...) line"
     assert [f.strip() for f in " ".join(m.group(1).split()).split(",")] == fields
 
 
@@ -463,12 +465,11 @@ def test_every_refusal_of_load_state_dict_is_named() -> None:
 
     # what the layout check compares (its own words), and the checks outside it
     named = sorted({what.split(" (")[0] for _, what in _LAYOUT}) + ["number of nets", "version", "epoch"]
-    readme = README.read_text(encoding="utf-8")
-    row = re.search(r"^\| `load_state_dict\(name, state\)` \|.*$", readme, re.M)
-    prose = re.search(r"Needs `deterministic=True`; a state of another.*?refused", readme, re.S)
+    row = re.search(r"^\| `load_state_dict\(name, state\)` \|.*$", API.read_text(encoding="utf-8"), re.M)
+    prose = re.search(r"Needs `deterministic=True`; a state of another.*?refused", RESUME.read_text(encoding="utf-8"), re.S)
     contract = re.search(r"Refused with `ValueError` naming the difference:.*?after `start\(\)`",
                          CONTRACT.read_text(encoding="utf-8"), re.S)
-    for where, m in (("README's method table", row), ("README's resume section", prose),
+    for where, m in (("docs/API.md's method table", row), ("docs/RESUME.md", prose),
                      ("CONTRACT's load_state_dict", contract)):
         assert m, f"{where}: the list of what load_state_dict refuses is gone"
         text = " ".join(m.group(0).split())
@@ -480,20 +481,20 @@ def test_every_refusal_of_load_state_dict_is_named() -> None:
 _NUMBER_WORDS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
 
 
-def test_readme_counts_its_design_points() -> None:
-    section = _section(README.read_text(encoding="utf-8"), "## Performance")
+def test_architecture_counts_its_design_points() -> None:
+    section = _section((REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8"), "## Performance design points")
     m = re.search(r"(\w+) design\s+points follow from those measurements:\n\n((?:- .*\n(?:  .*\n)*)+)", section)
-    assert m, "README's Performance section lost its design points"
+    assert m, "docs/ARCHITECTURE.md's Performance section lost its design points"
     said = _NUMBER_WORDS[m.group(1).lower()]
     bullets = len(re.findall(r"^- ", m.group(2), re.M))
-    assert said == bullets, f"README says {m.group(1)} design points and lists {bullets}"
+    assert said == bullets, f"docs/ARCHITECTURE.md says {m.group(1)} design points and lists {bullets}"
 
 
-def test_readme_dataloader_migration_knows_shuffle_and_epochs() -> None:
-    section = _section(README.read_text(encoding="utf-8"), "### From PyTorch's `DataLoader`")
+def test_dataloader_migration_knows_shuffle_and_epochs() -> None:
+    section = _section((REPO / "docs" / "MIGRATING.md").read_text(encoding="utf-8"), "## From PyTorch's `DataLoader`")
     assert "No sampler or shuffling" not in section
     for name in ("shuffle_buffer", "epochs=", "deterministic=True"):
-        assert name in section, f"README's DataLoader migration does not mention {name}"
+        assert name in section, f"docs/MIGRATING.md's DataLoader migration does not mention {name}"
     assert "call\n  `init_data_input_workers` again for the next pass" not in section
 
 
@@ -571,3 +572,38 @@ def test_readme_tells_operators_what_the_demo_does_on_a_signal() -> None:
     quick = " ".join(_section(README.read_text(encoding="utf-8"), "## Quickstart").split())
     for said in ("SIGTERM", "143", "--version", "--passes"):
         assert said in quick, f"README's Quickstart does not mention {said}"
+
+
+# --------------------------------------------------------------------------- the metrics tables
+
+
+def _metric_rows(heading: str) -> dict[str, str]:
+    """``{exported family name: type}`` of one table of docs/METRICS.md (a
+    counter's ``_total`` is the exposition's suffix, not the family's name)."""
+    section = _section((REPO / "docs" / "METRICS.md").read_text(encoding="utf-8"), heading)
+    rows = re.findall(r"^\| `(blobfeed_\w+)` \| (\w+) \|", section, re.M)
+    return {(name[: -len("_total")] if kind == "counter" else name): kind for name, kind in rows}
+
+
+def test_the_pipeline_metrics_table_is_what_a_pipeline_exports() -> None:
+    """Every family a coordinator's registry exports is in the table, and the
+    table lists nothing else (issue 24: 24 listed, 26 exported)."""
+    import numpy as np
+
+    gc = blobfeed.GlobalCoordinator()
+    net = blobfeed.Net(name="n")
+    blobfeed.init_data_input_workers(net, ["x"], lambda w, b: [np.zeros((4, 2), np.float32)], 8, coordinator=gc)
+    try:
+        gc.start()
+        net.run(timeout=10)
+        exported = {m.name: m.type for m in gc.registry.collect() if m.name.startswith("blobfeed_")}
+    finally:
+        assert gc.stop()
+    assert _metric_rows("## Pipeline metrics") == exported
+
+
+def test_the_service_metrics_table_is_what_a_service_exports() -> None:
+    from blobfeed.service.server import FeedServer, _ServiceCollector
+
+    exported = {m.name: m.type for m in _ServiceCollector(FeedServer()).collect()}
+    assert _metric_rows("## Feeding service metrics") == exported

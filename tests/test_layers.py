@@ -49,7 +49,7 @@ LAYERS: dict[str, int] = {
     "blobfeed": 12,
     "blobfeed.ray": 13,
     # the applications (blobfeed.apps): one way among themselves too
-    "blobfeed.apps": 14, "blobfeed.apps.models": 14, "blobfeed.apps.demo": 14, "blobfeed.apps.bench": 14,
+    "blobfeed.apps.argtypes": 13.9, "blobfeed.apps": 14, "blobfeed.apps.models": 14, "blobfeed.apps.demo": 14, "blobfeed.apps.bench": 14,
     "blobfeed.apps.bench.measure": 14.1, "blobfeed.apps.bench.workloads": 14.2,
     "blobfeed.apps.bench.report": 14.3, "blobfeed.apps.bench.library": 14.3, "blobfeed.apps.bench.peers.base": 14.3,
     "blobfeed.apps.bench.service": 14.3,

@@ -1,4 +1,4 @@
-"""Caffe2 parity where the README promises "the same meaning" (issue 19, item 7):
+"""Caffe2 parity where docs/MIGRATING.md promises "the same meaning" (issue 19, item 7):
 ``reset_data_input``'s four-argument form, ``data_coordinator.is_active()``
 inside ``init_fun``, a net passed by name, and one drawn seed per source."""
 

@@ -1,5 +1,5 @@
 """Process workers (``backend="processes"``): docs/CONTRACT.md, "Fetcher
-backends", for worker processes (and the README's "Process workers").
+backends", for worker processes (and docs/BACKENDS.md, "Process workers").
 
 Fetchers are module-level (they pickle by reference: each child imports this
 module) unless a test is about what cloudpickle does.  Per-worker state lives

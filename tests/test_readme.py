@@ -1,4 +1,4 @@
-"""The README's five-minute tutorial runs as written."""
+"""The README's five-minute tutorial and docs/RESUME.md's examples run as written."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+RESUME = README.parent / "docs" / "RESUME.md"
 
 
 def tutorial_code() -> str:
@@ -27,11 +28,11 @@ def test_tutorial_runs() -> None:
 
 
 def test_reproducibility_example_runs() -> None:
-    """The README's checkpoint-and-resume examples: stopped after batch 25,
+    """docs/RESUME.md's checkpoint-and-resume examples: stopped after batch 25,
     resumed from its checkpoint at batch 20, it gives the batches of an
     uninterrupted run; with epochs, resumed from a checkpoint at an epoch's
     last batch, the same batches and epoch ends (the examples assert it)."""
-    section = README.read_text().split("## Reproducibility and resume", 1)[1].split("\n## ", 1)[0]
+    section = RESUME.read_text()
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert blocks, "the reproducibility section lost its example"
     proc = subprocess.run([sys.executable, "-c", "\n".join(blocks)], capture_output=True, text=True, timeout=120)

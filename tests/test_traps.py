@@ -25,7 +25,7 @@ from .helpers import sample
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: the README's process-workers snippet, pasted into a script with no guard
+#: docs/BACKENDS.md's process-workers snippet, pasted into a script with no guard
 UNGUARDED = """\
 import numpy as np
 import blobfeed

@@ -40,6 +40,8 @@ import numpy as np
 import blobfeed
 from blobfeed.metrics import MetricsServer, start_http_server
 
+from .argtypes import port, positive_int, seconds_or_more
+
 __all__ = ["InputSpec", "TrainedDigits", "digits_mlp_onnx", "inspect_model_inputs", "main", "train_digits"]
 
 SOURCE = "demo"
@@ -490,14 +492,16 @@ def _feed_and_run(
     consume: Callable[[dict[str, np.ndarray], blobfeed.Workspace], None],
     on_running: Callable[[str], None] | None,
     keep_serving: list[MetricsServer],
+    metrics: "_Metrics",
 ) -> RunStats:
-    """Serve the metrics, feed ``net`` from ``fetch_fun`` until the data ends, stop.
+    """Feed ``net`` from ``fetch_fun`` until the data ends, stop; the metrics
+    are served by ``metrics.server`` (bound before anything else ran).
 
     With ``--serve`` the metrics server is left open after a run that got to
     the end of its input and appended to ``keep_serving``: the caller closes
     it.  Otherwise it is closed here.
     """
-    gc = blobfeed.GlobalCoordinator()  # isolated: its own registry
+    gc, server = metrics.coordinator, metrics.server
     blobfeed.init_data_input_workers(
         net,
         blob_names,
@@ -509,11 +513,6 @@ def _feed_and_run(
         drop_last=drop_last,
         coordinator=gc,
     )
-    try:
-        server = start_http_server(args.metrics_port, addr="127.0.0.1", registry=gc.registry)
-    except OSError as exc:
-        gc.stop()
-        raise DemoError(f"cannot serve metrics on 127.0.0.1:{args.metrics_port}: {exc}") from exc
     after = ", and after it until stopped: --serve" if args.serve is not None else ""
     print(f"metrics     {server.url}  (served while the demo runs{after})", flush=True)
     seen = Coverage(total // args.passes, args.passes)
@@ -579,7 +578,8 @@ def _report_run(stats: RunStats, expected: int) -> tuple[list[str], list[str]]:
 
 
 def _run_digits(
-    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer]
+    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer],
+    metrics: "_Metrics",
 ) -> int:
     try:
         import onnx  # noqa: F401
@@ -673,6 +673,7 @@ def _run_digits(
         consume=consume,
         on_running=on_running,
         keep_serving=keep_serving,
+        metrics=metrics,
     )
     scored.flush()
     lines, problems = _report_run(stats, total)
@@ -701,7 +702,8 @@ def _run_digits(
 
 
 def _run_model(
-    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer]
+    args: argparse.Namespace, on_running: Callable[[str], None] | None, keep_serving: list[MetricsServer],
+    metrics: "_Metrics",
 ) -> int:
     import onnxruntime as ort
 
@@ -770,6 +772,7 @@ def _run_model(
             consume=consume,
             on_running=on_running,
             keep_serving=keep_serving,
+            metrics=metrics,
         )
     except (blobfeed.BlobfeedError, DemoError):
         raise
@@ -822,28 +825,32 @@ def _finish(lines: list[str], problems: list[str]) -> int:
     return 1 if problems else 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+@dataclass
+class _Metrics:
+    """The run's coordinator (its own registry) and the server of its metrics."""
+
+    coordinator: blobfeed.GlobalCoordinator
+    server: MetricsServer
 
 
-def _serve_seconds(text: str) -> float:
+def _bind_metrics(port: int) -> _Metrics:
+    """A coordinator with a registry of its own, and its metrics served on
+    ``127.0.0.1:port``: done first, so that a taken port is found at once.
+
+    Raises:
+        DemoError: the port cannot be bound; one message naming it.
+    """
+    gc = blobfeed.GlobalCoordinator()  # isolated: its own registry; starts nothing yet
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
-    return value
+        server = start_http_server(port, addr="127.0.0.1", registry=gc.registry)
+    except OSError as exc:
+        gc.stop()
+        # said once: the library's own message names the address already, and
+        # wrapping str(exc) repeated it, after an "[Errno 98]"
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        hint = "; choose another --metrics-port, or 0 for any free port" if port else ""
+        raise DemoError(f"cannot serve metrics on 127.0.0.1:{port}: {reason}{hint}") from None
+    return _Metrics(gc, server)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -859,15 +866,16 @@ def build_parser() -> argparse.ArgumentParser:
         "printed apart, labelled as such). Exit status: 0 when every prediction matches "
         "direct onnxruntime scoring, 1 when a check fails, 2 for a usage problem.",
     )
-    p.add_argument("--batch-size", type=_positive, default=64, help="samples per batch (default 64)")
-    p.add_argument("--workers", type=_positive, default=2, help="fetcher threads (default 2)")
-    p.add_argument("--passes", type=_positive, default=100, help="passes over the data (default 100)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="samples per batch (default 64)")
+    p.add_argument("--workers", type=positive_int, default=2, help="fetcher threads (default 2)")
+    p.add_argument("--passes", type=positive_int, default=100, help="passes over the data (default 100)")
     p.add_argument(
-        "--metrics-port", type=_port, default=0,
-        help="port for the metrics on 127.0.0.1 (default 0: a free port, printed)",
+        "--metrics-port", type=port, default=0,
+        help="port for the metrics on 127.0.0.1 (default 0: a free port, printed); bound before anything "
+        "else runs: a taken port fails at once with exit status 2",
     )
     p.add_argument(
-        "--serve", type=_serve_seconds, nargs="?", const=math.inf, default=None, metavar="SECONDS",
+        "--serve", type=seconds_or_more, nargs="?", const=math.inf, default=None, metavar="SECONDS",
         help="keep serving the metrics after the run, so the printed URL can be visited: "
         "until Ctrl-C or SIGTERM, or for SECONDS when given (default: stop serving when the run ends)",
     )
@@ -876,7 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an ONNX model with float inputs to feed synthetic data instead of the digits classifier",
     )
     p.add_argument(
-        "--samples", type=_positive, default=None,
+        "--samples", type=positive_int, default=None,
         help="samples per pass with --model (default 1024)",
     )
     p.add_argument(
@@ -917,15 +925,22 @@ def main(argv: Sequence[str] | None = None, *, on_running: Callable[[str], None]
         args.samples = 1024
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The port first: a taken --metrics-port fails at once, before the
+    # training, the model's load and the workers (it used to fail after them).
+    try:
+        metrics = _bind_metrics(args.metrics_port)
+    except DemoError as exc:
+        print(f"blobfeed demo: error: {exc}", file=sys.stderr)
+        return 2
     keep_serving: list[MetricsServer] = []
     # An operator's SIGTERM (kill, a container stop) ends the run as Ctrl-C
     # does: a line, the threads stopped, an exit status; not a silent death.
     previous = _handle_sigterm()
     try:
         if args.model is not None:
-            status = _run_model(args, on_running, keep_serving)
+            status = _run_model(args, on_running, keep_serving, metrics)
         else:
-            status = _run_digits(args, on_running, keep_serving)
+            status = _run_digits(args, on_running, keep_serving, metrics)
         for server in keep_serving:
             serve_after_run(server, args.serve)
         return status
@@ -944,6 +959,8 @@ def main(argv: Sequence[str] | None = None, *, on_running: Callable[[str], None]
     finally:
         for server in keep_serving:
             server.close()  # idempotent: closes it when the report itself failed
+        metrics.server.close()  # idempotent: when the run never got to feeding
+        metrics.coordinator.stop()
         for handler in previous:
             # None: the handler was not set from Python; the default is the nearest
             signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)

@@ -2,8 +2,10 @@
 
 FUNCTION (called with no arguments) wires the sources with
 ``blobfeed.serve_source(...)``; the service then serves them until SIGTERM
-or SIGINT, when it stops fetching, saves its state (``--state-file``),
-tells every consumer and exits 0.
+or SIGINT, or until every source ended, when it stops fetching, saves its
+state (``--state-file``), tells every consumer and exits 0.  Exit status 2
+for a usage problem: a bad option or target, or a ``--metrics-port`` that is
+taken (bound first, before the target is imported, so that it fails at once).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import sys
 from typing import Any
 
 import blobfeed
+from blobfeed.metrics import MetricsServer, start_http_server
 from blobfeed.service import FeedServer, serving
+
+from .argtypes import port, positive_float
 
 logger = logging.getLogger("blobfeed.apps.serve")
 
@@ -35,13 +40,13 @@ def _parser() -> argparse.ArgumentParser:
                         "tcp://HOST:PORT to listen on TCP (tcp://:PORT is loopback; port 0 picks one). The "
                         "real address is printed at start. TCP has no authentication: a non-loopback HOST "
                         "lets anyone who can reach the port read the data (a warning is logged)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
                    help="serve /metrics and /healthz on 127.0.0.1:PORT (0: any free port)")
     p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                    help="the address for --metrics-port (default loopback)")
     p.add_argument("--state-file", default=None, metavar="PATH",
                    help="save the position here on SIGTERM/SIGINT and every --save-every seconds")
-    p.add_argument("--save-every", type=float, default=60.0, metavar="S", help="seconds between saves (60)")
+    p.add_argument("--save-every", type=positive_float, default=60.0, metavar="S", help="seconds between saves (60)")
     p.add_argument("--resume", action="store_true", help="continue from --state-file")
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     return p
@@ -76,24 +81,73 @@ def load_target(target: str) -> Any:
     return func
 
 
+def _error_text(err: BaseException) -> str:
+    """An error in one line: an OSError's message without its "[Errno N]"."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror + (f": {err.filename!r}" if err.filename else "")
+    return str(err)
+
+
+def _serve_metrics(server: FeedServer, args: argparse.Namespace, started: list[bool]) -> MetricsServer | None:
+    """``--metrics-port``: bound before the target is imported, its sources
+    wired or a worker started, so that a taken port fails at once.
+    ``/healthz`` and ``/readyz`` say "starting" (503) until the service
+    listens, then what ``server.health()`` and ``server.ready()`` say (as
+    when FeedServer serves them itself).
+
+    Raises:
+        OSError: the port cannot be bound; the message names it once.
+    """
+    if args.metrics_port is None:
+        return None
+
+    def health() -> tuple[bool, str]:
+        return server.health() if started else (False, "starting")
+
+    def ready() -> tuple[bool, str]:
+        return server.ready() if started else (False, "starting")
+
+    try:
+        return start_http_server(args.metrics_port, args.metrics_addr, server.registry, health=health, ready=ready)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        hint = "; choose another --metrics-port, or 0 for any free port" if args.metrics_port else ""
+        raise OSError(exc.errno, f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: "
+                                 f"{reason}{hint}") from None
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics: MetricsServer | None = None
+    started: list[bool] = []
+    try:
+        # the metrics port first (the service's own registry): FeedServer binds
+        # nothing before start(), and FeedServer's metrics_port is not used
+        server = FeedServer(
+            args.listen, metrics_addr=args.metrics_addr,
+            state_file=args.state_file, resume=args.resume, save_every=args.save_every,
+        )
+        metrics = _serve_metrics(server, args, started)
+    except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
+        print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
+        return 2
     try:
         func = load_target(args.target)
     except (ValueError, ImportError) as err:
+        if metrics is not None:
+            metrics.close()
         print(f"blobfeed serve: {err}", file=sys.stderr)
         return 2
     try:
-        server = FeedServer(
-            args.listen, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-            state_file=args.state_file, resume=args.resume, save_every=args.save_every,
-        )
         with serving(server):
             func()
         server.start()
+        started.append(True)
     except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
-        print(f"blobfeed serve: {err}", file=sys.stderr)
+        if metrics is not None:
+            metrics.close()
+        print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
         return 2
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -102,12 +156,14 @@ def main(argv: list[str]) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     # one line a consumer's launcher can read for the address
     print(f"blobfeed serve: listening on {server.address}", flush=True)
-    if server.metrics_url is not None:
-        print(f"blobfeed serve: metrics on {server.metrics_url}", flush=True)
+    if metrics is not None:
+        print(f"blobfeed serve: metrics on {metrics.url}", flush=True)
     try:
         server.wait()
     finally:
         clean = server.stop()
+        if metrics is not None:
+            metrics.close()
         for s, h in old.items():
             signal.signal(s, h)
     print(f"blobfeed serve: stopped ({server.stop_reason})", flush=True)

@@ -391,15 +391,9 @@ class GlobalCoordinator:
         t = wait_bound(check_timeout("timeout", timeout, allow_zero=True))
         inside = _inside_blobfeed()
         if inside is not None:
-            for c in list(self._coordinators):
-                if c.name == name:
-                    c._halt()
-            stopper = self._stopper
-            if stopper is not None and not stopper.closed:
-                stopper.post(name)
-            else:  # before the first start(): start() carries it out
-                self._pending_stops.append(name)
-            logger.error(
+            self._request_stop_named(name)
+            # a documented, correct use (TF's Looper stops its own coordinator): not an error
+            logger.info(
                 "stop_coordinator(%r) called from inside blobfeed (%s): requested, not waited for",
                 name, inside,
             )
@@ -407,6 +401,19 @@ class GlobalCoordinator:
         with self._lock:
             victims = [c for c in self._coordinators if c.name == name]
         return self._stop_coordinators(victims, t)
+
+    def _request_stop_named(self, name: str) -> None:
+        """Ask the coordinators named ``name`` to stop, and return at once:
+        they stop at once (plain stores), the stopper thread carries the
+        stop out to its end (``start()`` does, if it did not run yet)."""
+        for c in list(self._coordinators):
+            if c.name == name:
+                c._halt()
+        stopper = self._stopper
+        if stopper is not None and not stopper.closed:
+            stopper.post(name)
+        else:  # before the first start(): start() carries it out
+            self._pending_stops.append(name)
 
     def _stop_coordinators(self, victims: Sequence[WorkerCoordinator], timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -75,7 +75,7 @@ class Connection:
         sock: socket.socket,
         number: int,
         sources: Callable[[str], ServedSource | None],
-        state: Callable[[], dict[str, Any]],
+        state: Callable[[str | None], dict[str, Any]],
         service: str,
         tcp_peer: str | None = None,
     ) -> None:
@@ -199,8 +199,7 @@ class Connection:
         self.channel.peer = self.peer
         # Welcomed at once: its slots are made and offered (a "slots" record)
         # before its first batch, sized by that batch.  Before it, only
-        # epoch ends, batches dropped for equal shares or the end may come,
-        # and none needs a slot.
+        # epoch ends or the end may come, and neither needs a slot.
         self._welcome()
         logger.info("service: %s attached", self.peer)
         self.sender = threading.Thread(
@@ -311,7 +310,8 @@ class Connection:
             self.area.give_back(self._free(slots), self.peer)
         elif kind == "state":
             try:
-                reply = {"t": "state_is", "state": self._state(), "error": None}
+                state = self._state(self.source.name if self.source is not None else None)
+                reply = {"t": "state_is", "state": state, "error": None}
             except (ValueError, RuntimeError) as err:
                 reply = {"t": "state_is", "state": None, "error": str(err)}
             self.channel.send(reply)
@@ -381,18 +381,10 @@ class Connection:
                 outlet.acked(item)
                 if type(item.batch) is not EpochEnd:
                     n += 1
-                self._settle_dropped()
             acknowledged[self.label] += n
         if back:
             assert self.area is not None
             self.area.give_back(back, self.peer)
-
-    def _settle_dropped(self) -> None:
-        """Batches dropped for equal shares go past the stream in their turn (under the lock)."""
-        assert self.outlet is not None
-        while self._inflight and self._inflight[0][1].drop:
-            _, item, _, _ = self._inflight.popleft()
-            self.outlet.acked(item)
 
     # -- the sender --------------------------------------------------------------------
     def _send_loop(self, first: Item | End | None) -> None:
@@ -449,11 +441,6 @@ class Connection:
                     self._flush(ready, last_g)
                     self._end(item)
                     return
-                if item.drop:
-                    with self._lock:
-                        self._inflight.append((-1, item, -1, None))
-                        self._settle_dropped()
-                    continue
                 if type(item.batch) is EpochEnd:
                     self._flush(ready, last_g)
                     ready_bytes = 0

@@ -99,8 +99,6 @@ class _RayConsumer:
         self.cid = secrets.token_hex(8)
         self.label = str(number)
         self.peer = f"Ray consumer {number}"
-        #: where Connection._admit looks the source up
-        self._sources = server.sources.get
         #: said bye, its lease expired, or the service closed it
         self.closed = threading.Event()
         #: it left: what it had not acknowledged was handed back
@@ -113,7 +111,7 @@ class _RayConsumer:
         self._lock = threading.Lock()
         #: one take at a time; leave() waits for the running one
         self._busy = threading.Lock()
-        #: what was sent and not acknowledged, in order: (g, item); g -1: dropped for equal shares
+        #: what was sent and not acknowledged, in order: (g, item)
         self._inflight: collections.deque[tuple[int, Item]] = collections.deque()
         self._g = 0
         self._told: str | None = None
@@ -122,6 +120,10 @@ class _RayConsumer:
         self._wake = threading.Event()
         #: the seconds the consumer's run() has waited in all, the most it said so far
         self._run_waited = 0.0
+
+    def _sources(self, name: str) -> ServedSource:
+        """Where ``Connection._admit`` looks the source up (the server's lookup)."""
+        return self.server.source_for(name)
 
     def attached(self, source: ServedSource, outlet: IndexOutlet | SharedOutlet, pid: int) -> None:
         self.source, self.outlet = source, outlet
@@ -158,8 +160,7 @@ class _RayConsumer:
         return True
 
     def _settle(self, upto: int) -> None:
-        """Under the lock: acknowledge the head up to ``upto``; a batch
-        dropped for equal shares goes past the stream in its turn."""
+        """Under the lock: acknowledge the head up to ``upto``."""
         assert self.source is not None and self.outlet is not None
         counts = self.source.counts
         while self._inflight:
@@ -224,11 +225,6 @@ class _RayConsumer:
                     self._ended = True
                     out.append(_end_record(item))
                     break
-                if item.drop:
-                    with self._lock:
-                        self._inflight.append((-1, item))
-                        self._settle(-1)  # at the head (all before it acknowledged): past the stream now
-                    continue
                 g = self._g
                 self._g += 1
                 with self._lock:
@@ -434,16 +430,19 @@ class RayFeedServer(FeedServer):
         conn.leave("it detached")
 
     def consumer_state(self, cid: Any, upto: Any) -> dict[str, Any]:
-        """The state, after the asking consumer's last acknowledgement (if a consumer asks)."""
+        """The state, after the asking consumer's last acknowledgement (if a
+        consumer asks: its source must be resumable)."""
+        source = None
         if cid is not None:
             conn = self._consumer(cid)
             if conn is not None:
+                source = conn.source.name if conn.source is not None else None
                 try:
                     conn.ack(_int("upto", upto, -1, 1 << 62))
                 except WireError as err:
                     return {"state": None, "error": str(err)}
         try:
-            return {"state": self.state_dict(), "error": None}
+            return {"state": self.state_dict(source), "error": None}
         except (ValueError, RuntimeError) as err:
             return {"state": None, "error": str(err)}
 
@@ -454,7 +453,7 @@ class RayFeedServer(FeedServer):
             c = s.counts
             out[name] = {
                 "delivered": dict(c.delivered), "acknowledged": dict(c.acknowledged), "redealt": dict(c.redealt),
-                "waited": dict(c.waited), "run_waited": dict(c.run_waited), "dropped_equal": c.dropped_equal,
+                "waited": dict(c.waited), "run_waited": dict(c.run_waited),
                 "connected": s.connected,
                 "error": None if s.error is None else str(s.error),
             }
@@ -653,7 +652,8 @@ class RayService:
         return self._get(_control(self.actor, "stats").remote(), timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until the service is asked to stop or a source failed; True if so.
+        """Until the service is asked to stop, or every source ended
+        (:meth:`FeedServer.wait`); True if so.
 
         Raises:
             ServiceError: the service died.

@@ -79,9 +79,6 @@ class Item(NamedTuple):
 
     s: int
     batch: Any
-    #: a batch of an incomplete last round (``equal=True``): never sent,
-    #: acknowledged to the stream in its turn
-    drop: bool = False
 
 
 class SourceTerms(NamedTuple):
@@ -109,7 +106,6 @@ class _Counts:
         self.waited: collections.defaultdict[str, float] = collections.defaultdict(float)
         #: the consumers' own waits: what each connection's reported total grew by, summed per label
         self.run_waited: collections.defaultdict[str, float] = collections.defaultdict(float)
-        self.dropped_equal = 0
 
 
 def _dequeue(source: "ServedSource", feed: "Feed", timeout: float) -> Any:
@@ -154,6 +150,9 @@ class IndexOutlet:
         self.left_at: float | None = time.monotonic()
         #: a consumer attached to it once (the grace period counts from its leaving)
         self.attached_once = False
+        #: its feed's data ended (a consumer was handed the end): nothing more
+        #: comes but what ``redo`` holds
+        self.finished = False
 
     def next(self, conn: Any, timeout: float) -> Item | End | None:
         src = self.source
@@ -161,12 +160,10 @@ class IndexOutlet:
             return self.redo.popleft()
         if src.error is not None:
             return End(src.error)
-        item = src.equalizer.next(self, timeout) if src.equalizer is not None else self._take(timeout)
-        return item
-
-    def _take(self, timeout: float) -> Item | End | None:
-        batch = _dequeue(self.source, self.feed, timeout)
+        batch = _dequeue(src, self.feed, timeout)
         if batch is None or isinstance(batch, End):
+            if isinstance(batch, End) and batch.error is None:
+                self.finished = True
             return batch
         item = Item(self._s, batch)
         self._s += 1
@@ -202,6 +199,8 @@ class SharedOutlet:
         #: items the inner stream holds before the prefix that a resumed run must skip
         self.skip = skip
         self._items: dict[int, Any] = {}
+        #: the feed's data ended (a consumer was handed the end)
+        self.finished = False
 
     def join(self, conn: Any) -> None:
         with self._lock:
@@ -224,6 +223,8 @@ class SharedOutlet:
         with self._lock:
             batch = _dequeue(src, self.feed, timeout)
             if batch is None or isinstance(batch, End):
+                if isinstance(batch, End) and batch.error is None:
+                    self.finished = True
                 return batch
             s = self._s
             self._s += 1
@@ -291,12 +292,9 @@ class ServedSource:
         #: the batch layout, known from the first batch (sizes the slots)
         self.slot_bytes: int | None = None
         self.connected = 0
-        self.equalizer: Equalizer | None = None
         if terms.num_consumers is not None:
             self.outlets: list[IndexOutlet] = [IndexOutlet(self, i, f) for i, f in enumerate(feeds)]
             self.shared: SharedOutlet | None = None
-            if terms.equal:
-                self.equalizer = Equalizer(self, len(feeds))
         else:
             self.outlets = []
             self.shared = SharedOutlet(self, feeds[0], set())
@@ -368,12 +366,35 @@ class ServedSource:
                         "return (within %.3g s)", self.name, outlet.index, len(unacked), self.terms.grace_period,
                     )
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the source failed (a consumer index that did not come back, a
+        fetcher error of its workers), None while it has not."""
+        if self.error is not None:
+            return self.error
+        inner = self.feeds[0].source
+        return inner.error if isinstance(inner.error, BaseException) else None
+
+    @property
+    def ended(self) -> bool:
+        """Its data was dealt to the end (every batch acknowledged) and every
+        consumer left: the source has nothing more to do."""
+        if self.failure is not None or self.stopped or self.connected:
+            return False
+        if self.shared is not None:
+            return self.shared.finished and not self.shared.redeal
+        return all(o.finished and not o.redo and o.holder is None for o in self.outlets)
+
     def check_grace(self) -> None:
-        """Fail the source if a consumer index has been away longer than the grace period."""
+        """Fail the source if a consumer index has been away longer than the
+        grace period (an index whose data ended and that left nothing
+        unacknowledged is not away: it is done)."""
         if self.error is not None or self.stopped or not self.outlets:
             return
         now = time.monotonic()
         for o in self.outlets:
+            if o.finished and not o.redo:
+                continue
             if o.holder is None and o.left_at is not None and o.attached_once and now - o.left_at > self.terms.grace_period:
                 self.fail(FetcherError(
                     f"source {self.name!r}: consumer {o.index} left and did not come back within "
@@ -383,12 +404,15 @@ class ServedSource:
                 return
 
     def fail(self, error: BaseException) -> None:
+        """The source fails with ``error``: its consumers get it, its
+        workers stop.  The service's other sources go on (they share the
+        coordinator: only this source's name is stopped, not waited for)."""
         with self._lock:
             if self.error is not None:
                 return
             self.error = error
         logger.error("%s", error)
-        self.coordinator.request_stop()
+        self.coordinator._request_stop_named(self.name)
 
     def drop_held(self) -> None:
         """At stop: let go of the batches waiting to be dealt again (they
@@ -402,110 +426,14 @@ class ServedSource:
         self.arena.close()
 
     # -- state -----------------------------------------------------------------------
+    @property
+    def resumable(self) -> bool:
+        """Can it save and load a state (``deterministic=True``)?"""
+        return bool(self.feeds[0].source.dealer.resumable)
+
     def state_dict(self) -> dict[str, Any]:
         inner = self.coordinator.state_dict(self.name)
         state: dict[str, Any] = {"service_version": 1, "source": self.name, "inner": inner}
         if self.shared is not None:
             state["acked_after"] = self.shared.acked_after()
         return state
-
-
-class Equalizer:
-    """``equal=True`` for a source dealt by index: consumer *k*'s *r*-th batch
-    of an epoch goes out only once every consumer's feed has given its
-    *r*-th batch of that epoch; a round that some consumer has no batch for
-    (the epoch's last, incomplete one) is dropped and counted, so every
-    consumer gets the same number of batches per epoch."""
-
-    def __init__(self, source: ServedSource, n: int) -> None:
-        self.source = source
-        self.n = n
-        self._cond = threading.Condition()
-        #: per outlet: the items taken from its feed and not yet sent (its End last)
-        self._ahead: list[collections.deque[Any]] = [collections.deque() for _ in range(n)]
-        #: per outlet: the epoch of its next item
-        self._epoch = [0] * n
-        #: per outlet: batches of its current epoch sent or dropped
-        self._passed = [0] * n
-        #: per epoch, per outlet: batches taken from its feed; whether its end was
-        self._taken: dict[int, list[int]] = collections.defaultdict(lambda: [0] * n)
-        self._ended: dict[int, list[bool]] = collections.defaultdict(lambda: [False] * n)
-        #: per outlet: the epoch of the next item taken from its feed
-        self._feed_epoch = [0] * n
-        self._taking = [False] * n
-
-    def next(self, outlet: IndexOutlet, timeout: float) -> Item | End | None:
-        k = outlet.index
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                got = self._ready(k)
-                if got is not None:
-                    return got
-                ahead = self._ahead[k]
-                if not self._taking[k] and len(ahead) < 2 and not (ahead and isinstance(ahead[-1], End)):
-                    self._taking[k] = True
-                    self._cond.release()
-                    try:
-                        item = outlet._take(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-                    finally:
-                        self._cond.acquire()
-                        self._taking[k] = False
-                    if isinstance(item, End) and item.error is not None:
-                        return item  # a failure goes out at once
-                    if item is not None:
-                        e = self._feed_epoch[k]
-                        if isinstance(item, End):
-                            # the end of the data ends the last epoch: its
-                            # incomplete round is dropped as at an epoch's end
-                            self._ended[e][k] = True
-                            self._feed_epoch[k] = e + 1
-                        elif type(item.batch) is EpochEnd:
-                            self._ended[e][k] = True
-                            self._feed_epoch[k] = e + 1
-                        else:
-                            self._taken[e][k] += 1
-                        self._ahead[k].append(item)
-                        self._cond.notify_all()
-                        continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(min(left, POLL_S))
-
-    def _ready(self, k: int) -> Item | None:
-        """Outlet ``k``'s next item, if it may go out now (under the lock);
-        drops its head when that is a batch of an incomplete round."""
-        q = self._ahead[k]
-        while q:
-            head = q[0]
-            e = self._epoch[k]
-            if isinstance(head, End):
-                return head  # stays at the head: every later call ends too
-            if type(head.batch) is EpochEnd:
-                self._epoch[k] = e + 1
-                self._passed[k] = 0
-                if all(ep > e for ep in self._epoch):
-                    self._taken.pop(e, None)
-                    self._ended.pop(e, None)
-                return q.popleft()
-            r = self._passed[k]
-            taken, ended = self._taken[e], self._ended[e]
-            if all(t > r for t in taken):
-                self._passed[k] = r + 1
-                return q.popleft()
-            if any(ended[j] and taken[j] <= r for j in range(self.n)):
-                # a batch of an incomplete last round: never sent; the
-                # connection acknowledges it to the stream in its turn, so a
-                # resume never replays it
-                self._passed[k] = r + 1
-                item = q.popleft()
-                src = self.source
-                src.counts.dropped_equal += 1
-                src.hub.count_dropped(src.name, "equal", item.batch.n)
-                logger.info(
-                    "source %r: consumer %d's batch of the incomplete last round dropped (equal=True)", src.name, k
-                )
-                return item._replace(drop=True)
-            return None
-        return None

@@ -8,6 +8,7 @@ See docs/SERVICE.md for the guarantees and how they compare.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -28,7 +29,7 @@ from ..coordinator import GlobalCoordinator, init_data_input_workers
 from ..errors import BlobfeedError
 from ..feeders import Feed
 from ..net import Net
-from .connection import Connection
+from .connection import Connection, Refused
 from .served import ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 
@@ -43,6 +44,8 @@ STOP_DRAIN_S = 1.0
 #: connections in their handshake at once (each has HANDSHAKE_S for its
 #: hello); the next one is accepted when one of them is done
 MAX_HANDSHAKES = 64
+#: what wait() and /healthz say once every source ended
+ENDED = "every source ended"
 
 _current: list["FeedServer"] = []
 
@@ -163,6 +166,22 @@ class FeedServer:
         self._resume_state = self._read_state(self.state_file) if resume else None  # type: ignore[arg-type]
 
     # -- wiring ------------------------------------------------------------------------
+    def setup(self, wire: Callable[[], Any]) -> "FeedServer":
+        """Call ``wire()`` with :func:`blobfeed.serve_source` adding to this server.
+
+        The Python form of ``blobfeed serve MODULE:FUNCTION``: the same wiring
+        function serves from the command line, from Python and on Ray
+        (``serve_on_ray(name, wire)``). Call it before :meth:`start`.
+
+        Returns:
+            This server, so that ``FeedServer().setup(wire).start()`` reads as one step.
+        """
+        if not callable(wire):
+            raise TypeError(f"setup() takes the wiring function, got {type(wire).__name__}")
+        with serving(self):
+            wire()
+        return self
+
     def serve_source(
         self,
         name: str,
@@ -201,7 +220,10 @@ class FeedServer:
                 counts).  None: first come, first served.
             equal: every consumer gets the same number of batches per epoch
                 (the last incomplete round is dropped and counted; needs
-                ``num_consumers``).
+                ``num_consumers``).  The source's dealer does it, as for
+                nets in one process: batches go out in rounds, batch *i* of
+                an epoch to consumer *i mod num_consumers*, every epoch
+                starting at consumer 0.
             grace_period: seconds a consumer index may stay away (dealt by
                 index) before the source fails.
             max_buffered_batches: chunks the source buffers ahead of its
@@ -247,7 +269,7 @@ class FeedServer:
             input_source_name=name, max_buffered_batches=max_buffered_batches, timeout=timeout,
             drop_last=drop_last, on_error=on_error, seed=seed, backend=backend,
             worker_init_fun=worker_init_fun, deterministic=deterministic, shuffle_buffer=shuffle_buffer,
-            epochs=epochs, coordinator=self.coordinator, device_queue_capacity=INNER_QUEUE,
+            epochs=epochs, equal=equal, coordinator=self.coordinator, device_queue_capacity=INNER_QUEUE,
         )
         init_data_input_workers(nets[0], names, fetch_fun, batch_size, num_worker_threads, **wiring)
         feeds = [nets[0]._feeds[0]]
@@ -286,7 +308,7 @@ class FeedServer:
                 from ..metrics import start_http_server
 
                 self._metrics = start_http_server(
-                    self._metrics_port, self._metrics_addr, self.registry, health=self.health
+                    self._metrics_port, self._metrics_addr, self.registry, health=self.health, ready=self.ready
                 )
             self.coordinator.start()
             for feed in self._extra_feeds:
@@ -321,16 +343,24 @@ class FeedServer:
             if os.path.exists(path):
                 if not stat.S_ISSOCK(os.stat(path).st_mode):
                     raise ValueError(f"listen={path!r} exists and is not a socket")
-                if _alive(path):
-                    raise ValueError(f"listen={path!r}: another service is listening there")
-                os.unlink(path)  # a stale socket of a service that died
+                live = _alive(path)
+                if live is not None:
+                    raise ValueError(
+                        f"listen={path!r}: another program is listening there ({live}, another service "
+                        "or not): stop it, or listen elsewhere"
+                    )
+                os.unlink(path)  # a stale socket of a program that died
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         old = os.umask(0o177)  # the socket file is made 0600
         try:
             sock.bind(path)
+            sock.listen(64)
+        except OSError as err:
+            sock.close()
+            # the socket's own error names no path ("No such file or directory")
+            raise OSError(err.errno, f"cannot listen on {path!r}: {err.strerror or err}") from err
         finally:
             os.umask(old)
-        sock.listen(64)
         self._sock = sock
         self.address = path
 
@@ -359,7 +389,7 @@ class FeedServer:
                     handshakes.release()
                     continue
             conn = Connection(
-                conn_sock, next(self._numbers), self.sources.get, self.state_dict, str(self.address), tcp_peer
+                conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer
             )
             conn.on_handshake_done = handshakes.release
             with self._lock:
@@ -372,6 +402,17 @@ class FeedServer:
             t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)
             conn.receiver = t
             t.start()
+
+    def source_for(self, name: str) -> ServedSource:
+        """The source a consumer asks for by ``name``.
+
+        Raises:
+            Refused: no such source (the message lists those served).
+        """
+        source = self.sources.get(name)
+        if source is None:
+            raise Refused(f"this service has no source {name!r}; it serves {sorted(self.sources)}")
+        return source
 
     def _serve(self, conn: Connection) -> None:
         try:
@@ -386,8 +427,9 @@ class FeedServer:
         while not self._stopping.wait(0.1):
             for s in self.sources.values():
                 s.check_grace()
-                if s.error is not None and self.stop_reason is None:
-                    self.stop_reason = f"source {s.name!r} failed: {s.error}"
+                failure = s.failure
+                if failure is not None and self.stop_reason is None:
+                    self.stop_reason = f"source {s.name!r} failed: {failure}"
             now = time.monotonic()
             if now - last_log >= self._log_interval:
                 for name, s in self.sources.items():
@@ -408,25 +450,57 @@ class FeedServer:
         return self._metrics.url if self._metrics is not None else None
 
     def health(self) -> tuple[bool, str]:
-        """(serving, why): False once stopping, or a source failed."""
+        """``/healthz`` (liveness): (healthy, what the service is doing).
+
+        ``(True, "ok")`` while serving; ``(True, "done: ...")`` once every
+        source ended (a clean finish is not a failure: nothing to restart);
+        False once stopping, or a source failed (a consumer index that did
+        not come back, or a fetcher error), naming it and why.
+        """
         if self._stopping.is_set():
             return False, "stopping"
-        failed = [n for n, s in self.sources.items() if s.error is not None]
+        failed = [(n, s.failure) for n, s in self.sources.items() if s.failure is not None]
         if failed:
-            return False, f"failed sources: {failed}"
+            return False, "; ".join(f"source {n!r} failed: {err}" for n, err in failed)
+        if self._all_ended():
+            return True, f"done: {ENDED}"
         return True, "ok"
 
+    def ready(self) -> tuple[bool, str]:
+        """``/readyz`` (readiness): True only while serving (``"ok"``); once
+        every source ended, stopping or failed, False with ``health()``'s text."""
+        ok, text = self.health()
+        return ok and text == "ok", text
+
+    def _all_ended(self) -> bool:
+        return self._started and all(s.ended for s in self.sources.values())
+
     # -- state -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Every source's position, as of the batches its consumers acknowledged.
+    def state_dict(self, source: str | None = None) -> dict[str, Any]:
+        """Every resumable source's position, as of the batches its consumers
+        acknowledged.  Each source's state stands alone: one that is not
+        resumable (not ``deterministic=True``) is left out, and starts
+        afresh when the service is resumed.
+
+        Args:
+            source: the source that must be in it (a consumer of it asks).
 
         Raises:
-            ValueError: a source is not resumable (not ``deterministic=True``).
+            ValueError: ``source`` is not resumable; or, asked for none,
+                no source is.
         """
-        return {
-            "version": STATE_VERSION,
-            "sources": {name: s.state_dict() for name, s in self.sources.items()},
-        }
+        states: dict[str, Any] = {}
+        refused: dict[str, ValueError] = {}
+        for name, s in self.sources.items():
+            try:
+                states[name] = s.state_dict()
+            except ValueError as err:
+                refused[name] = err
+        if source is not None and source in refused:
+            raise refused[source]
+        if not states and refused:
+            raise ValueError("; ".join(str(err) for err in refused.values()))
+        return {"version": STATE_VERSION, "sources": states}
 
     def save_state(self) -> bool:
         """Write :meth:`state_dict` to ``state_file`` atomically; False if it could not."""
@@ -448,41 +522,86 @@ class FeedServer:
 
     @staticmethod
     def _read_state(path: str) -> dict[str, Any]:
+        """The state in ``path``, its shape checked at every level down to
+        each source's inner state (which ``load_state_dict`` checks).
+
+        Raises:
+            ValueError: no such file, not JSON, or a field of the wrong
+                kind, value or name (the message names it).
+        """
         try:
             with open(path) as f:
                 state = json.load(f)
         except FileNotFoundError:
             raise ValueError(f"resume: no state file {path!r}") from None
+        except RecursionError:
+            raise ValueError(f"resume: {path!r} is not a service state: nested too deeply") from None
         except (OSError, ValueError) as err:
             raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(
-            state.get("sources"), dict
-        ):
-            raise ValueError(
-                f"resume: {path!r} is not a state of this service's version {STATE_VERSION} "
-                "({'version': 1, 'sources': {...}})"
-            )
+        where = f"resume: {path!r}"
+
+        def bad(field: str, message: str) -> ValueError:
+            return ValueError(f"{where}: {field}: {message}")
+
+        def fields(obj: dict[str, Any], field: str, known: tuple[str, ...], required: tuple[str, ...]) -> None:
+            for key in obj:
+                if key not in known:
+                    raise bad(field, f"unknown field {key!r} (expected {', '.join(map(repr, known))})")
+            for key in required:
+                if key not in obj:
+                    raise bad(f"{_field(field, key)}", "missing (the state is damaged, or not from state_dict())")
+
+        if not isinstance(state, dict):
+            raise bad("the state", f"expected an object {{'version': {STATE_VERSION}, 'sources': {{...}}}}, "
+                      f"got {_kind(state)}")
+        fields(state, "the state", ("version", "sources"), ("version", "sources"))
+        if type(state["version"]) is not int or state["version"] != STATE_VERSION:
+            raise bad("state['version']", f"this service reads version {STATE_VERSION}, got {_kind(state['version'])}")
+        sources = state["sources"]
+        if not isinstance(sources, dict):
+            raise bad("state['sources']", f"expected an object (source name: its state), got {_kind(sources)}")
+        for name, s in sources.items():
+            field = _field("state['sources']", name)
+            if not isinstance(s, dict):
+                raise bad(field, "expected an object {'service_version': 1, 'source': NAME, 'inner': {...}}, "
+                          f"got {_kind(s)}")
+            fields(s, field, ("service_version", "source", "inner", "acked_after"), ("inner",))
+            if "service_version" in s and (type(s["service_version"]) is not int or s["service_version"] != 1):
+                raise bad(_field(field, "service_version"), f"expected 1, got {_kind(s['service_version'])}")
+            if "source" in s and s["source"] != name:
+                raise bad(_field(field, "source"), f"expected {name!r} (the name it is saved under), "
+                          f"got {_kind(s['source'])}")
+            if not isinstance(s["inner"], dict):
+                raise bad(_field(field, "inner"), "expected an object (the source's position, from its "
+                          f"state_dict()), got {_kind(s['inner'])}")
+            after = s.get("acked_after", [])
+            if not isinstance(after, list) or not all(type(x) is int and 0 < x < 1 << 40 for x in after):
+                raise bad(_field(field, "acked_after"), "expected a list of positive ints (batches acknowledged "
+                          f"past the position), got {_kind(after)}")
         return state
 
     def _load(self, path: str) -> None:
         state = self._resume_state
         assert state is not None
-        if set(state["sources"]) != set(self.sources):
+        # every resumable source must be in it; one that is not starts afresh
+        resumable = {name for name, s in self.sources.items() if s.resumable}
+        if not set(state["sources"]) <= set(self.sources) or not resumable <= set(state["sources"]):
             raise ValueError(
                 f"resume: {path!r} holds sources {sorted(state['sources'])}; this service serves "
-                f"{sorted(self.sources)}"
+                f"{sorted(self.sources)}, of which {sorted(resumable)} are resumable (deterministic=True): "
+                "the state must hold every resumable source, and no other"
             )
+        for name in sorted(set(self.sources) - set(state["sources"])):
+            logger.info("service: source %r is not resumable (not deterministic=True): it starts afresh", name)
         for name, s in state["sources"].items():
-            where = f"resume: {path!r}, source {name!r}"
-            if not isinstance(s, dict) or not isinstance(s.get("inner"), dict):
-                raise ValueError(f"{where}: expected {{'inner': state, ...}}")
-            self.coordinator.load_state_dict(name, s["inner"])
+            try:
+                self.coordinator.load_state_dict(name, s["inner"])
+            except (ValueError, TypeError) as err:
+                field = _field(_field("state['sources']", name), "inner")
+                raise ValueError(f"resume: {path!r}: {field} (the source's position): {err}") from None
             served = self.sources[name]
             if served.shared is not None:
-                after = s.get("acked_after", [])
-                if not isinstance(after, list) or not all(type(x) is int and 0 < x < 1 << 40 for x in after):
-                    raise ValueError(f"{where}: 'acked_after' must be a list of positive ints")
-                served.shared.skip = set(after)
+                served.shared.skip = set(s.get("acked_after", []))
         logger.info("service: resumed from %s", path)
 
     # -- stopping ----------------------------------------------------------------------
@@ -492,9 +611,16 @@ class FeedServer:
         self._stopping.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until a stop is requested, or every source ended; True if so."""
+        """Until a stop is requested, or every source ended (its data dealt
+        to the end, every batch acknowledged, every consumer gone); True if
+        so (``stop_reason`` then says "every source ended").  A source that
+        failed has not ended: the service stays up, its health failing."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._stopping.is_set():
+            if self._all_ended():
+                if self.stop_reason is None:
+                    self.stop_reason = ENDED
+                return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             self._stopping.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
@@ -563,15 +689,40 @@ class FeedServer:
         return f"<FeedServer {sorted(self.sources)} at {self.address}>"
 
 
-def _alive(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+def _field(field: str, key: object) -> str:
+    """``field[key]``, as a message names a field of a state."""
+    return f"{field}[{key!r}]"
+
+
+def _kind(value: object) -> str:
+    """What a message says a state held: its JSON kind, and the value if short."""
+    kinds = {dict: "an object", list: "a list", str: "a str", bool: "a bool", int: "an int", float: "a number"}
+    kind = kinds.get(type(value), "null" if value is None else type(value).__name__)
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return kind if value is None or len(text) > 60 else f"{kind} {text}"
+
+
+def _alive(path: str) -> str | None:
+    """What is live at the socket file ``path`` (a program has it bound,
+    and listening for a connected type), None if it is stale.  Every type
+    is tried: connecting with another type than the socket's fails
+    (EPROTOTYPE) even when it is live."""
+    for kind in ("SOCK_SEQPACKET", "SOCK_STREAM", "SOCK_DGRAM"):
+        s = socket.socket(socket.AF_UNIX, getattr(socket, kind))
+        try:
+            s.settimeout(1.0)
+            s.connect(path)
+            return f"a live {kind} socket"
+        except (TimeoutError, BlockingIOError):
+            return f"a live {kind} socket, its backlog full"
+        except OSError as err:
+            if err.errno in (errno.ECONNREFUSED, errno.EPROTOTYPE):
+                continue  # nobody there, or a socket of another type
+            # cannot tell (no permission, say): never take it over
+            return f"a socket that a {kind} probe could not reach: {err.strerror or err}"
+        finally:
+            s.close()
+    return None
 
 
 class _ServiceCollector:

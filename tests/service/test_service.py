@@ -90,13 +90,13 @@ def served(workers: int = 2, name: str = "train", **kw) -> FeedServer:
     return server.start()
 
 
-def local_streams(nets: int, workers_per_net: int, **kw) -> list[list[list[int]]]:
+def local_streams(nets: int, workers_per_net: int, calls: int = feeds.CALLS, **kw) -> list[list[list[int]]]:
     """What ``nets`` nets in one process get from the same source (the reference)."""
     gc = blobfeed.GlobalCoordinator()
     ns = [blobfeed.Net(None, name=f"n{i}") for i in range(nets)]
     for net in ns:
         blobfeed.init_data_input_workers(
-            net, ["id", "x"], feeds.Fetch(), 8, workers_per_net, coordinator=gc, timeout=20, **kw
+            net, ["id", "x"], feeds.Fetch(calls), 8, workers_per_net, coordinator=gc, timeout=20, **kw
         )
     gc.start()
     got: list[list[list[int]]] = [[] for _ in ns]
@@ -148,7 +148,9 @@ def test_equal_shares_drop_the_incomplete_round(tmp_path: Path) -> None:
         outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
         procs = [consumer(server.address, outs[i], "--index", str(i)) for i in range(3)]
         assert finish(procs) == [0] * 3
-        dropped = server.sources["train"].counts.dropped_equal
+        dropped = server.registry.get_sample_value(
+            "blobfeed_dropped_samples_total", {"source": "train", "reason": "equal"}
+        )
     per_epoch = []
     for o in outs:
         counts, n = [], 0
@@ -161,11 +163,31 @@ def test_equal_shares_drop_the_incomplete_round(tmp_path: Path) -> None:
         per_epoch.append(counts)
     assert per_epoch[0] == per_epoch[1] == per_epoch[2], per_epoch
     total = sum(len(batches(o)) for o in outs)
-    # 2 epochs: every batch but the dropped ones reached one consumer
+    samples = sum(len(b) for o in outs for b in batches(o))
+    # 2 epochs: every sample but the dropped ones reached one consumer
     per_epoch_batches = -(-len(feeds.all_ids(2)) // 8)
     assert per_epoch_batches % 3 != 0  # so a round is incomplete
-    assert total + dropped == 2 * per_epoch_batches
-    assert dropped == 2 * (per_epoch_batches % 3)
+    assert total == 2 * (per_epoch_batches - per_epoch_batches % 3)
+    assert samples + dropped == 2 * len(feeds.all_ids(2))
+
+
+def test_equal_and_deterministic_over_epochs_deal_what_nets_in_one_process_get(tmp_path: Path) -> None:
+    """equal=True, deterministic=True, 3 consumers, 2 epochs of 19 batches
+    (an incomplete last round): every epoch starts its rounds at consumer
+    0, as for 3 nets in one process.  The service did equal shares on its
+    own, over an inner stream dealt without equal, so the dropped batch
+    shifted epoch 1 by one: consumer k got what local net k + 1 gets."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(10), 8, 3, deterministic=True, num_consumers=3,
+                        equal=True, epochs=2)
+    with server.start():
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(3)]
+        procs = [consumer(server.address, outs[i], "--index", str(i), "--num", "3") for i in range(3)]
+        assert finish(procs) == [0] * 3
+    reference = local_streams(3, 1, calls=10, deterministic=True, equal=True, epochs=2)
+    assert -(-len(feeds.all_ids(3, 10)) // 8) % 3 == 1  # an incomplete last round each epoch
+    for i in range(3):
+        assert batches(outs[i]) == reference[i], i
 
 
 def test_a_killed_consumer_s_batches_go_to_the_others(tmp_path: Path) -> None:
@@ -766,9 +788,9 @@ def test_a_service_resumed_at_an_epoch_s_end_or_the_data_s_end_serves_on(
 
 @pytest.mark.parametrize("listen", CARRIERS)
 def test_consumers_whose_first_batch_equal_drops_get_the_next_ones(listen: str | None) -> None:
-    """equal=True, an epoch of one batch for two consumers: consumer 0's
-    first batch is dropped (and consumer 1's first item is the epoch's end);
-    both were welcomed with slots of 64 bytes and failed at the next epoch."""
+    """equal=True, an epoch of one batch for two consumers: that batch is
+    dropped, so each consumer's first item is the epoch's end; both were
+    welcomed with slots of 64 bytes and failed at the next epoch."""
     with FeedServer(listen) as server:
         server.serve_source("train", ["id", "x"], feeds.EpochSizes([1, 2]), 8, 1, deterministic=True,
                             num_consumers=2, equal=True, epochs=2)
@@ -795,7 +817,10 @@ def test_consumers_whose_first_batch_equal_drops_get_the_next_ones(listen: str |
             for a in atts:
                 a.stop()
         assert not errors, errors
-        assert server.sources["train"].counts.dropped_equal == 1
+        dropped = server.registry.get_sample_value(
+            "blobfeed_dropped_samples_total", {"source": "train", "reason": "equal"}
+        )
+        assert dropped == 8  # epoch 0's one batch
     assert sorted(got) == [["epoch", list(range(1000, 1008))], ["epoch", list(range(1008, 1016))]]
 
 

@@ -465,7 +465,7 @@ def test_a_hello_for_no_such_source_is_refused_in_one_frame_then_closed() -> Non
     magic, size, payload = PREFIX.unpack(got[:PREFIX.size])
     assert (magic, payload, len(got)) == (MAGIC, 0, PREFIX.size + size)
     assert json.loads(got[PREFIX.size:]) == {
-        "t": "refused", "error": "this service has no source 'nope'", "kind": "value"}
+        "t": "refused", "error": "this service has no source 'nope'; it serves ['train']", "kind": "value"}
 
 
 class _Big:

@@ -67,8 +67,10 @@ Runners:
 
 Exit status: 0 when every evaluated target is met; 1 when any is missed,
 including blobfeed losing a sample in any repetition (the missed targets are
-listed), or when no target could be evaluated; 2 for a usage error or a
-measurement that crashed.
+listed), or when no target could be evaluated; 2 for a usage error, or when
+any measurement failed (crashed, hung, or gave a physically impossible
+figure, such as a ratio to an ideal past what the cores can do): its row
+says so and the other measurements are still judged.
 
 The modules, by job:
 

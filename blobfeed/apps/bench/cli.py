@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
+import time
 from collections.abc import Collection
 
-from .report import evaluate, format_report, verdict
+from ..argtypes import positive_float, positive_int
+from .report import IDEAL_TOLERANCE, evaluate, format_report, verdict
 from .runner import RUNNERS, WARMUP_S, _packages, _plan, available_packages, estimate_seconds, run_all
 from .workloads import WORKLOADS, w6_corpus_dir
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 DEFAULT_WORKLOADS = "W1,W2,W3,W4,W5"
@@ -84,10 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
         f"--workloads all runs {_run_length(everything, packages)}; {peer_note}. The first run that "
         f"includes W6 or W6p also generates W6's JPEG corpus into {w6_corpus_dir()} (a few seconds). "
         f"Each measurement is a child process: start-up, a {WARMUP_S:g} s warm-up, then the measured "
-        f"window. Exit status: 0 when every evaluated target is met; 1 when any target is missed, "
+        f"window, and its runner's set-up, calibration and drain. Every run prints its own estimate "
+        f"before it starts (from its --workloads, --seconds, --repeats and the runners installed), and "
+        f"at the end how long it took. Exit status: 0 when every evaluated target is met; 1 when any target is missed, "
         f"including blobfeed losing a sample in any repetition (the missed targets are listed), or when "
-        f"no target could be evaluated; 2 for a usage error or a measurement that crashed. A target "
-        f"whose peer is not installed is reported as not evaluated, neither met nor missed."
+        f"no target could be evaluated; 2 for a usage error, or when any measurement failed: crashed, "
+        f"hung past its time limit (10 x --seconds + 120 s; killed with every process it started), or "
+        f"gave a physically impossible figure (a ratio to an ideal above {IDEAL_TOLERANCE:g} x what "
+        f"the cores can do). A failed measurement is a row of its own that says why; it is not "
+        f"repeated, and the targets are judged on the other measurements, whose verdict is still "
+        f"printed. A target whose peer is not installed is reported as not evaluated, neither met "
+        f"nor missed."
     )
     p = argparse.ArgumentParser(
         prog="blobfeed bench",
@@ -104,11 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {', '.join(WORKLOADS)}, or all (default: {DEFAULT_WORKLOADS})",
     )
     p.add_argument(
-        "--seconds", type=_positive_float, default=DEFAULT_SECONDS,
+        "--seconds", type=positive_float, default=DEFAULT_SECONDS,
         help=f"measured seconds per measurement, after a {WARMUP_S:g} s warm-up (default: {DEFAULT_SECONDS:g} s)",
     )
     p.add_argument(
-        "--repeats", type=_positive_int, default=DEFAULT_REPEATS,
+        "--repeats", type=positive_int, default=DEFAULT_REPEATS,
         help=f"repetitions of every measurement; the median is reported (default: {DEFAULT_REPEATS})",
     )
     p.add_argument("--json", metavar="PATH", help="also write the raw results and the verdict here (default: none)")
@@ -131,19 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     if not wls:
         p.error("no workload given")
     packages = available_packages()
-    n = len(_plan(wls, packages)) * args.repeats
+    per = len(_plan(wls, packages))
     est = estimate_seconds(wls, args.seconds, args.repeats, packages)
-    print(f"blobfeed bench: {n} measurements, about {est:.0f} s", file=sys.stderr, flush=True)
-    try:
-        report = run_all(wls, args.seconds, args.repeats)
-    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:  # a child crashed or hung
-        print(f"blobfeed bench: a measurement failed, no verdict: {exc}", file=sys.stderr)
-        return 2
+    print(f"blobfeed bench: {per * args.repeats} measurements ({per} per repeat x {args.repeats}), about "
+          f"{est:.0f} s ({est / 60:.1f} min): each a child process's start-up, a {WARMUP_S:g} s warm-up, a "
+          f"{args.seconds:g} s window, and its runner's set-up and drain", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    # a measurement that crashes or hangs is a failed row of the report: the rest is still judged
+    report = run_all(wls, args.seconds, args.repeats)
+    took = time.monotonic() - t0
+    report.update(estimated_s=est, took_s=took)
     rows = evaluate(report)
     status, why = verdict(rows)
     print(format_report(report))
     print()
     print("\n".join(why))
+    # so that the estimate can be checked against the run
+    print(f"blobfeed bench: took {took:.0f} s ({took / 60:.1f} min); estimated {est:.0f} s")
     if args.json:
         report["targets"] = rows
         report["passed"] = status == 0

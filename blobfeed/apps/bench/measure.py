@@ -9,6 +9,7 @@ import mmap
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -183,14 +184,114 @@ def tree_pss_mb(root: int | None = None) -> float:
     return sum(_pss_kb(pid) for pid in _descendants(os.getpid() if root is None else root)) / 1024
 
 
+class PssSampler:
+    """The largest total PSS of a process tree, read about once a second by
+    a process of its own (this file run as a script: the standard library
+    only, no numpy, no blobfeed).
+
+    Read in the measuring process, the PSS cost the window dearly: the
+    reading opens two files per process on the machine, and each read
+    gives up the GIL; with W4's fetcher threads running pure-Python work,
+    taking it back waits a switch interval (5 ms) every time, so one reading
+    took up to 3.8 s on a busy machine.  That time was taken out of the
+    window while the fetchers went on filling the queues, so the batches
+    they made in it were counted against a window that did not include it:
+    W4 reported 3.57 x one core's ideal.  From another process the reading
+    takes nothing from the measured one, and the window is its wall time.
+
+    ``go()`` starts the readings (the window opens), ``stop()`` takes one
+    more and returns the largest, MiB.  The sampler leaves its own PSS out,
+    and exits when its stdin closes (this process gone) or the root is gone.
+    """
+
+    def __init__(self, root: int | None = None, interval: float = 1.0) -> None:
+        import subprocess
+
+        self.root = os.getpid() if root is None else root
+        # -I: no PYTHON* variables, no user site, and not this file's folder on sys.path
+        self._proc: Any = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), "--pss-sampler", str(self.root), str(interval)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def go(self) -> None:
+        """Begin the readings (the window opened)."""
+        if self._proc is not None:
+            self._send_to(self._proc, "go\n")
+
+    def stop(self, timeout: float = 60.0) -> float:
+        """One last reading; the largest of them all, MiB (0.0 if it failed)."""
+        if self._proc is None:
+            return 0.0
+        proc, self._proc = self._proc, None
+        self._send_to(proc, "stop\n")
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except Exception:
+            proc.kill()
+            proc.communicate()
+            return 0.0
+        try:
+            return float(out.strip() or 0.0)
+        except ValueError:
+            return 0.0
+
+    @staticmethod
+    def _send_to(proc: Any, line: str) -> None:
+        try:
+            proc.stdin.write(line)
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # it died: stop() returns 0.0
+
+    def close(self) -> None:
+        """Stop it without a reading (idempotent)."""
+        if self._proc is not None:
+            proc, self._proc = self._proc, None
+            proc.kill()
+            proc.communicate()
+
+
+def _sampler_main(root: int, interval: float) -> None:
+    """The sampler's loop (see :class:`PssSampler`)."""
+    import select
+
+    me = os.getpid()
+
+    def reading() -> float:
+        return sum(_pss_kb(pid) for pid in _descendants(root) if pid != me) / 1024
+
+    peak, going = 0.0, False
+    next_at = 0.0
+    while True:
+        wait = max(0.0, next_at - time.monotonic()) if going else None
+        ready, _, _ = select.select([sys.stdin], [], [], wait)
+        if ready:
+            line = sys.stdin.readline()
+            if line.strip() == "go":
+                going, next_at = True, time.monotonic()
+                continue
+            if line.strip() == "stop":
+                peak = max(peak, reading())
+                print(f"{peak:.3f}", flush=True)
+            return  # "stop", or EOF: the measuring process is gone
+        if not os.path.exists(f"/proc/{root}"):
+            return
+        peak = max(peak, reading())
+        next_at = time.monotonic() + interval
+
+
 @dataclass
 class Meter:
     """Counts batches in a timed window after a warm-up.
 
     With ``pss`` (the default), the total PSS of this process and its
-    descendants is read about once a second inside the window (the time it
-    takes, some 3 ms here, is left out of the window) and its maximum is
-    reported: for every runner, so the report's PSS column is never blank.
+    descendants is read about once a second inside the window, and at its
+    end, by a :class:`PssSampler` (a process of its own, started at the
+    first batch, during the warm-up), and its maximum is reported: for
+    every runner, so the report's PSS column is never blank.  Nothing is
+    taken out of the window: it is the wall time from its first batch to
+    its last.
     """
 
     seconds: float
@@ -204,8 +305,8 @@ class Meter:
     t_window: float = 0.0
     t_end: float = 0.0
     pss_mb: float = 0.0
-    t_pss: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    _sampler: PssSampler | None = None
 
     def begin(self) -> None:
         self.t_start = time.perf_counter()
@@ -216,26 +317,31 @@ class Meter:
         if self.t_first is None:
             self.t_first = now
             self.t_window = now + self.warmup
+            if self.pss:
+                self._sampler = PssSampler()  # its start-up falls in the warm-up
             return True
         if now < self.t_window:
             return True
         if self.batches == 0:
             self.t_window = now  # the window starts at the first batch after warm-up
-            self.t_pss = now
+            if self._sampler is not None:
+                self._sampler.go()
         self.batches += 1
         self.samples += len(arrays[0])
         self.nbytes += sum(a.nbytes for a in arrays)
         self.t_end = now
         going = now - self.t_window < self.seconds
-        if self.pss and (now >= self.t_pss or not going):
-            self.pss_mb = max(self.pss_mb, tree_pss_mb())
-            if going:
-                spent = time.perf_counter() - now
-                self.t_window += spent  # not the pipeline's time
-                self.t_pss = now + spent + 1.0
+        if not going:
+            self._stop_sampler()
         return going
 
+    def _stop_sampler(self) -> None:
+        if self._sampler is not None:
+            sampler, self._sampler = self._sampler, None
+            self.pss_mb = max(self.pss_mb, sampler.stop())
+
     def result(self, **extra: Any) -> dict[str, Any]:
+        self._stop_sampler()  # a window cut short (an exception, the end of input)
         dt = max(self.t_end - self.t_window, 1e-9)
         out = {
             "batches_per_s": self.batches / dt,
@@ -285,13 +391,23 @@ def watch_consumers(
     wall time: the window every consumer runs in.  The counters are read
     every ``poll_s``, a batch or two of each consumer at its edges.  The
     total PSS of this process and its descendants (the consumers are among
-    them) is read about once a second in the window and at its end; a
-    reading is not taken out of the window (the consumers do not wait for
-    it), and costs this process a few ms.
+    them) is read about once a second in the window and at its end, by a
+    :class:`PssSampler`: another process, so the reading takes nothing from
+    this one (the service's threads run here).
 
     Raises:
         TimeoutError: a consumer had no batch within ``start_timeout``.
     """
+    sampler = PssSampler() if pss else None
+    try:
+        return _watch(counts, consumers, seconds, t_start, check, warmup, start_timeout, poll_s, sampler)
+    finally:
+        if sampler is not None:
+            sampler.close()  # a consumer died, or the start timed out
+
+
+def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check: Callable[[], None], warmup: float,
+           start_timeout: float, poll_s: float, sampler: PssSampler | None) -> ConsumerWindow:
     first: list[float | None] = [None] * consumers
     deadline = time.perf_counter() + start_timeout
     while True:
@@ -312,19 +428,19 @@ def watch_consumers(
         time.sleep(poll_s)
     t0 = time.perf_counter()
     c0 = [counts.count(k) for k in range(consumers)]
-    peak = 0.0
-    next_pss = t0
+    if sampler is not None:
+        sampler.go()
     while True:
         now = time.perf_counter()
         if now >= t0 + seconds:
             break
-        if pss and now >= next_pss:
-            peak = max(peak, tree_pss_mb())
-            next_pss = now + 1.0
         check()
         time.sleep(min(poll_s, max(0.0, t0 + seconds - time.perf_counter())))
     t1 = time.perf_counter()
     c1 = [counts.count(k) for k in range(consumers)]
-    if pss:
-        peak = max(peak, tree_pss_mb())
+    peak = sampler.stop() if sampler is not None else 0.0
     return ConsumerWindow([b - a for a, b in zip(c0, c1)], t1 - t0, t_all - t_start, peak)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--pss-sampler"]:
+    _sampler_main(int(sys.argv[2]), float(sys.argv[3]))

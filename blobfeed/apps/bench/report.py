@@ -4,6 +4,7 @@ the table, and the verdict (the exit status)."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from .workloads import IN_PROCESS_PEERS, PROCESS_PEERS, WORKLOADS
@@ -70,7 +71,7 @@ def base_ratio(results: dict[str, dict[str, Any]], wl: str) -> float | None:
     w = WORKLOADS.get(wl)
     a = results.get(f"{wl}/blobfeed")
     b = results.get(f"{w.base}/blobfeed") if w is not None and w.base else None
-    if a is None or b is None or not b["batches_per_s"]:
+    if a is None or b is None or "failed" in a or "failed" in b or not b["batches_per_s"]:
         return None
     return float(a["batches_per_s"] / b["batches_per_s"])
 
@@ -84,18 +85,75 @@ def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: statistics.median(r[k] for r in results) for k in _keys_in_all(results)}
 
 
-def summarize(raw: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+#: a ratio to an ideal may pass the cores' bound by this much (timing noise)
+#: before it is impossible, so a failed measurement
+IDEAL_TOLERANCE = 1.1
+
+
+def ideal_bound(wl: str, cpus: int) -> tuple[float, str]:
+    """The largest ratio to ``wl``'s ideal that is physically possible on
+    ``cpus`` cores, and why: the ideal is what ``ideal_cores`` cores do with
+    the pipeline costing nothing, so no runner passes it (W4's threads run
+    pure-Python work: one core, whatever the machine), nor can the work use
+    more cores than the machine has."""
+    w = WORKLOADS[wl]
+    cores = min(w.ideal_cores, cpus)
+    if w.ideal_cores == 1:
+        why = "its threads run pure-Python work under the GIL: one core at most"
+    elif cores < w.ideal_cores:
+        why = f"its {w.ideal_cores} workers share the machine's {cpus} cpus"
+    else:
+        why = f"its work runs on {w.ideal_cores} cores at most"
+    return IDEAL_TOLERANCE * cores / w.ideal_cores, why
+
+
+def implausible(wl: str, runner: str, result: dict[str, Any], cpus: int) -> str:
+    """Why ``result`` is physically impossible ("" when it is not): a ratio
+    to the ideal past :func:`ideal_bound`."""
+    ratio = result.get("ideal_ratio")
+    if ratio is None or wl not in WORKLOADS:
+        return ""
+    bound, why = ideal_bound(wl, cpus)
+    if ratio <= bound:
+        return ""
+    cores = WORKLOADS[wl].ideal_cores
+    return (f"{result['batches_per_s']:.0f} batches/s is {ratio:.2f} x the {cores}-core ideal "
+            f"({result['ideal_batches_per_s']:.0f} batches/s), above the possible {bound:.2f} ({why})")
+
+
+def summarize(raw: dict[tuple[str, str], list[dict[str, Any]]], failures: dict[tuple[str, str], str] | None = None,
+              cpus: int | None = None) -> dict[str, dict[str, Any]]:
     """Every measurement's repetitions -> ``{"W1/blobfeed": {...}}``.
 
     Each figure is the median of the repetitions, except
     ``samples_lost_total``: the samples lost summed over all of them, so a
-    loss in one repetition cannot hide behind the median.  A workload with
-    an ideal gets a ``W4/ideal`` row: blobfeed's yardstick.
+    loss in one repetition cannot hide behind the median (runners that do
+    not count their samples have neither).  A workload with an ideal gets a
+    ``W4/ideal`` row: blobfeed's yardstick.
+
+    A measurement in ``failures`` (crashed, hung), or one of whose
+    repetitions is physically impossible on ``cpus`` cores (see
+    :func:`implausible`; not checked when ``cpus`` is None), is
+    ``{"failed": why}`` and nothing else: no figure of it is used.
     """
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
+    failures = dict(failures or {})
     for (w, r), runs in raw.items():
+        if cpus is not None and (w, r) not in failures:
+            for rep, run in enumerate(runs, 1):
+                why = implausible(w, r, run, cpus)
+                if why:
+                    failures[(w, r)] = f"repetition {rep}: {why}"
+                    break
+        if (w, r) in failures:
+            continue
+        if not runs:
+            continue
         results[f"{w}/{r}"] = _median(runs)
-        results[f"{w}/{r}"]["samples_lost_total"] = int(sum(run["samples_lost"] for run in runs))
+        if all("samples_lost" in run for run in runs):
+            results[f"{w}/{r}"]["samples_lost_total"] = int(sum(run["samples_lost"] for run in runs))
+    for (w, r), why in failures.items():
+        results[f"{w}/{r}"] = {"failed": why}
     for w in WORKLOADS:
         b = results.get(f"{w}/blobfeed")
         if b and "ideal_batches_per_s" in b:
@@ -110,14 +168,34 @@ def _row(wl: str, target: str, ratio: Any, ok: bool | None, detail: str = "") ->
     return {"workload": wl, "target": target, "ratio": ratio, "ok": ok, "detail": detail}
 
 
+def _failed_row(key: str, why: str) -> dict[str, Any]:
+    wl, runner = key.split("/", 1)
+    return {**_row(wl, f"{runner} measured", None, False, f"measurement failed: {why}"), "failed": True,
+            "runner": runner, "why": why}
+
+
 def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The targets of the workloads the report holds, each with ``ok``:
     True (met), False (missed) or None (not evaluated: a peer it needs did
-    not run, because its package is not installed)."""
-    res = report["results"]
-    rows = []
+    not run, because its package is not installed, or its measurement
+    failed).  First, one row per failed measurement (``failed``: True,
+    ``ok`` False): a measurement that crashed, hung, or gave a physically
+    impossible figure; the targets are evaluated on the others."""
+    everything = report["results"]
+    failed = {k: r["failed"] for k, r in everything.items() if "failed" in r}
+    res = {k: r for k, r in everything.items() if "failed" not in r}
+    rows = [_failed_row(k, why) for k, why in failed.items()]
+
+    def failed_input(target: str, wl: str, *runners: str) -> bool:
+        gone = [r for r in runners if f"{wl}/{r}" in failed]
+        if gone:
+            rows.append(_row(wl, target, None, None, f"measurement failed: {', '.join(f'{wl}/{r}' for r in gone)}"))
+        return bool(gone)
+
     for wl, what, num, den, metric, threshold in TARGETS:
         a = res.get(f"{wl}/{num}")
+        if failed_input(f"{what} >= {threshold}", wl, num, *([den] if den not in ("ideal", "model") else [])):
+            continue
         if a is None:
             continue
         target = f"{what} >= {threshold}"
@@ -142,13 +220,19 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         target = f"{what} >= {threshold}"
         ran = [p for p in peers if f"{wl}/{p}" in res]
-        missing = [p for p in peers if p not in ran]
+        broken = [p for p in peers if f"{wl}/{p}" in failed]
+        missing = [p for p in peers if p not in ran and p not in broken]
         if not ran:
-            rows.append(_row(wl, target, None, None, f"peer missing: {', '.join(missing)}"))
+            if broken:
+                rows.append(_row(wl, target, None, None, f"measurement failed: {', '.join(broken)}"
+                                 + (f"; peer missing: {', '.join(missing)}" if missing else "")))
+            else:
+                rows.append(_row(wl, target, None, None, f"peer missing: {', '.join(missing)}"))
             continue
         best = max(ran, key=lambda p: res[f"{wl}/{p}"]["batches_per_s"])
         ratio = a["batches_per_s"] / res[f"{wl}/{best}"]["batches_per_s"]
-        detail = f"best: {best}" + (f"; not run: {', '.join(missing)}" if missing else "")
+        detail = (f"best: {best}" + (f"; not run: {', '.join(missing)}" if missing else "")
+                  + (f"; measurement failed: {', '.join(broken)}" if broken else ""))
         rows.append(_row(wl, target, ratio, ratio >= threshold, detail))
     for wl, threshold in MODE_TARGETS:
         if f"{wl}/blobfeed" not in res:
@@ -157,7 +241,8 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         target = f"batches/s vs {base} >= {threshold}"
         ratio = base_ratio(res, wl)
         if ratio is None:
-            rows.append(_row(wl, target, None, None, f"{base} not in this run"))
+            why = f"measurement failed: {base}/blobfeed" if f"{base}/blobfeed" in failed else f"{base} not in this run"
+            rows.append(_row(wl, target, None, None, why))
         else:
             rows.append(_row(wl, target, ratio, ratio >= threshold))
     for wl in WORKLOADS:
@@ -175,7 +260,9 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         target = "total PSS <= grain's"
         grains = [res[f"W2p/{p}"] for p in GRAIN_PEERS if f"W2p/{p}" in res]
         if not grains:
-            rows.append(_row("W2p", target, None, None, f"peer missing: {', '.join(GRAIN_PEERS)}"))
+            broken = [p for p in GRAIN_PEERS if f"W2p/{p}" in failed]
+            why = f"measurement failed: {', '.join(broken)}" if broken else f"peer missing: {', '.join(GRAIN_PEERS)}"
+            rows.append(_row("W2p", target, None, None, why))
         else:
             least = min(g["pss_mb"] for g in grains)
             rows.append(_row("W2p", target, a["pss_mb"] / least, a["pss_mb"] <= least,
@@ -188,21 +275,25 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         a = res.get(f"{wl}/blobfeed")
         if a:
             rows.append(_row(wl, f"first batch <= {limit_ms:g} ms", a["first_batch_ms"], a["first_batch_ms"] <= limit_ms))
-    rows += _service_rows(report)
+    rows += _service_rows(report, res, failed_input)
     for wl, why in report.get("skipped", {}).items():
         rows.append(_row(wl, "every target", None, None, f"workload skipped: {why}"))
     return rows
 
 
-def _service_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The targets of S1, S2 and attach (the feeding service)."""
-    res = report["results"]
+def _service_rows(report: dict[str, Any], res: dict[str, dict[str, Any]],
+                  failed_input: Callable[..., bool]) -> list[dict[str, Any]]:
+    """The targets of S1, S2 and attach (the feeding service), on the
+    measurements ``res`` that did not fail (``failed_input`` adds a row for
+    a target whose measurement failed, and says so)."""
     rows = []
     for wl, what, num, den, metric, op, threshold in SERVICE_TARGETS:
         a = res.get(f"{wl}/{num}")
+        target = f"{what} {op} {threshold}"
+        if failed_input(target, wl, num, den):
+            continue
         if a is None:
             continue
-        target = f"{what} {op} {threshold}"
         b = res.get(f"{wl}/{den}")
         if b is None:
             if den == "raysplit":
@@ -263,7 +354,11 @@ def _measured(value: Any) -> str:
 
 
 def _result_text(row: dict[str, Any]) -> str:
+    if row.get("failed"):
+        return "FAILED"
     if row["ok"] is None:
+        if row.get("detail", "").startswith("measurement failed"):
+            return "not evaluated (measurement failed)"
         return "not evaluated (peer missing)" if row.get("detail", "").startswith("peer missing") else "not evaluated"
     return "ok" if row["ok"] else "MISSED"
 
@@ -271,25 +366,38 @@ def _result_text(row: dict[str, Any]) -> str:
 def verdict(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
     """The exit status for the ``rows``, and the lines that say why.
 
-    0 when every evaluated row is met; 1 when any is missed, or when no row
-    was evaluated at all (nothing was checked: not a pass).  Rows not
-    evaluated (a peer missing) neither pass nor fail; they are listed.
+    2 when any measurement failed (crashed, hung, or gave a physically
+    impossible figure): its row is listed, and the verdict on the others
+    is still given.  Otherwise 0 when every evaluated row is met; 1 when
+    any is missed, or when no row was evaluated at all (nothing was
+    checked: not a pass).  Rows not evaluated (a peer missing) neither pass
+    nor fail; they are listed.
     """
+    failed = [row for row in rows if row.get("failed")]
+    rows = [row for row in rows if not row.get("failed")]
     evaluated = [row for row in rows if row["ok"] is not None]
     not_evaluated = [
         f"  not evaluated: {row['workload']} {row['target']} ({row.get('detail') or 'no data'})"
         for row in rows if row["ok"] is None
     ]
+    failed_lines = [f"  {row['workload']}/{row['runner']}: {row['why']}" for row in failed]
+    head = f"verdict: {len(failed)} measurement{'s' if len(failed) != 1 else ''} FAILED; on the rest: " if failed else "verdict: "
     if not evaluated:
-        return 1, ["verdict: no target could be evaluated"] + not_evaluated
-    missed = [row for row in evaluated if not row["ok"]]
-    if not missed:
-        return 0, [f"verdict: all {len(evaluated)} targets met"] + not_evaluated
-    return 1, [f"verdict: MISSED {len(missed)} of {len(evaluated)} targets:"] + [
-        f"  {row['workload']} {row['target']}: measured {_measured(row['ratio'])}"
-        + (f" ({row['detail']})" if row.get("detail") else "")
-        for row in missed
-    ] + not_evaluated
+        status, lines = 1, [f"{head}no target could be evaluated"]
+    else:
+        missed = [row for row in evaluated if not row["ok"]]
+        if not missed:
+            status, lines = 0, [f"{head}all {len(evaluated)} targets met"]
+        else:
+            status, lines = 1, [f"{head}MISSED {len(missed)} of {len(evaluated)} targets:"] + [
+                f"  {row['workload']} {row['target']}: measured {_measured(row['ratio'])}"
+                + (f" ({row['detail']})" if row.get("detail") else "")
+                for row in missed
+            ]
+    if failed:
+        status = 2
+        lines += ["failed measurements (exit status 2):"] + failed_lines
+    return status, lines + not_evaluated
 
 
 def _installed_text(report: dict[str, Any]) -> str:
@@ -306,6 +414,69 @@ COLUMNS = [
 ]
 #: the width of the ``workload/runner`` column (left-aligned)
 KEY_WIDTH = 17
+
+
+def _lost_cell(result: dict[str, Any]) -> str:
+    """Samples lost, summed over the repetitions (as the verdict counts
+    them); "-" for a runner that does not count its samples."""
+    if "samples_lost_total" in result:
+        return str(int(result["samples_lost_total"]))
+    if "samples_lost" in result:  # a report saved before the sum was kept
+        return str(int(result["samples_lost"]))
+    return "-"
+
+
+#: what each runner is, for the legend under the table (one line per runner that appears)
+RUNNER_LEGEND = {
+    "blobfeed": "blobfeed: a Net with no model (W5: the MLP), 2 fetcher threads (W*p: worker processes)",
+    "caffe2": "Caffe2's original re-batching (np.append, np.split), written from its description; "
+              "its lost column is the leftovers it drops, by design, when its queue is full",
+    "copy": "the copy bound: each batch's bytes copied once with np.copyto, out of cache",
+    "model": "the model alone: InferenceSession.run on batches made in advance",
+    "grain0": "grain, no worker process: chunks re-batched by grain",
+    "torch0": "torch DataLoader, num_workers=0, a map-style dataset of single samples",
+    "torch0it": "torch DataLoader, num_workers=0, an iterable dataset of the chunks, re-batched in the loop",
+    "grain2": "grain mp_prefetch, 2 worker processes, chunks re-batched in the parent",
+    "grain2b": "grain mp_prefetch, 2 worker processes, exact batches made in the workers",
+    "torch2": "torch DataLoader, num_workers=2, a map-style dataset of single samples",
+    "torch2it": "torch DataLoader, num_workers=2, an iterable dataset of the chunks, re-batched in the parent",
+    "pool": "multiprocessing.Pool(2).imap of the fetch function, re-batched in the parent (what one writes by hand)",
+    "raydata": "Ray Data: map_batches blocks of the chunks, iter_batches to the exact batch, on a local cluster",
+    "raysplit": "Ray Data's streaming_split(4) to 4 Ray actors",
+    "service": "one feeding service (FeedServer, 2 worker processes) dealing to the consumer processes",
+    "pipes": "one independent pipeline in each consumer process",
+    "ray": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
+    "ray1": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
+    "ray2": "blobfeed's fetchers as Ray actors: 2 simulated nodes of 2 actors",
+    "ray4": "blobfeed's fetchers as Ray actors: 4 simulated nodes of 2 actors",
+    "ray2max": "ray2 with no wait in the fetchers: the driver's ingest limit",
+    "ideal": "not a runner: the batches/s the cores could deliver if the pipeline cost nothing, from the CPU "
+             "time of blobfeed's own fetches (vs ideal: a runner's batches/s over its own measurement's ideal)",
+}
+
+
+def legend(report: dict[str, Any]) -> list[str]:
+    """The lines under the table: what each runner in it is, and what the
+    lost column counts."""
+    results = report["results"]
+    runners = list(dict.fromkeys(key.split("/", 1)[1] for key in results))
+    width = max(len(r) for r in runners) + 2 if runners else 0
+    lines = ["runners:"]
+    for runner in runners:
+        text = RUNNER_LEGEND.get(runner, "")
+        if runner == "caffe2":
+            shares = [f"{key.split('/')[0]} {r['lost_share']:.0%}" for key, r in results.items()
+                      if key.endswith("/caffe2") and "lost_share" in r]
+            if shares:
+                text += f" (here: {', '.join(shares)} of the samples fetched)"
+        lines.append(f"  {runner:<{width}}{text}")
+    repeats = report.get("repeats")
+    over = ("in the one repetition" if repeats == 1 else
+            f"summed over the {repeats} repetitions" if repeats else "summed over the repetitions")
+    lines.append(f"lost: samples fetched and never delivered, {over} (blobfeed must lose none); "
+                 "\"-\": the runner does not count its samples (the peers, the copy bound, the model alone), "
+                 "or did not measure that column")
+    return lines
 
 
 def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
@@ -327,6 +498,9 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     results = report["results"]
     for key, r in results.items():
+        if "failed" in r:
+            lines.append(f"{key:<{KEY_WIDTH}}measurement failed: {r['failed']}")
+            continue
         if key.endswith("/ideal"):
             lines.append(_table_line(key, [f"{r['batches_per_s']:.1f}"]))
             continue
@@ -338,12 +512,15 @@ def format_report(report: dict[str, Any]) -> str:
         vs_base = f"{ratio:.2f} x {WORKLOADS[wl].base}" if ratio is not None else ""
         lines.append(_table_line(key, [
             _cell(r, "batches_per_s", ".1f"), _cell(r, "gb_per_s", ".2f"), _cell(r, "peak_rss_mb", ".0f"),
-            _cell(r, "pss_mb", ".0f"), _cell(r, "first_batch_ms", ".1f"), f"{int(r['samples_lost']):d}", ideal, vs_base,
+            _cell(r, "pss_mb", ".0f"), _cell(r, "first_batch_ms", ".1f"), _lost_cell(r), ideal, vs_base,
         ]))
     for wl, why in report.get("skipped", {}).items():
         lines.append(f"{wl + '/*':<16} skipped: {why}")
+    lines += ["", *legend(report)]
     lines += ["", f"{'target':<56}{'measured':>10}  result"]
     for row in evaluate(report):
+        if row.get("failed"):
+            continue  # in the table above, and in the verdict
         text = f"{row['workload'] + ' ' + row['target']:<56}{_measured(row['ratio']):>10}  {_result_text(row)}"
         detail = row.get("detail", "")
         if row["ok"] is None and detail.startswith("peer missing: "):

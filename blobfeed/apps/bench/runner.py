@@ -3,9 +3,11 @@ process, repeated and interleaved."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from .library import W5_SLICE_S
 from .measure import Meter
 from .peers.ray_data import RAYDATA_NEEDS
 from .report import summarize
-from .workloads import WORKLOADS, Workload, ensure_w6_corpus
+from .workloads import PROCESS_PEERS, WORKLOADS, W4Fetch, Workload, ensure_w6_corpus
 
 #: every runner by name: blobfeed's, then the peers'
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
@@ -43,14 +45,31 @@ def available_packages() -> frozenset[str]:
 
 #: Meter's warm-up before each measured window, seconds.
 WARMUP_S = Meter.warmup
-#: Per-measurement cost beyond warm-up and window: a child's start-up, set-up
-#: and drain.  With the constants below it makes ``estimate_seconds`` match
-#: runs on this project's 2-core machine: the default run of W1-W5 without
-#: torch or grain took about 212 s; the extras of the peers, of process
-#: workers and of W6 were timed on single short measurements.
-CHILD_OVERHEAD_S = 0.4
-#: W2/copy faults in 256 MiB of buffers first.
-COPY_SETUP_S = 0.6
+#: Per-measurement cost beyond warm-up and window, by runner: a child's
+#: start-up (the interpreter, numpy, blobfeed), its set-up and its drain.
+#: Measured with short runs (``--seconds 0.5 --repeats 1``, each measurement
+#: timed from outside, the least of two) on this project's 2-core machine
+#: while other suites ran on it (load 4-5): W1-W3/blobfeed 0.40-0.53 s beyond
+#: the warm-up and the window, caffe2 0.47-0.58, W2/copy 0.46, W5/model 0.65,
+#: W1p/blobfeed 0.94, W1p/pool 1.79; W4 0.68 and 0.77, W4p 2.09 (blobfeed)
+#: and 2.48 (pool).  Until issue 24 the window also grew by the time of each
+#: PSS reading (taken out of it, seconds a reading on a busy machine), which
+#: no model of this kind could follow: 298 s were estimated and 361 s taken.
+CHILD_OVERHEAD_S = 0.45
+#: caffe2: its threads' joins (they poll their queues every 0.1 s).
+CAFFE2_EXTRA_S = 0.1
+#: W2/copy faults in 256 MiB of buffers first (most of it inside the warm-up).
+COPY_SETUP_S = 0.05
+#: W5: onnxruntime's import and session (the model alone's; the fed net has its
+#: own, and the interleaved slices, counted apart).
+MODEL_EXTRA_S = 0.2
+W5_EXTRA_S = 0.85
+#: W4, W4p, W4pd: the fetcher calibrates its loop (``calibrate_w4``, about
+#: 0.13 s of CPU time, more on a busy machine) in every measurement.
+CALIBRATION_S = 0.25
+#: CPU-bound fetches in worker processes (W4p, W4pd, W6p): the workers finish
+#: the fetches under way, 5 ms and more each, before the drain ends.
+CPU_PROCESSES_DRAIN_S = 0.6
 #: torch's import; its worker processes (``num_workers=2``, forked) on top.
 TORCH_EXTRA_S = 1.3
 TORCH_WORKERS_S = 0.1
@@ -58,9 +77,9 @@ TORCH_WORKERS_S = 0.1
 GRAIN_EXTRA_S = 0.2
 GRAIN_WORKERS_S = 0.5
 #: blobfeed's process workers: the forkserver, the children, the drain.
-PROCESSES_EXTRA_S = 0.3
+PROCESSES_EXTRA_S = 0.5
 #: ``multiprocessing.Pool(2)``: start and terminate.
-POOL_EXTRA_S = 0.15
+POOL_EXTRA_S = 1.3
 #: Pillow's import (in the workers too) and W6's first decodes.
 W6_EXTRA_S = 0.2
 #: The drain of a shuffled source after the clock: the buffer's 10 000
@@ -119,43 +138,57 @@ def _skipped_workloads(workloads: list[str], packages: Collection[str] | bool) -
     }
 
 
+def measurement_seconds(w: str, r: str, seconds: float) -> float:
+    """Approximate wall time of one measurement of runner ``r`` on workload
+    ``w`` with a window of ``seconds``: the child's start-up, the warm-up,
+    the window, and the runner's own set-up, calibration and drain."""
+    wl = WORKLOADS[w]
+    one = CHILD_OVERHEAD_S + WARMUP_S + seconds
+    if (w, r) == ("W5", "blobfeed"):
+        one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2)) + W5_EXTRA_S
+    elif r == "caffe2":
+        one += CAFFE2_EXTRA_S
+    elif r == "copy":
+        one += COPY_SETUP_S
+    elif r == "model":
+        one += MODEL_EXTRA_S
+    elif r.startswith("torch"):
+        one += TORCH_EXTRA_S + (TORCH_WORKERS_S if r.startswith("torch2") else 0.0)
+    elif r.startswith("grain"):
+        one += GRAIN_EXTRA_S + (GRAIN_WORKERS_S if r.startswith("grain2") else 0.0)
+    elif r == "pool":
+        one += POOL_EXTRA_S
+    elif r == "raydata":
+        one += RAYDATA_EXTRA_S
+    elif r == "raysplit":
+        one += RAYSPLIT_EXTRA_S
+    elif r == "service" and wl.consumers == 1:  # attach: no warm-up, cycles for the window
+        one += ATTACH_EXTRA_S - WARMUP_S
+    elif r in ("service", "pipes"):
+        one += SERVICE_EXTRA_S[(r, wl.backend if r == "service" else wl.pipes_backend)]
+    elif r.startswith("ray"):
+        nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
+        one += RAY_CLUSTER_S + RAY_NODE_S * nodes
+    elif r == "blobfeed" and wl.backend == "processes":
+        one += PROCESSES_EXTRA_S
+    if r == "blobfeed":
+        one += SHUFFLE_DRAIN_S.get(w, 0.0)
+    if wl.fetcher is W4Fetch:
+        one += CALIBRATION_S
+    if wl.ideal_cores and wl.backend == "processes" and r in ("blobfeed", *PROCESS_PEERS):
+        one += CPU_PROCESSES_DRAIN_S
+    if "PIL" in wl.needs:
+        one += W6_EXTRA_S
+    return one
+
+
 def estimate_seconds(workloads: list[str], seconds: float, repeats: int, packages: Collection[str] | bool) -> float:
-    """Approximate wall time of a run: a model of it, not a measurement.
-    ``packages``: the optional packages installed (torch, grain, PIL, ray,
-    ray.data), or
-    True for all of them, False for none but Pillow."""
-    one = 0.0
-    for w, r in _plan(workloads, packages):
-        wl = WORKLOADS[w]
-        one += CHILD_OVERHEAD_S + WARMUP_S + seconds
-        if (w, r) == ("W5", "blobfeed"):
-            one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2))
-        elif r == "copy":
-            one += COPY_SETUP_S
-        elif r.startswith("torch"):
-            one += TORCH_EXTRA_S + (TORCH_WORKERS_S if r.startswith("torch2") else 0.0)
-        elif r.startswith("grain"):
-            one += GRAIN_EXTRA_S + (GRAIN_WORKERS_S if r.startswith("grain2") else 0.0)
-        elif r == "pool":
-            one += POOL_EXTRA_S
-        elif r == "raydata":
-            one += RAYDATA_EXTRA_S
-        elif r == "raysplit":
-            one += RAYSPLIT_EXTRA_S
-        elif r == "service" and wl.consumers == 1:  # attach: no warm-up, cycles for the window
-            one += ATTACH_EXTRA_S - WARMUP_S
-        elif r in ("service", "pipes"):
-            one += SERVICE_EXTRA_S[(r, wl.backend if r == "service" else wl.pipes_backend)]
-        elif r.startswith("ray"):
-            nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
-            one += RAY_CLUSTER_S + RAY_NODE_S * nodes
-        elif r == "blobfeed" and wl.backend == "processes":
-            one += PROCESSES_EXTRA_S
-        if r == "blobfeed":
-            one += SHUFFLE_DRAIN_S.get(w, 0.0)
-        if "PIL" in wl.needs:
-            one += W6_EXTRA_S
-    return one * repeats
+    """Approximate wall time of a run: a model of it, not a measurement,
+    made of the measurements it will run (those whose packages are
+    installed: ``packages``, the optional packages installed (torch, grain,
+    PIL, ray, ray.data), or True for all of them, False for none but
+    Pillow), each with its runner's overheads (:func:`measurement_seconds`)."""
+    return repeats * sum(measurement_seconds(w, r, seconds) for w, r in _plan(workloads, packages))
 
 
 #: The child's ``__main__``: ``python -m blobfeed.apps.bench`` without the
@@ -178,23 +211,67 @@ def child_command(*args: str) -> list[str]:
     return [sys.executable, "-c", CHILD_MAIN, *args]
 
 
-def _child(wl_id: str, runner: str, seconds: float) -> dict[str, Any]:
+class MeasurementFailed(Exception):
+    """A measurement's child crashed, hung past its time limit, or printed no result."""
+
+
+def child_timeout(seconds: float) -> float:
+    """How long a measurement's child may take before it counts as hung."""
+    return seconds * 10 + 120
+
+
+def _child(wl_id: str, runner: str, seconds: float, timeout: float | None = None) -> dict[str, Any]:
     """One measurement in a fresh child process (``python -m
-    blobfeed.apps.bench --child``), so that its peak RSS is its own."""
-    env = dict(os.environ)
-    proc = subprocess.run(
+    blobfeed.apps.bench --child``), so that its peak RSS is its own.
+
+    The child leads a process group of its own: when it hangs past
+    ``timeout`` (default :func:`child_timeout`), it is killed with every
+    process it started (a Pool's workers, torch's, grain's), none left behind.
+
+    Raises:
+        MeasurementFailed: it crashed, timed out or printed no result; the
+            message is one line that says which.
+    """
+    limit = child_timeout(seconds) if timeout is None else timeout
+    proc = subprocess.Popen(
         child_command("--child", wl_id, runner, str(seconds)),
-        check=False, capture_output=True, text=True, timeout=seconds * 10 + 120, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ), start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except BaseException as exc:  # the time limit, or Ctrl-C: the whole group goes
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise MeasurementFailed(f"timed out after {limit:g} s (killed)") from None
+        raise
+    finally:
+        # what the child started and left running (it exited, its group may not have)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode != 0:
-        raise RuntimeError(f"{wl_id}/{runner} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        last = next((line for line in reversed(err.splitlines()) if line.strip()), "no message")
+        raise MeasurementFailed(f"exited with status {proc.returncode}: {last.strip()}")
+    try:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise MeasurementFailed(f"printed no result (stdout: {out.strip()[-200:]!r})") from None
+    if not isinstance(result, dict):
+        raise MeasurementFailed(f"printed {type(result).__name__}, not a result")
+    return result
 
 
-def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = sys.stderr) -> dict[str, Any]:
+#: how run_all runs one measurement (tests put a stand-in here)
+measure_one: Callable[[str, str, float], dict[str, Any]] = _child
+
+
+def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = None) -> dict[str, Any]:
     """Every measurement of ``workloads`` whose packages are installed,
     ``repeats`` times, interleaved (A B A B ...: a shared machine's drift
     hits every runner alike); the report :func:`report.format_report` prints."""
+    if progress is None:
+        progress = sys.stderr  # looked up now: whatever stderr is at the call
     packages = available_packages()
     plan = _plan(workloads, packages)
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in plan}
@@ -202,15 +279,24 @@ def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = 
         ensure_w6_corpus(progress=progress)
     total = len(plan) * repeats
     done = 0
+    failures: dict[tuple[str, str], str] = {}
     t0 = time.monotonic()
     for rep in range(repeats):
         for w, r in plan:
             done += 1
+            if (w, r) in failures:  # failed once: its row is failed, the rest of the run goes on
+                continue
             progress.write(f"\r[{done}/{total}] {w:<3} {r:<9} rep {rep + 1}/{repeats}  {time.monotonic() - t0:5.0f} s elapsed ")
             progress.flush()
-            raw[(w, r)].append(_child(w, r, seconds))
+            try:
+                raw[(w, r)].append(measure_one(w, r, seconds))
+            except MeasurementFailed as exc:
+                failures[(w, r)] = f"repetition {rep + 1}: {exc}"
+                progress.write(f"\nblobfeed bench: {w}/{r} failed in repetition {rep + 1}: {exc}; "
+                               f"its row is reported as failed, the other measurements go on\n")
     progress.write("\n")
-    results = summarize(raw)
+    results = summarize(raw, failures, cpus=os.cpu_count() or 1)
     return {"seconds": seconds, "repeats": repeats, "torch": "torch" in packages, "grain": "grain" in packages,
             "pillow": "PIL" in packages, "raydata": "ray.data" in packages, "skipped": _skipped_workloads(workloads, packages),
-            "results": results, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+            "results": results, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+            "elapsed_s": time.monotonic() - t0}

@@ -22,7 +22,8 @@ def run_peer(wl: Workload, seconds: float, body: Callable[[Fetcher, Meter], Any]
         fetcher = wl.fetcher(tally)
         m = Meter(seconds) if pss is None else Meter(seconds, pss=pss)
         body(fetcher, m)
-        return m.result(samples_lost=0, **wl.ideal(tally, m.result()["batches_per_s"]))
+        # no samples_lost: a peer does not count what it loses (the table shows "-")
+        return m.result(**wl.ideal(tally, m.result()["batches_per_s"]))
     finally:
         tally.close()
 

@@ -188,7 +188,7 @@ def run_raysplit(wl: Workload, seconds: float) -> dict[str, Any]:
             "pss_mb": w.pss_mb,
             "consumer_min_share": min(w.batches) / (total / len(w.batches)) if total else 0.0,
             "chunks_per_block": per_block,
-            "samples_lost": 0,  # a peer: not checked
+            # no samples_lost: a peer does not count what it loses ("-" in the table)
         }
     finally:
         ray.shutdown()
