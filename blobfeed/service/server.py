@@ -43,6 +43,9 @@ STATE_VERSION = 1
 STOP_DRAIN_S = 1.0
 #: seconds stop() waits, in all, for the connections' threads once closed
 STOP_JOIN_S = 5.0
+#: connections in their handshake at once (each has HANDSHAKE_S for its
+#: hello); the next one is accepted when one of them is done
+MAX_HANDSHAKES = 64
 #: what wait() and /healthz say once every source ended
 ENDED = "every source ended"
 
@@ -224,8 +227,7 @@ class FeedServer:
                 an epoch to consumer *i mod num_consumers*, every epoch
                 starting at consumer 0.
             grace_period: seconds a consumer index may stay away (dealt by
-                index) before the source fails; also how long the first
-                consumer waits for the first batch.
+                index) before the source fails.
             max_buffered_batches: chunks the source buffers ahead of its
                 nets (default :data:`SERVED_BUFFERED_CHUNKS`, not
                 init_data_input_workers' 800: each consumer's slots and
@@ -369,10 +371,17 @@ class FeedServer:
     def _accept_loop(self) -> None:
         sock = self._sock
         assert sock is not None
+        # at most MAX_HANDSHAKES connections in their handshake: peers that
+        # connect and say nothing (or trickle) cannot each hold a thread and a
+        # descriptor; the others wait in the listen backlog meanwhile
+        handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         while not self._stopping.is_set():
+            if not handshakes.acquire(timeout=0.1):
+                continue
             try:
                 conn_sock, origin = sock.accept()
             except OSError:
+                handshakes.release()
                 return  # closed by stop()
             tcp_peer = None
             if self._tcp:
@@ -381,14 +390,17 @@ class FeedServer:
                     accepted(conn_sock)
                 except OSError:
                     conn_sock.close()  # it went away at once
+                    handshakes.release()
                     continue
             conn = Connection(
                 conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer
             )
+            conn.on_handshake_done = handshakes.release
             with self._lock:
                 if self._stopping.is_set():
                     conn.tell_stopped(f"service at {self.address} is stopping")
                     conn_sock.close()
+                    handshakes.release()
                     return
                 self._connections.add(conn)
             t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)
