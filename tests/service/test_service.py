@@ -1039,3 +1039,23 @@ def test_a_consumer_lets_go_of_a_lying_service_s_memory(tmp_path: Path) -> None:
         fake.close()
     gc.collect()
     assert _memfds() == before
+
+
+def test_a_writable_net_attached_to_a_service_gets_batches_it_may_write() -> None:
+    """``Net(writable=True)`` (for torch.from_numpy) holds for a net fed by a
+    service too: its batches are views of the service's read-only shared
+    memory, so each is copied once (issue 24: the consumer's feed ignored it)."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2)
+    server.start()
+    try:
+        net = blobfeed.Net(None, name="w", writable=True)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            for _ in range(5):
+                out = net.run(timeout=20)
+                assert all(a.flags.writeable for a in out.values())
+                ids = out["id"].copy()
+                out["id"][:] = -1  # the caller's own memory: the next batch is unaffected
+                assert (ids >= 0).all()
+    finally:
+        assert server.stop()
