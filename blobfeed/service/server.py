@@ -32,6 +32,7 @@ from ..net import Net
 from .connection import Connection, Refused
 from .served import ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
+from .wire import MAX_SLOTS
 
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
 
@@ -261,6 +262,9 @@ class FeedServer:
         grace_period = check_timeout("grace_period", grace_period)
         if slots is not None:
             slots = check_index("slots", slots, minimum=3)
+            if slots > MAX_SLOTS:
+                # a consumer refuses a service that offers more (wire.MAX_SLOTS)
+                raise ValueError(f"source {name!r}: slots={slots}, more than a consumer accepts ({MAX_SLOTS})")
         names = list(input_blob_names)
         batch_size = check_index("batch_size", batch_size)
         if seed is None and self._resume_state is not None:

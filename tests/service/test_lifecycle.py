@@ -477,3 +477,16 @@ def test_blobfeed_serve_exits_1_naming_a_source_that_failed(tmp_path: Path) -> N
         p.wait(10)
     assert p.returncode == 1, (out, err)
     assert "source 'bad' failed" in err and "the disk is gone" in err, err
+
+
+def test_serve_source_refuses_more_slots_than_a_consumer_accepts() -> None:
+    """slots=2000 started, then every consumer refused the service's
+    welcome ("2000 slots (3 to 1024)"): the mistake is the wiring's, said
+    where it is made (found by review)."""
+    from blobfeed.service.wire import MAX_SLOTS
+
+    server = FeedServer()
+    with pytest.raises(ValueError, match=f"slots=2000, more than a consumer accepts \\({MAX_SLOTS}\\)"):
+        server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=2000)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=MAX_SLOTS)
+    assert server.stop()
