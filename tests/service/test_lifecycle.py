@@ -386,8 +386,12 @@ def test_listen_in_a_missing_directory_names_the_path_and_the_cause(tmp_path: Pa
     assert str(path) in str(info.value) and "No such file or directory" in str(info.value)
 
 
-@pytest.mark.parametrize("kind", ["SOCK_STREAM", "SOCK_DGRAM", "SOCK_SEQPACKET"])
-def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind,listening", [
+    ("SOCK_STREAM", True), ("SOCK_DGRAM", False), ("SOCK_SEQPACKET", True),
+    # bound and not listening (yet): refused connections, but not stale (found by review)
+    ("SOCK_STREAM", False), ("SOCK_SEQPACKET", False),
+])
+def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path, kind: str, listening: bool) -> None:
     """The liveness probe tried SOCK_SEQPACKET only: a live stream socket
     was taken for a stale one, taken over and later deleted."""
     import socket
@@ -395,12 +399,12 @@ def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path
     path = tmp_path / "theirs.sock"
     theirs = socket.socket(socket.AF_UNIX, getattr(socket, kind))
     theirs.bind(str(path))
-    if kind != "SOCK_DGRAM":
+    if listening:
         theirs.listen(1)
     try:
         server = FeedServer(listen=path)
         server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1)
-        with pytest.raises(ValueError, match=re.escape(f"listen={str(path)!r}: another program is listening there")):
+        with pytest.raises(ValueError, match=re.escape(f"listen={str(path)!r}: another program has a socket there")):
             server.start()
         assert path.exists()
     finally:
