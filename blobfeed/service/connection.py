@@ -74,7 +74,7 @@ class Connection:
         self,
         sock: socket.socket,
         number: int,
-        sources: Callable[[str], ServedSource | None],
+        sources: Callable[[str], ServedSource],
         state: Callable[[str | None], dict[str, Any]],
         service: str,
         tcp_peer: str | None = None,
@@ -212,7 +212,7 @@ class Connection:
         self._welcome()
         logger.info("service: %s attached", self.peer)
         self.sender = threading.Thread(
-            target=self._send_loop, args=(None,), name=f"blobfeed-service-send-{self.number}", daemon=True
+            target=self._send_loop, name=f"blobfeed-service-send-{self.number}", daemon=True
         )
         self.sender.start()
         return True
@@ -262,9 +262,7 @@ class Connection:
     def _admit(self, hello: dict[str, Any]) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
         if hello["protocol"] != PROTOCOL:
             raise Refused(f"protocol {hello['protocol']} (this service speaks {PROTOCOL}): upgrade blobfeed on one side")
-        source = self._sources(hello["source"])
-        if source is None:
-            raise Refused(f"this service has no source {hello['source']!r}")
+        source = self._sources(hello["source"])  # Refused naming the sources it has
         t = source.terms
         blobs = hello["blobs"]
         if blobs != list(t.blob_names):
@@ -324,7 +322,15 @@ class Connection:
                 reply = {"t": "state_is", "state": state, "error": None}
             except (ValueError, RuntimeError) as err:
                 reply = {"t": "state_is", "state": None, "error": str(err)}
-            self.channel.send(reply)
+            try:
+                self.channel.send(reply)
+            except WireError as err:
+                # too big for a record (first come: what is acknowledged past
+                # the position, fetcher states): the consumer only asked; the
+                # service's own state has no such bound
+                self.channel.send({"t": "state_is", "state": None, "error": (
+                    f"{err}: take the state from the service (FeedServer.state_dict(), "
+                    "RayService.state_dict() or --state-file)")})
         elif kind == "bye":
             self._consumer_waited(record["waited"])
             self.closed.set()
@@ -404,9 +410,9 @@ class Connection:
             self.area.give_back(back, self.peer)
 
     # -- the sender --------------------------------------------------------------------
-    def _send_loop(self, first: Item | End | None) -> None:
+    def _send_loop(self) -> None:
         try:
-            self._send_items(first)
+            self._send_items()
         finally:
             # The service stops and tell_stopped() could not tell the
             # consumer at once (this thread was sending): this thread tells
@@ -420,10 +426,10 @@ class Connection:
                 except OSError:
                     self.close()
 
-    def _send_items(self, first: Item | End | None) -> None:
+    def _send_items(self) -> None:
         source, outlet, area = self.source, self.outlet, self.area
         assert source is not None and outlet is not None
-        pending: Item | End | None = first
+        pending: Item | End | None = None  # taken from the outlet, not sent yet
         counts = source.counts
         stream = isinstance(self.channel, StreamChannel)
         arena = None if stream else source.arena
@@ -542,7 +548,7 @@ class Connection:
                     self._flush(ready, last_g)
                     ready_bytes = 0
             if isinstance(pending, Item):
-                self._unsent(pending)  # the first item, taken before a stop
+                self._unsent(pending)  # taken just before a stop: dealt again, not lost
             # batches written and not sent (the service stops, or the
             # consumer left) stay in _inflight: unacknowledged, dealt again
         except OSError as err:

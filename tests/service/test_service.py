@@ -1122,3 +1122,26 @@ def test_a_free_that_lands_while_its_slot_is_written_is_no_reuse(monkeypatch) ->
         assert sorted(ids) == sorted(feeds.all_ids(2))
     finally:
         assert server.stop()
+
+
+@pytest.mark.parametrize("tcp", [False, True])
+def test_a_state_too_big_for_a_record_is_an_error_for_the_asker_not_a_disconnection(tcp: bool) -> None:
+    """A consumer's state_dict() whose reply passed a record's 64 KiB (first
+    come: what is acknowledged past the position, fetcher states) was a
+    protocol break: the consumer that only asked was disconnected and its
+    batches dealt again (found by review).  It gets a ValueError saying
+    where to take the state instead, and goes on."""
+    server = FeedServer("tcp://127.0.0.1:0" if tcp else None)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True)
+    server.start()
+    try:
+        net = blobfeed.Net(None, name="asker")
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address) as att:
+            net.run(timeout=20)
+            (conn,) = list(server._connections)
+            conn._state = lambda source: {"huge": "x" * 70_000}
+            with pytest.raises(ValueError, match="take the state from the service"):
+                att.state_dict()
+            assert len(net.run(timeout=20)["id"]) == 8  # still attached
+    finally:
+        assert server.stop()
