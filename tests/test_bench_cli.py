@@ -597,6 +597,76 @@ def test_tree_pss_counts_the_children() -> None:
         child.wait(timeout=10)
 
 
+#: A process that, told "go" on stdin, spins SPIN_S of CPU time in its main
+#: thread while a thread of its own sleeps 1 ms SLEEPS times (each sleep is
+#: a voluntary context switch), and has a child of its own spin CHILD_S;
+#: then prints the CPU time both spun, and waits for its stdin to close.
+#: Its own text is its last argument (its child runs it too).
+BUSY = r"""
+import subprocess, sys, threading, time
+
+def spin(seconds):
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+    return time.thread_time() - t0
+
+if sys.argv[1] == "child":
+    sys.stdin.readline()
+    print(spin(float(sys.argv[2])), flush=True)
+    sys.stdin.read()
+    sys.exit(0)
+spin_s, sleeps, child_s = float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+child = subprocess.Popen([sys.executable, "-c", sys.argv[5], "child", str(child_s)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+print(child.pid, flush=True)
+sys.stdin.readline()
+child.stdin.write("go\n"); child.stdin.flush()
+sleeper = threading.Thread(target=lambda: [time.sleep(0.001) for _ in range(sleeps)])
+sleeper.start()
+mine = spin(spin_s)
+sleeper.join()
+theirs = float(child.stdout.readline())
+print(mine, theirs, flush=True)
+sys.stdin.read()
+child.stdin.close()
+child.wait(30)
+"""
+
+
+def test_the_usage_probe_reads_what_a_busy_process_and_its_child_spent() -> None:
+    """Per-batch costs (issue 25): the CPU time (utime + stime, summed over a
+    process and its children) and context switches (summed over threads)
+    between two /proc readings, on a process that spins known CPU time."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY, "parent", "0.3", "50", "0.2", BUSY],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())  # both started, waiting
+        whole = measure.UsageProbe({"tree": [proc.pid]})
+        split = measure.UsageProbe({"parent": [proc.pid], "child": [child]})
+        assert sorted(whole.groups["tree"]) == sorted([proc.pid, child])
+        assert split.groups == {"parent": [proc.pid], "child": [child]}  # another group's root is not the parent's
+        whole.start()
+        split.start()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        mine, theirs = map(float, proc.stdout.readline().split())  # what each spun, by its own clock
+        tree, parts = whole.stop(), split.stop()
+        # each reading truncates utime and stime to a clock tick each: two ticks a process
+        tick = 2 / measure.CLK_TCK
+        assert tree["tree"].cpu_s > mine + theirs - 2 * tick, (tree, mine, theirs)
+        assert parts["parent"].cpu_s > mine - tick and parts["child"].cpu_s > theirs - tick, (parts, mine, theirs)
+        assert parts["parent"].cpu_s < mine + theirs - 2 * tick  # the child's time is the child's alone
+        assert tree["tree"].switches >= 50 and parts["parent"].switches >= 50, (tree, parts)  # the sleeper's
+        assert tree["tree"].switches == pytest.approx(parts["parent"].switches + parts["child"].switches, abs=2)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    with pytest.raises(RuntimeError, match="before start"):
+        measure.UsageProbe({"none": []}).stop()
+
+
 # --------------------------------------------------------------------------- real runs
 def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runner_: str = "blobfeed") -> str:
     out = proc.stdout
