@@ -308,12 +308,7 @@ class FeedServer:
         self._started = True
         self._bind()
         try:
-            if self._metrics_port is not None:
-                from ..metrics import start_http_server
-
-                self._metrics = start_http_server(
-                    self._metrics_port, self._metrics_addr, self.registry, health=self.health, ready=self.ready
-                )
+            self.serve_metrics()
             self.coordinator.start()
             for feed in self._extra_feeds:
                 feed.mark_started()
@@ -325,6 +320,32 @@ class FeedServer:
             raise
         logger.info("service: serving %s at %s", sorted(self.sources), self.address)
         return self
+
+    def serve_metrics(self) -> str | None:
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``metrics_port``
+        now, before anything is wired or started (``start()`` does it
+        otherwise), so that a taken port fails before the workers start.
+        Until ``start()``, both probes answer 503 ``starting``.  Idempotent.
+
+        Returns:
+            The metrics URL, or None without a ``metrics_port``.
+
+        Raises:
+            OSError: the port cannot be bound; the message names the address and port.
+        """
+        if self._metrics_port is None or self._metrics is not None:
+            return self.metrics_url
+        from ..metrics import start_http_server
+
+        try:
+            self._metrics = start_http_server(
+                self._metrics_port, self._metrics_addr, self.registry, health=self.health, ready=self.ready
+            )
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise OSError(exc.errno, f"cannot serve metrics on {self._metrics_addr}:{self._metrics_port}: "
+                                     f"{reason}") from None
+        return self.metrics_url
 
     def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
         t = threading.Thread(target=body, name=f"blobfeed-service-{role}", daemon=True)
@@ -463,6 +484,8 @@ class FeedServer:
         """
         if self._stopping.is_set():
             return False, "stopping"
+        if not self._started:
+            return False, "starting"
         failed = [(n, s.failure) for n, s in self.sources.items() if s.failure is not None]
         if failed:
             return False, "; ".join(f"source {n!r} failed: {err}" for n, err in failed)

@@ -260,11 +260,7 @@ class StreamChannel:
         prefix = self._read(PREFIX.size, "frame", eof_ok=True)
         if prefix is None:
             return None
-        magic, size, payload = PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise WireError(f"{self.peer} sent {prefix[:8]!r} where a frame starts: not a blobfeed peer")
-        if size > MAX_RECORD:
-            raise WireError(f"{self.peer} sent a record of {size} bytes, over {MAX_RECORD}")
+        size, payload = self._frame(prefix)
         if payload > self.max_payload:
             raise WireError(
                 f"{self.peer} announced {payload} bytes of payload after a record; at most "
@@ -277,6 +273,19 @@ class StreamChannel:
             raise WireError(f"{self.peer} sent {payload} bytes of payload after a {record['t']!r} record")
         self.unread = payload
         return record, []
+
+    def _frame(self, prefix: bytes) -> tuple[int, int]:
+        """A frame's record and payload sizes, from its prefix, checked.
+
+        Raises:
+            WireError: not a blobfeed frame, or a record over ``MAX_RECORD``.
+        """
+        magic, size, payload = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise WireError(f"{self.peer} sent {prefix[:8]!r} where a frame starts: not a blobfeed peer")
+        if size > MAX_RECORD:
+            raise WireError(f"{self.peer} sent a record of {size} bytes, over {MAX_RECORD}")
+        return size, payload
 
     def recv_within(self, seconds: float) -> tuple[dict[str, Any], list[int]] | None:
         """:meth:`recv` of the connection's first frame (the hello, the
@@ -292,11 +301,7 @@ class StreamChannel:
         prefix = self._read_by(PREFIX.size, deadline, "frame", eof_ok=True)
         if prefix is None:
             return None
-        magic, size, payload = PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise WireError(f"{self.peer} sent {prefix[:8]!r} where a frame starts: not a blobfeed peer")
-        if size > MAX_RECORD:
-            raise WireError(f"{self.peer} sent a record of {size} bytes, over {MAX_RECORD}")
+        size, payload = self._frame(prefix)
         if payload:
             raise WireError(f"{self.peer} announced {payload} bytes of payload after its first record; none belong there")
         data = self._read_by(size, deadline, "record")
