@@ -24,16 +24,21 @@ not installed.  R1's fetchers wait on I/O (50 ms per 256 KiB chunk): runners
 no wait: the driver's ingest limit).  R2 is W2 through Ray (``ray``: one
 node, 2 actors) beside W2 through threads (``blobfeed``) in the same run.
 
-S1, S2 and attach measure the feeding service (``blobfeed.service``), each
-consumer a process of its own.  S1 (W2's chunks and batch) and S2 (W1's):
-``service`` is one ``FeedServer`` (2 worker processes) dealing to 4
-consumer processes by index; ``pipes`` is 4 consumer processes with a
-pipeline each (2 workers: processes for S1, threads for S2); ``copy`` (S1)
-the copy bound; ``raysplit`` Ray Data's ``streaming_split(4)`` to 4 Ray
-actors, where ``ray[data]`` is installed.  The window is timed from outside
-the consumers and the PSS is the whole process tree's.  attach: the time
-from ``attach_source(...)`` to the first batch on a running service.  They
-are not in the default run (``--workloads S1,S2,attach``).
+S1, S2, S8 and attach measure the feeding service (``blobfeed.service``),
+each consumer a process of its own.  S1 (W2's chunks and batch) and S2
+(W1's): ``service`` is one ``FeedServer`` (2 workers: processes for S1, as
+a user would run an image loader; threads for S2, W1's fetcher being
+trivial) dealing to 4 consumer processes by index; ``pipes`` is 4 consumer
+processes with a pipeline each (2 workers: processes for S1, threads for
+S2); ``copy`` (S1) the copy bound; ``raysplit`` Ray Data's
+``streaming_split(4)`` to 4 Ray actors, where ``ray[data]`` is installed.
+S8 is S1's service with 8 consumer processes, set against S1's.  The window
+is timed from outside the consumers and the PSS is the whole process
+tree's; the CPU time and context switches of the service and of each
+consumer are read from /proc at the window's two ends, and shown per batch.
+attach: the time from ``attach_source(...)`` to the first batch on a
+running service.  They are not in the default run (``--workloads
+S1,S2,S8,attach``).
 
 Runners:
 
@@ -63,7 +68,7 @@ Runners:
   blocks of the workload's chunks, ``iter_batches`` re-batches them to the
   exact batch (see ``peers.ray_data``); its PSS column is the whole cluster's.
   ``raysplit`` (S1, S2): the same through ``streaming_split(4)``.
-* ``service``, ``pipes`` (S1, S2, attach): see above.
+* ``service``, ``pipes`` (S1, S2, S8, attach): see above.
 
 Exit status: 0 when every evaluated target is met; 1 when any is missed,
 including blobfeed losing a sample in any repetition (the missed targets are
@@ -77,9 +82,10 @@ The modules, by job:
 * ``workloads`` -- what each workload's fetcher returns, and the table of
   workloads (their runners, batch, backend, mode);
 * ``measure`` -- inside one measurement: the tally the workers report to,
-  the meter of the timed window, the PSS of a process tree;
+  the meter of the timed window, the PSS of a process tree, the CPU time
+  and context switches of groups of processes over a window;
 * ``library`` -- blobfeed's runners (threads, processes, Ray actors);
-* ``service`` -- the feeding service's runners (S1, S2, attach) and their
+* ``service`` -- the feeding service's runners (S1, S2, S8, attach) and their
   consumer processes;
 * ``peers`` -- one module per baseline or peer (``caffe2``, ``copy_bound``,
   ``model_alone``, ``torch_dataloader``, ``grain_dataset``, ``mp_pool``,

@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run workloads W1-W6 and W1p-W6p (docs/BENCHMARKS.md) against blobfeed, its "
         "baselines and its peers, and blobfeed's ordered modes (W1d, W2d, W4pd: deterministic=True; "
         "W1s, W2s: with shuffle_buffer=10000) against its default mode, and the feeding service "
-        "(S1, S2: one service and 4 consumer processes against 4 independent pipelines; attach: the "
-        "first batch after attach_source; opt-in: --workloads S1,S2,attach); print one table and the "
-        "targets, and exit with the verdict.",
+        "(S1, S2: one service and 4 consumer processes against 4 independent pipelines, with the CPU "
+        "time and context switches per batch of the service and of the consumers; S8: S1 with 8 "
+        "consumers; attach: the first batch after attach_source; opt-in: --workloads S1,S2,S8,attach); "
+        "print one table and the targets, and exit with the verdict.",
         epilog=epilog,
     )
     p.add_argument(

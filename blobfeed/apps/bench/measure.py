@@ -12,7 +12,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,9 +156,8 @@ def _pss_kb(pid: int) -> int:
     return 0
 
 
-def _descendants(root: int) -> list[int]:
-    """``root`` and every process below it (children of children too: the
-    forkserver's workers, grain's and torch's), from /proc."""
+def _children() -> dict[int, list[int]]:
+    """Every process's children, by parent pid, from one scan of /proc."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -170,18 +169,150 @@ def _descendants(root: int) -> list[int]:
             continue
         ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
         children.setdefault(ppid, []).append(int(name))
+    return children
+
+
+def _subtree(children: dict[int, list[int]], root: int, prune: frozenset[int] | set[int] = frozenset()) -> list[int]:
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
+        if pid in prune:
+            continue
         out.append(pid)
         todo.extend(children.get(pid, ()))
     return out
+
+
+def _descendants(root: int, prune: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """``root`` and every process below it (children of children too: the
+    forkserver's workers, grain's and torch's), from /proc; the processes
+    in ``prune`` and everything below them left out."""
+    return _subtree(_children(), root, prune)
 
 
 def tree_pss_mb(root: int | None = None) -> float:
     """Total PSS of ``root`` (default this process) and its descendants, MiB:
     shared pages (shared memory, the forkserver's) are counted once in all."""
     return sum(_pss_kb(pid) for pid in _descendants(os.getpid() if root is None else root)) / 1024
+
+
+# --------------------------------------------------------------------------- CPU time and context switches
+#: /proc/PID/stat's utime and stime are in these ticks per second
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """utime + stime of process ``pid`` (all its threads, the dead ones
+    included), in clock ticks; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), counted from the state (3)
+
+
+def _thread_switches(pid: int) -> dict[int, int]:
+    """Voluntary + involuntary context switches of each live thread of
+    process ``pid``, by thread id (empty when it is gone)."""
+    out: dict[int, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        n = 0
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        n += int(line.split()[1])
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[int(tid)] = n
+    return out
+
+
+@dataclass(frozen=True)
+class ProcReading:
+    """One reading of some processes from /proc: each one's CPU time
+    (ticks) and each of its threads' context switches."""
+
+    cpu_ticks: dict[int, int]
+    switches: dict[tuple[int, int], int]  # (pid, tid) -> voluntary + involuntary
+
+
+def read_procs(pids: list[int]) -> ProcReading:
+    """Reads ``pids``' CPU time and their threads' context switches."""
+    cpu: dict[int, int] = {}
+    switches: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        ticks = _cpu_ticks(pid)
+        if ticks is None:
+            continue
+        cpu[pid] = ticks
+        for tid, n in _thread_switches(pid).items():
+            switches[(pid, tid)] = n
+    return ProcReading(cpu, switches)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a group of processes spent between two readings."""
+
+    #: utime + stime, seconds (to two clock ticks per process: /proc
+    #: truncates each of the two to a tick)
+    cpu_s: float
+    #: voluntary + involuntary context switches, summed over the threads
+    switches: int
+
+
+def usage_between(a: ProcReading, b: ProcReading, pids: list[int]) -> Usage:
+    """What ``pids`` spent from reading ``a`` to reading ``b``.  A process
+    gone by ``b`` is left out (what it spent cannot be read any more); a
+    thread born after ``a`` counts all its switches, one that ended before
+    ``b`` loses those it made in between (not readable either)."""
+    ticks = sum(b.cpu_ticks[p] - a.cpu_ticks[p] for p in pids if p in a.cpu_ticks and p in b.cpu_ticks)
+    want = set(pids)
+    switches = sum(n - a.switches.get(key, 0) for key, n in b.switches.items() if key[0] in want)
+    return Usage(ticks / CLK_TCK, switches)
+
+
+class UsageProbe:
+    """CPU time and context switches of named groups of processes over a
+    window, read from /proc at its two ends only (nothing in between, so
+    the window is not disturbed; a reading takes a few milliseconds).
+
+    ``groups`` maps a name to the processes at the root of the group: each
+    group is its roots and everything below them, except the other groups'
+    roots (and what is below those) and ``exclude`` (and what is below).
+    The groups are resolved once, by one scan of /proc, when the probe is
+    made: make it before the window, once the processes have started.
+    """
+
+    def __init__(self, groups: dict[str, list[int]], exclude: Collection[int] = ()) -> None:
+        children = _children()
+        roots = {pid for pids in groups.values() for pid in pids}
+        self.groups: dict[str, list[int]] = {}
+        for name, pids in groups.items():
+            members: list[int] = []
+            for root in pids:
+                members += _subtree(children, root, (roots - {root}) | set(exclude))
+            self.groups[name] = members
+        self._pids = [pid for members in self.groups.values() for pid in members]
+        self._start: ProcReading | None = None
+
+    def start(self) -> None:
+        """The reading at the window's start."""
+        self._start = read_procs(self._pids)
+
+    def stop(self) -> dict[str, Usage]:
+        """The reading at the window's end: what each group spent since :meth:`start`."""
+        if self._start is None:
+            raise RuntimeError("UsageProbe.stop() before start()")
+        end = read_procs(self._pids)
+        return {name: usage_between(self._start, end, members) for name, members in self.groups.items()}
 
 
 class PssSampler:
@@ -368,6 +499,8 @@ class ConsumerWindow:
     first_batch_s: float
     #: the largest total PSS of this process's tree read in the window, MiB
     pss_mb: float
+    #: what each group of processes spent in the window (``watch_consumers``'s ``usage``)
+    usage: dict[str, Usage] = field(default_factory=dict)
 
 
 def watch_consumers(
@@ -381,6 +514,7 @@ def watch_consumers(
     start_timeout: float = 120.0,
     poll_s: float = 0.01,
     pss: bool = True,
+    usage: dict[str, list[int]] | None = None,
 ) -> ConsumerWindow:
     """Batches/s of consumers in other processes, measured from outside.
 
@@ -395,19 +529,24 @@ def watch_consumers(
     :class:`PssSampler`: another process, so the reading takes nothing from
     this one (the service's threads run here).
 
+    ``usage``: groups of processes (a name and the pids at the group's
+    root, see :class:`UsageProbe`) whose CPU time and context switches are
+    read at the window's start and end; the PSS sampler is in none of them.
+
     Raises:
         TimeoutError: a consumer had no batch within ``start_timeout``.
     """
     sampler = PssSampler() if pss else None
     try:
-        return _watch(counts, consumers, seconds, t_start, check, warmup, start_timeout, poll_s, sampler)
+        return _watch(counts, consumers, seconds, t_start, check, warmup, start_timeout, poll_s, sampler, usage)
     finally:
         if sampler is not None:
             sampler.close()  # a consumer died, or the start timed out
 
 
 def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check: Callable[[], None], warmup: float,
-           start_timeout: float, poll_s: float, sampler: PssSampler | None) -> ConsumerWindow:
+           start_timeout: float, poll_s: float, sampler: PssSampler | None,
+           usage: dict[str, list[int]] | None = None) -> ConsumerWindow:
     first: list[float | None] = [None] * consumers
     deadline = time.perf_counter() + start_timeout
     while True:
@@ -423,9 +562,15 @@ def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check:
             raise TimeoutError(f"consumers {waiting} had no batch within {start_timeout:g} s")
         time.sleep(poll_s)
     t_all = max(t for t in first if t is not None)
+    # the groups, resolved in the warm-up (every process has started by now)
+    probe = None
+    if usage is not None:
+        probe = UsageProbe(usage, exclude=[sampler._proc.pid] if sampler is not None and sampler._proc else [])
     while time.perf_counter() < t_all + warmup:
         check()
         time.sleep(poll_s)
+    if probe is not None:
+        probe.start()
     t0 = time.perf_counter()
     c0 = [counts.count(k) for k in range(consumers)]
     if sampler is not None:
@@ -438,8 +583,9 @@ def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check:
         time.sleep(min(poll_s, max(0.0, t0 + seconds - time.perf_counter())))
     t1 = time.perf_counter()
     c1 = [counts.count(k) for k in range(consumers)]
+    spent = probe.stop() if probe is not None else {}
     peak = sampler.stop() if sampler is not None else 0.0
-    return ConsumerWindow([b - a for a, b in zip(c0, c1)], t1 - t0, t_all - t_start, peak)
+    return ConsumerWindow([b - a for a, b in zip(c0, c1)], t1 - t0, t_all - t_start, peak, spent)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--pss-sampler"]:

@@ -19,7 +19,7 @@ from .library import W5_SLICE_S
 from .measure import Meter
 from .peers.ray_data import RAYDATA_NEEDS
 from .report import summarize
-from .workloads import PROCESS_PEERS, WORKLOADS, W4Fetch, Workload, ensure_w6_corpus
+from .workloads import PROCESS_PEERS, SERVICE_CONSUMERS, WORKLOADS, W4Fetch, Workload, ensure_w6_corpus
 
 #: every runner by name: blobfeed's, then the peers'
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
@@ -98,7 +98,13 @@ RAYDATA_EXTRA_S = 9.0
 #: processes' exit; by runner and the backend of its workers.  From one run
 #: of ``--workloads S1,S2,attach --seconds 1 --repeats 1`` (24.8 s) on this
 #: project's 2-core machine while another suite ran (load 5).
-SERVICE_EXTRA_S = {("service", "processes"): 2.1, ("pipes", "processes"): 5.0, ("pipes", "threads"): 2.1}
+#: The service with thread workers (S2 since issue 25): no forkserver, no
+#: worker processes to start; an estimate, from the same run's figures.
+SERVICE_EXTRA_S = {("service", "processes"): 2.1, ("service", "threads"): 1.6, ("pipes", "processes"): 5.0,
+                   ("pipes", "threads"): 2.1}
+#: S8: each consumer process beyond S1's four (its start on a busy machine,
+#: its first batch, its drain)
+SERVICE_CONSUMER_S = 0.5
 #: attach: the service's start, the cycle that ends past the window (a
 #: consumer process's start, about 0.5 s) and the drain of the rest
 ATTACH_EXTRA_S = 2.9
@@ -166,6 +172,7 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
         one += ATTACH_EXTRA_S - WARMUP_S
     elif r in ("service", "pipes"):
         one += SERVICE_EXTRA_S[(r, wl.backend if r == "service" else wl.pipes_backend)]
+        one += SERVICE_CONSUMER_S * max(0, wl.consumers - SERVICE_CONSUMERS)
     elif r.startswith("ray"):
         nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
         one += RAY_CLUSTER_S + RAY_NODE_S * nodes

@@ -1,11 +1,12 @@
-"""S1, S2 and attach: blobfeed's feeding service (``blobfeed.service``)
+"""S1, S2, S8 and attach: blobfeed's feeding service (``blobfeed.service``)
 against independent pipelines, each consumer a process of its own.
 
-* ``service`` (S1, S2): one :class:`blobfeed.service.FeedServer` in the
-  measuring process, its source's 2 workers processes, and 4 consumer
-  processes that attach to it by index (``consumer_index=k,
-  num_consumers=4``, as torchrun ranks would) and take batches as fast as
-  they can (a ``Net`` with no model).
+* ``service`` (S1, S2, S8): one :class:`blobfeed.service.FeedServer` in the
+  measuring process, its source's 2 workers (the backend a user would pick
+  for the fetcher: processes for S1 and S8, threads for S2; see
+  ``workloads.S1_BACKEND_WHY``), and 4 consumer processes (S8: 8) that
+  attach to it by index (``consumer_index=k, num_consumers=4``, as torchrun
+  ranks would) and take batches as fast as they can (a ``Net`` with no model).
 * ``pipes`` (S1, S2): 4 consumer processes, each with its own pipeline
   (``init_data_input_workers`` with 2 workers: processes for S1, threads
   for S2): what each rank runs without the service.
@@ -18,15 +19,20 @@ current directory dropped from ``sys.path``) and report each batch in a
 :class:`~.measure.Tally` slot of their own; the measuring process times
 the window from outside (:func:`~.measure.watch_consumers`) and reads the
 whole tree's PSS: the service, its workers and the consumers, or the 4
-pipelines with all their workers.  After the window the fetchers stop, the
-consumers drain to ``EndOfInput`` and report what they took: one sample
-fetched and not delivered fails the run, as for every blobfeed runner.
+pipelines with all their workers.  At the window's two ends it reads, from
+/proc, the CPU time and context switches of the service (this process and
+its worker processes) and of each consumer (with what it started), and
+reports them per batch (:func:`per_batch_costs`).  After the window the
+fetchers stop, the consumers drain to ``EndOfInput`` and report what they
+took: one sample fetched and not delivered fails the run, as for every
+blobfeed runner.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -37,7 +43,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from .measure import Tally, watch_consumers
+from .measure import Tally, Usage, watch_consumers
 from .workloads import WORKLOADS, Workload
 
 #: the served source's name and the service's workers
@@ -47,6 +53,8 @@ SERVICE_WORKERS = 2
 CONSUMER_TIMEOUT_S = 60.0
 #: attach: consumers attach one after another until the window is over, at least this many
 ATTACH_CYCLES_MIN = 3
+#: the usage group of the measuring process, where the service runs
+SERVICE_GROUP = "service"
 
 #: A consumer process's ``__main__``: the current directory off ``sys.path``
 #: first (see ``runner.CHILD_MAIN``: run from the folder holding the clone,
@@ -229,9 +237,29 @@ def _running_service(wl: Workload, fetched: Tally, num_consumers: int | None) ->
         server.stop()
 
 
-def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: float, t_start: float
-                   ) -> dict[str, Any]:
-    w = watch_consumers(counts, wl.consumers, seconds, t_start, consumers.check)
+def per_batch_costs(usage: dict[str, Usage], batches: int) -> dict[str, float]:
+    """The window's hand-off costs per batch taken: CPU microseconds and
+    context switches of the ``service`` group (when there is one) over
+    every batch, and of the consumers (groups ``consumer<k>``: a consumer
+    process with whatever it started) summed over every batch, that is
+    what a consumer spends on each batch it takes."""
+    if not batches:
+        return {}
+    out: dict[str, float] = {}
+    consumers = [u for name, u in usage.items() if name.startswith("consumer")]
+    for who, group in (("service", [usage[SERVICE_GROUP]] if SERVICE_GROUP in usage else []), ("consumer", consumers)):
+        if group:
+            out[f"{who}_cpu_us_per_batch"] = sum(u.cpu_s for u in group) / batches * 1e6
+            out[f"{who}_ctx_per_batch"] = sum(u.switches for u in group) / batches
+    return out
+
+
+def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: float, t_start: float,
+                   service: bool) -> dict[str, Any]:
+    groups = {f"consumer{k}": [proc.pid] for k, (proc, _, _) in enumerate(consumers.procs)}
+    if service:  # this process runs the service: its threads, and its workers below it (the consumers apart)
+        groups[SERVICE_GROUP] = [os.getpid()]
+    w = watch_consumers(counts, wl.consumers, seconds, t_start, consumers.check, usage=groups)
     total = sum(w.batches)
     fair = min(w.batches) / (total / len(w.batches)) if total else 0.0
     return {
@@ -240,11 +268,12 @@ def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: 
         "first_batch_ms": w.first_batch_s * 1e3,
         "pss_mb": w.pss_mb,
         "consumer_min_share": fair,  # the slowest consumer's batches over the mean
+        **per_batch_costs(w.usage, total),
     }
 
 
 def run_service(wl: Workload, seconds: float) -> dict[str, Any]:
-    """S1, S2: one service, ``wl.consumers`` consumer processes dealt by index."""
+    """S1, S2, S8: one service, ``wl.consumers`` consumer processes dealt by index."""
     fetched, counts = Tally(), Tally()
     consumers = _Consumers()
     try:
@@ -253,7 +282,7 @@ def run_service(wl: Workload, seconds: float) -> dict[str, Any]:
             for k in range(wl.consumers):
                 consumers.start("service", wl.id, str(k), counts.path, "--address", str(server.address),
                                 "--num", str(wl.consumers))
-            out = _window_result(wl, counts, consumers, seconds, t_start)
+            out = _window_result(wl, counts, consumers, seconds, t_start, service=True)
             fetched.finish()  # the source ends: every consumer drains to EndOfInput
             done = consumers.results()
         delivered = sum(r["delivered"] for r in done)
@@ -274,7 +303,7 @@ def run_pipes(wl: Workload, seconds: float) -> dict[str, Any]:
         t_start = time.perf_counter()
         for k in range(wl.consumers):
             consumers.start("pipe", wl.id, str(k), counts.path)
-        out = _window_result(wl, counts, consumers, seconds, t_start)
+        out = _window_result(wl, counts, consumers, seconds, t_start, service=False)
         counts.finish()  # each pipeline stops its fetchers and drains
         done = consumers.results()
         out.update(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -367,11 +367,13 @@ class Workload:
     #: batch and backend): the table shows blobfeed's batches/s over that
     #: workload's, when both ran
     base: str = ""
-    #: S1, S2, attach: consumer processes fed by one feeding service whose
+    #: S1, S2, S8, attach: consumer processes fed by one feeding service whose
     #: workers use ``backend``; ``pipes_backend``: the backend of the
     #: independent pipelines (one per consumer) it is set against
     consumers: int = 0
     pipes_backend: str = ""
+    #: S1, S2, S8: why the service's workers use ``backend`` (the legend says it)
+    backend_why: str = ""
 
     def ideal(self, tally: Tally, batches_per_s: float) -> dict[str, Any]:
         """The ideal from the CPU times the workers recorded in this very
@@ -394,8 +396,21 @@ SHUFFLE_BUFFER = 10_000
 #: batches, in the same order, on every run
 ORDERED_SEED = 0
 PROCESS_PEERS = ("grain2", "grain2b", "torch2", "torch2it", "pool")
-#: S1, S2: the consumer processes (trainer ranks) of the service
+#: S1, S2: the consumer processes (trainer ranks) of the service; S8: S1's, with more
 SERVICE_CONSUMERS = 4
+SERVICE_CONSUMERS_MANY = 8
+#: The backend of the service's workers is the one a user would pick for
+#: the fetcher, as the independent pipelines' is.  S1 (and S8, attach):
+#: W2's fetcher stands for an image loader (reading files, decoding,
+#: augmenting in Python), which users run in worker processes (as torch's
+#: DataLoader workers); the pipelines it is set against are process
+#: pipelines too.  On W2's stand-in itself (slices of 16 images in memory)
+#: threads would copy less; that is not what the workload stands for.
+S1_BACKEND_WHY = ("processes: W2's fetcher stands for loading images (files, decoding, Python augmentation), "
+                  "which a user runs in worker processes")
+#: S2: W1's fetcher slices an array in memory: nothing to gain from
+#: processes, a pipe and a copy to lose; a user picks threads (the default).
+S2_BACKEND_WHY = "threads: W1's fetcher is trivial (slices of an array in memory), so a user keeps the default"
 
 WORKLOADS = {
     "W1": Workload("W1", 32, ("data", "label"), W1Fetch, ("blobfeed", "caffe2", *IN_PROCESS_PEERS, "raydata"),
@@ -423,12 +438,16 @@ WORKLOADS = {
     # the feeding service (blobfeed.service): consumer processes of one service
     "S1": Workload("S1", 64, ("data", "label"), W2Fetch, ("service", "pipes", "copy", "raysplit"),
                    "W2 from one service to 4 consumer processes", backend="processes", consumers=SERVICE_CONSUMERS,
-                   pipes_backend="processes"),
+                   pipes_backend="processes", backend_why=S1_BACKEND_WHY),
     "S2": Workload("S2", 32, ("data", "label"), W1Fetch, ("service", "pipes", "raysplit"),
-                   "W1 from one service to 4 consumer processes", backend="processes", consumers=SERVICE_CONSUMERS,
-                   pipes_backend="threads"),
+                   "W1 from one service to 4 consumer processes", backend="threads", consumers=SERVICE_CONSUMERS,
+                   pipes_backend="threads", backend_why=S2_BACKEND_WHY),
+    "S8": Workload("S8", 64, ("data", "label"), W2Fetch, ("service",),
+                   "S1 with 8 consumer processes: one service past 4 consumers", backend="processes",
+                   consumers=SERVICE_CONSUMERS_MANY, backend_why=S1_BACKEND_WHY),
     "attach": Workload("attach", 64, ("data", "label"), W2Fetch, ("service",),
-                       "first batch after attach_source on a running service", backend="processes", consumers=1),
+                       "first batch after attach_source on a running service", backend="processes", consumers=1,
+                       backend_why=S1_BACKEND_WHY),
     # the ordered modes: blobfeed only, each against its default-mode workload
     "W1d": Workload("W1d", 32, ("data", "label"), W1Fetch, ("blobfeed",), "W1, deterministic=True",
                     deterministic=True, base="W1"),

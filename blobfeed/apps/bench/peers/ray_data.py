@@ -128,7 +128,7 @@ class SplitConsumer:
         return taken
 
 
-#: raysplit's blocks: see docs/BENCHMARKS.md, "The feeding service: S1, S2, attach"
+#: raysplit's blocks: see docs/BENCHMARKS.md, "The feeding service: S1, S2, S8, attach"
 RAYSPLIT_BLOCK_BYTES = 16 << 20
 #: raysplit: seconds to wait for the consumers to see the stop flag before Ray is shut down regardless
 RAYSPLIT_STOP_S = 30.0
