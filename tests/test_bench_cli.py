@@ -1240,3 +1240,15 @@ def test_each_runner_has_its_own_overheads() -> None:
     assert runner.measurement_seconds("W4p", "blobfeed", 5.0) == pytest.approx(
         base + runner.PROCESSES_EXTRA_S + runner.CALIBRATION_S + runner.CPU_PROCESSES_DRAIN_S)
     assert runner.measurement_seconds("W5", "blobfeed", 5.0) > base + 5.0  # the interleaved slices
+
+
+@pytest.mark.parametrize("value,target,shown", [
+    (1.198, "S1 batches/s vs four independent process pipelines >= 1.2", "1.198"),  # printed "1.20 MISSED"
+    (1.2, "S1 batches/s vs four independent process pipelines >= 1.2", "1.20"),
+    (0.28, "S1 GB/s vs the copy bound >= 0.6", "0.28"),
+    (0.50004, "S1 total PSS vs four independent pipelines <= 0.5", "0.5000"),
+])
+def test_a_ratio_never_reads_as_its_targets_bound_when_it_is_not(value: float, target: str, shown: str) -> None:
+    from blobfeed.apps.bench.report import _measured
+
+    assert _measured(value, target) == shown

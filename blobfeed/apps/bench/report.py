@@ -3,6 +3,8 @@ the table, and the verdict (the exit status)."""
 
 from __future__ import annotations
 
+import re
+
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -381,10 +383,20 @@ def _ray_scaling_rows(res: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _measured(value: Any) -> str:
+def _measured(value: Any, target: str = "") -> str:
+    """The measured ratio, to two decimals, or as many more (up to four) as
+    keep it from reading as the target's own bound: 1.198 against ">= 1.2"
+    missed, and "1.20 MISSED" said otherwise."""
     if value is None:
         return "-"
-    return str(value) if isinstance(value, int) else f"{value:.2f}"
+    if isinstance(value, int):
+        return str(value)
+    bound = re.search(r"[<>=]=?\s*([0-9.]+)\s*$", target)
+    for digits in (2, 3, 4):
+        text = f"{value:.{digits}f}"
+        if bound is None or float(text) != float(bound.group(1)) or value == float(bound.group(1)):
+            return text
+    return text
 
 
 def _result_text(row: dict[str, Any]) -> str:
@@ -424,7 +436,7 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[int, list[str]]:
             status, lines = 0, [f"{head}all {len(evaluated)} targets met"]
         else:
             status, lines = 1, [f"{head}MISSED {len(missed)} of {len(evaluated)} targets:"] + [
-                f"  {row['workload']} {row['target']}: measured {_measured(row['ratio'])}"
+                f"  {row['workload']} {row['target']}: measured {_measured(row['ratio'], row['target'])}"
                 + (f" ({row['detail']})" if row.get("detail") else "")
                 for row in missed
             ]
@@ -618,7 +630,7 @@ def format_report(report: dict[str, Any]) -> str:
     for row in rows:
         if row.get("failed"):
             continue  # in the table above, and in the verdict
-        text = f"{row['workload'] + ' ' + row['target']:<{width}}{_measured(row['ratio']):>10}  {_result_text(row)}"
+        text = f"{row['workload'] + ' ' + row['target']:<{width}}{_measured(row['ratio'], row['target']):>10}  {_result_text(row)}"
         detail = row.get("detail", "")
         if row["ok"] is None and detail.startswith("peer missing: "):
             detail = detail[len("peer missing: "):]
