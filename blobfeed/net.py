@@ -13,6 +13,7 @@ import numpy as np
 from .arguments import check_flag, check_timeout
 from .errors import EndOfEpoch, EndOfInput
 from .feeders import EpochEnd, Feed, FeedGroup, ModelInput
+from .feeders.reading import BatchReader
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -224,6 +225,27 @@ class Net:
             raise ValueError(
                 f"net {self.name!r}: blobs {sorted(clash)} are already fed by another source"
             )
+
+    def add_reader(self, reader: BatchReader) -> None:
+        """Feed this net from ``reader`` (``GlobalCoordinator.add_reader``):
+        ``run()`` takes one batch from it per call, with the net's other
+        sources; batches are placed on the net's device and checked against
+        its model as with ``init_data_input_workers``.  Before the source starts.
+
+        Raises:
+            TypeError: not a ``BatchReader``.
+            ValueError: the net is fed from that source already, or another
+                source feeds one of the reader's blobs.
+        """
+        if not isinstance(reader, BatchReader):
+            raise TypeError(f"Net.add_reader takes a BatchReader, got {type(reader).__name__}")
+        self._check_attach(reader.source_name, reader.blob_names)
+        self._attach(reader._bind(self._place, self._input_specs, self.writable, self._cancel))
+
+    def check_reader(self, source_name: str, blob_names: Sequence[str]) -> None:
+        """Raise ``ValueError`` if a reader of ``blob_names`` from source
+        ``source_name`` could not feed this net (see :meth:`add_reader`)."""
+        self._check_attach(source_name, blob_names)
 
     def _attach(self, feed: "Feed") -> None:
         # feeds of stopped sources go: their run() would only raise EndOfInput

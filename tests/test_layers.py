@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.replay": 3, "blobfeed.feeders.messages": 3,
     "blobfeed.feeders.source": 4,
     "blobfeed.feeders.worker_loop": 4.5,
-    "blobfeed.feeders.enqueuer": 5,
+    "blobfeed.feeders.enqueuer": 5, "blobfeed.feeders.reading": 5.5,
     "blobfeed.feeders.backends": 6,
     "blobfeed.feeders.transport": 6,
     "blobfeed.feeders.child": 7,
@@ -37,6 +37,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.coordinator.checkpoint": 10.3, "blobfeed.coordinator.lifecycle": 10.5,
     "blobfeed.coordinator.wiring": 10.6,
     "blobfeed.coordinator": 11,
+    # the reader seam: the one way in to a source besides the public names
+    "blobfeed.reader": 11.02,
     # the feeding service: a source served to nets in other processes
     "blobfeed.service.wire": 11.1, "blobfeed.service.tcp": 11.15, "blobfeed.service.slots": 11.2,
     "blobfeed.service.arena": 11.22,

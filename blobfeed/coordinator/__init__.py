@@ -24,7 +24,7 @@ from .lifecycle import (
     _Stopper,
     global_coordinator,
 )
-from .wiring import InitFun, init_data_input_workers, init_workers, resolve_backend
+from .wiring import InitFun, init_data_input_workers, init_reader, init_workers, resolve_backend
 
 __all__ = [
     "DataInputCoordinator",
@@ -32,5 +32,6 @@ __all__ = [
     "WorkerCoordinator",
     "global_coordinator",
     "init_data_input_workers",
+    "init_reader",
     "init_workers",
 ]

@@ -327,7 +327,7 @@ class DataInputCoordinator(WorkerCoordinator):
         self,
         global_coordinator: Owner,
         source: InputSource,
-        net: Net,
+        net: Net | None,
         feed: Feed,
         fetch_fun: FetchFun,
         worker_ids: list[int],
@@ -343,7 +343,8 @@ class DataInputCoordinator(WorkerCoordinator):
         self._worker_init_fun = worker_init_fun
         self.source: InputSource = source
         self.feed = feed
-        self.net: Net = net
+        #: None for a source wired without a net (``init_reader``)
+        self.net: Net | None = net
         self.input_blob_names = feed.blob_names
         self._fetch_fun = fetch_fun
         self._on_error = on_error
@@ -366,10 +367,10 @@ class DataInputCoordinator(WorkerCoordinator):
         super()._halt()
         self.source.halted = True
         # a run() inside the model ends now rather than when the model does
-        self.net._cancel()
+        self.feed.cancel()
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
-        return [(f"blobfeed-enqueue-{self.name}-{self.net.name}", self._enqueue)]
+        return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self._enqueue)]
 
     def _launch_workers(self) -> WorkerGroup:
         hub = self._hub
@@ -420,7 +421,7 @@ class DataInputCoordinator(WorkerCoordinator):
 
     def _request_stop(self) -> None:
         super()._request_stop()
-        self.net._cancel()
+        self.feed.cancel()
         self.source.stop()
         if self._group is not None:
             self._group.request_stop()
@@ -447,14 +448,55 @@ class DataInputCoordinator(WorkerCoordinator):
         """Fold the counts into the source's totals; every thread has ended."""
         hub = self._hub
         hub.retire(self.name, self._fetch_stats)
-        hub.retire(self.name, [self.feed.stats], net=self.net.name)
+        hub.retire(self.name, [self.feed.stats], net=self.feed.net_name)
         self.feed.release_net()
         # A consumer may still call run() on the stopped net; what it records
         # after this point (the wait of a run that raises) is not counted.
-        hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.net.name)
+        hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.feed.net_name)
         hub.detach_source(self.source)
 
     def mark_forked(self) -> None:
         self.feed.mark_forked()
         # plain stores (its lock may be held): the net can be re-wired
+        self.source.stopped = self.source.halted = True
+
+
+class ReaderCoordinator(WorkerCoordinator):
+    """The enqueuer of one reader added to a source by
+    ``GlobalCoordinator.add_reader``: started with the coordinator, stopped
+    and joined with its source (it carries the source's name, so
+    ``stop_coordinator(name)`` stops it too)."""
+
+    def __init__(self, global_coordinator: Owner, source: InputSource, feed: Feed) -> None:
+        super().__init__(global_coordinator, source.name, [], None, None, ())
+        self.source: InputSource = source
+        self.feed = feed
+
+    def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self.feed.run)]
+
+    def _start(self) -> None:
+        self.feed.mark_started()
+        super()._start()
+
+    def _halt(self) -> None:
+        super()._halt()
+        self.source.halted = True
+        # a run() inside its net's model ends now rather than when the model does
+        self.feed.cancel()
+
+    def _request_stop(self) -> None:
+        super()._request_stop()
+        self.feed.cancel()
+        self.source.stop()
+
+    def _retire(self) -> None:
+        hub = self._hub
+        hub.retire(self.name, [self.feed.stats], net=self.feed.net_name)
+        self.feed.release_net()
+        hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.feed.net_name)
+        hub.detach_source(self.source)
+
+    def mark_forked(self) -> None:
+        self.feed.mark_forked()
         self.source.stopped = self.source.halted = True

@@ -24,13 +24,14 @@ from prometheus_client import CollectorRegistry
 
 from ..arguments import check_index, check_timeout, wait_bound
 from ..errors import EndOfInput
-from ..feeders import InputSource
+from ..feeders import Feed, InputSource
 from ..feeders.backends import runs_user_code
+from ..feeders.reading import BatchReader, SourceInfo
 from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
 from . import checkpoint
-from .groups import WorkerCoordinator
+from .groups import ReaderCoordinator, WorkerCoordinator
 from .registry import Registry
 
 logger = logging.getLogger("blobfeed.coordinator")
@@ -162,6 +163,116 @@ class GlobalCoordinator:
     def _add(self, coordinator: WorkerCoordinator) -> None:
         with self._lock:
             self._known.add(coordinator)
+
+    # -- readers ---------------------------------------------------------------------
+    def _live_source(self, name: str) -> InputSource:
+        """The wired, not stopped source ``name`` (under ``_lock``)."""
+        if not isinstance(name, str):
+            raise TypeError(f"source name must be a str, got {type(name).__name__}")
+        source = self._known.sources.get(name)
+        if source is None or source.stopped:
+            raise ValueError(
+                f"no source {name!r} wired to this coordinator (sources: {sorted(self._known.sources)}); "
+                "wire it with init_data_input_workers first"
+            )
+        return source
+
+    def open_source(self, name: str) -> SourceInfo:
+        """What source ``name`` is wired with, frozen at this call.
+
+        Raises:
+            ValueError: no such source, or it was stopped.
+        """
+        with self._lock:
+            source = self._live_source(name)
+            dealing = source.dealing
+            feeds = list(source.feeds)
+            return SourceInfo(
+                name=name,
+                blob_names=tuple(feeds[0].blob_names) if feeds else (),
+                axes=tuple(source.axes),
+                batch_size=source.dealer.batch_size,
+                deterministic=dealing.deterministic,
+                shuffle_buffer=dealing.shuffle_buffer,
+                epochs=dealing.epochs,
+                equal=dealing.equal,
+                readers=tuple(f.net_name for f in feeds),
+                num_workers=len(source.dealer.worker_ids),
+                resumable=bool(source.dealer.resumable),
+                started=any(c.started for c in self._known.named(name)),
+                stopped=bool(source.stopped),
+            )
+
+    def add_reader(
+        self,
+        name: str,
+        reader_name: str,
+        *,
+        batch_size: int | None = None,
+        timeout: float = 600.0,
+        capacity: int = 4,
+        drop_last: bool = False,
+    ) -> BatchReader:
+        """One more consumer of source ``name``: a reader of its whole batches.
+
+        The reader takes its share of the source as a net wired to it would
+        (one more net, dealt in turn by a deterministic source).  Its
+        enqueuer thread is this coordinator's: it starts with ``start()``
+        and is stopped and joined with the source (``stop()``,
+        ``stop_coordinator(name)``).  Give it to ``Net.add_reader`` to feed a
+        net, or read it yourself.
+
+        Args:
+            name: the source (wired with ``init_data_input_workers``).
+            reader_name: its ``net`` label in the metrics.
+            batch_size: default the source's batch size (a source re-batched
+                once for all its readers has one).
+            timeout: seconds :meth:`BatchReader.read` waits by default.
+            capacity: batches assembled ahead of the reader.
+            drop_last: drop a last partial batch.
+
+        Raises:
+            ValueError: no such source; a batch size another than the
+                source's one; the source deals in turn and started already;
+                a ``drop_last`` that differs with ``equal``.
+        """
+        if not isinstance(reader_name, str) or not reader_name:
+            raise ValueError(f"reader_name must be a non-empty str, got {reader_name!r}")
+        timeout = check_timeout("timeout", timeout)
+        capacity = check_index("capacity", capacity)
+        with self._lock:
+            source = self._live_source(name)
+            feeds = list(source.feeds)
+            fixed = source.dealer.batch_size
+            if batch_size is None:
+                batch_size = fixed if fixed is not None else feeds[0].batch_size
+            batch_size = check_index("batch_size", batch_size)
+            if fixed is not None and fixed != batch_size:
+                raise ValueError(
+                    f"source {name!r} is re-batched once for all its readers with batch_size={fixed}; "
+                    f"reader {reader_name!r} asks for {batch_size}"
+                )
+            if fixed is not None and any(c.started for c in self._known.named(name)):
+                raise ValueError(
+                    f"source {name!r} deals its batches to its readers in turn and already started: "
+                    f"add reader {reader_name!r} before start()"
+                )
+            if source.dealing.equal and bool(drop_last) != source.dealing.drop_last:
+                raise ValueError(
+                    f"source {name!r} deals equal shares with drop_last={source.dealing.drop_last}; "
+                    f"reader {reader_name!r} asks for drop_last={bool(drop_last)}"
+                )
+            if any(f.net_name == reader_name for f in feeds):
+                logger.warning(
+                    "source %r already feeds a reader named %r: their metrics share the label", name, reader_name
+                )
+            feed = Feed(
+                source, reader_name, _on_host, feeds[0].blob_names, batch_size, timeout=timeout,
+                device_queue_capacity=capacity, dont_rebatch=False, drop_last=bool(drop_last), hub=self._hub,
+            )
+            source.add_feed(feed)
+            self._known.add(ReaderCoordinator(self, source, feed))
+        return BatchReader(feed)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -594,6 +705,11 @@ class GlobalCoordinator:
 
     def __repr__(self) -> str:
         return f"<GlobalCoordinator {len(self._coordinators)} coordinator(s), sources {sorted(self._sources)}>"
+
+
+def _on_host(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A reader read as it is: its batches stay on the host."""
+    return arrays
 
 
 def _stop_all_at_exit() -> None:

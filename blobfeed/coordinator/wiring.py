@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 import numpy as np
 
 from ..arguments import check_flag, check_index, check_timeout
+from ..feeders.reading import BatchReader
 from ..feeders import (
     Feed,
     FetcherBackend,
@@ -25,7 +26,7 @@ from ..metrics import ExternalLogger
 from ..net import Net
 from ..worker_info import draw_base_seed, shuffle_rng
 from .groups import DataInputCoordinator, WorkerCoordinator, _GenericCoordinator
-from .lifecycle import GlobalCoordinator, global_coordinator
+from .lifecycle import GlobalCoordinator, _on_host, global_coordinator
 
 logger = logging.getLogger("blobfeed.coordinator")
 
@@ -251,6 +252,43 @@ def init_data_input_workers(
     """
     if not isinstance(net, Net):
         raise TypeError(f"net must be a blobfeed.Net, got {type(net).__name__}")
+    gc, _ = _wire(
+        net, net.name, input_blob_names, fetch_fun, batch_size, num_worker_threads, input_source_name, max_buffered_batches, init_fun, external_loggers, dont_rebatch, batch_columns, timeout,
+        device_queue_capacity=device_queue_capacity, drop_last=drop_last, on_error=on_error, coordinator=coordinator, seed=seed, backend=backend, worker_init_fun=worker_init_fun, deterministic=deterministic, shuffle_buffer=shuffle_buffer, epochs=epochs, max_buffered_bytes=max_buffered_bytes, equal=equal,
+    )
+    return gc
+
+
+def _wire(
+    net: Net | None,
+    reader_name: str,
+    input_blob_names: Sequence[str],
+    fetch_fun: FetchFun,
+    batch_size: int,
+    num_worker_threads: int = 2,
+    input_source_name: str = "train",
+    max_buffered_batches: int = 800,
+    init_fun: InitFun | None = None,
+    external_loggers: Iterable[ExternalLogger] | None = None,
+    dont_rebatch: bool = False,
+    batch_columns: Sequence[int] | None = None,
+    timeout: float = 600.0,
+    *,
+    device_queue_capacity: int = 4,
+    drop_last: bool = False,
+    on_error: Literal["raise", "skip"] = "raise",
+    coordinator: GlobalCoordinator | None = None,
+    seed: int | None = None,
+    backend: Literal["threads", "processes"] | FetcherBackend = "threads",
+    worker_init_fun: Callable[[int], Any] | None = None,
+    deterministic: bool = False,
+    shuffle_buffer: int = 0,
+    epochs: int | None = 1,
+    max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
+    equal: bool = False,
+) -> tuple[GlobalCoordinator, Feed]:
+    """``init_data_input_workers`` for ``net``, or without a net (None): the
+    source's workers and a feed named ``reader_name``."""
     if isinstance(input_blob_names, str) or not isinstance(input_blob_names, Sequence):
         raise TypeError(
             f"input_blob_names must be a list or tuple of str, got {type(input_blob_names).__name__}"
@@ -313,8 +351,8 @@ def init_data_input_workers(
         check_call("worker_init_fun", worker_init_fun, ("worker_id",))
     runner = resolve_backend(backend)
     runner.check(fetch_fun, worker_init_fun)
-    clash = sorted(set(names).intersection(net.output_names))
-    if clash:
+    clash = sorted(set(names).intersection(net.output_names)) if net is not None else []
+    if net is not None and clash:
         raise ValueError(
             f"net {net.name!r}: blobs {clash} have the names of model outputs "
             f"(outputs {list(net.output_names)}): run() would replace the fed values with the "
@@ -335,7 +373,8 @@ def init_data_input_workers(
             # stopped, its threads not all ended yet (a stuck fetcher): the
             # name starts afresh; the old source ends on its own
             source = None
-        net._check_attach(input_source_name, names)
+        if net is not None:
+            net._check_attach(input_source_name, names)
         if source is not None:
             if (source.n_blobs, source.axes) != (len(names), tuple(axes)):
                 raise ValueError(
@@ -354,11 +393,11 @@ def init_data_input_workers(
                     "max_buffered_bytes=%s ignored",
                     input_source_name, source.max_bytes, max_buffered_bytes,
                 )
-            if any(f.net_name == net.name for f in source.feeds):
+            if any(f.net_name == reader_name for f in source.feeds):
                 logger.warning(
                     "source %r already feeds a net named %r: their metrics share the label "
                     "net=%r; give each Net a distinct name to tell them apart",
-                    input_source_name, net.name, net.name,
+                    input_source_name, reader_name, reader_name,
                 )
             if source.dealing != dealing:
                 raise ValueError(
@@ -389,12 +428,15 @@ def init_data_input_workers(
             )
             source.register_fetchers(num_worker_threads)
         feed = Feed(
-            source, net.name, net._place, names, batch_size,
+            source, reader_name, net._place if net is not None else _on_host, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,
             dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
-            model_inputs=net.input_specs, writable=net.writable,
+            model_inputs=net.input_specs if net is not None else None,
+            writable=net.writable if net is not None else False,
         )
-        net._attach(feed)
+        if net is not None:
+            feed.cancel = net._cancel
+            net._attach(feed)
         source.add_feed(feed)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
@@ -403,4 +445,36 @@ def init_data_input_workers(
             gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
             runner, worker_init_fun,
         ))
-    return gc
+    return gc, feed
+
+
+def init_reader(
+    input_blob_names: Sequence[str],
+    fetch_fun: FetchFun,
+    batch_size: int,
+    num_worker_threads: int = 2,
+    input_source_name: str = "train",
+    *,
+    reader_name: str = "reader",
+    coordinator: GlobalCoordinator | None = None,
+    **wiring: Any,
+) -> BatchReader:
+    """``init_data_input_workers`` without a net: source ``input_source_name``
+    with its workers, and a first reader of its batches (more with
+    ``GlobalCoordinator.add_reader``; a net takes one with ``Net.add_reader``).
+
+    ``wiring`` takes the keyword arguments of ``init_data_input_workers``
+    (``timeout``, ``device_queue_capacity`` (batches assembled ahead of the
+    reader), ``drop_last``, ``deterministic``, ``epochs``, ``equal``, ...);
+    the reader's enqueuer thread is the coordinator's, as a net's is.
+
+    Raises:
+        ValueError / TypeError: as ``init_data_input_workers``; a bad ``reader_name``.
+    """
+    if not isinstance(reader_name, str) or not reader_name:
+        raise ValueError(f"reader_name must be a non-empty str, got {reader_name!r}")
+    _, feed = _wire(
+        None, reader_name, input_blob_names, fetch_fun, batch_size, num_worker_threads, input_source_name,
+        coordinator=coordinator, **wiring,
+    )
+    return BatchReader(feed)

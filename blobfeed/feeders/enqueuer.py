@@ -138,6 +138,8 @@ class Feed:
         )
         #: puts a batch on the net's device (the net's method; dropped by release_net)
         self._place = place
+        #: cancels the run inside the consumer's model (a stop; see Net._cancel)
+        self.cancel: Callable[[], None] = _no_cancel
         #: set in a child made by os.fork(): the parent's threads and locks are not here
         self._forked_from: int | None = None
         self.stats: AssembleStats = hub.assemble_stats(source.name, net_name)
@@ -218,11 +220,29 @@ class Feed:
             held, self._held = self._held, None
             return held
 
+    def bind_consumer(
+        self, place: Callable[[tuple[np.ndarray, ...]], tuple[Any, ...]],
+        model_inputs: dict[str, ModelInput] | None, writable: bool,
+        cancel: Callable[[], None] | None = None,
+    ) -> None:
+        """The net that takes this feed's batches (``Net.add_reader``): where
+        batches are placed, the model inputs the first batch is checked
+        against, whether batches are the caller's to write, and how a stop
+        cancels a run inside its model.  Before start."""
+        self._place = place
+        self.cancel = cancel if cancel is not None else _no_cancel
+        self.rebatcher.writable = writable
+        self.model_checks = tuple(
+            (i, b, model_inputs[b]) for i, b in enumerate(self.blob_names) if model_inputs and b in model_inputs
+        )
+        self.source.checks_version += 1
+
     def release_net(self) -> None:
         """Drop the references to the net once the enqueuer has ended, so a
         discarded Net (and its onnxruntime session) is freed at once rather
         than at the next garbage collection."""
         self._place = _unplaced
+        self.cancel = _no_cancel
 
     def _assemble(self, stats: AssembleStats, *, partial: bool = False) -> Batch | None:
         """Pop one batch and place it on the device; None when none is complete.
@@ -615,3 +635,7 @@ def _forget_frames(err: BaseException) -> None:
 
 def _unplaced(arrays: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
     raise RuntimeError("this feed's enqueuer has ended")
+
+
+def _no_cancel() -> None:
+    pass

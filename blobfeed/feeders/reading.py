@@ -1,0 +1,151 @@
+"""The reader seam: one consumer's end of a source, whatever the consumer is.
+
+A :class:`BatchReader` is the consumer half of a feed: it hands out a
+source's whole batches in order, with the ends of epochs and the source's
+errors at their place, and is told :meth:`BatchReader.returned` once the
+consumer is done with each.  What assembles the batches (the feed's
+enqueuer thread) belongs to the coordinator that made the reader: it is
+started, stopped and joined with the source, never by the consumer.
+
+A :class:`SourceInfo` is the frozen description of what a source is wired
+with (``GlobalCoordinator.open_source``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .chunks import Batch, EpochEnd, ModelInput
+from .enqueuer import Feed
+
+__all__ = ["BatchReader", "SourceInfo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceInfo:
+    """What a source is wired with, as ``GlobalCoordinator.open_source`` saw it.
+
+    Attributes:
+        name: the source's name (``input_source_name``).
+        blob_names: the blobs of each batch, in order (those of its first wiring).
+        axes: each blob's batch axis.
+        batch_size: the one batch size of a source re-batched once for all its
+            readers (``deterministic``, ``shuffle_buffer``, ``epochs`` or
+            ``equal``); None when each reader cuts its own.
+        deterministic, shuffle_buffer, epochs, equal: the dealing options.
+        readers: the names of its readers (nets included), in wiring order.
+        num_workers: fetchers wired to it.
+        resumable: it has a position (``state_dict``): ``deterministic=True``.
+        started: its workers were started.
+        stopped: it was stopped, or ended with an error.
+    """
+
+    name: str
+    blob_names: tuple[str, ...]
+    axes: tuple[int, ...]
+    batch_size: int | None
+    deterministic: bool
+    shuffle_buffer: int
+    epochs: int | None
+    equal: bool
+    readers: tuple[str, ...]
+    num_workers: int
+    resumable: bool
+    started: bool
+    stopped: bool
+
+
+class BatchReader:
+    """One consumer's end of a source: whole batches, in order.
+
+    Made by ``GlobalCoordinator.add_reader`` (a reader of its own) or by the
+    wiring of a net (``Net.add_reader`` takes one).  Not thread-safe: one
+    consumer thread reads it.
+
+    The batches a reader hands out are read-only views (see ``Net``); the
+    position of a deterministic source moves once :meth:`returned` is
+    called, so a batch read and not returned is dealt again on resume.
+    """
+
+    __slots__ = ("_feed",)
+
+    def __init__(self, feed: Feed) -> None:
+        self._feed = feed
+
+    # -- what it reads -------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The reader's name: the ``net`` label of its metrics."""
+        return self._feed.net_name
+
+    @property
+    def source_name(self) -> str:
+        return self._feed.source.name
+
+    @property
+    def blob_names(self) -> tuple[str, ...]:
+        """The names of each batch's arrays, in order."""
+        return self._feed.blob_names
+
+    @property
+    def batch_size(self) -> int:
+        return self._feed.batch_size
+
+    @property
+    def stopped(self) -> bool:
+        """Its source was stopped (or failed): it hands out nothing more."""
+        return bool(self._feed.source.stopped)
+
+    # -- reading ------------------------------------------------------------------
+    def read(self, timeout: float | None = None) -> Batch | EpochEnd:
+        """The next batch (``Batch(arrays, n)``), or the end of an epoch
+        (``EpochEnd``) of a source with ``epochs``.
+
+        Args:
+            timeout: seconds to wait; default the source's ``timeout``.
+
+        Raises:
+            DequeueTimeout: no batch within ``timeout``.
+            EndOfInput: the source is exhausted (its last batch was read) or stopped.
+            FetcherError: a fetcher of the source failed (at its place in the stream).
+            BlobfeedError: the coordinator was never started.
+        """
+        feed = self._feed
+        held = feed.take_held()
+        return held if held is not None else feed.dequeue(timeout)
+
+    def returned(self, batch: Batch | EpochEnd) -> None:
+        """The consumer is done with ``batch`` (or passed the epoch end): it
+        counts as delivered, and the source's position moves past it."""
+        self._feed.delivered(batch)
+
+    def hold(self, batch: Batch) -> None:
+        """Give back a batch read and not used: the next :meth:`read` hands it
+        out again (dropped, and counted so, once the source stopped)."""
+        self._feed.hold(batch)
+
+    def ready(self) -> int:
+        """Batches ready now, without waiting for the enqueuer."""
+        return self._feed.device_queue_depth()
+
+    def waited(self) -> float:
+        """Seconds :meth:`read` has waited in all (never decreases)."""
+        return float(self._feed.consume_stats.wait.total)
+
+    def use_memory(self, memory: Any) -> None:
+        """Batches that span chunks are assembled in ``memory`` (an object
+        with ``empty(shape, dtype)``), before the source starts."""
+        self._feed.rebatcher.use_memory(memory)
+
+    # -- the net that reads it (Net.add_reader) -------------------------------------
+    def _bind(
+        self, place: Callable[[tuple[Any, ...]], tuple[Any, ...]],
+        model_inputs: dict[str, ModelInput], writable: bool, cancel: Callable[[], None],
+    ) -> Feed:
+        feed = self._feed
+        feed.bind_consumer(place, model_inputs, writable, cancel)
+        return feed
+
+    def __repr__(self) -> str:
+        return f"<BatchReader {self.name!r} of source {self.source_name!r}>"

@@ -1,0 +1,162 @@
+"""The reader seam (``blobfeed.reader``): a source read without any net.
+
+``init_reader`` wires a source's workers with a first reader,
+``GlobalCoordinator.add_reader`` adds more, ``open_source`` describes the
+wiring, ``Net.add_reader`` feeds a net from a reader.  Every reader's
+enqueuer thread is the coordinator's: started by ``start()``, joined by
+``stop()``.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed import DequeueTimeout, EndOfInput, Net
+from blobfeed.reader import Batch, BatchReader, EpochEnd, SourceInfo, init_reader
+
+WAIT = 10.0
+
+
+def counting(chunks: int, size: int = 3) -> Any:
+    """Each worker returns ``chunks`` chunks of ``size`` ids per epoch
+    (worker w's ids are w*1000 + k), then ends its epoch."""
+    calls: dict[tuple[int, int], int] = {}
+    lock = threading.Lock()
+
+    def fetch(worker_id: int, batch_size: int) -> Any:
+        info = blobfeed.get_worker_info()
+        key = (worker_id, info.epoch if info is not None else 0)
+        with lock:
+            k = calls.get(key, 0)
+            calls[key] = k + 1
+        if k >= chunks:
+            return "end"
+        ids = np.arange(worker_id * 1000 + k * size, worker_id * 1000 + (k + 1) * size)
+        return [ids, ids.astype(np.float32)]
+
+    def fetch_fun(worker_id: int, batch_size: int) -> Any:
+        got = fetch(worker_id, batch_size)
+        if isinstance(got, str):
+            raise StopIteration
+        return got
+
+    return fetch_fun
+
+
+def read_all(reader: BatchReader) -> list[Any]:
+    """Every item until the end: ids of each batch, or ("end", epoch)."""
+    got: list[Any] = []
+    while True:
+        try:
+            item = reader.read(WAIT)
+        except EndOfInput:
+            return got
+        reader.returned(item)
+        if type(item) is EpochEnd:
+            got.append(("end", item.epoch))
+        else:
+            assert isinstance(item, Batch)
+            got.append(item.arrays[0].tolist())
+
+
+def test_a_source_is_read_through_a_reader_without_any_net() -> None:
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = init_reader(["id", "x"], counting(4), 4, 2, "src", coordinator=gc, reader_name="r0")
+        assert isinstance(reader, BatchReader)
+        assert (reader.name, reader.source_name, reader.blob_names, reader.batch_size) == ("r0", "src", ("id", "x"), 4)
+        assert not [t for t in threading.enumerate() if t.name.startswith("blobfeed-enqueue-src")]
+        gc.start()
+        # the reader's enqueuer is one of the coordinator's threads, started by start()
+        assert [t for t in threading.enumerate() if t.name == "blobfeed-enqueue-src-r0"]
+        got = read_all(reader)
+        assert gc.stop(WAIT)
+    assert not [t for t in threading.enumerate() if t.name.startswith("blobfeed-enqueue-src")]
+    flat = sorted(i for b in got for i in b)
+    assert flat == sorted([w * 1000 + i for w in (0, 1) for i in range(12)])
+    # whole batches of 4, the last one the rest
+    assert all(len(b) == 4 for b in got[:-1]) and 1 <= len(got[-1]) <= 4
+
+
+def test_readers_added_to_a_deterministic_source_are_dealt_in_turn_and_described() -> None:
+    with blobfeed.GlobalCoordinator() as gc:
+        first = init_reader(
+            ["id", "x"], counting(3), 3, 2, "det", coordinator=gc, reader_name="a", deterministic=True, epochs=2,
+        )
+        second = gc.add_reader("det", "b")
+        info = gc.open_source("det")
+        assert isinstance(info, SourceInfo)
+        assert info.readers == ("a", "b") and info.blob_names == ("id", "x") and info.batch_size == 3
+        assert info.deterministic and info.epochs == 2 and info.resumable and not info.started
+        with pytest.raises(ValueError, match="batch_size=3"):
+            gc.add_reader("det", "c", batch_size=5)
+        with pytest.raises(dataclass_frozen()):
+            info.name = "other"  # type: ignore[misc]
+        gc.start()
+        assert gc.open_source("det").started
+        with pytest.raises(ValueError, match="before start"):
+            gc.add_reader("det", "late")
+        results: dict[str, list[Any]] = {}
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r.name, read_all(r))) for r in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT * 3)
+        assert not any(t.is_alive() for t in threads)
+        assert gc.stop(WAIT)
+    a, b = results["a"], results["b"]
+    # each epoch: both see its end; the batches of the epoch alternate a, b, a, ...
+    assert ("end", 0) in a and ("end", 0) in b
+    batches = [x for x in a + b if not (isinstance(x, tuple))]
+    assert sorted(i for x in batches for i in x) == sorted(
+        [w * 1000 + i for w in (0, 1) for i in range(9)] * 2
+    )
+
+
+def dataclass_frozen() -> type[BaseException]:
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+def test_a_net_takes_a_reader_through_add_reader() -> None:
+    with blobfeed.GlobalCoordinator() as gc:
+        # dealt in turn: 3 batches of 2, one per reader, whichever is read first
+        init_reader(["id", "x"], counting(2), 2, 1, "n", coordinator=gc, reader_name="first", deterministic=True)
+        net = Net(None, name="reading-net")
+        reader = gc.add_reader("n", "reading-net", drop_last=False)
+        net.add_reader(reader)
+        with pytest.raises(ValueError, match="already fed from source 'n'"):
+            net.add_reader(gc.add_reader("n", "again"))
+        with pytest.raises(TypeError, match="BatchReader"):
+            net.add_reader("n")  # type: ignore[arg-type]
+        gc.start()
+        out = net.run(WAIT)
+        assert set(out) == {"id", "x"} and out["id"].tolist() == [2, 3]
+        assert gc.stop(WAIT)
+        with pytest.raises(EndOfInput):
+            net.run(WAIT)
+
+
+def test_open_source_and_add_reader_refuse_an_unknown_source() -> None:
+    with blobfeed.GlobalCoordinator() as gc:
+        with pytest.raises(ValueError, match="no source 'nope'"):
+            gc.open_source("nope")
+        with pytest.raises(ValueError, match="no source 'nope'"):
+            gc.add_reader("nope", "r")
+
+
+def test_a_reader_before_start_says_so_and_times_out_bounded() -> None:
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = init_reader(["id", "x"], counting(1), 2, 1, "early", coordinator=gc)
+        with pytest.raises(blobfeed.BlobfeedError, match="never started"):
+            reader.read(0.01)
+        gc.start()
+        read_all(reader)
+        with pytest.raises((EndOfInput, DequeueTimeout)):
+            reader.read(0.01)
+        assert gc.stop(WAIT)
