@@ -133,6 +133,18 @@ class BatchReader:
         """Seconds :meth:`read` has waited in all (never decreases)."""
         return float(self._feed.consume_stats.wait.total)
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the source failed (a fetcher's error), None while it has not."""
+        error = self._feed.source.error
+        return error if isinstance(error, BaseException) else None
+
+    def count_dropped(self, reason: str, samples: int) -> None:
+        """Count ``samples`` the consumer discards as dropped for ``reason``
+        (``blobfeed_dropped_samples_total{reason=...}`` of the source)."""
+        source = self._feed.source
+        source.hub.count_dropped(source.name, reason, samples)
+
     def use_memory(self, memory: Any) -> None:
         """Batches that span chunks are assembled in ``memory`` (an object
         with ``empty(shape, dtype)``), before the source starts."""

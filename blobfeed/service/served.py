@@ -32,7 +32,7 @@ from .arena import SourceArena
 
 if TYPE_CHECKING:
     from ..coordinator import GlobalCoordinator
-    from ..feeders import Feed
+    from ..reader import BatchReader
 
 __all__ = ["End", "IndexOutlet", "Item", "ServedSource", "SharedOutlet", "SourceTerms"]
 
@@ -112,14 +112,14 @@ class _Counts:
         self.run_waited: collections.defaultdict[str, float] = collections.defaultdict(float)
 
 
-def _dequeue(source: "ServedSource", feed: "Feed", timeout: float) -> Any:
-    """The feed's next batch or epoch end; an :class:`End` when its stream
+def _dequeue(source: "ServedSource", reader: "BatchReader", timeout: float) -> Any:
+    """The reader's next batch or epoch end; an :class:`End` when its stream
     ended (None: the data is done) or failed; None when nothing came in time
     (``timeout`` 0: nothing is queued now; never counted as a timeout)."""
-    if timeout <= 0 and not feed.device_queue.qsize():
+    if timeout <= 0 and not reader.ready():
         return None
     try:
-        return feed.dequeue(timeout if timeout > 0 else POLL_S)
+        return reader.read(timeout if timeout > 0 else POLL_S)
     except (DequeueTimeout, TimeoutError):
         return None
     except FetcherError as err:
@@ -140,7 +140,7 @@ class IndexOutlet:
     """The batches of one consumer index: its inner net's feed, and what an
     earlier consumer of that index left unacknowledged (sent again first)."""
 
-    def __init__(self, source: "ServedSource", index: int, feed: "Feed") -> None:
+    def __init__(self, source: "ServedSource", index: int, feed: "BatchReader") -> None:
         self.source = source
         self.index = index
         self.feed = feed
@@ -175,7 +175,7 @@ class IndexOutlet:
 
     def acked(self, item: Item) -> None:
         """A consumer's ``run()`` returned ``item``: the inner net moves past it."""
-        self.feed.delivered(item.batch)
+        self.feed.returned(item.batch)
 
     def left(self, unacked: list[Item]) -> None:
         """The consumer that held this index left with ``unacked`` items."""
@@ -205,7 +205,7 @@ class SharedOutlet:
       gets batches of a small data set.
     """
 
-    def __init__(self, source: "ServedSource", feed: "Feed", skip: set[int]) -> None:
+    def __init__(self, source: "ServedSource", feed: "BatchReader", skip: set[int]) -> None:
         self.source = source
         self.feed = feed
         #: guards everything below; waited on for a change (an ack, a hand-back, a take)
@@ -352,7 +352,7 @@ class SharedOutlet:
             # acknowledged before a resume: not dealt again
             self.skip.discard(s)
             self._ack(s)
-            self.source.hub.count_dropped(self.source.name, "resume", getattr(batch, "n", 0))
+            self.feed.count_dropped("resume", getattr(batch, "n", 0))
             return None
         self._out[s] = (conn, self._epoch)
         self._held[conn] += 1
@@ -373,7 +373,7 @@ class SharedOutlet:
         while self.prefix in self._acked:
             self._acked.discard(self.prefix)
             batch = self._items.pop(self.prefix)
-            self.feed.delivered(batch if type(batch) is EpochEnd else Batch((), batch.n))
+            self.feed.returned(batch if type(batch) is EpochEnd else Batch((), batch.n))
             self.prefix += 1
 
     def left(self, conn: Any, unacked: list[Item]) -> None:
@@ -417,13 +417,13 @@ class ServedSource:
         self,
         terms: SourceTerms,
         coordinator: "GlobalCoordinator",
-        feeds: list["Feed"],
-        hub: Any,
+        feeds: list["BatchReader"],
     ) -> None:
         self.terms = terms
         self.name = terms.name
         self.coordinator = coordinator
-        self.hub = hub
+        #: it has a position (deterministic): fixed when it is wired
+        self._resumable = coordinator.open_source(terms.name).resumable
         self.counts = _Counts()
         self.error: BaseException | None = None
         self.stopped = False
@@ -441,7 +441,7 @@ class ServedSource:
         #: big batches are assembled here, in memory the consumers map
         self.arena = SourceArena(terms.name, self._arena_slots)
         for feed in feeds:
-            feed.rebatcher.use_memory(self.arena)
+            feed.use_memory(self.arena)
 
     def _arena_slots(self, slot_bytes: int) -> int:
         """How many batches of ``slot_bytes`` the arena holds: what every
@@ -512,8 +512,7 @@ class ServedSource:
         fetcher error of its workers), None while it has not."""
         if self.error is not None:
             return self.error
-        inner = self.feeds[0].source
-        return inner.error if isinstance(inner.error, BaseException) else None
+        return self.feeds[0].error
 
     @property
     def ended(self) -> bool:
@@ -567,7 +566,7 @@ class ServedSource:
     @property
     def resumable(self) -> bool:
         """Can it save and load a state (``deterministic=True``)?"""
-        return bool(self.feeds[0].source.dealer.resumable)
+        return self._resumable
 
     def state_dict(self) -> dict[str, Any]:
         if self.shared is None:

@@ -25,10 +25,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..arguments import check_index, check_timeout
-from ..coordinator import GlobalCoordinator, init_data_input_workers
+from ..coordinator import GlobalCoordinator
 from ..errors import BlobfeedError
-from ..feeders import Feed
-from ..net import Net
+from ..reader import init_reader
 from .connection import Connection, Refused
 from .served import ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
@@ -147,7 +146,6 @@ class FeedServer:
         self.registry = CollectorRegistry(auto_describe=True)
         self.coordinator = GlobalCoordinator(self.registry, log_interval=log_interval)
         self.sources: dict[str, ServedSource] = {}
-        self._extra_feeds: list[Feed] = []
         self._lock = threading.Lock()
         self._connections: set[Connection] = set()
         self._numbers = itertools.count()
@@ -272,28 +270,26 @@ class FeedServer:
             saved = self._resume_state["sources"].get(name, {}).get("inner", {}).get("seed")
             if isinstance(saved, list) and saved and type(saved[0]) is int:
                 seed = saved[0]
-        nets = [Net(None, name=f"consumer-{i}") for i in range(num_consumers or 1)]
         wiring = dict(
-            input_source_name=name, max_buffered_batches=max_buffered_batches, timeout=timeout,
+            max_buffered_batches=max_buffered_batches, timeout=timeout,
             drop_last=drop_last, on_error=on_error, seed=seed, backend=backend,
             worker_init_fun=worker_init_fun, deterministic=deterministic, shuffle_buffer=shuffle_buffer,
-            epochs=epochs, equal=equal, coordinator=self.coordinator, device_queue_capacity=INNER_QUEUE,
+            epochs=epochs, equal=equal, device_queue_capacity=INNER_QUEUE,
         )
-        init_data_input_workers(nets[0], names, fetch_fun, batch_size, num_worker_threads, **wiring)
-        feeds = [nets[0]._feeds[0]]
-        source = self.coordinator._sources[name]
-        for net in nets[1:]:
-            # the other consumer indexes join the source without workers of their own
-            feed = Feed(
-                source, net.name, net._place, names, batch_size, timeout=timeout, device_queue_capacity=INNER_QUEUE,
-                dont_rebatch=False, drop_last=drop_last, hub=self.coordinator._hub,
+        # one reader per consumer index (the first wires the workers); their
+        # enqueuers are the coordinator's threads
+        readers = [init_reader(
+            names, fetch_fun, batch_size, num_worker_threads, name, reader_name="consumer-0",
+            coordinator=self.coordinator, **wiring,
+        )]
+        readers += [
+            self.coordinator.add_reader(
+                name, f"consumer-{i}", batch_size=batch_size, timeout=timeout, capacity=INNER_QUEUE, drop_last=drop_last,
             )
-            net._attach(feed)
-            source.add_feed(feed)
-            feeds.append(feed)
-            self._extra_feeds.append(feed)
+            for i in range(1, num_consumers or 1)
+        ]
         terms = SourceTerms(name, tuple(names), batch_size, num_consumers, equal, grace_period, slots)
-        self.sources[name] = ServedSource(terms, self.coordinator, feeds, self.coordinator._hub)
+        self.sources[name] = ServedSource(terms, self.coordinator, readers)
 
     # -- running -----------------------------------------------------------------------
     def start(self) -> "FeedServer":
@@ -314,9 +310,6 @@ class FeedServer:
         try:
             self.serve_metrics()
             self.coordinator.start()
-            for feed in self._extra_feeds:
-                feed.mark_started()
-                self._thread(f"enqueue-{feed.net_name}", feed.run)
             self._thread("accept", self._accept_loop)
             self._thread("monitor", self._monitor_loop)
         except BaseException:

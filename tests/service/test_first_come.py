@@ -311,24 +311,26 @@ def test_a_consumer_that_does_not_answer_the_stop_cannot_acknowledge_after_the_s
 
 
 class _Feed:
-    """An inner feed that gives a scripted stream (then EndOfInput), and
+    """An inner reader that gives a scripted stream (then EndOfInput), and
     counts what the stream moved past."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = list(items)
         self.passed: list[Any] = []
-        self.device_queue = self
 
-    def qsize(self) -> int:
+    def ready(self) -> int:
         return len(self.items)
 
-    def dequeue(self, timeout: float) -> Any:
+    def read(self, timeout: float) -> Any:
         if not self.items:
             raise blobfeed.EndOfInput("scripted stream done")
         return self.items.pop(0)
 
-    def delivered(self, batch: Any) -> None:
+    def returned(self, batch: Any) -> None:
         self.passed.append(batch)
+
+    def count_dropped(self, reason: str, samples: int) -> None:
+        pass
 
 
 def _outlet(items: list[Any], slots: int = 64, skip: set[int] | None = None) -> Any:

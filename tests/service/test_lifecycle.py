@@ -48,12 +48,12 @@ def test_one_source_failing_its_grace_period_leaves_the_others_serving() -> None
             with blobfeed.attach_source(a_net, ["id", "x"], 8, "a", server.address, consumer_index=1):
                 run_batches(a_net, 1)
             # index 1 left and does not come back: "a" fails after 0.3 s
-            a_inner = server.sources["a"].feeds[0].source
+            a_inner = server.sources["a"].feeds[0]  # its reader of the inner source
             wait_for(lambda: server.sources["a"].error is not None and a_inner.stopped, 20, "'a' failed and stopped")
             assert "consumer 1 left and did not come back" in str(server.sources["a"].error)
             # "b" goes on: far more batches than its consumer's slots and queues held
             assert len(run_batches(b_net, 200)) == 200
-            assert server.sources["b"].error is None and not server.sources["b"].feeds[0].source.stopped
+            assert server.sources["b"].error is None and not server.sources["b"].feeds[0].stopped
     finally:
         assert server.stop()
 

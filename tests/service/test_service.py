@@ -697,14 +697,15 @@ def test_a_source_ended_by_the_service_s_stop_reaches_the_consumer_as_stopped() 
     from blobfeed.service.connection import Connection
     from blobfeed.service.served import _dequeue
 
-    class Feed:
-        device_queue = type("Q", (), {"qsize": staticmethod(lambda: 1)})()
+    class Reader:
+        def ready(self) -> int:
+            return 1
 
-        def dequeue(self, timeout: float) -> None:
+        def read(self, timeout: float) -> None:
             raise blobfeed.EndOfInput("queue 'train/consumer-0' is closed and drained")
 
     source = type("S", (), {"error": None, "stopped": True, "name": "train"})()
-    end = _dequeue(source, Feed(), 0.1)  # type: ignore[arg-type]
+    end = _dequeue(source, Reader(), 0.1)  # type: ignore[arg-type]
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn = Connection(a, 0, lambda name: None, dict, "service at x")
