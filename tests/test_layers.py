@@ -67,6 +67,33 @@ APPS = {m for m in LAYERS if m == "blobfeed.apps" or m.startswith("blobfeed.apps
 PUBLIC = {"blobfeed", "blobfeed.metrics", "blobfeed.ray", "blobfeed.service"} | APPS
 
 
+SERVICE = {m for m in LAYERS if m == "blobfeed.service" or m.startswith("blobfeed.service.")}
+#: what the feeding service may import of the core: modules whose names are
+#: public (the errors, Net, the coordinator, the metrics), the argument
+#: checks every layer shares, and the reader seam
+SERVICE_MAY = {
+    "blobfeed.errors", "blobfeed.arguments", "blobfeed.net", "blobfeed.coordinator", "blobfeed.metrics",
+    "blobfeed.reader",
+}
+#: the service's imports of the core's insides still to go, each with the
+#: step of issue 25 that removes it; a new one fails the test
+SERVICE_DEBTS = {
+    # item 3 (the codec owns its wire layout): the frame alignment of the process backend
+    ("blobfeed.service.connection", "blobfeed.feeders.messages"),
+    ("blobfeed.service.tcp", "blobfeed.feeders.messages"),
+    ("blobfeed.service.slots", "blobfeed.feeders.messages"),
+    # item 3's files (another engineer's): EpochEnd is the seam's too (blobfeed.reader)
+    ("blobfeed.service.connection", "blobfeed.feeders.chunks"),
+    ("blobfeed.service.ray_service", "blobfeed.feeders.chunks"),
+    # item 2 (a received batch goes straight to run(), no Chunk): the consumer's end
+    ("blobfeed.service.consumer", "blobfeed.feeders.chunks"),
+    ("blobfeed.service.ray_attach", "blobfeed.feeders.chunks"),
+    ("blobfeed.service.remote", "blobfeed.feeders"),
+    ("blobfeed.service.remote", "blobfeed.feeders.dealing"),
+    ("blobfeed.service.remote", "blobfeed.feeders.source"),
+}
+
+
 def module_name(path: Path) -> str:
     rel = path.relative_to(PKG.parent).with_suffix("")
     parts = list(rel.parts)
@@ -138,3 +165,58 @@ def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
     )
     found = imports_of(fake, "blobfeed.queues")
     assert {"blobfeed.coordinator", "blobfeed.net"} <= found
+
+
+def _imported_names(path: Path, name: str) -> list[tuple[str, str]]:
+    """(module, name) of every ``from blobfeed... import name`` in ``path``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "blobfeed":
+                found += [(target, a.name) for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in all_modules() if module_name(p) in SERVICE], ids=module_name)
+def test_the_service_uses_public_names_and_the_reader_seam_only(path: Path) -> None:
+    """The feeding service is a consumer of the library like any other: it
+    reaches the core through public modules and names and the reader seam
+    (``blobfeed.reader``), never through the core's insides."""
+    me = module_name(path)
+    bad = sorted(
+        t for t in imports_of(path)
+        if t not in SERVICE and t not in SERVICE_MAY and (me, t) not in SERVICE_DEBTS
+    )
+    assert not bad, f"{me} imports the core's insides: {bad} (use public names or blobfeed.reader)"
+    private = sorted(
+        f"{mod}.{n}" for mod, n in _imported_names(path, me)
+        if mod not in SERVICE and mod in SERVICE_MAY and n.startswith("_")
+    )
+    assert not private, f"{me} imports private names of the core: {private}"
+
+
+def test_the_service_debts_are_still_owed() -> None:
+    """Each listed debt is still there: a paid one leaves the list."""
+    owed = {(module_name(p), t) for p in all_modules() for t in imports_of(p) if module_name(p) in SERVICE}
+    assert SERVICE_DEBTS <= owed, f"paid, remove from SERVICE_DEBTS: {sorted(SERVICE_DEBTS - owed)}"
+
+
+def test_the_core_names_no_service_module() -> None:
+    """No module below the service names one of its modules (in a string,
+    as a list of stoppers once did): the core knows no consumer."""
+    bad = []
+    for path in all_modules():
+        me = module_name(path)
+        if me in SERVICE or me in APPS or LAYERS.get(me, 0) > LAYERS["blobfeed.service"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "blobfeed.service" in node.value:
+                bad.append(f"{me}: {node.value[:60]!r}")
+    assert not bad, f"the core names service modules: {bad}"

@@ -745,11 +745,11 @@ _STOP_ENTRIES = frozenset({
 #: The applications call stop() like any user: they hold no pipeline lock.
 #: Every module of ``blobfeed.apps`` is one; these are their former names.
 _APPLICATIONS = frozenset({"blobfeed.bench", "blobfeed.cli", "blobfeed.demo", "blobfeed.models"})
-#: The feeding service stops its own coordinator as a user would: from its
-#: server's stop() and monitor (and its Ray actor's), never holding a lock of the pipeline.
-_SERVICE_STOPPERS = frozenset({
-    "blobfeed.service.server", "blobfeed.service.served", "blobfeed.service.ray_service",
-})
+#: A module of the library above the core that stops a coordinator as a
+#: user would, never holding a lock of the pipeline (the feeding service's
+#: server, outlets and Ray actor), sets this module-level name to True: the
+#: core names no such module.
+STOPS_AS_A_USER = "_blobfeed_stops_as_a_user"
 _APPS_PACKAGE = "blobfeed.apps"
 
 
@@ -757,7 +757,7 @@ def _is_core(module: str) -> bool:
     """Is ``module`` (a ``__name__``) the library's own code, where a thread
     may hold a pipeline lock?  By module name, not file name: file names
     differ from ``co_filename`` in pyc-only and frozen installs."""
-    if module in _APPLICATIONS or module in _SERVICE_STOPPERS or module == _APPS_PACKAGE or module.startswith(_APPS_PACKAGE + "."):
+    if module in _APPLICATIONS or module == _APPS_PACKAGE or module.startswith(_APPS_PACKAGE + "."):
         return False
     return module == "blobfeed" or module.startswith("blobfeed.")
 
@@ -774,7 +774,7 @@ def _inside_blobfeed() -> str | None:
         f = f.f_back
     while f is not None:
         module = f.f_globals.get("__name__", "")
-        if _is_core(module):
+        if _is_core(module) and not f.f_globals.get(STOPS_AS_A_USER):
             return f"{f.f_code.co_name}() in {module}"
         f = f.f_back
     return None

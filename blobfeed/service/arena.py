@@ -29,14 +29,23 @@ import queue
 import select
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..feeders.rebatch import died
 from .slots import sealed_memfd
 
 __all__ = ["SourceArena", "consumer_pidfd"]
+
+
+def died(returned: "queue.SimpleQueue[weakref.ref[Any]]") -> Iterator["weakref.ref[Any]"]:
+    """The weak references their callbacks put on ``returned`` so far (their
+    referents died), without waiting."""
+    while True:
+        try:
+            yield returned.get_nowait()
+        except queue.Empty:
+            return
 
 logger = logging.getLogger("blobfeed.service")
 

@@ -64,6 +64,8 @@ from .wire import WireError, check, seconds
 __all__ = ["RayFeedServer", "RayService", "serve_on_ray"]
 
 logger = logging.getLogger("blobfeed.service")
+#: stops the service's coordinator as a user would (see coordinator.lifecycle.STOPS_AS_A_USER)
+_blobfeed_stops_as_a_user = True
 
 #: threads of the actor that serve ``take`` (consumers served at once without queueing)
 TAKE_THREADS = 64

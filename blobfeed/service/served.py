@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DequeueTimeout, EndOfInput, FetcherError
-from ..feeders.chunks import Batch, EpochEnd
+from ..reader import Batch, EpochEnd
 from .arena import SourceArena
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["End", "IndexOutlet", "Item", "ServedSource", "SharedOutlet", "SourceTerms"]
 
 logger = logging.getLogger("blobfeed.service")
+#: stops the service's coordinator as a user would (see coordinator.lifecycle.STOPS_AS_A_USER)
+_blobfeed_stops_as_a_user = True
 
 #: how long an outlet waits for its feed before looking at its connection again
 POLL_S = 0.1

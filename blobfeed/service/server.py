@@ -36,6 +36,8 @@ from .wire import MAX_SLOTS
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
 
 logger = logging.getLogger("blobfeed.service")
+#: stops the service's coordinator as a user would (see coordinator.lifecycle.STOPS_AS_A_USER)
+_blobfeed_stops_as_a_user = True
 
 #: the version of a service state (``FeedServer.state_dict``)
 STATE_VERSION = 1
