@@ -85,12 +85,6 @@ SERVICE_DEBTS = {
     # item 3's files (another engineer's): EpochEnd is the seam's too (blobfeed.reader)
     ("blobfeed.service.connection", "blobfeed.feeders.chunks"),
     ("blobfeed.service.ray_service", "blobfeed.feeders.chunks"),
-    # item 2 (a received batch goes straight to run(), no Chunk): the consumer's end
-    ("blobfeed.service.consumer", "blobfeed.feeders.chunks"),
-    ("blobfeed.service.ray_attach", "blobfeed.feeders.chunks"),
-    ("blobfeed.service.remote", "blobfeed.feeders"),
-    ("blobfeed.service.remote", "blobfeed.feeders.dealing"),
-    ("blobfeed.service.remote", "blobfeed.feeders.source"),
 }
 
 

@@ -160,3 +160,33 @@ def test_a_reader_before_start_says_so_and_times_out_bounded() -> None:
         with pytest.raises((EndOfInput, DequeueTimeout)):
             reader.read(0.01)
         assert gc.stop(WAIT)
+
+
+def test_an_inlet_is_fed_by_its_caller_and_its_enqueuer_is_the_coordinator_s() -> None:
+    """A source fed with whole batches by its caller (a remote consumer's
+    end): read in order, each item's number told back once returned, the
+    end after what is queued; close() joins its enqueuer, and the
+    coordinator's stop() would too."""
+    returned: list[int] = []
+    with blobfeed.GlobalCoordinator() as gc:
+        inlet = gc.open_inlet("remote", ["id"], "r", batch_size=2, capacity=4, timeout=WAIT,
+                              on_returned=returned.append)
+        inlet.start()
+        name = "blobfeed-enqueue-remote-r"
+        assert [t for t in threading.enumerate() if t.name == name]
+        assert inlet.put([np.array([1, 2])], 2, 10)
+        assert inlet.end_epoch(0, 0, 11)
+        assert inlet.put([np.array([3])], 1, 12)
+        inlet.finish()
+        assert read_all(inlet.reader) == [[1, 2], ("end", 0), [3]]
+        assert returned == [10, 11, 12] and inlet.unreturned() == 0
+        assert inlet.close(WAIT)
+        assert not [t for t in threading.enumerate() if t.name == name]
+        # a second inlet, left open: the coordinator's stop() joins its enqueuer
+        other = gc.open_inlet("remote", ["id"], "r2", batch_size=2, capacity=4, timeout=WAIT, on_returned=returned.append)
+        other.start()
+        assert gc.stop(WAIT)
+        assert not [t for t in threading.enumerate() if t.name == "blobfeed-enqueue-remote-r2"]
+        with pytest.raises(EndOfInput):
+            other.reader.read(0.1)
+        assert other.close(WAIT)

@@ -26,7 +26,7 @@ from ..arguments import check_index, check_timeout, wait_bound
 from ..errors import EndOfInput
 from ..feeders import Feed, InputSource
 from ..feeders.backends import runs_user_code
-from ..feeders.reading import BatchReader, SourceInfo
+from ..feeders.reading import BatchReader, Inlet, InletDealer, SourceInfo
 from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
@@ -273,6 +273,60 @@ class GlobalCoordinator:
             source.add_feed(feed)
             self._known.add(ReaderCoordinator(self, source, feed))
         return BatchReader(feed)
+
+    def open_inlet(
+        self,
+        name: str,
+        blob_names: Sequence[str],
+        reader_name: str,
+        *,
+        batch_size: int,
+        capacity: int,
+        timeout: float,
+        on_returned: Callable[[int], None],
+    ) -> Inlet:
+        """A source its caller feeds with whole batches (a remote consumer's
+        end of a served source), and its one reader.  Not one of the sources
+        by name (several may share ``name``); its reader's enqueuer is this
+        coordinator's thread: :meth:`Inlet.start` starts it, :meth:`Inlet.close`
+        (or ``stop()``) stops and joins it.  A failure of the inlet is its
+        reader's, not this coordinator's (``should_stop`` does not see it).
+
+        Args:
+            name: the source's name (the metrics' ``source`` label).
+            blob_names: the blobs of each batch, in order.
+            reader_name: the reader's ``net`` label.
+            batch_size: the batches' size (each is handed out whole).
+            capacity: items queued ahead of the reader.
+            timeout: seconds the reader waits by default.
+            on_returned: called with the caller's number of each item the
+                reader returned, in order, in the reader's thread (must not block).
+        """
+        names = tuple(blob_names)
+        capacity = check_index("capacity", capacity)
+        timeout = check_timeout("timeout", timeout)
+        source = InputSource(
+            name, capacity, len(names), [0] * len(names), self._hub,
+            dealer=lambda src: InletDealer(name, capacity, src.fail, on_returned),
+        )
+        feed = Feed(
+            source, reader_name, _on_host, names, batch_size, timeout=timeout, device_queue_capacity=1,
+            dont_rebatch=True, drop_last=False, hub=self._hub,
+        )
+        source.add_feed(feed)
+        group = ReaderCoordinator(self, source, feed)
+        with self._lock:
+            self._known.add(group)
+
+        def start() -> None:
+            with self._lock:
+                if not group.started:
+                    group._start()
+
+        def close(timeout: float) -> bool:
+            return self._stop_coordinators([group], timeout)
+
+        return Inlet(source, BatchReader(feed), start, close)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:

@@ -13,13 +13,16 @@ with (``GlobalCoordinator.open_source``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from .chunks import Batch, EpochEnd, ModelInput
+from .chunks import Batch, Chunk, EpochEnd, ModelInput
+from .dealing import ArrivalDealer
 from .enqueuer import Feed
+from .source import InputSource
 
-__all__ = ["BatchReader", "SourceInfo"]
+__all__ = ["BatchReader", "Inlet", "InletDealer", "SourceInfo"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,3 +164,137 @@ class BatchReader:
 
     def __repr__(self) -> str:
         return f"<BatchReader {self.name!r} of source {self.source_name!r}>"
+
+
+# -- a source its caller feeds (a remote consumer's end) -------------------------------
+class _InletReader:
+    """The reader's end of an inlet's queue: the queue's methods, and each
+    item's number to ``on_returned`` once the consumer returned it."""
+
+    def __init__(self, dealer: "InletDealer") -> None:
+        q = dealer.queue
+        self.get_nowait = q.get_nowait
+        self.wait_for_item = q.wait_for_item
+        self.qsize = q.qsize
+        self._dealer = dealer
+
+    def returned(self) -> None:
+        self._dealer.ack()
+
+    def epoch_returned(self, dropped: int = 0) -> None:
+        self._dealer.ack()
+
+
+def _no_ack(number: int) -> None:
+    pass
+
+
+class InletDealer(ArrivalDealer):
+    """The dealer of an :class:`Inlet`: one queue its caller fills, read by
+    one reader; the caller's number of each item goes back to
+    ``on_returned`` when the reader returns it, in order."""
+
+    def __init__(
+        self, source: str, capacity: int, fail: Callable[[BaseException], None], on_returned: Callable[[int], None],
+    ) -> None:
+        super().__init__(source, capacity, fail)
+        #: the caller's numbers of the items queued for the reader, in order
+        self.numbers: collections.deque[int] = collections.deque()
+        self._on_returned = on_returned
+
+    def add_net(self) -> _InletReader:  # type: ignore[override]
+        return _InletReader(self)
+
+    def detach(self) -> None:
+        """Forget the caller (it stopped)."""
+        self._on_returned = _no_ack
+
+    def ack(self) -> None:
+        try:
+            number = self.numbers.popleft()
+        except IndexError:
+            return
+        self._on_returned(number)
+
+
+class Inlet:
+    """A source fed by its caller instead of workers (a remote consumer's
+    receiver), read through :attr:`reader`: whole batches in order, each with
+    the caller's number, told back through ``on_returned`` once the reader
+    returned it.  Made by ``GlobalCoordinator.open_inlet``; its reader's
+    enqueuer is that coordinator's thread, started by :meth:`start`,
+    stopped and joined by :meth:`close` (or the coordinator's ``stop()``).
+
+    Feeding methods are for one thread (the caller's receiver).
+    """
+
+    def __init__(
+        self, source: InputSource, reader: BatchReader,
+        start: Callable[[], None], close: Callable[[float], bool],
+    ) -> None:
+        self._source = source
+        self._dealer: InletDealer = source.dealer  # type: ignore[assignment]
+        self._put = self._dealer.sink(0)
+        self._seq = 0
+        #: what the consumer reads (give it to ``Net.add_reader``)
+        self.reader = reader
+        self._start = start
+        self._close = close
+
+    @property
+    def name(self) -> str:
+        return self._source.name
+
+    def start(self) -> None:
+        """Start the reader's enqueuer (after ``Net.add_reader``)."""
+        self._start()
+
+    # -- the caller's side ---------------------------------------------------------
+    def put(self, arrays: Sequence[Any], n: int, number: int) -> bool:
+        """Queue one whole batch of ``n`` samples (read-only arrays, in blob
+        order), numbered ``number``; waits while the queue is full.  False
+        once the inlet is closed."""
+        self._dealer.numbers.append(number)
+        ok = self._put(Chunk(tuple(arrays), n, 0, self._seq), 0)
+        self._seq += 1
+        return ok
+
+    def end_epoch(self, epoch: int, dropped: int, number: int) -> bool:
+        """Queue the end of ``epoch`` (``dropped`` batches of it were
+        dropped upstream), numbered ``number``.  False once closed."""
+        self._dealer.numbers.append(number)
+        return self._put(EpochEnd(epoch, dropped=dropped), 0)  # type: ignore[arg-type]
+
+    def finish(self) -> None:
+        """The data ends: what is queued, then ``EndOfInput``."""
+        self._dealer.end_of_input()
+
+    def end_with(self, error: BaseException) -> None:
+        """The stream ends with ``error`` at this place: what is queued, then the error."""
+        self._dealer.queue.close(error, after_items=True)
+
+    def fail(self, error: BaseException) -> None:
+        """The source fails now: the reader raises ``error`` (what is queued is dropped)."""
+        self._source.fail(error)
+
+    @property
+    def error(self) -> BaseException | None:
+        error = self._source.error
+        return error if isinstance(error, BaseException) else None
+
+    def unreturned(self) -> int:
+        """Items queued or read and not yet returned."""
+        return len(self._dealer.numbers)
+
+    def stop(self) -> None:
+        """Stop the source now (the reader raises ``EndOfInput``); never waits."""
+        self._source.stop()
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop, join the reader's enqueuer (within ``timeout``) and forget
+        the caller.  Idempotent; True when the thread ended."""
+        self._source.stop()
+        try:
+            return self._close(timeout)
+        finally:
+            self._dealer.detach()

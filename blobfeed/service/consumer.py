@@ -1,10 +1,10 @@
 """The consumer's end of a served source: one more reader of a source.
 
 ``attach_source`` connects a net to a source a :class:`FeedServer` serves.
-The net gets a feed as it would from a local source; only its dealer is
-remote: a receiver thread puts the batches the service sends (views of the
-shared slots, read-only) into the dealer's queue, and the reader tells the
-service each batch ``run()`` returned (``ack``).  So ``net.run()``,
+The net gets a reader as it would from a local source (``Net.add_reader``),
+of an :class:`~blobfeed.reader.Inlet`: a receiver thread puts the batches
+the service sends (views of the shared slots, read-only) into the inlet,
+and the inlet tells the service each batch ``run()`` returned (``ack``).  So ``net.run()``,
 ``for out in net``, ``EndOfEpoch``, ``EndOfInput``, timeouts and errors
 behave as with a local source.
 """
@@ -21,9 +21,9 @@ from typing import Any, Sequence
 
 from ..arguments import check_index, check_timeout
 from ..errors import EndOfInput, FetcherError, ServiceError
-from ..feeders.chunks import Chunk, EpochEnd
 from ..net import Net
-from .remote import Attached, RemoteDealer, _RemoteReader, remote_feed  # noqa: F401  (_RemoteReader: tests patch it here)
+from ..reader import Inlet
+from .remote import Attached, open_inlet
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import connect, consumer_slots
 from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_items, check
@@ -91,13 +91,13 @@ class Attachment(Attached):
         self._check = BatchCheck(batch_size, len(names))
         self.consumer = welcome["consumer"]
         self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
-        self.source, self.dealer, self.feed = remote_feed(
+        self.inlet = open_inlet(
             net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, coordinator
         )
+        self.reader = self.inlet.reader
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
             threading.Thread(target=self._outbox, name=f"blobfeed-attach-out-{source_name}", daemon=True),
-            threading.Thread(target=self.feed.run, name=f"blobfeed-attach-enqueue-{source_name}", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -181,21 +181,19 @@ class Attachment(Attached):
 
     # -- threads -----------------------------------------------------------------------
     def _receive(self) -> None:
-        dealer, mapping = self.dealer, self._mapping
-        put = dealer.sink(0)
+        inlet, mapping = self.inlet, self._mapping
         try:
-            self._receive_records(dealer, mapping, put)
+            self._receive_records(inlet, mapping)
         except (WireError, ServiceError, OSError) as err:
             if not self._closed:
-                self.source.fail(_bare(err if isinstance(err, ServiceError) else _named(err, self._service)))
+                self.inlet.fail(_bare(err if isinstance(err, ServiceError) else _named(err, self._service)))
         except Exception as exc:
             logger.error("receiver of %s failed: %r", self._service, exc)
-            self.source.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
+            self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
         finally:
             self._state_replies.put({"t": "state_is", "state": None, "error": f"{self._service} is gone"})
 
-    def _receive_records(self, dealer: RemoteDealer, mapping: ConsumerMapping | StreamBuffers | None, put: Any) -> None:
-        seq = 0
+    def _receive_records(self, inlet: Inlet, mapping: ConsumerMapping | StreamBuffers | None) -> None:
         while True:
             got = self._channel.recv()
             if got is None:
@@ -228,20 +226,15 @@ class Attachment(Attached):
                 for entry in batch_items(record, self._service):
                     g, slot, n, meta = entry[:4]
                     arrays = mapping.views(slot, n, meta, self._service, *entry[4:])  # type: ignore[union-attr]
-                    dealer.numbers.append(g)
-                    if not put(Chunk(arrays, n, 0, seq)):
+                    if not inlet.put(arrays, n, g):
                         return
-                    seq += 1
             elif kind == "batch":
                 n = record["n"]
                 arrays = mapping.views(record["slot"], n, record["arrays"], self._service)  # type: ignore[union-attr]
-                dealer.numbers.append(record["g"])
-                if not put(Chunk(arrays, n, 0, seq)):
+                if not inlet.put(arrays, n, record["g"]):
                     return
-                seq += 1
             elif kind == "epoch_end":
-                dealer.numbers.append(record["g"])
-                if not put(EpochEnd(record["epoch"], dropped=record["dropped"])):  # type: ignore[arg-type]
+                if not inlet.end_epoch(record["epoch"], record["dropped"], record["g"]):
                     return
             elif kind == "state_is":
                 self._state_replies.put(record)
@@ -255,18 +248,18 @@ class Attachment(Attached):
         end or a worker's error), after which the connection still matters."""
         kind, text = record["kind"], record["error"]
         if kind == "end" and text is None:
-            self.dealer.end_of_input()  # what is queued, then EndOfInput
+            self.inlet.finish()  # what is queued, then EndOfInput
             return True
         if kind == "fetcher":
             # the stream reached an error of the service's workers: what came
             # before it is still handed out, then the error
             err = FetcherError(f"{self._service}: {text}")
-            self.dealer.queue.close(err, after_items=True)
+            self.inlet.end_with(err)
             return True
         # The service stops: run() returns no batch from now on (the bye
         # tells the service every acknowledgement is in), then fails.
         self._heard_stop()
-        self.source.fail(ServiceError(f"{self._service}: {text}"))
+        self.inlet.fail(ServiceError(f"{self._service}: {text}"))
         return False
 
     def _after_the_end(self) -> None:
@@ -292,9 +285,9 @@ class Attachment(Attached):
                 break
         except (WireError, OSError) as err:
             why = f"failed ({err})"
-        left = len(self.dealer.numbers)
+        left = self.inlet.unreturned()
         if left and not self._closed:
-            self.source.fail(ServiceError(
+            self.inlet.fail(ServiceError(
                 f"{self._service} {why} before this consumer acknowledged the {left} items it still had: "
                 "they are not handed out (a resumed service deals them again)"
             ))
@@ -368,24 +361,22 @@ class Attachment(Attached):
             self._send_waited({"t": "bye"})
         except OSError:
             pass
-        self.source.stop()
+        self.inlet.stop()
         self._channel.close()
         self._out.put(None)
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        self.feed.release_net()
-        # The metrics hub keeps the source's counts (they outlive it), not
-        # the source: with it, its error and its feed's last batch would
-        # keep the slots mapped for the life of the process
-        self.source.hub.detach_source(self.source)
-        # nor may the dealer keep this attachment and its mapping (the
-        # batches still in use keep the mapping themselves)
-        self.dealer.detach()
+        # The coordinator joins the inlet's enqueuer and keeps the source's
+        # counts (they outlive it), not the source: with it, its error and
+        # its reader's last batch would keep the slots mapped for the life
+        # of the process; nor may the inlet keep this attachment and its
+        # mapping (the batches still in use keep the mapping themselves)
+        ended = self.inlet.close(max(0.0, deadline - time.monotonic()))
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
-        return not any(t.is_alive() for t in self._threads)
+        return ended and not any(t.is_alive() for t in self._threads)
 
 
 

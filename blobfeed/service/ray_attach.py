@@ -2,8 +2,8 @@
 
 ``attach_source(net, ..., address="ray://NAME")`` (or
 ``ray://NAMESPACE/NAME``) lands here.  The net gets the same feed as from
-a socket service: an :class:`~.remote.RemoteDealer` under an ordinary
-:class:`~blobfeed.feeders.Feed`, so ``net.run()``, ``EndOfEpoch``,
+a socket service: the reader of an :class:`~blobfeed.reader.Inlet`
+(``Net.add_reader``), so ``net.run()``, ``EndOfEpoch``,
 ``EndOfInput``, timeouts and errors behave as with a local source.  Only
 the transport differs, and it is Ray's own:
 
@@ -40,9 +40,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import FetcherError, ServiceError
-from ..feeders.chunks import Chunk, EpochEnd
 from ..net import Net
-from .remote import Attached, remote_feed
+from .remote import Attached, open_inlet
 from .wire import PROTOCOL, BatchCheck, WireError
 
 __all__ = [
@@ -223,13 +222,13 @@ class RayAttachment(Attached):
         #: set when the attachment stops (ends the heartbeat)
         self._wake = threading.Event()
         self._ack_call = self._actor.ack.options(concurrency_group="ack")
-        self.source, self.dealer, self.feed = remote_feed(
+        self.inlet = open_inlet(
             net, names, batch_size, source_name, self._slots, timeout, self._ack, coordinator
         )
+        self.reader = self.inlet.reader
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-ray-recv-{source_name}", daemon=True),
             threading.Thread(target=self._heartbeat, name=f"blobfeed-attach-ray-ack-{source_name}", daemon=True),
-            threading.Thread(target=self.feed.run, name=f"blobfeed-attach-enqueue-{source_name}", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -295,14 +294,14 @@ class RayAttachment(Attached):
         try:
             counted = self._call(self._ack_call.remote(self._cid, g, self._waited()), timeout=ACK_TIMEOUT_S)
         except ServiceError as err:
-            self.source.fail(err)
+            self.inlet.fail(err)
             raise
         if counted is False:
             err = ServiceError(
                 f"{self._service} no longer counts this consumer as attached (it was silent for longer than "
                 f"its lease of {self._lease:.3g} s, or detached): what it had not acknowledged was dealt again"
             )
-            self.source.fail(err)
+            self.inlet.fail(err)
             raise err
 
     def _heartbeat(self) -> None:
@@ -315,10 +314,8 @@ class RayAttachment(Attached):
                 return  # the receiver (or the next run()) reports the service's end
 
     def _receive(self) -> None:
-        dealer = self.dealer
-        put = dealer.sink(0)
+        inlet = self.inlet
         take = self._actor.take.options(concurrency_group="take")
-        seq = 0
         try:
             while not self._closed:
                 # The service sends items while its count of this consumer's
@@ -335,15 +332,12 @@ class RayAttachment(Attached):
                         for a in arrays:
                             a.flags.writeable = False  # batches are read-only everywhere in blobfeed
                         self._next_g = g + 1
-                        dealer.numbers.append(g)
-                        if not put(Chunk(arrays, n, 0, seq), 0):
+                        if not inlet.put(arrays, n, g):
                             return
-                        seq += 1
                     elif kind == "epoch_end":
                         _, g, epoch, dropped = rec
                         self._next_g = g + 1
-                        dealer.numbers.append(g)
-                        if not put(EpochEnd(epoch, dropped=dropped), 0):  # type: ignore[arg-type]
+                        if not inlet.end_epoch(epoch, dropped, g):
                             return
                     else:
                         self._ended(rec[1], rec[2])
@@ -354,24 +348,24 @@ class RayAttachment(Attached):
             error = err if isinstance(err, ServiceError) else ServiceError(f"{self._service}: {err}")
             if error is not err:
                 error.__cause__ = err
-            self.source.fail(error)
+            self.inlet.fail(error)
         except Exception as exc:
             logger.exception("receiver of %s failed", self._service)
             error = ServiceError(f"{self._service}: the receiver failed: {exc!r}")
             error.__cause__ = exc
-            self.source.fail(error)
+            self.inlet.fail(error)
 
     def _ended(self, kind: str, text: str | None) -> None:
         if kind == "end" and text is None:
-            self.dealer.end_of_input()  # what is queued, then EndOfInput
+            self.inlet.finish()  # what is queued, then EndOfInput
         elif kind == "fetcher":
             # the stream reached an error of the service's workers: what came before it first
-            self.dealer.queue.close(FetcherError(f"{self._service}: {text}"), after_items=True)
+            self.inlet.end_with(FetcherError(f"{self._service}: {text}"))
         else:
             # The heartbeat goes on: a run() that took a batch just before
             # this still acknowledges it, and the service saves its state
             # once every consumer said bye (or a second after telling them).
-            self.source.fail(ServiceError(f"{self._service}: {text}"))
+            self.inlet.fail(ServiceError(f"{self._service}: {text}"))
 
     # -- the user's side ---------------------------------------------------------------
     def state_dict(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -411,9 +405,8 @@ class RayAttachment(Attached):
             ray.wait([ref], timeout=min(timeout, 5.0))
         except Exception as err:  # the service is gone: nothing to take back
             logger.debug("%s: bye: %r", self._service, err)
-        self.source.stop()
+        self.inlet.stop()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        self.feed.release_net()
-        self.dealer.detach()
-        return not any(t.is_alive() for t in self._threads)
+        ended = self.inlet.close(max(0.0, deadline - time.monotonic()))
+        return ended and not any(t.is_alive() for t in self._threads)

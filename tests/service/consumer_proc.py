@@ -80,7 +80,7 @@ def main() -> int:
         finally:
             att.stop()
             if a.report_wait:
-                line({"waited": att.feed.consume_stats.wait.total})
+                line({"waited": att.reader.waited()})
     return 0
 
 

@@ -108,7 +108,7 @@ def consume(address: str, index: int | None = None, num: int | None = None) -> d
                                 timeout=WAIT) as att:
         _run(net, out, None)
     # what its run() waited in all, as this process measured it (the bye told the service)
-    out["waited"] = att.feed.consume_stats.wait.total
+    out["waited"] = att.reader.waited()
     return out
 
 

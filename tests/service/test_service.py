@@ -469,14 +469,14 @@ def test_a_batch_run_took_as_the_service_stops_is_not_returned_unless_the_state_
     in CI: one batch twice across a SIGTERM and --resume).  A run() that
     takes a batch once the consumer was told raises instead of returning
     it (the service saves its state after the consumer's bye)."""
-    from blobfeed.service import consumer as consumer_mod
+    from blobfeed.feeders import reading as reading_mod
 
     server = FeedServer(state_file=tmp_path / "state.json")
     server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
     server.start()
     net = blobfeed.Net(None)
     att = blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address)
-    returned = consumer_mod._RemoteReader.returned
+    returned = reading_mod._InletReader.returned
     late = threading.Event()
 
     def returned_after_the_stop(self):  # type: ignore[no-untyped-def]
@@ -484,13 +484,13 @@ def test_a_batch_run_took_as_the_service_stops_is_not_returned_unless_the_state_
             # the batch was taken; the service's "stopped" comes before its acknowledgement
             stopper = threading.Thread(target=server.stop)
             stopper.start()
-            wait_for(lambda: att.source.error is not None, 10, "the consumer told of the stop")
+            wait_for(lambda: att.inlet.error is not None, 10, "the consumer told of the stop")
             returned(self)
             stopper.join(10)
         else:
             returned(self)
 
-    monkeypatch.setattr(consumer_mod._RemoteReader, "returned", returned_after_the_stop)
+    monkeypatch.setattr(reading_mod._InletReader, "returned", returned_after_the_stop)
     try:
         got = [net.run(timeout=10) for _ in range(3)]
         late.set()

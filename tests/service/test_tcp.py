@@ -428,7 +428,7 @@ def test_batches_held_when_the_service_goes_away_after_the_end_are_not_handed_ou
     net = blobfeed.Net(None)
     try:
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10) as att:
-            wait_for(lambda: att.source.error is not None, 10, "the consumer to see the service go")
+            wait_for(lambda: att.inlet.error is not None, 10, "the consumer to see the service go")
             with pytest.raises(blobfeed.ServiceError, match="acknowledged the 1 items"):
                 net.run(timeout=10)
     finally:

@@ -89,7 +89,7 @@ def test_over_tcp_the_same_records_carry_the_wait() -> None:
             with pytest.raises(blobfeed.EndOfInput):
                 for _ in range(10_000):
                     net.run()
-        measured = att.feed.consume_stats.wait.total
+        measured = att.reader.waited()
         wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
         counted = server.sources["train"].counts.run_waited
     assert measured > 0
