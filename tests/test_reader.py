@@ -190,3 +190,29 @@ def test_an_inlet_is_fed_by_its_caller_and_its_enqueuer_is_the_coordinator_s() -
         with pytest.raises(EndOfInput):
             other.reader.read(0.1)
         assert other.close(WAIT)
+
+
+def test_request_stop_coordinator_stops_one_source_without_waiting() -> None:
+    """The feeding service fails one of its sources from its own threads:
+    the named source stops (its readers see EndOfInput), the call returns
+    at once, the other sources go on and the coordinator is not stopping."""
+    import time
+
+    with blobfeed.GlobalCoordinator() as gc:
+        a = init_reader(["id", "x"], lambda w, b: [np.zeros(2), np.zeros(2)], 2, 1, "a", coordinator=gc, epochs=None)
+        b = init_reader(["id", "x"], lambda w, b: [np.zeros(2), np.zeros(2)], 2, 1, "b", coordinator=gc, epochs=None)
+        gc.start()
+        a.returned(a.read(WAIT))
+        t0 = time.monotonic()
+        gc.request_stop_coordinator("a")
+        assert time.monotonic() - t0 < 1.0
+        deadline = time.monotonic() + WAIT
+        with pytest.raises(EndOfInput):
+            while time.monotonic() < deadline:
+                a.returned(a.read(WAIT))
+        for _ in range(5):
+            b.returned(b.read(WAIT))
+        assert not gc.should_stop()
+        with pytest.raises(TypeError, match="str"):
+            gc.request_stop_coordinator(3)  # type: ignore[arg-type]
+        assert gc.stop(WAIT)

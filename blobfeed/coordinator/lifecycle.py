@@ -567,6 +567,20 @@ class GlobalCoordinator:
             victims = [c for c in self._coordinators if c.name == name]
         return self._stop_coordinators(victims, t)
 
+    def request_stop_coordinator(self, name: str) -> None:
+        """Ask the coordinators of source or worker name ``name`` to stop,
+        and return at once: ``stop_coordinator(name)`` without the wait.
+        The stop is carried out to its end by the stopper thread (by
+        ``start()``, before the first one).  Safe from any thread; the other
+        sources go on, and ``should_stop()`` does not turn True.
+
+        Raises:
+            TypeError: ``name`` is not a str.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"request_stop_coordinator: name must be a str, got {type(name).__name__}")
+        self._request_stop_named(name)
+
     def _request_stop_named(self, name: str) -> None:
         """Ask the coordinators named ``name`` to stop, and return at once:
         they stop at once (plain stores), the stopper thread carries the

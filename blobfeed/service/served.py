@@ -553,7 +553,7 @@ class ServedSource:
                 return
             self.error = error
         logger.error("%s", error)
-        self.coordinator._request_stop_named(self.name)
+        self.coordinator.request_stop_coordinator(self.name)
 
     def drop_held(self) -> None:
         """At stop: let go of the batches waiting to be dealt again (they
