@@ -33,12 +33,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ..feeders.chunks import EpochEnd
-from ..feeders.messages import align
 from .arena import consumer_pidfd
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
-from .wire import MAX_RECORD, PROTOCOL, Channel, WireError, check, freed_slots
+from .wire import MAX_RECORD, PROTOCOL, Channel, WireError, check, freed_slots, wire_align
 
 __all__ = ["Connection", "HANDSHAKE_S"]
 
@@ -235,7 +234,7 @@ class Connection:
         assert source is not None
         if source.slot_bytes is None:
             # a whole batch, whatever this one holds (an epoch's last may be smaller)
-            full = sum(align(a.nbytes // batch.n * source.terms.batch_size) for a in batch.arrays)
+            full = sum(wire_align(a.nbytes // batch.n * source.terms.batch_size) for a in batch.arrays)
             source.slot_bytes = max(full, batch_nbytes(batch.arrays), 64)
         slot_bytes = max(source.slot_bytes, batch_nbytes(batch.arrays))
         slots = min(self._most_slots, source.slots)

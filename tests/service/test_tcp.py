@@ -677,3 +677,34 @@ def test_at_most_so_many_connections_are_in_their_handshake_at_once(
         finally:
             for s in silent:
                 s.close()
+
+
+def test_the_wire_layout_is_the_service_s_own_not_the_process_backend_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot and TCP frame layout is part of the service's protocol: a
+    change to the process backend's alignment (feeders.messages.ALIGN) must
+    not move an array on the wire (it would, without a new protocol number)."""
+    from blobfeed.feeders import messages
+    from blobfeed.service import slots as slots_mod
+    from blobfeed.service.tcp import StreamChannel
+
+    arrays = [np.arange(3, dtype=np.int8), np.ones((3, 5), np.float32), np.zeros((3, 1), np.int64)]
+
+    def wire() -> tuple[Any, int, int, bytes]:
+        meta, size = slots_mod.layout(arrays)
+        a, b = socket.socketpair()
+        try:
+            StreamChannel(a, "test").send({"t": "batch"}, payload=arrays)
+            a.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := b.recv(1 << 16):
+                data += chunk
+        finally:
+            a.close()
+            b.close()
+        return meta, size, slots_mod.batch_nbytes(arrays), data
+
+    before = wire()
+    assert [m[2] for m in before[0]] == [0, 64, 128] and before[1] == 192
+    monkeypatch.setattr(messages, "ALIGN", 4096)
+    assert messages.align(3) == 4096  # the backend's layout did change
+    assert wire() == before
