@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.service.wire": 11.1, "blobfeed.service.tcp": 11.15, "blobfeed.service.slots": 11.2,
     "blobfeed.service.arena": 11.22,
     "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,
+    "blobfeed.service.ledger": 11.32, "blobfeed.service.admission": 11.35,
     "blobfeed.service.connection": 11.4, "blobfeed.service.server": 11.5, "blobfeed.service.consumer": 11.5,
     # the consumer end's dealer (every transport's), the consumer end over Ray (consumer.py
     # dispatches ray:// addresses down to it) and the service as a Ray actor (a FeedServer)

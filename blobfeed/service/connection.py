@@ -21,7 +21,6 @@ bookkeeping, so the flow control is the same).
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
@@ -34,12 +33,14 @@ import numpy as np
 
 from ..feeders.chunks import EpochEnd
 from .arena import consumer_pidfd
+from .admission import Refused, admit
+from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
-from .wire import MAX_RECORD, PROTOCOL, Channel, WireError, check, freed_slots, wire_align
+from .wire import MAX_RECORD, Channel, WireError, check, freed_slots, wire_align
 
-__all__ = ["Connection", "HANDSHAKE_S"]
+__all__ = ["Connection", "HANDSHAKE_S", "Refused"]
 
 logger = logging.getLogger("blobfeed.service")
 
@@ -56,10 +57,6 @@ FLUSH_BYTES = 1 << 20
 #: source buffer is freed at once: S1's 9.6 MB batches held one per slot
 #: in flight otherwise); smaller ones are not worth the views
 LET_GO_BYTES = 1 << 16
-
-
-class Refused(Exception):
-    """The consumer's hello does not fit the source (sent back as ``refused``)."""
 
 
 class Connection:
@@ -90,12 +87,8 @@ class Connection:
         self._sources = sources
         self._state = state
         self._service = service
-        self._lock = threading.Lock()
-        #: what was sent and not acknowledged: (g, item, slot, meta), in order
-        self._inflight: collections.deque[tuple[int, Item, int, Any]] = collections.deque()
-        self._g = 0
-        #: the number of the next item to send (what the consumer may acknowledge is below it)
-        self._sent = 0
+        #: what was sent and not acknowledged (made at admission)
+        self.ledger: Ledger | None = None
         self.closed = threading.Event()
         self.source: ServedSource | None = None
         self.outlet: IndexOutlet | SharedOutlet | None = None
@@ -123,14 +116,6 @@ class Connection:
         self._arena_sent = False
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
         self._run_waited = 0.0
-        #: slots of the batches in _inflight (sent or being sent, not acknowledged)
-        self._unacked_slots: set[int] = set()
-        #: of those, the slots the consumer freed already: they go back to the
-        #: ring with their batch's acknowledgement, not before (see _free)
-        self._freed_early: set[int] = set()
-        #: slots taken for this consumer and not freed by it yet: the only
-        #: slots it may free (one it was never sent is a lie)
-        self._held: set[int] = set()
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -194,7 +179,7 @@ class Connection:
         hello = check(record, ("hello",), self.peer)
         self.channel.sock.settimeout(None)
         try:
-            source, outlet = self._admit(hello)
+            source, outlet = admit(hello, self._sources, self)
         except Refused as err:
             logger.warning("service: %s refused: %s", self.peer, str(err))
             self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
@@ -205,6 +190,8 @@ class Connection:
         if self.tcp_peer is not None:
             self.peer += f" from {self.tcp_peer}"
         self.channel.peer = self.peer
+        self.ledger = Ledger(outlet, source.counts, self.label)
+        self.ledger.peer = self.peer
         # Welcomed at once: its slots are made and offered (a "slots" record)
         # before its first batch, sized by that batch.  Before it, only
         # epoch ends or the end may come, and neither needs a slot.
@@ -258,47 +245,6 @@ class Connection:
             area.close()  # close() came before there was an area to wake
         return area
 
-    def _admit(self, hello: dict[str, Any]) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
-        if hello["protocol"] != PROTOCOL:
-            raise Refused(f"protocol {hello['protocol']} (this service speaks {PROTOCOL}): upgrade blobfeed on one side")
-        source = self._sources(hello["source"])  # Refused naming the sources it has
-        t = source.terms
-        blobs = hello["blobs"]
-        if blobs != list(t.blob_names):
-            raise Refused(
-                f"source {t.name!r} carries blobs {list(t.blob_names)}; the consumer asked for {blobs!r}"
-            )
-        if hello["batch_size"] != t.batch_size:
-            raise Refused(
-                f"source {t.name!r} is served in batches of {t.batch_size}; the consumer asked for "
-                f"batch_size={hello['batch_size']}"
-            )
-        num, index = hello["num"], hello["index"]
-        if t.num_consumers is None:
-            if num is not None or index is not None:
-                raise Refused(
-                    f"source {t.name!r} is served first come, first served (no num_consumers); the consumer "
-                    f"asked for consumer_index={index}, num_consumers={num}: serve the source with "
-                    "num_consumers=N to deal it by index"
-                )
-        else:
-            if num is not None and num != t.num_consumers:
-                raise Refused(
-                    f"source {t.name!r} is dealt to {t.num_consumers} consumers; the consumer asked for "
-                    f"num_consumers={num}"
-                )
-            if index is not None and not 0 <= index < t.num_consumers:
-                raise Refused(
-                    f"source {t.name!r} is dealt to {t.num_consumers} consumers (indexes 0 to "
-                    f"{t.num_consumers - 1}); the consumer asked for consumer_index={index}"
-                )
-        if source.error is not None:
-            raise Refused(f"source {t.name!r} failed: {source.error}")
-        try:
-            return source, source.claim(self, index)
-        except ValueError as err:
-            raise Refused(str(err)) from None
-
     def _handle(self, record: dict[str, Any]) -> bool:
         """Act on one of the consumer's records; True when it said bye."""
         kind = record["t"]
@@ -308,13 +254,13 @@ class Connection:
                 self._ack(record["g"])
             slots = freed_slots(record, self.peer)
             if not slots:
-                return
-            if self.area is None:
+                return False
+            if self.area is None or self.ledger is None:
                 raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
             lent = self._lent
             for slot in slots:
                 lent.pop(slot, None)
-            self.area.give_back(self._free(slots), self.peer)
+            self.area.give_back(self.ledger.free(slots), self.peer)
         elif kind == "state":
             try:
                 state = self._state(self.source.name if self.source is not None else None)
@@ -336,35 +282,6 @@ class Connection:
             return True
         return False
 
-    def _free(self, slots: list[int]) -> list[int]:
-        """Of the slots the consumer freed, those that may be written again now.
-
-        A slot whose batch is not acknowledged yet keeps its batch until the
-        acknowledgement (or, should the consumer leave, until it was dealt
-        again from it): a consumer that freed it and left without the
-        acknowledgement would otherwise have that batch dealt again out of
-        a slot that holds another one by then.  An honest consumer does
-        free early: a net on a GPU drops the host's views once its batch is
-        on the device, before run() returns it.
-
-        Raises:
-            WireError: a slot it does not hold (never sent, or freed already).
-        """
-        with self._lock:
-            stranger = [s for s in slots if s not in self._held]
-            if stranger or len(set(slots)) < len(slots):
-                bad = min(stranger) if stranger else min(s for s in slots if slots.count(s) > 1)
-                raise WireError(f"{self.peer} freed slot {bad}, which it does not hold")
-            self._held.difference_update(slots)
-            early = self._unacked_slots.intersection(slots)
-            if not early:
-                return slots
-            twice = early & self._freed_early
-            if twice or len(early) < sum(1 for s in slots if s in early):
-                raise WireError(f"{self.peer} freed slot {min(twice or early)}, which it does not hold")
-            self._freed_early |= early
-            return [s for s in slots if s not in early]
-
     def _consumer_waited(self, total: float) -> None:
         """The consumer's run() has waited ``total`` seconds in all (checked
         finite and >= 0 by the wire): what it grew by since its last record
@@ -382,28 +299,8 @@ class Connection:
 
     def _ack(self, g: int) -> None:
         """The consumer's run() returned every item up to ``g`` (cumulative)."""
-        assert self.source is not None and self.outlet is not None
-        inflight, outlet, acknowledged = self._inflight, self.outlet, self.source.counts.acknowledged
-        with self._lock:
-            head = inflight[0][0] if inflight else None
-            if head is None or head < 0 or not head <= g < self._sent:
-                raise WireError(
-                    f"{self.peer} acknowledged items up to {g}; its next unacknowledged item is {head} "
-                    f"and the last sent {self._sent - 1}"
-                )
-            n = 0
-            back = []
-            while inflight and 0 <= inflight[0][0] <= g:
-                _, item, slot, _ = inflight.popleft()
-                if slot >= 0:
-                    self._unacked_slots.discard(slot)
-                    if slot in self._freed_early:
-                        self._freed_early.discard(slot)
-                        back.append(slot)
-                outlet.acked(item)
-                if type(item.batch) is not EpochEnd:
-                    n += 1
-            acknowledged[self.label] += n
+        assert self.ledger is not None
+        _, back = self.ledger.ack(g)
         if back:
             assert self.area is not None
             self.area.give_back(back, self.peer)
@@ -426,8 +323,8 @@ class Connection:
                     self.close()
 
     def _send_items(self) -> None:
-        source, outlet, area = self.source, self.outlet, self.area
-        assert source is not None and outlet is not None
+        source, outlet, area, ledger = self.source, self.outlet, self.area, self.ledger
+        assert source is not None and outlet is not None and ledger is not None
         pending: Item | End | None = None  # taken from the outlet, not sent yet
         counts = source.counts
         stream = isinstance(self.channel, StreamChannel)
@@ -466,11 +363,9 @@ class Connection:
                 if type(item.batch) is EpochEnd:
                     self._flush(ready, last_g)
                     ready_bytes = 0
-                    g = self._g
-                    self._g += 1
-                    with self._lock:
-                        self._inflight.append((g, item, -1, None))
-                    self._sent = g + 1  # before: the acknowledgement may come before send() returns
+                    g = ledger.number()
+                    ledger.record(g, item)
+                    ledger.sent(g)  # before: the acknowledgement may come before send() returns
                     self.channel.send(
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
@@ -490,14 +385,11 @@ class Connection:
                     if slot is None:
                         self._unsent(item)
                         return
-                with self._lock:
-                    # held and unacknowledged from now, before it is written:
-                    # a "free" of it that arrives during the write is early
-                    # (kept until the acknowledgement), never a reuse
-                    self._held.add(slot)
-                    self._unacked_slots.add(slot)
-                g = self._g
-                self._g += 1
+                # held and unacknowledged from now, before it is written:
+                # a "free" of it that arrives during the write is early
+                # (kept until the acknowledgement), never a reuse
+                ledger.hold(slot)
+                g = ledger.number()
                 recorded = False
                 located = None if arena is None else arena.locate(item.batch.arrays)
                 if located is not None:
@@ -510,9 +402,7 @@ class Connection:
                     if not self._arena_sent:
                         # recorded first: should the consumer be gone, the
                         # batch is unacknowledged (dealt again), not lost
-                        with self._lock:
-                            self._inflight.append((g, item, slot, meta))
-                            self._unacked_slots.add(slot)
+                        ledger.record(g, item, slot, meta)
                         recorded = True
                         self._send_arena()
                 elif stream:
@@ -526,13 +416,11 @@ class Connection:
                         # at once rather than at the acknowledgement
                         item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))  # type: ignore[union-attr]
                 if not recorded:
-                    with self._lock:
-                        self._inflight.append((g, item, slot, meta))
-                        self._unacked_slots.add(slot)
+                    ledger.record(g, item, slot, meta)
                 if stream:
                     # over TCP the bytes follow the record, from the batch's own arrays
                     record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
-                    self._sent = g + 1
+                    ledger.sent(g)
                     self.channel.send(record, payload=item.batch.arrays)  # type: ignore[call-arg]
                     counts.delivered[self.label] += 1
                     continue
@@ -549,7 +437,7 @@ class Connection:
             if isinstance(pending, Item):
                 self._unsent(pending)  # taken just before a stop: dealt again, not lost
             # batches written and not sent (the service stops, or the
-            # consumer left) stay in _inflight: unacknowledged, dealt again
+            # consumer left) stay in the ledger: unacknowledged, dealt again
         except OSError as err:
             if not self.closed.is_set():
                 logger.info("service: sending to %s failed: %s", self.peer, str(err))
@@ -578,7 +466,8 @@ class Connection:
         """Send the batches in ``ready`` (the last numbered ``last_g``) in one record (Unix socket)."""
         if not ready:
             return
-        self._sent = last_g + 1  # before: the acknowledgement may come before send() returns
+        assert self.ledger is not None
+        self.ledger.sent(last_g)  # before: the acknowledgement may come before send() returns
         data = ('{"t":"batches","items":[' + ",".join(ready) + "]}").encode()
         self.channel.send_encoded(data)  # type: ignore[union-attr]
         assert self.source is not None
@@ -587,8 +476,8 @@ class Connection:
 
     def _unsent(self, item: Item) -> None:
         """An item taken for the consumer that never reached it: it counts as unacknowledged."""
-        with self._lock:
-            self._inflight.append((-2, item, -1, None))
+        assert self.ledger is not None
+        self.ledger.unsent(item)
 
     def _end(self, end: End) -> None:
         err = end.error
@@ -655,19 +544,19 @@ class Connection:
             self.sender.join(timeout=10.0)
         source, outlet, area = self.source, self.outlet, self.area
         # what its run() never returned cannot be in the user's hands
-        not_returned = {g for g, _, _, _ in self._inflight}
-        if source is not None and outlet is not None:
-            with self._lock:
-                unacked = []
-                for g, item, slot, meta in self._inflight:
-                    if slot >= 0 and meta is not None and isinstance(area, SlotArea):
-                        # copied out of the slot, so the area goes with its
-                        # consumer: with many slots in flight, re-dealt
-                        # batches of several consumers that left would keep
-                        # each one's whole area mapped until dealt again
-                        item = item._replace(batch=item.batch._replace(arrays=_copied(area.read(slot, meta))))
-                    unacked.append(item)
-                self._inflight.clear()
+        ledger = self.ledger
+        not_returned = ledger.not_returned() if ledger is not None else set()
+        if source is not None and outlet is not None and ledger is not None:
+            ledger.close()
+
+            def keep(item: Item, slot: int, meta: Any) -> Item:
+                # copied out of the slot, so the area goes with its
+                # consumer: with many slots in flight, re-dealt batches of
+                # several consumers that left would keep each one's whole
+                # area mapped until dealt again
+                return item._replace(batch=item.batch._replace(arrays=_copied(area.read(slot, meta))))  # type: ignore[union-attr]
+
+            unacked = ledger.hand_back(keep if isinstance(area, SlotArea) else None)
             source.release(self, outlet, unacked)
             logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
         # Batches its run() returned and it did not free yet: the user may
