@@ -38,7 +38,8 @@ from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
-from .wire import MAX_RECORD, Channel, WireError, check, freed_slots, wire_align
+from .transport import TCP, UNIX, BatchSender
+from .wire import Channel, WireError, check, freed_slots, wire_align
 
 __all__ = ["Connection", "HANDSHAKE_S", "Refused"]
 
@@ -47,23 +48,15 @@ logger = logging.getLogger("blobfeed.service")
 #: seconds a peer has from its connection to the end of its hello (the
 #: whole hello, not each read: a hello that trickles in is dropped too)
 HANDSHAKE_S = 5.0
-#: at most this many batches in one ``batches`` record (fewer if their layout is long)
-BATCHES_PER_RECORD = 64
-#: a ``batches`` record goes out once its batches' slots hold this many bytes
-#: (large batches go one by one: the consumer starts on the first while the
-#: next is copied)
-FLUSH_BYTES = 1 << 20
-#: batches this large are kept as their slot's copy once written (their
-#: source buffer is freed at once: S1's 9.6 MB batches held one per slot
-#: in flight otherwise); smaller ones are not worth the views
-LET_GO_BYTES = 1 << 16
 
 
 class Connection:
     """One consumer connected to the service.
 
     ``tcp_peer``: the consumer's ``HOST:PORT`` when it came over TCP (the
-    connection then speaks :class:`.StreamChannel`'s frames).
+    connection then speaks :class:`.StreamChannel`'s frames).  Its carrier
+    (:mod:`.transport`) is chosen once, here: the channel, and the sender
+    its batches go through, are that carrier's.
     """
 
     def __init__(
@@ -77,10 +70,10 @@ class Connection:
     ) -> None:
         self.number = number
         self.tcp_peer = tcp_peer
-        # the service accepts no payload from a consumer: a frame that announces some is refused unread
-        self.channel: Channel | StreamChannel = (
-            Channel(sock, f"connection {number}") if tcp_peer is None
-            else StreamChannel(sock, f"connection {number} from {tcp_peer}")
+        #: how its batches travel
+        self.carrier = UNIX if tcp_peer is None else TCP
+        self.channel: Channel | StreamChannel = self.carrier.channel(
+            sock, f"connection {number}" if tcp_peer is None else f"connection {number} from {tcp_peer}"
         )
         self.peer = self.channel.peer
         self.label = str(number)
@@ -213,7 +206,7 @@ class Connection:
              "slots": self._most_slots, "epoch": 0, "service": self._service}
         )
 
-    def _offer_slots(self, batch: Any) -> SlotArea | StreamSlots:
+    def _offer_slots(self, batch: Any, sender: BatchSender) -> SlotArea | StreamSlots:
         """Make the consumer's slots, sized by the source's batches (this,
         its first, if the source's first), and offer them (a ``slots``
         record, with their descriptor on a Unix socket)."""
@@ -225,14 +218,9 @@ class Connection:
             source.slot_bytes = max(full, batch_nbytes(batch.arrays), 64)
         slot_bytes = max(source.slot_bytes, batch_nbytes(batch.arrays))
         slots = min(self._most_slots, source.slots)
-        if self.tcp_peer is None:
-            area: SlotArea | StreamSlots = SlotArea(f"blobfeed-{source.name}-{self.label}", slots, slot_bytes)
-        else:
-            area = StreamSlots(slots, slot_bytes)
+        area = sender.slots(f"blobfeed-{source.name}-{self.label}", slots, slot_bytes)
         try:
-            self.channel.send(
-                {"t": "slots", "slots": slots, "slot_bytes": slot_bytes}, fds=[area.fd] if area.fd >= 0 else ()
-            )
+            sender.offer(area)
         except BaseException:
             area.close()
             area.unmap()
@@ -327,25 +315,18 @@ class Connection:
         assert source is not None and outlet is not None and ledger is not None
         pending: Item | End | None = None  # taken from the outlet, not sent yet
         counts = source.counts
-        stream = isinstance(self.channel, StreamChannel)
-        arena = None if stream else source.arena
-        # Unix socket: the batches written and not sent yet, sent together in
-        # one "batches" record once no other batch is ready at once (or no
-        # slot is free, or FLUSH_BYTES / a record's worth are waiting): a
-        # record, a syscall and a wake-up per burst rather than per batch,
-        # and never a wait with a batch unsent.
-        ready: list[str] = []  # each [g, slot, n, arrays] as JSON text
-        ready_bytes = 0
-        last_g = -1
-        per_record = BATCHES_PER_RECORD
+        delivered = counts.delivered
+        sender = self.carrier.sender(self.channel, ledger)
+        # a batch assembled in the source's arena goes as a reference to it (shared memory only)
+        arena = source.arena if sender.shared_memory else None
         try:
             while not self.closed.is_set() and not self._ended and self._stopping is None:
                 if pending is None:
-                    if ready:
+                    if sender.pending():
+                        # batches kept for one record: sent once no other is ready at once
                         pending = outlet.next(self, 0.0)
                         if pending is None:
-                            self._flush(ready, last_g)
-                            ready_bytes = 0
+                            delivered[self.label] += sender.flush()
                             continue
                     else:
                         t0 = time.perf_counter()
@@ -357,12 +338,11 @@ class Connection:
                 if isinstance(item, End):
                     # the connection stays: the consumer still acknowledges
                     # what it has, and leaves when it is done
-                    self._flush(ready, last_g)
+                    delivered[self.label] += sender.flush()
                     self._end(item)
                     return
                 if type(item.batch) is EpochEnd:
-                    self._flush(ready, last_g)
-                    ready_bytes = 0
+                    delivered[self.label] += sender.flush()
                     g = ledger.number()
                     ledger.record(g, item)
                     ledger.sent(g)  # before: the acknowledgement may come before send() returns
@@ -372,14 +352,13 @@ class Connection:
                     continue
                 if area is None:
                     try:
-                        area = self._offer_slots(item.batch)  # before its first batch, sized by it
+                        area = self._offer_slots(item.batch, sender)  # before its first batch, sized by it
                     except BaseException:
                         self._unsent(item)  # the consumer is gone: dealt again, not lost
                         raise
                 slot = area.take_nowait()
                 if slot is None:
-                    self._flush(ready, last_g)  # what the consumer frees depends on what it has
-                    ready_bytes = 0
+                    delivered[self.label] += sender.flush()  # what the consumer frees depends on what it has
                     while slot is None and not self.closed.is_set() and self._stopping is None:
                         slot = area.take(POLL_S)
                     if slot is None:
@@ -390,50 +369,25 @@ class Connection:
                 # (kept until the acknowledgement), never a reuse
                 ledger.hold(slot)
                 g = ledger.number()
-                recorded = False
                 located = None if arena is None else arena.locate(item.batch.arrays)
-                if located is not None:
+                if located is None:
+                    item, meta, text = sender.write(area, slot, item)
+                    ledger.record(g, item, slot, meta)
+                else:
                     # assembled in the source's arena: the consumer reads it
                     # there; its slot only stands for it (the flow control)
                     a_slot, text = located
                     meta = None
                     self._lent[slot] = (g, item.batch.arrays)
                     text = f"{text},{a_slot}"  # the entry's fifth element: the arena slot
-                    if not self._arena_sent:
-                        # recorded first: should the consumer be gone, the
-                        # batch is unacknowledged (dealt again), not lost
-                        ledger.record(g, item, slot, meta)
-                        recorded = True
-                        self._send_arena()
-                elif stream:
-                    meta = area.write(slot, item.batch.arrays)
-                else:
-                    meta, text = area.write_encoded(slot, item.batch.arrays)  # type: ignore[union-attr]
-                    if area.slot_bytes >= LET_GO_BYTES:
-                        # the slot holds the batch now: keep that (for a
-                        # consumer that leaves without acknowledging it), and
-                        # let the inner pipeline's buffer go back to its pool
-                        # at once rather than at the acknowledgement
-                        item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))  # type: ignore[union-attr]
-                if not recorded:
+                    # recorded first: should the consumer be gone, the
+                    # batch is unacknowledged (dealt again), not lost
                     ledger.record(g, item, slot, meta)
-                if stream:
-                    # over TCP the bytes follow the record, from the batch's own arrays
-                    record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
-                    ledger.sent(g)
-                    self.channel.send(record, payload=item.batch.arrays)  # type: ignore[call-arg]
-                    counts.delivered[self.label] += 1
-                    continue
-                entry = f"[{g},{slot},{item.batch.n},{text}]"
-                if not ready and per_record == BATCHES_PER_RECORD:
-                    # as many as fit half a record (a batch's layout does not change)
-                    per_record = max(1, min(BATCHES_PER_RECORD, MAX_RECORD // 2 // (len(entry) + 1)))
-                ready.append(entry)
-                last_g = g
-                ready_bytes += area.slot_bytes
-                if len(ready) >= per_record or ready_bytes >= FLUSH_BYTES:
-                    self._flush(ready, last_g)
-                    ready_bytes = 0
+                    if not self._arena_sent:
+                        self._send_arena()
+                delivered[self.label] += sender.send_batch(
+                    g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes
+                )
             if isinstance(pending, Item):
                 self._unsent(pending)  # taken just before a stop: dealt again, not lost
             # batches written and not sent (the service stops, or the
@@ -461,18 +415,6 @@ class Connection:
         self._peer_pid, self._pidfd = pid, consumer_pidfd(pid)
         self.channel.send({"t": "arena", "slots": arena.slots, "slot_bytes": arena.slot_bytes}, fds=[arena.fd])
         self._arena_sent = True
-
-    def _flush(self, ready: list[str], last_g: int = -1) -> None:
-        """Send the batches in ``ready`` (the last numbered ``last_g``) in one record (Unix socket)."""
-        if not ready:
-            return
-        assert self.ledger is not None
-        self.ledger.sent(last_g)  # before: the acknowledgement may come before send() returns
-        data = ('{"t":"batches","items":[' + ",".join(ready) + "]}").encode()
-        self.channel.send_encoded(data)  # type: ignore[union-attr]
-        assert self.source is not None
-        self.source.counts.delivered[self.label] += len(ready)
-        ready.clear()
 
     def _unsent(self, item: Item) -> None:
         """An item taken for the consumer that never reached it: it counts as unacknowledged."""

@@ -25,7 +25,7 @@ from ..feeders.chunks import Chunk, EpochEnd
 from ..net import Net
 from .remote import Attached, RemoteDealer, _RemoteReader, remote_feed  # noqa: F401  (_RemoteReader: tests patch it here)
 from .slots import ConsumerMapping, StreamBuffers
-from .transport import connect, consumer_slots
+from .transport import RAY, carrier_for
 from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_items, check
 
 __all__ = ["Attachment", "attach_source"]
@@ -58,7 +58,9 @@ class Attachment(Attached):
     ) -> None:
         super().__init__(net, names, source_name, address)
         try:
-            self._channel = connect(address, connect_timeout, self._service)
+            #: how the batches travel, chosen once from the address
+            self._carrier = carrier_for(address)
+            self._channel = self._carrier.connect(address, connect_timeout, self._service)
         except OSError as err:
             raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
         self._send_lock = threading.Lock()
@@ -207,12 +209,12 @@ class Attachment(Attached):
                 if record["t"] == "slots":
                     if mapping is not None:
                         raise WireError(f"{self._service} offered slots a second time")
-                    mapping = self._mapping = consumer_slots(
+                    mapping = self._mapping = self._carrier.consumer_slots(
                         self._channel, record, fds, self._most_slots, self._check, self._out.put
                     )
                     continue
                 if record["t"] == "arena":
-                    if not isinstance(mapping, ConsumerMapping):
+                    if not self._carrier.shared_memory or not isinstance(mapping, ConsumerMapping):
                         raise WireError(f"{self._service} sent an arena over TCP or before its slots")
                     mapping.add_arena(fds, record["slots"], record["slot_bytes"], self._service)
                     continue
@@ -480,7 +482,7 @@ def attach_source(
             raise ValueError(f"consumer_index={consumer_index} is not below num_consumers={num_consumers}")
     timeout = check_timeout("timeout", timeout)
     connect_timeout = check_timeout("connect_timeout", connect_timeout)
-    if address.startswith("ray://"):
+    if carrier_for(address) is RAY:
         # a service running as a named Ray actor (blobfeed.ray.serve_on_ray): Ray carries the batches
         from .ray_attach import RayAttachment
 
