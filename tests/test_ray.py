@@ -276,6 +276,8 @@ def test_batches_from_ray_are_read_only_views_and_bounded(gc: blobfeed.GlobalCoo
     ids = np.concatenate(delivered)
     for wid in gc.get_worker_ids():
         mine = ids[ids // WORKER_SPAN == wid]
+        if not len(mine):
+            continue  # a worker whose actor started late may have given none of these batches: a prefix too
         steps = -(-len(mine) // rows)
         want = np.concatenate([make_chunk(wid, step, rows, 2)[0] for step in range(steps)])[:len(mine)]
         np.testing.assert_array_equal(mine, want, err_msg=f"worker {wid}'s samples through zero-copy views")

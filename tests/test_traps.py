@@ -275,6 +275,34 @@ def test_fetcher_returning_only_none_backs_off(gc) -> None:
     assert 0 < calls[0] < 60 and 0 < calls[1] < 60, calls
 
 
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_fetcher_failing_every_call_with_on_error_skip_backs_off(gc, backend: str) -> None:
+    """A fetcher that raises at every call, with on_error="skip", gives no
+    data either: it spun a core per worker as one returning None did
+    (issue 24, found while fixing None); it backs off the same way."""
+    net = Net(name="n")
+    init_data_input_workers(net, ["x"], _always_fails, 4, num_worker_threads=1, coordinator=gc,
+                            on_error="skip", backend=backend)
+    gc.start()
+    with pytest.raises(DequeueTimeout):
+        net.run(timeout=1.5)
+    errors = _counter(gc, "blobfeed_fetch_errors_total", kind="exception")
+    assert 0 < errors < 60, errors
+
+
+def _always_fails(worker_id: int, batch_size: int):
+    raise OSError("the share is not mounted")
+
+
+def _counter(gc, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in gc.registry.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
 def test_fetcher_returning_none_now_and_then_is_not_slowed(gc, monkeypatch) -> None:
     from blobfeed.feeders import worker_loop
 

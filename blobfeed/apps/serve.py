@@ -3,7 +3,8 @@
 FUNCTION (called with no arguments) wires the sources with
 ``blobfeed.serve_source(...)``; the service then serves them until SIGTERM
 or SIGINT, or until every source ended, when it stops fetching, saves its
-state (``--state-file``), tells every consumer and exits 0.  Exit status 2
+state (``--state-file``), tells every consumer and exits 0 (1 when a source
+failed meanwhile, or a thread did not end; each failure is named on stderr).  Exit status 2
 for a usage problem: a bad option or target, or a ``--metrics-port`` that is
 taken (bound first, before the target is imported, so that it fails at once).
 """
@@ -20,8 +21,7 @@ import sys
 from typing import Any
 
 import blobfeed
-from blobfeed.metrics import MetricsServer, start_http_server
-from blobfeed.service import FeedServer, serving
+from blobfeed.service import FeedServer
 
 from .argtypes import port, positive_float
 
@@ -88,65 +88,36 @@ def _error_text(err: BaseException) -> str:
     return str(err)
 
 
-def _serve_metrics(server: FeedServer, args: argparse.Namespace, started: list[bool]) -> MetricsServer | None:
-    """``--metrics-port``: bound before the target is imported, its sources
-    wired or a worker started, so that a taken port fails at once.
-    ``/healthz`` and ``/readyz`` say "starting" (503) until the service
-    listens, then what ``server.health()`` and ``server.ready()`` say (as
-    when FeedServer serves them itself).
-
-    Raises:
-        OSError: the port cannot be bound; the message names it once.
-    """
-    if args.metrics_port is None:
-        return None
-
-    def health() -> tuple[bool, str]:
-        return server.health() if started else (False, "starting")
-
-    def ready() -> tuple[bool, str]:
-        return server.ready() if started else (False, "starting")
-
-    try:
-        return start_http_server(args.metrics_port, args.metrics_addr, server.registry, health=health, ready=ready)
-    except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        hint = "; choose another --metrics-port, or 0 for any free port" if args.metrics_port else ""
-        raise OSError(exc.errno, f"cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: "
-                                 f"{reason}{hint}") from None
-
-
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    metrics: MetricsServer | None = None
-    started: list[bool] = []
     try:
-        # the metrics port first (the service's own registry): FeedServer binds
-        # nothing before start(), and FeedServer's metrics_port is not used
         server = FeedServer(
-            args.listen, metrics_addr=args.metrics_addr,
+            args.listen, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
             state_file=args.state_file, resume=args.resume, save_every=args.save_every,
         )
-        metrics = _serve_metrics(server, args, started)
     except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
         print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
         return 2
     try:
+        # the metrics port first: a taken port fails before the target is
+        # imported, its sources wired or a worker started
+        metrics_url = server.serve_metrics()
+    except OSError as err:
+        hint = "; choose another --metrics-port, or 0 for any free port" if args.metrics_port else ""
+        print(f"blobfeed serve: {_error_text(err)}{hint}", file=sys.stderr)
+        return 2
+    try:
         func = load_target(args.target)
     except (ValueError, ImportError) as err:
-        if metrics is not None:
-            metrics.close()
+        server.stop()
         print(f"blobfeed serve: {err}", file=sys.stderr)
         return 2
     try:
-        with serving(server):
-            func()
+        server.setup(func)
         server.start()
-        started.append(True)
     except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
-        if metrics is not None:
-            metrics.close()
+        server.stop()
         print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
         return 2
 
@@ -156,15 +127,16 @@ def main(argv: list[str]) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     # one line a consumer's launcher can read for the address
     print(f"blobfeed serve: listening on {server.address}", flush=True)
-    if metrics is not None:
-        print(f"blobfeed serve: metrics on {metrics.url}", flush=True)
+    if metrics_url is not None:
+        print(f"blobfeed serve: metrics on {metrics_url}", flush=True)
     try:
         server.wait()
     finally:
+        failed = [f"source {n!r} failed: {s.failure}" for n, s in server.sources.items() if s.failure is not None]
         clean = server.stop()
-        if metrics is not None:
-            metrics.close()
         for s, h in old.items():
             signal.signal(s, h)
     print(f"blobfeed serve: stopped ({server.stop_reason})", flush=True)
-    return 0 if clean else 1
+    for line in failed:
+        print(f"blobfeed serve: {line}", file=sys.stderr)
+    return 0 if clean and not failed else 1

@@ -202,7 +202,10 @@ class InputSource:
             if self.error is not None or self.stopped:
                 return
             self.error = error
-        logger.error("source %r stopped by a fetcher error: %s", self.name, error)
+        # the text, not the error: a kept log record (a memory handler) would
+        # keep the error, and with it the frames of every run() that raised
+        # it (the net, its last batch: a served source's shared memory)
+        logger.error("source %r stopped by a fetcher error: %s", self.name, str(error))
         self.halted = True
         lost = 0
         if not in_order:

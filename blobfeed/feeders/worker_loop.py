@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EMPTY_BACKOFF_MAX_S", "deliver", "skips", "worker_events"]
 
-#: consecutive calls that gave no data (``None``, or arrays with no
-#: element) a worker makes at full speed; each further one waits first ...
+#: consecutive calls that gave no data (``None``, arrays with no element,
+#: or an exception ``on_error="skip"`` skips) a worker makes at full speed;
+#: each further one waits first ...
 EMPTY_FREE_CALLS = 3
 #: ... twice as long as the one before, from this ...
 EMPTY_BACKOFF_MIN_S = 0.001
@@ -102,6 +103,10 @@ def worker_events(
                     break
                 except BaseException as exc:
                     yield Raised(perf() - t0, exc)
+                    # skipped (on_error="skip"), or the loop is closed: a
+                    # fetcher failing at every call gives no data either
+                    empty_run += 1
+                    _back_off(empty_run, halted)
                     continue
                 seconds = perf() - t0
                 if type(raw) is Stamped:  # a stateful fetch_fun's state travels with its result

@@ -35,7 +35,7 @@ import numpy as np
 from ..feeders.chunks import EpochEnd
 from ..feeders.messages import align
 from .arena import consumer_pidfd
-from .served import POLL_S, End, Item, IndexOutlet, ServedSource, SharedOutlet
+from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
 from .wire import MAX_RECORD, PROTOCOL, Channel, WireError, check, freed_slots
@@ -44,7 +44,8 @@ __all__ = ["Connection", "HANDSHAKE_S"]
 
 logger = logging.getLogger("blobfeed.service")
 
-#: seconds a peer has to say hello before it is dropped
+#: seconds a peer has from its connection to the end of its hello (the
+#: whole hello, not each read: a hello that trickles in is dropped too)
 HANDSHAKE_S = 5.0
 #: at most this many batches in one ``batches`` record (fewer if their layout is long)
 BATCHES_PER_RECORD = 64
@@ -103,6 +104,9 @@ class Connection:
         self.sender: threading.Thread | None = None
         #: the thread running serve() (set by the server)
         self.receiver: threading.Thread | None = None
+        #: called once the handshake is over, whatever its outcome (the
+        #: server bounds the connections in their handshake)
+        self.on_handshake_done: Callable[[], None] = _nothing
         #: set once the consumer was told the end (data done, failure, stop)
         self._ended = False
         #: why the service stops, once it does (the sender tells the consumer)
@@ -120,13 +124,21 @@ class Connection:
         self._arena_sent = False
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
         self._run_waited = 0.0
+        #: slots of the batches in _inflight (sent or being sent, not acknowledged)
+        self._unacked_slots: set[int] = set()
+        #: of those, the slots the consumer freed already: they go back to the
+        #: ring with their batch's acknowledgement, not before (see _free)
+        self._freed_early: set[int] = set()
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
         """Body of the receiver thread: handshake, then records until the consumer leaves."""
         try:
-            if not self._handshake():
-                return
+            try:
+                if not self._handshake():
+                    return
+            finally:
+                self.on_handshake_done()
             resets = 0
             # Until the consumer's end or its bye, even once the service closed
             # the connection (a stop): what it sent before is still read, so
@@ -166,11 +178,11 @@ class Connection:
             self._leave()
 
     def _handshake(self) -> bool:
-        self.channel.sock.settimeout(HANDSHAKE_S)
         try:
-            got = self.channel.recv()
+            got = self.channel.recv_within(HANDSHAKE_S)  # the whole hello, however it trickles in
         except (socket.timeout, TimeoutError):
-            logger.warning("service: %s said nothing within %.0f s; closed", self.peer, HANDSHAKE_S)
+            logger.warning("service: %s did not finish its hello within %.3g s (said nothing within, or too "
+                           "slowly); closed", self.peer, HANDSHAKE_S)
             return False
         if got is None:
             return False
@@ -191,39 +203,58 @@ class Connection:
         if self.tcp_peer is not None:
             self.peer += f" from {self.tcp_peer}"
         self.channel.peer = self.peer
-        # the slots are sized by the batches: wait for the first one
-        first = self._first_item()
-        try:
-            self._welcome(first)
-        except BaseException:
-            if isinstance(first, Item):
-                self._unsent(first)  # the consumer is gone: dealt again, not lost
-            raise
+        # Welcomed at once: its slots are made and offered (a "slots" record)
+        # before its first batch, sized by that batch.  Before it, only
+        # epoch ends or the end may come, and neither needs a slot.
+        self._welcome()
         logger.info("service: %s attached", self.peer)
         self.sender = threading.Thread(
-            target=self._send_loop, args=(first,), name=f"blobfeed-service-send-{self.number}", daemon=True
+            target=self._send_loop, args=(None,), name=f"blobfeed-service-send-{self.number}", daemon=True
         )
         self.sender.start()
         return True
 
-    def _welcome(self, first: Item | End | None) -> None:
-        """Make the consumer's slots and send the welcome (with their descriptor)."""
+    def _welcome(self) -> None:
+        """Welcome the consumer: its index, and the most slots it will be offered."""
         source, outlet = self.source, self.outlet
         assert source is not None and outlet is not None
-        slot_bytes = source.slot_bytes or 0
-        slots = source.slots
+        self._most_slots = source.terms.slots or (source.slots if source.slot_bytes else SLOTS_MAX)
+        self.channel.send(
+            {"t": "welcome", "consumer": outlet.index if isinstance(outlet, IndexOutlet) else self.number,
+             "slots": self._most_slots, "epoch": 0, "service": self._service}
+        )
+
+    def _offer_slots(self, batch: Any) -> SlotArea | StreamSlots:
+        """Make the consumer's slots, sized by the source's batches (this,
+        its first, if the source's first), and offer them (a ``slots``
+        record, with their descriptor on a Unix socket)."""
+        source = self.source
+        assert source is not None
+        if source.slot_bytes is None:
+            # a whole batch, whatever this one holds (an epoch's last may be smaller)
+            full = sum(align(a.nbytes // batch.n * source.terms.batch_size) for a in batch.arrays)
+            source.slot_bytes = max(full, batch_nbytes(batch.arrays), 64)
+        slot_bytes = max(source.slot_bytes, batch_nbytes(batch.arrays))
+        slots = min(self._most_slots, source.slots)
         if self.tcp_peer is None:
-            self.area = SlotArea(f"blobfeed-{source.name}-{self.label}", slots, max(slot_bytes, 64))
+            area: SlotArea | StreamSlots = SlotArea(f"blobfeed-{source.name}-{self.label}", slots, slot_bytes)
         else:
-            self.area = StreamSlots(slots, max(slot_bytes, 64))
+            area = StreamSlots(slots, slot_bytes)
         try:
             self.channel.send(
-                {"t": "welcome", "consumer": outlet.index if isinstance(outlet, IndexOutlet) else self.number,
-                 "slots": slots, "slot_bytes": self.area.slot_bytes, "epoch": 0, "service": self._service},
-                fds=[self.area.fd] if self.area.fd >= 0 else (),
+                {"t": "slots", "slots": slots, "slot_bytes": slot_bytes}, fds=[area.fd] if area.fd >= 0 else ()
             )
+        except BaseException:
+            area.close()
+            area.unmap()
+            raise
         finally:
-            self.area.close_fd()
+            area.close_fd()
+        # published once its descriptor is closed (close() and _leave() act on it from the receiver)
+        self.area = area
+        if self.closed.is_set():
+            area.close()  # close() came before there was an area to wake
+        return area
 
     def _admit(self, hello: dict[str, Any]) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
         if hello["protocol"] != PROTOCOL:
@@ -268,26 +299,6 @@ class Connection:
         except ValueError as err:
             raise Refused(str(err)) from None
 
-    def _first_item(self) -> Item | End | None:
-        """The consumer's first item, taken before the slots are made when
-        the batch layout is not known yet (it sizes them)."""
-        source, outlet = self.source, self.outlet
-        assert source is not None and outlet is not None
-        if source.slot_bytes is not None:
-            return None
-        deadline = time.monotonic() + source.terms.grace_period
-        while not self.closed.is_set() and time.monotonic() < deadline:
-            item = outlet.next(self, POLL_S)
-            if item is None:
-                continue
-            if isinstance(item, Item) and type(item.batch) is not EpochEnd:
-                b = item.batch
-                # a whole batch, whatever this one holds (an epoch's last may be smaller)
-                full = sum(align(a.nbytes // b.n * source.terms.batch_size) for a in b.arrays)
-                source.slot_bytes = max(full, batch_nbytes(b.arrays))
-            return item
-        return None
-
     def _handle(self, record: dict[str, Any]) -> bool:
         """Act on one of the consumer's records; True when it said bye."""
         kind = record["t"]
@@ -295,12 +306,15 @@ class Connection:
             self._consumer_waited(record["waited"])
             if record["g"] != -1:
                 self._ack(record["g"])
-            assert self.area is not None
             slots = freed_slots(record, self.peer)
+            if not slots:
+                return
+            if self.area is None:
+                raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
             lent = self._lent
             for slot in slots:
                 lent.pop(slot, None)
-            self.area.give_back(slots, self.peer)
+            self.area.give_back(self._free(slots), self.peer)
         elif kind == "state":
             try:
                 state = self._state(self.source.name if self.source is not None else None)
@@ -313,6 +327,30 @@ class Connection:
             self.closed.set()
             return True
         return False
+
+    def _free(self, slots: list[int]) -> list[int]:
+        """Of the slots the consumer freed, those that may be written again now.
+
+        A slot whose batch is not acknowledged yet keeps its batch until the
+        acknowledgement (or, should the consumer leave, until it was dealt
+        again from it): a consumer that freed it and left without the
+        acknowledgement would otherwise have that batch dealt again out of
+        a slot that holds another one by then.  An honest consumer does
+        free early: a net on a GPU drops the host's views once its batch is
+        on the device, before run() returns it.
+
+        Raises:
+            WireError: a slot it freed already.
+        """
+        with self._lock:
+            early = self._unacked_slots.intersection(slots)
+            if not early:
+                return slots
+            twice = early & self._freed_early
+            if twice or len(early) < sum(1 for s in slots if s in early):
+                raise WireError(f"{self.peer} freed slot {min(twice or early)}, which it does not hold")
+            self._freed_early |= early
+            return [s for s in slots if s not in early]
 
     def _consumer_waited(self, total: float) -> None:
         """The consumer's run() has waited ``total`` seconds in all (checked
@@ -341,12 +379,21 @@ class Connection:
                     f"and the last sent {self._sent - 1}"
                 )
             n = 0
+            back = []
             while inflight and 0 <= inflight[0][0] <= g:
-                _, item, _, _ = inflight.popleft()
+                _, item, slot, _ = inflight.popleft()
+                if slot >= 0:
+                    self._unacked_slots.discard(slot)
+                    if slot in self._freed_early:
+                        self._freed_early.discard(slot)
+                        back.append(slot)
                 outlet.acked(item)
                 if type(item.batch) is not EpochEnd:
                     n += 1
             acknowledged[self.label] += n
+        if back:
+            assert self.area is not None
+            self.area.give_back(back, self.peer)
 
     # -- the sender --------------------------------------------------------------------
     def _send_loop(self, first: Item | End | None) -> None:
@@ -367,7 +414,7 @@ class Connection:
 
     def _send_items(self, first: Item | End | None) -> None:
         source, outlet, area = self.source, self.outlet, self.area
-        assert source is not None and outlet is not None and area is not None
+        assert source is not None and outlet is not None
         pending: Item | End | None = first
         counts = source.counts
         stream = isinstance(self.channel, StreamChannel)
@@ -415,6 +462,12 @@ class Connection:
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
                     continue
+                if area is None:
+                    try:
+                        area = self._offer_slots(item.batch)  # before its first batch, sized by it
+                    except BaseException:
+                        self._unsent(item)  # the consumer is gone: dealt again, not lost
+                        raise
                 slot = area.take_nowait()
                 if slot is None:
                     self._flush(ready, last_g)  # what the consumer frees depends on what it has
@@ -440,6 +493,7 @@ class Connection:
                         # batch is unacknowledged (dealt again), not lost
                         with self._lock:
                             self._inflight.append((g, item, slot, meta))
+                            self._unacked_slots.add(slot)
                         recorded = True
                         self._send_arena()
                 elif stream:
@@ -455,6 +509,7 @@ class Connection:
                 if not recorded:
                     with self._lock:
                         self._inflight.append((g, item, slot, meta))
+                        self._unacked_slots.add(slot)
                 if stream:
                     # over TCP the bytes follow the record, from the batch's own arrays
                     record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
@@ -611,6 +666,10 @@ class Connection:
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
         self.channel.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _copied(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:

@@ -26,7 +26,7 @@ from ..net import Net
 from .remote import Attached, RemoteDealer, _RemoteReader, remote_feed  # noqa: F401  (_RemoteReader: tests patch it here)
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import connect, consumer_slots
-from .wire import MAX_ITEMS, PROTOCOL, WireError, batch_items, check
+from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_items, check
 
 __all__ = ["Attachment", "attach_source"]
 
@@ -77,18 +77,18 @@ class Attachment(Attached):
                 "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names,
                 "batch_size": batch_size, "index": index, "num": num, "pid": os.getpid(),
             })
-            welcome, fds = self._welcome()
+            welcome = self._welcome(connect_timeout)
             self._channel.sock.settimeout(None)
-            try:
-                self._mapping: ConsumerMapping | StreamBuffers = consumer_slots(
-                    self._channel, welcome, fds, batch_size, len(names), self._out.put
-                )
-            finally:
-                for fd in fds:
-                    os.close(fd)
+        except WireError as err:
+            self._channel.close()
+            raise ServiceError(f"cannot attach to source {source_name!r}: {err}") from None
         except BaseException:
             self._channel.close()
             raise
+        #: the slots, once the service offered them (a "slots" record, before the first batch)
+        self._mapping: ConsumerMapping | StreamBuffers | None = None
+        self._most_slots = welcome["slots"]
+        self._check = BatchCheck(batch_size, len(names))
         self.consumer = welcome["consumer"]
         self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
         self.source, self.dealer, self.feed = remote_feed(
@@ -107,25 +107,24 @@ class Attachment(Attached):
         with self._send_lock:
             self._channel.send(record)
 
-    def _welcome(self) -> tuple[dict[str, Any], list[int]]:
+    def _welcome(self, timeout: float) -> dict[str, Any]:
         try:
-            got = self._channel.recv()
+            got = self._channel.recv_within(timeout)  # the whole welcome, however it trickles in
         except (socket.timeout, TimeoutError):
             raise ServiceError(f"{self._service} did not answer the attach of source {self.source_name!r}") from None
         if got is None:
             raise ServiceError(f"{self._service} closed the connection while attaching source {self.source_name!r}")
         record, fds = got
-        try:
-            record = check(record, ("welcome", "refused"), self._service)
-            if record["t"] == "refused":
-                raise ValueError(f"{self._service} refused the attach: {record['error']}")
-            if not (3 <= record["slots"] <= 1024 and 64 <= record["slot_bytes"] <= 1 << 40):
-                raise WireError(f"{self._service} offered {record['slots']} slots of {record['slot_bytes']} bytes")
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return record, fds
+        for fd in fds:
+            os.close(fd)
+        record = check(record, ("welcome", "refused"), self._service)
+        if record["t"] == "refused":
+            raise ValueError(f"{self._service} refused the attach: {record['error']}")
+        if fds:
+            raise WireError(f"{self._service} sent descriptors with its welcome")
+        if not 3 <= record["slots"] <= MAX_SLOTS:
+            raise WireError(f"{self._service} said it will offer {record['slots']} slots (3 to {MAX_SLOTS})")
+        return record
 
     def _ack(self, g: int) -> None:
         """Sent before run() returns: once run() returned a batch, its
@@ -184,70 +183,72 @@ class Attachment(Attached):
     def _receive(self) -> None:
         dealer, mapping = self.dealer, self._mapping
         put = dealer.sink(0)
-        seq = 0
         try:
-            while True:
-                got = self._channel.recv()
-                if got is None:
-                    raise ServiceError(f"{self._service} closed the connection (it stopped or died)")
-                record, fds = got
-                try:
-                    record = check(record, ("batches", "batch", "epoch_end", "end", "state_is", "arena"),
-                                   self._service)
-                    if record["t"] == "arena":
-                        if not isinstance(mapping, ConsumerMapping):
-                            raise WireError(f"{self._service} sent an arena over TCP")
-                        mapping.add_arena(fds, record["slots"], record["slot_bytes"], self._service)
-                        continue
-                    if fds:
-                        raise WireError(f"{self._service} sent descriptors with a {record['t']!r} record")
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-                kind = record["t"]
-                if kind == "batches":
-                    for entry in batch_items(record, self._service):
-                        g, slot, n, meta = entry[:4]
-                        if not 0 < n < 1 << 40:
-                            raise WireError(f"{self._service} sent a batch of {n} samples")
-                        arrays = mapping.views(slot, n, meta, self._service, *entry[4:])
-                        dealer.numbers.append(g)
-                        if not put(Chunk(arrays, n, 0, seq)):
-                            return
-                        seq += 1
-                elif kind == "batch":
-                    n = record["n"]
-                    if not 0 < n < 1 << 40:
-                        raise WireError(f"{self._service} sent a batch of {n} samples")
-                    arrays = mapping.views(record["slot"], n, record["arrays"], self._service)
-                    dealer.numbers.append(record["g"])
+            self._receive_records(dealer, mapping, put)
+        except (WireError, ServiceError, OSError) as err:
+            if not self._closed:
+                self.source.fail(_bare(err if isinstance(err, ServiceError) else _named(err, self._service)))
+        except Exception as exc:
+            logger.error("receiver of %s failed: %r", self._service, exc)
+            self.source.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
+        finally:
+            self._state_replies.put({"t": "state_is", "state": None, "error": f"{self._service} is gone"})
+
+    def _receive_records(self, dealer: RemoteDealer, mapping: ConsumerMapping | StreamBuffers | None, put: Any) -> None:
+        seq = 0
+        while True:
+            got = self._channel.recv()
+            if got is None:
+                raise ServiceError(f"{self._service} closed the connection (it stopped or died)")
+            record, fds = got
+            try:
+                record = check(record, ("batches", "batch", "epoch_end", "end", "state_is", "arena", "slots"),
+                               self._service)
+                if record["t"] == "slots":
+                    if mapping is not None:
+                        raise WireError(f"{self._service} offered slots a second time")
+                    mapping = self._mapping = consumer_slots(
+                        self._channel, record, fds, self._most_slots, self._check, self._out.put
+                    )
+                    continue
+                if record["t"] == "arena":
+                    if not isinstance(mapping, ConsumerMapping):
+                        raise WireError(f"{self._service} sent an arena over TCP or before its slots")
+                    mapping.add_arena(fds, record["slots"], record["slot_bytes"], self._service)
+                    continue
+                if fds:
+                    raise WireError(f"{self._service} sent descriptors with a {record['t']!r} record")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            kind = record["t"]
+            if kind in ("batches", "batch") and mapping is None:
+                raise WireError(f"{self._service} sent a batch before it offered slots")
+            if kind == "batches":
+                for entry in batch_items(record, self._service):
+                    g, slot, n, meta = entry[:4]
+                    arrays = mapping.views(slot, n, meta, self._service, *entry[4:])  # type: ignore[union-attr]
+                    dealer.numbers.append(g)
                     if not put(Chunk(arrays, n, 0, seq)):
                         return
                     seq += 1
-                elif kind == "epoch_end":
-                    dealer.numbers.append(record["g"])
-                    if not put(EpochEnd(record["epoch"], dropped=record["dropped"])):  # type: ignore[arg-type]
-                        return
-                elif kind == "state_is":
-                    self._state_replies.put(record)
-                else:  # end
-                    if self._ended(record):
-                        self._after_the_end()
+            elif kind == "batch":
+                n = record["n"]
+                arrays = mapping.views(record["slot"], n, record["arrays"], self._service)  # type: ignore[union-attr]
+                dealer.numbers.append(record["g"])
+                if not put(Chunk(arrays, n, 0, seq)):
                     return
-        except (WireError, ServiceError, OSError) as err:
-            if self._closed:
+                seq += 1
+            elif kind == "epoch_end":
+                dealer.numbers.append(record["g"])
+                if not put(EpochEnd(record["epoch"], dropped=record["dropped"])):  # type: ignore[arg-type]
+                    return
+            elif kind == "state_is":
+                self._state_replies.put(record)
+            else:  # end
+                if self._ended(record):
+                    self._after_the_end()
                 return
-            error = err if isinstance(err, ServiceError) else ServiceError(f"{self._service}: {err}")
-            if error is not err:
-                error.__cause__ = err
-            self.source.fail(error)
-        except Exception as exc:
-            logger.exception("receiver of %s failed", self._service)
-            error = ServiceError(f"{self._service}: the receiver failed: {exc!r}")
-            error.__cause__ = exc
-            self.source.fail(error)
-        finally:
-            self._state_replies.put({"t": "state_is", "state": None, "error": f"{self._service} is gone"})
 
     def _ended(self, record: dict[str, Any]) -> bool:
         """The service's ``end``; True when it is the stream's (the data's
@@ -301,6 +302,8 @@ class Attachment(Attached):
     def _freed_slots(self) -> list[int]:
         """The slots whose batches died since the last look (without waiting)."""
         get, mapping = self._out.get_nowait, self._mapping
+        if mapping is None:
+            return []  # no slots, so no batch
         slots: list[int] = []
         while len(slots) < MAX_ITEMS:
             try:
@@ -317,11 +320,14 @@ class Attachment(Attached):
 
     def _outbox(self) -> None:
         """Free the slots whose batches died (those an acknowledgement did not take along)."""
-        get, mapping = self._out.get, self._mapping
+        get = self._out.get
         while True:
             ref = get()
             if ref is None:
                 return
+            mapping = self._mapping  # made at the "slots" record, before any batch (and so any ref)
+            if mapping is None:
+                continue  # stop() let go of it
             slot = mapping.freed(ref)
             slots = ([] if slot is None else [slot]) + self._freed_slots()
             if not slots or self._closed:
@@ -369,14 +375,40 @@ class Attachment(Attached):
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self.feed.release_net()
-        # The metrics hub keeps the source (its totals outlive it), and with
-        # it the dealer: it must not keep this attachment and its mapping
-        # (the batches still in use keep the mapping themselves).
+        # The metrics hub keeps the source's counts (they outlive it), not
+        # the source: with it, its error and its feed's last batch would
+        # keep the slots mapped for the life of the process
+        self.source.hub.detach_source(self.source)
+        # nor may the dealer keep this attachment and its mapping (the
+        # batches still in use keep the mapping themselves)
         self.dealer.detach()
-        self._mapping.close()
-        self._mapping = None  # type: ignore[assignment]
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
         return not any(t.is_alive() for t in self._threads)
 
+
+
+def _named(err: BaseException, service: str) -> ServiceError:
+    """``err`` (a broken protocol, a failed socket) as the consumer's ServiceError, naming the service."""
+    text = str(err)
+    return ServiceError(text if service in text else f"{service}: {text}")
+
+
+def _bare(error: ServiceError, cause: BaseException | None = None) -> ServiceError:
+    """``error`` without the receiver's frames: a traceback holds its
+    frames' locals (the slots' mapping, the last batch's views), and a
+    failed source keeps its error (the metrics hub keeps the source), so a
+    dead service's shared memory would stay mapped for good.  ``cause``
+    (its ``__cause__``) is kept, bare too."""
+    error.__traceback__ = None
+    error.__context__ = None
+    error.__suppress_context__ = True
+    if cause is not None:
+        cause.__traceback__ = None
+        cause.__context__ = None
+        error.__cause__ = cause
+    return error
 
 
 def attach_source(

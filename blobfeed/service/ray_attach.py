@@ -43,7 +43,7 @@ from ..errors import FetcherError, ServiceError
 from ..feeders.chunks import Chunk, EpochEnd
 from ..net import Net
 from .remote import Attached, remote_feed
-from .wire import PROTOCOL, WireError
+from .wire import PROTOCOL, BatchCheck, WireError
 
 __all__ = [
     "HEARTBEAT_S", "POLL_S", "RAY_SCHEME", "TAKE_WAIT_S", "RayAttachment", "check_reply", "parse_ray_address",
@@ -106,9 +106,11 @@ def ray_failure(err: BaseException, service: str) -> ServiceError:
     return error
 
 
-def check_reply(reply: Any, n_blobs: int, next_g: int, limit: int, where: str) -> list[tuple[Any, ...]]:
+def check_reply(reply: Any, batch_check: BatchCheck, next_g: int, limit: int, where: str) -> list[tuple[Any, ...]]:
     """The records of a ``take`` reply, each checked: ``("batch", g, n,
-    [arrays])`` (one plain numeric array per blob, ``n`` rows each),
+    [arrays])`` (plain numeric arrays that pass ``batch_check``, the
+    check every carrier makes: one per blob, ``n <= batch_size`` rows each,
+    the first batch's layout),
     ``("epoch_end", g, epoch, dropped)``, ``("end", kind, text)``; the
     ``g`` numbers consecutive from ``next_g``; at most ``limit`` records.
 
@@ -136,10 +138,9 @@ def check_reply(reply: Any, n_blobs: int, next_g: int, limit: int, where: str) -
                 raise WireError(f"{where} sent a malformed epoch_end record: {str(rec)[:80]}")
             continue
         n, arrays = rec[2], rec[3]
-        if not 0 < n < 1 << 40 or type(arrays) is not list or len(arrays) != n_blobs:
-            raise WireError(
-                f"{where} sent batch {rec[1]} of {n} samples in {type(arrays).__name__} (expected {n_blobs} arrays)"
-            )
+        if type(arrays) is not list:
+            raise WireError(f"{where} sent batch {rec[1]} of {n} samples in {type(arrays).__name__}, not a list")
+        batch_check.rows(n, len(arrays), f"{where}: batch {rec[1]}")
         for i, a in enumerate(arrays):
             if type(a) is not np.ndarray:
                 raise WireError(f"{where} sent batch {rec[1]} whose blob {i} is a {type(a).__name__}, not an array")
@@ -149,6 +150,7 @@ def check_reply(reply: Any, n_blobs: int, next_g: int, limit: int, where: str) -
                     f"{where} sent batch {rec[1]} whose blob {i} is {dt} of shape {a.shape} (expected a plain "
                     f"number type with {n} rows)"
                 )
+        batch_check.arrays(n, [(a.dtype, a.shape) for a in arrays], f"{where}: batch {rec[1]}")
     return reply
 
 
@@ -217,6 +219,7 @@ class RayAttachment(Attached):
         self._acked = -1
         self._next_g = 0
         self._names = names
+        self._batch_check = BatchCheck(batch_size, len(names))
         #: set when the attachment stops (ends the heartbeat)
         self._wake = threading.Event()
         self._ack_call = self._actor.ack.options(concurrency_group="ack")
@@ -325,7 +328,7 @@ class RayAttachment(Attached):
                 reply = self._call(take.remote(self._cid, self._acked), timeout=60.0)
                 if reply is None:
                     return
-                for rec in check_reply(reply, len(self._names), self._next_g, self._slots + 2, self._service):
+                for rec in check_reply(reply, self._batch_check, self._next_g, self._slots + 2, self._service):
                     kind = rec[0]
                     if kind == "batch":
                         _, g, n, arrays = rec

@@ -134,7 +134,7 @@ def remote_feed(
     )
     feed = Feed(
         source, net.name, net._place, names, batch_size, timeout=timeout, device_queue_capacity=1,
-        dont_rebatch=True, drop_last=False, hub=hub, model_inputs=net.input_specs,
+        dont_rebatch=True, drop_last=False, hub=hub, model_inputs=net.input_specs, writable=net.writable,
     )
     net._attach(feed)
     source.add_feed(feed)

@@ -43,6 +43,9 @@ STATE_VERSION = 1
 STOP_DRAIN_S = 1.0
 #: seconds stop() waits, in all, for the connections' threads once closed
 STOP_JOIN_S = 5.0
+#: connections in their handshake at once (each has HANDSHAKE_S for its
+#: hello); the next one is accepted when one of them is done
+MAX_HANDSHAKES = 64
 #: what wait() and /healthz say once every source ended
 ENDED = "every source ended"
 
@@ -224,8 +227,7 @@ class FeedServer:
                 an epoch to consumer *i mod num_consumers*, every epoch
                 starting at consumer 0.
             grace_period: seconds a consumer index may stay away (dealt by
-                index) before the source fails; also how long the first
-                consumer waits for the first batch.
+                index) before the source fails.
             max_buffered_batches: chunks the source buffers ahead of its
                 nets (default :data:`SERVED_BUFFERED_CHUNKS`, not
                 init_data_input_workers' 800: each consumer's slots and
@@ -306,12 +308,7 @@ class FeedServer:
         self._started = True
         self._bind()
         try:
-            if self._metrics_port is not None:
-                from ..metrics import start_http_server
-
-                self._metrics = start_http_server(
-                    self._metrics_port, self._metrics_addr, self.registry, health=self.health, ready=self.ready
-                )
+            self.serve_metrics()
             self.coordinator.start()
             for feed in self._extra_feeds:
                 feed.mark_started()
@@ -323,6 +320,32 @@ class FeedServer:
             raise
         logger.info("service: serving %s at %s", sorted(self.sources), self.address)
         return self
+
+    def serve_metrics(self) -> str | None:
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``metrics_port``
+        now, before anything is wired or started (``start()`` does it
+        otherwise), so that a taken port fails before the workers start.
+        Until ``start()``, both probes answer 503 ``starting``.  Idempotent.
+
+        Returns:
+            The metrics URL, or None without a ``metrics_port``.
+
+        Raises:
+            OSError: the port cannot be bound; the message names the address and port.
+        """
+        if self._metrics_port is None or self._metrics is not None:
+            return self.metrics_url
+        from ..metrics import start_http_server
+
+        try:
+            self._metrics = start_http_server(
+                self._metrics_port, self._metrics_addr, self.registry, health=self.health, ready=self.ready
+            )
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise OSError(exc.errno, f"cannot serve metrics on {self._metrics_addr}:{self._metrics_port}: "
+                                     f"{reason}") from None
+        return self.metrics_url
 
     def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
         t = threading.Thread(target=body, name=f"blobfeed-service-{role}", daemon=True)
@@ -369,10 +392,17 @@ class FeedServer:
     def _accept_loop(self) -> None:
         sock = self._sock
         assert sock is not None
+        # at most MAX_HANDSHAKES connections in their handshake: peers that
+        # connect and say nothing (or trickle) cannot each hold a thread and a
+        # descriptor; the others wait in the listen backlog meanwhile
+        handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         while not self._stopping.is_set():
+            if not handshakes.acquire(timeout=0.1):
+                continue
             try:
                 conn_sock, origin = sock.accept()
             except OSError:
+                handshakes.release()
                 return  # closed by stop()
             tcp_peer = None
             if self._tcp:
@@ -381,14 +411,17 @@ class FeedServer:
                     accepted(conn_sock)
                 except OSError:
                     conn_sock.close()  # it went away at once
+                    handshakes.release()
                     continue
             conn = Connection(
                 conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer
             )
+            conn.on_handshake_done = handshakes.release
             with self._lock:
                 if self._stopping.is_set():
                     conn.tell_stopped(f"service at {self.address} is stopping")
                     conn_sock.close()
+                    handshakes.release()
                     return
                 self._connections.add(conn)
             t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)
@@ -451,6 +484,8 @@ class FeedServer:
         """
         if self._stopping.is_set():
             return False, "stopping"
+        if not self._started:
+            return False, "starting"
         failed = [(n, s.failure) for n, s in self.sources.items() if s.failure is not None]
         if failed:
             return False, "; ".join(f"source {n!r} failed: {err}" for n, err in failed)

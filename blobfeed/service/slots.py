@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..feeders.messages import align
-from .wire import WireError, dtype_from_wire, dtype_to_wire
+from .wire import BatchCheck, WireError, dtype_from_wire, dtype_to_wire
 
 __all__ = [
     "ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes", "check_sealed", "sealed_memfd",
@@ -187,9 +187,10 @@ class SlotArea(_Ring):
 
     def close_fd(self) -> None:
         """The consumer has its own descriptor now: ours is not needed."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        with self._cond:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def write(self, slot: int, arrays: Sequence[np.ndarray]) -> list[list[Any]]:
         """Copy ``arrays`` once into ``slot``; what the ``batch`` record says of them."""
@@ -252,9 +253,13 @@ class ConsumerMapping:
     on a queue (C code), never do I/O itself.
     """
 
-    def __init__(self, fd: int, slots: int, slot_bytes: int, on_free: Callable[[Any], None]) -> None:
+    def __init__(
+        self, fd: int, slots: int, slot_bytes: int, on_free: Callable[[Any], None], check: BatchCheck | None = None,
+    ) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
+        #: what every batch is checked against besides its slot (None: only the slot)
+        self._check = check
         check_sealed(fd, "the service", "slots")
         size = os.fstat(fd).st_size
         if size < slots * slot_bytes:
@@ -292,6 +297,9 @@ class ConsumerMapping:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
         if not isinstance(meta, list) or not meta or len(meta) > 1024:
             raise WireError(f"{peer}: a batch's arrays must be a non-empty list")
+        check = self._check
+        if check is not None:
+            check.rows(n, len(meta), peer)
         # a fresh array over the mapping, not a slice of one: numpy collapses
         # view chains to the first array whose base is not an array, so this
         # `root` is the base of every view below
@@ -323,6 +331,8 @@ class ConsumerMapping:
             if shape[0] != n:
                 raise WireError(f"{peer}: array {i}: bad shape {list(shape)!r} for {n} samples")
             out.append(root[off:off + nbytes].view(dt).reshape(shape))
+        if check is not None:
+            check.arrays(n, [(a.dtype, a.shape) for a in out], peer)
         # every view's base is `root` (numpy collapses view chains): the slot
         # is free once `root` dies, which is when the last view died
         ref = weakref.ref(root, self._on_free)
@@ -370,40 +380,37 @@ class StreamBuffers:
 
     What the service says of a batch is checked before a byte of it is read
     (untrusted: it came off a socket): the slot is one the consumer does not
-    hold (a batch is never written under views still in use); there is one
-    array per blob, each of ``n <= batch_size`` samples, packed from offset
-    0 as the service packs them; the payload is exactly their size and fits
-    the slot agreed at attach; and every batch has the dtypes and
-    per-sample shapes of the first (a source's first chunk fixes them).
+    hold (a batch is never written under views still in use); the batch
+    passes ``check`` (one array per blob, each of ``n <= batch_size``
+    samples, the first batch's dtypes and per-sample shapes); the arrays
+    are packed from offset 0 as the service packs them; the payload is
+    exactly their size and fits the slot offered.
 
     Args:
         channel: the connection, positioned at the batch's payload
             (:class:`~.tcp.StreamChannel`: ``unread``, ``recv_payload_into``).
-        slots, slot_bytes: what the service's ``welcome`` said.
-        batch_size, n_blobs: what the consumer attached with.
+        slots, slot_bytes: what the service's ``slots`` record said.
+        check: the batch checks every carrier makes (the consumer's batch size and blobs).
         on_free: told (a weakref) when the last view of a batch died.
     """
 
     def __init__(
-        self, channel: Any, slots: int, slot_bytes: int, batch_size: int, n_blobs: int,
-        on_free: Callable[[Any], None],
+        self, channel: Any, slots: int, slot_bytes: int, check: BatchCheck, on_free: Callable[[Any], None],
     ) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
         self._channel = channel
-        self._batch_size = batch_size
-        self._n_blobs = n_blobs
-        # anonymous memory, one mapping per slot: its pages are committed
-        # only when a batch is read into them
-        self._mms = [mmap.mmap(-1, slot_bytes) for _ in range(slots)]
+        self._check = check
+        # anonymous memory, one mapping per slot, made (or grown) when a
+        # batch is read into it, as large as that batch: what the service
+        # offered costs nothing until its bytes arrive
+        self._mms: list[mmap.mmap | None] = [None] * slots
         self._on_free = on_free
         #: id(weakref) -> (weakref, slot): the refs must live to fire
         self.outstanding: dict[int, tuple[Any, int]] = {}
         #: slots handed out whose views may still live
         self._held: set[int] = set()
         self._lock = threading.Lock()
-        #: (dtype, per-sample shape) of each blob, from the first batch
-        self._layout: list[tuple[np.dtype, tuple[int, ...]]] | None = None
 
     def views(self, slot: int, n: int, meta: Any, peer: str, arena_slot: int | None = None) -> tuple[np.ndarray, ...]:
         """Read the payload of a ``batch`` record into ``slot``'s buffer; its arrays, read-only.
@@ -418,12 +425,9 @@ class StreamBuffers:
             raise WireError(f"{peer}: a batch in an arena, over TCP")
         if not 0 <= slot < self.slots:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
-        if not 0 < n <= self._batch_size:
-            raise WireError(
-                f"{peer}: a batch of {n} samples; this consumer attached with batch_size={self._batch_size}"
-            )
-        if not isinstance(meta, list) or len(meta) != self._n_blobs:
-            raise WireError(f"{peer}: a batch's arrays must be a list of {self._n_blobs} (one per blob)")
+        if not isinstance(meta, list):
+            raise WireError(f"{peer}: a batch's arrays must be a list (one per blob)")
+        self._check.rows(n, len(meta), peer)
         shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
         off = 0
         for i, m in enumerate(meta):
@@ -443,13 +447,7 @@ class StreamBuffers:
             if off > self.slot_bytes:
                 raise WireError(f"{where}: the arrays take {off} bytes or more, over the slot's {self.slot_bytes}")
             shapes.append((dt, tuple(shape[1:])))
-        if self._layout is None:
-            self._layout = shapes
-        elif shapes != self._layout:
-            raise WireError(
-                f"{peer}: a batch of (dtype, per-sample shape) {_show(shapes)}; the first batch had "
-                f"{_show(self._layout)}"
-            )
+        self._check.arrays(n, [(dt, (n, *sample)) for dt, sample in shapes], peer)
         unread = self._channel.unread
         if unread != off:
             raise WireError(f"{peer}: {unread} bytes of payload for arrays that take {off}")
@@ -458,9 +456,21 @@ class StreamBuffers:
                 raise WireError(f"{peer}: batch in slot {slot}, whose last batch the consumer has not freed")
             self._held.add(slot)
         mm = self._mms[slot]
+        if mm is None or len(mm) < off:
+            if mm is not None:
+                try:
+                    mm.close()  # no view of it is left (the slot was freed)
+                except BufferError:
+                    pass
+            try:
+                mm = self._mms[slot] = mmap.mmap(-1, max(off, 1))
+            except BaseException:
+                with self._lock:
+                    self._held.discard(slot)
+                raise
         with memoryview(mm) as whole, whole[:off] as part:
             self._channel.recv_payload_into(part)
-        root = np.frombuffer(mm, np.uint8, count=self.slot_bytes)
+        root = np.frombuffer(mm, np.uint8, count=len(mm))
         root.flags.writeable = False
         out = []
         for (dt, sample), m in zip(shapes, meta):
@@ -485,10 +495,8 @@ class StreamBuffers:
         """Let go of the buffers no batch views any more (the others go with their last view)."""
         for mm in self._mms:
             try:
-                mm.close()
+                if mm is not None:
+                    mm.close()
             except BufferError:
                 pass
 
-
-def _show(shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> str:
-    return "[" + ", ".join(f"({dt.str}, {sample})" for dt, sample in shapes) + "]"

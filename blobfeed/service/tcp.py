@@ -31,6 +31,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -259,11 +260,7 @@ class StreamChannel:
         prefix = self._read(PREFIX.size, "frame", eof_ok=True)
         if prefix is None:
             return None
-        magic, size, payload = PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise WireError(f"{self.peer} sent {prefix[:8]!r} where a frame starts: not a blobfeed peer")
-        if size > MAX_RECORD:
-            raise WireError(f"{self.peer} sent a record of {size} bytes, over {MAX_RECORD}")
+        size, payload = self._frame(prefix)
         if payload > self.max_payload:
             raise WireError(
                 f"{self.peer} announced {payload} bytes of payload after a record; at most "
@@ -276,6 +273,58 @@ class StreamChannel:
             raise WireError(f"{self.peer} sent {payload} bytes of payload after a {record['t']!r} record")
         self.unread = payload
         return record, []
+
+    def _frame(self, prefix: bytes) -> tuple[int, int]:
+        """A frame's record and payload sizes, from its prefix, checked.
+
+        Raises:
+            WireError: not a blobfeed frame, or a record over ``MAX_RECORD``.
+        """
+        magic, size, payload = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise WireError(f"{self.peer} sent {prefix[:8]!r} where a frame starts: not a blobfeed peer")
+        if size > MAX_RECORD:
+            raise WireError(f"{self.peer} sent a record of {size} bytes, over {MAX_RECORD}")
+        return size, payload
+
+    def recv_within(self, seconds: float) -> tuple[dict[str, Any], list[int]] | None:
+        """:meth:`recv` of the connection's first frame (the hello, the
+        welcome), all of it within ``seconds``: a peer that sends it a byte
+        at a time cannot stretch it (each read's timeout is what is left).
+        Only before any other read (it reads the socket, not the buffer).
+
+        Raises:
+            TimeoutError: the frame was not all there in time.
+            WireError, OSError: as :meth:`recv`.
+        """
+        deadline = time.monotonic() + seconds
+        prefix = self._read_by(PREFIX.size, deadline, "frame", eof_ok=True)
+        if prefix is None:
+            return None
+        size, payload = self._frame(prefix)
+        if payload:
+            raise WireError(f"{self.peer} announced {payload} bytes of payload after its first record; none belong there")
+        data = self._read_by(size, deadline, "record")
+        assert data is not None
+        return decode_record(data, self.peer), []
+
+    def _read_by(self, n: int, deadline: float, what: str, eof_ok: bool = False) -> bytes | None:
+        """``n`` bytes off the socket itself by ``deadline`` (see :meth:`recv_within`)."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.peer}: its first {what} did not arrive in time")
+            self.sock.settimeout(left)
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                if not got and eof_ok:
+                    return None
+                raise WireError(f"{self.peer} closed the connection inside a {what} ({got} of {n} bytes)")
+            got += k
+        return bytes(buf)
 
     def recv_payload_into(self, buf: memoryview) -> None:
         """Read the last record's payload, exactly ``len(buf)`` bytes, into ``buf``.

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from .slots import ConsumerMapping, StreamBuffers
 from .tcp import StreamChannel, connect_tcp
-from .wire import Channel, WireError
+from .wire import BatchCheck, Channel, WireError, check_slot_offer
 
 __all__ = ["connect", "consumer_slots", "is_tcp"]
 
@@ -43,25 +43,28 @@ def connect(address: str, timeout: float, peer: str) -> Channel | StreamChannel:
 
 
 def consumer_slots(
-    channel: Channel | StreamChannel, welcome: dict[str, Any], fds: list[int], batch_size: int, n_blobs: int,
+    channel: Channel | StreamChannel, offer: dict[str, Any], fds: list[int], most: int, check: BatchCheck,
     on_free: Callable[[Any], None],
 ) -> ConsumerMapping | StreamBuffers:
-    """The consumer's end of the slots the service's ``welcome`` offered:
-    the shared memory it passed (Unix), or buffers of the consumer's own
-    that batches are read into (TCP).  ``fds`` stay the caller's to close.
+    """The consumer's end of the slots the service's ``slots`` record
+    (``offer``) offered, checked against the limits a consumer sets
+    (:func:`~.wire.check_slot_offer`; ``most``: the welcome's slots): the
+    shared memory it passed (Unix), or buffers of the consumer's own that
+    batches are read into (TCP).  ``fds`` stay the caller's to close.
 
     Raises:
-        WireError: descriptors where none (or not one) belong.
-        OSError: the memory cannot be mapped or reserved.
+        WireError: an offer over the limits; descriptors where none (or not one) belong.
+        OSError: the memory cannot be mapped.
     """
-    slots, slot_bytes = welcome["slots"], welcome["slot_bytes"]
+    slots, slot_bytes = offer["slots"], offer["slot_bytes"]
+    check_slot_offer(slots, slot_bytes, most, check.batch_size, check.n_blobs, channel.peer)
     if isinstance(channel, StreamChannel):
         if fds:
             raise WireError(f"{channel.peer} sent descriptors over TCP")
         # from now on the stream carries batches, a slot at most each
         channel.max_payload = slot_bytes
         channel.payload_kinds = frozenset({"batch"})
-        return StreamBuffers(channel, slots, slot_bytes, batch_size, n_blobs, on_free)
+        return StreamBuffers(channel, slots, slot_bytes, check, on_free)
     if len(fds) != 1:
-        raise WireError(f"{channel.peer} sent {len(fds)} descriptors with its welcome, not 1")
-    return ConsumerMapping(fds[0], slots, slot_bytes, on_free)
+        raise WireError(f"{channel.peer} sent {len(fds)} descriptors with its slots, not 1")
+    return ConsumerMapping(fds[0], slots, slot_bytes, on_free, check)

@@ -20,28 +20,40 @@ from __future__ import annotations
 import array
 import json
 import os
+import re
 import socket
 from typing import Any, Sequence
 
 import numpy as np
 
 __all__ = [
-    "MAX_ITEMS", "MAX_RECORD", "PROTOCOL", "Channel", "WireError", "batch_items", "check", "decode_record",
-    "dtype_from_wire", "dtype_to_wire", "freed_slots", "seconds",
+    "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
+    "check_slot_offer", "decode_record", "dtype_from_wire", "dtype_to_wire", "freed_slots", "seconds",
 ]
 
-#: the version a consumer and a service must share (4: ``ack`` and ``bye``
+#: the version a consumer and a service must share (5: the slots are
+#: offered in a ``slots`` record before the consumer's first batch, sized by
+#: it, no longer with the ``welcome``; 4: ``ack`` and ``bye``
 #: carry the seconds the consumer's run() has waited so far; 3: a batch may
 #: lie in the source's arena, handed over once in an ``arena`` record; 2:
 #: ``batches`` carry several batches, ``ack`` is cumulative and frees
 #: slots; 1 had one record per batch, per acknowledgement and per freed slot)
-PROTOCOL = 4
+PROTOCOL = 5
 #: batches one ``batches`` record may carry, slots one ``ack`` may free
 MAX_ITEMS = 1024
 #: the longest record either end accepts
 MAX_RECORD = 64 * 1024
 #: descriptors one record may carry
 MAX_FDS = 4
+#: the deepest nesting of lists and objects a record may have (ours need 6;
+#: a consumer's state in a ``state_is`` holds the fetchers' states)
+MAX_DEPTH = 64
+#: slots a service may offer a consumer, and the bytes of them all
+MAX_SLOTS = 1024
+MAX_SLOT_AREA = 64 << 30
+#: bytes a slot may take per sample of the consumer's batch_size (a batch's
+#: arrays, each at a 64-byte aligned offset: 64 bytes more per blob)
+MAX_SAMPLE_BYTES = 1 << 30
 #: dtype kinds a batch may have: numbers and booleans, no objects or records
 _KINDS = frozenset("biufc?")
 
@@ -124,6 +136,15 @@ class Channel:
             raise
         return record, fds
 
+    def recv_within(self, seconds: float) -> tuple[dict[str, Any], list[int]] | None:
+        """:meth:`recv` within ``seconds`` (a record comes whole on this socket).
+
+        Raises:
+            TimeoutError: nothing came in time.
+        """
+        self.sock.settimeout(seconds)
+        return self.recv()
+
     def close(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -139,13 +160,37 @@ def decode_record(data: bytes, peer: str) -> dict[str, Any]:
     Raises:
         WireError: not JSON, or not an object with a kind.
     """
+    if not _shallow(data):
+        raise WireError(f"{peer} sent a record nested deeper than {MAX_DEPTH} lists and objects (or unbalanced)")
     try:
         record = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise WireError(f"{peer} sent a record that is not JSON: {data[:40]!r}") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise WireError(f"{peer} sent a record that is not JSON: {data[:40]!r}") from None
     if not isinstance(record, dict) or not isinstance(record.get("t"), str):
         raise WireError(f"{peer} sent a record without a kind: {data[:40]!r}")
     return record
+
+
+#: a JSON string (brackets inside one do not nest), and a bracket pair with nothing inside
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"\\')
+
+
+def _shallow(data: bytes) -> bool:
+    """True if ``data`` nests lists and objects at most :data:`MAX_DEPTH`
+    deep (checked before decoding: Python's decoder recurses once per level,
+    and 60 000 levels fit a 64 KiB record)."""
+    if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
+        return True
+    # what strings hold but brackets, quotes and backslashes goes first (a
+    # string's bounds stay where they were), then the strings, then the rest
+    brackets = _STRING.sub(b"", data.translate(None, _NOT_STRUCTURE)).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return True
+    steps = np.frombuffer(brackets, np.uint8)
+    depth = np.cumsum(np.where((steps == ord("[")) | (steps == ord("{")), 1, -1))
+    return int(depth.max()) <= MAX_DEPTH
 
 
 def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
@@ -176,7 +221,10 @@ _FIELDS: dict[str, dict[str, Any]] = {
     # it leaves; run()'s wait in all, as in "ack" (its last wait, for the end, came after the last ack)
     "bye": {"waited": _SECONDS},
     # service -> consumer
-    "welcome": {"consumer": int, "slots": int, "slot_bytes": int, "epoch": int, "service": str},
+    # the consumer's index, and the most slots it will be offered (its queue's bound)
+    "welcome": {"consumer": int, "slots": int, "epoch": int, "service": str},
+    # its slots (Unix socket: their memory's descriptor alongside), before its first batch
+    "slots": {"slots": int, "slot_bytes": int},
     "refused": {"error": str, "kind": str},
     "batch": {"g": int, "slot": int, "n": int, "arrays": list},
     # several batches (Unix socket): each [g, slot, n, arrays] as in "batch",
@@ -251,3 +299,64 @@ def check(record: dict[str, Any], kinds: Sequence[str], peer: str) -> dict[str, 
         if isinstance(value, int) and not -(2**62) < value < 2**62:
             raise WireError(f"{peer} sent a {kind!r} record whose {name!r} is out of range")
     return record
+
+
+def check_slot_offer(slots: int, slot_bytes: int, most: int, batch_size: int, n_blobs: int, peer: str) -> None:
+    """What a consumer lets a service make it map or reserve: 3 to ``most``
+    slots (the welcome's word, at most :data:`MAX_SLOTS`), each of 64 bytes
+    to :data:`MAX_SAMPLE_BYTES` per sample of the consumer's ``batch_size``
+    (plus 64 per blob), :data:`MAX_SLOT_AREA` in all.
+
+    Raises:
+        WireError: naming the offer and the limit it breaks.
+    """
+    largest = batch_size * MAX_SAMPLE_BYTES + 64 * n_blobs
+    if not 3 <= slots <= most:
+        raise WireError(f"{peer} offered {slots} slots (3 to {most}, as its welcome said)")
+    if not 64 <= slot_bytes <= largest:
+        raise WireError(
+            f"{peer} offered slots of {slot_bytes} bytes (64 to {largest}: at most {MAX_SAMPLE_BYTES} bytes a "
+            f"sample for batches of {batch_size})"
+        )
+    if slots * slot_bytes > MAX_SLOT_AREA:
+        raise WireError(
+            f"{peer} offered {slots} slots of {slot_bytes} bytes: {slots * slot_bytes} bytes in all, over "
+            f"{MAX_SLOT_AREA}"
+        )
+
+
+class BatchCheck:
+    """What a consumer checks of every batch a service sends, whatever
+    carries it (Unix socket, TCP, Ray): one array per blob, each of ``n``
+    rows with ``0 < n <= batch_size``, and each blob's dtype and per-sample
+    shape those of the first batch (a source's first chunk fixes them).
+    Not thread-safe: one receiver thread uses it."""
+
+    def __init__(self, batch_size: int, n_blobs: int) -> None:
+        self.batch_size = batch_size
+        self.n_blobs = n_blobs
+        #: (dtype, per-sample shape) of each blob, from the first batch
+        self.layout: list[tuple[np.dtype, tuple[int, ...]]] | None = None
+
+    def rows(self, n: Any, n_arrays: int, where: str) -> None:
+        """A batch of ``n`` samples in ``n_arrays`` arrays (before looking at them)."""
+        if type(n) is not int or not 0 < n <= self.batch_size:
+            raise WireError(f"{where}: a batch of {n} samples; this consumer attached with batch_size={self.batch_size}")
+        if n_arrays != self.n_blobs:
+            raise WireError(f"{where}: a batch of {n_arrays} arrays; the consumer attached with {self.n_blobs} blobs")
+
+    def arrays(self, n: int, arrays: Sequence[tuple[np.dtype, tuple[int, ...]]], where: str) -> None:
+        """Each array's (dtype, shape): ``n`` rows, the first batch's layout."""
+        layout = [(dt, tuple(shape[1:])) for dt, shape in arrays]
+        for i, (_, shape) in enumerate(arrays):
+            if not shape or shape[0] != n:
+                raise WireError(f"{where}: array {i}: bad shape {list(shape)!r} for {n} samples")
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            raise WireError(f"{where}: a batch of (dtype, per-sample shape) {_show(layout)}; the first batch had "
+                            f"{_show(self.layout)}")
+
+
+def _show(layout: list[tuple[np.dtype, tuple[int, ...]]]) -> str:
+    return "[" + ", ".join(f"({dt.str}, {sample})" for dt, sample in layout) + "]"

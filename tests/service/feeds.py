@@ -67,3 +67,34 @@ class BigFetch(Fetch):
     def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
         ids, _ = super().__call__(worker_id, batch_size)
         return [ids, np.repeat(ids.astype(np.float32)[:, None], BIG_ROW, axis=1)]
+
+
+class EpochSizes:
+    """One worker's epochs of ``sizes[e]`` calls of 8 samples each (the
+    last size repeats); ids unique across epochs.  Blobs as :class:`Fetch`'s
+    (id int64, x float32 of 3 per sample: 192 bytes a batch of 8)."""
+
+    def __init__(self, sizes: list[int], first_delay: float = 0.0) -> None:
+        self.sizes = list(sizes)
+        self.first_delay = first_delay
+        self.e = self.c = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if self.first_delay:
+            import time
+
+            time.sleep(self.first_delay)  # a source slow to start (the test's point)
+            self.first_delay = 0.0
+        if self.c >= self.sizes[min(self.e, len(self.sizes) - 1)]:
+            self.c = 0
+            self.e += 1
+            raise StopIteration
+        ids = self.e * 1000 + self.c * 8 + np.arange(8, dtype=np.int64)
+        self.c += 1
+        return [ids, np.stack([ids.astype(np.float32)] * 3, axis=1)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"e": self.e, "c": self.c}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.e, self.c = state["e"], state["c"]

@@ -431,3 +431,49 @@ def test_setup_wires_what_blobfeed_serve_would_into_this_server() -> None:
             assert len(net.run(timeout=20)["id"]) == 8
     finally:
         assert server.stop()
+
+
+def test_blobfeed_serve_exits_1_naming_a_source_that_failed(tmp_path: Path) -> None:
+    """A source that failed keeps the service up (its other sources go on),
+    but the stop that follows is not a clean finish: exit 1, the failure
+    named on stderr (it exited 0, so a supervisor took a failed run for a
+    good one)."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from .test_service import ENV, ROOT, wait_for
+
+    (tmp_path / "failing_wire.py").write_text(
+        "import numpy as np, blobfeed\n"
+        "def fetch(worker_id, batch_size):\n"
+        "    raise ValueError('the disk is gone')\n"
+        "def wire():\n"
+        "    blobfeed.serve_source('bad', ['x'], fetch, 8, 1)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "failing_wire.py:wire"),
+         "--listen", str(tmp_path / "feed.sock"), "--metrics-port", "0"],
+        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert p.stdout is not None
+        assert "listening on" in p.stdout.readline()
+        url = p.stdout.readline().split("metrics on ", 1)[1].strip().replace("/metrics", "/healthz")
+
+        def unhealthy() -> bool:
+            try:
+                urllib.request.urlopen(url, timeout=5)
+                return False
+            except urllib.error.HTTPError as err:
+                return err.code == 503
+        wait_for(unhealthy, 30, "/healthz says the source failed")
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert p.returncode == 1, (out, err)
+    assert "source 'bad' failed" in err and "the disk is gone" in err, err

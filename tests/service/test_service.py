@@ -7,6 +7,7 @@ bounded.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import re
@@ -339,6 +340,7 @@ def test_a_stranger_sending_garbage_is_refused_and_the_service_keeps_serving(cap
         json.dumps({"t": "hello", "protocol": 1, "source": "train", "blobs": ["id", "x"], "batch_size": True,
                     "index": None, "num": None, "pid": 1}).encode(),
         b"{" * 70000,
+        b"[" * 60000,  # nested deeper than any record may be: no RecursionError
     ]
     # 4 slots: the liar cannot have been sent the whole data set (and its end) before its lie
     with served(2, slots=4) as server:
@@ -366,6 +368,7 @@ def test_a_stranger_sending_garbage_is_refused_and_the_service_keeps_serving(cap
     warned = [r.getMessage() for r in caplog.records if r.name == "blobfeed.service"]
     assert any("not JSON" in m for m in warned)
     assert any("acknowledged items up to 12345" in m for m in warned)
+    assert any("nested deeper than 64" in m for m in warned)
     caplog.clear()  # its records' errors hold the frames that held this consumer's batches
 
 
@@ -505,18 +508,11 @@ def test_an_acknowledgement_sent_just_before_the_consumer_died_with_batches_unre
     the service took the reset for the end and lost the acknowledgement of a
     batch run() had returned (it was dealt again: seen as a duplicate in the
     killed-consumer tests once more slots were in flight)."""
-    from blobfeed.service.wire import PROTOCOL
 
     with served(2, slots=4) as server:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.settimeout(10)
-        s.connect(server.address)
-        s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
-                           "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
-        _, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))  # welcome, and the slots' descriptor
-        for _level, _kind, data in ancdata:
-            for k in range(0, len(data) - len(data) % 4, 4):
-                os.close(int.from_bytes(data[k:k + 4], sys.byteorder))
+        s, fds = hand_hello(server.address)  # the welcome, and the slots with their descriptor
+        for fd in fds:
+            os.close(fd)
         record = json.loads(s.recv(1 << 16))
         first = record["items"][0][0] if record["t"] == "batches" else record["g"]
         # the service fills the other slots meanwhile: they stay unread
@@ -578,28 +574,29 @@ def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> N
 
 
 def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
-    """Protocol 4 changed the records (acks carry the consumer's wait; 3:
-    batches in the source's arena; 2: batches together, cumulative acks
-    carrying the freed slots): a peer of an older protocol is told so, not
-    fed."""
+    """Protocol 5 changed the records (the slots are offered before the
+    first batch, sized by it; 4: acks carry the consumer's wait; 3: batches
+    in the source's arena; 2: batches together, cumulative acks carrying
+    the freed slots): a peer of an older protocol is told so, not fed."""
     from blobfeed.service.wire import PROTOCOL
 
-    assert PROTOCOL == 4
+    assert PROTOCOL == 5
     with served(2) as server:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(10)
         s.connect(server.address)
-        s.send(json.dumps({"t": "hello", "protocol": 3, "source": "train", "blobs": ["id", "x"],
+        s.send(json.dumps({"t": "hello", "protocol": 4, "source": "train", "blobs": ["id", "x"],
                            "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
         reply = json.loads(s.recv(1 << 16))
         s.close()
     assert reply["t"] == "refused"
-    assert "protocol 3 (this service speaks 4): upgrade blobfeed on one side" in reply["error"]
+    assert "protocol 4 (this service speaks 5): upgrade blobfeed on one side" in reply["error"]
 
 
 def hand_hello(address: str, index: int | None = None, batch_size: int = 8) -> tuple[socket.socket, list[int]]:
     """Attach by hand (as consumer ``index``; None: first come): the socket
-    after the welcome, and the descriptors that came with it (the caller's)."""
+    after the welcome and the ``slots`` record (it comes before the first
+    batch), and the descriptors that came with it (the caller's)."""
     from blobfeed.service.wire import PROTOCOL
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -608,7 +605,9 @@ def hand_hello(address: str, index: int | None = None, batch_size: int = 8) -> t
     s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
                        "batch_size": batch_size, "index": index, "num": None, "pid": os.getpid()}).encode())
     data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
-    assert json.loads(data)["t"] == "welcome"
+    assert json.loads(data)["t"] == "welcome" and not ancdata
+    data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+    assert json.loads(data)["t"] == "slots"
     fds = [int.from_bytes(d[k:k + 4], sys.byteorder) for _l, _k, d in ancdata for k in range(0, len(d) - len(d) % 4, 4)]
     return s, fds
 
@@ -715,3 +714,348 @@ def test_a_source_ended_by_the_service_s_stop_reaches_the_consumer_as_stopped() 
         a.close()
         b.close()
     assert record["kind"] == "stopped" and "the service stopped" in record["error"]
+
+
+# -- the slots' size comes from the first real batch (issue 24, item 2) -------------------
+
+CARRIERS = [None, "tcp://127.0.0.1:0"]
+
+
+def items_of(net: blobfeed.Net, limit: int = 100, timeout: float = 20.0) -> list[Any]:
+    """What ``net.run()`` gives until EndOfInput: each batch's ids (its rows
+    checked: x holds the id), ``"epoch"`` for an EndOfEpoch."""
+    got: list[Any] = []
+    for _ in range(limit):
+        try:
+            out = net.run(timeout=timeout)
+        except blobfeed.EndOfEpoch:
+            got.append("epoch")
+            continue
+        except blobfeed.EndOfInput:
+            return got
+        assert (out["x"] == out["id"][:, None]).all()
+        got.append(out["id"].tolist())
+    raise AssertionError(f"no end after {limit} items: {got}")
+
+
+@pytest.mark.parametrize("listen", CARRIERS)
+def test_a_consumer_welcomed_before_the_first_batch_gets_slots_of_its_size(listen: str | None) -> None:
+    """The first chunk takes longer than grace_period: the consumer was
+    welcomed before the service had seen a batch, with slots of 64 bytes,
+    and failed on the first one ("192 bytes at offset 64 do not fit a slot
+    of 64")."""
+    with FeedServer(listen) as server:
+        server.serve_source("train", ["id", "x"], feeds.EpochSizes([3], first_delay=1.0), 8, 1, grace_period=0.2)
+        server.start()
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            assert items_of(net) == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+
+
+@pytest.mark.parametrize("listen", CARRIERS)
+@pytest.mark.parametrize("upto", ["epoch", "end"])
+def test_a_service_resumed_at_an_epoch_s_end_or_the_data_s_end_serves_on(
+    tmp_path: Path, listen: str | None, upto: str,
+) -> None:
+    """A state saved at an epoch's end: the resumed service's first item is
+    the EndOfEpoch, its consumer was welcomed with slots of 64 bytes and
+    failed at the next epoch's first batch (a SIGTERM on an epoch boundary
+    broke every resume).  At the data's end, the first item is the end."""
+    state = tmp_path / "state.json"
+
+    def serve(resume: bool) -> FeedServer:
+        server = FeedServer(listen, state_file=state, resume=resume)
+        server.serve_source("train", ["id", "x"], feeds.EpochSizes([2]), 8, 1, deterministic=True,
+                            num_consumers=1, epochs=2)
+        return server.start()
+
+    first_part = [list(range(0, 8)), list(range(8, 16))]
+    second_part = [list(range(1000, 1008)), list(range(1008, 1016))]
+    with serve(False) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            got = [net.run(timeout=20)["id"].tolist() for _ in range(2)]
+            if upto == "end":
+                with pytest.raises(blobfeed.EndOfEpoch):
+                    net.run(timeout=20)
+                got += [net.run(timeout=20)["id"].tolist() for _ in range(2)]
+    assert got == (first_part if upto == "epoch" else first_part + second_part)
+    with serve(True) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            rest = items_of(net)
+    assert rest == (["epoch", *second_part] if upto == "epoch" else [])
+
+
+@pytest.mark.parametrize("listen", CARRIERS)
+def test_consumers_whose_first_batch_equal_drops_get_the_next_ones(listen: str | None) -> None:
+    """equal=True, an epoch of one batch for two consumers: that batch is
+    dropped, so each consumer's first item is the epoch's end; both were
+    welcomed with slots of 64 bytes and failed at the next epoch."""
+    with FeedServer(listen) as server:
+        server.serve_source("train", ["id", "x"], feeds.EpochSizes([1, 2]), 8, 1, deterministic=True,
+                            num_consumers=2, equal=True, epochs=2)
+        server.start()
+        nets = [blobfeed.Net(None, name=f"rank{i}") for i in range(2)]
+        atts = [blobfeed.attach_source(nets[i], ["id", "x"], 8, "train", server.address, consumer_index=i)
+                for i in range(2)]
+        got: list[Any] = [None, None]
+        errors: list[BaseException] = []
+
+        def drain(i: int) -> None:
+            try:
+                got[i] = items_of(nets[i])
+            except BaseException as err:  # shown below
+                errors.append(err)
+
+        threads = [threading.Thread(target=drain, args=(i,)) for i in range(2)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        finally:
+            for a in atts:
+                a.stop()
+        assert not errors, errors
+        dropped = server.registry.get_sample_value(
+            "blobfeed_dropped_samples_total", {"source": "train", "reason": "equal"}
+        )
+        assert dropped == 8  # epoch 0's one batch
+    assert sorted(got) == [["epoch", list(range(1000, 1008))], ["epoch", list(range(1008, 1016))]]
+
+
+# -- what a consumer checks of a batch, whatever carries it (issue 24) --------------------
+
+
+class FakeUnixService:
+    """A Unix-socket 'service' that welcomes one consumer, offers it slots
+    (a sealed memfd of ``slots`` x ``slot_bytes``), then sends ``records``
+    and stays until the consumer leaves."""
+
+    def __init__(self, path: Path, records: list[bytes], slots: int = 3, slot_bytes: int = 1024) -> None:
+        from blobfeed.service.slots import sealed_memfd
+
+        self.address = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(self.address)
+        self.sock.listen(1)
+        self.sock.settimeout(10)
+        self.records = records
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.fd, self.mm = sealed_memfd("fake-slots", slots * slot_bytes)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(10)
+            conn.recv(1 << 16)  # its hello
+            conn.send(json.dumps({"t": "welcome", "consumer": 0, "slots": self.slots, "epoch": 0,
+                                  "service": self.address}).encode())
+            conn.sendmsg([json.dumps({"t": "slots", "slots": self.slots, "slot_bytes": self.slot_bytes}).encode()],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, self.fd.to_bytes(4, sys.byteorder))])
+            for r in self.records:
+                conn.send(r)
+            try:
+                while conn.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(10)
+        os.close(self.fd)
+        self.mm.close()
+
+
+def batches_record(*entries: list[Any]) -> bytes:
+    return json.dumps({"t": "batches", "items": list(entries)}).encode()
+
+
+ID8, X8 = ["<i8", [8], 0], ["<f4", [8, 3], 64]
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([batches_record([0, 0, 8, [ID8]])], "a batch of 1 arrays; the consumer attached with 2 blobs"),
+    ([batches_record([0, 0, 8, [ID8, X8, ["<f4", [8], 192]]])], "a batch of 3 arrays; the consumer attached with 2"),
+    ([batches_record([0, 0, 9, [["<i8", [9], 0], ["<f4", [9, 3], 128]]])],
+     "a batch of 9 samples; this consumer attached with batch_size=8"),
+    ([batches_record([0, 0, 8, [ID8, X8]], [1, 1, 8, [ID8, ["<f4", [8, 4], 64]]])],
+     "the first batch had [(<i8, ()), (<f4, (3,))]"),
+])
+def test_a_unix_consumer_checks_a_batch_s_blobs_rows_and_layout_as_tcp_does(
+    tmp_path: Path, records: list[bytes], expected: str,
+) -> None:
+    """A Unix-socket consumer handed out a batch missing a blob, with a blob
+    too many, or of 9 rows for batch_size=8 (TCP refused all three): every
+    carrier now makes the one check (blobfeed.service.wire.BatchCheck)."""
+    fake = FakeUnixService(tmp_path / "fake.sock", records)
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+            with pytest.raises(blobfeed.ServiceError, match=re.escape(expected)) as info:
+                for _ in range(3):
+                    net.run(timeout=10)
+            assert fake.address in str(info.value)
+    finally:
+        fake.close()
+
+
+def test_unix_slots_offered_over_the_consumer_s_limits_are_a_service_error(tmp_path: Path) -> None:
+    """As over TCP: no more slots than the welcome said, no slot over 1 GiB
+    per sample of the consumer's batch_size; the memory is not mapped."""
+    fake = FakeUnixService(tmp_path / "fake.sock", [batches_record([0, 0, 8, [ID8, X8]])], slot_bytes=(8 << 30) + 4096)
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+            with pytest.raises(blobfeed.ServiceError, match="offered slots of 8589938688 bytes"):
+                net.run(timeout=10)
+    finally:
+        fake.close()
+
+
+# -- a slot freed before its batch is acknowledged (issue 24, item 6) ----------------------
+
+
+def _records(s: socket.socket) -> Any:
+    """The records a hand-made consumer receives (descriptors closed)."""
+    while True:
+        data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+        for _l, _k, d in ancdata:
+            for k in range(0, len(d) - len(d) % 4, 4):
+                os.close(int.from_bytes(d[k:k + 4], sys.byteorder))
+        if not data:
+            return
+        yield json.loads(data)
+
+
+def test_a_consumer_freeing_slots_it_never_acknowledged_cannot_corrupt_the_others() -> None:
+    """A lying consumer freed the slots of batches it never acknowledged,
+    then left: the service wrote new batches into those slots, and at its
+    departure dealt its 'unacknowledged' batches again out of the
+    overwritten slots (the honest consumer got 32 samples twice and 48
+    never).  A freed slot whose batch is unacknowledged now comes back only
+    with the acknowledgement; the batch in it is intact until then."""
+    with served(2, slots=4) as server:
+        s, fds = hand_hello(server.address)
+        for fd in fds:
+            os.close(fd)
+        s.settimeout(2)  # no more batches within 2 s: its frees were not taken for acknowledgements
+        freed = 0
+        with contextlib.suppress(TimeoutError):
+            for record in _records(s):
+                if record["t"] == "end":
+                    break
+                if record["t"] == "batches":
+                    slots = [entry[1] for entry in record["items"]]
+                    s.send(json.dumps({"t": "ack", "g": -1, "slots": slots, "waited": 0.0}).encode())
+                    freed += len(slots)
+                    if freed >= 12:  # three times its slots: rewritten, if the service reused them
+                        break
+        s.close()
+        wait_for(lambda: server.sources["train"].connected == 0, 10, "the liar's departure seen")
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            got = items_of(net)
+    flat = [i for b in got if b != "epoch" for i in b]
+    assert sorted(flat) == feeds.all_ids(2)
+
+
+def test_a_consumer_placing_batches_on_a_device_frees_slots_before_it_acknowledges_them() -> None:
+    """A net on a GPU copies each batch to the device as it queues it: the
+    host views die, and the slot is freed, before run() returns (and
+    acknowledges) the batch.  That consumer is honest: it is served to the
+    end, every batch once."""
+    with served(2, slots=3) as server:
+        net = blobfeed.Net(None)
+        net._place = lambda arrays: tuple(np.array(a) for a in arrays)  # type: ignore[method-assign]  # a device copy
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            got = items_of(net)
+    assert sorted(i for b in got if b != "epoch" for i in b) == feeds.all_ids(2)
+
+
+# -- a consumer lets go of a dead service's memory (issue 24, item 7) ---------------------
+
+
+def _memfds() -> tuple[int, int]:
+    """This process's mappings of memfds, and its open memfd descriptors."""
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:" in line for line in f)
+    return maps, sum("memfd:" in f for f in _fds())
+
+
+def test_a_consumer_lets_go_of_a_killed_service_s_memory(tmp_path: Path) -> None:
+    """After the service was SIGKILLed and the consumer got its
+    ServiceError, stop() and dropping the net left the dead service's slots
+    mapped: the error's cause held the receiver's frame (its mapping, the
+    last batch's views), and the metrics hub held the source holding that
+    error for the life of the process."""
+    gc.collect()
+    before = _memfds()
+    p, sock = _serve_cli(tmp_path, env={"N": "1", "BLOBFEED_TEST_CALLS": "100000"})
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", sock, consumer_index=0, timeout=20)
+        for _ in range(5):
+            net.run(timeout=20)
+        assert _memfds() > before
+        p.kill()
+        p.wait(10)
+        with pytest.raises(blobfeed.ServiceError) as info:
+            for _ in range(10_000):
+                net.run(timeout=20)
+        assert sock in str(info.value)
+        att.stop()
+        del net, att, info
+    finally:
+        p.kill()
+        p.wait(10)
+    gc.collect()
+    assert _memfds() == before
+
+
+def test_a_consumer_lets_go_of_a_lying_service_s_memory(tmp_path: Path) -> None:
+    """A service that lied (a batch of 9 rows) left one memfd open in the
+    consumer: the error kept the frame that held the mapping."""
+    gc.collect()
+    before = _memfds()
+    fake = FakeUnixService(tmp_path / "fake.sock", [
+        batches_record([0, 0, 8, [ID8, X8]]), batches_record([1, 1, 9, [["<i8", [9], 0], ["<f4", [9, 3], 128]]]),
+    ])
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10)
+        try:
+            with pytest.raises(blobfeed.ServiceError, match="a batch of 9 samples"):
+                for _ in range(3):
+                    net.run(timeout=10)
+        finally:
+            att.stop()
+        del net, att
+    finally:
+        fake.close()
+    gc.collect()
+    assert _memfds() == before
+
+
+def test_a_writable_net_attached_to_a_service_gets_batches_it_may_write() -> None:
+    """``Net(writable=True)`` (for torch.from_numpy) holds for a net fed by a
+    service too: its batches are views of the service's read-only shared
+    memory, so each is copied once (issue 24: the consumer's feed ignored it)."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2)
+    server.start()
+    try:
+        net = blobfeed.Net(None, name="w", writable=True)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address):
+            for _ in range(5):
+                out = net.run(timeout=20)
+                assert all(a.flags.writeable for a in out.values())
+                ids = out["id"].copy()
+                out["id"][:] = -1  # the caller's own memory: the next batch is unaffected
+                assert (ids >= 0).all()
+    finally:
+        assert server.stop()

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -242,6 +243,7 @@ def test_a_stranger_on_the_tcp_port_is_refused_and_the_service_keeps_serving(
         (frame(HELLO, payload=b"\0" * 64), "announced 64 bytes of payload after a record; at most 0 here"),
         (frame(b"\x00\xff not json"), "not JSON"),
         (frame([1, 2, 3]), "without a kind"),
+        (frame(b"[" * 60_000), "nested deeper than 64"),
         (frame({**HELLO, "batch_size": True}), "'batch_size' is bool"),
         (frame({**HELLO, "extra": 1}), "unknown fields ['extra']"),
         (frame({"t": "ack", "g": 0}), "kind 'ack' here"),
@@ -299,15 +301,20 @@ def test_a_stranger_on_the_tcp_port_is_refused_and_the_service_keeps_serving(
 class FakeService:
     """A TCP 'service' that welcomes one consumer and then says what a test tells it."""
 
-    def __init__(self, frames: list[bytes], slots: int = 3, slot_bytes: int = 1024, hang_up: bool = True) -> None:
+    def __init__(
+        self, frames: list[bytes], slots: int = 3, slot_bytes: int = 1024, hang_up: bool = True,
+        welcome: bytes | None = None,
+    ) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
         self.frames = frames
         #: close its side after the frames (False: stay, as a real service
         #: does until its consumer leaves)
         self.hang_up = hang_up
-        self.welcome = frame({"t": "welcome", "consumer": 0, "slots": slots, "slot_bytes": slot_bytes,
-                              "epoch": 0, "service": self.address})
+        self.welcome = frame({"t": "welcome", "consumer": 0, "slots": slots, "epoch": 0, "service": self.address})
+        self.welcome += frame({"t": "slots", "slots": slots, "slot_bytes": slot_bytes})
+        if welcome is not None:
+            self.welcome = welcome
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -366,7 +373,7 @@ IDS = np.arange(8, dtype=np.int64)
     ([batch_frame(IDS, record={"n": 7})], "array 0: bad shape [8] for 7 samples"),
     ([batch_frame(np.arange(9, dtype=np.int64))], "a batch of 9 samples; this consumer attached with batch_size=8"),
     ([batch_frame(IDS, slot=3)], "batch in slot 3, of 3"),
-    ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0]]})], "a list of 2 (one per blob)"),
+    ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0]]})], "a batch of 1 arrays; the consumer attached with 2 blobs"),
     ([batch_frame(IDS, record={"arrays": [["|O", [8], 0], ["<f4", [8, 3], 64]]})], "not a plain number type"),
     ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0], ["<f4", [8, 300], 64]]})],
      "array 1: the arrays take 9664 bytes or more, over the slot's 1024"),
@@ -524,6 +531,7 @@ def test_an_acknowledgement_sent_just_before_a_tcp_consumer_died_with_batches_un
         s = socket.create_connection((host, port), timeout=10)
         s.sendall(frame({**HELLO, "pid": os.getpid()}))
         assert read_frame(s)["t"] == "welcome"
+        assert read_frame(s)["t"] == "slots"  # before the first batch, sized by it
         first = read_frame(s)
         assert first["t"] == "batch"
         wait_for(lambda: sum(server.sources["train"].counts.delivered.values()) >= 4, 10, "the slots filled")
@@ -532,3 +540,140 @@ def test_an_acknowledgement_sent_just_before_a_tcp_consumer_died_with_batches_un
         s.close()
         wait_for(lambda: server.sources["train"].connected == 0, 10, "the consumer's end seen")
         assert sum(server.sources["train"].counts.acknowledged.values()) == 1
+
+
+WELCOME = {"t": "welcome", "consumer": 0, "slots": 3, "epoch": 0, "service": "x"}
+
+
+@pytest.mark.parametrize("said, expected", [
+    (frame({**WELCOME, "slots": 1025}), "said it will offer 1025 slots (3 to 1024)"),
+    (frame(b'{"t":"welcome","x":' + b"[" * 60_000), "nested deeper than 64"),
+    (frame({**WELCOME, "slots": [[[[[]]]]]}), "'slots' is list"),
+])
+def test_a_welcome_that_lies_is_a_service_error_at_attach(said: bytes, expected: str) -> None:
+    """A welcome nested 60 000 deep escaped attach_source as RecursionError;
+    one out of range as a WireError: both are the service's fault, a
+    ServiceError naming it."""
+    fake = FakeService([], welcome=said)
+    try:
+        with pytest.raises(blobfeed.ServiceError, match=re.escape(expected)) as info:
+            blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", fake.address, connect_timeout=10)
+        assert fake.address in str(info.value)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("slots, slot_bytes, expected", [
+    (1024, 1 << 40, "offered 1024 slots (3 to 3, as its welcome said)"),
+    (3, 1 << 40, "offered slots of 1099511627776 bytes (64 to 8589934720: at most 1073741824 bytes a sample"),
+    (3, 8 << 30, "offered 3 slots of 8589934592 bytes: 25769803776 bytes in all, over 68719476736"),
+    (3, 32, "offered slots of 32 bytes (64 to"),
+])
+def test_slots_a_service_offers_are_bounded_by_the_consumer_s_batch(
+    slots: int, slot_bytes: int, expected: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A welcome offering 1 024 slots of 1 TiB ended attach_source in a bare
+    OSError (Cannot allocate memory).  A consumer maps or reserves only what
+    its batch can need: a slot of at most 1 GiB per sample of its
+    batch_size (64 bytes more per blob), 64 GiB in all, as many slots as
+    the welcome said, and memory only as batches arrive."""
+    from blobfeed.service import wire
+
+    if "in all" in expected:
+        monkeypatch.setattr(wire, "MAX_SLOT_AREA", 16 << 30)
+        expected = expected.replace("68719476736", str(16 << 30))
+    welcome = frame(WELCOME) + frame({"t": "slots", "slots": slots, "slot_bytes": slot_bytes})
+    fake = FakeService([batch_frame(IDS)], welcome=welcome)
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+            with pytest.raises(blobfeed.ServiceError, match=re.escape(expected)) as info:
+                net.run(timeout=10)
+            assert fake.address in str(info.value)
+    finally:
+        fake.close()
+
+
+def test_offered_slots_cost_memory_only_as_batches_arrive() -> None:
+    """3 slots of 8 GiB offered (batches of 8 samples of up to 1 GiB): a
+    batch of 192 bytes takes a buffer of its size, not 8 GiB."""
+    welcome = frame(WELCOME) + frame({"t": "slots", "slots": 3, "slot_bytes": 8 << 30})
+    fake = FakeService([batch_frame(IDS), frame({"t": "end", "error": None, "kind": "end"})], welcome=welcome,
+                       hang_up=False)
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10) as att:
+            got = net.run(timeout=10)
+            assert got["id"].tolist() == IDS.tolist()
+            assert got["id"].base.nbytes < 4096
+            del got
+            with pytest.raises(blobfeed.EndOfInput):
+                net.run(timeout=10)
+            del att
+    finally:
+        fake.close()
+
+
+# -- the handshake is bounded as a whole, and in number (issue 24, item 5) -----------------
+
+
+def test_a_hello_sent_a_byte_at_a_time_is_dropped_when_the_handshake_s_time_is_up(
+    caplog, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer sending a valid hello one byte every 0.4 s was still connected
+    after 9 s: the limit applied to each read, not to the handshake, so each
+    such peer held a thread and a descriptor for as long as it liked."""
+    monkeypatch.setattr(connection_mod, "HANDSHAKE_S", 1.0)
+    with served() as server:
+        host, port = parse_tcp(str(server.address))
+        with socket.create_connection((host, port), timeout=10) as s:
+            t0 = time.monotonic()
+            closed = False
+            for b in frame(HELLO):
+                try:
+                    s.send(bytes([b]))
+                except OSError:
+                    closed = True
+                    break
+                readable, _, _ = select.select([s], [], [], 0.2)  # a byte every 0.2 s, or the service's close
+                if readable:
+                    closed = _closed_on_us(s)
+                    break
+            assert closed and time.monotonic() - t0 < 4.0
+    assert any("did not finish its hello within 1 s" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("listen", [None, LOOPBACK])
+def test_at_most_so_many_connections_are_in_their_handshake_at_once(
+    listen: str | None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Silent peers each held a thread in its handshake, as many as they
+    opened.  At most MAX_HANDSHAKES are in their handshake at once; the
+    next connection waits (in the listen backlog) until one ends, and an
+    honest consumer still attaches once the silent ones are dropped."""
+    from blobfeed.service import server as server_mod
+
+    monkeypatch.setattr(connection_mod, "HANDSHAKE_S", 1.5)
+    monkeypatch.setattr(server_mod, "MAX_HANDSHAKES", 2)
+    with served(listen) as server:
+        def connect() -> socket.socket:
+            if listen is None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.settimeout(10)
+                s.connect(str(server.address))
+                return s
+            host, port = parse_tcp(str(server.address))
+            return socket.create_connection((host, port), timeout=10)
+
+        silent = [connect() for _ in range(4)]
+        try:
+            wait_for(lambda: len(server._connections) >= 2, 10, "two silent peers in their handshake")
+            for _ in range(5):  # while they are, the others are not taken in
+                assert len(server._connections) == 2
+                time.sleep(0.1)
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, connect_timeout=20):
+                assert net.run(timeout=20)["id"].shape == (8,)
+        finally:
+            for s in silent:
+                s.close()
