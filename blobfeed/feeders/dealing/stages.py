@@ -12,7 +12,7 @@ it is: the stage between the lanes and the nets' outboxes.
   as soon as it holds enough, and its rest once every lane ended, a batch
   at a time as the outboxes have room.
 
-A stage also says what a position is (:attr:`Cut.positions`): a cut stream
+A stage also says what a position is (:attr:`Stage.positions`): a cut stream
 records one per batch; a shuffled one resumes from its start.  A stage owns
 what it holds and is called under the dealer's lock; it moves the stream's
 count of batches (the dealer's) and records positions through the dealer it
@@ -49,13 +49,14 @@ class Stream(Protocol):
 
 
 class Stage:
-    """What every stage does (a stage holding nothing: the rest are no-ops)."""
+    """What every stage does; the defaults are a stage that holds nothing."""
 
     #: what a position of a stream through this stage is
     positions: type[Positions] = Positions
 
     def __init__(self) -> None:
-        #: the dealer it works for (a :class:`Stream`; Any: read per piece)
+        #: the dealer it works for (a :class:`Stream`; typed Any, as its
+        #: private members are read per piece)
         self._s: Any = None
 
     def bind(self, stream: Stream) -> None:
