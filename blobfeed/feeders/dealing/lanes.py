@@ -457,6 +457,7 @@ class LaneDealer:
     def queued_bytes(self) -> int:
         """Bytes of the chunks waiting in the lanes (what ``max_bytes`` bounds)."""
         return self._queued_bytes
+
     # -- nets --------------------------------------------------------------------
     def take(self, box: NetOutbox) -> tuple[bool, Chunk | None]:
         error = None
