@@ -235,3 +235,22 @@ def test_net_model_bytes_go_to_onnxruntime_only(tmp_path: Path) -> None:
     assert not marker.exists()
     assert not isinstance(info.value, (pickle.UnpicklingError, AttributeError)), info.value
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("escape", ["\\n", '\\"', "\\\\", "\\u005b"])
+def test_a_record_nested_deeper_than_the_bound_is_refused_whatever_its_strings_hold(escape: str) -> None:
+    """The nesting check stripped strings after dropping what follows a
+    backslash, so ``"\\n"`` became ``"\\"``, read as an escaped quote: the
+    "string" swallowed every bracket up to the next quote and a record 500
+    deep was decoded (found by review).  Escape pairs go first now."""
+    import json
+
+    from blobfeed.service.wire import MAX_DEPTH, WireError, decode_record
+
+    deep = MAX_DEPTH + 10
+    record = '{"t":"ack","a":"' + escape + '","b":' + "[" * deep + "]" * deep + ',"c":"z"}'
+    assert json.loads(record)["t"] == "ack"  # valid JSON: only the depth is wrong
+    with pytest.raises(WireError, match="nested deeper"):
+        decode_record(record.encode(), "a peer")
+    shallow = '{"t":"ack","a":"' + escape + '","b":' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}"  # with its own {
+    assert decode_record(shallow.encode(), "a peer")["t"] == "ack"

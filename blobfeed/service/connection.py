@@ -129,6 +129,9 @@ class Connection:
         #: of those, the slots the consumer freed already: they go back to the
         #: ring with their batch's acknowledgement, not before (see _free)
         self._freed_early: set[int] = set()
+        #: slots taken for this consumer and not freed by it yet: the only
+        #: slots it may free (one it was never sent is a lie)
+        self._held: set[int] = set()
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -340,9 +343,14 @@ class Connection:
         on the device, before run() returns it.
 
         Raises:
-            WireError: a slot it freed already.
+            WireError: a slot it does not hold (never sent, or freed already).
         """
         with self._lock:
+            stranger = [s for s in slots if s not in self._held]
+            if stranger or len(set(slots)) < len(slots):
+                bad = min(stranger) if stranger else min(s for s in slots if slots.count(s) > 1)
+                raise WireError(f"{self.peer} freed slot {bad}, which it does not hold")
+            self._held.difference_update(slots)
             early = self._unacked_slots.intersection(slots)
             if not early:
                 return slots
@@ -477,6 +485,12 @@ class Connection:
                     if slot is None:
                         self._unsent(item)
                         return
+                with self._lock:
+                    # held and unacknowledged from now, before it is written:
+                    # a "free" of it that arrives during the write is early
+                    # (kept until the acknowledgement), never a reuse
+                    self._held.add(slot)
+                    self._unacked_slots.add(slot)
                 g = self._g
                 self._g += 1
                 recorded = False

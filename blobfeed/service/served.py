@@ -209,7 +209,7 @@ class SharedOutlet:
         self.source = source
         self.feed = feed
         #: guards everything below; waited on for a change (an ack, a hand-back, a take)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         #: one taker of the inner feed at a time: the stream's order is the order taken
         self._taking = False
         #: batches handed back by consumers that left, to go out first (in order)
@@ -396,6 +396,12 @@ class SharedOutlet:
             self.redeal.clear()
             self._cond.notify_all()
 
+    @property
+    def lock(self) -> threading.Condition:
+        """Held, nothing is acknowledged: the inner position and
+        :meth:`acked_after` read under it agree (reentrant)."""
+        return self._cond
+
     def acked_after(self) -> list[int]:
         """Items acknowledged past the prefix (relative to it), for a state:
         those acknowledged in this run, and those a resume is still to skip
@@ -564,8 +570,14 @@ class ServedSource:
         return bool(self.feeds[0].source.dealer.resumable)
 
     def state_dict(self) -> dict[str, Any]:
-        inner = self.coordinator.state_dict(self.name)
-        state: dict[str, Any] = {"service_version": 1, "source": self.name, "inner": inner}
-        if self.shared is not None:
-            state["acked_after"] = self.shared.acked_after()
-        return state
+        if self.shared is None:
+            inner = self.coordinator.state_dict(self.name)
+            return {"service_version": 1, "source": self.name, "inner": inner}
+        # One moment for both: an acknowledgement moves the inner position
+        # (feed.delivered, under the outlet's lock) and what is acknowledged
+        # after it; read apart, a position before an acknowledgement and the
+        # list after it skip batches still out and deal acknowledged ones again.
+        with self.shared.lock:
+            inner = self.coordinator.state_dict(self.name)
+            return {"service_version": 1, "source": self.name, "inner": inner,
+                    "acked_after": self.shared.acked_after()}

@@ -32,6 +32,7 @@ from ..net import Net
 from .connection import Connection, Refused
 from .served import ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
+from .wire import MAX_SLOTS
 
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
 
@@ -261,6 +262,9 @@ class FeedServer:
         grace_period = check_timeout("grace_period", grace_period)
         if slots is not None:
             slots = check_index("slots", slots, minimum=3)
+            if slots > MAX_SLOTS:
+                # a consumer refuses a service that offers more (wire.MAX_SLOTS)
+                raise ValueError(f"source {name!r}: slots={slots}, more than a consumer accepts ({MAX_SLOTS})")
         names = list(input_blob_names)
         batch_size = check_index("batch_size", batch_size)
         if seed is None and self._resume_state is not None:
@@ -371,7 +375,7 @@ class FeedServer:
                 live = _alive(path)
                 if live is not None:
                     raise ValueError(
-                        f"listen={path!r}: another program is listening there ({live}, another service "
+                        f"listen={path!r}: another program has a socket there ({live}, another service "
                         "or not): stop it, or listen elsewhere"
                     )
                 os.unlink(path)  # a stale socket of a program that died
@@ -758,7 +762,32 @@ def _alive(path: str) -> str | None:
             return f"a socket that a {kind} probe could not reach: {err.strerror or err}"
         finally:
             s.close()
+    # Refused on every type: nobody listens, but a program may still have it
+    # bound (between bind() and listen(), or bound only to name it): the
+    # kernel lists every bound path.
+    if _bound(path):
+        return "a socket a program has bound (not listening)"
     return None
+
+
+def _bound(path: str) -> bool:
+    """Whether the kernel lists ``path`` among the bound Unix sockets
+    (/proc/net/unix; a path bound relative to another directory is matched
+    by its tail).  False where that list cannot be read."""
+    absolute = os.path.abspath(path)
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split(None, 7)
+                if len(fields) < 8:
+                    continue
+                bound = fields[7].rstrip("\n")
+                if bound == absolute or (not bound.startswith("/") and absolute.endswith("/" + bound)):
+                    return True
+    except OSError:
+        return False
+    return False
 
 
 class _ServiceCollector:

@@ -173,6 +173,7 @@ def decode_record(data: bytes, peer: str) -> dict[str, Any]:
 
 #: a JSON string (brackets inside one do not nest), and a bracket pair with nothing inside
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"\\')
 
@@ -183,9 +184,12 @@ def _shallow(data: bytes) -> bool:
     and 60 000 levels fit a 64 KiB record)."""
     if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
         return True
-    # what strings hold but brackets, quotes and backslashes goes first (a
-    # string's bounds stay where they were), then the strings, then the rest
-    brackets = _STRING.sub(b"", data.translate(None, _NOT_STRUCTURE)).translate(None, _NOT_BRACKETS)
+    # escape pairs first (an escaped quote is no string's bound, and what
+    # follows any other backslash must not become one), then what strings
+    # hold but brackets and quotes (a string's bounds stay where they
+    # were), then the strings, then the rest
+    unescaped = _ESCAPE.sub(b"", data)
+    brackets = _STRING.sub(b"", unescaped.translate(None, _NOT_STRUCTURE)).translate(None, _NOT_BRACKETS)
     if not brackets:
         return True
     steps = np.frombuffer(brackets, np.uint8)

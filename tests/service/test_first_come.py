@@ -449,3 +449,72 @@ def test_a_state_whose_position_waits_at_a_batch_acknowledged_after_it_resumes(t
     state.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"\['acked_after'\]: expected a list of ints >= 0"):
         server(True).start()
+
+
+def test_a_state_taken_while_an_acknowledgement_lands_is_one_moment() -> None:
+    """ServedSource.state_dict read the inner position, then what was
+    acknowledged past it: an acknowledgement between the two reads moved
+    the prefix, and the state skipped batches another consumer still held
+    and dealt acknowledged ones again (found by review).  Both are read at
+    one moment now."""
+    import os
+    import socket
+    import time
+
+    from blobfeed.service.wire import PROTOCOL, Channel
+
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True, slots=3)
+    server.start()
+    src = server.sources["train"]
+    chans = []
+
+    def raw(k: int) -> tuple[Channel, list[int]]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(server.address)
+        s.settimeout(10)
+        ch = Channel(s, "the service")
+        chans.append(s)
+        ch.send({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"], "batch_size": 8,
+                 "index": None, "num": None, "pid": os.getpid()})
+        got: list[int] = []
+        while len(got) < k:
+            received = ch.recv()
+            assert received is not None
+            rec, fds = received
+            for fd in fds:
+                os.close(fd)
+            if rec["t"] == "batches":
+                got += [it[0] for it in rec["items"]]
+        return ch, got
+
+    try:
+        a, _ = raw(3)
+        b, _ = raw(3)
+        c, _ = raw(3)
+        c.send({"t": "ack", "g": 2, "slots": [], "waited": 0.0})  # C returned its three
+        deadline = time.monotonic() + 20
+        while len(src.shared.acked_after()) < 3:
+            assert time.monotonic() < deadline, "C's acknowledgement never counted"
+            time.sleep(0.01)
+        held_by_b = sorted(s for s, out in src.shared._out.items() if out[0] is not None and s not in (0, 1, 2))
+        real = src.coordinator.state_dict
+
+        def with_a_landing_between(name: str):
+            inner = real(name)
+            a.send({"t": "ack", "g": 2, "slots": [], "waited": 0.0})  # A returned its three, now
+            prefix, until = src.shared.prefix, time.monotonic() + 0.5
+            while src.shared.prefix == prefix and time.monotonic() < until:
+                time.sleep(0.01)  # before the fix, A's acknowledgement moved the prefix here
+            return inner
+
+        src.coordinator.state_dict = with_a_landing_between
+        state = src.state_dict()
+        src.coordinator.state_dict = real
+        pos = state["inner"]["position"]["batches"]
+        counted = set(range(pos)) | {pos + k for k in state["acked_after"]}
+        assert not counted & set(held_by_b), (state, held_by_b)
+    finally:
+        for s in chans:
+            s.close()
+        assert server.stop()

@@ -386,8 +386,12 @@ def test_listen_in_a_missing_directory_names_the_path_and_the_cause(tmp_path: Pa
     assert str(path) in str(info.value) and "No such file or directory" in str(info.value)
 
 
-@pytest.mark.parametrize("kind", ["SOCK_STREAM", "SOCK_DGRAM", "SOCK_SEQPACKET"])
-def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind,listening", [
+    ("SOCK_STREAM", True), ("SOCK_DGRAM", False), ("SOCK_SEQPACKET", True),
+    # bound and not listening (yet): refused connections, but not stale (found by review)
+    ("SOCK_STREAM", False), ("SOCK_SEQPACKET", False),
+])
+def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path, kind: str, listening: bool) -> None:
     """The liveness probe tried SOCK_SEQPACKET only: a live stream socket
     was taken for a stale one, taken over and later deleted."""
     import socket
@@ -395,12 +399,12 @@ def test_listen_refuses_another_program_s_live_socket_of_any_type(tmp_path: Path
     path = tmp_path / "theirs.sock"
     theirs = socket.socket(socket.AF_UNIX, getattr(socket, kind))
     theirs.bind(str(path))
-    if kind != "SOCK_DGRAM":
+    if listening:
         theirs.listen(1)
     try:
         server = FeedServer(listen=path)
         server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1)
-        with pytest.raises(ValueError, match=re.escape(f"listen={str(path)!r}: another program is listening there")):
+        with pytest.raises(ValueError, match=re.escape(f"listen={str(path)!r}: another program has a socket there")):
             server.start()
         assert path.exists()
     finally:
@@ -477,3 +481,16 @@ def test_blobfeed_serve_exits_1_naming_a_source_that_failed(tmp_path: Path) -> N
         p.wait(10)
     assert p.returncode == 1, (out, err)
     assert "source 'bad' failed" in err and "the disk is gone" in err, err
+
+
+def test_serve_source_refuses_more_slots_than_a_consumer_accepts() -> None:
+    """slots=2000 started, then every consumer refused the service's
+    welcome ("2000 slots (3 to 1024)"): the mistake is the wiring's, said
+    where it is made (found by review)."""
+    from blobfeed.service.wire import MAX_SLOTS
+
+    server = FeedServer()
+    with pytest.raises(ValueError, match=f"slots=2000, more than a consumer accepts \\({MAX_SLOTS}\\)"):
+        server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=2000)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=MAX_SLOTS)
+    assert server.stop()
