@@ -309,7 +309,7 @@ class Connection:
                 self._ack(record["g"])
             slots = freed_slots(record, self.peer)
             if not slots:
-                return
+                return False
             if self.area is None:
                 raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
             lent = self._lent
