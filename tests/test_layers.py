@@ -21,7 +21,9 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
     "blobfeed.feeders.shuffle": 3.05,
-    "blobfeed.feeders.dealing.base": 3.1, "blobfeed.feeders.dealing.arrival": 3.2,
+    "blobfeed.feeders.dealing.base": 3.1, "blobfeed.feeders.dealing.turns": 3.1,
+    "blobfeed.feeders.dealing.positions": 3.1, "blobfeed.feeders.dealing.rounds": 3.12,
+    "blobfeed.feeders.dealing.stages": 3.15, "blobfeed.feeders.dealing.arrival": 3.2,
     "blobfeed.feeders.dealing.lanes": 3.2, "blobfeed.feeders.dealing": 3.5,
     "blobfeed.feeders.replay": 3, "blobfeed.feeders.messages": 3,
     "blobfeed.feeders.source": 4,
@@ -52,7 +54,8 @@ LAYERS: dict[str, int] = {
     "blobfeed": 12,
     "blobfeed.ray": 13,
     # the applications (blobfeed.apps): one way among themselves too
-    "blobfeed.apps.argtypes": 13.9, "blobfeed.apps": 14, "blobfeed.apps.models": 14, "blobfeed.apps.demo": 14, "blobfeed.apps.bench": 14,
+    "blobfeed.apps.argtypes": 13.9, "blobfeed.apps.demo_models": 13.92, "blobfeed.apps.demo_checks": 13.92,
+    "blobfeed.apps": 14, "blobfeed.apps.models": 14, "blobfeed.apps.demo": 14, "blobfeed.apps.bench": 14,
     "blobfeed.apps.bench.measure": 14.1, "blobfeed.apps.bench.workloads": 14.2,
     "blobfeed.apps.bench.report": 14.3, "blobfeed.apps.bench.library": 14.3, "blobfeed.apps.bench.peers.base": 14.3,
     "blobfeed.apps.bench.service": 14.3,
@@ -125,6 +128,16 @@ def test_imports_run_one_way(path: Path) -> None:
         elif me.startswith(target + "."):
             bad.append(f"{target} (a module must not import its own package)")
     assert not bad, f"{me} imports upward: {bad}"
+
+
+#: the most lines a module may have (issue 25): a module past it does more
+#: than one thing, and is split into modules named for what they do
+MAX_MODULE_LINES = 900
+
+
+def test_no_module_is_over_900_lines() -> None:
+    long = {module_name(p): n for p in all_modules() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by what they do): {long}"
 
 
 def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
