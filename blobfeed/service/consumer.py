@@ -69,6 +69,10 @@ class Attachment(Attached):
         self._closed = False
         #: the service said it stops (set under the send lock): run() returns no more batches
         self._stop_heard = False
+        #: why no acknowledgement can be counted any more (the service went
+        #: away): run() raises this rather than return a batch, also where a
+        #: send would still succeed (TCP accepts a write after the peer closed)
+        self._gone: str | None = None
         self._stopped = threading.Event()
         self._state_replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         #: weakrefs of batches whose views all died (put by their callbacks:
@@ -143,6 +147,8 @@ class Attachment(Attached):
         try:
             slots = self._freed_slots()
             with self._send_lock:
+                if self._gone is not None:
+                    raise ServiceError(self._gone)
                 if self._stop_heard:
                     raise ServiceError(
                         f"{self._service} stopped: this batch is not handed out (a resumed service deals it again)"
@@ -173,6 +179,13 @@ class Attachment(Attached):
             except OSError:
                 pass  # gone already: it saves what it read
 
+    def _went_away(self, why: str) -> None:
+        """The service is gone: no acknowledgement counts from now on, so
+        run() raises ``why`` instead of returning a batch already queued."""
+        with self._send_lock:
+            if self._gone is None:
+                self._gone = why
+
     def _send_waited(self, record: dict[str, Any]) -> None:
         """Send ``record`` with the wait so far (an ``ack``, the ``bye``):
         read under the send lock, so that the service never sees it shrink
@@ -189,7 +202,9 @@ class Attachment(Attached):
             self._receive_records(dealer, mapping, put)
         except (WireError, ServiceError, OSError) as err:
             if not self._closed:
-                self.source.fail(_bare(err if isinstance(err, ServiceError) else _named(err, self._service)))
+                error = _bare(err if isinstance(err, ServiceError) else _named(err, self._service))
+                self._went_away(f"{error}: this batch is not handed out (its acknowledgement cannot be counted)")
+                self.source.fail(error)
         except Exception as exc:
             logger.error("receiver of %s failed: %r", self._service, exc)
             self.source.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
@@ -296,10 +311,10 @@ class Attachment(Attached):
             why = f"failed ({err})"
         left = len(self.dealer.numbers)
         if left and not self._closed:
-            self.source.fail(ServiceError(
-                f"{self._service} {why} before this consumer acknowledged the {left} items it still had: "
-                "they are not handed out (a resumed service deals them again)"
-            ))
+            text = (f"{self._service} {why} before this consumer acknowledged the {left} items it still had: "
+                    "they are not handed out (a resumed service deals them again)")
+            self._went_away(text)
+            self.source.fail(ServiceError(text))
 
     def _freed_slots(self) -> list[int]:
         """The slots whose batches died since the last look (without waiting)."""
