@@ -75,6 +75,48 @@ def test_the_factory_chooses_once_from_the_wiring_arguments(options: DealingOpti
     assert dealer.resumable == options.deterministic
 
 
+def test_the_turn_policies_differ_only_at_an_empty_lane() -> None:
+    """Strict turns stop at the empty lane whose turn it is (that worker is
+    waited for); first-ready turns pass it over to the next lane that has
+    something.  Both pass over a lane that ended in this epoch."""
+    from blobfeed.feeders.dealing import FirstReadyTurns, StrictTurns
+
+    lanes: dict[int, Any] = {0: [], 1: ["chunk"], 2: ["chunk"]}
+    for policy, expected in ((StrictTurns(), 0), (FirstReadyTurns(), 1)):
+        for wid in lanes:
+            policy.add(wid)
+        assert policy.turn(lanes) == expected and policy.ready(lanes) == (expected == 1)
+        policy.lane_ended(expected, for_good=False)
+        assert policy.turn(lanes) in (1, 2) and not policy.all_ended()
+        policy.next_epoch()
+        assert policy.rr == 0 and not policy.ended
+
+
+def test_an_equal_round_goes_out_whole_or_not_at_all() -> None:
+    """EqualRounds alone: pieces wait until their round is complete; at an
+    epoch's end an incomplete round is dropped and counted, and the batch
+    count goes back to the round's start; one net gets no rounds at all."""
+    from blobfeed.feeders.dealing import Direct, EqualRounds
+
+    class Box:
+        def __init__(self) -> None:
+            self.pieces: list[Chunk] = []
+            self.samples = self.skip_until = 0
+
+    dropped: list[tuple[str, int]] = []
+    assert type(EqualRounds().wire("s", [Box()], dropped.append)) is Direct
+    boxes = [Box(), Box()]
+    rounds = EqualRounds().wire("s", boxes, lambda reason, n: dropped.append((reason, n)))
+    piece = Chunk((np.arange(2),), 2, 0, 0)
+    for batch in range(3):
+        rounds.deal(batch, piece)
+        rounds.batch_done(batch + 1)
+    assert [len(b.pieces) for b in boxes] == [1, 1] and rounds.held == 2
+    notes: list[Any] = []
+    assert rounds.settle(3, False, 0, notes) == 2
+    assert dropped == [("equal", 2)] and rounds.held == 0 and len(notes) == 1
+
+
 @pytest.mark.parametrize("options", [
     DealingOptions(), DealingOptions(deterministic=True), DealingOptions(shuffle_buffer=6),
     DealingOptions(deterministic=True, shuffle_buffer=6),

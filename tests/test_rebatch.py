@@ -632,11 +632,11 @@ def test_shuffle_rest_at_the_end_leaves_as_room_allows() -> None:
     """When every worker ended, the shuffle buffer's rest goes to the nets a
     batch at a time as their outboxes have room, not all at once (that held
     a whole buffer of batches: 1.5 GB on W2 with 10 000 samples)."""
-    from blobfeed.feeders.dealing import LaneDealer
+    from blobfeed.feeders.dealing import LaneDealer, Shuffled
     from blobfeed.feeders.shuffle import ShuffleBuffer
 
     stream = LaneDealer("s", 4, [0], capacity=64, outbox_samples=8, on_error=lambda e: None,
-                           shuffle=ShuffleBuffer(1000, [0], np.random.default_rng(0)))
+                        stage=Shuffled(ShuffleBuffer(1000, [0], np.random.default_rng(0))))
     stream.add_lanes([0])
     box = stream.add_net()
     stream.start()

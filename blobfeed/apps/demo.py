@@ -17,6 +17,9 @@ sample by sample (exit status 1 otherwise).
 ``--model PATH`` runs any ONNX model with float inputs instead, fed with
 synthetic random data of the right shapes (no accuracy then).
 
+The run and its report are here; the models are in :mod:`.demo_models`,
+the checks of what was delivered in :mod:`.demo_checks`.
+
 Needs the ``demo`` extra: ``pip install -e '.[demo]'`` in the clone of blobfeed
 (blobfeed is not on the package index), or ``pip install onnx scikit-learn tqdm``.
 """
@@ -31,7 +34,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -41,6 +43,11 @@ import blobfeed
 from blobfeed.metrics import MetricsServer, start_http_server
 
 from .argtypes import port, positive_int, seconds_or_more
+from .demo_checks import Blocks, Coverage, PositionReader, chunk_sizes
+from .demo_models import (
+    TEST_SIZE, DemoError, InputSpec, TrainedDigits, decode_pixels, digits_mlp_onnx, inspect_model_inputs,
+    train_digits,
+)
 
 __all__ = ["InputSpec", "TrainedDigits", "digits_mlp_onnx", "inspect_model_inputs", "main", "train_digits"]
 
@@ -52,23 +59,11 @@ RUN_TIMEOUT = 120.0
 INDEX_BLOB = "blobfeed_demo_index"
 #: batches whose checks run together (Blocks): bounds what the checks hold
 BLOCK_BATCHES = 64
-#: Share of the digits held out of training; the accuracy is measured on them.
-TEST_SIZE = 0.25
-
-_FLOAT_TYPES: dict[str, np.dtype[Any]] = {
-    "tensor(float)": np.dtype(np.float32),
-    "tensor(double)": np.dtype(np.float64),
-    "tensor(float16)": np.dtype(np.float16),
-}
 
 
 #: How to get the demo's packages.  blobfeed is installed from its clone (it is
 #: not on the package index), so the extra's form is the clone's.
 INSTALL_HINT = "pip install -e '.[demo]' in the clone of blobfeed, or pip install onnx scikit-learn tqdm"
-
-
-class DemoError(Exception):
-    """A problem the user can fix (bad model, missing package, busy port); exit status 2."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -89,353 +84,6 @@ def _handle_sigterm() -> list[Any]:
         return []
     return [signal.signal(signal.SIGTERM, _on_sigterm)]
 
-
-# --------------------------------------------------------------------------- the data
-def decode_pixels(raw: np.ndarray) -> np.ndarray:
-    """Images stored as uint8 intensities 0..16 -> float32 ``[n, 64]`` in [0, 1].
-
-    The fetchers, the training and the direct scoring all use this, so the
-    model sees exactly the same numbers on every path.
-    """
-    return np.divide(raw.reshape(len(raw), -1), 16, dtype=np.float32)
-
-
-class PositionReader:
-    """Hands out spans of a run of ``passes`` passes over ``n`` samples.
-
-    A position ``p`` in ``[0, passes * n)`` is sample ``p % n`` of pass
-    ``p // n``.  Each call to :meth:`take` returns the next span, never
-    crossing a pass boundary, so every sample is read exactly once per pass.
-    Thread-safe: the fetcher threads share one reader.
-    """
-
-    def __init__(self, n: int, passes: int) -> None:
-        self.n = n
-        self.total = n * passes
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def take(self, count: int) -> tuple[int, int] | None:
-        """The next span ``(start, stop)`` of at most ``count`` positions, or None at the end."""
-        with self._lock:
-            start = self._next
-            if start >= self.total:
-                return None
-            stop = min(start + count, (start // self.n + 1) * self.n, self.total)
-            self._next = stop
-        return start, stop
-
-
-class Coverage:
-    """How often each position of a run of ``passes`` passes over ``n``
-    samples was delivered, holding only the passes still open.
-
-    A pass's counts (``n`` small ints) exist from its first delivered
-    position until all ``n`` were delivered exactly once; then only the fact
-    that it closed is kept.  So the memory is ``n`` times the passes in
-    flight (those the queues hold part of), whatever ``passes`` is: the
-    demo's ``--passes 10000`` used to hold several arrays of ``n * passes``
-    (964 MB).  Positions delivered more than once (in a closed pass too) and
-    positions never delivered are still counted exactly.  A few microseconds
-    a batch: the demo's consumer calls it once per batch.
-    """
-
-    def __init__(self, n: int, passes: int) -> None:
-        if n < 1 or passes < 1:
-            raise ValueError(f"Coverage needs n >= 1 and passes >= 1, got n={n}, passes={passes}")
-        self.n = n
-        self.passes = passes
-        #: open pass -> delivery count per sample of the pass
-        self._open: dict[int, np.ndarray] = {}
-        #: every pass below this one closed; the closed passes at or above it
-        self._closed_below = 0
-        self._closed: set[int] = set()
-        self._repeated_closed = 0
-        #: positions outside ``[0, n * passes)``
-        self.out_of_range = 0
-
-    def add(self, positions: np.ndarray) -> None:
-        """Count one batch's positions."""
-        pos = np.asarray(positions).ravel()
-        if not len(pos):
-            return
-        lo, hi = int(pos.min()), int(pos.max())
-        if lo < 0 or hi >= self.n * self.passes:
-            bad = (pos < 0) | (pos >= self.n * self.passes)
-            self.out_of_range += int(bad.sum())
-            self.add(pos[~bad])
-            return
-        k_lo, k_hi = lo // self.n, hi // self.n
-        if k_lo == k_hi:  # the common case: the batch lies in one pass
-            self._add_pass(k_lo, pos - k_lo * self.n)
-            return
-        which = pos // self.n
-        for k in range(k_lo, k_hi + 1):
-            samples = pos[which == k]
-            if len(samples):
-                self._add_pass(k, samples - k * self.n)
-
-    def _add_pass(self, k: int, samples: np.ndarray) -> None:
-        if k < self._closed_below or k in self._closed:  # each of its samples came before
-            self._repeated_closed += len(np.unique(samples))
-            return
-        counts = self._open.get(k)
-        if counts is None:
-            counts = self._open[k] = np.zeros(self.n, np.int32)
-        np.add.at(counts, samples, 1)
-        if np.count_nonzero(counts) == self.n and counts.max() == 1:
-            del self._open[k]  # complete, each sample once: forget its counts
-            self._closed.add(k)
-            while self._closed_below in self._closed:
-                self._closed.discard(self._closed_below)
-                self._closed_below += 1
-
-    @property
-    def open_passes(self) -> int:
-        """Passes begun and not yet complete (or spoilt by a repeat)."""
-        return len(self._open)
-
-    def held_bytes(self) -> int:
-        """Bytes of the per-pass counts held now."""
-        return sum(c.nbytes for c in self._open.values())
-
-    @property
-    def repeated(self) -> int:
-        """Positions delivered more than once (each counted once)."""
-        return self._repeated_closed + sum(int((c > 1).sum()) for c in self._open.values())
-
-    def missing(self) -> int:
-        """Positions never delivered."""
-        begun = self._closed_below + len(self._closed) + len(self._open)
-        return (self.passes - begun) * self.n + sum(self.n - int(np.count_nonzero(c)) for c in self._open.values())
-
-    def exact(self) -> bool:
-        """Was every position delivered exactly once?"""
-        return not self._open and self._closed_below == self.passes and self.out_of_range == 0 \
-            and self._repeated_closed == 0
-
-    def problem(self) -> str:
-        """What went wrong, in words ("" when every position came exactly once)."""
-        if self.exact():
-            return ""
-        return (f"{self.missing()} samples never scored, {self.repeated} scored more than once"
-                + (f", {self.out_of_range} positions out of range" if self.out_of_range else ""))
-
-
-class Blocks:
-    """Collects per-batch arrays and hands them on in blocks of ``every``
-    batches, concatenated: a check that costs a few numpy calls then runs
-    once per block, not per batch (the consumer's thread competes with the
-    fetchers for the GIL: per-batch checks slowed the demo by a third).
-    Holds at most ``every`` batches' arrays."""
-
-    def __init__(self, every: int, on_block: Callable[..., None]) -> None:
-        self.every = every
-        self.on_block = on_block
-        self._held: list[tuple[np.ndarray, ...]] = []
-
-    def add(self, *arrays: np.ndarray) -> None:
-        """One batch's arrays (the same number every time)."""
-        self._held.append(arrays)
-        if len(self._held) >= self.every:
-            self.flush()
-
-    def flush(self) -> None:
-        """Hand on what is held (the end of the run calls it)."""
-        if self._held:
-            held, self._held = self._held, []
-            self.on_block(*(np.concatenate(column) for column in zip(*held)))
-
-
-def _chunk_sizes(seed: int, worker_id: int, batch_size: int) -> Callable[[], int]:
-    """Chunk sizes for one worker: uniform in 1 .. 2 * batch_size, seeded per worker."""
-    rng = np.random.default_rng([seed, worker_id])
-    hi = 2 * batch_size
-
-    def next_size() -> int:
-        return int(rng.integers(1, hi + 1))
-
-    return next_size
-
-
-# --------------------------------------------------------------------------- the model
-def digits_mlp_onnx(coefs: Sequence[np.ndarray], intercepts: Sequence[np.ndarray]) -> bytes:
-    """A ReLU MLP's weights as an ONNX model: ``pixels`` float32 ``[N, in]`` -> ``logits``.
-
-    Args:
-        coefs: weight matrices ``[in, out]`` per layer (scikit-learn's ``coefs_``).
-        intercepts: bias vectors per layer (``intercepts_``).
-
-    Returns:
-        The serialized model: ``Gemm -> Relu -> ... -> Gemm``, opset 13.
-    """
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    if len(coefs) != len(intercepts) or not coefs:
-        raise ValueError("need one intercept per weight matrix, and at least one layer")
-    nodes, inits = [], []
-    prev = "pixels"
-    for i, (w, b) in enumerate(zip(coefs, intercepts)):
-        inits += [
-            numpy_helper.from_array(np.asarray(w, np.float32), f"W{i}"),
-            numpy_helper.from_array(np.asarray(b, np.float32), f"B{i}"),
-        ]
-        last = i == len(coefs) - 1
-        gemm_out = "logits" if last else f"g{i}"
-        nodes.append(helper.make_node("Gemm", [prev, f"W{i}", f"B{i}"], [gemm_out]))
-        if not last:
-            nodes.append(helper.make_node("Relu", [gemm_out], [f"h{i}"]))
-            prev = f"h{i}"
-    graph = helper.make_graph(
-        nodes,
-        "digits_mlp",
-        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["N", int(coefs[0].shape[0])])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", int(coefs[-1].shape[1])])],
-        initializer=inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8  # readable by every onnxruntime >= 1.11
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64)
-    z = np.exp(z - z.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
-@dataclass(frozen=True)
-class TrainedDigits:
-    """The digits data and the classifier trained on it."""
-
-    #: uint8 intensities 0..16, ``[1797, 8, 8]``: what the fetchers read
-    raw: np.ndarray
-    #: the true digit of each image
-    labels: np.ndarray
-    #: indices of the images held out from training
-    test_idx: np.ndarray
-    #: the ONNX model
-    model: bytes
-    #: e.g. ``"64-64-10"``
-    layers: str
-    train_seconds: float
-    #: max |probability difference| between the ONNX model and scikit-learn
-    max_prob_diff: float
-    #: a note when training stopped before converging, else ""
-    note: str
-
-
-def train_digits(seed: int) -> TrainedDigits:
-    """Train a small MLP on scikit-learn's bundled digits and export it to ONNX.
-
-    Raises:
-        DemoError: the exported model does not reproduce scikit-learn.
-    """
-    import onnxruntime as ort
-    from sklearn.datasets import load_digits
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.model_selection import train_test_split
-    from sklearn.neural_network import MLPClassifier
-    from threadpoolctl import threadpool_limits  # a scikit-learn dependency
-
-    digits = load_digits()  # bundled in the wheel: no download
-    raw = digits.images.astype(np.uint8)
-    labels = digits.target.astype(np.int64)
-    x = decode_pixels(raw)
-    train_idx, test_idx = train_test_split(
-        np.arange(len(labels)), test_size=TEST_SIZE, random_state=seed, stratify=labels
-    )
-    clf = MLPClassifier(hidden_layer_sizes=(64,), tol=1e-3, max_iter=500, random_state=seed)
-    t0 = time.perf_counter()
-    # One BLAS thread: these matrices are tiny, and multi-threaded BLAS on a
-    # busy machine spends more time spinning than computing (4x slower here).
-    with threadpool_limits(1), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConvergenceWarning)
-        clf.fit(x[train_idx], labels[train_idx])
-    train_seconds = time.perf_counter() - t0
-    note = "" if not any(issubclass(w.category, ConvergenceWarning) for w in caught) else (
-        f"training stopped after {clf.n_iter_} iterations before converging"
-    )
-    model = digits_mlp_onnx(clf.coefs_, clf.intercepts_)
-
-    # The exported model must reproduce scikit-learn on every image.
-    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-    logits = sess.run(["logits"], {"pixels": x})[0]
-    diff = float(np.abs(_softmax(logits) - clf.predict_proba(x)).max())
-    disagree = int((clf.classes_[logits.argmax(axis=1)] != clf.predict(x)).sum())
-    if diff > 1e-4 or disagree:
-        raise DemoError(
-            f"the exported ONNX model does not reproduce scikit-learn: max probability "
-            f"difference {diff:.2g}, {disagree} of {len(x)} predictions differ"
-        )
-    if not np.array_equal(clf.classes_, np.arange(len(clf.classes_))):
-        raise DemoError(f"unexpected classes {clf.classes_}")  # argmax == class relies on it
-    layers = "-".join(str(n) for n in [x.shape[1], *clf.hidden_layer_sizes, len(clf.classes_)])
-    return TrainedDigits(raw, labels, np.sort(test_idx), model, layers, train_seconds, diff, note)
-
-
-# --------------------------------------------------------------------------- --model
-@dataclass(frozen=True)
-class InputSpec:
-    """One model input the demo feeds with synthetic data."""
-
-    #: the input's name (also the blob's name)
-    name: str
-    #: numpy dtype of the data
-    dtype: np.dtype
-    #: shape of one sample (the input's shape without the batch axis)
-    sample_shape: tuple[int, ...]
-    #: the input's first dimension when the model fixes it, else None
-    fixed_batch: int | None
-
-
-def inspect_model_inputs(session: Any) -> list[InputSpec]:
-    """What to feed an onnxruntime ``InferenceSession``: one :class:`InputSpec` per input.
-
-    Axis 0 is the batch axis: symbolic or unknown there, any batch size
-    works; a number there fixes the batch size.  Every other dimension must
-    be a number.
-
-    Raises:
-        DemoError: an input is not float, float16 or double, is a scalar, or
-            has a symbolic dimension past axis 0; or the model has no inputs.
-    """
-    specs = []
-    inputs = session.get_inputs()
-    if not inputs:
-        raise DemoError("the model has no inputs to feed")
-    for arg in inputs:
-        dtype = _FLOAT_TYPES.get(arg.type)
-        if dtype is None:
-            raise DemoError(
-                f"model input {arg.name!r} has type {arg.type}: --model feeds synthetic float "
-                f"data, so every input must be float, double or float16"
-            )
-        shape = list(arg.shape) if arg.shape is not None else None
-        if not shape:
-            raise DemoError(
-                f"model input {arg.name!r} is a scalar or has no known rank: the demo needs "
-                f"a batch axis at position 0"
-            )
-        for axis, dim in enumerate(shape[1:], start=1):
-            if not (isinstance(dim, int) and dim >= 0):
-                raise DemoError(
-                    f"model input {arg.name!r} has shape {shape}: dimension {axis} is "
-                    f"{dim!r}, not a number; only axis 0 (the batch axis) may be symbolic. "
-                    f"Fix the other dimensions first (e.g. python -m "
-                    f"onnxruntime.tools.make_dynamic_shape_fixed)"
-                )
-        d0 = shape[0]
-        fixed = d0 if isinstance(d0, int) and d0 > 0 else None
-        specs.append(InputSpec(arg.name, dtype, tuple(int(d) for d in shape[1:]), fixed))
-    fixed_sizes = {s.fixed_batch for s in specs if s.fixed_batch is not None}
-    if len(fixed_sizes) > 1:
-        raise DemoError(
-            f"the model's inputs fix different batch sizes {sorted(fixed_sizes)} on axis 0"
-        )
-    return specs
 
 
 # --------------------------------------------------------------------------- the run
@@ -628,7 +276,7 @@ def _run_digits(
         # one entry per worker, written only by that worker's thread
         next_size = sizes.get(worker_id)
         if next_size is None:
-            next_size = sizes[worker_id] = _chunk_sizes(args.seed, worker_id, batch_size)
+            next_size = sizes[worker_id] = chunk_sizes(args.seed, worker_id, batch_size)
         span = reader.take(next_size())
         if span is None:
             raise StopIteration
@@ -738,7 +386,7 @@ def _run_model(
         if state is None:
             state = rngs[worker_id] = (
                 np.random.default_rng([args.seed, worker_id, 1]),
-                _chunk_sizes(args.seed, worker_id, hint),
+                chunk_sizes(args.seed, worker_id, hint),
             )
         rng, next_size = state
         span = reader.take(next_size())

@@ -21,7 +21,6 @@ bookkeeping, so the flow control is the same).
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
@@ -33,41 +32,31 @@ from typing import Any, Callable
 import numpy as np
 
 from ..feeders.chunks import EpochEnd
-from ..feeders.messages import align
 from .arena import consumer_pidfd
+from .admission import Refused, admit
+from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
-from .wire import MAX_RECORD, PROTOCOL, Channel, WireError, check, freed_slots
+from .transport import TCP, UNIX, BatchSender
+from .wire import Channel, WireError, check, freed_slots, wire_align
 
-__all__ = ["Connection", "HANDSHAKE_S"]
+__all__ = ["Connection", "HANDSHAKE_S", "Refused"]
 
 logger = logging.getLogger("blobfeed.service")
 
 #: seconds a peer has from its connection to the end of its hello (the
 #: whole hello, not each read: a hello that trickles in is dropped too)
 HANDSHAKE_S = 5.0
-#: at most this many batches in one ``batches`` record (fewer if their layout is long)
-BATCHES_PER_RECORD = 64
-#: a ``batches`` record goes out once its batches' slots hold this many bytes
-#: (large batches go one by one: the consumer starts on the first while the
-#: next is copied)
-FLUSH_BYTES = 1 << 20
-#: batches this large are kept as their slot's copy once written (their
-#: source buffer is freed at once: S1's 9.6 MB batches held one per slot
-#: in flight otherwise); smaller ones are not worth the views
-LET_GO_BYTES = 1 << 16
-
-
-class Refused(Exception):
-    """The consumer's hello does not fit the source (sent back as ``refused``)."""
 
 
 class Connection:
     """One consumer connected to the service.
 
     ``tcp_peer``: the consumer's ``HOST:PORT`` when it came over TCP (the
-    connection then speaks :class:`.StreamChannel`'s frames).
+    connection then speaks :class:`.StreamChannel`'s frames).  Its carrier
+    (:mod:`.transport`) is chosen once, here: the channel, and the sender
+    its batches go through, are that carrier's.
     """
 
     def __init__(
@@ -81,22 +70,18 @@ class Connection:
     ) -> None:
         self.number = number
         self.tcp_peer = tcp_peer
-        # the service accepts no payload from a consumer: a frame that announces some is refused unread
-        self.channel: Channel | StreamChannel = (
-            Channel(sock, f"connection {number}") if tcp_peer is None
-            else StreamChannel(sock, f"connection {number} from {tcp_peer}")
+        #: how its batches travel
+        self.carrier = UNIX if tcp_peer is None else TCP
+        self.channel: Channel | StreamChannel = self.carrier.channel(
+            sock, f"connection {number}" if tcp_peer is None else f"connection {number} from {tcp_peer}"
         )
         self.peer = self.channel.peer
         self.label = str(number)
         self._sources = sources
         self._state = state
         self._service = service
-        self._lock = threading.Lock()
-        #: what was sent and not acknowledged: (g, item, slot, meta), in order
-        self._inflight: collections.deque[tuple[int, Item, int, Any]] = collections.deque()
-        self._g = 0
-        #: the number of the next item to send (what the consumer may acknowledge is below it)
-        self._sent = 0
+        #: what was sent and not acknowledged (made at admission)
+        self.ledger: Ledger | None = None
         self.closed = threading.Event()
         self.source: ServedSource | None = None
         self.outlet: IndexOutlet | SharedOutlet | None = None
@@ -124,14 +109,6 @@ class Connection:
         self._arena_sent = False
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
         self._run_waited = 0.0
-        #: slots of the batches in _inflight (sent or being sent, not acknowledged)
-        self._unacked_slots: set[int] = set()
-        #: of those, the slots the consumer freed already: they go back to the
-        #: ring with their batch's acknowledgement, not before (see _free)
-        self._freed_early: set[int] = set()
-        #: slots taken for this consumer and not freed by it yet: the only
-        #: slots it may free (one it was never sent is a lie)
-        self._held: set[int] = set()
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -195,7 +172,7 @@ class Connection:
         hello = check(record, ("hello",), self.peer)
         self.channel.sock.settimeout(None)
         try:
-            source, outlet = self._admit(hello)
+            source, outlet = admit(hello, self._sources, self)
         except Refused as err:
             logger.warning("service: %s refused: %s", self.peer, str(err))
             self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
@@ -206,6 +183,8 @@ class Connection:
         if self.tcp_peer is not None:
             self.peer += f" from {self.tcp_peer}"
         self.channel.peer = self.peer
+        self.ledger = Ledger(outlet, source.counts, self.label)
+        self.ledger.peer = self.peer
         # Welcomed at once: its slots are made and offered (a "slots" record)
         # before its first batch, sized by that batch.  Before it, only
         # epoch ends or the end may come, and neither needs a slot.
@@ -227,7 +206,7 @@ class Connection:
              "slots": self._most_slots, "epoch": 0, "service": self._service}
         )
 
-    def _offer_slots(self, batch: Any) -> SlotArea | StreamSlots:
+    def _offer_slots(self, batch: Any, sender: BatchSender) -> SlotArea | StreamSlots:
         """Make the consumer's slots, sized by the source's batches (this,
         its first, if the source's first), and offer them (a ``slots``
         record, with their descriptor on a Unix socket)."""
@@ -235,18 +214,13 @@ class Connection:
         assert source is not None
         if source.slot_bytes is None:
             # a whole batch, whatever this one holds (an epoch's last may be smaller)
-            full = sum(align(a.nbytes // batch.n * source.terms.batch_size) for a in batch.arrays)
+            full = sum(wire_align(a.nbytes // batch.n * source.terms.batch_size) for a in batch.arrays)
             source.slot_bytes = max(full, batch_nbytes(batch.arrays), 64)
         slot_bytes = max(source.slot_bytes, batch_nbytes(batch.arrays))
         slots = min(self._most_slots, source.slots)
-        if self.tcp_peer is None:
-            area: SlotArea | StreamSlots = SlotArea(f"blobfeed-{source.name}-{self.label}", slots, slot_bytes)
-        else:
-            area = StreamSlots(slots, slot_bytes)
+        area = sender.slots(f"blobfeed-{source.name}-{self.label}", slots, slot_bytes)
         try:
-            self.channel.send(
-                {"t": "slots", "slots": slots, "slot_bytes": slot_bytes}, fds=[area.fd] if area.fd >= 0 else ()
-            )
+            sender.offer(area)
         except BaseException:
             area.close()
             area.unmap()
@@ -259,47 +233,6 @@ class Connection:
             area.close()  # close() came before there was an area to wake
         return area
 
-    def _admit(self, hello: dict[str, Any]) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
-        if hello["protocol"] != PROTOCOL:
-            raise Refused(f"protocol {hello['protocol']} (this service speaks {PROTOCOL}): upgrade blobfeed on one side")
-        source = self._sources(hello["source"])  # Refused naming the sources it has
-        t = source.terms
-        blobs = hello["blobs"]
-        if blobs != list(t.blob_names):
-            raise Refused(
-                f"source {t.name!r} carries blobs {list(t.blob_names)}; the consumer asked for {blobs!r}"
-            )
-        if hello["batch_size"] != t.batch_size:
-            raise Refused(
-                f"source {t.name!r} is served in batches of {t.batch_size}; the consumer asked for "
-                f"batch_size={hello['batch_size']}"
-            )
-        num, index = hello["num"], hello["index"]
-        if t.num_consumers is None:
-            if num is not None or index is not None:
-                raise Refused(
-                    f"source {t.name!r} is served first come, first served (no num_consumers); the consumer "
-                    f"asked for consumer_index={index}, num_consumers={num}: serve the source with "
-                    "num_consumers=N to deal it by index"
-                )
-        else:
-            if num is not None and num != t.num_consumers:
-                raise Refused(
-                    f"source {t.name!r} is dealt to {t.num_consumers} consumers; the consumer asked for "
-                    f"num_consumers={num}"
-                )
-            if index is not None and not 0 <= index < t.num_consumers:
-                raise Refused(
-                    f"source {t.name!r} is dealt to {t.num_consumers} consumers (indexes 0 to "
-                    f"{t.num_consumers - 1}); the consumer asked for consumer_index={index}"
-                )
-        if source.error is not None:
-            raise Refused(f"source {t.name!r} failed: {source.error}")
-        try:
-            return source, source.claim(self, index)
-        except ValueError as err:
-            raise Refused(str(err)) from None
-
     def _handle(self, record: dict[str, Any]) -> bool:
         """Act on one of the consumer's records; True when it said bye."""
         kind = record["t"]
@@ -309,13 +242,13 @@ class Connection:
                 self._ack(record["g"])
             slots = freed_slots(record, self.peer)
             if not slots:
-                return
-            if self.area is None:
+                return False
+            if self.area is None or self.ledger is None:
                 raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
             lent = self._lent
             for slot in slots:
                 lent.pop(slot, None)
-            self.area.give_back(self._free(slots), self.peer)
+            self.area.give_back(self.ledger.free(slots), self.peer)
         elif kind == "state":
             try:
                 state = self._state(self.source.name if self.source is not None else None)
@@ -337,35 +270,6 @@ class Connection:
             return True
         return False
 
-    def _free(self, slots: list[int]) -> list[int]:
-        """Of the slots the consumer freed, those that may be written again now.
-
-        A slot whose batch is not acknowledged yet keeps its batch until the
-        acknowledgement (or, should the consumer leave, until it was dealt
-        again from it): a consumer that freed it and left without the
-        acknowledgement would otherwise have that batch dealt again out of
-        a slot that holds another one by then.  An honest consumer does
-        free early: a net on a GPU drops the host's views once its batch is
-        on the device, before run() returns it.
-
-        Raises:
-            WireError: a slot it does not hold (never sent, or freed already).
-        """
-        with self._lock:
-            stranger = [s for s in slots if s not in self._held]
-            if stranger or len(set(slots)) < len(slots):
-                bad = min(stranger) if stranger else min(s for s in slots if slots.count(s) > 1)
-                raise WireError(f"{self.peer} freed slot {bad}, which it does not hold")
-            self._held.difference_update(slots)
-            early = self._unacked_slots.intersection(slots)
-            if not early:
-                return slots
-            twice = early & self._freed_early
-            if twice or len(early) < sum(1 for s in slots if s in early):
-                raise WireError(f"{self.peer} freed slot {min(twice or early)}, which it does not hold")
-            self._freed_early |= early
-            return [s for s in slots if s not in early]
-
     def _consumer_waited(self, total: float) -> None:
         """The consumer's run() has waited ``total`` seconds in all (checked
         finite and >= 0 by the wire): what it grew by since its last record
@@ -383,28 +287,8 @@ class Connection:
 
     def _ack(self, g: int) -> None:
         """The consumer's run() returned every item up to ``g`` (cumulative)."""
-        assert self.source is not None and self.outlet is not None
-        inflight, outlet, acknowledged = self._inflight, self.outlet, self.source.counts.acknowledged
-        with self._lock:
-            head = inflight[0][0] if inflight else None
-            if head is None or head < 0 or not head <= g < self._sent:
-                raise WireError(
-                    f"{self.peer} acknowledged items up to {g}; its next unacknowledged item is {head} "
-                    f"and the last sent {self._sent - 1}"
-                )
-            n = 0
-            back = []
-            while inflight and 0 <= inflight[0][0] <= g:
-                _, item, slot, _ = inflight.popleft()
-                if slot >= 0:
-                    self._unacked_slots.discard(slot)
-                    if slot in self._freed_early:
-                        self._freed_early.discard(slot)
-                        back.append(slot)
-                outlet.acked(item)
-                if type(item.batch) is not EpochEnd:
-                    n += 1
-            acknowledged[self.label] += n
+        assert self.ledger is not None
+        _, back = self.ledger.ack(g)
         if back:
             assert self.area is not None
             self.area.give_back(back, self.peer)
@@ -427,29 +311,22 @@ class Connection:
                     self.close()
 
     def _send_items(self) -> None:
-        source, outlet, area = self.source, self.outlet, self.area
-        assert source is not None and outlet is not None
+        source, outlet, area, ledger = self.source, self.outlet, self.area, self.ledger
+        assert source is not None and outlet is not None and ledger is not None
         pending: Item | End | None = None  # taken from the outlet, not sent yet
         counts = source.counts
-        stream = isinstance(self.channel, StreamChannel)
-        arena = None if stream else source.arena
-        # Unix socket: the batches written and not sent yet, sent together in
-        # one "batches" record once no other batch is ready at once (or no
-        # slot is free, or FLUSH_BYTES / a record's worth are waiting): a
-        # record, a syscall and a wake-up per burst rather than per batch,
-        # and never a wait with a batch unsent.
-        ready: list[str] = []  # each [g, slot, n, arrays] as JSON text
-        ready_bytes = 0
-        last_g = -1
-        per_record = BATCHES_PER_RECORD
+        delivered = counts.delivered
+        sender = self.carrier.sender(self.channel, ledger)
+        # a batch assembled in the source's arena goes as a reference to it (shared memory only)
+        arena = source.arena if sender.shared_memory else None
         try:
             while not self.closed.is_set() and not self._ended and self._stopping is None:
                 if pending is None:
-                    if ready:
+                    if sender.pending():
+                        # batches kept for one record: sent once no other is ready at once
                         pending = outlet.next(self, 0.0)
                         if pending is None:
-                            self._flush(ready, last_g)
-                            ready_bytes = 0
+                            delivered[self.label] += sender.flush()
                             continue
                     else:
                         t0 = time.perf_counter()
@@ -461,96 +338,60 @@ class Connection:
                 if isinstance(item, End):
                     # the connection stays: the consumer still acknowledges
                     # what it has, and leaves when it is done
-                    self._flush(ready, last_g)
+                    delivered[self.label] += sender.flush()
                     self._end(item)
                     return
                 if type(item.batch) is EpochEnd:
-                    self._flush(ready, last_g)
-                    ready_bytes = 0
-                    g = self._g
-                    self._g += 1
-                    with self._lock:
-                        self._inflight.append((g, item, -1, None))
-                    self._sent = g + 1  # before: the acknowledgement may come before send() returns
+                    delivered[self.label] += sender.flush()
+                    g = ledger.number()
+                    ledger.record(g, item)
+                    ledger.sent(g)  # before: the acknowledgement may come before send() returns
                     self.channel.send(
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
                     continue
                 if area is None:
                     try:
-                        area = self._offer_slots(item.batch)  # before its first batch, sized by it
+                        area = self._offer_slots(item.batch, sender)  # before its first batch, sized by it
                     except BaseException:
                         self._unsent(item)  # the consumer is gone: dealt again, not lost
                         raise
                 slot = area.take_nowait()
                 if slot is None:
-                    self._flush(ready, last_g)  # what the consumer frees depends on what it has
-                    ready_bytes = 0
+                    delivered[self.label] += sender.flush()  # what the consumer frees depends on what it has
                     while slot is None and not self.closed.is_set() and self._stopping is None:
                         slot = area.take(POLL_S)
                     if slot is None:
                         self._unsent(item)
                         return
-                with self._lock:
-                    # held and unacknowledged from now, before it is written:
-                    # a "free" of it that arrives during the write is early
-                    # (kept until the acknowledgement), never a reuse
-                    self._held.add(slot)
-                    self._unacked_slots.add(slot)
-                g = self._g
-                self._g += 1
-                recorded = False
+                # held and unacknowledged from now, before it is written:
+                # a "free" of it that arrives during the write is early
+                # (kept until the acknowledgement), never a reuse
+                ledger.hold(slot)
+                g = ledger.number()
                 located = None if arena is None else arena.locate(item.batch.arrays)
-                if located is not None:
+                if located is None:
+                    item, meta, text = sender.write(area, slot, item)
+                    ledger.record(g, item, slot, meta)
+                else:
                     # assembled in the source's arena: the consumer reads it
                     # there; its slot only stands for it (the flow control)
                     a_slot, text = located
                     meta = None
                     self._lent[slot] = (g, item.batch.arrays)
                     text = f"{text},{a_slot}"  # the entry's fifth element: the arena slot
+                    # recorded first: should the consumer be gone, the
+                    # batch is unacknowledged (dealt again), not lost
+                    ledger.record(g, item, slot, meta)
                     if not self._arena_sent:
-                        # recorded first: should the consumer be gone, the
-                        # batch is unacknowledged (dealt again), not lost
-                        with self._lock:
-                            self._inflight.append((g, item, slot, meta))
-                            self._unacked_slots.add(slot)
-                        recorded = True
                         self._send_arena()
-                elif stream:
-                    meta = area.write(slot, item.batch.arrays)
-                else:
-                    meta, text = area.write_encoded(slot, item.batch.arrays)  # type: ignore[union-attr]
-                    if area.slot_bytes >= LET_GO_BYTES:
-                        # the slot holds the batch now: keep that (for a
-                        # consumer that leaves without acknowledging it), and
-                        # let the inner pipeline's buffer go back to its pool
-                        # at once rather than at the acknowledgement
-                        item = item._replace(batch=item.batch._replace(arrays=area.read(slot, meta)))  # type: ignore[union-attr]
-                if not recorded:
-                    with self._lock:
-                        self._inflight.append((g, item, slot, meta))
-                        self._unacked_slots.add(slot)
-                if stream:
-                    # over TCP the bytes follow the record, from the batch's own arrays
-                    record = {"t": "batch", "g": g, "slot": slot, "n": item.batch.n, "arrays": meta}
-                    self._sent = g + 1
-                    self.channel.send(record, payload=item.batch.arrays)  # type: ignore[call-arg]
-                    counts.delivered[self.label] += 1
-                    continue
-                entry = f"[{g},{slot},{item.batch.n},{text}]"
-                if not ready and per_record == BATCHES_PER_RECORD:
-                    # as many as fit half a record (a batch's layout does not change)
-                    per_record = max(1, min(BATCHES_PER_RECORD, MAX_RECORD // 2 // (len(entry) + 1)))
-                ready.append(entry)
-                last_g = g
-                ready_bytes += area.slot_bytes
-                if len(ready) >= per_record or ready_bytes >= FLUSH_BYTES:
-                    self._flush(ready, last_g)
-                    ready_bytes = 0
+                delivered[self.label] += sender.send_batch(
+                    g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes
+                )
             if isinstance(pending, Item):
                 self._unsent(pending)  # taken just before a stop: dealt again, not lost
             # batches written and not sent (the service stops, or the
-            # consumer left) stay in _inflight: unacknowledged, dealt again
+            # consumer left) stay in the ledger: unacknowledged, dealt again
         except OSError as err:
             if not self.closed.is_set():
                 logger.info("service: sending to %s failed: %s", self.peer, str(err))
@@ -575,21 +416,10 @@ class Connection:
         self.channel.send({"t": "arena", "slots": arena.slots, "slot_bytes": arena.slot_bytes}, fds=[arena.fd])
         self._arena_sent = True
 
-    def _flush(self, ready: list[str], last_g: int = -1) -> None:
-        """Send the batches in ``ready`` (the last numbered ``last_g``) in one record (Unix socket)."""
-        if not ready:
-            return
-        self._sent = last_g + 1  # before: the acknowledgement may come before send() returns
-        data = ('{"t":"batches","items":[' + ",".join(ready) + "]}").encode()
-        self.channel.send_encoded(data)  # type: ignore[union-attr]
-        assert self.source is not None
-        self.source.counts.delivered[self.label] += len(ready)
-        ready.clear()
-
     def _unsent(self, item: Item) -> None:
         """An item taken for the consumer that never reached it: it counts as unacknowledged."""
-        with self._lock:
-            self._inflight.append((-2, item, -1, None))
+        assert self.ledger is not None
+        self.ledger.unsent(item)
 
     def _end(self, end: End) -> None:
         err = end.error
@@ -656,19 +486,19 @@ class Connection:
             self.sender.join(timeout=10.0)
         source, outlet, area = self.source, self.outlet, self.area
         # what its run() never returned cannot be in the user's hands
-        not_returned = {g for g, _, _, _ in self._inflight}
-        if source is not None and outlet is not None:
-            with self._lock:
-                unacked = []
-                for g, item, slot, meta in self._inflight:
-                    if slot >= 0 and meta is not None and isinstance(area, SlotArea):
-                        # copied out of the slot, so the area goes with its
-                        # consumer: with many slots in flight, re-dealt
-                        # batches of several consumers that left would keep
-                        # each one's whole area mapped until dealt again
-                        item = item._replace(batch=item.batch._replace(arrays=_copied(area.read(slot, meta))))
-                    unacked.append(item)
-                self._inflight.clear()
+        ledger = self.ledger
+        not_returned = ledger.not_returned() if ledger is not None else set()
+        if source is not None and outlet is not None and ledger is not None:
+            ledger.close()
+
+            def keep(item: Item, slot: int, meta: Any) -> Item:
+                # copied out of the slot, so the area goes with its
+                # consumer: with many slots in flight, re-dealt batches of
+                # several consumers that left would keep each one's whole
+                # area mapped until dealt again
+                return item._replace(batch=item.batch._replace(arrays=_copied(area.read(slot, meta))))  # type: ignore[union-attr]
+
+            unacked = ledger.hand_back(keep if isinstance(area, SlotArea) else None)
             source.release(self, outlet, unacked)
             logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
         # Batches its run() returned and it did not free yet: the user may

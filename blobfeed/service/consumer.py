@@ -25,7 +25,7 @@ from ..net import Net
 from ..reader import Inlet
 from .remote import Attached, open_inlet
 from .slots import ConsumerMapping, StreamBuffers
-from .transport import connect, consumer_slots
+from .transport import RAY, carrier_for
 from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_items, check
 
 __all__ = ["Attachment", "attach_source"]
@@ -58,7 +58,9 @@ class Attachment(Attached):
     ) -> None:
         super().__init__(net, names, source_name, address)
         try:
-            self._channel = connect(address, connect_timeout, self._service)
+            #: how the batches travel, chosen once from the address
+            self._carrier = carrier_for(address)
+            self._channel = self._carrier.connect(address, connect_timeout, self._service)
         except OSError as err:
             raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
         self._send_lock = threading.Lock()
@@ -67,6 +69,10 @@ class Attachment(Attached):
         self._closed = False
         #: the service said it stops (set under the send lock): run() returns no more batches
         self._stop_heard = False
+        #: why no acknowledgement can be counted any more (the service went
+        #: away): run() raises this rather than return a batch, also where a
+        #: send would still succeed (TCP accepts a write after the peer closed)
+        self._gone: str | None = None
         self._stopped = threading.Event()
         self._state_replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         #: weakrefs of batches whose views all died (put by their callbacks:
@@ -141,6 +147,8 @@ class Attachment(Attached):
         try:
             slots = self._freed_slots()
             with self._send_lock:
+                if self._gone is not None:
+                    raise ServiceError(self._gone)
                 if self._stop_heard:
                     raise ServiceError(
                         f"{self._service} stopped: this batch is not handed out (a resumed service deals it again)"
@@ -171,6 +179,13 @@ class Attachment(Attached):
             except OSError:
                 pass  # gone already: it saves what it read
 
+    def _went_away(self, why: str) -> None:
+        """The service is gone: no acknowledgement counts from now on, so
+        run() raises ``why`` instead of returning a batch already queued."""
+        with self._send_lock:
+            if self._gone is None:
+                self._gone = why
+
     def _send_waited(self, record: dict[str, Any]) -> None:
         """Send ``record`` with the wait so far (an ``ack``, the ``bye``):
         read under the send lock, so that the service never sees it shrink
@@ -186,7 +201,9 @@ class Attachment(Attached):
             self._receive_records(inlet, mapping)
         except (WireError, ServiceError, OSError) as err:
             if not self._closed:
-                self.inlet.fail(_bare(err if isinstance(err, ServiceError) else _named(err, self._service)))
+                error = _bare(err if isinstance(err, ServiceError) else _named(err, self._service))
+                self._went_away(f"{error}: this batch is not handed out (its acknowledgement cannot be counted)")
+                self.inlet.fail(error)
         except Exception as exc:
             logger.error("receiver of %s failed: %r", self._service, exc)
             self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
@@ -205,12 +222,12 @@ class Attachment(Attached):
                 if record["t"] == "slots":
                     if mapping is not None:
                         raise WireError(f"{self._service} offered slots a second time")
-                    mapping = self._mapping = consumer_slots(
+                    mapping = self._mapping = self._carrier.consumer_slots(
                         self._channel, record, fds, self._most_slots, self._check, self._out.put
                     )
                     continue
                 if record["t"] == "arena":
-                    if not isinstance(mapping, ConsumerMapping):
+                    if not self._carrier.shared_memory or not isinstance(mapping, ConsumerMapping):
                         raise WireError(f"{self._service} sent an arena over TCP or before its slots")
                     mapping.add_arena(fds, record["slots"], record["slot_bytes"], self._service)
                     continue
@@ -287,10 +304,10 @@ class Attachment(Attached):
             why = f"failed ({err})"
         left = self.inlet.unreturned()
         if left and not self._closed:
-            self.inlet.fail(ServiceError(
-                f"{self._service} {why} before this consumer acknowledged the {left} items it still had: "
-                "they are not handed out (a resumed service deals them again)"
-            ))
+            text = (f"{self._service} {why} before this consumer acknowledged the {left} items it still had: "
+                    "they are not handed out (a resumed service deals them again)")
+            self._went_away(text)
+            self.inlet.fail(ServiceError(text))
 
     def _freed_slots(self) -> list[int]:
         """The slots whose batches died since the last look (without waiting)."""
@@ -471,7 +488,7 @@ def attach_source(
             raise ValueError(f"consumer_index={consumer_index} is not below num_consumers={num_consumers}")
     timeout = check_timeout("timeout", timeout)
     connect_timeout = check_timeout("connect_timeout", connect_timeout)
-    if address.startswith("ray://"):
+    if carrier_for(address) is RAY:
         # a service running as a named Ray actor (blobfeed.ray.serve_on_ray): Ray carries the batches
         from .ray_attach import RayAttachment
 

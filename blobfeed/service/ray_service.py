@@ -42,7 +42,6 @@ can do so through Ray itself, so the cluster is trusted, as Ray requires
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -55,9 +54,10 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ServiceError
 from ..feeders.chunks import EpochEnd
-from .connection import Connection, Refused
+from .admission import Refused, admit
+from .ledger import Ledger
 from .ray_attach import HEARTBEAT_S, POLL_S, TAKE_WAIT_S, parse_ray_address, ray_failure
-from .served import End, IndexOutlet, Item, ServedSource, SharedOutlet
+from .served import End, IndexOutlet, ServedSource, SharedOutlet
 from .server import FeedServer, serving
 from .wire import WireError, check, seconds
 
@@ -91,8 +91,8 @@ class _RayConsumer:
 
     It has what :class:`FeedServer` and :class:`ServedSource` use of a
     connection (``label``, ``peer``, ``closed``, ``receiver``,
-    ``tell_stopped``, ``close``) and what ``Connection._admit`` checks a
-    hello with (``_sources``).
+    ``tell_stopped``, ``close``); what it sent and what came back is its
+    :class:`~.ledger.Ledger` (made at admission), as a socket's is.
     """
 
     def __init__(self, server: "RayFeedServer", number: int) -> None:
@@ -110,27 +110,27 @@ class _RayConsumer:
         self.heard = time.monotonic()
         self.source: ServedSource | None = None
         self.outlet: IndexOutlet | SharedOutlet | None = None
-        self._lock = threading.Lock()
+        #: what was sent and not acknowledged (made at admission)
+        self.ledger: Ledger | None = None
         #: one take at a time; leave() waits for the running one
         self._busy = threading.Lock()
-        #: what was sent and not acknowledged, in order: (g, item)
-        self._inflight: collections.deque[tuple[int, Item]] = collections.deque()
-        self._g = 0
+        self._waited_lock = threading.Lock()
         self._told: str | None = None
         self._ended = False
+        #: it left (leave() ran); also before it was admitted
         self._left = False
+        self._leave_lock = threading.Lock()
         self._wake = threading.Event()
         #: the seconds the consumer's run() has waited in all, the most it said so far
         self._run_waited = 0.0
-
-    def _sources(self, name: str) -> ServedSource:
-        """Where ``Connection._admit`` looks the source up (the server's lookup)."""
-        return self.server.source_for(name)
 
     def attached(self, source: ServedSource, outlet: IndexOutlet | SharedOutlet, pid: int) -> None:
         self.source, self.outlet = source, outlet
         self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
         self.peer = f"consumer {self.label} of source {source.name!r} (pid {pid}, over Ray)"
+        # Ray runs a consumer's calls on several threads: its acknowledgements may come out of order
+        self.ledger = Ledger(outlet, source.counts, self.label, ordered=False)
+        self.ledger.peer = self.peer
 
     # -- the consumer's calls ----------------------------------------------------------
     def ack(self, upto: int, waited: float | None = None) -> bool:
@@ -148,39 +148,24 @@ class _RayConsumer:
         Raises:
             WireError: ``upto`` was never sent.
         """
-        assert self.source is not None and self.outlet is not None
-        with self._lock:
-            if self._left:
-                return False
-            if not -1 <= upto < self._g:
-                raise WireError(f"{self.peer} acknowledged item {upto}; {self._g} were sent")
-            self._settle(upto)
+        assert self.source is not None and self.ledger is not None
+        counted, _ = self.ledger.ack(upto)
+        if not counted:
+            return False
+        with self._waited_lock:
             if waited is not None and waited > self._run_waited:
                 self.source.counts.run_waited[self.label] += waited - self._run_waited
                 self._run_waited = waited
         self._wake.set()  # a take waiting for room
         return True
 
-    def _settle(self, upto: int) -> None:
-        """Under the lock: acknowledge the head up to ``upto``."""
-        assert self.source is not None and self.outlet is not None
-        counts = self.source.counts
-        while self._inflight:
-            g, item = self._inflight[0]
-            if g > upto:
-                return
-            self._inflight.popleft()
-            self.outlet.acked(item)
-            if g >= 0 and type(item.batch) is not EpochEnd:
-                counts.acknowledged[self.label] += 1
-
     def take(self) -> list[tuple[Any, ...]]:
         """What goes to the consumer now: items while it holds fewer than
         ``slots`` unacknowledged ones, or an end; waits up to
         :data:`TAKE_WAIT_S` for the first (an acknowledgement that makes
         room wakes it)."""
-        source, outlet = self.source, self.outlet
-        assert source is not None and outlet is not None
+        source, outlet, ledger = self.source, self.outlet, self.ledger
+        assert source is not None and outlet is not None and ledger is not None
         if not self._busy.acquire(timeout=4 * TAKE_WAIT_S):
             return []  # a take of this consumer still runs (a retried call): nothing twice
         try:
@@ -193,8 +178,7 @@ class _RayConsumer:
                     self._ended = True
                     out.append(("end", "stopped", self._told))
                     break
-                with self._lock:
-                    held = sum(1 for g, _ in self._inflight if g >= 0)
+                held = ledger.in_flight()
                 left = deadline - time.monotonic()
                 if held >= slots:
                     if out or left <= 0:
@@ -227,10 +211,9 @@ class _RayConsumer:
                     self._ended = True
                     out.append(_end_record(item))
                     break
-                g = self._g
-                self._g += 1
-                with self._lock:
-                    self._inflight.append((g, item))
+                g = ledger.number()
+                ledger.record(g, item)
+                ledger.sent(g)
                 batch = item.batch
                 if type(batch) is EpochEnd:
                     out.append(("epoch_end", g, batch.epoch, batch.dropped))
@@ -254,7 +237,9 @@ class _RayConsumer:
     def leave(self, why: str) -> None:
         """The consumer is gone (bye, lease, stop): what it had not
         acknowledged goes back to its outlet.  Idempotent."""
-        with self._lock:
+        if self.ledger is not None and not self.ledger.close():
+            return
+        with self._leave_lock:
             if self._left:
                 return
             self._left = True
@@ -263,11 +248,9 @@ class _RayConsumer:
         with self._busy:
             pass  # a running take ends within POLL_S once closed is set
         self.server._forget(self)
-        source, outlet = self.source, self.outlet
-        if source is not None and outlet is not None:
-            with self._lock:
-                unacked = [item for _, item in self._inflight]
-                self._inflight.clear()
+        source, outlet, ledger = self.source, self.outlet, self.ledger
+        if source is not None and outlet is not None and ledger is not None:
+            unacked = ledger.hand_back()
             source.release(self, outlet, unacked)
             logger.info("service: %s left (%s; %d unacknowledged)", self.peer, why, len(unacked))
         self.gone.set()
@@ -329,7 +312,10 @@ class RayFeedServer(FeedServer):
 
     def _held_elsewhere(self, me: _RayConsumer) -> bool:
         """Does another consumer of ``me``'s source hold unacknowledged items?"""
-        return any(c is not me and c.source is me.source and c._inflight for c in list(self._by_cid.values()))
+        return any(
+            c is not me and c.source is me.source and c.ledger is not None and c.ledger.holds_any()
+            for c in list(self._by_cid.values())
+        )
 
     def _consumer(self, cid: Any) -> _RayConsumer | None:
         if type(cid) is not str:
@@ -357,7 +343,7 @@ class RayFeedServer(FeedServer):
                 raise Refused(f"service at {self.ray_address} is stopping")
             conn = _RayConsumer(self, next(self._numbers))
             self._await_index(hello)
-            source, outlet = Connection._admit(conn, hello)  # type: ignore[arg-type]  # the socket's checks
+            source, outlet = admit(hello, self.source_for, conn)
         except (WireError, Refused) as err:
             logger.warning("service: a Ray consumer refused: %s", str(err))
             return {"t": "refused", "error": str(err), "kind": "value"}
@@ -382,7 +368,7 @@ class RayFeedServer(FeedServer):
         its lease expires: a consumer that comes back for it (a restarted
         Ray Train worker) waits for that instead of being refused.  A
         holder that calls after this hello arrived is alive: then the hello
-        is refused (by ``_admit``) within about a heartbeat."""
+        is refused (by ``admit``) within about a heartbeat."""
         source, index = self.sources.get(hello["source"]), hello["index"]
         if source is None or type(index) is not int or not 0 <= index < len(source.outlets):
             return

@@ -31,6 +31,7 @@ from ..reader import init_reader
 from .connection import Connection, Refused
 from .served import ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
+from .transport import TCP, carrier_for
 from .wire import MAX_SLOTS
 
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
@@ -155,7 +156,8 @@ class FeedServer:
         self._private_dir: str | None = None
         #: where consumers attach: the socket's path, or ``tcp://HOST:PORT`` with the real port
         self.address: str | None = None
-        self._tcp = self._listen is not None and self._listen.startswith("tcp://")
+        #: how batches travel to its consumers, chosen once from the address (Unix socket or TCP)
+        self._tcp = self._listen is not None and carrier_for(self._listen) is TCP
         if self._listen is not None and self._tcp:
             parse_tcp(self._listen)  # a malformed address fails here, not at start()
         self._threads: list[threading.Thread] = []

@@ -29,8 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..feeders.messages import align
-from .wire import BatchCheck, WireError, dtype_from_wire, dtype_to_wire
+from .wire import BatchCheck, WireError, dtype_from_wire, dtype_to_wire, wire_align
 
 __all__ = [
     "ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes", "check_sealed", "sealed_memfd",
@@ -85,7 +84,7 @@ def sealed_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
 
 def batch_nbytes(arrays: Sequence[np.ndarray]) -> int:
     """Bytes one batch of ``arrays`` takes in a slot (each array aligned)."""
-    return sum(align(a.nbytes) for a in arrays)
+    return sum(wire_align(a.nbytes) for a in arrays)
 
 
 class _Ring:
@@ -170,7 +169,7 @@ def layout(arrays: Sequence[np.ndarray]) -> tuple[list[list[Any]], int]:
     off = 0
     for a in arrays:
         meta.append([dtype_to_wire(a.dtype), list(a.shape), off])
-        off += align(a.nbytes)
+        off += wire_align(a.nbytes)
     return meta, off
 
 
@@ -202,7 +201,7 @@ class SlotArea(_Ring):
                 dst = np.ndarray(a.shape, a.dtype, buffer=self._buf, offset=base + off)
                 np.copyto(dst, a, casting="no")
             meta.append([dtype_to_wire(a.dtype), list(a.shape), off])
-            off += align(a.nbytes)
+            off += wire_align(a.nbytes)
         return meta
 
     def write_encoded(self, slot: int, arrays: Sequence[np.ndarray]) -> tuple[list[list[Any]], str]:
@@ -443,7 +442,7 @@ class StreamBuffers:
                 raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
             if m[2] != off:
                 raise WireError(f"{where}: at offset {m[2]}; packed after the arrays before it, it starts at {off}")
-            off += align(dt.itemsize * int(np.prod(shape, dtype=object)))
+            off += wire_align(dt.itemsize * int(np.prod(shape, dtype=object)))
             if off > self.slot_bytes:
                 raise WireError(f"{where}: the arrays take {off} bytes or more, over the slot's {self.slot_bytes}")
             shapes.append((dt, tuple(shape[1:])))

@@ -8,7 +8,8 @@ made explicit.  Every frame is::
     payload            the raw bytes of a batch's arrays (``batch`` records only)
 
 The payload is what the Unix transport writes into a shared slot: each
-array's bytes at its 64-byte aligned offset, packed from offset 0.  The
+array's bytes at its aligned offset (``wire.ALIGN``, 64 bytes, part of the
+protocol), packed from offset 0.  The
 consumer reads it into a buffer of its own for the slot the record names,
 after checking that the record's arrays, the payload's length, the slot
 size and the layout of the source agree (:class:`~.slots.StreamBuffers`).
@@ -36,8 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..feeders.messages import align
-from .wire import MAX_RECORD, WireError, decode_record
+from .wire import MAX_RECORD, WireError, decode_record, wire_align
 
 __all__ = ["PREFIX", "StreamChannel", "connect_tcp", "format_tcp", "is_loopback", "listen_tcp", "parse_tcp"]
 
@@ -196,7 +196,7 @@ class StreamChannel:
     def send(
         self, record: dict[str, Any], fds: Sequence[int] = (), payload: Sequence[np.ndarray] = (), wait: bool = True,
     ) -> None:
-        """Send ``record``, then ``payload``'s arrays each at a 64-byte
+        """Send ``record``, then ``payload``'s arrays each at a ``wire.ALIGN``
         aligned offset (the slot layout; padding is zeros).
 
         ``wait=False``: a record that cannot go out at once raises instead
@@ -223,9 +223,9 @@ class StreamChannel:
                 # its bytes, whatever its dtype and strides (a copy only if not C-contiguous)
                 parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
                 size += a.nbytes
-            if align(size) > size:
-                parts.append(memoryview(bytes(align(size) - size)))
-                size = align(size)
+            if wire_align(size) > size:
+                parts.append(memoryview(bytes(wire_align(size) - size)))
+                size = wire_align(size)
         head = memoryview(PREFIX.pack(MAGIC, len(data), size) + data)
         if not wait:
             if not self._send_lock.acquire(timeout=NO_WAIT_S):

@@ -27,8 +27,9 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = [
-    "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
+    "ALIGN", "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
     "check_slot_offer", "decode_record", "dtype_from_wire", "dtype_to_wire", "freed_slots", "seconds",
+    "wire_align",
 ]
 
 #: the version a consumer and a service must share (5: the slots are
@@ -39,6 +40,13 @@ __all__ = [
 #: ``batches`` carry several batches, ``ack`` is cumulative and frees
 #: slots; 1 had one record per batch, per acknowledgement and per freed slot)
 PROTOCOL = 5
+#: the alignment of each array of a batch in a slot (shared memory) and in
+#: a TCP frame's payload: array i starts at the end of array i-1 rounded up
+#: to a multiple of this, the first at 0.  Part of protocol :data:`PROTOCOL`:
+#: changing it changes the bytes on the wire, so it goes with a new
+#: protocol number.  It is the service's own, not the process backend's
+#: (``feeders.messages.ALIGN``), which may change without touching the wire.
+ALIGN = 64
 #: batches one ``batches`` record may carry, slots one ``ack`` may free
 MAX_ITEMS = 1024
 #: the longest record either end accepts
@@ -52,10 +60,15 @@ MAX_DEPTH = 64
 MAX_SLOTS = 1024
 MAX_SLOT_AREA = 64 << 30
 #: bytes a slot may take per sample of the consumer's batch_size (a batch's
-#: arrays, each at a 64-byte aligned offset: 64 bytes more per blob)
+#: arrays, each at an :data:`ALIGN`-byte aligned offset: ALIGN bytes more per blob)
 MAX_SAMPLE_BYTES = 1 << 30
 #: dtype kinds a batch may have: numbers and booleans, no objects or records
 _KINDS = frozenset("biufc?")
+
+
+def wire_align(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN` (an array's bytes in a slot or frame)."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class WireError(ValueError):
@@ -309,12 +322,12 @@ def check_slot_offer(slots: int, slot_bytes: int, most: int, batch_size: int, n_
     """What a consumer lets a service make it map or reserve: 3 to ``most``
     slots (the welcome's word, at most :data:`MAX_SLOTS`), each of 64 bytes
     to :data:`MAX_SAMPLE_BYTES` per sample of the consumer's ``batch_size``
-    (plus 64 per blob), :data:`MAX_SLOT_AREA` in all.
+    (plus :data:`ALIGN` per blob), :data:`MAX_SLOT_AREA` in all.
 
     Raises:
         WireError: naming the offer and the limit it breaks.
     """
-    largest = batch_size * MAX_SAMPLE_BYTES + 64 * n_blobs
+    largest = batch_size * MAX_SAMPLE_BYTES + ALIGN * n_blobs
     if not 3 <= slots <= most:
         raise WireError(f"{peer} offered {slots} slots (3 to {most}, as its welcome said)")
     if not 64 <= slot_bytes <= largest:

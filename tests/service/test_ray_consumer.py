@@ -21,6 +21,7 @@ class _Source:
         self.counts = types.SimpleNamespace(acknowledged=collections.Counter(), delivered=collections.Counter(),
                                             waited=collections.Counter())
         self.released: list[Item] = []
+        self.name = "train"
 
     def release(self, conn: object, outlet: object, unacked: list[Item]) -> None:
         self.released.extend(unacked)
@@ -40,10 +41,12 @@ def test_an_acknowledgement_after_the_lease_expired_is_refused() -> None:
     another consumer got too."""
     conn = ray_service._RayConsumer(_Server(), 0)  # type: ignore[arg-type]
     source = _Source()
-    conn.source, conn.outlet = source, _Outlet()  # type: ignore[assignment]
+    conn.attached(source, _Outlet(), 1)  # type: ignore[arg-type]
     item = Item(0, types.SimpleNamespace(n=1, arrays=()))  # type: ignore[arg-type]
-    conn._inflight.append((0, item))
-    conn._g = 1
+    assert conn.ledger is not None
+    g = conn.ledger.number()
+    conn.ledger.record(g, item)
+    conn.ledger.sent(g)
     conn.leave("its lease expired")
     assert source.released == [item]
     assert conn.ack(0) is False

@@ -211,7 +211,7 @@ def test_on_ray_the_largest_total_stands_whatever_order_the_calls_run_in() -> No
 
     conn = ray_service._RayConsumer(_Server(), 0)  # type: ignore[arg-type]
     counts = types.SimpleNamespace(acknowledged=collections.Counter(), run_waited=collections.Counter())
-    conn.source, conn.outlet = types.SimpleNamespace(counts=counts), _Outlet()  # type: ignore[assignment]
+    conn.attached(types.SimpleNamespace(counts=counts, name="train"), _Outlet(), 1)  # type: ignore[arg-type]
     conn.label = "0"
     for waited in (0.25, 1.0, 0.5, None, 1.0, 1.75):
         assert conn.ack(-1, waited) is True

@@ -2,15 +2,16 @@
 
 * :class:`ArrivalDealer` -- arrival order (the default): one bounded queue,
   the next chunk to whichever net asks first.
-* :class:`LaneDealer` -- a lane per worker, read in strict round robin
-  (``deterministic=True``) or first-ready (epochs, a shuffle that need not
-  be deterministic, ``equal=True``), cut into batches once per source,
-  through an optional shuffle stage, dealt to the nets in turn (with
-  ``equal=True``: in whole rounds, one batch per net), with a position per
-  batch.
+* :class:`LaneDealer` -- a lane per worker, composed of the parts it is
+  given: a turn policy (:mod:`.turns`: strict round robin for
+  ``deterministic=True``, else first-ready), a stage (:mod:`.stages`:
+  batches cut once per source, or a shuffle buffer), and how batches go
+  out (:mod:`.rounds`: at once, or with ``equal=True`` in whole rounds, one
+  batch per net), with a position per batch (:mod:`.positions`).
 
-:func:`make_dealer` chooses one from the wiring arguments, once; nothing
-downstream asks which one a source has.
+:func:`make_dealer` chooses the dealer and its parts from the wiring
+arguments, once; nothing downstream asks which one a source has, and the
+dealer does not ask which parts it has.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ import numpy as np
 from ..shuffle import ShuffleBuffer
 from .arrival import ArrivalDealer
 from .base import Dealer, DealerStats, DealingOptions, DropCounter, Reader
-from .lanes import READABLE_VERSIONS, STATE_VERSION, LaneDealer, NetOutbox, default_outbox_samples
+from .lanes import LaneDealer, NetOutbox, default_outbox_samples
+from .positions import READABLE_VERSIONS, STATE_VERSION
+from .rounds import Direct, EqualRounds
+from .stages import Cut, Shuffled, Stage
+from .turns import FirstReadyTurns, StrictTurns, Turns
 
 __all__ = [
-    "ArrivalDealer", "Dealer", "DealerStats", "DealingOptions", "DropCounter", "LaneDealer", "NetOutbox",
-    "READABLE_VERSIONS", "Reader", "STATE_VERSION", "default_outbox_samples", "make_dealer",
+    "ArrivalDealer", "Cut", "Dealer", "DealerStats", "DealingOptions", "Direct", "DropCounter", "EqualRounds",
+    "FirstReadyTurns", "LaneDealer", "NetOutbox", "READABLE_VERSIONS", "Reader", "STATE_VERSION", "Shuffled",
+    "Stage", "StrictTurns", "Turns", "default_outbox_samples", "make_dealer",
 ]
 
 
@@ -65,9 +71,10 @@ def make_dealer(
     """
     if options.in_arrival_order:
         return ArrivalDealer(source, capacity, on_error, max_bytes)
-    shuffle = ShuffleBuffer(options.shuffle_buffer, axes, shuffle_rng()) if options.shuffle_buffer else None
     return LaneDealer(
         source, batch_size, axes, capacity=capacity, outbox_samples=outbox_samples,
-        on_error=on_error_in_order, on_dropped=on_dropped, strict=options.deterministic, shuffle=shuffle,
-        max_bytes=max_bytes, equal=options.equal, drop_last=options.drop_last,
+        on_error=on_error_in_order, on_dropped=on_dropped, max_bytes=max_bytes,
+        turns=StrictTurns() if options.deterministic else FirstReadyTurns(),
+        stage=Shuffled(ShuffleBuffer(options.shuffle_buffer, axes, shuffle_rng())) if options.shuffle_buffer else Cut(),
+        rounds=EqualRounds(options.drop_last) if options.equal else Direct(),
     )

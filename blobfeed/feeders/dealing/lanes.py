@@ -1,20 +1,34 @@
-"""Lanes: the workers' chunks in round robin (strict: ``deterministic=True``;
-or first-ready), cut into batches once per source, optionally through a
-shuffle stage, and dealt to the nets in turn, with the position after every
-batch (what ``state_dict`` saves).
+"""Lanes: the workers' chunks read in turns, through a stage, dealt to the
+nets in turn, with the position after every batch (what ``state_dict``
+saves).
 
 Each worker has a lane, a small bounded queue of its own.  The chunk stream
 of the source is lane 0's first chunk, lane 1's first, ..., then every
 lane's second, a lane that ended being skipped.  Whoever needs data (a net's
 enqueuer, or the net's own thread) advances the stream under one lock: it
-takes the head of the lane whose turn it is (or waits for that worker, never
-for another), cuts it at batch boundaries into views and appends the pieces
-of batch *i* to the outbox of net *i mod k*.  Every net's re-batcher then
-receives exactly one batch's worth of pieces per batch, so it makes the same
-batches as a single re-batcher would, without another copy.
+takes the head of the lane whose turn it is and hands it to the stage, which
+cuts it at batch boundaries (or shuffles it) and deals batch *i* to net
+*i mod k*.
 
-An error of a worker is an item of its lane: it surfaces when the round robin
-reaches it, after every batch that comes before it in the stream, whatever
+:class:`LaneDealer` is composed of parts it is given, each owning its state
+(:func:`~blobfeed.feeders.dealing.make_dealer` chooses them once, from the
+wiring options):
+
+* the turn policy (:mod:`.turns`): strict round robin, which waits for the
+  worker whose turn it is (``deterministic=True``), or first-ready;
+* the stage (:mod:`.stages`): batches cut from the chunks as views, or a
+  shuffle buffer; it also says what a position is (:mod:`.positions`);
+* how batches go out (:mod:`.rounds`): at once, or in equal rounds, one
+  batch per net (``equal=True``).
+
+The dealer itself owns the lanes (bounded in chunks and in bytes), the nets'
+outboxes (bounded in samples: how far the stream runs ahead of the slowest
+net), the stream's place (epoch, batches, offset into the head chunk, each
+worker's calls), the end of epochs and of the data, errors, and a resume's
+first chunk.
+
+An error of a worker is an item of its lane: it surfaces when the turns
+reach it, after every batch that comes before it in the stream, whatever
 the timing.
 
 Epochs: a worker whose data ended while another epoch follows puts an
@@ -24,18 +38,6 @@ last (partial) batch is dealt, every net gets an :class:`EpochEnd`, and the
 next epoch starts afresh: round robin from the first worker, as a run
 started in that epoch would.  So a position is always "this epoch, these
 calls of each worker in it".
-
-Equal shares (``equal=True``, several nets): the batches go out in rounds,
-batches *r k* ... *r k + k - 1* for the *k* nets.  The pieces of a round
-wait in the dealer (``_round``) until its last batch is complete, then go
-to the outboxes together; at the end of an epoch (or of the data) a round
-that is not complete is dropped, counted (reason ``"equal"``) and logged,
-and its batch numbers are dealt again from the next epoch on: every epoch
-starts a round, at net 0.  No net ever sees a batch of a dropped round, so
-no net's position passes one, and a state never points into one.  With
-``drop_last`` the epoch's last partial batch is dropped here (not by the
-nets' feeds) before the round is judged, so it cannot leave one net a
-batch short.
 """
 
 from __future__ import annotations
@@ -47,22 +49,17 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from ...errors import EndOfInput, FetcherError
 from ..chunks import Chunk, EpochEnd
-from ..shuffle import ShuffleBuffer
 from .base import DealerStats, DropCounter
+from .positions import READABLE_VERSIONS, STATE_VERSION, Position, as_dict
+from .rounds import Direct
+from .stages import Cut, Stage
+from .turns import StrictTurns, Turns
 
 __all__ = ["BIG_BATCH_BYTES", "LaneDealer", "NetOutbox", "READABLE_VERSIONS", "STATE_VERSION", "default_outbox_samples"]
 
 logger = logging.getLogger("blobfeed.feeders")
-
-#: the layout version of ``state_dict``; a state of another version is refused
-#: (version 1, before epochs, is read as a state in epoch 0)
-STATE_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-
 
 #: batches of at least this many bytes are big: with several nets, one of
 #: them waits per outbox by default, not two
@@ -181,24 +178,22 @@ class LaneDealer:
         on_error: the source's failure, called when the stream reaches a
             worker's error (outside the lock).
         on_dropped: ``(reason, samples)``, for samples thrown away on purpose
-            (a resume's prefix, reason ``"resume"``), outside the lock.
-        strict: True: strict round robin (``deterministic=True``); False:
-            whichever lane has a chunk, from the one whose turn it is.
-        shuffle: the shuffle stage, if any.
+            (a resume's prefix, reason ``"resume"``; an equal share's
+            ``"equal"`` and ``"drop_last"``), under the lock.
+        turns: the turn policy (default :class:`~.turns.StrictTurns`,
+            ``deterministic=True``; :class:`~.turns.FirstReadyTurns`:
+            whichever lane has a chunk, from the one whose turn it is).
+        stage: what the head chunk goes through (default :class:`~.stages.Cut`;
+            :class:`~.stages.Shuffled`: a shuffle buffer).
+        rounds: how the batches go out (default :class:`~.rounds.Direct`;
+            :class:`~.rounds.EqualRounds`: every net gets the same number
+            of batches per epoch).  Wired to the nets at :meth:`start`.
         max_bytes: bounds the bytes of the chunks waiting in all lanes
             together (``max_buffered_bytes``; None: counted, not bounded),
             shared equally by the lanes; a chunk always enters a lane that
             holds none (so a worker whose turn it is is never blocked).
             The shuffle buffer's rows are bounded by its size in samples.
-        equal: with several nets, every net gets the same number of batches
-            per epoch (see the module docstring): a round of batches, one per
-            net, goes out once complete; an epoch's last incomplete round is
-            dropped (``on_dropped("equal", n)``).
-        drop_last: with ``equal``, the epoch's last partial batch is dropped
-            (``on_dropped("drop_last", n)``) before its round is judged.
     """
-
-    resumable: bool
 
     def __init__(
         self,
@@ -210,26 +205,12 @@ class LaneDealer:
         on_error: Callable[[BaseException], None],
         *,
         on_dropped: DropCounter | None = None,
-        strict: bool = True,
-        shuffle: ShuffleBuffer | None = None,
+        turns: Turns | None = None,
+        stage: Stage | None = None,
+        rounds: Direct | None = None,
         max_bytes: int | None = None,
-        equal: bool = False,
-        drop_last: bool = False,
     ) -> None:
         self.source = source
-        self.strict = strict
-        self.equal = equal
-        self.drop_last = drop_last
-        #: equal shares: the nets per round (set at start; 0: every batch goes out at once)
-        self._round_k = 0
-        #: the pieces of the round being filled, (batch, outbox, piece), and their samples
-        self._round: list[tuple[int, NetOutbox, Chunk]] = []
-        self._round_n = 0
-        #: log lines to write once the lock is released: (format, args)
-        self._notes: list[tuple[Any, ...]] = []
-        #: only a strict stream is a function of the wiring
-        self.resumable = strict
-        self.shuffle = shuffle
         self.batch_size = batch_size
         self.axes = tuple(axes)
         self.capacity = capacity
@@ -260,25 +241,26 @@ class LaneDealer:
         #: depth is read per batch)
         self._lane_chunks = 0
         self._lane_n = 0
-        self._order: list[int] = []
-        #: lanes whose data ended in this epoch; of them, those ended for good
-        self._ended: set[int] = set()
-        self._done: set[int] = set()
-        self._epoch = 0
         self.outboxes: list[NetOutbox] = []
+        # -- the parts (see the module docstring)
+        self._turns = StrictTurns() if turns is None else turns
+        self._stage = Cut() if stage is None else stage
+        self._stage.bind(self)
+        #: how batches go out: directly until start() wires the given part to the nets
+        self._rounds_asked = Direct() if rounds is None else rounds
+        self._rounds = Direct().wire(source, self.outboxes, on_dropped)
+        #: log lines to write once the lock is released: (format, args)
+        self._notes: list[tuple[Any, ...]] = []
+        self._epoch = 0
         self._closed = False
         self._error: BaseException | None = None  # reached in the stream
-        self._rr = 0  # position in _order whose turn it is
-        self._offset = 0  # samples of that lane's head chunk already gone
+        self._offset = 0  # samples of the head chunk of the lane whose turn it is already gone
         #: of ``_offset``, samples a resume must still count as dropped (the
         #: regenerated head chunk's prefix, which the nets had already), and
         #: the worker whose chunk that is
         self._prefix = 0
         self._prefix_lane = -1
         self._batch = 0  # global index of the batch being filled
-        self._filled = 0  # samples in it so far
-        #: the shuffle stage's last batch was partial (the epoch's last)
-        self._shuffled_partial = False
         #: per worker: calls whose chunk is wholly dealt, and the fetcher's
         #: state after the last of them (a stateful fetch_fun)
         #: (lists by lane index, so that recording a position is two C copies)
@@ -287,17 +269,24 @@ class LaneDealer:
         #: per lane: its fetcher's state at the next epoch's start, once its epoch ended
         self._next_states: list[Any] = []
         self._lane_of: dict[int, int] = {}
-        #: batches completed -> the position after them, kept until every
-        #: net has returned past it.  Entries are immutable tuples and never
-        #: removed at or above the lowest net's next batch, so state() can
-        #: read them without the lock (from a signal handler).
-        self._positions: dict[int, tuple[Any, ...]] = {0: self._start_position()}
-        #: no position below this batch number is kept
-        self._kept_from = 0
+        #: batches completed -> the position after them (the stage says
+        #: which are kept); recorded through ``_record``, bound once
+        self._positions = self._stage.positions(self._position, self.outboxes)
+        self._record = self._positions.record
         self._eof = False
         self._started = False
         self._lanes_closed = False
         self._close_reason: BaseException = EndOfInput(f"source {source!r}: stopped")
+
+    @property
+    def strict(self) -> bool:
+        """Strict round robin (``deterministic=True``)."""
+        return self._turns.strict
+
+    @property
+    def resumable(self) -> bool:
+        """Only a strict stream is a function of the wiring."""
+        return self._turns.resumable
 
     @property
     def closed(self) -> bool:
@@ -311,7 +300,7 @@ class LaneDealer:
     @property
     def worker_ids(self) -> list[int]:
         """The lanes' worker ids, in round-robin order."""
-        return list(self._order)
+        return list(self._turns.order)
 
     # -- wiring, before start ---------------------------------------------------
     def add_lanes(self, worker_ids: Sequence[int]) -> None:
@@ -320,7 +309,7 @@ class LaneDealer:
                 self._lanes[wid] = collections.deque()
                 self._sizes[wid] = collections.deque()
                 self._lane_bytes[wid] = 0
-                self._order.append(wid)
+                self._turns.add(wid)
                 self._lane_of[wid] = len(self._calls)
                 self._calls.append(0)
                 self._states.append(None)
@@ -328,13 +317,14 @@ class LaneDealer:
             # Deep lanes matter: a worker that waits a whole GIL switch
             # interval (5 ms: hundreds of small chunks) must not starve the
             # round robin, as it would not starve the internal queue.
-            self.lane_capacity = max(2, self.capacity // len(self._order))
+            lanes = len(self._turns.order)
+            self.lane_capacity = max(2, self.capacity // lanes)
             self._lane_low = self.lane_capacity // 2
             if self.max_bytes is not None:
-                self.lane_bytes = max(1, self.max_bytes // len(self._order))
+                self.lane_bytes = max(1, self.max_bytes // lanes)
                 self._lane_bytes_low = self.lane_bytes // 2
             if not self._started and self._batch == 0:
-                self._positions = {0: self._start_position()}
+                self._positions.reset(lanes)
 
     def add_net(self) -> NetOutbox:
         with self._lock:
@@ -351,8 +341,7 @@ class LaneDealer:
         with self._lock:
             if not self._started:
                 self._started = True
-                # one net gets every round whole: nothing to hold back
-                self._round_k = len(self.outboxes) if self.equal and len(self.outboxes) > 1 else 0
+                self._rounds = self._rounds_asked.wire(self.source, self.outboxes, self._on_dropped)
                 # several nets: the outbox may shrink once a chunk tells the sample size
                 self._outbox_sizing = self._outbox_asked is None and len(self.outboxes) > 1
                 self._record(self._batch)
@@ -416,9 +405,10 @@ class LaneDealer:
     def close(self, reason: BaseException | None, *, in_order: bool = False) -> int:
         """Stop or failure of the source: wake everyone; nets then get
         ``reason``.  ``in_order`` (the stream reached an error of a worker):
-        the lanes and the shuffle buffer (what comes after it or could not
-        be dealt before it) are dropped and the outboxes (what comes before)
-        are still handed out.  Returns the samples discarded.  Idempotent."""
+        the lanes and what the stage and the rounds hold (what comes after
+        it or could not be dealt before it) are dropped and the outboxes
+        (what comes before) are still handed out.  Returns the samples
+        discarded.  Idempotent."""
         with self._lock:
             self._lanes_closed = True
             lost = self._lane_samples()
@@ -429,14 +419,10 @@ class LaneDealer:
             self._lane_bytes = dict.fromkeys(self._lane_bytes, 0)
             self._lane_chunks = self._lane_n = self._queued_bytes = 0
             self._offset = self._prefix = 0
-            if self.shuffle is not None:
-                # its chunks may hold a worker's shared memory: let go now
-                lost += self.shuffle.clear()
+            lost += self._stage.clear()
             # an unfinished round of equal shares never goes out (an error
             # in the stream ends the epoch short too)
-            lost += self._round_n
-            self._round.clear()
-            self._round_n = 0
+            lost += self._rounds.clear()
             self._room.notify_all()
             self._items.notify_all()
             if in_order:
@@ -458,9 +444,8 @@ class LaneDealer:
 
     def stats(self) -> DealerStats:
         with self._lock:
-            held = self._lane_samples() + sum(b.samples for b in self.outboxes) + self._round_n
-            if self.shuffle is not None:
-                held += len(self.shuffle)
+            held = self._lane_samples() + sum(b.samples for b in self.outboxes) + self._rounds.held
+            held += self._stage.held()
             return DealerStats(held, self._lane_chunks, self.capacity, self._queued_bytes, self.max_bytes)
 
     def queued(self) -> int:
@@ -546,21 +531,15 @@ class LaneDealer:
         """Would :meth:`_advance` deal something now?  (What a waiting reader
         waits for: it must mirror ``_advance``'s choice of lane, or a reader
         sleeps while another worker's lane could be dealt.)"""
-        if self._eof or not self._order:
+        turns = self._turns
+        if self._eof or not turns.order:
             return False
-        n = len(self._order)
-        for k in range(n):
-            wid = self._order[(self._rr + k) % n]
-            if wid in self._ended:
-                continue
-            if self._lanes[wid]:
-                return self._outbox_has_room()
-            if self.strict:
-                return False  # strict: only this lane's worker may go next
-        if len(self._ended) < n:
-            return False  # first-ready: every lane still going is empty
-        # every lane ended: the end can be dealt (a shuffle's rest as room allows)
-        return self.shuffle is None or not len(self.shuffle) or self._outbox_has_room()
+        if turns.ready(self._lanes):
+            return self._outbox_has_room()
+        if not turns.all_ended():
+            return False  # the lanes still going have nothing yet (strict: the one whose turn it is)
+        # every lane ended: the end can be dealt (the stage's rest as room allows)
+        return not self._stage.held() or self._outbox_has_room()
 
     def _outbox_has_room(self) -> bool:
         box = self.outboxes[self._batch % len(self.outboxes)]
@@ -570,28 +549,18 @@ class LaneDealer:
         """Deal what the next lane's head allows.  Returns None when it must
         wait (that worker has nothing yet, or the outbox is full), the error
         when the stream reached one, else True."""
-        if self._eof or not self._order:
+        turns = self._turns
+        if self._eof or not turns.order:
             return None
-        n_lanes = len(self._order)
-        for _ in range(n_lanes):
-            wid = self._order[self._rr]
-            if wid in self._ended or (not self.strict and not self._lanes[wid]):
-                self._rr = (self._rr + 1) % n_lanes
-                continue
-            break
-        else:
-            if len(self._ended) == n_lanes:
-                if self.shuffle is not None and len(self.shuffle):
-                    # the buffer's rest, a batch at a time as room allows:
-                    # all at once would hold the whole buffer as batches
-                    if not self._outbox_has_room():
-                        return None
-                    self._deal_batch(self.shuffle.pop(self.batch_size))
-                    return True
-                if len(self._done) < n_lanes:
-                    return self._next_epoch()
-                return self._end()
-            return None
+        wid = turns.turn(self._lanes)
+        if wid is None:
+            if not turns.all_ended():
+                return None
+            if self._stage.held():
+                return self._stage.drain()
+            if not turns.all_done():
+                return self._next_epoch()
+            return self._end()
         lane = self._lanes[wid]
         if not lane:
             return None
@@ -603,13 +572,11 @@ class LaneDealer:
                     f"chunk at call {self._calls[self._lane_of[wid]]} any more (its data ended)"
                 )
             lane.popleft()
-            self._ended.add(wid)
-            if head is _ENDED:
-                self._done.add(wid)
-            elif head.state is not None:
+            turns.lane_ended(wid, head is _ENDED)
+            if head is not _ENDED and head.state is not None:
                 # the position's state once the next epoch starts (its calls at 0)
                 self._next_states[self._lane_of[wid]] = head.state
-            self._rr = (self._rr + 1) % n_lanes
+            turns.passed()
             self._room.notify_all()
             return True
         if isinstance(head, _Failed):
@@ -618,38 +585,11 @@ class LaneDealer:
             return head.error
         if not self._outbox_has_room():
             return None
-        chunk: Chunk = head
         if self._prefix:
-            bad = self._drop_prefix(chunk)
+            bad = self._drop_prefix(head)
             if bad is not None:
                 return bad
-        if self.shuffle is not None:
-            lane.popleft()
-            self._consumed(wid, chunk, lane)
-            # (the buffer copies what a pinned chunk holds out of the
-            # worker's memory: rows wait there for long, and must not starve
-            # the worker of its slots)
-            self.shuffle.push(chunk)
-            while self.shuffle.ready(self.batch_size):
-                self._deal_batch(self.shuffle.pop(self.batch_size))
-            return True
-        if len(self.outboxes) == 1 and self._batch >= self.outboxes[0].skip_until:
-            return self._deal_whole(wid, chunk, lane)
-        take = min(chunk.n - self._offset, self.batch_size - self._filled)
-        self._deal(self._piece(chunk, self._offset, take))
-        self._offset += take
-        self._filled += take
-        if self._offset == chunk.n:
-            lane.popleft()
-            self._offset = 0
-            self._consumed(wid, chunk, lane)
-        if self._filled == self.batch_size:
-            self._batch += 1
-            self._filled = 0
-            self._record(self._batch)
-            if self._round_k and not self._batch % self._round_k:
-                self._release_round()
-        return True
+        return self._stage.feed(wid, head, lane)
 
     def _drop_prefix(self, chunk: Chunk) -> BaseException | None:
         """A resume's first chunk: its first ``offset`` samples were dealt
@@ -682,34 +622,6 @@ class LaneDealer:
         if self._on_dropped is not None:
             self._on_dropped("resume", n)
 
-    def _deal_whole(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> bool:
-        """One net: the rest of the head chunk goes to it uncut (its feed's
-        re-batcher cuts it, as in arrival order); the stream only counts
-        where the batches end in it, and records the position there."""
-        start = self._offset
-        left = chunk.n - start
-        box = self.outboxes[0]
-        box.pieces.append(chunk if start == 0 else self._piece(chunk, start, left))
-        box.samples += left
-        bs = self.batch_size
-        while left >= bs - self._filled:  # a batch ends inside this chunk
-            room = bs - self._filled
-            left -= room
-            self._filled = 0
-            self._batch += 1
-            if not left:
-                break  # at the chunk's end: recorded after it is consumed
-            self._offset += room
-            self._record(self._batch)
-        else:
-            self._filled += left
-        lane.popleft()
-        self._offset = 0
-        self._consumed(wid, chunk, lane)
-        if not self._filled:
-            self._record(self._batch)
-        return True
-
     def _consumed(self, wid: int, chunk: Chunk, lane: collections.deque[Any]) -> None:
         """``chunk``, the head of ``wid``'s lane, is wholly dealt (popped already)."""
         self._lane_chunks -= 1
@@ -721,37 +633,21 @@ class LaneDealer:
         self._calls[i] = chunk.seq + 1
         if chunk.state is not None:
             self._states[i] = chunk.state
-        self._rr = (self._rr + 1) % len(self._order)
+        self._turns.passed()
         # A worker blocked on its full lane sleeps until the lane is half
         # empty, then refills it in a burst: one wake-up (a GIL hand-off) per
         # half lane instead of one per chunk, as the internal queue does.
         if len(lane) <= self._lane_low and left <= self._lane_bytes_low:
             self._room.notify_all()
 
-    def _deal_batch(self, batch: Chunk) -> None:
-        """A whole batch made by the shuffle stage (the epoch's last may be partial)."""
-        self._shuffled_partial = batch.n < self.batch_size
-        self._deal(batch)
-        self._batch += 1
-        self._record(self._batch)
-        if self._round_k and not self._batch % self._round_k and not self._shuffled_partial:
-            # (a partial one is the epoch's last: the epoch's end settles its round)
-            self._release_round()
-
     def _end(self) -> Any:
-        """Every lane ended (and the shuffle buffer, if any, is empty): the
-        last partial batch (if any) is dealt already; stop."""
-        partial = bool(self._filled) or self._shuffled_partial
-        self._shuffled_partial = False
-        if self._filled:
-            self._batch += 1
-            self._filled = 0
-            self._record(self._batch)
-        if self._round_k:
+        """Every lane ended (and the stage holds nothing): the last partial
+        batch (if any) is dealt already; stop."""
+        partial = self._stage.end_batch(record=True)
+        if self._settle(partial):
             # the end of the data ends the last epoch: its round is judged
             # as at any epoch's end; the position after the last round that
             # went out is the end (a resume there deals nothing more)
-            self._settle_round(partial)
             self._record(self._batch)
         self._eof = True
         self._items.notify_all()
@@ -761,19 +657,12 @@ class LaneDealer:
         """Every lane reached the end of this epoch: its last partial batch
         is dealt already; every net gets the epoch's end; the next epoch
         starts where a run started in it would."""
-        partial = bool(self._filled) or self._shuffled_partial
-        self._shuffled_partial = False
-        if self._filled:
-            self._batch += 1
-            self._filled = 0
-        if self._round_k:
-            self._settle_round(partial)
+        self._settle(self._stage.end_batch(record=False))
         for box in self.outboxes:
             if self._epoch >= box.marks_from:
                 box.pieces.append(EpochEnd(self._epoch))  # type: ignore[arg-type]
         self._epoch += 1
-        self._ended = set(self._done)
-        self._rr = 0
+        self._turns.next_epoch()
         self._offset = 0
         self._calls = [0] * len(self._calls)
         for i, state in enumerate(self._next_states):
@@ -785,149 +674,40 @@ class LaneDealer:
         self._items.notify_all()
         return True
 
-    def _release_round(self) -> None:
-        """The round being filled is complete: its pieces go to their nets
-        (under the lock)."""
-        for _, box, piece in self._round:
-            box.pieces.append(piece)
-            box.samples += piece.n
-        self._round.clear()
-        self._round_n = 0
-
-    def _settle_round(self, partial: bool) -> None:
-        """Equal shares at the end of an epoch (or of the data), with
-        ``_batch`` batches dealt, the last of them partial if ``partial``
-        (under the lock): a complete last round goes out; an incomplete one
-        is dropped and counted, and its batch numbers are dealt again from
-        the next epoch on, so every epoch starts a round at net 0."""
-        k = self._round_k
-        ended = self._batch
-        if partial and self.drop_last:
-            # dropped here rather than by one net's feed, which would leave
-            # that net a batch short of the others
-            last = self._batch - 1
-            n = 0
-            while self._round and self._round[-1][0] == last:
-                n += self._round.pop()[2].n
-            self._round_n -= n
-            self._batch = last
-            if n:
-                if self._on_dropped is not None:
-                    self._on_dropped("drop_last", n)
-                self._notes.append((
-                    "source %r: dropped the last partial batch of epoch %d, %d samples (drop_last=True)",
-                    self.source, self._epoch, n,
-                ))
-        if self._batch % k:
-            start = self._batch - self._batch % k
-            n = self._round_n
-            self._round.clear()
-            self._round_n = 0
-            if n and self._on_dropped is not None:
-                self._on_dropped("equal", n)
-            self._notes.append((
-                "source %r: dropped the incomplete last round of epoch %d: %d batches (%d samples) for "
-                "%d of its %d nets (equal=True: every net gets the same number of batches per epoch)",
-                self.source, self._epoch, self._batch - start, n, self._batch - start, k,
-            ))
-            self._batch = start
-        else:
-            self._release_round()
+    def _settle(self, partial: bool) -> bool:
+        """The end of an epoch (or of the data), its last batch partial if
+        ``partial``: the rounds settle it (equal shares).  False: there are
+        no rounds."""
+        dealt = self._batch
+        batches = self._rounds.settle(dealt, partial, self._epoch, self._notes)
+        if batches is None:
+            return False
+        self._batch = batches
         # positions past the last round that went out were never reached by
         # any net (none of their batches went out): gone, so a state cannot
         # find one; the entries at or below every net's next batch stay
-        for b in range(self._batch + 1, ended + 1):
-            self._positions.pop(b, None)
+        self._positions.forget(batches, dealt)
+        return True
 
-    def _piece(self, chunk: Chunk, lo: int, n: int) -> Chunk:
-        if lo == 0 and n == chunk.n:
-            return chunk
-        arrays = tuple(
-            a[lo:lo + n] if ax == 0 else a[(slice(None),) * ax + (slice(lo, lo + n),)]
-            for a, ax in zip(chunk.arrays, self.axes)
-        )
-        return Chunk(arrays, n, chunk.worker_id, chunk.seq, chunk.pin, chunk.state)
-
-    def _deal(self, piece: Chunk) -> None:
-        box = self.outboxes[self._batch % len(self.outboxes)]
-        if self._batch < box.skip_until:
-            # before this net's resumed position: it had it already
-            self._dropped_on_resume(piece.n)
-            return
-        if self._round_k:
-            # equal shares: it waits for the rest of its round.  A piece in a
-            # worker's shared memory is copied out: the round may need more
-            # of that worker's chunks than it has slots, and would wait for
-            # them forever
-            if piece.pin is not None:
-                piece = Chunk(tuple(np.array(a) for a in piece.arrays), piece.n, piece.worker_id, piece.seq,
-                              None, piece.state)
-            self._round.append((self._batch, box, piece))
-            self._round_n += piece.n
-            return
-        box.pieces.append(piece)
-        box.samples += piece.n
-
-    def _record(self, batches: int) -> None:
-        if self.shuffle is not None:
-            # The buffer's content is not a position in the workers' streams:
-            # a shuffled source resumes by running again from its start and
-            # dropping the batches each net had (replayed, never copied twice).
-            return
-        positions = self._positions
-        # drop the positions every net has returned past (keys are batch numbers)
-        boxes = self.outboxes
-        low = boxes[0].next_batch if len(boxes) == 1 else min([b.next_batch for b in boxes], default=0)
-        while self._kept_from < low:
-            positions.pop(self._kept_from, None)
-            self._kept_from += 1
-        # a tuple per batch (the dict is made only when a state is asked for)
-        positions[batches] = (batches, self._epoch, self._rr, self._offset, tuple(self._calls), tuple(self._states))
-
-    def _start_position(self) -> tuple[Any, ...]:
-        n = len(self._order)
-        return (0, 0, 0, 0, (0,) * n, (None,) * n)
-
-    @staticmethod
-    def _as_dict(pos: tuple[Any, ...]) -> dict[str, Any]:
-        batches, epoch, rr, offset, calls, states = pos
-        return {"batches": batches, "epoch": epoch, "rr": rr, "offset": offset,
-                "calls": list(calls), "states": list(states)}
+    def _position(self, batches: int) -> Position:
+        """The stream's position now, after ``batches`` batches (a tuple per
+        batch: the dict is made only when a state is asked for)."""
+        return (batches, self._epoch, self._turns.rr, self._offset, tuple(self._calls), tuple(self._states))
 
     # -- state ---------------------------------------------------------------------
     def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
         """The position after the last batch each net's ``run()`` returned.
 
         Takes no lock, so it is safe in a signal handler that interrupted a
-        thread holding it (the checkpoint-on-SIGTERM pattern): the positions
-        are immutable tuples, never removed at or above the lowest net's next
-        batch, and each net's next batch is an int only its own thread writes.
+        thread holding it (the checkpoint-on-SIGTERM pattern): see
+        :meth:`~.positions.Positions.find`.
         """
-        boxes = list(self.outboxes)
-        positions = self._positions
-        pos = None
-        nets_at: list[list[Any]] = []
-        for _ in range(1000):
-            nets_at = [[name, b.next_batch, b.epoch] for name, b in zip(nets, boxes)]
-            low = min((n[1] for n in nets_at), default=0)
-            pos = positions.get(0 if self.shuffle is not None else low)
-            if pos is not None:
-                break
-            kept = list(positions)  # a C-level copy: atomic under the GIL
-            if kept and low > max(kept):
-                # a net's next batch is past the end (the stream ended there)
-                pos = positions.get(max(kept))
-                if pos is not None:
-                    break
-            # else the positions were pruned past our reading of the nets
-            # by another thread meanwhile: read the nets again
-        if pos is None:
-            raise RuntimeError(f"source {self.source!r}: no consistent position found")
+        pos, nets_at = self._positions.find(nets, self.source)
         return {
             "version": STATE_VERSION,
             "source": self.source,
             **layout,
-            "position": self._as_dict(pos),
+            "position": as_dict(pos),
             # a list, not a dict: nets on one source may share a name
             # per net: its next batch, and the epochs it was told ended
             "nets": nets_at,
@@ -942,10 +722,9 @@ class LaneDealer:
         with self._lock:
             self._epoch = pos.get("epoch", 0)
             self._batch = pos["batches"]
-            self._rr = pos["rr"]
-            self._filled = 0
-            self._round.clear()
-            self._round_n = 0
+            self._turns.rr = pos["rr"]
+            self._stage.reset()
+            self._rounds.clear()
             self._calls = list(pos["calls"])
             self._states = list(pos["states"])
             for box, (_, nxt, *rest) in zip(self.outboxes, state["nets"]):
@@ -958,12 +737,10 @@ class LaneDealer:
                 for e in range(box.epoch, self._epoch):
                     box.pieces.append(EpochEnd(e))  # type: ignore[arg-type]
                 box.marks_from = max(box.epoch, self._epoch)
-            self._positions = {}
-            self._kept_from = self._batch
             # the regenerated head chunk of lane rr: its first samples were dealt
             self._offset = self._prefix = pos["offset"]
-            self._prefix_lane = self._order[self._rr] if self._order else -1
+            order = self._turns.order
+            self._prefix_lane = order[self._turns.rr] if order else -1
+            self._positions.restart(self._batch, len(order))
             self._record(self._batch)
-            if self.shuffle is not None:
-                self._positions[0] = self._start_position()
             return [(c, s) for c, s in zip(pos["calls"], pos["states"])]

@@ -1,0 +1,77 @@
+"""Admission: whether a consumer's hello fits a source, for every carrier.
+
+A consumer says hello (the protocol it speaks, the source, its blobs and
+batch size, its index among ``num_consumers``, or none: first come); the
+Unix socket, TCP and Ray carriers all answer it with :func:`admit`, which
+either claims the consumer's outlet of the source or refuses it, naming
+what did not fit (and, for another protocol, both versions).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .served import IndexOutlet, ServedSource, SharedOutlet
+from .wire import PROTOCOL
+
+__all__ = ["Refused", "admit"]
+
+
+class Refused(Exception):
+    """The consumer's hello does not fit the source (sent back as ``refused``)."""
+
+
+def admit(
+    hello: dict[str, Any], sources: Callable[[str], ServedSource], consumer: Any,
+) -> tuple[ServedSource, IndexOutlet | SharedOutlet]:
+    """The source ``hello`` (checked by :func:`.wire.check`) asks for and
+    the outlet claimed for ``consumer`` there.
+
+    Args:
+        sources: looks a source up by name (raises :class:`Refused` naming
+            those served).
+        consumer: the carrier's object for the consumer (it holds the outlet).
+
+    Raises:
+        Refused: another protocol, blobs, batch size, num_consumers or
+            index than the source's; a failed source; an index taken.
+    """
+    if hello["protocol"] != PROTOCOL:
+        raise Refused(f"protocol {hello['protocol']} (this service speaks {PROTOCOL}): upgrade blobfeed on one side")
+    source = sources(hello["source"])  # Refused naming the sources it has
+    t = source.terms
+    blobs = hello["blobs"]
+    if blobs != list(t.blob_names):
+        raise Refused(
+            f"source {t.name!r} carries blobs {list(t.blob_names)}; the consumer asked for {blobs!r}"
+        )
+    if hello["batch_size"] != t.batch_size:
+        raise Refused(
+            f"source {t.name!r} is served in batches of {t.batch_size}; the consumer asked for "
+            f"batch_size={hello['batch_size']}"
+        )
+    num, index = hello["num"], hello["index"]
+    if t.num_consumers is None:
+        if num is not None or index is not None:
+            raise Refused(
+                f"source {t.name!r} is served first come, first served (no num_consumers); the consumer "
+                f"asked for consumer_index={index}, num_consumers={num}: serve the source with "
+                "num_consumers=N to deal it by index"
+            )
+    else:
+        if num is not None and num != t.num_consumers:
+            raise Refused(
+                f"source {t.name!r} is dealt to {t.num_consumers} consumers; the consumer asked for "
+                f"num_consumers={num}"
+            )
+        if index is not None and not 0 <= index < t.num_consumers:
+            raise Refused(
+                f"source {t.name!r} is dealt to {t.num_consumers} consumers (indexes 0 to "
+                f"{t.num_consumers - 1}); the consumer asked for consumer_index={index}"
+            )
+    if source.error is not None:
+        raise Refused(f"source {t.name!r} failed: {source.error}")
+    try:
+        return source, source.claim(consumer, index)
+    except ValueError as err:
+        raise Refused(str(err)) from None
