@@ -12,7 +12,7 @@ import numpy as np
 
 from .arguments import check_flag, check_timeout
 from .errors import EndOfEpoch, EndOfInput
-from .feeders import EpochEnd, Feed, FeedGroup, ModelInput
+from .feeders import EpochEnd, FeedGroup, ModelInput
 from .feeders.reading import BatchReader
 
 if TYPE_CHECKING:
@@ -139,7 +139,9 @@ class Net:
         self.workspace = Workspace()
         self._group = FeedGroup()
         #: the group's list itself (an attribute: run() reads it per batch)
-        self._feeds: list[Feed] = self._group.feeds
+        #: the readers of its sources, one each (the consumer halves; the
+        #: group holds their feeds, the enqueuer halves)
+        self._feeds: list[BatchReader] = []
         self._session: ort.InferenceSession | None = None
         self._input_specs: dict[str, ModelInput] = {}
         self._output_names: tuple[str, ...] = ()
@@ -240,19 +242,22 @@ class Net:
         if not isinstance(reader, BatchReader):
             raise TypeError(f"Net.add_reader takes a BatchReader, got {type(reader).__name__}")
         self._check_attach(reader.source_name, reader.blob_names)
-        self._attach(reader._bind(self._place, self._input_specs, self.writable, self._cancel))
+        reader._bind(self._place, self._input_specs, self.writable, self._cancel)
+        self._attach(reader)
 
     def check_reader(self, source_name: str, blob_names: Sequence[str]) -> None:
         """Raise ``ValueError`` if a reader of ``blob_names`` from source
         ``source_name`` could not feed this net (see :meth:`add_reader`)."""
         self._check_attach(source_name, blob_names)
 
-    def _attach(self, feed: "Feed") -> None:
-        # feeds of stopped sources go: their run() would only raise EndOfInput
+    def _attach(self, reader: BatchReader) -> None:
+        # readers of stopped sources go: their run() would only raise EndOfInput
         for old in [f for f in self._feeds if f.source.stopped]:
             self._feeds.remove(old)
-        self._feeds.append(feed)
-        feed.join_group(self._group)
+            self._group.feeds.remove(old._feed)
+        self._feeds.append(reader)
+        self._group.feeds.append(reader._feed)
+        reader._feed.join_group(self._group)
         fed = {n for f in self._feeds for n in f.blob_names}
         self._unfed = [n for n in self.input_names if n not in fed]
 
@@ -309,7 +314,7 @@ class Net:
         self.workspace._update(blobs)
         return blobs
 
-    def _take_all(self, feeds: list[Feed], timeout: float | None) -> list[Any]:
+    def _take_all(self, feeds: list[BatchReader], timeout: float | None) -> list[Any]:
         """One batch from each of several sources, under one deadline.
 
         A batch taken from one source while another fails or times out is
@@ -341,7 +346,7 @@ class Net:
         return taken
 
     def _run_model(
-        self, session: "ort.InferenceSession", feeds: list[Feed], timeout: float | None
+        self, session: "ort.InferenceSession", feeds: list[BatchReader], timeout: float | None
     ) -> dict[str, np.ndarray]:
         """``run()`` with a model: the batches are delivered once the model
         returned; a stop meanwhile cancels it (see :meth:`_cancel`)."""

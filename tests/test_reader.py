@@ -216,3 +216,25 @@ def test_request_stop_coordinator_stops_one_source_without_waiting() -> None:
         with pytest.raises(TypeError, match="str"):
             gc.request_stop_coordinator(3)  # type: ignore[arg-type]
         assert gc.stop(WAIT)
+
+
+def test_a_batch_given_back_is_read_first_and_dropped_once_the_source_stopped() -> None:
+    """hold(): the consumer half keeps a batch it was handed and did not use
+    (as a net does when another of its sources fails); the next read()
+    hands it out again; after a stop it is counted as dropped instead."""
+    from .helpers import sample
+
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = init_reader(["id", "x"], counting(3), 3, 1, "h", coordinator=gc, deterministic=True)
+        gc.start()
+        first = reader.read(WAIT)
+        reader.hold(first)
+        again = reader.read(WAIT)
+        assert again is first
+        reader.returned(again)
+        second = reader.read(WAIT)
+        assert gc.stop(WAIT)
+        reader.hold(second)  # given back after the stop: dropped, not kept
+        with pytest.raises(EndOfInput):
+            reader.read(0.1)
+        assert sample(gc, "blobfeed_dropped_samples_total", source="h", reason="stopped") >= second.n

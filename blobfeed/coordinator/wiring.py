@@ -286,7 +286,7 @@ def _wire(
     epochs: int | None = 1,
     max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
     equal: bool = False,
-) -> tuple[GlobalCoordinator, Feed]:
+) -> tuple[GlobalCoordinator, BatchReader]:
     """``init_data_input_workers`` for ``net``, or without a net (None): the
     source's workers and a feed named ``reader_name``."""
     if isinstance(input_blob_names, str) or not isinstance(input_blob_names, Sequence):
@@ -434,9 +434,10 @@ def _wire(
             model_inputs=net.input_specs if net is not None else None,
             writable=net.writable if net is not None else False,
         )
+        reader = BatchReader(feed)
         if net is not None:
             feed.cancel = net._cancel
-            net._attach(feed)
+            net._attach(reader)
         source.add_feed(feed)
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
@@ -445,7 +446,7 @@ def _wire(
             gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
             runner, worker_init_fun,
         ))
-    return gc, feed
+    return gc, reader
 
 
 def init_reader(
@@ -473,8 +474,8 @@ def init_reader(
     """
     if not isinstance(reader_name, str) or not reader_name:
         raise ValueError(f"reader_name must be a non-empty str, got {reader_name!r}")
-    _, feed = _wire(
+    _, reader = _wire(
         None, reader_name, input_blob_names, fetch_fun, batch_size, num_worker_threads, input_source_name,
         coordinator=coordinator, **wiring,
     )
-    return BatchReader(feed)
+    return reader

@@ -11,10 +11,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import BlobfeedError, DequeueTimeout, EndOfInput, FetcherError
+from ..errors import EndOfInput, FetcherError
 from ..queues import BlobsQueue
 from ..stats import AssembleStats, ConsumeStats, MetricsHub
-from .chunks import Batch, Chunk, EpochEnd, ModelInput, check_model_inputs
+from .chunks import Batch, EpochEnd, ModelInput
 from .dealing import Reader
 from .rebatch import Rebatcher
 from .source import InputSource, SourceStopped
@@ -110,11 +110,9 @@ class Feed:
         self._staged: Batch | None = None
         #: samples of a big batch the enqueuer is copying outside the lock
         self._joining = 0
-        #: a batch the net took while another of its sources failed or timed
-        #: out; it is handed out first next time (see Net.run)
-        self._held: Batch | None = None
-        #: the batch inside the net's model now (see to_model)
-        self._in_model: Batch | None = None
+        #: the consumer half (a BatchReader, which sets it): what it holds
+        #: counts as buffered, and an abort drops its held batch
+        self.reader: Any = None
         #: the end of an epoch taken from the reader: what the re-batcher
         #: holds is that epoch's rest; nothing more is taken until it and
         #: then the end itself were handed on
@@ -125,12 +123,9 @@ class Feed:
         self._lost_reason = "stopped"
         #: set when the coordinator starts the enqueuer: run() before that is a user error
         self._started = False
-        #: perf_counter() at the start, and at the net's first dequeue: the
-        #: time to the first batch counts from the later of the two
+        #: perf_counter() at the start: the time to the first batch counts
+        #: from it, or from the consumer's first ask if later
         self._started_at = 0.0
-        self._first_ask = 0.0
-        #: the first batch handed to the net was checked against its model
-        self._first_checked = False
         self._group: FeedGroup | None = None
         #: (position, blob, model input) for each blob that feeds a model input
         self.model_checks: tuple[tuple[int, str, ModelInput], ...] = tuple(
@@ -160,7 +155,9 @@ class Feed:
         return self.device_queue.qsize()
 
     def buffered_samples(self) -> int:
-        staged, held, in_model = self._staged, self._held, self._in_model
+        reader = self.reader
+        staged = self._staged
+        held, in_model = (reader._held, reader._in_model) if reader is not None else (None, None)
         return (
             self.rebatcher.pending
             + self._joining
@@ -194,31 +191,15 @@ class Feed:
                 return 0
             self._aborted = True
             self._lost_reason = "error" if isinstance(error, FetcherError) else "stopped"
-            held, self._held = self._held, None
+            reader = self.reader
+            held = reader._held if reader is not None else None
+            if held is not None:
+                reader._held = None
             lost = held.n if held is not None else 0
             lost += sum(b.n for b in self.device_queue.close(error))
         if isinstance(error, FetcherError) and self._group is not None:
             self._group.failed(self, error)
         return lost
-
-    def hold(self, batch: Batch) -> None:
-        """Keep a batch the net took for its next run (another source failed).
-
-        After abort() the batch is counted as dropped instead: a stopped
-        source hands nothing out.
-        """
-        with self._lock:
-            self._in_model = None
-            if not self._aborted:
-                self._held = batch
-                return
-        src = self.source
-        src.hub.count_dropped(src.name, self._lost_reason, batch.n)
-
-    def take_held(self) -> Batch | None:
-        with self._lock:
-            held, self._held = self._held, None
-            return held
 
     def bind_consumer(
         self, place: Callable[[tuple[np.ndarray, ...]], tuple[Any, ...]],
@@ -475,151 +456,6 @@ class Feed:
         if not self._drain(final=True):
             return
         self.device_queue.close()
-
-    # -- the consumer side ---------------------------------------------------------
-    def delivered(self, batch: Batch) -> None:
-        """Count ``batch`` as handed to the user (the net's thread).
-
-        The first batch is checked against the net's model too: chunks
-        queued before this net was wired to a shared source were checked
-        against the models of the nets wired then.
-
-        Raises:
-            ChunkError: that batch does not fit the model.
-        """
-        if type(batch) is EpochEnd:
-            self._input.epoch_returned(batch.dropped)
-            return
-        if not self._first_checked:
-            self.check_first(batch)
-        self.consume_stats.batches += 1
-        self.consume_stats.samples += batch.n
-        self._in_model = None
-        self._input.returned()
-
-    def to_model(self, batch: Batch) -> None:
-        """``batch`` goes into the net's model (the net's thread): it counts as
-        buffered until :meth:`delivered` (the model returned) or :meth:`hold`
-        (a stop cancelled the model), so no scrape misses it meanwhile.
-
-        Raises:
-            ChunkError: the first batch does not fit the model.
-        """
-        if not self._first_checked:
-            self.check_first(batch)
-        self._in_model = batch
-
-    def check_first(self, batch: Batch) -> None:
-        """Check the first batch handed to the net against its model (once;
-        see :meth:`delivered`), before the model sees it.
-
-        Raises:
-            ChunkError: that batch does not fit the model.
-        """
-        if self._first_checked:
-            return
-        self._first_checked = True
-        if self.model_checks and all(isinstance(a, np.ndarray) for a in batch.arrays):
-            check_model_inputs(
-                Chunk(batch.arrays, batch.n, -1), self.model_checks, self.source.axes,
-                f"source {self.source.name!r}, net {self.net_name!r} (a chunk queued before the net was wired)",
-            )
-        # blobfeed_first_batch_seconds: a consumer that asks late does not count against the pipeline
-        self.consume_stats.first_batch = time.perf_counter() - max(self._started_at, self._first_ask)
-
-    def _assemble_here(self) -> Batch | None:
-        """The net's thread takes or assembles the next batch, if it can without waiting for data.
-
-        Order: what the device queue holds, then the enqueuer's staged batch,
-        then new batches from the re-batcher.
-        """
-        # Blocking on the lock is cheap: nobody holds it across a wait.  Not
-        # waiting would be wrong: the enqueuer may hold it only to find the
-        # internal queue empty while complete batches the net's own thread
-        # left sit in the re-batcher.  A `with` block, not acquire/try: a
-        # Ctrl-C can land right after a call returns, and only `with`
-        # guarantees the release.
-        with self._lock:
-            ok, batch = self.device_queue.get_nowait()
-            if ok:
-                return batch
-            if self._staged is not None:
-                batch, self._staged = self._staged, None
-                return batch
-            if self.rebatcher.big or self._joining:
-                # the enqueuer assembles big batches, outside the lock (see
-                # _drain); while it does, nobody else may hand out a later one
-                return None
-            queue = self._input
-            while True:
-                batch = self._assemble(self.direct_stats)
-                if batch is not None:
-                    return batch
-                try:
-                    ok, took = self._take(queue)
-                except (EndOfInput, FetcherError) as end:
-                    _forget_frames(end)
-                    # ended, stopped or failed: the enqueuer settles the end
-                    # (last batch, or the error) through the device queue
-                    return None
-                if not ok or not took:
-                    return None
-
-    def dequeue(self, timeout: float | None) -> Batch:
-        """Take the next batch for ``Net.run`` (called in the net's thread)."""
-        if self._forked_from is not None:
-            raise BlobfeedError(
-                f"source {self.source.name!r}, net {self.net_name!r}: this pipeline was built in "
-                f"process {self._forked_from}; a child made by os.fork() cannot use it (its "
-                "threads exist only in the parent): build a new pipeline in the child"
-            )
-        limit = self.timeout if timeout is None else timeout
-        cs = self.consume_stats
-        t0 = time.perf_counter()
-        if cs.last_end:
-            # the consumer's own time since its last wait (the stall ratio's other half)
-            cs.busy += t0 - cs.last_end
-        else:
-            self._first_ask = t0
-        try:
-            ok, batch = self.device_queue.get_nowait()
-            if ok:
-                return batch  # type: ignore[return-value]
-            batch = self._assemble_here()
-            if batch is not None:
-                return batch
-            if not self._started and not self._aborted:
-                raise BlobfeedError(
-                    f"source {self.source.name!r}, net {self.net_name!r}: the pipeline was never "
-                    "started; call start() on the coordinator that init_data_input_workers "
-                    "returned before Net.run()"
-                )
-            deadline = t0 + limit
-            while True:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    cs.timeouts += 1
-                    raise DequeueTimeout(
-                        f"source {self.source.name!r}, net {self.net_name!r}: "
-                        f"no batch within {limit:.3g} s{self.source.starved_hint()}"
-                        f"{self.source.sibling_hint(self._input)}"
-                    ) from None
-                try:
-                    return self.device_queue.get(min(remaining, SLOW_INPUT_WARN_S))
-                except DequeueTimeout:
-                    waited = time.perf_counter() - t0
-                    if waited >= SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
-                        logger.warning(
-                            "data input is slow: net %r has waited %.0f s for source %r "
-                            "(internal queue %d chunks, %d fetchers alive)%s",
-                            self.net_name, waited, self.source.name,
-                            self.source.queue_depth(), self.source.workers_alive(),
-                            self.source.sibling_hint(self._input),
-                        )
-        finally:
-            t1 = cs.last_end = time.perf_counter()
-            cs.wait.observe(t1 - t0)
-
 
 def _forget_frames(err: BaseException) -> None:
     """Drop the traceback a queue's stored end or error got on its way here.

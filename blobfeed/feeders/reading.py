@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
+import time
 from typing import Any, Callable, Sequence
 
-from .chunks import Batch, Chunk, EpochEnd, ModelInput
+import numpy as np
+
+from ..errors import BlobfeedError, DequeueTimeout, EndOfInput, FetcherError
+from ..stats import ConsumeStats
+from . import enqueuer
+from .chunks import Batch, Chunk, EpochEnd, ModelInput, check_model_inputs
 from .dealing import ArrivalDealer
-from .enqueuer import Feed
+from .enqueuer import Feed, _forget_frames
 from .source import InputSource
 
 __all__ = ["BatchReader", "Inlet", "InletDealer", "SourceInfo"]
+
+logger = logging.getLogger("blobfeed.feeders")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,19 +71,42 @@ class SourceInfo:
 class BatchReader:
     """One consumer's end of a source: whole batches, in order.
 
-    Made by ``GlobalCoordinator.add_reader`` (a reader of its own) or by the
-    wiring of a net (``Net.add_reader`` takes one).  Not thread-safe: one
-    consumer thread reads it.
+    The consumer half of a feed: the feed (``enqueuer.Feed``, its enqueuer
+    half) re-batches the source's chunks on its enqueuer thread and puts
+    batches on its device queue; the reader takes them, or assembles the
+    next batch itself under the feed's lock when the queue is empty (a
+    thread hand-off costs more than a small batch), and counts what its
+    consumer was handed and returned.  Made by ``init_reader``,
+    ``GlobalCoordinator.add_reader`` and ``open_inlet``, and by
+    ``init_data_input_workers`` for its net; ``Net.add_reader`` takes one.
+    Not thread-safe: one consumer thread reads it.
 
     The batches a reader hands out are read-only views (see ``Net``); the
     position of a deterministic source moves once :meth:`returned` is
     called, so a batch read and not returned is dealt again on resume.
     """
 
-    __slots__ = ("_feed",)
-
     def __init__(self, feed: Feed) -> None:
+        if feed.reader is not None:
+            raise ValueError(f"feed {feed.source.name!r}/{feed.net_name!r} has a reader already")
         self._feed = feed
+        feed.reader = self
+        # the feed's, never replaced: read per batch
+        self._device_queue = feed.device_queue
+        self._input = feed._input
+        self.source = feed.source
+        self.blob_names: tuple[str, ...] = feed.blob_names
+        #: the counts of what the consumer took (blobfeed_dequeue_wait_seconds, ...)
+        self.consume_stats: ConsumeStats = feed.consume_stats
+        #: a batch taken while another source of the consumer failed or timed
+        #: out; it is handed out first next time (see Net.run); under the feed's lock
+        self._held: Batch | None = None
+        #: the batch inside the consumer's model now (see to_model)
+        self._in_model: Batch | None = None
+        #: perf_counter() at the consumer's first ask (see check_first)
+        self._first_ask = 0.0
+        #: the first batch handed out was checked against the consumer's model
+        self._first_checked = False
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -84,12 +116,7 @@ class BatchReader:
 
     @property
     def source_name(self) -> str:
-        return self._feed.source.name
-
-    @property
-    def blob_names(self) -> tuple[str, ...]:
-        """The names of each batch's arrays, in order."""
-        return self._feed.blob_names
+        return self.source.name
 
     @property
     def batch_size(self) -> int:
@@ -98,12 +125,19 @@ class BatchReader:
     @property
     def stopped(self) -> bool:
         """Its source was stopped (or failed): it hands out nothing more."""
-        return bool(self._feed.source.stopped)
+        return bool(self.source.stopped)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the source failed (a fetcher's error), None while it has not."""
+        error = self.source.error
+        return error if isinstance(error, BaseException) else None
 
     # -- reading ------------------------------------------------------------------
     def read(self, timeout: float | None = None) -> Batch | EpochEnd:
         """The next batch (``Batch(arrays, n)``), or the end of an epoch
-        (``EpochEnd``) of a source with ``epochs``.
+        (``EpochEnd``) of a source with ``epochs``; a batch given back with
+        :meth:`hold` first.
 
         Args:
             timeout: seconds to wait; default the source's ``timeout``.
@@ -114,44 +148,200 @@ class BatchReader:
             FetcherError: a fetcher of the source failed (at its place in the stream).
             BlobfeedError: the coordinator was never started.
         """
-        feed = self._feed
-        held = feed.take_held()
-        return held if held is not None else feed.dequeue(timeout)
+        held = self.take_held()
+        return held if held is not None else self.dequeue(timeout)
 
     def returned(self, batch: Batch | EpochEnd) -> None:
         """The consumer is done with ``batch`` (or passed the epoch end): it
         counts as delivered, and the source's position moves past it."""
-        self._feed.delivered(batch)
-
-    def hold(self, batch: Batch) -> None:
-        """Give back a batch read and not used: the next :meth:`read` hands it
-        out again (dropped, and counted so, once the source stopped)."""
-        self._feed.hold(batch)
+        self.delivered(batch)
 
     def ready(self) -> int:
         """Batches ready now, without waiting for the enqueuer."""
-        return self._feed.device_queue_depth()
+        return self._feed.device_queue.qsize()
 
     def waited(self) -> float:
         """Seconds :meth:`read` has waited in all (never decreases)."""
-        return float(self._feed.consume_stats.wait.total)
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why the source failed (a fetcher's error), None while it has not."""
-        error = self._feed.source.error
-        return error if isinstance(error, BaseException) else None
+        return float(self.consume_stats.wait.total)
 
     def count_dropped(self, reason: str, samples: int) -> None:
         """Count ``samples`` the consumer discards as dropped for ``reason``
         (``blobfeed_dropped_samples_total{reason=...}`` of the source)."""
-        source = self._feed.source
+        source = self.source
         source.hub.count_dropped(source.name, reason, samples)
 
     def use_memory(self, memory: Any) -> None:
         """Batches that span chunks are assembled in ``memory`` (an object
         with ``empty(shape, dtype)``), before the source starts."""
         self._feed.rebatcher.use_memory(memory)
+
+    # -- the consumer's side (a net's run(), in its thread) --------------------------
+    def hold(self, batch: Batch) -> None:
+        """Give back a batch read and not used (another source of the net
+        failed, or a stop cancelled its model): the next read hands it out
+        first.  After the source stopped it is counted as dropped instead: a
+        stopped source hands nothing out."""
+        feed = self._feed
+        with feed._lock:
+            self._in_model = None
+            if not feed._aborted:
+                self._held = batch
+                return
+        src = self.source
+        src.hub.count_dropped(src.name, feed._lost_reason, batch.n)
+
+    def take_held(self) -> Batch | None:
+        with self._feed._lock:
+            held, self._held = self._held, None
+            return held
+
+    def delivered(self, batch: Batch | EpochEnd) -> None:
+        """Count ``batch`` as handed to the user (the consumer's thread).
+
+        The first batch is checked against the net's model too: chunks
+        queued before this net was wired to a shared source were checked
+        against the models of the nets wired then.
+
+        Raises:
+            ChunkError: that batch does not fit the model.
+        """
+        if type(batch) is EpochEnd:
+            self._input.epoch_returned(batch.dropped)
+            return
+        if not self._first_checked:
+            self.check_first(batch)  # type: ignore[arg-type]
+        cs = self.consume_stats
+        cs.batches += 1
+        cs.samples += batch.n
+        self._in_model = None
+        self._input.returned()
+
+    def to_model(self, batch: Batch) -> None:
+        """``batch`` goes into the net's model (the net's thread): it counts as
+        buffered until :meth:`delivered` (the model returned) or :meth:`hold`
+        (a stop cancelled the model), so no scrape misses it meanwhile.
+
+        Raises:
+            ChunkError: the first batch does not fit the model.
+        """
+        if not self._first_checked:
+            self.check_first(batch)
+        self._in_model = batch
+
+    def check_first(self, batch: Batch) -> None:
+        """Check the first batch handed out against the net's model (once;
+        see :meth:`delivered`), before the model sees it.
+
+        Raises:
+            ChunkError: that batch does not fit the model.
+        """
+        if self._first_checked:
+            return
+        self._first_checked = True
+        feed = self._feed
+        if feed.model_checks and all(isinstance(a, np.ndarray) for a in batch.arrays):
+            check_model_inputs(
+                Chunk(batch.arrays, batch.n, -1), feed.model_checks, self.source.axes,
+                f"source {self.source.name!r}, net {feed.net_name!r} (a chunk queued before the net was wired)",
+            )
+        # blobfeed_first_batch_seconds: a consumer that asks late does not count against the pipeline
+        self.consume_stats.first_batch = time.perf_counter() - max(feed._started_at, self._first_ask)
+
+    def _assemble_here(self) -> Batch | None:
+        """The consumer's thread takes or assembles the next batch, if it can
+        without waiting for data.
+
+        Order: what the device queue holds, then the enqueuer's staged batch,
+        then new batches from the re-batcher.
+        """
+        feed = self._feed
+        # Blocking on the lock is cheap: nobody holds it across a wait.  Not
+        # waiting would be wrong: the enqueuer may hold it only to find the
+        # internal queue empty while complete batches the net's own thread
+        # left sit in the re-batcher.  A `with` block, not acquire/try: a
+        # Ctrl-C can land right after a call returns, and only `with`
+        # guarantees the release.
+        with feed._lock:
+            ok, batch = feed.device_queue.get_nowait()
+            if ok:
+                return batch
+            if feed._staged is not None:
+                batch, feed._staged = feed._staged, None
+                return batch
+            if feed.rebatcher.big or feed._joining:
+                # the enqueuer assembles big batches, outside the lock (see
+                # Feed._drain); while it does, nobody else may hand out a later one
+                return None
+            queue = feed._input
+            while True:
+                batch = feed._assemble(feed.direct_stats)
+                if batch is not None:
+                    return batch
+                try:
+                    ok, took = feed._take(queue)
+                except (EndOfInput, FetcherError) as end:
+                    _forget_frames(end)
+                    # ended, stopped or failed: the enqueuer settles the end
+                    # (last batch, or the error) through the device queue
+                    return None
+                if not ok or not took:
+                    return None
+
+    def dequeue(self, timeout: float | None) -> Batch:
+        """Take the next batch for ``Net.run`` (called in the consumer's thread)."""
+        feed = self._feed
+        if feed._forked_from is not None:
+            raise BlobfeedError(
+                f"source {self.source.name!r}, net {feed.net_name!r}: this pipeline was built in "
+                f"process {feed._forked_from}; a child made by os.fork() cannot use it (its "
+                "threads exist only in the parent): build a new pipeline in the child"
+            )
+        limit = feed.timeout if timeout is None else timeout
+        cs = self.consume_stats
+        t0 = time.perf_counter()
+        if cs.last_end:
+            # the consumer's own time since its last wait (the stall ratio's other half)
+            cs.busy += t0 - cs.last_end
+        else:
+            self._first_ask = t0
+        try:
+            ok, batch = self._device_queue.get_nowait()
+            if ok:
+                return batch  # type: ignore[return-value]
+            batch = self._assemble_here()
+            if batch is not None:
+                return batch
+            if not feed._started and not feed._aborted:
+                raise BlobfeedError(
+                    f"source {self.source.name!r}, net {feed.net_name!r}: the pipeline was never "
+                    "started; call start() on the coordinator that init_data_input_workers "
+                    "returned before Net.run()"
+                )
+            deadline = t0 + limit
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    cs.timeouts += 1
+                    raise DequeueTimeout(
+                        f"source {self.source.name!r}, net {feed.net_name!r}: "
+                        f"no batch within {limit:.3g} s{self.source.starved_hint()}"
+                        f"{self.source.sibling_hint(feed._input)}"
+                    ) from None
+                try:
+                    return feed.device_queue.get(min(remaining, enqueuer.SLOW_INPUT_WARN_S))
+                except DequeueTimeout:
+                    waited = time.perf_counter() - t0
+                    if waited >= enqueuer.SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
+                        logger.warning(
+                            "data input is slow: net %r has waited %.0f s for source %r "
+                            "(internal queue %d chunks, %d fetchers alive)%s",
+                            feed.net_name, waited, self.source.name,
+                            self.source.queue_depth(), self.source.workers_alive(),
+                            self.source.sibling_hint(feed._input),
+                        )
+        finally:
+            t1 = cs.last_end = time.perf_counter()
+            cs.wait.observe(t1 - t0)
 
     # -- the net that reads it (Net.add_reader) -------------------------------------
     def _bind(
