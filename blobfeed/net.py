@@ -237,10 +237,21 @@ class Net:
         Raises:
             TypeError: not a ``BatchReader``.
             ValueError: the net is fed from that source already, or another
-                source feeds one of the reader's blobs.
+                source feeds one of the reader's blobs; the reader feeds a
+                net already, or its source started.
         """
         if not isinstance(reader, BatchReader):
             raise TypeError(f"Net.add_reader takes a BatchReader, got {type(reader).__name__}")
+        if reader.net is not None:
+            raise ValueError(
+                f"net {self.name!r}: reader {reader.name!r} of source {reader.source_name!r} feeds net "
+                f"{reader.net!r} already (one consumer per reader; add_reader makes another)"
+            )
+        if reader.started:
+            raise ValueError(
+                f"net {self.name!r}: reader {reader.name!r} of source {reader.source_name!r} started "
+                "already; give a net its reader before the coordinator's start()"
+            )
         self._check_attach(reader.source_name, reader.blob_names)
         reader._bind(self._place, self._input_specs, self.writable, self._cancel)
         self._attach(reader)
@@ -256,6 +267,7 @@ class Net:
             self._feeds.remove(old)
             self._group.feeds.remove(old._feed)
         self._feeds.append(reader)
+        reader.net = self.name
         self._group.feeds.append(reader._feed)
         reader._feed.join_group(self._group)
         fed = {n for f in self._feeds for n in f.blob_names}

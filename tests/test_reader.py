@@ -134,7 +134,12 @@ def test_a_net_takes_a_reader_through_add_reader() -> None:
             net.add_reader(gc.add_reader("n", "again"))
         with pytest.raises(TypeError, match="BatchReader"):
             net.add_reader("n")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="feeds net 'reading-net' already"):
+            Net(None, name="other").add_reader(reader)
+        late = gc.add_reader("n", "late")
         gc.start()
+        with pytest.raises(ValueError, match="before the coordinator's start"):
+            Net(None, name="late-net").add_reader(late)
         out = net.run(WAIT)
         assert set(out) == {"id", "x"} and out["id"].tolist() == [2, 3]
         assert gc.stop(WAIT)

@@ -107,6 +107,8 @@ class BatchReader:
         self._first_ask = 0.0
         #: the first batch handed out was checked against the consumer's model
         self._first_checked = False
+        #: the name of the net it feeds (Net.add_reader), None for none
+        self.net: str | None = None
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -121,6 +123,11 @@ class BatchReader:
     @property
     def batch_size(self) -> int:
         return self._feed.batch_size
+
+    @property
+    def started(self) -> bool:
+        """Its enqueuer started (the coordinator's ``start()``)."""
+        return bool(self._feed._started)
 
     @property
     def stopped(self) -> bool:
