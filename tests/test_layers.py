@@ -225,3 +225,32 @@ def test_the_core_names_no_service_module() -> None:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and "blobfeed.service" in node.value:
                 bad.append(f"{me}: {node.value[:60]!r}")
     assert not bad, f"the core names service modules: {bad}"
+
+
+#: private attributes the service reads of objects other than ``self``: its
+#: own objects' and Ray's, none of the core's (ray_service.py is item 3's)
+SERVICE_PRIVATE_OK = {
+    ("blobfeed.service.ray_service", "_forget"),          # FeedServer's, from its Ray actor
+    ("blobfeed.service.ray_service", "_held_elsewhere"),  # FeedServer's, from its Ray actor
+    ("blobfeed.service.ray_service", "_get"),             # its own RayService handle's
+    ("blobfeed.service.ray_service", "_actor_id"),        # Ray's ActorHandle
+}
+
+
+@pytest.mark.parametrize("path", [p for p in all_modules() if module_name(p) in SERVICE], ids=module_name)
+def test_the_service_reads_no_private_attribute_of_another_object(path: Path) -> None:
+    """The service reaches the core's objects through their public methods
+    (the reader seam): no ``x._name`` on anything but ``self``/``cls``
+    (namedtuple's ``_replace`` is public), beyond the listed ones."""
+    me = module_name(path)
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        if node.attr in ("_replace", "_asdict", "_fields"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if (me, node.attr) not in SERVICE_PRIVATE_OK:
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not bad, f"{me} reads private attributes: {bad}"
