@@ -170,15 +170,16 @@ def test_a_reader_before_start_says_so_and_times_out_bounded() -> None:
 def test_an_inlet_is_fed_by_its_caller_and_its_enqueuer_is_the_coordinator_s() -> None:
     """A source fed with whole batches by its caller (a remote consumer's
     end): read in order, each item's number told back once returned, the
-    end after what is queued; close() joins its enqueuer, and the
-    coordinator's stop() would too."""
+    end after what is queued; it has no enqueuer thread at all (its
+    caller's put() queues each batch where the reader takes it), and
+    close(), or the coordinator's stop(), leaves none behind."""
     returned: list[int] = []
     with blobfeed.GlobalCoordinator() as gc:
         inlet = gc.open_inlet("remote", ["id"], "r", batch_size=2, capacity=4, timeout=WAIT,
                               on_returned=returned.append)
         inlet.start()
         name = "blobfeed-enqueue-remote-r"
-        assert [t for t in threading.enumerate() if t.name == name]
+        assert not [t for t in threading.enumerate() if t.name == name]
         assert inlet.put([np.array([1, 2])], 2, 10)
         assert inlet.end_epoch(0, 0, 11)
         assert inlet.put([np.array([3])], 1, 12)
@@ -195,6 +196,37 @@ def test_an_inlet_is_fed_by_its_caller_and_its_enqueuer_is_the_coordinator_s() -
         with pytest.raises(EndOfInput):
             other.reader.read(0.1)
         assert other.close(WAIT)
+
+
+def test_an_inlet_hands_each_batch_straight_to_its_reader() -> None:
+    """An inlet's put() hands the batch itself to the reader's queue (no
+    thread, no re-batching, no copy of read-only arrays), which holds
+    ``capacity`` items: one more put waits until the reader takes one.
+    A net that writes its batches (writable=True) gets a copy."""
+    before = {t.name for t in threading.enumerate()}
+    with blobfeed.GlobalCoordinator() as gc:
+        inlet = gc.open_inlet("remote", ["id"], "r", batch_size=2, capacity=2, timeout=WAIT,
+                              on_returned=lambda g: None)
+        inlet.start()
+        assert {t.name for t in threading.enumerate()} == before
+        a = np.array([1, 2])
+        a.setflags(write=False)
+        assert inlet.put([a], 2, 0)
+        assert inlet.reader.ready() == 1  # at once: nobody else moves it
+        assert inlet.put([np.array([3, 4])], 2, 1)
+        third = threading.Thread(target=inlet.put, args=([np.array([5, 6])], 2, 2), daemon=True)
+        third.start()
+        third.join(0.3)
+        assert third.is_alive(), "a put into a full inlet must wait for the reader"
+        batch = inlet.reader.read(WAIT)
+        assert isinstance(batch, Batch) and batch.arrays[0] is a
+        inlet.reader.returned(batch)
+        third.join(WAIT)
+        assert not third.is_alive()
+        got = inlet.reader.read(WAIT)
+        assert isinstance(got, Batch) and not got.arrays[0].flags.writeable  # a writable array is handed out read-only
+        assert inlet.close(WAIT)
+    assert {t.name for t in threading.enumerate()} == before
 
 
 def test_request_stop_coordinator_stops_one_source_without_waiting() -> None:

@@ -500,3 +500,12 @@ class ReaderCoordinator(WorkerCoordinator):
     def mark_forked(self) -> None:
         self.feed.mark_forked()
         self.source.stopped = self.source.halted = True
+
+
+class InletCoordinator(ReaderCoordinator):
+    """The one reader of an inlet (``GlobalCoordinator.open_inlet``): no
+    thread, its caller puts whole batches where the reader takes them;
+    started, stopped and retired with the rest of the lifecycle."""
+
+    def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        return []

@@ -31,7 +31,7 @@ from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
 from . import checkpoint
-from .groups import ReaderCoordinator, WorkerCoordinator
+from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator
 from .registry import Registry
 
 logger = logging.getLogger("blobfeed.coordinator")
@@ -287,10 +287,11 @@ class GlobalCoordinator:
     ) -> Inlet:
         """A source its caller feeds with whole batches (a remote consumer's
         end of a served source), and its one reader.  Not one of the sources
-        by name (several may share ``name``); its reader's enqueuer is this
-        coordinator's thread: :meth:`Inlet.start` starts it, :meth:`Inlet.close`
-        (or ``stop()``) stops and joins it.  A failure of the inlet is its
-        reader's, not this coordinator's (``should_stop`` does not see it).
+        by name (several may share ``name``).  No thread: the caller's
+        :meth:`Inlet.put` queues each batch where the reader takes it.
+        :meth:`Inlet.start` starts it, :meth:`Inlet.close` (or ``stop()``)
+        stops it.  A failure of the inlet is its reader's, not this
+        coordinator's (``should_stop`` does not see it).
 
         Args:
             name: the source's name (the metrics' ``source`` label).
@@ -310,11 +311,11 @@ class GlobalCoordinator:
             dealer=lambda src: InletDealer(name, capacity, src.fail, on_returned),
         )
         feed = Feed(
-            source, reader_name, _on_host, names, batch_size, timeout=timeout, device_queue_capacity=1,
-            dont_rebatch=True, drop_last=False, hub=self._hub,
+            source, reader_name, _on_host, names, batch_size, timeout=timeout, device_queue_capacity=capacity,
+            dont_rebatch=True, drop_last=False, hub=self._hub, fed_by_caller=True,
         )
         source.add_feed(feed)
-        group = ReaderCoordinator(self, source, feed)
+        group = InletCoordinator(self, source, feed)
         with self._lock:
             self._known.add(group)
 

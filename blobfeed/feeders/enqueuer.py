@@ -87,6 +87,7 @@ class Feed:
         hub: MetricsHub,
         model_inputs: dict[str, ModelInput] | None = None,
         writable: bool = False,
+        fed_by_caller: bool = False,
     ) -> None:
         self.source = source
         #: this net's end of the source's dealer: where chunks come from
@@ -103,8 +104,12 @@ class Feed:
         # queued batch, then refills in one go -- one wake-up per
         # `capacity` batches instead of one per batch.
         self.device_queue: BlobsQueue[Batch] = BlobsQueue(
-            device_queue_capacity, name=f"{source.name}/{net_name}", low_water=0
+            device_queue_capacity, name=f"{source.name}/{net_name}",
+            low_water=device_queue_capacity // 2 if fed_by_caller else 0,
         )
+        #: no enqueuer: the caller puts whole, placed batches on the device
+        #: queue itself (an Inlet's receiver); the reader only takes them
+        self.fed_by_caller = fed_by_caller
         self._lock = threading.Lock()
         #: the enqueuer's next batch, waiting for room in the device queue
         self._staged: Batch | None = None

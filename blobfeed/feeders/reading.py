@@ -27,6 +27,7 @@ from . import enqueuer
 from .chunks import Batch, Chunk, EpochEnd, ModelInput, check_model_inputs
 from .dealing import ArrivalDealer
 from .enqueuer import Feed, _forget_frames
+from .rebatch import _read_only, _writable_copy
 from .source import InputSource
 
 __all__ = ["BatchReader", "Inlet", "InletDealer", "SourceInfo"]
@@ -315,9 +316,10 @@ class BatchReader:
             ok, batch = self._device_queue.get_nowait()
             if ok:
                 return batch  # type: ignore[return-value]
-            batch = self._assemble_here()
-            if batch is not None:
-                return batch
+            if not feed.fed_by_caller:
+                batch = self._assemble_here()
+                if batch is not None:
+                    return batch
             if not feed._started and not feed._aborted:
                 raise BlobfeedError(
                     f"source {self.source.name!r}, net {feed.net_name!r}: the pipeline was never "
@@ -418,9 +420,14 @@ class Inlet:
     """A source fed by its caller instead of workers (a remote consumer's
     receiver), read through :attr:`reader`: whole batches in order, each with
     the caller's number, told back through ``on_returned`` once the reader
-    returned it.  Made by ``GlobalCoordinator.open_inlet``; its reader's
-    enqueuer is that coordinator's thread, started by :meth:`start`,
-    stopped and joined by :meth:`close` (or the coordinator's ``stop()``).
+    returned it.  Made by ``GlobalCoordinator.open_inlet``.
+
+    No thread of its own and no re-batching: :meth:`put` places each batch
+    (the net's ``device``, a copy for ``Net(writable=True)``) in the
+    caller's thread and queues it where the reader takes it, a queue as deep
+    as the inlet's ``capacity`` (:meth:`put` waits while it is full).
+    :meth:`start` marks it started; :meth:`close` (or the coordinator's
+    ``stop()``) stops it.
 
     Feeding methods are for one thread (the caller's receiver).
     """
@@ -431,8 +438,12 @@ class Inlet:
     ) -> None:
         self._source = source
         self._dealer: InletDealer = source.dealer  # type: ignore[assignment]
-        self._put = self._dealer.sink(0)
-        self._seq = 0
+        feed = reader._feed
+        if not feed.fed_by_caller:
+            raise ValueError(f"source {source.name!r}: an inlet's feed is fed by its caller")
+        self._feed = feed
+        self._queue = feed.device_queue
+        self._numbers = self._dealer.numbers
         #: what the consumer reads (give it to ``Net.add_reader``)
         self.reader = reader
         self._start = start
@@ -443,32 +454,51 @@ class Inlet:
         return self._source.name
 
     def start(self) -> None:
-        """Start the reader's enqueuer (after ``Net.add_reader``)."""
+        """The reader may read from now on (after ``Net.add_reader``)."""
         self._start()
 
     # -- the caller's side ---------------------------------------------------------
     def put(self, arrays: Sequence[Any], n: int, number: int) -> bool:
-        """Queue one whole batch of ``n`` samples (read-only arrays, in blob
-        order), numbered ``number``; waits while the queue is full.  False
-        once the inlet is closed."""
-        self._dealer.numbers.append(number)
-        ok = self._put(Chunk(tuple(arrays), n, 0, self._seq), 0)
-        self._seq += 1
-        return ok
+        """Queue one whole batch of ``n`` samples (arrays in blob order),
+        numbered ``number``, placed where the reader's net wants it; waits
+        while the queue is full.  False once the inlet is stopped or failed.
+
+        Raises:
+            Exception: what the net's placement raised (a device error).
+        """
+        feed = self._feed
+        if self._source.halted:
+            return False  # stopped or failed: its net may be released already
+        t0 = time.perf_counter()
+        if feed.rebatcher.writable:
+            arrays = tuple([_writable_copy(a) for a in arrays])
+        elif any(a.flags.writeable for a in arrays):
+            arrays = _read_only(tuple([a.view() for a in arrays]))
+        else:
+            arrays = tuple(arrays)
+        batch = Batch(feed._place(arrays), n)
+        stats = feed.stats
+        stats.enqueue.observe(time.perf_counter() - t0)
+        stats.batches += 1
+        stats.samples += n
+        self._numbers.append(number)
+        return self._queue.put(batch)
 
     def end_epoch(self, epoch: int, dropped: int, number: int) -> bool:
         """Queue the end of ``epoch`` (``dropped`` batches of it were
-        dropped upstream), numbered ``number``.  False once closed."""
-        self._dealer.numbers.append(number)
-        return self._put(EpochEnd(epoch, dropped=dropped), 0)  # type: ignore[arg-type]
+        dropped upstream), numbered ``number``.  False once stopped."""
+        if self._source.halted:
+            return False
+        self._numbers.append(number)
+        return self._queue.put(EpochEnd(epoch, dropped=dropped))  # type: ignore[arg-type]
 
     def finish(self) -> None:
         """The data ends: what is queued, then ``EndOfInput``."""
-        self._dealer.end_of_input()
+        self._queue.close()
 
     def end_with(self, error: BaseException) -> None:
         """The stream ends with ``error`` at this place: what is queued, then the error."""
-        self._dealer.queue.close(error, after_items=True)
+        self._queue.close(error, after_items=True)
 
     def fail(self, error: BaseException) -> None:
         """The source fails now: the reader raises ``error`` (what is queued is dropped)."""
@@ -481,15 +511,15 @@ class Inlet:
 
     def unreturned(self) -> int:
         """Items queued or read and not yet returned."""
-        return len(self._dealer.numbers)
+        return len(self._numbers)
 
     def stop(self) -> None:
         """Stop the source now (the reader raises ``EndOfInput``); never waits."""
         self._source.stop()
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop, join the reader's enqueuer (within ``timeout``) and forget
-        the caller.  Idempotent; True when the thread ended."""
+        """Stop, retire its metrics (within ``timeout``) and forget the
+        caller.  Idempotent; True when done."""
         self._source.stop()
         try:
             return self._close(timeout)

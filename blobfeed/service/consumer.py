@@ -384,7 +384,7 @@ class Attachment(Attached):
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        # The coordinator joins the inlet's enqueuer and keeps the source's
+        # The coordinator retires the inlet and keeps the source's
         # counts (they outlive it), not the source: with it, its error and
         # its reader's last batch would keep the slots mapped for the life
         # of the process; nor may the inlet keep this attachment and its

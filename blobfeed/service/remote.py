@@ -5,7 +5,8 @@ A consumer's net reads a source whose only worker is the service: an
 transport's receiver thread fills (a Unix or TCP socket in :mod:`.consumer`,
 Ray's object store in :mod:`.ray_attach`) and that tells the transport,
 through ``send_ack``, the service's number of each item the net's ``run()``
-returned.  The inlet's enqueuer is the coordinator's thread.
+returned.  The inlet has no thread: the receiver puts each whole batch
+straight on the queue ``run()`` reads.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def open_inlet(
     """The net's end of a served source: an inlet ``slots`` + 1 items deep
     whose reader feeds ``net`` (the service's whole batches as they come, one
     ahead); started.  Its metrics go to ``coordinator``'s registry (None: the
-    global one's), whose lifecycle owns its enqueuer."""
+    global one's), whose lifecycle stops and retires it."""
     gc = coordinator if coordinator is not None else global_coordinator
     inlet = gc.open_inlet(
         source_name, names, net.name, batch_size=batch_size, capacity=slots + 1, timeout=timeout, on_returned=send_ack,
