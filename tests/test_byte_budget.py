@@ -174,7 +174,11 @@ def test_accounting_identity_holds_at_the_byte_budget(gc) -> None:
     # after it filled), a chunk accepted between the reads counts in one
     # part only (512 against 640 once, under load).  Once the pipeline
     # stands still at its bounds, the identity is exact.
-    wait_until(lambda: parts()[0] == parts()[0] == parts()[0], "the pipeline to stand still at its bounds")
+    def still() -> bool:
+        full = (sample(gc, "blobfeed_internal_queue_depth", source="train") == 3
+                and sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 1)
+        return full and parts()[0] == parts()[0]
+    wait_until(still, "the pipeline to stand still at its bounds")
     fetched, accounted = parts()
     assert fetched == accounted and fetched >= 3 * 64 + 3 * 64
     assert gc.stop()
