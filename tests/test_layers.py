@@ -81,12 +81,7 @@ SERVICE_MAY = {
 }
 #: the service's imports of the core's insides still to go, each with the
 #: step of issue 25 that removes it; a new one fails the test
-SERVICE_DEBTS = {
-    # item 3's files (another engineer's): EpochEnd is the seam's too (blobfeed.reader)
-    ("blobfeed.service.connection", "blobfeed.feeders.chunks"),
-    ("blobfeed.service.ray_service", "blobfeed.feeders.chunks"),
-    ("blobfeed.service.ledger", "blobfeed.feeders.chunks"),
-}
+SERVICE_DEBTS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..feeders.chunks import EpochEnd
+from ..reader import EpochEnd
 from .arena import consumer_pidfd
 from .admission import Refused, admit
 from .ledger import Ledger

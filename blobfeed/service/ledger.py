@@ -24,7 +24,7 @@ import collections
 import threading
 from typing import Any, Callable
 
-from ..feeders.chunks import EpochEnd
+from ..reader import EpochEnd
 from .wire import WireError
 
 __all__ = ["Ledger"]

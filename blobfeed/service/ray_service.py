@@ -53,7 +53,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..errors import ServiceError
-from ..feeders.chunks import EpochEnd
+from ..reader import EpochEnd
 from .admission import Refused, admit
 from .ledger import Ledger
 from .ray_attach import HEARTBEAT_S, POLL_S, TAKE_WAIT_S, parse_ray_address, ray_failure
