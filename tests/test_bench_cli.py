@@ -1070,10 +1070,14 @@ def test_a_ratio_past_the_physical_bound_is_a_failed_measurement(capsys: pytest.
 
 @pytest.mark.timeout(120)
 def test_a_hung_measurement_is_killed_with_every_process_it_started() -> None:
-    """The child and the Pool's workers it forked: none is left behind."""
+    """The child and the Pool's workers it forked: none is left behind, nor
+    the named semaphores of the Pool, which no killed process could unlink
+    (six stayed in /dev/shm for every run of this test)."""
+    semaphores = runner._semaphores()
     t0 = time.monotonic()
     with pytest.raises(runner.MeasurementFailed, match=r"^timed out after 4 s \(killed\)$"):
         runner._child("W1p", "pool", 60.0, timeout=4.0)
+    assert not runner._semaphores() - semaphores
     assert time.monotonic() - t0 < 60
 
     def left() -> list[int]:

@@ -227,6 +227,62 @@ def child_timeout(seconds: float) -> float:
     return seconds * 10 + 120
 
 
+SHM = "/dev/shm"
+
+
+def _semaphores() -> set[str]:
+    """The named semaphores of multiprocessing (``sem.mp-*``) in /dev/shm now."""
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("sem.mp-")}
+    except OSError:
+        return set()
+
+
+def _unlink_orphan_semaphores(before: set[str], group: int) -> None:
+    """Unlink the multiprocessing semaphores a killed measurement left.
+
+    A measurement killed with its whole group (a peer's Pool, its resource
+    tracker) cannot unlink the named semaphores it made: each would stay in
+    /dev/shm for good.  Those that appeared since ``before`` and no live
+    process maps any more are its own (the group is gone; the wait is
+    bounded: a killed process lets its mappings go as it exits).
+    """
+    deadline = time.monotonic() + 5.0
+    while _group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    new = _semaphores() - before
+    if not new:
+        return
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                mapped.update(name for line in f if SHM + "/sem.mp-" in line
+                              for name in [line.rsplit("/", 1)[-1].split()[0]])
+        except OSError:
+            continue
+    for name in new - mapped:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM, name))
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of process group ``group`` still runs (not a zombie)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == group:
+            return True
+    return False
+
+
 def _child(wl_id: str, runner: str, seconds: float, timeout: float | None = None) -> dict[str, Any]:
     """One measurement in a fresh child process (``python -m
     blobfeed.apps.bench --child``), so that its peak RSS is its own.
@@ -240,6 +296,7 @@ def _child(wl_id: str, runner: str, seconds: float, timeout: float | None = None
             message is one line that says which.
     """
     limit = child_timeout(seconds) if timeout is None else timeout
+    semaphores = _semaphores()
     proc = subprocess.Popen(
         child_command("--child", wl_id, runner, str(seconds)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ), start_new_session=True,
@@ -250,6 +307,7 @@ def _child(wl_id: str, runner: str, seconds: float, timeout: float | None = None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
+        _unlink_orphan_semaphores(semaphores, proc.pid)
         if isinstance(exc, subprocess.TimeoutExpired):
             raise MeasurementFailed(f"timed out after {limit:g} s (killed)") from None
         raise
