@@ -1078,6 +1078,8 @@ def test_a_hung_measurement_is_killed_with_every_process_it_started() -> None:
     with pytest.raises(runner.MeasurementFailed, match=r"^timed out after 4 s \(killed\)$"):
         runner._child("W1p", "pool", 60.0, timeout=4.0)
     assert not runner._semaphores() - semaphores
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("blobfeed-bench-") and not os.path.exists(
+        "/proc/" + n.split("-")[2])], "a killed measurement's tally was left behind"
     assert time.monotonic() - t0 < 60
 
     def left() -> list[int]:

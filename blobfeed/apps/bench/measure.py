@@ -43,7 +43,7 @@ class Tally:
         folder = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
         # A run that was killed could not delete its tallies: the name
         # carries the owner's pid, so the next run deletes those of the dead.
-        _sweep(folder)
+        sweep_tallies(folder)
         fd, self.path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=folder)
         os.ftruncate(fd, self.SIZE)
         os.close(fd)
@@ -127,7 +127,7 @@ class Tally:
 _PREFIX = "blobfeed-bench-"
 
 
-def _sweep(folder: str) -> None:
+def sweep_tallies(folder: str) -> None:
     """Delete the tallies in ``folder`` whose owner process is gone."""
     try:
         names = os.listdir(folder)

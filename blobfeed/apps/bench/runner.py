@@ -16,7 +16,7 @@ from typing import Any
 
 from . import library, peers, service
 from .library import W5_SLICE_S
-from .measure import Meter
+from .measure import Meter, sweep_tallies
 from .peers.ray_data import RAYDATA_NEEDS
 from .report import summarize
 from .workloads import PROCESS_PEERS, SERVICE_CONSUMERS, WORKLOADS, W4Fetch, Workload, ensure_w6_corpus
@@ -239,7 +239,7 @@ def _semaphores() -> set[str]:
 
 
 def _unlink_orphan_semaphores(before: set[str], group: int) -> None:
-    """Unlink the multiprocessing semaphores a killed measurement left.
+    """Unlink the multiprocessing semaphores (and the tally) a killed measurement left.
 
     A measurement killed with its whole group (a peer's Pool, its resource
     tracker) cannot unlink the named semaphores it made: each would stay in
@@ -250,6 +250,7 @@ def _unlink_orphan_semaphores(before: set[str], group: int) -> None:
     deadline = time.monotonic() + 5.0
     while _group_alive(group) and time.monotonic() < deadline:
         time.sleep(0.05)
+    sweep_tallies(SHM)  # its tally, whose owner is dead now
     new = _semaphores() - before
     if not new:
         return
