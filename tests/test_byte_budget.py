@@ -109,9 +109,20 @@ def test_a_fetcher_of_big_chunks_blocks_at_the_byte_budget(gc, deterministic: bo
     source = gc._sources["train"]
     gc.start()
     # at rest: the fetcher blocked handing over its fifth chunk
-    wait_until(lambda: source.inflight.get(next(iter(source.dealer.worker_ids)), 0) > 0
-               and sample(gc, "blobfeed_internal_queue_depth", source="train") == 4,
-               "the fetcher blocked on a full queue")
+    def at_rest() -> bool:
+        return (source.inflight.get(next(iter(source.dealer.worker_ids)), 0) > 0
+                and sample(gc, "blobfeed_internal_queue_depth", source="train") == 4)
+
+    # bounded generously: this timed out once at 5 s in a loaded CI run (not
+    # reproduced in 20 runs since); the message says where it stood
+    try:
+        wait_until(at_rest, "the fetcher blocked on a full queue", timeout=30)
+    except AssertionError as err:
+        raise AssertionError(
+            f"{err}: queue depth {sample(gc, 'blobfeed_internal_queue_depth', source='train')}, "
+            f"bytes {sample(gc, 'blobfeed_internal_queue_bytes', source='train')}, "
+            f"in flight {dict(source.inflight)}, device queue "
+            f"{sample(gc, 'blobfeed_device_queue_depth', source='train', net='n')}") from None
     assert sample(gc, "blobfeed_internal_queue_bytes", source="train") == 4 * MIB
     assert source.dealer.stats().queued_bytes == 4 * MIB
     assert source.dealer.stats().max_bytes == 4 * MIB
