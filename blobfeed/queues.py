@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import collections
+import queue
 import sys
 import threading
-from typing import Generic, TypeVar
+from typing import Generic, Iterator, TypeVar
 
 from .errors import DequeueTimeout, EndOfInput
 
@@ -328,3 +329,13 @@ class BlobsQueue(Generic[T]):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<BlobsQueue {self.name!r} {len(self._items)}/{self._capacity} {state}>"
+
+
+def drained(q: "queue.SimpleQueue[T]") -> Iterator[T]:
+    """What ``q`` holds now, taken without waiting (weakref callbacks put
+    the references of what died there: a buffer pool, the service's arena)."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return

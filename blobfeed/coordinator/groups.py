@@ -446,19 +446,27 @@ class DataInputCoordinator(WorkerCoordinator):
 
     def _retire(self) -> None:
         """Fold the counts into the source's totals; every thread has ended."""
-        hub = self._hub
-        hub.retire(self.name, self._fetch_stats)
-        hub.retire(self.name, [self.feed.stats], net=self.feed.net_name)
-        self.feed.release_net()
-        # A consumer may still call run() on the stopped net; what it records
-        # after this point (the wait of a run that raises) is not counted.
-        hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.feed.net_name)
-        hub.detach_source(self.source)
+        self._hub.retire(self.name, self._fetch_stats)
+        _retire_feed(self._hub, self.name, self.feed, self.source)
 
     def mark_forked(self) -> None:
-        self.feed.mark_forked()
-        # plain stores (its lock may be held): the net can be re-wired
-        self.source.stopped = self.source.halted = True
+        _forked(self.feed, self.source)
+
+
+def _retire_feed(hub: MetricsHub, name: str, feed: Feed, source: InputSource) -> None:
+    """Fold a feed's counts into its source's totals and let the source go."""
+    hub.retire(name, [feed.stats], net=feed.net_name)
+    feed.release_net()
+    # A consumer may still call run() on the stopped net; what it records
+    # after this point (the wait of a run that raises) is not counted.
+    hub.retire(name, [feed.direct_stats, feed.consume_stats], net=feed.net_name)
+    hub.detach_source(source)
+
+
+def _forked(feed: Feed, source: InputSource) -> None:
+    feed.mark_forked()
+    # plain stores (its lock may be held): the net can be re-wired
+    source.stopped = source.halted = True
 
 
 class ReaderCoordinator(WorkerCoordinator):
@@ -491,15 +499,10 @@ class ReaderCoordinator(WorkerCoordinator):
         self.source.stop()
 
     def _retire(self) -> None:
-        hub = self._hub
-        hub.retire(self.name, [self.feed.stats], net=self.feed.net_name)
-        self.feed.release_net()
-        hub.retire(self.name, [self.feed.direct_stats, self.feed.consume_stats], net=self.feed.net_name)
-        hub.detach_source(self.source)
+        _retire_feed(self._hub, self.name, self.feed, self.source)
 
     def mark_forked(self) -> None:
-        self.feed.mark_forked()
-        self.source.stopped = self.source.halted = True
+        _forked(self.feed, self.source)
 
 
 class InletCoordinator(ReaderCoordinator):

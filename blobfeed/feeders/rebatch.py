@@ -7,13 +7,14 @@ import math
 import mmap
 import queue
 import weakref
-from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from ..queues import drained
 from .chunks import Batch, Chunk
 
-__all__ = ["BatchMemory", "BufferPool", "Cut", "Rebatcher", "died"]
+__all__ = ["BatchMemory", "BufferPool", "Cut", "Rebatcher"]
 
 #: batches at least this big are assembled into recycled buffers
 POOL_MIN_BYTES = 1 << 20
@@ -25,14 +26,6 @@ _NEVER = 1 << 62
 _ALIGN = 64
 
 
-def died(returned: "queue.SimpleQueue[weakref.ref[Any]]") -> Iterator["weakref.ref[Any]"]:
-    """The weak references their callbacks put on ``returned`` so far (its
-    referents died), without waiting."""
-    while True:
-        try:
-            yield returned.get_nowait()
-        except queue.Empty:
-            return
 
 
 class BatchMemory(Protocol):
@@ -125,7 +118,7 @@ class BufferPool:
         ]
 
     def _collect(self) -> None:
-        for ref in died(self._returned):
+        for ref in drained(self._returned):
             _, total, mem = self._out.pop(id(ref))
             free = self._free.setdefault(total, [])
             if len(free) < POOL_KEEP:

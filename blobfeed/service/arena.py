@@ -29,23 +29,16 @@ import queue
 import select
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..queues import drained
 from .slots import sealed_memfd
 
 __all__ = ["SourceArena", "consumer_pidfd"]
 
 
-def died(returned: "queue.SimpleQueue[weakref.ref[Any]]") -> Iterator["weakref.ref[Any]"]:
-    """The weak references their callbacks put on ``returned`` so far (their
-    referents died), without waiting."""
-    while True:
-        try:
-            yield returned.get_nowait()
-        except queue.Empty:
-            return
 
 logger = logging.getLogger("blobfeed.service")
 
@@ -130,7 +123,7 @@ class SourceArena:
         return True
 
     def _collect(self) -> None:
-        for ref in died(self._returned):
+        for ref in drained(self._returned):
             entry = self._out.pop(id(ref), None)
             if entry is not None:
                 self._free.append(entry[1])

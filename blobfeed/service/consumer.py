@@ -20,7 +20,7 @@ import time
 from typing import Any, Sequence
 
 from ..arguments import check_index, check_timeout
-from ..errors import EndOfInput, FetcherError, ServiceError
+from ..errors import FetcherError, ServiceError
 from ..net import Net
 from ..reader import Inlet
 from .remote import Attached, open_inlet

@@ -177,7 +177,7 @@ def decode_record(data: bytes, peer: str) -> dict[str, Any]:
         raise WireError(f"{peer} sent a record nested deeper than {MAX_DEPTH} lists and objects (or unbalanced)")
     try:
         record = json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise WireError(f"{peer} sent a record that is not JSON: {data[:40]!r}") from None
     if not isinstance(record, dict) or not isinstance(record.get("t"), str):
         raise WireError(f"{peer} sent a record without a kind: {data[:40]!r}")
