@@ -17,6 +17,8 @@ PKG = Path(__file__).resolve().parent.parent / "blobfeed"
 #: lower imports higher never; same layer never (except a package and its parts)
 LAYERS: dict[str, int] = {
     "blobfeed.errors": 0, "blobfeed.arguments": 0, "blobfeed.worker_info": 0, "blobfeed.stats": 0,
+    # the bottleneck verdict: reads the hub's sums (types only)
+    "blobfeed.bottleneck": 0.5,
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
