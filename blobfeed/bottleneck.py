@@ -52,6 +52,11 @@ CPU_HUNGRY = 0.5
 #: ``fetch_fun``, share one GIL
 GIL_MAX_CORES = 1.2
 GIL_CPU_RATIO = 0.75
+#: snapshots are kept at least this far apart (the newest replaces the
+#: last while closer): a monitor ticking every 10 ms keeps ~25, not 500
+STEP_S = 0.2
+#: queue fills kept per source (one per tick)
+FILL_SAMPLES = 128
 #: a new stage replaces the current one after this many ticks in a row
 #: (a pipeline near a threshold does not flap, nor log at every tick)
 CONFIRM_TICKS = 2
@@ -279,6 +284,9 @@ class BottleneckTracker:
         hub.verdicts = self.verdicts  # blobfeed_bottleneck_info
         self._points: dict[str, collections.deque[_Point]] = {}
         self._fills: dict[str, collections.deque[tuple[float, float]]] = {}
+        #: id() of the live source each source's snapshots are of (a source
+        #: stopped and started again between two ticks starts afresh)
+        self._run: dict[str, int] = {}
         #: (source, net) -> the verdict in force; (source, net) -> (candidate stage, ticks seen)
         self._current: dict[tuple[str, str], Bottleneck] = {}
         self._pending: dict[tuple[str, str], tuple[str, int]] = {}
@@ -303,10 +311,13 @@ class BottleneckTracker:
         threads_of = dict(fetcher_threads)
         for name, entry in totals.items():
             live = entry.live
-            if live is None:
+            if live is None or self._run.get(name) != id(live):
                 self._points.pop(name, None)
                 self._fills.pop(name, None)
-                continue
+                self._run.pop(name, None)
+                if live is None:
+                    continue
+                self._run[name] = id(live)
             tids = threads_of.get(name)
             cpu = None if tids is None else thread_cpu(tids)
             try:
@@ -323,8 +334,11 @@ class BottleneckTracker:
             f = entry.fetch
             point = _Point(now, f.fetch.total, f.samples, f.bytes, workers, fill, cpu, nets)
             pts = self._points.setdefault(name, collections.deque())
-            fills = self._fills.setdefault(name, collections.deque())
-            pts.append(point)
+            fills = self._fills.setdefault(name, collections.deque(maxlen=FILL_SAMPLES))
+            if len(pts) >= 2 and now - pts[-2].t < STEP_S:
+                pts[-1] = point
+            else:
+                pts.append(point)
             if fill is not None:
                 fills.append((now, fill))
             while len(pts) > 2 and now - pts[1].t >= self.window_s:
@@ -378,4 +392,5 @@ class BottleneckTracker:
         self._pending.clear()
         self._points.clear()
         self._fills.clear()
+        self._run.clear()
 
