@@ -66,7 +66,7 @@ LAYERS: dict[str, int] = {
     **{f"blobfeed.apps.bench.peers.{peer}": 14.4 for peer in (
         "caffe2", "copy_bound", "grain_dataset", "model_alone", "mp_pool", "ray_data", "torch_dataloader")},
     "blobfeed.apps.bench.peers": 14.5, "blobfeed.apps.bench.runner": 14.6, "blobfeed.apps.bench.cli": 14.7,
-    "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.serve": 14.8, "blobfeed.apps.cli": 14.9,
+    "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.serve": 14.8, "blobfeed.apps.top": 14.8, "blobfeed.apps.cli": 14.9,
 }
 APPS = {m for m in LAYERS if m == "blobfeed.apps" or m.startswith("blobfeed.apps.")}
 #: what an application may import of the package
