@@ -15,7 +15,8 @@ import pytest
 
 import blobfeed
 from blobfeed import EndOfInput, Net, init_data_input_workers
-from blobfeed.bottleneck import STAGES, Bottleneck
+from blobfeed.bottleneck import STAGES, Bottleneck, BottleneckTracker, _NetPoint, _Point, judge
+from blobfeed.stats import MetricsHub
 
 from .helpers import sample, wait_until
 
@@ -155,3 +156,109 @@ def test_big_chunks_are_copy_bound(gc: blobfeed.GlobalCoordinator, caplog: pytes
     v = run_pipeline(gc, caplog, _big, batch_size=1500, num_worker_threads=2, max_buffered_batches=4)
     assert v.stage == "copy", v
     assert v.net_wait > 0.5 and v.fetch_busy is not None and v.fetch_busy < 0.3, v
+
+
+# ----------------------------------------------------------------- the rules, without a pipeline
+
+def _pt(t: float, *, fetch_s: float = 0.0, workers: int = 2, fill: float | None = 0.1,
+        cpu: dict[int, float] | None = None, wait: float = 0.0, busy: float = 0.0, model: float = 0.0) -> _Point:
+    return _Point(t, fetch_s, 0, 0, workers, fill, cpu, {"n": _NetPoint(wait, busy, model, 0.0)})
+
+
+@pytest.mark.parametrize("last, fills, threads, stage", [
+    # the net hardly waits: the model (or the consumer's loop)
+    (_pt(10, wait=0.5, busy=9.5, model=9.0, fetch_s=4), [1.0], True, "model"),
+    (_pt(10, wait=0.5, busy=9.5, model=1.0, fetch_s=4), [1.0], True, "model"),
+    # the net waits, the queue is full: moving the data
+    (_pt(10, wait=9, busy=1, fetch_s=2), [0.9, 0.95], True, "copy"),
+    # the net waits, the queue has room, fetchers in fetch_fun 90%: which kind
+    (_pt(10, wait=9, busy=1, fetch_s=18, cpu={1: 4.5, 2: 4.5}), [0.1], True, "gil"),
+    (_pt(10, wait=9, busy=1, fetch_s=18, cpu={1: 9.0, 2: 9.0}), [0.1], True, "fetch"),
+    (_pt(10, wait=9, busy=1, fetch_s=9, workers=1, cpu={1: 9.0}), [0.1], True, "fetch"),
+    (_pt(10, wait=9, busy=1, fetch_s=18, cpu={1: 0.1, 2: 0.1}), [0.1], True, "workers"),
+    (_pt(10, wait=9, busy=1, fetch_s=18), [0.1], False, "workers"),  # processes: CPU unknown
+    # the fetchers are mostly outside fetch_fun with room in the queue
+    (_pt(10, wait=9, busy=1, fetch_s=4), [0.1], True, "copy"),
+    # too little to judge
+    (_pt(10, wait=1, busy=0.5), [0.1], True, "idle"),
+    (_pt(10, wait=9, busy=1, workers=0), [0.0], True, "idle"),
+])
+def test_each_rule(last: _Point, fills: list[float], threads: bool, stage: str) -> None:
+    first = _pt(0, workers=last.workers, cpu=None if last.cpu is None else dict.fromkeys(last.cpu, 0.0))
+    v = judge("s", "n", first, last, fills, threads=threads, fair_share=1.0)
+    assert v.stage == stage, v
+    assert v.window_s == 10 and v.advice
+
+
+def test_a_busy_machine_lowers_the_cpu_a_thread_can_get() -> None:
+    """Two GIL-bound threads on a machine where one busy thread gets a fifth
+    of a core: together 0.2 cores is all a thread gets: still the GIL."""
+    first = _pt(0, cpu={1: 0.0, 2: 0.0})
+    last = _pt(10, wait=9, busy=1, fetch_s=18, cpu={1: 1.0, 2: 1.0})
+    assert judge("s", "n", first, last, [0.1], threads=True, fair_share=0.2).stage == "gil"
+    assert judge("s", "n", first, last, [0.1], threads=True, fair_share=1.0).stage == "workers"
+
+
+class _Live:
+    name, finished, stopped, error = "s", False, False, None
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def queue_depth(self) -> int:
+        return self.depth
+
+    def queue_capacity(self) -> int:
+        return 10
+
+    def queue_bytes(self) -> int:
+        return 0
+
+    def workers_alive(self) -> int:
+        return 1
+
+    def buffered_samples(self) -> int:
+        return 0
+
+    def device_queue_depths(self) -> list[tuple[str, int]]:
+        return []
+
+
+def test_a_new_stage_takes_force_when_two_ticks_agree_and_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="blobfeed.bottleneck")
+    hub = MetricsHub()
+    live = _Live()
+    hub.attach_source(live)
+    fs, cs = hub.fetch_stats("s"), hub.consume_stats("s", "n")
+    tracker = BottleneckTracker(hub, window_s=1.0)  # each verdict: the last tick alone
+    t = 0.0
+
+    def tick(*, waiting: bool) -> str | None:
+        nonlocal t
+        t += 1.0
+        if waiting:  # the net waits, its one worker fetches all the time, on I/O
+            cs.wait.observe(0.9)
+            cs.busy += 0.1
+            fs.fetch.observe(1.0)
+            live.depth = 0
+        else:  # the net's model runs, the queue is full
+            cs.wait.observe(0.01)
+            cs.busy += 0.99
+            cs.model.observe(0.99)
+            live.depth = 10
+        tracker.observe(t, hub.totals(), {"s": None}, share=1.0)
+        stages = [v.stage for v in tracker.verdicts()]
+        return stages[0] if stages else None
+
+    assert tick(waiting=False) is None  # no window yet
+    assert tick(waiting=False) == "model"
+    assert tick(waiting=True) == "model", "one tick does not change the verdict"
+    assert tick(waiting=False) == "model"
+    assert tick(waiting=True) == "model"
+    assert tick(waiting=True) == "workers", "two do"
+    logged = [r.getMessage() for r in caplog.records if r.name == "blobfeed.bottleneck"]
+    assert [m.split(":")[1].strip() for m in logged] == ["model", "workers (was model)"], logged
+    assert all(m.startswith("bottleneck of source 's', net 'n': ") for m in logged), logged
+    # the source stops: no verdict any more
+    hub.detach_source(live)
+    assert tracker.verdicts() == ()
