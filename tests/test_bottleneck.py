@@ -126,6 +126,13 @@ def test_one_io_bound_worker_is_too_few(gc: blobfeed.GlobalCoordinator, caplog: 
     assert v.fetch_cpu is not None and v.fetch_cpu < 0.25, v
 
 
+def test_worker_processes_have_no_cpu_reading_and_still_get_a_verdict(
+    gc: blobfeed.GlobalCoordinator, caplog: pytest.LogCaptureFixture,
+) -> None:
+    v = run_pipeline(gc, caplog, _sleeper, num_worker_threads=1, backend="processes")
+    assert v.stage == "workers" and v.fetch_cpu is None, v
+
+
 def _instant(w: int, b: int) -> list[np.ndarray]:
     return [np.zeros((32, 1), np.float32)]
 
