@@ -217,3 +217,36 @@ def test_on_a_terminal_it_redraws_in_place_and_restores_the_terminal(pipeline: s
     assert b"train" in out and b"VERDICT" in out
     assert out.rstrip(b"\r\n").endswith(top._SHOW.encode() + top._ALT_OFF.encode()), out[-40:]
     assert after == before, "the terminal's modes were not restored"
+
+
+def test_once_against_a_feeding_service(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``blobfeed serve --metrics-port``: the source, its consumers column
+    (none attached yet) and the net of consumer index 0, which ran nothing."""
+    import re
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "N": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", "tests.service.feeds:wire_by_index",
+         "--listen", str(tmp_path / "feed.sock"), "--metrics-port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()  # bounded: printed once listening, or the process exits
+        m = re.match(r"blobfeed serve: metrics on (http://\S+)$", proc.stdout.readline().strip())
+        assert m, "no metrics line"
+        assert cli.main(["top", m.group(1), "--once"]) == 0
+        out = capsys.readouterr().out
+        header = next(line for line in out.splitlines() if line.startswith("SOURCE  WORKERS"))
+        row = next(line for line in out.splitlines() if line.startswith("train "))
+        assert row.split()[header.split().index("CONSUMERS")] == "0", out
+        net = next(line for line in out.splitlines() if line.startswith("train ") and " consumer-0 " in line)
+        assert net.split()[2:] == ["-", "-", "-", "-", "0", "-"], net  # no rates, shares or verdict yet
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=RUN_BOUND_S)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
