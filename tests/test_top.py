@@ -250,3 +250,10 @@ def test_once_against_a_feeding_service(tmp_path: Path, capsys: pytest.CaptureFi
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=30)
+
+
+def test_a_scrape_naming_many_sources_shows_a_bounded_frame() -> None:
+    text = "".join(f'blobfeed_batches_total{{source="s{i:05d}",net="n"}} 1\n' for i in range(5000))
+    frame = top.render("http://h:1/metrics", top.parse("http://h:1/metrics", text, 0.0), None)
+    assert f"... and {5000 - top.MAX_ROWS} more sources" in frame
+    assert len(frame.splitlines()) < 3 * top.MAX_ROWS

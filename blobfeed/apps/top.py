@@ -29,7 +29,7 @@ import select
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Iterator
 from urllib.parse import urlsplit
 
@@ -51,6 +51,9 @@ STAGE_ADVICE = {
     "model": "model-bound: input is not the limit",
     "idle": "too little happened to judge",
 }
+
+#: sources shown, and nets per source (a scrape may name any number)
+MAX_ROWS = 64
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
@@ -132,14 +135,19 @@ class Snapshot:
 
     t: float
     samples: Samples
+    #: sample name -> its series (labels, value): built once, so a frame costs
+    #: one pass over a scrape however many sources it names
+    by_name: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for (name, labels), v in self.samples.items():
+            self.by_name.setdefault(name, []).append((dict(labels), v))
 
     def get(self, name: str, **labels: str) -> float | None:
         return self.samples.get((name, tuple(sorted(labels.items()))))
 
-    def series(self, name: str) -> Iterator[tuple[dict[str, str], float]]:
-        for (n, labels), v in self.samples.items():
-            if n == name:
-                yield dict(labels), v
+    def series(self, name: str) -> list[tuple[dict[str, str], float]]:
+        return self.by_name.get(name, [])
 
 
 def parse(url: str, text: str, t: float) -> Snapshot:
@@ -213,8 +221,14 @@ def _table(rows: list[list[str]], indent: str = "") -> list[str]:
 
 def render(url: str, now: Snapshot, before: Snapshot | None, width: int = 200) -> str:
     """One frame: a header, a table of sources, a table of nets, the verdicts' advice."""
-    sources = sorted({dict(lt)["source"] for name, lt in now.samples
-                      if name.startswith("blobfeed_") and "source" in dict(lt)})
+    sources = sorted({labels["source"] for name, series in now.by_name.items() if name.startswith("blobfeed_")
+                      for labels, _ in series if "source" in labels})
+    nets: dict[str, list[str]] = {}
+    for labels, _ in now.series("blobfeed_batches_total"):
+        if "source" in labels and "net" in labels:
+            nets.setdefault(labels["source"], []).append(labels["net"])
+    stages = {(labels.get("source"), labels.get("net")): labels.get("stage", "?")
+              for labels, v in now.series("blobfeed_bottleneck_info") if v == 1}
     when = time.strftime("%H:%M:%S")
     rates = "rates over the last %.1f s" % (now.t - before.t) if before is not None else "rates need two scrapes"
     lines = [f"blobfeed top  {_clean(url)}  {when}  ({rates}; wait/model shares "
@@ -225,7 +239,8 @@ def render(url: str, now: Snapshot, before: Snapshot | None, width: int = 200) -
     srows = [["SOURCE", "WORKERS", "QUEUE", "FILL", "FETCHED/S", "INPUTS/S", "BUFFERED", "CONSUMERS"]]
     nrows = [["SOURCE", "NET", "BATCHES/S", "SAMPLES/S", "WAIT", "MODEL", "DEVQ", "VERDICT"]]
     advice: list[str] = []
-    for src in sources:
+    hidden = max(0, len(sources) - MAX_ROWS)
+    for src in sources[:MAX_ROWS]:
         depth = now.get("blobfeed_internal_queue_depth", source=src)
         cap = now.get("blobfeed_internal_queue_capacity", source=src)
         consumers = now.get("blobfeed_service_consumers", source=src)
@@ -238,15 +253,12 @@ def render(url: str, now: Snapshot, before: Snapshot | None, width: int = 200) -
             _num(now.get("blobfeed_buffered_samples", source=src), 0),
             "-" if consumers is None else f"{consumers:.0f}",
         ])
-        nets = sorted({labels["net"] for labels, _ in now.series("blobfeed_batches_total") if labels["source"] == src})
-        stages = {labels["net"]: labels["stage"] for labels, v in now.series("blobfeed_bottleneck_info")
-                  if labels.get("source") == src and v == 1}
-        for net in nets:
+        for net in sorted(set(nets.get(src, ())))[:MAX_ROWS]:
             wait = _delta(now, before, "blobfeed_dequeue_wait_seconds_sum", source=src, net=net)
             busy = _delta(now, before, "blobfeed_consumer_busy_seconds_total", source=src, net=net)
             model = _delta(now, before, "blobfeed_model_run_seconds_sum", source=src, net=net)
             active = (wait or 0.0) + (busy or 0.0)
-            stage = stages.get(net)
+            stage = stages.get((src, net))
             nrows.append([
                 _clean(src)[:40], _clean(net)[:40],
                 _num(_rate(now, before, "blobfeed_batches_total", source=src, net=net)),
@@ -260,6 +272,8 @@ def render(url: str, now: Snapshot, before: Snapshot | None, width: int = 200) -
                 advice.append(f"{_clean(src)[:40]}/{_clean(net)[:40]}: "
                               f"{STAGE_ADVICE.get(stage, 'unknown stage ' + _clean(stage)[:12])}")
     lines += _table(srows)
+    if hidden:
+        lines.append(f"... and {hidden} more sources")
     lines.append("")
     lines += _table(nrows) if len(nrows) > 1 else ["no net fed yet"]
     if advice:
