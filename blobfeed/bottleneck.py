@@ -163,11 +163,13 @@ def judge(
             cores = sum(max(0.0, last.cpu[tid] - first.cpu[tid]) for tid in common) / dt
     fetch_cpu = None if cores is None or workers <= 0 else min(1.0, cores / workers)
     fill = sum(fills) / len(fills) if fills else None
+    assemble = min(1.0, enqueue / dt)
+    bytes_per_second = max(0, last.nbytes - first.nbytes) / dt
     common_args = dict(
         source=source, net=net, window_s=dt, net_wait=net_wait, model=model_share, consumer=consumer,
-        fetch_busy=fetch_busy, fetch_cpu=fetch_cpu, assemble=min(1.0, enqueue / dt), queue_fill=fill,
+        fetch_busy=fetch_busy, fetch_cpu=fetch_cpu, assemble=assemble, queue_fill=fill,
         workers=workers, samples_per_second=max(0, last.samples - first.samples) / dt,
-        bytes_per_second=max(0, last.nbytes - first.nbytes) / dt,
+        bytes_per_second=bytes_per_second,
     )
 
     def verdict(stage: str, advice: str) -> Bottleneck:
@@ -189,8 +191,8 @@ def judge(
     if fill is not None and fill >= QUEUE_FULL:
         return verdict("copy", f"copy-bound: {waits} while the internal queue is {_pct(fill)} full: moving "
                                "chunks into batches and on to the net is the limit, not the fetchers (assembling "
-                               f"takes {_pct(common_args['assemble'])} of the time, "
-                               f"{common_args['bytes_per_second'] / 1e6:.0f} MB/s fetched); larger chunks and "
+                               f"takes {_pct(assemble)} of the time, "
+                               f"{bytes_per_second / 1e6:.0f} MB/s fetched); larger chunks and "
                                "batches, or a batch size that is a multiple of the chunk size, move less per sample")
     if fetch_busy >= FETCH_BUSY:
         each = f"each of {workers:.0f} worker(s) is busy {_pct(fetch_busy)} of the time fetching"
@@ -266,8 +268,8 @@ def fetcher_threads(groups: Iterable[object]) -> dict[str, list[int] | None]:
             # the names blobfeed.feeders.backends.ThreadBackend gives its threads
             names[f"blobfeed-fetch-{source}-{wid}"] = source
     for t in threading.enumerate():
-        source = names.get(t.name)  # type: ignore[assignment]
-        ids = None if source is None else out.get(source)
+        owner = names.get(t.name)
+        ids = None if owner is None else out.get(owner)
         if ids is not None and t.native_id is not None and t.is_alive():
             ids.append(t.native_id)
     return out
@@ -356,7 +358,7 @@ class BottleneckTracker:
         self._settle(verdicts)
 
     def _settle(self, verdicts: dict[tuple[str, str], Bottleneck]) -> None:
-        changes = []
+        changes: list[tuple[str | None, Bottleneck]] = []
         with self._lock:
             for key in [k for k in self._current if k not in verdicts]:
                 del self._current[key]
