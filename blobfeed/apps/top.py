@@ -349,9 +349,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="the /metrics URL (http://127.0.0.1:9100/metrics) or host:port")
     p.add_argument("--interval", "-d", type=positive_float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
                    help=f"seconds between scrapes (default {DEFAULT_INTERVAL_S:g})")
-    p.add_argument("--once", action="store_true",
+    count = p.add_mutually_exclusive_group()
+    count.add_argument("--once", action="store_true",
                    help="print one snapshot and exit (one scrape: no rates; see --iterations)")
-    p.add_argument("--iterations", "-n", type=positive_int, default=None, metavar="N",
+    count.add_argument("--iterations", "-n", type=positive_int, default=None, metavar="N",
                    help="print N snapshots, --interval apart, and exit (rates from the second on)")
     p.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"bound on one scrape (default {DEFAULT_TIMEOUT_S:g})")
