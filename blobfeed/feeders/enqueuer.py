@@ -173,6 +173,11 @@ class Feed:
     def device_queue_depth(self) -> int:
         return self.device_queue.qsize()
 
+    def absorbs(self, sample_bytes: int) -> bool:
+        """Whether this feed copies every piece of a chunk of samples of
+        ``sample_bytes`` into its batch at once, keeping no view of it."""
+        return self.rebatcher.absorbs(sample_bytes)
+
     def buffered_samples(self) -> int:
         reader = self.reader
         staged = self._staged
