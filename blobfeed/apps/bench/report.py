@@ -571,7 +571,7 @@ def cost_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     """The table of hand-off costs per batch: for each measurement that
     read them, the service's and a consumer's context switches and CPU
     microseconds per batch, and their sum; empty when none did."""
-    rows = []
+    rows: list[tuple[str, str, float | None, float]] = []
     for key, r in results.items():
         if "failed" in r:
             continue
@@ -585,12 +585,12 @@ def cost_lines(results: dict[str, dict[str, Any]]) -> list[str]:
         total = service_path_cpu_us(r)
         if total is not None:
             switches = [r.get(ctx) for _, _, ctx in COST_KEYS]
-            rows.append((key, "service + consumer", None if None in switches else sum(switches), total))
+            rows.append((key, "service + consumer", None if None in switches else float(sum(s for s in switches if s is not None)), total))
     if not rows:
         return []
     lines = [f"{'per batch taken':<{KEY_WIDTH}}{'':<20}{'ctx switches/batch':>20}{'CPU us/batch':>14}"]
-    for key, who, ctx, cpu in rows:
-        lines.append(f"{key:<{KEY_WIDTH}}{who:<20}{'-' if ctx is None else format(ctx, '.1f'):>20}{cpu:>14.1f}")
+    for key, who, switched, cpu_us in rows:
+        lines.append(f"{key:<{KEY_WIDTH}}{who:<20}{'-' if switched is None else format(switched, '.1f'):>20}{cpu_us:>14.1f}")
     return lines
 
 
