@@ -16,6 +16,7 @@ from .coordinator import (
 )
 from .errors import BlobfeedError, BlobfeedWarning, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
+from .feeders.indexed import RandomAccessSource
 from .net import Net, Workspace
 from .queues import BlobsQueue
 from .service import Attachment, FeedServer, attach_source, serve_source
@@ -45,6 +46,7 @@ __all__ = [
     "GlobalCoordinator",
     "Net",
     "ProcessBackend",
+    "RandomAccessSource",
     "ServiceError",
     "ThreadBackend",
     "WorkerCoordinator",

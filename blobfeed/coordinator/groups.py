@@ -29,6 +29,7 @@ from ..feeders import (
     is_stateful,
     thread_main,
 )
+from ..feeders.indexed import UnitReader
 from ..metrics import ExternalLogger
 from ..net import Net
 from ..stats import FetchStats, MetricsHub
@@ -384,6 +385,13 @@ class DataInputCoordinator(WorkerCoordinator):
             intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
             workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
         fetch_fun = self._fetch_fun
+        if isinstance(fetch_fun, UnitReader):
+            # a random-access source: the workers take read units, whatever
+            # the epoch (the dealer knows where epochs end)
+            return backend.launch(LaunchPlan(
+                self.name, fetch_fun, self._worker_init_fun, workers,
+                self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
+            ))
         start = {wid: self.source.resume_at.get(wid, (0, None)) for wid in self.worker_ids}
         for w in workers:
             w.intake.calls = start[w.worker_id][0]  # the seq of its next chunk

@@ -43,6 +43,7 @@ from ..errors import BlobfeedError, FetcherError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
 from .chunks import GrantPin
+from .indexed import UNIT_RECORD
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
 from .transport import SLOT_INDEX, FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
@@ -309,6 +310,13 @@ class _Worker:
         #: the exit code once known (negative: the signal that killed it)
         self.exitcode: int | None = None
         out_r, out_w = os.pipe()
+        #: a random-access source: the pipe its read units go down, and the
+        #: thread that feeds it (see _feed_units)
+        self.units = group.plan.units
+        self.units_w = -1
+        units_r = -1
+        if self.units is not None:
+            units_r, self.units_w = os.pipe()
         info = w.info
         self.process = group.ctx.Process(
             target=child_main,
@@ -318,6 +326,7 @@ class _Worker:
                 FdHandle(group.payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
                 backend.slot_bytes, FdHandle(free_r), FdHandle(out_w), backend.start_method == "forkserver",
                 group.plan.epochs, group.plan.first_epoch,
+                FdHandle(units_r) if units_r >= 0 else None,
             ),
             daemon=True,
         )
@@ -327,12 +336,17 @@ class _Worker:
         except BaseException:
             self.ring.close()
             os.close(out_r)
+            if self.units_w >= 0:
+                os.close(self.units_w)
+                self.units_w = -1
             raise
         finally:
             # the child has its copies now (or never will): ours go
             os.close(area_fd)
             os.close(free_r)
             os.close(out_w)
+            if units_r >= 0:
+                os.close(units_r)
         self.pid: int = self.process.pid or 0
         #: ready when the worker process itself has ended (see _exit_fd)
         self.sentinel, self._own_sentinel = _exit_fd(self.process)
@@ -345,6 +359,35 @@ class _Worker:
             name=f"blobfeed-recv-{group.source}-{w.worker_id}",
             daemon=True,
         )
+        self.feeder: threading.Thread | None = None
+        if self.units is not None:
+            self.feeder = threading.Thread(
+                target=thread_main,
+                args=(f"blobfeed-units-{group.source}-{w.worker_id}", self._feed_units, group.plan.on_thread_exit),
+                name=f"blobfeed-units-{group.source}-{w.worker_id}",
+                daemon=True,
+            )
+
+    #: read units a worker process holds at most (being read, or waiting in its pipe)
+    UNITS_AHEAD = 2
+
+    def _feed_units(self) -> None:
+        """Give the child its read units, :data:`UNITS_AHEAD` at most that it
+        has not delivered, until there are none left or the source stops;
+        then the pipe's end tells it so."""
+        units = self.units
+        wid = self.plan.worker_id
+        fd = self.units_w
+        try:
+            while True:
+                r = units.take(wid, self.UNITS_AHEAD)
+                if r is None:
+                    return
+                os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
+        except OSError:
+            pass  # the child is gone: its receiver says why
+        finally:
+            os.close(fd)
 
     # -- slots --------------------------------------------------------------
     def _slot_result(self, event: Result, message_bytes: int) -> bool:
@@ -455,8 +498,11 @@ class _Worker:
             err.__cause__ = exc
             return intake.exception(err)
         share = len(data) // max(1, len(events))
+        units = self.units
         for event in events:
             kind = type(event)
+            if units is not None and (kind is Result or kind is Raised):
+                units.delivered(self.plan.worker_id)
             if kind is Result:
                 if type(event.raw) is Arrays:
                     go: bool | None = self._slot_result(event, len(data))
@@ -657,6 +703,8 @@ class _ProcessGroup:
         self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()
+            if wk.feeder is not None:
+                wk.feeder.start()
         self.watcher = self._thread("watch", self._watch)
 
     def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
@@ -750,6 +798,10 @@ class _ProcessGroup:
                     stuck.append(wk.name)
                 if wk.thread.is_alive():
                     stuck.append(wk.thread.name)
+                if wk.feeder is not None:
+                    wk.feeder.join(left())
+                    if wk.feeder.is_alive():
+                        stuck.append(wk.feeder.name)
             if not any(wk.running() for wk in self.workers):
                 try:
                     os.write(self._wake_w, b"x")
@@ -797,6 +849,7 @@ class _ProcessGroup:
             return []
         out = [wk.name for wk in self.workers if wk.running()]
         out += [wk.thread.name for wk in self.workers if wk.thread.is_alive()]
+        out += [wk.feeder.name for wk in self.workers if wk.feeder is not None and wk.feeder.is_alive()]
         if self.watcher.is_alive():
             out.append(self.watcher.name)
         if self.returner.is_alive():
