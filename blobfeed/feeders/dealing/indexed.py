@@ -182,6 +182,10 @@ class IndexedDealer(LaneDealer):
                     returned.append((lo[1], hi[1]))
                 b += k
         epoch, offset = divmod(g, self.units.n)
+        if epoch and not offset:
+            # the end of an epoch: said as such (the end of the data is in
+            # the last epoch), whether or not its end was dealt yet
+            epoch, offset = epoch - 1, self.units.n
         return {
             "version": INDEXED_STATE_VERSION,
             "kind": "random_access",

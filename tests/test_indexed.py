@@ -1,0 +1,423 @@
+"""Random-access sources (issue 26): a dataset with ``__len__`` and
+``__getitem__`` read in an order blobfeed draws, through read units taken by
+whichever worker is free and put back in order.
+
+What is checked:
+
+* the global batch sequence is a function of the data, seed, epoch and batch
+  size only: the same on threads and processes, with 1-4 workers and 1-3
+  nets, batch *i* going to net *i mod n*; it is the reference computed here
+  with numpy alone;
+* a slow worker does not hold the others back, and nobody runs more than the
+  window ahead of the oldest unit the stream waits for;
+* elastic resume: a stop at some batch, then a resume with other worker and
+  net counts (and another backend) gives the rest of the uninterrupted
+  stream, each sample exactly once per epoch over both runs; the same layout
+  gives each net exactly its uninterrupted batches;
+* a state of another length, batch size, seed or shuffle is refused naming
+  the field; bad datasets fail with the source, the index and the blob.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, RandomAccessSource, init_data_input_workers
+
+from .helpers import wait_until
+
+SRC = "train"
+BLOBS = ["ids", "x"]
+WAIT = 30.0
+SEED = 7
+
+Event = Any  # a tuple of sample ids (a batch), or ("end", epoch)
+
+
+class Items:
+    """A map-style dataset: sample i is (i, [i, i, i]).  Module level: it pickles."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        self.n = n
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.delay:
+            time.sleep(random.random() * self.delay)
+        return np.int64(i), np.full(3, i, np.float32)
+
+
+class Batched(Items):
+    """With ``__getitems__`` (torch >= 2.2): counts its batched reads."""
+
+    calls = 0
+
+    def __getitems__(self, idx: list[int]) -> list[dict[str, Any]]:
+        type(self).calls += 1
+        return [{"ids": np.int64(i), "x": np.full(3, i, np.float32)} for i in idx]
+
+
+def reference(n: int, bs: int, epochs: int, shuffle: bool = True, seed: int = SEED) -> list[Event]:
+    """The stream, from numpy alone: each epoch's order cut into batches,
+    the end of every epoch but the last."""
+    out: list[Event] = []
+    for e in range(epochs):
+        order = np.random.default_rng((seed, e)).permutation(n) if shuffle else np.arange(n)
+        out += [tuple(int(i) for i in order[s:s + bs]) for s in range(0, n, bs)]
+        if e < epochs - 1:
+            out.append(("end", e))
+    return out
+
+
+def batches_of(events: Sequence[Event]) -> list[tuple[int, ...]]:
+    return [e for e in events if e[0] != "end"]
+
+
+class Pipeline:
+    """A fresh coordinator; one net per call, each with ``workers`` workers."""
+
+    def __init__(self, dataset: Any, nets: int, workers: int, *, bs: int = 4, epochs: int | None = 2,
+                 backend: str = "threads", shuffle: bool = True, seed: int = SEED, read_size: int | None = 3,
+                 window: int | None = None, **kw: Any) -> None:
+        self.gc = blobfeed.GlobalCoordinator()
+        self.started = False
+        self.nets = [Net(name=f"net{j}") for j in range(nets)]
+        spec = RandomAccessSource(dataset, shuffle=shuffle, seed=seed, read_size=read_size, window=window)
+        for net in self.nets:
+            init_data_input_workers(net, BLOBS, spec, bs, num_worker_threads=workers, coordinator=self.gc,
+                                    epochs=epochs, backend=backend, **kw)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            self.gc.start()
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.gc.stop(timeout=10.0), "a thread outlived stop()"
+
+    def next_event(self, j: int) -> Event | None:
+        self.start()
+        try:
+            out = self.nets[j].run(timeout=WAIT)
+        except EndOfEpoch as end:
+            return ("end", end.epoch)
+        except EndOfInput:
+            return None
+        ids = out["ids"]
+        np.testing.assert_array_equal(out["x"], np.repeat(ids.astype(np.float32)[:, None], 3, axis=1))
+        return tuple(int(i) for i in ids)
+
+    def lockstep(self, limit: int | None = None) -> list[list[Event]]:
+        """Every net in turn until each ended, or ``limit`` events in all."""
+        got: list[list[Event]] = [[] for _ in self.nets]
+        live = list(range(len(self.nets)))
+        steps = 0
+        while live:
+            for j in list(live):
+                if limit is not None and steps >= limit:
+                    return got
+                ev = self.next_event(j)
+                steps += 1
+                if ev is None:
+                    live.remove(j)
+                else:
+                    got[j].append(ev)
+        return got
+
+    def state(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.gc.state_dict(SRC)))
+
+
+def interleave(per_net: Sequence[Sequence[Event]]) -> list[tuple[int, ...]]:
+    """The global batch sequence from each net's batches: batch i is net i mod k's."""
+    k = len(per_net)
+    own = [batches_of(e) for e in per_net]
+    out = []
+    for i in range(sum(map(len, own))):
+        out.append(own[i % k][i // k])
+    return out
+
+
+def assert_stream(per_net: Sequence[Sequence[Event]], want: Sequence[Event], what: str) -> None:
+    assert interleave(per_net) == batches_of(want), what
+    ends = [e for e in want if e[0] == "end"]
+    for j, events in enumerate(per_net):
+        assert [e for e in events if e[0] == "end"] == ends, f"{what}: net {j}'s epoch ends"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The stream is a function of the data, seed, epoch and batch size only
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("workers,nets", [(1, 1), (2, 1), (3, 2), (4, 3), (1, 3), (4, 2)])
+def test_same_stream_on_threads_for_any_workers_and_nets(workers: int, nets: int) -> None:
+    want = reference(29, 4, 2)
+    with Pipeline(Items(29, delay=0.002), nets, workers) as p:
+        got = p.lockstep()
+    assert_stream(got, want, f"threads, {workers} workers, {nets} nets")
+
+
+@pytest.mark.parametrize("workers,nets", [(1, 2), (3, 1), (4, 3)])
+def test_same_stream_on_processes(workers: int, nets: int) -> None:
+    want = reference(29, 4, 2)
+    with Pipeline(Items(29, delay=0.002), nets, workers, backend="processes") as p:
+        got = p.lockstep()
+    assert_stream(got, want, f"processes, {workers} workers, {nets} nets")
+
+
+def test_sequential_order_and_batched_reads_of_dict_samples() -> None:
+    Batched.calls = 0
+    with Pipeline(Batched(10), 1, 2, bs=3, epochs=1, shuffle=False, read_size=4) as p:
+        got = p.lockstep()
+    assert got == [[(0, 1, 2), (3, 4, 5), (6, 7, 8), (9,)]]
+    assert Batched.calls == 3, "one __getitems__ per read unit of 4 positions (4, 4, 2)"
+
+
+def test_a_plain_dataset_is_a_random_access_source_and_equal_shares_hold() -> None:
+    gc = blobfeed.GlobalCoordinator()
+    nets = [Net(name="a"), Net(name="b")]
+    for net in nets:
+        init_data_input_workers(net, BLOBS, Items(9), 2, num_worker_threads=2, coordinator=gc, seed=SEED,
+                                equal=True)
+    gc.start()
+    try:
+        got: list[list[tuple[int, ...]]] = [[], []]
+        for j in (0, 1, 0, 1):
+            got[j].append(tuple(int(i) for i in nets[j].run(timeout=WAIT)["ids"]))
+        for net in nets:
+            with pytest.raises(EndOfInput):
+                net.run(timeout=WAIT)
+    finally:
+        assert gc.stop(timeout=10.0)
+    # in order (no shuffle by default); 5 batches of 2, the last round ((8,) alone) dropped
+    assert got == [[(0, 1), (4, 5)], [(2, 3), (6, 7)]]
+
+
+class Gate(Items):
+    """Index ``slow`` waits for ``release``; every read is logged in ``reads``."""
+
+    def __init__(self, n: int, slow: int, release: threading.Event) -> None:
+        super().__init__(n)
+        self.slow = slow
+        self.release = release
+        self.reads: list[int] = []
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        if i == self.slow:
+            assert self.release.wait(WAIT), "the test never released the slow read"
+        self.reads.append(i)
+        return super().__getitem__(i)
+
+
+def test_a_slow_worker_does_not_hold_the_others_back_beyond_the_window() -> None:
+    release = threading.Event()
+    ds = Gate(200, slow=3, release=release)  # unit 1 (positions 2-3) is slow
+    with Pipeline(ds, 1, 3, bs=2, epochs=1, shuffle=False, read_size=2, window=6) as p:
+        p.start()
+        # the others read on, up to 6 units past the oldest missing one (unit 1): units 2..6
+        wait_until(lambda: len(ds.reads) >= 2 + 5 * 2, "the free workers read ahead")
+        time.sleep(0.2)  # they could read further, were it not for the window
+        assert max(ds.reads) < 2 * (1 + 6), f"read {max(ds.reads)}: past the window"
+        release.set()
+        got = p.lockstep()
+    assert batches_of(got[0]) == [(i, i + 1) for i in range(0, 200, 2)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Elastic resume
+# ---------------------------------------------------------------------------------------------
+RESUMES = [
+    # (stop after events, workers/nets before, workers/nets after, backend after)
+    (1, (2, 1), (3, 2), "threads"),
+    (5, (2, 2), (1, 1), "threads"),
+    (7, (3, 3), (2, 2), "threads"),
+    (9, (1, 2), (4, 3), "threads"),
+    (12, (2, 3), (2, 1), "threads"),
+    (16, (4, 2), (2, 2), "threads"),
+    (6, (2, 2), (2, 3), "processes"),
+]
+
+
+@pytest.mark.parametrize("stop,before,after,backend", RESUMES)
+def test_resume_with_other_counts_gives_the_rest_of_the_stream(
+    stop: int, before: tuple[int, int], after: tuple[int, int], backend: str
+) -> None:
+    n, bs, epochs = 23, 4, 2
+    want = batches_of(reference(n, bs, epochs))
+    with Pipeline(Items(n), before[1], before[0], bs=bs, epochs=epochs) as p:
+        p.start()
+        first = p.lockstep(limit=stop)
+        state = p.state()
+    with Pipeline(Items(n), after[1], after[0], bs=bs, epochs=epochs, backend=backend) as p:
+        p.gc.load_state_dict(SRC, state)
+        p.start()
+        rest = p.lockstep()
+    what = f"stop after {stop}, {before} -> {after} on {backend}, state {state}"
+    got = [b for events in first + rest for b in batches_of(events)]
+    assert sorted(got) == sorted(want), what
+    for e in range(epochs):
+        # each sample exactly once per epoch over both runs
+        per_epoch = [i for b in got if b in reference_epoch(n, bs, e) for i in b]
+        assert sorted(per_epoch) == list(range(n)), f"{what}: epoch {e}"
+    # the resumed run deals the rest of the stream in order: batch i to net i mod k
+    done = set(got[:0])
+    before_batches = {b for events in first for b in batches_of(events)}
+    rest_stream = [b for b in want if b not in before_batches]
+    assert interleave(rest) == rest_stream, what
+    del done
+
+
+def reference_epoch(n: int, bs: int, e: int) -> set[tuple[int, ...]]:
+    order = np.random.default_rng((SEED, e)).permutation(n)
+    return {tuple(int(i) for i in order[s:s + bs]) for s in range(0, n, bs)}
+
+
+def test_resume_with_the_same_nets_gives_each_net_its_own_batches() -> None:
+    n, bs = 30, 3
+    with Pipeline(Items(n), 2, 2, bs=bs) as p:
+        full = p.lockstep()
+    with Pipeline(Items(n), 2, 2, bs=bs) as p:
+        p.start()
+        # net 0 three batches ahead of net 1
+        first = [[p.next_event(0) for _ in range(5)], [p.next_event(1) for _ in range(2)]]
+        state = p.state()
+    with Pipeline(Items(n), 2, 3, bs=bs, backend="threads") as p:
+        p.gc.load_state_dict(SRC, state)
+        p.start()
+        rest = p.lockstep()
+    for j in (0, 1):
+        assert first[j] + rest[j] == full[j], f"net {j}"
+
+
+def test_resume_twice_through_elastic_states() -> None:
+    n, bs, epochs = 17, 2, 3
+    want = batches_of(reference(n, bs, epochs))
+    got: list[tuple[int, ...]] = []
+    state = None
+    for nets, workers, limit in ((2, 2, 5), (3, 1, 7), (1, 3, None)):
+        with Pipeline(Items(n), nets, workers, bs=bs, epochs=epochs) as p:
+            if state is not None:
+                p.gc.load_state_dict(SRC, state)
+            p.start()
+            events = p.lockstep(limit=limit)
+            got += [b for e in events for b in batches_of(e)]
+            state = p.state()
+    assert sorted(got) == sorted(want)
+
+
+@pytest.mark.parametrize("field,change", [
+    ("length", {"dataset": Items(24)}),
+    ("batch_size", {"bs": 5}),
+    ("seed", {"seed": SEED + 1}),
+    ("shuffle", {"shuffle": False}),
+])
+def test_a_state_of_other_data_is_refused_naming_the_field(field: str, change: dict[str, Any]) -> None:
+    with Pipeline(Items(23), 1, 1) as p:
+        p.start()
+        p.lockstep(limit=2)
+        state = p.state()
+    kw: dict[str, Any] = {"bs": 4, "seed": SEED, "shuffle": True}
+    dataset = change.pop("dataset", Items(23))
+    kw.update(change)
+    with Pipeline(dataset, 2, 2, **kw) as p:
+        with pytest.raises(ValueError, match=rf"state\['{field}'\]: saved .*, this pipeline has "):
+            p.gc.load_state_dict(SRC, state)
+
+
+def test_a_damaged_state_is_refused_naming_the_field() -> None:
+    with Pipeline(Items(23), 1, 1) as p:
+        p.start()
+        p.lockstep(limit=2)
+        state = p.state()
+    for path, value, match in [
+        (("position", "offset"), 99, r"state\['position'\]\['offset'\]: expected an int in \[0, 24\)"),
+        (("returned",), [[0, 5, 100]], r"state\['returned'\]\[0\]\[2\]"),
+        (("nets",), "x", r"state\['nets'\]"),
+    ]:
+        bad = json.loads(json.dumps(state))
+        where = bad
+        for key in path[:-1]:
+            where = where[key]
+        where[path[-1]] = value
+        with Pipeline(Items(23), 1, 1) as p:
+            with pytest.raises(ValueError, match=match):
+                p.gc.load_state_dict(SRC, bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Bad datasets
+# ---------------------------------------------------------------------------------------------
+class NoLen:
+    def __getitem__(self, i: int) -> Any:
+        return (np.int64(i), np.zeros(3, np.float32))
+
+
+class Raises(Items):
+    def __getitem__(self, i: int) -> Any:
+        if i == 5:
+            raise KeyError("no such record")
+        return super().__getitem__(i)
+
+
+class WrongCount(Items):
+    def __getitem__(self, i: int) -> Any:
+        return (np.int64(i),) if i == 5 else super().__getitem__(i)
+
+
+class WrongShape(Items):
+    def __getitem__(self, i: int) -> Any:
+        return (np.int64(i), np.full(4 if i == 5 else 3, i, np.float32))
+
+
+def test_a_dataset_without_len_is_refused() -> None:
+    with pytest.raises(TypeError, match="__len__ and __getitem__"):
+        RandomAccessSource(NoLen())
+    with pytest.raises(TypeError, match="random-access source.*__len__ and __getitem__"):
+        init_data_input_workers(Net(), BLOBS, NoLen(), 4, coordinator=blobfeed.GlobalCoordinator())
+
+
+@pytest.mark.parametrize("dataset,match", [
+    (Raises(12), r"source 'train': dataset\[5\] raised KeyError\('no such record'\)"),
+    (WrongCount(12), r"source 'train': dataset\[5\] has 1 arrays; expected 2, one per blob \['ids', 'x'\]"),
+    (WrongShape(12), r"source 'train': dataset\[5\], blob 'x': shape \(4,\); the samples read before have \(3,\)"),
+])
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_a_bad_sample_fails_the_source_naming_source_index_and_blob(dataset: Any, match: str, backend: str) -> None:
+    with Pipeline(dataset, 1, 2, bs=2, epochs=1, shuffle=False, read_size=2, backend=backend) as p:
+        p.start()
+        got = []
+        with pytest.raises(FetcherError, match=match):
+            while True:
+                got.append(p.next_event(0))
+    # the error surfaces at its place: every batch before its unit came first
+    assert got == [(0, 1), (2, 3)]
+
+
+def test_refused_wirings() -> None:
+    for kw, match in [
+        ({"shuffle_buffer": 8}, "shuffle_buffer=8"),
+        ({"on_error": "skip"}, "on_error='skip'"),
+        ({"dont_rebatch": True}, "dont_rebatch=True"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            init_data_input_workers(Net(), BLOBS, Items(5), 2, coordinator=blobfeed.GlobalCoordinator(), **kw)
+    gc = blobfeed.GlobalCoordinator()
+    init_data_input_workers(Net(), BLOBS, Items(5), 2, coordinator=gc, seed=1)
+    with pytest.raises(ValueError, match=r"len\(dataset\)=5; this call passes one with len\(dataset\)=6"):
+        init_data_input_workers(Net(), BLOBS, Items(6), 2, coordinator=gc, seed=1)
+    gc.stop(timeout=5.0)
