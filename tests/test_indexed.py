@@ -421,3 +421,59 @@ def test_refused_wirings() -> None:
     with pytest.raises(ValueError, match=r"len\(dataset\)=5; this call passes one with len\(dataset\)=6"):
         init_data_input_workers(Net(), BLOBS, Items(6), 2, coordinator=gc, seed=1)
     gc.stop(timeout=5.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The feeding service: --resume with another num_consumers
+# ---------------------------------------------------------------------------------------------
+def test_a_served_random_access_source_resumes_with_another_num_consumers(tmp_path: Any) -> None:
+    from blobfeed.service import FeedServer
+
+    n, bs, epochs = 21, 4, 2
+    want = batches_of(reference(n, bs, epochs))
+    state_file = tmp_path / "state.json"
+
+    def serve(consumers: int, resume: bool) -> Any:
+        server = FeedServer(None, state_file=str(state_file), resume=resume)
+        # seed=None: the resumed service takes the saved one
+        server.serve_source(SRC, BLOBS, RandomAccessSource(Items(n), shuffle=True), bs, 2,
+                            num_consumers=consumers, epochs=epochs)
+        return server.start()
+
+    def read(nets: list[Net], limit: int | None) -> list[list[Event]]:
+        got: list[list[Event]] = [[] for _ in nets]
+        live = list(range(len(nets)))
+        steps = 0
+        while live and (limit is None or steps < limit):
+            for j in list(live):
+                if limit is not None and steps >= limit:
+                    break
+                steps += 1
+                try:
+                    got[j].append(tuple(int(i) for i in nets[j].run(timeout=WAIT)["ids"]))
+                except EndOfEpoch as end:
+                    got[j].append(("end", end.epoch))
+                except EndOfInput:
+                    live.remove(j)
+        return got
+
+    def run(consumers: int, resume: bool, limit: int | None) -> list[list[Event]]:
+        with serve(consumers, resume) as server:
+            nets = [Net(name=f"rank{i}") for i in range(consumers)]
+            atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
+                    for i in range(consumers)]
+            try:
+                return read(nets, limit)
+            finally:
+                for a in atts:
+                    a.stop()
+
+    seed = None
+    first = run(2, False, 5)
+    seed = json.loads(state_file.read_text())["sources"][SRC]["inner"]["seed"]
+    want = batches_of(reference(n, bs, epochs, seed=seed))
+    rest = run(3, True, None)
+    got = [b for events in first + rest for b in batches_of(events)]
+    assert sorted(got) == sorted(want)
+    before = {b for events in first for b in batches_of(events)}
+    assert interleave(rest) == [b for b in want if b not in before]
