@@ -176,7 +176,12 @@ def init_data_input_workers(
     Args:
         net: the :class:`~blobfeed.Net` to feed.
         input_blob_names: one name per array of a chunk.
-        fetch_fun: the user's fetcher.
+        fetch_fun: the user's fetcher; or a random-access source, an object
+            with ``__len__`` and ``__getitem__`` (torch's map-style
+            ``Dataset``, grain's ``RandomAccessDataSource``) or a
+            :class:`~blobfeed.RandomAccessSource`: blobfeed draws its order
+            and its batch stream does not depend on the workers or nets
+            (docs/SOURCES.md).
         batch_size: samples per batch (the last batch of an ended source may be smaller).
         num_worker_threads: fetcher threads for this call.
         input_source_name: calls with the same name share one internal queue
