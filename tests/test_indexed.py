@@ -490,3 +490,50 @@ def test_a_served_random_access_source_resumes_with_another_num_consumers(tmp_pa
     assert sorted(got) == sorted(want)
     before = {b for events in first for b in batches_of(events)}
     assert interleave(rest) == [b for b in want if b not in before]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Worker processes that die
+# ---------------------------------------------------------------------------------------------
+class Killer(Items):
+    """Reading index ``at`` SIGKILLs the process that reads it: the first
+    ``times`` times (counted in files under ``marks``; None: every time)."""
+
+    def __init__(self, n: int, at: int, marks: str, times: int | None = 1) -> None:
+        super().__init__(n)
+        self.at = at
+        self.marks = marks
+        self.times = times
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        if i == self.at:
+            import os
+            import signal
+
+            done = len(os.listdir(self.marks))
+            if self.times is None or done < self.times:
+                open(os.path.join(self.marks, f"{os.getpid()}"), "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("nets", [1, 2])
+def test_a_killed_worker_process_is_replaced_and_its_units_read_again(tmp_path: Any, nets: int) -> None:
+    n, bs = 40, 4
+    want = reference(n, bs, 2)
+    with Pipeline(Killer(n, at=int(np.random.default_rng((SEED, 0)).permutation(n)[13]), marks=str(tmp_path)),
+                  nets, 2, bs=bs, backend="processes") as p:
+        got = p.lockstep()
+    assert len(list(tmp_path.iterdir())) == 1, "one worker process was killed"
+    assert_stream(got, want, f"{nets} nets, a worker killed at the sample of position 13")
+
+
+def test_a_unit_that_kills_every_reader_fails_the_source_after_three_tries(tmp_path: Any) -> None:
+    with Pipeline(Killer(20, at=9, marks=str(tmp_path), times=None), 1, 2, bs=2, epochs=1, shuffle=False,
+                  read_size=2, backend="processes") as p:
+        got = []
+        with pytest.raises(FetcherError, match=r"read unit 4 died 3 times"):
+            while True:
+                got.append(p.next_event(0))
+    assert got == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert len(list(tmp_path.iterdir())) == 3

@@ -18,6 +18,7 @@ the batch size only, whatever the workers and nets.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import select
@@ -36,6 +37,8 @@ __all__ = [
 
 logger = logging.getLogger("blobfeed.feeders")
 
+#: a unit whose reading process died this many times fails the source
+MAX_TRIES = 3
 #: a unit as it travels to a worker process: (unit, g_lo, g_hi); unit -1 ends
 UNIT_RECORD = struct.Struct("<qqq")
 
@@ -178,8 +181,15 @@ class UnitDispenser:
         self.oldest = 0
         #: unit -> worker id holding it (until consumed)
         self._owner: dict[int, int] = {}
-        #: per worker: units taken and not yet delivered (process workers)
-        self._outstanding: dict[int, int] = {}
+        #: per holder (a worker process's incarnation): units it took and
+        #: has not delivered, in the order it took them
+        self._held: dict[int, list[int]] = {}
+        #: holders whose process died: they take nothing more
+        self._retired: set[int] = set()
+        #: units to read again (their reader died), smallest first
+        self._redo: list[int] = []
+        #: unit -> how many readers of it died
+        self._tries: dict[int, int] = {}
 
     def restart(self, start: int, skip: Sequence[tuple[int, int]]) -> None:
         """A resume: the stream starts at global position ``start`` and leaves
@@ -237,39 +247,74 @@ class UnitDispenser:
         """The worker that holds unit ``u``, None while nobody took it."""
         return self._owner.get(u)  # a dict read: atomic, no lock (called per chunk under the dealer's)
 
-    def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
-        """The next unit for ``worker_id``, waiting while it would be more than
-        ``window`` units past the oldest one the stream waits for (and,
-        with ``ahead``, while the worker holds that many undelivered units).
-        None: the data ended, or the source stopped."""
+    def take(self, worker_id: int, ahead: int | None = None, holder: int | None = None) -> ReadUnit | None:
+        """The next unit for ``worker_id``: a unit to read again first (its
+        reader died), else the next one of the stream, waiting while that
+        would be more than ``window`` units past the oldest one the stream
+        waits for.  ``holder`` (a worker process's incarnation) is told of
+        each unit it takes, until :meth:`delivered`; with ``ahead``, it waits
+        while it holds that many.  None: the data ended, the source stopped,
+        or the holder was retired."""
         with self._cond:
-            while not self.closed and (
-                self._next >= self.oldest + self.window
-                or (ahead is not None and self._outstanding.get(worker_id, 0) >= ahead)
+            held = self._held.setdefault(holder, []) if holder is not None else None
+            while not self.closed and holder not in self._retired and (
+                (not self._redo and self._next >= self.oldest + self.window)
+                or (ahead is not None and held is not None and len(held) >= ahead)
             ):
                 self._cond.wait()
-            if self.closed:
+            if self.closed or holder in self._retired:
                 return None
-            r = self._unit(self._next)
-            if r is None:
-                return None
+            if self._redo:
+                r = self._units[heapq.heappop(self._redo)]
+            else:
+                r = self._unit(self._next)
+                if r is None:
+                    return None
+                self._next += 1
             self._owner[r.unit] = worker_id
-            self._next += 1
-            if ahead is not None:
-                self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + 1
+            if held is not None:
+                held.append(r.unit)
             return r
 
-    def delivered(self, worker_id: int) -> None:
-        """A worker process delivered (or failed) one of the units it held."""
+    def delivered(self, holder: int, unit: int | None) -> bool:
+        """A worker process delivered ``unit`` (None: it failed on the oldest
+        unit it held).  False: ``holder`` does not hold it (it was retired
+        and the unit handed to another reader): drop what it read."""
         with self._cond:
-            self._outstanding[worker_id] = max(0, self._outstanding.get(worker_id, 0) - 1)
+            held = self._held.get(holder)
+            if not held:
+                return False
+            if unit is None:
+                held.pop(0)
+            elif unit in held:
+                held.remove(unit)
+            else:
+                return False
             self._cond.notify_all()
+            return True
+
+    def retire(self, holder: int) -> list[tuple[int, int]]:
+        """A worker process died: the units it held are read again by
+        whoever asks next.  Returns those of them whose readers died
+        :data:`MAX_TRIES` times, ``(unit, tries)`` (the source must fail)."""
+        with self._cond:
+            self._retired.add(holder)
+            poison = []
+            for u in self._held.pop(holder, []):
+                tries = self._tries[u] = self._tries.get(u, 0) + 1
+                self._owner.pop(u, None)
+                heapq.heappush(self._redo, u)
+                if tries >= MAX_TRIES:
+                    poison.append((u, tries))
+            self._cond.notify_all()
+            return poison
 
     def consumed(self, u: int) -> None:
         """The stream took unit ``u`` (the oldest it waited for)."""
         with self._cond:
             self._owner.pop(u, None)
             self._units.pop(u, None)
+            self._tries.pop(u, None)
             self.oldest = u + 1
             self._cond.notify_all()
 

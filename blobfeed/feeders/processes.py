@@ -24,6 +24,7 @@ not.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -50,6 +51,9 @@ from .transport import SLOT_INDEX, FdHandle, MessageReader, SlotArea, mem_availa
 from .worker_loop import deliver
 
 __all__ = ["ProcessBackend"]
+
+#: names of worker process incarnations with a random-access source's dispenser
+_HOLDERS = itertools.count(1)
 
 logger = logging.getLogger("blobfeed.feeders.processes")
 
@@ -313,6 +317,8 @@ class _Worker:
         #: a random-access source: the pipe its read units go down, and the
         #: thread that feeds it (see _feed_units)
         self.units = group.plan.units
+        #: this incarnation's name with the dispenser (a replacement has its own)
+        self.holder = next(_HOLDERS)
         self.units_w = -1
         units_r = -1
         if self.units is not None:
@@ -380,7 +386,7 @@ class _Worker:
         fd = self.units_w
         try:
             while True:
-                r = units.take(wid, self.UNITS_AHEAD)
+                r = units.take(wid, self.UNITS_AHEAD, self.holder)
                 if r is None:
                     return
                 os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
@@ -502,7 +508,14 @@ class _Worker:
         for event in events:
             kind = type(event)
             if units is not None and (kind is Result or kind is Raised):
-                units.delivered(self.plan.worker_id)
+                unit = event.state if kind is Result else None
+                if not units.delivered(self.holder, unit) and kind is Result:
+                    # read by a process that died meanwhile: another reads it again
+                    if type(event.raw) is Arrays:
+                        self.ring.release(event.raw.where)
+                    continue
+                if kind is Result:
+                    self.group._deaths[self.plan.worker_id] = 0
             if kind is Result:
                 if type(event.raw) is Arrays:
                     go: bool | None = self._slot_result(event, len(data))
@@ -528,6 +541,20 @@ class _Worker:
             if self.done or self._death_reported or self.group.stopping:
                 return
             self._death_reported = True
+        code = self.exitcode
+        if self.units is not None and self.area.started() and code is not None and code != 0:
+            # a random-access source's worker: the units it held are read
+            # again, by a new process in its place
+            poison = self.units.retire(self.holder)
+            if poison:
+                unit, tries = poison[0]
+                self.plan.intake.died(
+                    f"worker process pid {self.pid} {_describe(code)}; the processes reading read unit "
+                    f"{unit} died {tries} times (a sample that kills its reader?)"
+                )
+                return
+            if self.group.replace(self, code):
+                return
         code = self.exitcode
         if self.area.started() or code is None or code < 0:
             self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}")
@@ -684,6 +711,12 @@ class _ProcessGroup:
             _preload_forkserver(self.ctx)
         self.stopping = False
         self._join_lock = threading.Lock()
+        #: replacements of dead workers (a random-access source); per
+        #: worker id, deaths since its last delivered unit
+        self._replace_lock = threading.Lock()
+        self._joining = False
+        self._new_workers: list[_Worker] = []
+        self._deaths: dict[int, int] = {}
         self._released = False
         self._wake_r, self._wake_w = os.pipe()
         #: weak references to the chunks viewing slots, by id, with their
@@ -698,14 +731,51 @@ class _ProcessGroup:
             self._abort_start()
             raise
         finally:
-            # every worker has its copy now (or never will): ours goes
-            os.close(self.payload_fd)
+            # every worker has its copy now (or never will): ours goes --
+            # unless a dead worker of a random-access source is replaced
+            if plan.units is None:
+                os.close(self.payload_fd)
+                self.payload_fd = -1
         self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()
             if wk.feeder is not None:
                 wk.feeder.start()
         self.watcher = self._thread("watch", self._watch)
+
+    #: a worker id whose processes die this many times in a row is not replaced again
+    MAX_REPLACEMENTS = 3
+
+    def replace(self, dead: "_Worker", code: int | None) -> bool:
+        """Start a process in place of ``dead`` (a random-access source's
+        worker that died): same worker id, intake and lane.  False when it
+        is not replaced (stopping, or its processes keep dying)."""
+        wid = dead.plan.worker_id
+        with self._replace_lock:
+            if self.stopping or self._joining or self.payload_fd < 0 or dead.plan.intake.halted:
+                return False
+            deaths = self._deaths[wid] = self._deaths.get(wid, 0) + 1
+            if deaths > self.MAX_REPLACEMENTS:
+                return False
+            logger.warning(
+                "source %r, worker %d: worker process pid %d %s; a new process takes its place and the "
+                "read units it held are read again", self.source, wid, dead.pid, _describe(code),
+            )
+            try:
+                wk = _Worker(self, dead.plan)
+            except Exception:
+                logger.exception("source %r, worker %d: the new worker process did not start", self.source, wid)
+                return False
+            self.workers.append(wk)
+            self._new_workers.append(wk)
+            wk.thread.start()
+            if wk.feeder is not None:
+                wk.feeder.start()
+        try:
+            os.write(self._wake_w, b"a")  # the watcher watches it too
+        except OSError:
+            pass
+        return True
 
     def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
         """Start one of the group's own daemon threads, ``blobfeed-<role>-<source>``."""
@@ -740,6 +810,9 @@ class _ProcessGroup:
 
     def _abort_start(self) -> None:
         self.stopping = True
+        if self.payload_fd >= 0 and self.plan.units is not None:
+            os.close(self.payload_fd)
+            self.payload_fd = -1
         for wk in self.workers:
             wk.kill()
             wk.wait_exit(5.0)
@@ -751,10 +824,16 @@ class _ProcessGroup:
         """Wait on every child's sentinel at once: a death is seen at once."""
         waiting = {wk.sentinel: wk for wk in self.workers}
         try:
-            while waiting:
+            while waiting or self.plan is not None and self.plan.units is not None and not self._joining:
                 ready = multiprocessing.connection.wait([*waiting, self._wake_r])
                 if self._wake_r in ready:
-                    return
+                    if b"x" in os.read(self._wake_r, 64):
+                        return
+                    with self._replace_lock:
+                        added, self._new_workers = self._new_workers, []
+                    for wk in added:
+                        waiting[wk.sentinel] = wk
+                    ready = [r for r in ready if r != self._wake_r]
                 for s in ready:
                     wk = waiting.pop(s)  # type: ignore[arg-type]
                     wk.wait_exit(1.0)
@@ -780,6 +859,8 @@ class _ProcessGroup:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        with self._replace_lock:
+            self._joining = True
         with self._join_lock:
             if self._released:
                 return []
@@ -791,7 +872,7 @@ class _ProcessGroup:
                 for wk in self.workers:
                     wk.kill()
             stuck = []
-            for wk in self.workers:
+            for wk in list(self.workers):
                 wk.wait_exit(left())
                 wk.thread.join(left())
                 if wk.running():
@@ -831,6 +912,9 @@ class _ProcessGroup:
         """Everything ended: close every descriptor now (not at the next
         garbage collection), so that nothing is left behind after stop()."""
         self._released = True
+        if self.payload_fd >= 0:
+            os.close(self.payload_fd)
+            self.payload_fd = -1
         for wk in self.workers:
             wk.close()
         os.close(self._wake_w)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from ..chunks import Chunk, EpochEnd
 from ..indexed import UnitDispenser, merge_ranges
 from .base import DropCounter
-from .lanes import LaneDealer, _Failed
+from .lanes import LaneDealer, _Failed, default_outbox_samples
 from .positions import Positions
 from .rounds import Direct
 from .stages import Cut
@@ -138,6 +138,45 @@ class IndexedDealer(LaneDealer):
             turns=self._unit_turns, stage=UnitCut(), rounds=rounds, max_bytes=max_bytes,
         )
         self._epoch = self._unit_turns.epoch
+
+    # -- workers -----------------------------------------------------------------
+    def put(self, worker_id: int, chunk: Chunk, nbytes: int = 0) -> bool:
+        """As :meth:`LaneDealer.put`, but the lane stays sorted by unit (a
+        worker process that replaced a dead one may read a unit older than
+        what its lane holds), and the unit the stream waits for always
+        enters (its lane may be full of later units)."""
+        unit = chunk.state
+        with self._room:
+            lane = self._lanes[worker_id]
+            sizes = self._sizes[worker_id]
+            while not self._lanes_closed and unit != self.units.oldest and (
+                len(lane) >= self.lane_capacity
+                or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
+            ):
+                self._room.wait()
+            if self._lanes_closed:
+                return False
+            if self._outbox_sizing and nbytes and chunk.n:
+                self._outbox_sizing = False
+                self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n)
+            # the chunks come first in a lane, sorted by unit; markers after them
+            i = len(sizes)
+            while i and lane[i - 1].state > unit:
+                i -= 1
+            lane.insert(i, chunk)
+            sizes.insert(i, nbytes)
+            self._lane_bytes[worker_id] += nbytes
+            self._queued_bytes += nbytes
+            self._lane_chunks += 1
+            self._lane_n += chunk.n
+            if i == 0:
+                self._items.notify_all()
+            return True
+
+    def _consumed(self, wid: int, chunk: Chunk, lane: Any) -> None:
+        super()._consumed(wid, chunk, lane)
+        # a worker may wait with the unit the stream now waits for
+        self._room.notify_all()
 
     # -- the stream --------------------------------------------------------------
     def _position(self, batches: int) -> Any:
