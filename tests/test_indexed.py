@@ -537,3 +537,36 @@ def test_a_unit_that_kills_every_reader_fails_the_source_after_three_tries(tmp_p
                 got.append(p.next_event(0))
     assert got == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert len(list(tmp_path.iterdir())) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. set_num_workers while it runs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_set_num_workers_while_running_keeps_the_stream(backend: str) -> None:
+    n, bs = 60, 3
+    want = reference(n, bs, 2)
+    with Pipeline(Items(n, delay=0.001), 2, 1, bs=bs, backend=backend) as p:
+        got = p.lockstep(limit=6)
+        p.gc.set_num_workers(SRC, 4)
+        assert len(p.gc._sources[SRC].dealer.worker_ids) == 4
+        more = p.lockstep(limit=10)
+        p.gc.set_num_workers(SRC, 1)
+        rest = p.lockstep()
+    for j in range(2):
+        got[j] += more[j] + rest[j]
+    assert_stream(got, want, f"{backend}: 1 -> 4 -> 1 workers")
+
+
+def test_set_num_workers_is_refused_where_it_cannot_apply() -> None:
+    with Pipeline(Items(10), 1, 1) as p:
+        with pytest.raises(ValueError, match="not running"):
+            p.gc.set_num_workers(SRC, 2)
+        p.start()
+        with pytest.raises(ValueError, match="num_workers"):
+            p.gc.set_num_workers(SRC, 0)
+    gc = blobfeed.GlobalCoordinator()
+    init_data_input_workers(Net(), BLOBS, lambda w, b: None, 2, coordinator=gc, seed=1)
+    with pytest.raises(ValueError, match="random-access"):
+        gc.set_num_workers(SRC, 2)
+    gc.stop(timeout=5.0)

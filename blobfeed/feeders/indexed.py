@@ -190,6 +190,8 @@ class UnitDispenser:
         self._redo: list[int] = []
         #: unit -> how many readers of it died
         self._tries: dict[int, int] = {}
+        #: workers told to take no more units (set_num_workers)
+        self._stopped: set[int] = set()
 
     def restart(self, start: int, skip: Sequence[tuple[int, int]]) -> None:
         """A resume: the stream starts at global position ``start`` and leaves
@@ -257,12 +259,12 @@ class UnitDispenser:
         or the holder was retired."""
         with self._cond:
             held = self._held.setdefault(holder, []) if holder is not None else None
-            while not self.closed and holder not in self._retired and (
+            while not self.closed and holder not in self._retired and worker_id not in self._stopped and (
                 (not self._redo and self._next >= self.oldest + self.window)
                 or (ahead is not None and held is not None and len(held) >= ahead)
             ):
                 self._cond.wait()
-            if self.closed or holder in self._retired:
+            if self.closed or holder in self._retired or worker_id in self._stopped:
                 return None
             if self._redo:
                 r = self._units[heapq.heappop(self._redo)]
@@ -275,6 +277,18 @@ class UnitDispenser:
             if held is not None:
                 held.append(r.unit)
             return r
+
+    def active(self, worker_ids: Sequence[int]) -> list[int]:
+        """Of ``worker_ids``, those not told to stop (:meth:`stop_workers`)."""
+        with self._cond:
+            return [w for w in worker_ids if w not in self._stopped]
+
+    def stop_workers(self, worker_ids: Sequence[int]) -> None:
+        """These workers take no more units (they end once they delivered
+        what they hold): the source runs on fewer workers."""
+        with self._cond:
+            self._stopped.update(worker_ids)
+            self._cond.notify_all()
 
     def delivered(self, holder: int, unit: int | None) -> bool:
         """A worker process delivered ``unit`` (None: it failed on the oldest
