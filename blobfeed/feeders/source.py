@@ -139,9 +139,10 @@ class InputSource:
         """Wire workers in (before start): ``register_fetchers`` counted them."""
         self.dealer.add_lanes(worker_ids)
 
-    def add_reader(self) -> Reader:
-        """A new net's end of the dealer (before start)."""
-        return self.dealer.add_net()
+    def add_reader(self, prefetch: bool = True) -> Reader:
+        """A new net's end of the dealer (before start); ``prefetch``: its
+        feed assembles batches ahead of it."""
+        return self.dealer.add_net(prefetch)
 
     # -- fetcher lifecycle -------------------------------------------------
     def register_fetchers(self, n: int) -> None:
