@@ -570,3 +570,38 @@ def test_set_num_workers_is_refused_where_it_cannot_apply() -> None:
     with pytest.raises(ValueError, match="random-access"):
         gc.set_num_workers(SRC, 2)
     gc.stop(timeout=5.0)
+
+
+def test_nothing_left_behind_after_replaced_and_resized_workers(tmp_path: Any) -> None:
+    """A killed worker process replaced, workers added and removed: after
+    stop(), no descriptor or blobfeed thread more than before."""
+    import gc as pygc
+    import os
+
+    def cycle(i: int) -> None:
+        marks = tmp_path / f"marks{i}"
+        marks.mkdir()
+        with Pipeline(Killer(30, at=7, marks=str(marks)), 1, 2, bs=3, epochs=1, shuffle=False,
+                      backend="processes") as p:
+            got = p.lockstep(limit=2)
+            p.gc.set_num_workers(SRC, 3)
+            got += p.lockstep(limit=2)
+            p.gc.set_num_workers(SRC, 1)
+            got += p.lockstep()
+        assert [b for events in got for b in batches_of(events)] == [tuple(range(s, s + 3)) for s in range(0, 30, 3)]
+        assert len(list(marks.iterdir())) == 1, "a worker process was killed"
+
+    def threads() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("blobfeed-"))
+
+    cycle(0)  # warm up: the forkserver is made once
+    pygc.collect()
+    fds = set(os.listdir("/proc/self/fd"))
+    before = threads()
+    for i in range(1, 3):
+        cycle(i)
+    pygc.collect()
+    assert threads() == before
+    left = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - fds
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not left, f"descriptors left open: {left}"
