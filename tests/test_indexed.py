@@ -605,3 +605,33 @@ def test_nothing_left_behind_after_replaced_and_resized_workers(tmp_path: Any) -
     left = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - fds
             if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not left, f"descriptors left open: {left}"
+
+
+class Unpicklable(Items):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.lock = threading.Lock()
+
+
+def test_an_unpicklable_dataset_on_processes_is_refused_when_wired() -> None:
+    with pytest.raises(TypeError, match=r"random-access source 'train': Unpicklable of 5> cannot be sent to a "
+                                        r"worker process.*cannot pickle"):
+        init_data_input_workers(Net(), BLOBS, Unpicklable(5), 2, backend="processes",
+                                coordinator=blobfeed.GlobalCoordinator())
+
+
+def test_batch_columns_and_drop_last() -> None:
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, BLOBS, RandomAccessSource(Items(7), read_size=2), 3, num_worker_threads=2,
+                            coordinator=gc, batch_columns=[0, 1], drop_last=True)
+    gc.start()
+    try:
+        outs = [net.run(timeout=WAIT) for _ in range(2)]
+        with pytest.raises(EndOfInput):
+            net.run(timeout=WAIT)
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert [o["ids"].tolist() for o in outs] == [[0, 1, 2], [3, 4, 5]]  # (6,) dropped
+    assert outs[1]["x"].shape == (3, 3)
+    np.testing.assert_array_equal(outs[1]["x"], np.repeat(np.arange(3, 6, dtype=np.float32)[None, :], 3, axis=0))

@@ -266,6 +266,7 @@ class UnitDispenser:
                 self._cond.wait()
             if self.closed or holder in self._retired or worker_id in self._stopped:
                 return None
+            r: ReadUnit | None
             if self._redo:
                 r = self._units[heapq.heappop(self._redo)]
             else:
@@ -395,6 +396,9 @@ class UnitReader:
         self._order: np.ndarray | None = None
         #: each blob's per-sample shape, from the first sample read
         self._shapes: list[tuple[int, ...]] | None = None
+
+    def __repr__(self) -> str:
+        return f"<the reader of random-access source {self.source!r}: {type(self.dataset).__qualname__} of {self.n}>"
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

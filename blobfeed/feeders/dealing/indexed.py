@@ -209,7 +209,7 @@ class IndexedDealer(LaneDealer):
         """Where the slowest net is, and what the faster ones returned beyond
         it (lock-free, as :meth:`LaneDealer.state`)."""
         pos, nets_at = self._positions.find(nets, self.source)
-        batches, g = pos
+        batches, g = pos[0], pos[1]  # (batches, g): see _position
         kept = self._positions.kept
         k = len(nets_at)
         returned: list[tuple[int, int]] = []
@@ -280,5 +280,5 @@ class IndexedDealer(LaneDealer):
         box.pieces.clear()
         box.samples = 0
         for e in range(told, self._epoch):
-            box.pieces.append(EpochEnd(e))  # type: ignore[arg-type]
+            box.pieces.append(EpochEnd(e))
         box.marks_from = max(told, self._epoch)
