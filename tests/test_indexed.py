@@ -524,6 +524,9 @@ def test_a_killed_worker_process_is_replaced_and_its_units_read_again(tmp_path: 
     with Pipeline(Killer(n, at=int(np.random.default_rng((SEED, 0)).permutation(n)[13]), marks=str(tmp_path)),
                   nets, 2, bs=bs, backend="processes") as p:
         got = p.lockstep()
+        deaths = p.gc.registry.get_sample_value("blobfeed_worker_deaths_total",
+                                                {"source": SRC, "backend": "processes"})
+    assert deaths == 1
     assert len(list(tmp_path.iterdir())) == 1, "one worker process was killed"
     assert_stream(got, want, f"{nets} nets, a worker killed at the sample of position 13")
 

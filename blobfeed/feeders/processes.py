@@ -545,15 +545,17 @@ class _Worker:
         if self.units is not None and self.area.started() and code is not None and code != 0:
             # a random-access source's worker: the units it held are read
             # again, by a new process in its place
+            intake = self.plan.intake
             poison = self.units.retire(self.holder)
             if poison:
                 unit, tries = poison[0]
-                self.plan.intake.died(
+                intake.died(
                     f"worker process pid {self.pid} {_describe(code)}; the processes reading read unit "
                     f"{unit} died {tries} times (a sample that kills its reader?)"
                 )
                 return
             if self.group.replace(self, code):
+                intake.stats.deaths[intake.backend] += 1  # counted as any death (died() counts its own)
                 return
         code = self.exitcode
         if self.area.started() or code is None or code < 0:
