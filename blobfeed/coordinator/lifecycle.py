@@ -720,6 +720,8 @@ class GlobalCoordinator:
                 groups[0].add_workers(ids)
             elif num_workers < len(active):
                 units.stop_workers(active[num_workers:])
+            if getattr(source.dealer, "window", None) is None:
+                units.window = max(8, 4 * num_workers)  # the default window follows the worker count
             logger.info("source %r: %d workers now (were %d)", name, num_workers, len(active))
 
     @overload
