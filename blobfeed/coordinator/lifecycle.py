@@ -30,8 +30,8 @@ from ..feeders.reading import BatchReader, Inlet, InletDealer, SourceInfo
 from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
-from . import checkpoint
-from .groups import DataInputCoordinator, InletCoordinator, ReaderCoordinator, WorkerCoordinator
+from . import checkpoint, elastic
+from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator
 from .registry import Registry
 
 logger = logging.getLogger("blobfeed.coordinator")
@@ -688,41 +688,10 @@ class GlobalCoordinator:
             checkpoint.load_state(source, state)
 
     def set_num_workers(self, name: str, num_workers: int) -> None:
-        """Run random-access source ``name`` on ``num_workers`` workers from
-        now on, while it runs; its stream does not change.
-
-        More workers start on the backend of the source's first wiring call
-        (``worker_init_fun`` runs in each); fewer: the workers with the
-        highest ids end once they delivered the read units they hold.
-
-        Raises:
-            ValueError: no such source, not a random-access source, not
-                running (before ``start()``, after its end or stop), or
-                ``num_workers`` is not an int >= 1.
-        """
-        num_workers = check_index("num_workers", num_workers)
-        with self._lock:
-            source = self._live_source(name)
-            if not source.dealing.random_access:
-                raise ValueError(
-                    f"source {name!r} reads a fetch_fun: its stream depends on its worker count, which "
-                    "cannot change while it runs (set_num_workers is for random-access sources)"
-                )
-            groups = [c for c in self._known.named(name) if isinstance(c, DataInputCoordinator)]
-            if not groups or not all(c.started for c in groups) or source.halted or source.finished:
-                raise ValueError(f"source {name!r} is not running: set_num_workers() goes after start()")
-            units = source.dealer.units  # type: ignore[attr-defined]
-            active = units.active(source.dealer.worker_ids)
-            if num_workers > len(active):
-                ids = self._allocate(num_workers - len(active))
-                source.register_fetchers(len(ids))
-                source.add_workers(ids)
-                groups[0].add_workers(ids)
-            elif num_workers < len(active):
-                units.stop_workers(active[num_workers:])
-            if getattr(source.dealer, "window", None) is None:
-                units.window = max(8, 4 * num_workers)  # the default window follows the worker count
-            logger.info("source %r: %d workers now (were %d)", name, num_workers, len(active))
+        """Run random-access source ``name`` on ``num_workers`` workers from now on,
+        while it runs; its stream does not change (``ValueError`` where it
+        cannot: see :func:`~blobfeed.coordinator.elastic.set_num_workers`)."""
+        elastic.set_num_workers(self, name, num_workers)
 
     @overload
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None: ...

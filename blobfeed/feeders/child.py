@@ -81,7 +81,7 @@ def _wait_for_hangup(fd: int) -> None:
 
 def _read_payload(fd: int) -> bytearray:
     """The pickled ``(fetch_fun, worker_init_fun)`` the parent wrote into
-    the memfd ``fd`` (see ``processes._payload_fd``)."""
+    the memfd ``fd`` (see ``starting._payload_fd``)."""
     size = os.fstat(fd).st_size
     out = bytearray(size)
     view = memoryview(out)
