@@ -315,8 +315,8 @@ def _wire(
         spec = fetch_fun if isinstance(fetch_fun, RandomAccessSource) else RandomAccessSource(fetch_fun)
     elif not callable(fetch_fun):
         raise TypeError(
-            f"fetch_fun must be callable, or a random-access source (an object with __len__ and "
-            f"__getitem__), got {type(fetch_fun).__name__}"
+            f"fetch_fun must be callable, got {type(fetch_fun).__name__} (or a random-access source: "
+            "an object with __len__ and __getitem__)"
         )
     else:
         check_call("fetch_fun", fetch_fun, ("worker_id", "batch_size"))
