@@ -426,7 +426,7 @@ def test_refused_wirings() -> None:
         def launch(self, plan: Any) -> Any:
             raise AssertionError("not launched")
 
-    with pytest.raises(ValueError, match="runs on backend='threads' or 'processes'"):
+    with pytest.raises(ValueError, match="runs on backend='threads', 'processes' or a RayBackend"):
         init_data_input_workers(Net(), BLOBS, Items(5), 2, coordinator=blobfeed.GlobalCoordinator(),
                                 backend=Elsewhere())
     gc = blobfeed.GlobalCoordinator()

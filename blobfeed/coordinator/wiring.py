@@ -382,10 +382,10 @@ def _wire(
                 "use RandomAccessSource(dataset, shuffle=True); every index is read exactly once per "
                 "epoch, so a failed read fails the source)"
             )
-        if not isinstance(runner, (ThreadBackend, ProcessBackend)):
+        if not getattr(runner, "random_access", False):
             raise ValueError(
-                f"source {input_source_name!r} is a random-access source: it runs on "
-                f"backend='threads' or 'processes', not on {runner!r} (not supported yet)"
+                f"source {input_source_name!r} is a random-access source: it runs on backend='threads', "
+                f"'processes' or a RayBackend (a backend with random_access = True), not on {runner!r}"
             )
     if spec is None:
         runner.check(fetch_fun, worker_init_fun)

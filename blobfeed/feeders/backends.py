@@ -182,6 +182,8 @@ class ThreadBackend:
     core however many workers it has.
     """
 
+    #: runs random-access sources (gives its workers read units: LaunchPlan.units)
+    random_access = True
     name = "threads"
 
     def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:

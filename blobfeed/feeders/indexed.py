@@ -19,6 +19,7 @@ the batch size only, whatever the workers and nets.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import os
 import select
@@ -37,6 +38,8 @@ __all__ = [
 
 logger = logging.getLogger("blobfeed.feeders")
 
+#: names of worker process (or actor) incarnations with a dispenser: unique per program
+HOLDERS = itertools.count(1)
 #: a unit whose reading process died this many times fails the source
 MAX_TRIES = 3
 #: a unit as it travels to a worker process: (unit, g_lo, g_hi); unit -1 ends
@@ -307,6 +310,11 @@ class UnitDispenser:
                 return False
             self._cond.notify_all()
             return True
+
+    def retired(self, holder: int) -> bool:
+        """Was ``holder`` retired (its process died)?"""
+        with self._cond:
+            return holder in self._retired
 
     def retire(self, holder: int) -> list[tuple[int, int]]:
         """A worker process died: the units it held are read again by

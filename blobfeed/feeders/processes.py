@@ -24,7 +24,6 @@ not.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -43,7 +42,7 @@ from ..errors import BlobfeedError, FetcherError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
 from .chunks import GrantPin
-from .indexed import UNIT_RECORD
+from .indexed import HOLDERS, UNIT_RECORD
 from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
@@ -51,9 +50,6 @@ from .transport import SLOT_INDEX, FdHandle, MessageReader, SlotArea, mem_availa
 from .worker_loop import deliver
 
 __all__ = ["ProcessBackend"]
-
-#: names of worker process incarnations with a random-access source's dispenser
-_HOLDERS = itertools.count(1)
 
 logger = logging.getLogger("blobfeed.feeders.processes")
 
@@ -78,6 +74,8 @@ class ProcessBackend:
     own copy, so state they keep is per worker.
     """
 
+    #: runs random-access sources (gives its workers read units: LaunchPlan.units)
+    random_access = True
     name = "processes"
 
     def __init__(self, *, slots: int = 8, slot_bytes: int = 16 * 1024 * 1024, start_method: str = "forkserver") -> None:
@@ -237,7 +235,7 @@ class _Worker:
         #: thread that feeds it (see _feed_units)
         self.units = group.plan.units
         #: this incarnation's name with the dispenser (a replacement has its own)
-        self.holder = next(_HOLDERS)
+        self.holder = next(HOLDERS)
         self.units_w = -1
         units_r = -1
         if self.units is not None:
