@@ -638,3 +638,75 @@ def test_batch_columns_and_drop_last() -> None:
     assert [o["ids"].tolist() for o in outs] == [[0, 1, 2], [3, 4, 5]]  # (6,) dropped
     assert outs[1]["x"].shape == (3, 3)
     np.testing.assert_array_equal(outs[1]["x"], np.repeat(np.arange(3, 6, dtype=np.float32)[None, :], 3, axis=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Any stop, any layout before and after (hypothesis, bounded)
+# ---------------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def tagged_from_start(events: Sequence[Event]) -> list[tuple[int, tuple[int, ...]]]:
+    """A net's batches of a run from epoch 0, each with its epoch (the ends seen before it)."""
+    out, epoch = [], 0
+    for e in events:
+        if e[0] == "end":
+            epoch = e[1] + 1
+        else:
+            out.append((epoch, e))
+    return out
+
+
+def tagged_to_end(events: Sequence[Event], last: int) -> list[tuple[int, tuple[int, ...]]]:
+    """A net's batches of a run to the end of the data, each with its epoch
+    (the end that follows it; the last epoch has none)."""
+    out, pending = [], []
+    for e in events:
+        if e[0] == "end":
+            out += [(e[1], b) for b in pending]
+            pending = []
+        else:
+            pending.append(e)
+    return out + [(last, b) for b in pending]
+
+
+def reference_tagged(n: int, bs: int, epochs: int) -> list[tuple[int, tuple[int, ...]]]:
+    return tagged_from_start(reference(n, bs, epochs))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(5, 30), bs=st.integers(1, 6), read_size=st.integers(1, 7), epochs=st.integers(1, 3),
+    before=st.tuples(st.integers(1, 4), st.integers(1, 3)), after=st.tuples(st.integers(1, 4), st.integers(1, 3)),
+    stop=st.integers(0, 40),
+)
+def test_any_stop_then_any_layout_gives_the_rest_exactly_once(
+    n: int, bs: int, read_size: int, epochs: int, before: tuple[int, int], after: tuple[int, int], stop: int,
+) -> None:
+    kw: dict[str, Any] = {"bs": bs, "epochs": epochs, "read_size": read_size}
+    with Pipeline(Items(n), before[1], before[0], **kw) as p:
+        whole = p.lockstep()
+    with Pipeline(Items(n), before[1], before[0], **kw) as p:
+        first = p.lockstep(limit=stop)
+        state = p.state()
+    with Pipeline(Items(n), after[1], after[0], **kw) as p:
+        p.gc.load_state_dict(SRC, state)
+        rest = p.lockstep()
+    want = reference_tagged(n, bs, epochs)
+    assert interleave(whole) == [b for _, b in want]
+    done = [t for events in first for t in tagged_from_start(events)]
+    later = [tagged_to_end(events, epochs - 1) for events in rest]
+    # each sample exactly once per epoch over both runs
+    assert sorted(done + [t for net in later for t in net]) == sorted(want), state
+    if after[1] == before[1]:
+        # the same nets: each gets exactly its batches of the uninterrupted run
+        for j in range(after[1]):
+            assert batches_of(first[j]) + batches_of(rest[j]) == batches_of(whole[j]), state
+    else:
+        # the rest of the stream, in its order, dealt anew: batch i to net i mod k
+        k = after[1]
+        stream = [t for t in want if t not in done]
+        assert [len(net) for net in later] == [len(stream[j::k]) for j in range(k)], state
+        for j in range(k):
+            assert later[j] == stream[j::k], state
