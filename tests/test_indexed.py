@@ -710,3 +710,16 @@ def test_any_stop_then_any_layout_gives_the_rest_exactly_once(
         assert [len(net) for net in later] == [len(stream[j::k]) for j in range(k)], state
         for j in range(k):
             assert later[j] == stream[j::k], state
+
+
+def failing_init(worker_id: int) -> None:
+    if worker_id == 2:
+        raise RuntimeError("no GPU for worker 2")
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_a_worker_init_fun_error_fails_the_source_though_its_worker_held_no_unit(backend: str) -> None:
+    with Pipeline(Items(400), 1, 3, bs=2, epochs=1, backend=backend, worker_init_fun=failing_init) as p:
+        with pytest.raises(FetcherError, match=r"worker 2: starting the worker failed: RuntimeError\('no GPU"):
+            for _ in range(400):
+                p.next_event(0)

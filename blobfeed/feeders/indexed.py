@@ -248,6 +248,11 @@ class UnitDispenser:
             r = self._unit(u)
             return r.lo if r is not None else self._cursor
 
+    def holds(self, worker_id: int) -> bool:
+        """Does ``worker_id`` hold a unit the stream has not consumed?"""
+        with self._cond:
+            return worker_id in self._owner.values()
+
     def owner(self, u: int) -> int | None:
         """The worker that holds unit ``u``, None while nobody took it."""
         return self._owner.get(u)  # a dict read: atomic, no lock (called per chunk under the dealer's)

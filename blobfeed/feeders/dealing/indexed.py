@@ -3,9 +3,10 @@
 Workers take read units from a :class:`~blobfeed.feeders.indexed.UnitDispenser`
 as they free up, each in increasing order, and hand each unit's samples over
 as one chunk stamped with its number (``chunk.state``).  The stream is unit
-0, 1, 2, ...: since a worker's units increase, the unit the stream waits for
-is at the head of its holder's lane as soon as it is read, so
-:class:`UnitTurns` only looks there.  Batches are cut from that stream as
+0, 1, 2, ...: each lane is kept sorted by unit (a worker's units increase;
+the process that replaces a dead one may read an older one), so the unit the
+stream waits for is at the head of its holder's lane as soon as it is read,
+and :class:`UnitTurns` only looks there.  Batches are cut from that stream as
 for a deterministic source (:class:`~.stages.Cut`), batch *i* to net *i mod
 k*, epochs ending where the dispenser's units cross an epoch.
 
@@ -172,6 +173,18 @@ class IndexedDealer(LaneDealer):
             if i == 0:
                 self._items.notify_all()
             return True
+
+    def put_error(self, worker_id: int, error: BaseException) -> None:
+        """The worker failed: the error surfaces at the unit it held, or at
+        once when it holds none (its ``worker_init_fun`` failed, say: no
+        unit of the stream would ever reach it)."""
+        super().put_error(worker_id, error)
+        if not self.units.holds(worker_id):
+            with self._lock:
+                if self._error is None:
+                    self._error = error  # what the nets get once what was dealt is out
+                self._items.notify_all()
+            self._on_error(error)
 
     def _consumed(self, wid: int, chunk: Chunk, lane: Any) -> None:
         super()._consumed(wid, chunk, lane)
