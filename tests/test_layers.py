@@ -17,6 +17,8 @@ PKG = Path(__file__).resolve().parent.parent / "blobfeed"
 #: lower imports higher never; same layer never (except a package and its parts)
 LAYERS: dict[str, int] = {
     "blobfeed.errors": 0, "blobfeed.arguments": 0, "blobfeed.worker_info": 0, "blobfeed.stats": 0,
+    # the bottleneck verdict: reads the hub's sums (types only)
+    "blobfeed.bottleneck": 0.5,
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
@@ -67,7 +69,7 @@ LAYERS: dict[str, int] = {
     **{f"blobfeed.apps.bench.peers.{peer}": 14.4 for peer in (
         "caffe2", "copy_bound", "grain_dataset", "model_alone", "mp_pool", "ray_data", "torch_dataloader")},
     "blobfeed.apps.bench.peers": 14.5, "blobfeed.apps.bench.runner": 14.6, "blobfeed.apps.bench.cli": 14.7,
-    "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.serve": 14.8, "blobfeed.apps.cli": 14.9,
+    "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.serve": 14.8, "blobfeed.apps.top": 14.8, "blobfeed.apps.cli": 14.9,
 }
 APPS = {m for m in LAYERS if m == "blobfeed.apps" or m.startswith("blobfeed.apps.")}
 #: what an application may import of the package

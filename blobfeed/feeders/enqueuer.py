@@ -119,6 +119,8 @@ class Feed:
         )
         #: the enqueuer's work is done (the queue was closed by it): pump() does nothing more
         self._pumped_out = False
+        #: held by the thread that pumps (see pump)
+        self._pump_lock = threading.Lock()
         #: called once when a reader-driven feed's stream ended by itself (its end or error queued)
         self.on_end: Callable[[], None] = _no_cancel
         #: no enqueuer: the caller puts whole, placed batches on the device
@@ -172,6 +174,11 @@ class Feed:
 
     def device_queue_depth(self) -> int:
         return self.device_queue.qsize()
+
+    def absorbs(self, sample_bytes: int) -> bool:
+        """Whether this feed copies every piece of a chunk of samples of
+        ``sample_bytes`` into its batch at once, keeping no view of it."""
+        return self.rebatcher.absorbs(sample_bytes)
 
     def buffered_samples(self) -> int:
         reader = self.reader
@@ -314,18 +321,24 @@ class Feed:
         work in the reader's thread until a batch, the end or an error is on
         the device queue, waiting at most ``timeout`` for the source's next
         chunk (0: never waits).  Never waits for room (see ``__init__``)."""
-        if self._pumped_out:
-            return
-        dq = self.device_queue
         deadline = time.monotonic() + timeout
-        while not dq.qsize() and not dq.closed:
-            took = self._step(max(0.0, deadline - time.monotonic()), once=True)
-            if took is None:
-                self._pumped_out = True
-                self.on_end()
-                return
-            if not took and time.monotonic() >= deadline:
-                return
+        # One pump at a time: it assembles big batches outside the feed's
+        # lock, in order only if nobody else does meanwhile (a consumer that
+        # re-attached to an index while its predecessor's sender still reads).
+        if not self._pump_lock.acquire(timeout=max(0.0, timeout)):
+            return
+        try:
+            dq = self.device_queue
+            while not self._pumped_out and not dq.qsize() and not dq.closed:
+                took = self._step(max(0.0, deadline - time.monotonic()), once=True)
+                if took is None:
+                    self._pumped_out = True
+                    self.on_end()
+                    return
+                if not took and time.monotonic() >= deadline:
+                    return
+        finally:
+            self._pump_lock.release()
 
     def _step(self, wait: float | None, once: bool = False) -> bool | None:
         """One round of the enqueuer: take a chunk, queue what it completes,

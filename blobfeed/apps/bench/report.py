@@ -478,6 +478,8 @@ RUNNER_LEGEND = {
     "caffe2": "Caffe2's original re-batching (np.append, np.split), written from its description; "
               "its lost column is the leftovers it drops, by design, when its queue is full",
     "copy": "the copy bound: each batch's bytes copied once with np.copyto, out of cache",
+    "copy2": "the same in two threads at once: what the memory moves when both cores copy (a path that "
+             "copies each byte twice, as S1's does with worker processes, reaches at most half of it)",
     "model": "the model alone: InferenceSession.run on batches made in advance",
     "grain0": "grain, no worker process: chunks re-batched by grain",
     "torch0": "torch DataLoader, num_workers=0, a map-style dataset of single samples",
