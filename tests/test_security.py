@@ -30,7 +30,8 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 #: Process workers exchange pickles with child processes this program
 #: started itself (its own code, its own user, over pipes no one else holds):
 #: the only place pickle may appear.  Nothing from the network or a file.
-PICKLE_TRUSTED = {"feeders/processes.py", "feeders/child.py", "feeders/transport.py"}
+#: (feeders/starting.py pickles the fetch_fun for those children: it dumps, never loads)
+PICKLE_TRUSTED = {"feeders/processes.py", "feeders/child.py", "feeders/transport.py", "feeders/starting.py"}
 #: ``blobfeed serve MODULE:FUNCTION`` imports the module its operator names
 #: on the command line (as ``python -m`` does): code of the operator's own,
 #: never anything a peer sent
