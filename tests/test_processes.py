@@ -1424,7 +1424,7 @@ def test_small_chunks_of_big_batches_are_copied_once_even_when_the_queue_is_full
         gc.start()
         # nobody reads until the workers filled their 2 x 4 slots (with the
         # copies out, the queue went on filling past them)
-        wait_until(lambda: reader.source.queue_depth() >= 8, "the workers' slots to fill")
+        wait_until(lambda: reader.source.queue_depth() >= 8, "the workers' slots to fill", timeout=60.0)
         got = []
         while True:
             try:
