@@ -257,6 +257,12 @@ def read_procs(pids: list[int]) -> ProcReading:
     return ProcReading(cpu, switches)
 
 
+#: the keys of the service's steps in a result (``service.service_steps``):
+#: STEP_CPU + role, STEP_CTX + role
+STEP_CPU = "step_cpu_us_per_batch:"
+STEP_CTX = "step_ctx_per_batch:"
+
+
 def read_threads(role: Callable[[int], str]) -> dict[str, tuple[int, int]]:
     """This process's live threads, grouped by ``role(tid)``: (CPU ticks,
     context switches) per role."""

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from .service import STEP_CPU, STEP_CTX
+from .measure import STEP_CPU, STEP_CTX
 from .workloads import IN_PROCESS_PEERS, PROCESS_PEERS, WORKLOADS
 
 

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from .measure import Tally, Usage, watch_consumers
+from .measure import STEP_CPU, STEP_CTX, Tally, Usage, watch_consumers
 from .workloads import WORKLOADS, Workload
 
 #: the served source's name and the service's workers
@@ -290,11 +290,6 @@ def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: 
         **per_batch_costs(w.usage, total),
         **service_steps(w.usage, w.threads, total),
     }
-
-
-#: the keys of the service's steps in a result: STEP_CPU + role, STEP_CTX + role
-STEP_CPU = "step_cpu_us_per_batch:"
-STEP_CTX = "step_ctx_per_batch:"
 
 
 def service_steps(usage: dict[str, Usage], threads: dict[str, Usage], batches: int) -> dict[str, float]:
