@@ -689,8 +689,10 @@ class GlobalCoordinator:
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
             checkpoint.load_state(source, state)
 
-    #: ``set_num_workers(name, n)``: a running random-access source's worker count (see elastic)
+    #: ``set_num_workers(name, n)``: a running source's worker count (see elastic)
     set_num_workers = elastic.set_num_workers
+    #: ``num_workers(name)``: the workers a source runs on now (see elastic)
+    num_workers = elastic.num_workers
 
     @overload
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None: ...

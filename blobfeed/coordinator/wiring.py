@@ -498,6 +498,7 @@ def _wire(
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
         source.add_workers(ids)
+        source.worker_count += num_worker_threads
         gc._add(DataInputCoordinator(
             gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
             runner, worker_init_fun,
