@@ -134,3 +134,262 @@ def test_set_num_workers_refuses_a_fetch_fun_stream_that_depends_on_the_worker_c
     finally:
         release.set()
         assert gc.stop(timeout=10.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuner's decisions, without a pipeline: a fake plant
+# ---------------------------------------------------------------------------------------------
+from collections import Counter  # noqa: E402
+
+from blobfeed.autotune import AutoWorkers, Climber, Window, _cgroup_quota, cpu_limit  # noqa: E402
+
+
+class Plant:
+    """Throughput as a function of workers: linear up to ``knee``, flat
+    after it, with +-``noise`` multiplicative noise.  ``cpu``: cores one
+    worker uses; ``waits``: the nets wait for input (else the model limits
+    and the workers idle)."""
+
+    def __init__(self, knee: int, noise: float = 0.02, cpu: float = 0.05, waits: bool = True, seed: int = 0) -> None:
+        self.knee = knee
+        self.noise = noise
+        self.cpu = cpu
+        self.waits = waits
+        self.rng = np.random.default_rng(seed)
+
+    def window(self, n: int, gil: bool = False) -> Window:
+        rate = 100.0 * min(n, self.knee) * (1 + self.rng.uniform(-self.noise, self.noise))
+        busy = 1.0 if self.waits else 0.3
+        return Window(1.25, rate, self.waits, busy, self.cpu * n, gil)
+
+
+def drive(c: Climber, plant: Plant, seconds: float, t0: float = 0.0, bound: int | None = None) -> list[int]:
+    """The worker count after each window, ``seconds`` of simulated time."""
+    counts = []
+    t = t0
+    while t < t0 + seconds:
+        t += 1.25
+        c.decide(t, plant.window(c.n), bound)
+        counts.append(c.n)
+    return counts
+
+
+def mode(counts: list[int]) -> int:
+    return Counter(counts).most_common(1)[0][0]
+
+
+def test_the_climber_climbs_to_the_knee_and_stays() -> None:
+    c = Climber(1, lo=1, hi=32, cpus=2.0)
+    counts = drive(c, Plant(knee=8), 60.0)
+    assert counts.index(8) <= 4, f"1 -> 2 -> 4 -> 8 in doubling steps: {counts}"
+    assert max(counts) <= 16
+    late = counts[16:]
+    assert mode(late) == 8, counts
+    # trials away from the knee are rare once there (the holds grow)
+    assert sum(1 for k in late if k != 8) <= len(late) // 4, counts
+
+
+def test_the_climber_follows_the_knee_when_it_moves() -> None:
+    plant = Plant(knee=8, seed=1)
+    c = Climber(1, lo=1, hi=32, cpus=2.0)
+    drive(c, plant, 30.0)
+    assert c.n == 8
+    plant.knee = 4  # the best count moved down: it backs off
+    counts = drive(c, plant, 60.0, t0=30.0)
+    assert mode(counts[-20:]) == 4, counts
+    plant.knee = 12  # and up: it climbs again
+    counts = drive(c, plant, 90.0, t0=90.0)
+    assert mode(counts[-20:]) in (12, 13), counts
+
+
+def test_the_climber_keeps_its_bounds() -> None:
+    # the hard cap
+    assert max(drive(Climber(1, lo=1, hi=6, cpus=64.0), Plant(knee=20), 40.0)) <= 6
+    # the byte budget, a bound of the moment
+    assert max(drive(Climber(1, lo=1, hi=32, cpus=64.0), Plant(knee=20), 40.0, bound=3)) <= 3
+    # a bound that comes down is followed
+    c = Climber(8, lo=1, hi=32, cpus=64.0)
+    c.decide(1.0, Plant(knee=20).window(8), bound=5)
+    assert c.n == 5
+    # the CPU budget: workers that each use a core stop at the cores (2)
+    assert max(drive(Climber(1, lo=1, hi=32, cpus=2.0), Plant(knee=20, cpu=1.0), 40.0)) <= 2
+    # workers that mostly wait may outnumber the cores
+    assert max(drive(Climber(1, lo=1, hi=32, cpus=2.0), Plant(knee=20, cpu=0.02), 40.0)) >= 16
+    # min_workers
+    assert min(drive(Climber(4, lo=3, hi=32, cpus=2.0), Plant(knee=1, waits=False), 40.0)) >= 3
+
+
+def test_the_climber_removes_idle_workers_and_never_grows_on_a_shared_gil() -> None:
+    counts = drive(Climber(8, lo=1, hi=32, cpus=2.0), Plant(knee=2, waits=False), 30.0)
+    assert counts[-1] <= 3 and mode(counts[-10:]) == 2, counts
+    c = Climber(1, lo=1, hi=32, cpus=2.0)
+    t, seen = 0.0, []
+    for _ in range(40):
+        t += 1.25
+        # one thread runs at a time: a second one adds nothing, and the window says so
+        c.decide(t, Window(1.25, 100.0 * (1 + 0.5 * (c.n > 1)), True, 1.0, 1.0, c.n > 1))
+        seen.append(c.n)
+    assert max(seen) <= 2 and mode(seen) == 1, seen
+
+
+def test_the_cpu_bound_reads_affinity_and_the_cgroup_quota(tmp_path: Path) -> None:
+    assert 1 <= cpu_limit() <= len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert _cgroup_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert _cgroup_quota(str(tmp_path)) is None
+    assert AutoWorkers(max_cpus=3).cap() == 16
+    assert AutoWorkers(max_cpus=8).cap() == 32
+    for bad in (dict(start=0), dict(max_workers=0), dict(max_cpus=0), dict(max_cpus=float("nan")),
+                dict(start=4, max_workers=2)):
+        with pytest.raises(ValueError, match="AutoWorkers"):
+            AutoWorkers(**bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# num_worker_threads="auto" on real pipelines
+# ---------------------------------------------------------------------------------------------
+def _sleepy(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    time.sleep(0.005)  # I/O: the worker waits, off the GIL
+    return [np.zeros(4, np.int64), np.zeros(4, np.float32)]
+
+
+def _busy(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    x = 0
+    for i in range(20_000):  # Python code: holds the GIL
+        x += i
+    return [np.zeros(4, np.int64), np.zeros(4, np.float32)]
+
+
+def _rate(net: Net, seconds: float) -> float:
+    """Batches per second ``net`` gets over ``seconds``."""
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < seconds:
+        net.run(timeout=WAIT)
+        n += 1
+    return n / (time.monotonic() - t0)
+
+
+def _pipeline(fetch: Any, workers: Any, **kw: Any) -> tuple[blobfeed.GlobalCoordinator, Net]:
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, BLOBS, fetch, 4, num_worker_threads=workers, coordinator=gc, seed=1, **kw)
+    gc.start()
+    return gc, net
+
+
+def test_auto_grows_an_io_bound_source_to_the_throughput_of_many_workers(caplog: Any) -> None:
+    caplog.set_level("INFO", logger="blobfeed.autotune")
+    gc, net = _pipeline(_sleepy, "auto")
+    try:
+        assert gc.num_workers(SRC) == 1
+        deadline = time.monotonic() + 15.0
+        while gc.num_workers(SRC) < 8:
+            assert time.monotonic() < deadline, f"still {gc.num_workers(SRC)} workers after 15 s"
+            net.run(timeout=WAIT)
+        assert sample(gc, "blobfeed_workers", source=SRC) >= 8
+        auto = max(_rate(net, 1.5), _rate(net, 1.5))
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert any("source 'train': 2 workers (were 1): the nets wait for input" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    gc, net = _pipeline(_sleepy, 16)
+    try:
+        _rate(net, 0.5)
+        fixed = max(_rate(net, 1.5), _rate(net, 1.5))
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert auto >= 0.8 * fixed, f"auto: {auto:.0f} batches/s, 16 workers: {fixed:.0f}"
+
+
+def test_auto_does_not_grow_threads_that_share_the_gil() -> None:
+    gc, net = _pipeline(_busy, "auto")
+    seen = []
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 8.0:
+            net.run(timeout=WAIT)
+            seen.append(gc.num_workers(SRC))
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert max(seen) <= 3, f"GIL-bound threads grew to {max(seen)}"
+
+
+def test_auto_keeps_max_workers() -> None:
+    gc, net = _pipeline(_sleepy, blobfeed.AutoWorkers(max_workers=3))
+    seen = []
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5.0:
+            net.run(timeout=WAIT)
+            seen.append(gc.num_workers(SRC))
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert max(seen) == 3, seen  # it grew, to the cap and no further
+
+
+def test_auto_on_processes_grows_and_the_stream_still_ends(tmp_path: Path) -> None:
+    """A non-sharding fetcher on worker processes: the tuner adds processes,
+    and every chunk each one made arrives once, up to the end."""
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, BLOBS, Counted(str(tmp_path), delay=0.01), 4, num_worker_threads="auto",
+                            coordinator=gc, backend="processes", seed=1)
+    got: list[int] = []
+    try:
+        gc.start()
+        deadline = time.monotonic() + 30.0
+        while len({i // 1_000_000 for i in got}) < 2:
+            assert time.monotonic() < deadline, "no second worker process's chunk within 30 s"
+            got.extend(int(i) for i in net.run(timeout=WAIT)["ids"])
+        (tmp_path / "stop").touch()
+        while True:
+            try:
+                got.extend(int(i) for i in net.run(timeout=WAIT)["ids"])
+            except EndOfInput:
+                break
+    finally:
+        assert gc.stop(timeout=10.0)
+    made = {int(p.name): int(p.read_text()) for p in tmp_path.iterdir() if p.name.isdigit()}
+    per_worker: dict[int, list[int]] = {}
+    for i in got[::2]:
+        per_worker.setdefault(i // 1_000_000, []).append(i % 1_000_000)
+    assert len(made) >= 2
+    for wid, calls in made.items():
+        assert per_worker.get(wid) == list(range(calls)), f"worker {wid}: made {calls} chunks"
+
+
+class FixedBackend:
+    """A backend that cannot add or remove workers of a running fetch_fun
+    source (as RayBackend cannot): no ``elastic``."""
+
+    name = "fixed"
+
+    def check(self, fetch_fun: Any, worker_init_fun: Any) -> None:
+        pass
+
+    def launch(self, plan: Any) -> Any:  # pragma: no cover - never started
+        raise AssertionError("not started")
+
+
+@pytest.mark.parametrize("wiring, match", [
+    (dict(deterministic=True), r"num_worker_threads='auto' changes the worker count.*deterministic=True"),
+    (dict(shuffle_buffer=8), r"num_worker_threads='auto'.*shuffle_buffer=8"),
+    (dict(epochs=None), r"num_worker_threads='auto'.*epochs=None"),
+    (dict(backend="fixed"), r"num_worker_threads='auto' needs a backend that can add and remove workers"),
+])
+def test_auto_is_refused_where_the_stream_depends_on_the_worker_count(wiring: dict, match: str) -> None:
+    if wiring.get("backend") == "fixed":
+        wiring = dict(backend=FixedBackend())
+    gc = blobfeed.GlobalCoordinator()
+    with pytest.raises(ValueError, match=match):
+        init_data_input_workers(Net(), BLOBS, _sleepy, 4, num_worker_threads="auto", coordinator=gc, **wiring)
+    assert SRC not in gc._sources  # nothing left wired
+    with pytest.raises(ValueError, match=r"num_worker_threads must be an int >= 1, 'auto' or AutoWorkers"):
+        init_data_input_workers(Net(), BLOBS, _sleepy, 4, num_worker_threads="many", coordinator=gc)
+    # every call for one source agrees
+    init_data_input_workers(Net(name="a"), BLOBS, _sleepy, 4, num_worker_threads="auto", coordinator=gc)
+    with pytest.raises(ValueError, match=r"source 'train' was wired with num_worker_threads=auto; this call asks for 2"):
+        init_data_input_workers(Net(name="b"), BLOBS, _sleepy, 4, num_worker_threads=2, coordinator=gc)
+    gc.stop(timeout=5.0)
