@@ -398,7 +398,7 @@ class AutoTuner:
                 continue
             entry = totals.get(name)
             live = None if entry is None else entry.live
-            if live is not src or not any(g.name == name and g.started for g in groups):
+            if entry is None or live is not src or not any(g.name == name and g.started for g in groups):
                 continue  # not started yet
             if live.stopped or live.finished or live.error is not None or live.halted:
                 continue
@@ -451,14 +451,14 @@ class AutoTuner:
             return None
         rate = max(0, b.samples - a.samples) / dt
         waits = []
-        for net, (wait, busy) in b.nets.items():
-            w0, b0 = a.nets.get(net, (0.0, 0.0))
-            dw, db = max(0.0, wait - w0), max(0.0, busy - b0)
+        for net, (wait, ran) in b.nets.items():
+            w0, r0 = a.nets.get(net, (0.0, 0.0))
+            dw, db = max(0.0, wait - w0), max(0.0, ran - r0)
             if dw + db > 0:
                 waits.append(dw / (dw + db))
         input_bound = bool(waits) and max(waits) >= WAIT_BOUND
         busy = min(1.0, max(0.0, b.fetch_s - a.fetch_s) / (n * dt)) if n > 0 else None
-        cores = None
+        cores: float | None = None
         if a.cpu is not None and b.cpu is not None:
             common = [k for k in b.cpu if k in a.cpu]
             if common:

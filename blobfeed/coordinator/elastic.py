@@ -99,7 +99,7 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
         if not groups or not all(c.started for c in groups) or source.halted or source.finished:
             raise ValueError(f"source {name!r} is not running: set_num_workers() goes after start()")
         if source.dealing.random_access:
-            units = source.dealer.units  # type: ignore[attr-defined]
+            units = source.dealer.units
             active = units.active(source.dealer.worker_ids)
             was = len(active)
             if num_workers > len(active):
