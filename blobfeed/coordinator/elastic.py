@@ -106,7 +106,7 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
                 ids = gc._allocate(num_workers - len(active))
                 source.register_fetchers(len(ids))
                 source.add_workers(ids)
-                groups[0].add_workers(ids)
+                groups[0].add_workers(ids, num_workers)
             elif num_workers < len(active):
                 units.stop_workers(active[num_workers:])
             if getattr(source.dealer, "window", None) is None:
@@ -118,7 +118,7 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
                 ids = gc._allocate(num_workers - was)
                 source.register_fetchers(len(ids))  # refuses a source that ended meanwhile
                 source.add_workers(ids)
-                groups[0].add_workers(ids)
+                groups[0].add_workers(ids, num_workers)
             elif num_workers < was:
                 for wid, c in mine[num_workers:]:
                     c.retire_workers([wid])

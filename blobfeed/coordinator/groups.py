@@ -396,13 +396,14 @@ class DataInputCoordinator(WorkerCoordinator):
             return []
         return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self._enqueue)]
 
-    def add_workers(self, worker_ids: list[int]) -> None:
+    def add_workers(self, worker_ids: list[int], num_workers: int | None = None) -> None:
         """Start more workers of a running random-access source, or of a
         fetch_fun source in arrival order (their ids allocated, registered
-        with the source and their lanes wired already)."""
+        with the source and their lanes wired already); ``num_workers``:
+        the source's worker count from now on (their WorkerInfo's)."""
         first = len(self.worker_ids)
         self.worker_ids.extend(worker_ids)
-        workers = self._plans(worker_ids, first)
+        workers = self._plans(worker_ids, first, num_workers)
         fetch_fun = self._launched
         if isinstance(fetch_fun, UnitReader):
             plan = LaunchPlan(
@@ -441,11 +442,11 @@ class DataInputCoordinator(WorkerCoordinator):
         """This group's worker ids not removed by set_num_workers."""
         return [wid for wid in self.worker_ids if wid in self._intakes and not self._intakes[wid].retired]
 
-    def _plans(self, worker_ids: list[int], first: int = 0) -> list[WorkerPlan]:
+    def _plans(self, worker_ids: list[int], first: int = 0, num_workers: int | None = None) -> list[WorkerPlan]:
         hub = self._hub
         backend = self.backend
         workers = []
-        n = len(self.worker_ids)
+        n = len(self.worker_ids) if num_workers is None else num_workers
         for index, wid in enumerate(worker_ids, first):
             stats = hub.fetch_stats(self.name, backend.name)
             self._fetch_stats.append(stats)
