@@ -393,3 +393,39 @@ def test_auto_is_refused_where_the_stream_depends_on_the_worker_count(wiring: di
     with pytest.raises(ValueError, match=r"source 'train' was wired with num_worker_threads=auto; this call asks for 2"):
         init_data_input_workers(Net(name="b"), BLOBS, _sleepy, 4, num_worker_threads=2, coordinator=gc)
     gc.stop(timeout=5.0)
+
+
+class SlowItems:
+    """A map-style dataset whose reads wait 2 ms (I/O): sample i is (i, [i])."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        time.sleep(0.002)
+        return np.int64(i), np.full(1, i, np.float32)
+
+
+def test_auto_on_a_random_access_source_grows_and_keeps_the_stream() -> None:
+    n = 3000
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, BLOBS, blobfeed.RandomAccessSource(SlowItems(n), shuffle=False), 4,
+                            num_worker_threads="auto", coordinator=gc)
+    got: list[int] = []
+    seen = 1
+    try:
+        gc.start()
+        while True:
+            try:
+                got.extend(int(i) for i in net.run(timeout=WAIT)["ids"])
+            except EndOfInput:
+                break
+            seen = max(seen, gc.num_workers(SRC))
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert seen >= 2, "the tuner never added a worker"
+    assert got == list(range(n)), "the stream of a random-access source does not depend on its workers"
