@@ -320,7 +320,10 @@ class BatchReader:
             ok, batch = self._device_queue.get_nowait()
             if ok:
                 return batch  # type: ignore[return-value]
-            if feed.prefetch and not feed.fed_by_caller:
+            if not feed.fed_by_caller:
+                # without prefetch too: one pass under the feed's lock takes
+                # the chunks a small batch needs, where pump() would make a
+                # step (lock, drain, queue) of each chunk
                 batch = self._assemble_here()
                 if batch is not None:
                     return batch
