@@ -110,6 +110,9 @@ class BatchReader:
         self._first_checked = False
         #: the name of the net it feeds (Net.add_reader), None for none
         self.net: str | None = None
+        #: samples read() handed out and not yet returned or held: still the
+        #: source's (buffered), wherever the consumer keeps them
+        self.lent = 0
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -157,11 +160,16 @@ class BatchReader:
             BlobfeedError: the coordinator was never started.
         """
         held = self.take_held()
-        return held if held is not None else self.dequeue(timeout)
+        item = held if held is not None else self.dequeue(timeout)
+        if type(item) is Batch:
+            self.lent += item.n
+        return item
 
     def returned(self, batch: Batch | EpochEnd) -> None:
         """The consumer is done with ``batch`` (or passed the epoch end): it
         counts as delivered, and the source's position moves past it."""
+        if type(batch) is Batch:
+            self.lent = max(0, self.lent - batch.n)
         self.delivered(batch)
 
     def ready(self) -> int:
@@ -196,6 +204,7 @@ class BatchReader:
         feed = self._feed
         with feed._lock:
             self._in_model = None
+            self.lent = max(0, self.lent - batch.n)
             if not feed._aborted:
                 self._held = batch
                 return
