@@ -383,3 +383,28 @@ def test_a_reader_without_prefetch_gets_a_fetcher_error_at_its_place() -> None:
                 reader.returned(b)
         assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
         gc.stop(WAIT)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_batches_a_reader_holds_unreturned_count_as_buffered(prefetch: bool) -> None:
+    """A reader may read several batches before it returns them (the
+    service's sender does, up to a consumer's slots): until returned they
+    are the source's, buffered, so fetched == delivered + dropped + buffered
+    holds in every scrape (it missed them: the service's /metrics broke the
+    identity by the batches out at its consumers)."""
+    from .contract.util import accounts, balanced
+    from .helpers import wait_until
+
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = init_reader(["id", "x"], Counting(4, 3), 4, 1, "held", coordinator=gc, prefetch=prefetch)
+        gc.start()
+        out = [reader.read(WAIT) for _ in range(2)]
+        # the worker ends (4 chunks of 3); then the scrape is at rest
+        wait_until(lambda: accounts(gc, "held")["fetched"] == 12, "the worker's 12 samples", WAIT)
+        a = accounts(gc, "held")
+        assert balanced(a) and a["buffered"] == 12 and a["delivered"] == 0, a
+        for b in out:
+            reader.returned(b)
+        a = accounts(gc, "held")
+        assert balanced(a) and a["delivered"] == 8 and a["buffered"] == 4, a
+        assert gc.stop(WAIT)
