@@ -235,6 +235,8 @@ class Climber:
                 ok = w.rate > t.base * (1 + GROW_GAIN) and not w.gil
                 if ok:
                     self._fails_up = 0
+                    # no step back down straight after a step up that paid
+                    self.hold_down = max(self.hold_down, now + HOLD_S)
                     self.reason = f"{t.start} -> {t.to} workers raised the throughput {_pct(w.rate, t.base)}"
                     # workers do not each add more than they did before: a
                     # step that gained less than it added passed the knee,
@@ -303,9 +305,14 @@ class Climber:
         return n
 
     def _fits(self, w: Window, n: int, to: int) -> bool:
-        """Whether ``to`` workers fit the CPU budget, from ``n``'s use."""
+        """Whether ``to`` workers fit the CPU budget, from ``n``'s use:
+        workers that compute each take a core when they can get one (on a
+        machine busy with other work they get less, which must not make
+        room for more of them)."""
         if w.cores is None:
             return True
+        if w.hungry and to > max(1, int(self.cpus)):
+            return False
         return w.cores * to / max(1, n) <= self.cpus + 0.25
 
 
