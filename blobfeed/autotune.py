@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .bottleneck import (
@@ -221,13 +221,11 @@ class Climber:
     _down_from: float = 0.0
     #: why the last change was made (for the log line)
     reason: str = ""
-    history: list[tuple[float, int, float]] = field(default_factory=list)
 
     def decide(self, now: float, w: Window, bound: int | None = None) -> int:
         """The worker count after window ``w`` (measured at ``self.n``, or
         at the trial's count); ``bound``: a further cap now (the byte budget)."""
         hi = self.hi if bound is None else max(self.lo, min(self.hi, bound))
-        self.history.append((now, self.n, w.rate))
         t = self.trial
         if t is not None:
             self.trial = None

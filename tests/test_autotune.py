@@ -279,6 +279,7 @@ def _pipeline(fetch: Any, workers: Any, **kw: Any) -> tuple[blobfeed.GlobalCoord
     gc = blobfeed.GlobalCoordinator()
     net = Net(name="n")
     init_data_input_workers(net, BLOBS, fetch, 4, num_worker_threads=workers, coordinator=gc, seed=1, **kw)
+    assert gc.num_workers(SRC) == (1 if workers == "auto" or not isinstance(workers, int) else workers)
     gc.start()
     return gc, net
 

@@ -46,23 +46,15 @@ def elastic_refusal(source: InputSource, groups: list[DataInputCoordinator]) -> 
 
 
 def num_workers(gc: Any, name: str) -> int:
-    """The workers source ``name`` runs on now: those started and not
-    removed by ``set_num_workers`` (a removed one may still be finishing
-    its last call).  ``GlobalCoordinator.num_workers(name)``.
+    """The workers source ``name`` runs on now: its wiring calls' count,
+    then the last ``set_num_workers``' (a removed worker may still be
+    finishing its last call).  ``GlobalCoordinator.num_workers(name)``.
 
     Raises:
         ValueError: no such source.
     """
     with gc._lock:
-        source = gc._live_source(name)
-        return _active(source, _groups(gc, name))
-
-
-def _active(source: InputSource, groups: list[DataInputCoordinator]) -> int:
-    if source.dealing.random_access:
-        units = source.dealer.units  # type: ignore[attr-defined]
-        return len(units.active(source.dealer.worker_ids))
-    return sum(len(c.active_workers()) for c in groups)
+        return gc._live_source(name).worker_count
 
 
 def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
