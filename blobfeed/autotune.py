@@ -426,9 +426,14 @@ class AutoTuner:
             if to != was:
                 try:
                     self._gc.set_num_workers(name, to)
+                except ValueError:
+                    # the source ended or stopped meanwhile: nothing to tune
+                    logger.debug("source %r: not resized to %d workers", name, to, exc_info=True)
+                    t.climber.n, t.climber.trial = was, None
+                    continue
                 except Exception as exc:
-                    # the source ended meanwhile, or the backend could not
-                    # start more (shared memory): stay where we are
+                    # the backend could not start more (no room for a worker
+                    # process's shared memory, say): stay where we are
                     logger.warning("source %r: the tuner could not run %d workers (%s); stays at %d",
                                    name, to, exc, was)
                     t.climber.n, t.climber.trial = was, None

@@ -434,3 +434,41 @@ def test_auto_on_a_random_access_source_grows_and_keeps_the_stream() -> None:
         assert gc.stop(timeout=10.0)
     assert seen >= 2, "the tuner never added a worker"
     assert got == list(range(n)), "the stream of a random-access source does not depend on its workers"
+
+
+class FullBackend(blobfeed.ThreadBackend):
+    """Threads that cannot start more workers once running (as a process
+    backend without room for more shared memory)."""
+
+    launches = 0
+
+    def launch(self, plan: Any) -> Any:
+        self.launches += 1
+        if self.launches > 1:
+            raise blobfeed.BlobfeedError(f"source {plan.source!r}: no room for {len(plan.workers)} more workers")
+        return super().launch(plan)
+
+
+def test_auto_stays_where_it_is_when_the_backend_cannot_start_more(caplog: Any, tmp_path: Path) -> None:
+    caplog.set_level("WARNING", logger="blobfeed.autotune")
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, BLOBS, Counted(str(tmp_path), delay=0.005), 4, num_worker_threads="auto",
+                            coordinator=gc, backend=FullBackend(), seed=1)
+    got: list[int] = []
+    try:
+        gc.start()
+        deadline = time.monotonic() + WAIT
+        while not any("could not run 2 workers" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the tuner never tried a second worker"
+            got.extend(int(i) for i in net.run(timeout=WAIT)["ids"])
+        assert gc.num_workers(SRC) == 1
+        (tmp_path / "stop").touch()
+        while True:  # the workers that never started are not waited for
+            try:
+                got.extend(int(i) for i in net.run(timeout=WAIT)["ids"])
+            except EndOfInput:
+                break
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert got[::2] == list(range(int((tmp_path / "0").read_text())))
