@@ -354,12 +354,13 @@ def test_a_reader_without_prefetch_times_out_stops_and_ends_bounded() -> None:
         assert isinstance(batch, Batch) and batch.arrays[0].tolist() == [0, 1]
         reader.returned(batch)
         # a stop from another thread ends a read waiting in the reader's thread
-        stopper = threading.Timer(0.05, gc.stop, kwargs={"timeout": WAIT})
+        stopper = threading.Timer(0.05, gc.request_stop)
         stopper.start()
         with pytest.raises(EndOfInput):
             reader.read(WAIT)
         stopper.join(WAIT)
-        release.set()
+        release.set()  # the fetcher's wait ends: the stop joins it at once
+        assert gc.stop(WAIT)
     assert not enqueuers("slow")
 
 
