@@ -820,22 +820,28 @@ def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runne
     return out
 
 
-@pytest.mark.timeout(240)
-def test_a_tiny_real_run_exits_as_its_verdict_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1", "--seconds", "0.2", "--repeats", "1"],
+@pytest.fixture(scope="module")
+def w1_family_run() -> subprocess.CompletedProcess[str]:
+    """One tiny real run of W1, its ordered modes and its process workers
+    (W1p), which the three tests below read: one CLI, one estimate, one
+    verdict over all four, 0.3 s a measurement."""
+    return subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1,W1d,W1s,W1p", "--seconds", "0.3",
+         "--repeats", "1"],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
     )
-    _check_real_run(proc, "W1")
 
 
 @pytest.mark.timeout(240)
-def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1p", "--seconds", "0.3", "--repeats", "1"],
-        capture_output=True, text=True, timeout=200, cwd=ROOT,
-    )
-    out = _check_real_run(proc, "W1p")
+def test_a_tiny_real_run_exits_as_its_verdict_says(w1_family_run: subprocess.CompletedProcess[str]) -> None:
+    _check_real_run(w1_family_run, "W1")
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says(
+    w1_family_run: subprocess.CompletedProcess[str],
+) -> None:
+    out = _check_real_run(w1_family_run, "W1p")
     assert re.search(r"^W1p/pool ", out, re.M), out  # the standard library's peer always runs
     assert re.search(r"^W1p first batch <= 500 ms ", out, re.M), out
     assert re.search(r"^W1p batches/s vs the best process peer >= 1\.5 ", out, re.M), out
@@ -843,12 +849,10 @@ def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1,W1d,W1s", "--seconds", "0.2", "--repeats", "1"],
-        capture_output=True, text=True, timeout=200, cwd=ROOT,
-    )
-    out = _check_real_run(proc, "W1d")
+def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says(
+    w1_family_run: subprocess.CompletedProcess[str],
+) -> None:
+    out = _check_real_run(w1_family_run, "W1d")
     assert re.search(r"^W1s/blobfeed +.* x W1$", out, re.M), out  # shuffling's cost, beside W1
     assert re.search(r"^W1d batches/s vs W1 >= 0\.8 ", out, re.M), out
     assert re.search(r"^W1s batches/s vs W1 >= 0\.5 ", out, re.M), out
