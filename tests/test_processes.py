@@ -1378,3 +1378,68 @@ def test_the_worker_loop_says_everything_as_events() -> None:
     (only,) = worker_events(fetch, bad_init, 7, info, lambda: 4, lambda: False)
     assert type(only) is Raised and only.fatal and isinstance(only.error, KeyError)
     assert list(worker_events(fetch, None, 7, info, lambda: 4, lambda: True)) == []
+
+
+class SmallChunksOfBigSamples:
+    """Chunks of 1-4 samples of 64 KiB (so a batch of 32 is 2 MiB: big)."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+        self.k = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if self.k >= self.chunks:
+            raise StopIteration
+        n = 1 + self.k % 4
+        ids = np.arange(n) + worker_id * 100_000 + self.k * 10
+        self.k += 1
+        return [ids, np.zeros((n, 64 * 1024), np.uint8)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_small_chunks_of_big_batches_are_copied_once_even_when_the_queue_is_full(
+    monkeypatch: pytest.MonkeyPatch, deterministic: bool,
+) -> None:
+    """A chunk smaller than a batch that takes its worker's last free slot
+    was copied out of it (a second copy: the re-batcher copies it again).
+    Needed when a batch would wait for chunks the re-batcher holds; but a
+    big batch takes each piece at once, and chunks dealt in arrival order
+    go to whichever reader comes first: nothing holds a slot waiting for
+    the worker, so the chunk stays in its slot until the re-batcher copies
+    it.  (Dealt in turn, lanes and outboxes may wait for one worker: still
+    copied out then.)"""
+    from blobfeed.feeders import processes
+
+    copies = []
+
+    class CountingPool(processes.BufferPool):
+        def batch(self, layout: Any) -> Any:
+            copies.append(len(layout))
+            return super().batch(layout)
+
+    monkeypatch.setattr(processes, "BufferPool", CountingPool)
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = blobfeed.reader.init_reader(
+            ["id", "x"], SmallChunksOfBigSamples(60), 32, 2, "big", coordinator=gc,
+            backend=ProcessBackend(slots=4, slot_bytes=1 << 20), max_buffered_batches=40,
+            deterministic=deterministic,
+        )
+        gc.start()
+        # nobody reads until the workers filled their 2 x 4 slots (with the
+        # copies out, the queue went on filling past them)
+        wait_until(lambda: reader.source.queue_depth() >= 8, "the workers' slots to fill")
+        got = []
+        while True:
+            try:
+                batch = reader.read(WAIT)
+            except EndOfInput:
+                break
+            got.extend(batch.arrays[0].tolist())
+            reader.returned(batch)
+        assert gc.stop(WAIT)
+    expected = [w * 100_000 + k * 10 + i for w in (0, 1) for k in range(60) for i in range(1 + k % 4)]
+    assert sorted(got) == sorted(expected)
+    if deterministic:
+        assert copies, "dealt in turn, a full ring still copies small chunks out"
+    else:
+        assert copies == [], f"{len(copies)} chunks copied out of their slots"

@@ -275,3 +275,111 @@ def test_a_batch_given_back_is_read_first_and_dropped_once_the_source_stopped() 
         with pytest.raises(EndOfInput):
             reader.read(0.1)
         assert sample(gc, "blobfeed_dropped_samples_total", source="h", reason="stopped") >= second.n
+
+
+# -- prefetch=False: the reader's thread does the enqueuer's work ---------------------
+class Counting:
+    """``counting`` that pickles (for worker processes): each (worker,
+    epoch) key is only ever touched by its one worker."""
+
+    def __init__(self, chunks: int, size: int) -> None:
+        self.chunks, self.size = chunks, size
+        self.calls: dict[tuple[int, int], int] = {}
+
+    def __call__(self, worker_id: int, batch_size: int) -> Any:
+        info = blobfeed.get_worker_info()
+        key = (worker_id, info.epoch if info is not None else 0)
+        k = self.calls.get(key, 0)
+        self.calls[key] = k + 1
+        if k >= self.chunks:
+            raise StopIteration
+        ids = np.arange(worker_id * 1000 + k * self.size, worker_id * 1000 + (k + 1) * self.size)
+        return [ids, ids.astype(np.float32)]
+
+
+def enqueuers(source: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(f"blobfeed-enqueue-{source}")]
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_a_reader_without_prefetch_assembles_in_its_own_thread_the_same_stream(backend: str) -> None:
+    """Deterministic, two epochs, dealt to two readers: the stream each
+    reader gets is the one prefetching readers get, and no enqueuer thread
+    runs for a reader without prefetch."""
+    streams = []
+    for prefetch in (True, False):
+        with blobfeed.GlobalCoordinator() as gc:
+            first = init_reader(
+                ["id", "x"], Counting(5, 3), 4, 2, "pf", coordinator=gc, reader_name="a",
+                deterministic=True, epochs=2, backend=backend, prefetch=prefetch,
+            )
+            second = gc.add_reader("pf", "b", prefetch=prefetch)
+            gc.start()
+            assert len(enqueuers("pf")) == (2 if prefetch else 0)
+            results: dict[str, list[Any]] = {}
+            threads = [threading.Thread(target=lambda r=r: results.__setitem__(r.name, read_all(r)))
+                       for r in (first, second)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT * 3)
+            assert not any(t.is_alive() for t in threads)
+            assert gc.stop(WAIT)
+        streams.append(results)
+    assert streams[0] == streams[1]
+    got = [i for r in streams[1].values() for b in r if not isinstance(b, tuple) for i in b]
+    assert sorted(got) == sorted([w * 1000 + i for w in (0, 1) for i in range(15)] * 2)
+
+
+def test_a_reader_without_prefetch_times_out_stops_and_ends_bounded() -> None:
+    release = threading.Event()
+
+    def slow(worker_id: int, batch_size: int) -> Any:
+        if not release.wait(WAIT):
+            raise StopIteration
+        release.clear()
+        ids = np.arange(2)
+        return [ids, ids.astype(np.float32)]
+
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = init_reader(["id", "x"], slow, 2, 1, "slow", coordinator=gc, prefetch=False)
+        with pytest.raises(blobfeed.BlobfeedError, match="never started"):
+            reader.read(0.05)
+        gc.start()
+        with pytest.raises(DequeueTimeout, match="'slow'"):
+            reader.read(0.05)
+        assert reader.ready() == 0
+        release.set()
+        batch = reader.read(WAIT)
+        assert isinstance(batch, Batch) and batch.arrays[0].tolist() == [0, 1]
+        reader.returned(batch)
+        # a stop from another thread ends a read waiting in the reader's thread
+        stopper = threading.Timer(0.05, gc.stop, kwargs={"timeout": WAIT})
+        stopper.start()
+        with pytest.raises(EndOfInput):
+            reader.read(WAIT)
+        stopper.join(WAIT)
+        release.set()
+    assert not enqueuers("slow")
+
+
+def test_a_reader_without_prefetch_gets_a_fetcher_error_at_its_place() -> None:
+    def failing(worker_id: int, batch_size: int) -> Any:
+        failing.calls += 1  # type: ignore[attr-defined]
+        if failing.calls > 3:  # type: ignore[attr-defined]
+            raise RuntimeError("disk on fire")
+        ids = np.arange(4) + 4 * (failing.calls - 1)  # type: ignore[attr-defined]
+        return [ids, ids.astype(np.float32)]
+
+    failing.calls = 0  # type: ignore[attr-defined]
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = init_reader(["id", "x"], failing, 4, 1, "err", coordinator=gc, prefetch=False, deterministic=True)
+        gc.start()
+        got = []
+        with pytest.raises(blobfeed.FetcherError, match="disk on fire"):
+            for _ in range(10):
+                b = reader.read(WAIT)
+                got.append(b.arrays[0].tolist())
+                reader.returned(b)
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        gc.stop(WAIT)

@@ -370,6 +370,10 @@ class DataInputCoordinator(WorkerCoordinator):
         self.feed.cancel()
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        if not self.feed.prefetch:
+            # its reader's thread does the enqueuer's work (Feed.pump)
+            self.feed.on_end = self._ended_by_itself
+            return []
         return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self._enqueue)]
 
     def _launch_workers(self) -> WorkerGroup:
@@ -402,9 +406,12 @@ class DataInputCoordinator(WorkerCoordinator):
         try:
             self.feed.run()
         finally:
-            if self.source.finished or self.source.error is not None:
-                # the source ended by itself: the loggers' last call is now
-                self._call_loggers(final=True)
+            self._ended_by_itself()
+
+    def _ended_by_itself(self) -> None:
+        if self.source.finished or self.source.error is not None:
+            # the source ended by itself: the loggers' last call is now
+            self._call_loggers(final=True)
 
     def _batch_size_hint(self) -> int:
         return self.feed.batch_size
@@ -481,6 +488,8 @@ class ReaderCoordinator(WorkerCoordinator):
         self.feed = feed
 
     def _targets(self) -> list[tuple[str, Callable[[], None]]]:
+        if not self.feed.prefetch:
+            return []  # its reader's thread does the enqueuer's work (Feed.pump)
         return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self.feed.run)]
 
     def _start(self) -> None:

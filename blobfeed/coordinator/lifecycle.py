@@ -212,6 +212,7 @@ class GlobalCoordinator:
         timeout: float = 600.0,
         capacity: int = 4,
         drop_last: bool = False,
+        prefetch: bool = True,
     ) -> BatchReader:
         """One more consumer of source ``name``: a reader of its whole batches.
 
@@ -230,6 +231,8 @@ class GlobalCoordinator:
             timeout: seconds :meth:`BatchReader.read` waits by default.
             capacity: batches assembled ahead of the reader.
             drop_last: drop a last partial batch.
+            prefetch: False: no enqueuer thread; :meth:`BatchReader.read`
+                assembles each batch in the reader's thread (see ``init_reader``).
 
         Raises:
             ValueError: no such source; a batch size another than the
@@ -269,6 +272,7 @@ class GlobalCoordinator:
             feed = Feed(
                 source, reader_name, _on_host, feeds[0].blob_names, batch_size, timeout=timeout,
                 device_queue_capacity=capacity, dont_rebatch=False, drop_last=bool(drop_last), hub=self._hub,
+                prefetch=bool(prefetch),
             )
             source.add_feed(feed)
             self._known.add(ReaderCoordinator(self, source, feed))

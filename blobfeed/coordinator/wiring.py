@@ -286,6 +286,7 @@ def _wire(
     epochs: int | None = 1,
     max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
     equal: bool = False,
+    prefetch: bool = True,
 ) -> tuple[GlobalCoordinator, BatchReader]:
     """``init_data_input_workers`` for ``net``, or without a net (None): the
     source's workers and a feed named ``reader_name``."""
@@ -324,6 +325,7 @@ def _wire(
     timeout = check_timeout("timeout", timeout)
     dont_rebatch = check_flag("dont_rebatch", dont_rebatch)
     drop_last = check_flag("drop_last", drop_last)
+    prefetch = check_flag("prefetch", prefetch)
     deterministic = check_flag("deterministic", deterministic)
     shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
     if epochs is not None:
@@ -432,7 +434,7 @@ def _wire(
             timeout=timeout, device_queue_capacity=device_queue_capacity,
             dont_rebatch=dont_rebatch, drop_last=drop_last, hub=gc._hub,
             model_inputs=net.input_specs if net is not None else None,
-            writable=net.writable if net is not None else False,
+            writable=net.writable if net is not None else False, prefetch=prefetch,
         )
         reader = BatchReader(feed)
         if net is not None:
@@ -468,6 +470,10 @@ def init_reader(
     (``timeout``, ``device_queue_capacity`` (batches assembled ahead of the
     reader), ``drop_last``, ``deterministic``, ``epochs``, ``equal``, ...);
     the reader's enqueuer thread is the coordinator's, as a net's is.
+    ``prefetch=False``: no enqueuer thread and nothing assembled ahead: each
+    ``read()`` assembles its batch in the reader's own thread (copies
+    included), for a reader that runs in a thread of its own anyway (a
+    server's sender): one thread hand-off less per batch.
 
     Raises:
         ValueError / TypeError: as ``init_data_input_workers``; a bad ``reader_name``.

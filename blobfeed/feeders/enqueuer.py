@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -88,10 +89,11 @@ class Feed:
         model_inputs: dict[str, ModelInput] | None = None,
         writable: bool = False,
         fed_by_caller: bool = False,
+        prefetch: bool = True,
     ) -> None:
         self.source = source
         #: this net's end of the source's dealer: where chunks come from
-        self._input: Reader = source.add_reader()
+        self._input: Reader = source.add_reader(prefetch)
         # No reference to the net itself: the net refers to its feeds, and a
         # cycle would keep a discarded net's onnxruntime session alive.
         self.net_name = net_name
@@ -100,6 +102,14 @@ class Feed:
         self.dont_rebatch = dont_rebatch
         self.drop_last = drop_last
         self.rebatcher = Rebatcher(source.axes, batch_size, whole_chunks=dont_rebatch, writable=writable)
+        #: False: no enqueuer thread; the reader's thread does its work when
+        #: it reads (:meth:`pump`)
+        self.prefetch = prefetch
+        # Without an enqueuer the queue is never waited on for room: the
+        # reader pumps only when it is empty, and one pump queues what one
+        # chunk completes (a bound the chunk's own memory sets), never more.
+        if not prefetch:
+            device_queue_capacity = sys.maxsize
         # low_water=0: the enqueuer sleeps until the net has taken every
         # queued batch, then refills in one go -- one wake-up per
         # `capacity` batches instead of one per batch.
@@ -107,6 +117,12 @@ class Feed:
             device_queue_capacity, name=f"{source.name}/{net_name}",
             low_water=device_queue_capacity // 2 if fed_by_caller else 0,
         )
+        #: the enqueuer's work is done (the queue was closed by it): pump() does nothing more
+        self._pumped_out = False
+        #: held by the thread that pumps (see pump)
+        self._pump_lock = threading.Lock()
+        #: called once when a reader-driven feed's stream ended by itself (its end or error queued)
+        self.on_end: Callable[[], None] = _no_cancel
         #: no enqueuer: the caller puts whole, placed batches on the device
         #: queue itself (an Inlet's receiver); the reader only takes them
         self.fed_by_caller = fed_by_caller
@@ -158,6 +174,11 @@ class Feed:
 
     def device_queue_depth(self) -> int:
         return self.device_queue.qsize()
+
+    def absorbs(self, sample_bytes: int) -> bool:
+        """Whether this feed copies every piece of a chunk of samples of
+        ``sample_bytes`` into its batch at once, keeping no view of it."""
+        return self.rebatcher.absorbs(sample_bytes)
 
     def buffered_samples(self) -> int:
         reader = self.reader
@@ -292,34 +313,68 @@ class Feed:
     # -- the enqueuer thread ---------------------------------------------------
     def run(self) -> None:
         """Body of the enqueuer thread."""
+        while self._step(None) is not None:
+            pass
+
+    def pump(self, timeout: float) -> None:
+        """A feed without an enqueuer (``prefetch=False``): do the enqueuer's
+        work in the reader's thread until a batch, the end or an error is on
+        the device queue, waiting at most ``timeout`` for the source's next
+        chunk (0: never waits).  Never waits for room (see ``__init__``)."""
+        deadline = time.monotonic() + timeout
+        # One pump at a time: it assembles big batches outside the feed's
+        # lock, in order only if nobody else does meanwhile (a consumer that
+        # re-attached to an index while its predecessor's sender still reads).
+        if not self._pump_lock.acquire(timeout=max(0.0, timeout)):
+            return
+        try:
+            dq = self.device_queue
+            while not self._pumped_out and not dq.qsize() and not dq.closed:
+                took = self._step(max(0.0, deadline - time.monotonic()), once=True)
+                if took is None:
+                    self._pumped_out = True
+                    self.on_end()
+                    return
+                if not took and time.monotonic() >= deadline:
+                    return
+        finally:
+            self._pump_lock.release()
+
+    def _step(self, wait: float | None, once: bool = False) -> bool | None:
+        """One round of the enqueuer: take a chunk, queue what it completes,
+        and wait up to ``wait`` (None: for ever) when there was none.
+        Returns whether it took a chunk; None once the feed's stream is over
+        (ended, stopped or failed).
+        ``once``: in the reader's thread (see :meth:`pump`): its own
+        interrupts (Ctrl-C) go to it rather than failing the source."""
         src = self.source
         queue = self._input
         try:
-            while True:
-                # Take and push under the lock, so chunks enter the re-batcher
-                # in queue order whichever thread takes them; wait outside it.
-                with self._lock:
-                    try:
-                        ok, _ = self._take(queue)
-                    except SourceStopped as stop:
-                        _forget_frames(stop)
-                        self._lose_all()
-                        return
-                    except EndOfInput as end:
-                        _forget_frames(end)
-                        ok = False
-                        ended = True
-                    else:
-                        ended = False
-                if ended:
-                    self._finish()
-                    return
-                # Complete batches may be waiting even without a new chunk
-                # (the net's thread pushed one it did not use up): prefetch them.
-                if not self._drain():
-                    return
-                if not ok:
-                    queue.wait_for_item()  # woken by a put or a close
+            # Take and push under the lock, so chunks enter the re-batcher
+            # in queue order whichever thread takes them; wait outside it.
+            with self._lock:
+                try:
+                    ok, _ = self._take(queue)
+                except SourceStopped as stop:
+                    _forget_frames(stop)
+                    self._lose_all()
+                    return None
+                except EndOfInput as end:
+                    _forget_frames(end)
+                    ok = False
+                    ended = True
+                else:
+                    ended = False
+            if ended:
+                self._finish()
+                return None
+            # Complete batches may be waiting even without a new chunk
+            # (the net's thread pushed one it did not use up): prefetch them.
+            if not self._drain():
+                return None
+            if not ok and not (once and self.device_queue.qsize()):
+                queue.wait_for_item(wait)  # woken by a put or a close
+            return ok
         except FetcherError as err:
             _forget_frames(err)
             if not self._aborted:
@@ -327,11 +382,12 @@ class Feed:
                 # (the source did not abort this feed): what came before it
                 # is still handed out
                 self._end_with(err)
-                return
+                return None
             # the source failed; fail() closed our queue with the error
             with self._lock:
                 self._lose_all()
-        except BaseException as exc:  # our bug or a device error: never hang the net
+            return None
+        except (Exception if once else BaseException) as exc:  # our bug or a device error: never hang the net
             logger.exception("enqueuer %s/%s failed", src.name, self.net_name)
             err = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
             err.__cause__ = exc
@@ -345,6 +401,7 @@ class Feed:
                 self.stats.dropped["error"] += lost
                 self._lose_all()
             src.report_failure(err)
+            return None
 
     def _drain(self, *, final: bool = False) -> bool:
         """Move every complete batch to the device queue; False once it is closed.

@@ -367,7 +367,12 @@ class _Worker:
         # (no such axis) is the intake's to report, as views.
         first, axis = arrays[0], intake.source.axes[0]
         rows = first.shape[axis] if first.ndim > axis else 0
-        if rows and self.ring.hold(rows < self.group.plan.batch_size_hint()):
+        # A chunk smaller than a batch waits for others only where a reader
+        # or the dealer holds it for them: not when it is dealt as it comes
+        # into big batches, each piece copied at once (a copy out here would
+        # be a second one, made when the pipeline is busiest).
+        small = rows and rows < self.group.plan.batch_size_hint() and not intake.source.lets_go_at_once(used // rows)
+        if rows and self.ring.hold(bool(small)):
             # Copy out; the views die with this call and the slot goes back.
             # Into recycled memory: fresh pages for every copy cost three
             # times the copy itself (W2p: 8-13 % of the batches/s).

@@ -165,8 +165,12 @@ class BatchReader:
         self.delivered(batch)
 
     def ready(self) -> int:
-        """Batches ready now, without waiting for the enqueuer."""
-        return self._feed.device_queue.qsize()
+        """Batches ready now, without waiting (a reader without prefetch
+        assembles what the source's queued chunks complete first)."""
+        feed = self._feed
+        if not feed.prefetch and feed._started:
+            feed.pump(0.0)
+        return feed.device_queue.qsize()
 
     def waited(self) -> float:
         """Seconds :meth:`read` has waited in all (never decreases)."""
@@ -316,7 +320,7 @@ class BatchReader:
             ok, batch = self._device_queue.get_nowait()
             if ok:
                 return batch  # type: ignore[return-value]
-            if not feed.fed_by_caller:
+            if feed.prefetch and not feed.fed_by_caller:
                 batch = self._assemble_here()
                 if batch is not None:
                     return batch
@@ -337,7 +341,7 @@ class BatchReader:
                         f"{self.source.sibling_hint(feed._input)}"
                     ) from None
                 try:
-                    return feed.device_queue.get(min(remaining, enqueuer.SLOW_INPUT_WARN_S))
+                    return self._wait_get(min(remaining, enqueuer.SLOW_INPUT_WARN_S))
                 except DequeueTimeout:
                     waited = time.perf_counter() - t0
                     if waited >= enqueuer.SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
@@ -351,6 +355,22 @@ class BatchReader:
         finally:
             t1 = cs.last_end = time.perf_counter()
             cs.wait.observe(t1 - t0)
+
+    def _wait_get(self, timeout: float) -> Batch:
+        """The next batch within ``timeout``: from the enqueuer, or without
+        one (``prefetch=False``) assembled here.
+
+        Raises:
+            DequeueTimeout: none came in time.
+        """
+        feed = self._feed
+        if feed.prefetch:
+            return feed.device_queue.get(timeout)
+        feed.pump(timeout)
+        ok, batch = feed.device_queue.get_nowait()
+        if ok:
+            return batch
+        raise DequeueTimeout(f"no batch within {timeout:.3g} s")
 
     # -- the net that reads it (Net.add_reader) -------------------------------------
     def _bind(
@@ -401,7 +421,7 @@ class InletDealer(ArrivalDealer):
         self.numbers: collections.deque[int] = collections.deque()
         self._on_returned = on_returned
 
-    def add_net(self) -> _InletReader:  # type: ignore[override]
+    def add_net(self, prefetch: bool = True) -> _InletReader:  # type: ignore[override]
         return _InletReader(self)
 
     def detach(self) -> None:

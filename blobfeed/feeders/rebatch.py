@@ -316,6 +316,12 @@ class Rebatcher:
         outside the owner's lock (known once a chunk was pushed)."""
         return not self.whole_chunks and self.batch_size >= self._big_at
 
+    def absorbs(self, sample_bytes: int) -> bool:
+        """Whether chunks of samples of ``sample_bytes`` make big batches,
+        each piece copied at :meth:`push` and its chunk let go (see the
+        class docstring)."""
+        return not self.whole_chunks and self.batch_size * sample_bytes >= POOL_MIN_BYTES
+
     def join(self, cut: "Cut") -> Batch:
         """The batch of ``cut``: its views, or one copy of its parts."""
         if cut.views is not None:

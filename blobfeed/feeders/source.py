@@ -31,6 +31,7 @@ class FeedEnd(Protocol):
     def abort(self, error: BaseException) -> int: ...
     def buffered_samples(self) -> int: ...
     def device_queue_depth(self) -> int: ...
+    def absorbs(self, sample_bytes: int) -> bool: ...
 
 __all__ = ["FeedEnd", "InputSource", "OnError", "SourceStopped", "WorkerIntake"]
 
@@ -139,9 +140,10 @@ class InputSource:
         """Wire workers in (before start): ``register_fetchers`` counted them."""
         self.dealer.add_lanes(worker_ids)
 
-    def add_reader(self) -> Reader:
-        """A new net's end of the dealer (before start)."""
-        return self.dealer.add_net()
+    def add_reader(self, prefetch: bool = True) -> Reader:
+        """A new net's end of the dealer (before start); ``prefetch``: its
+        feed assembles batches ahead of it."""
+        return self.dealer.add_net(prefetch)
 
     # -- fetcher lifecycle -------------------------------------------------
     def register_fetchers(self, n: int) -> None:
@@ -243,6 +245,19 @@ class InputSource:
         """A net starts taking this source's chunks."""
         self.feeds.append(feed)
         self.checks_version += 1
+
+    def lets_go_at_once(self, sample_bytes: int) -> bool:
+        """Whether a chunk of samples of ``sample_bytes`` is let go as soon as
+        a reader takes it, whatever the other chunks do: the dealer hands
+        chunks out as they come (nothing waits for one worker's next chunk)
+        and every feed copies each piece into a big batch at once.  A worker
+        process's chunk then need not be copied out of its slot to keep the
+        worker going (see ``processes._SlotRing.hold``)."""
+        feeds = list(self.feeds)
+        return (
+            bool(feeds) and self.dealing.in_arrival_order
+            and all(f.absorbs(sample_bytes) for f in feeds)
+        )
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the coordinator (``should_stop``/``join``) of an error that

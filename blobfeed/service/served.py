@@ -58,9 +58,10 @@ ARENA_CONSUMERS = 4
 #: the slots divided among ARENA_CONSUMERS consumers (more if more are
 #: attached), but never fewer than this (what a few slots hold anyway)
 SHARE_MIN = 4
-#: batches each inner net holds in the arena besides those lent to its
-#: consumer: one in its device queue, one staged behind it, one being assembled
-ARENA_PER_NET = 3
+#: batches each consumer index's reader holds in the arena besides those lent
+#: to its consumer: the one its sender assembled and waits to send, and the
+#: next one it may start to assemble (the reader has no prefetch)
+ARENA_PER_NET = 2
 
 
 def default_slots(slot_bytes: int | None) -> int:

@@ -79,10 +79,6 @@ def serving(server: "FeedServer") -> Iterator["FeedServer"]:
         _current.remove(server)
 
 
-#: batches each consumer index's inner net holds ready for its sender: its
-#: consumer's slots hold more ahead, and each is a batch of memory (S1: 9.6 MB;
-#: 1 rather than 2 measured the same batches/s on S1 and S2, 30-40 MB less PSS on S1)
-INNER_QUEUE = 1
 #: serve_source's default max_buffered_batches: enough chunks to keep the
 #: workers busy while every consumer's slots are full, not 800 (~1 GB of W2)
 SERVED_BUFFERED_CHUNKS = 64
@@ -278,17 +274,19 @@ class FeedServer:
             max_buffered_batches=max_buffered_batches, timeout=timeout,
             drop_last=drop_last, on_error=on_error, seed=seed, backend=backend,
             worker_init_fun=worker_init_fun, deterministic=deterministic, shuffle_buffer=shuffle_buffer,
-            epochs=epochs, equal=equal, device_queue_capacity=INNER_QUEUE,
+            epochs=epochs, equal=equal,
         )
-        # one reader per consumer index (the first wires the workers); their
-        # enqueuers are the coordinator's threads
+        # one reader per consumer index (the first wires the workers), without
+        # prefetch: each connection's sender assembles the batches it sends,
+        # straight from the dealer (no enqueuer thread, no hand-off)
         readers = [init_reader(
             names, fetch_fun, batch_size, num_worker_threads, name, reader_name="consumer-0",
-            coordinator=self.coordinator, **wiring,
+            coordinator=self.coordinator, prefetch=False, **wiring,
         )]
         readers += [
             self.coordinator.add_reader(
-                name, f"consumer-{i}", batch_size=batch_size, timeout=timeout, capacity=INNER_QUEUE, drop_last=drop_last,
+                name, f"consumer-{i}", batch_size=batch_size, timeout=timeout,
+                drop_last=drop_last, prefetch=False,
             )
             for i in range(1, num_consumers or 1)
         ]

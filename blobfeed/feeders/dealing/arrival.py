@@ -77,7 +77,7 @@ class ArrivalDealer:
     def add_lanes(self, worker_ids: Sequence[int]) -> None:
         self._workers.extend(worker_ids)
 
-    def add_net(self) -> _QueueReader:
+    def add_net(self, prefetch: bool = True) -> _QueueReader:
         return _QueueReader(self.queue)
 
     def start(self) -> None:

@@ -86,6 +86,13 @@ def default_outbox_samples(batch_size: int, nets: int, sample_bytes: int = 0) ->
     return 2 * batch_size
 
 
+#: batches a net's prefetching feed holds past its outbox (one in its device
+#: queue, one staged behind it): a source read without prefetch
+#: (``prefetch=False``) gets them in its outboxes instead, so a net may run
+#: as far ahead of the others as with prefetch
+FEED_AHEAD_BATCHES = 2
+
+
 class _Ended:
     """A lane's marker: its worker raised StopIteration."""
 
@@ -231,6 +238,8 @@ class LaneDealer:
         #: the default outbox waits for the first chunk's size (set at start)
         self._outbox_sizing = False
         self.outbox_samples = default_outbox_samples(batch_size, 1) if outbox_samples is None else outbox_samples
+        #: a net reads it without prefetch: the default outboxes hold what its feed would
+        self._bare = False
         self._on_error = on_error
         self._on_dropped = on_dropped
         self._lock = threading.Lock()
@@ -326,7 +335,10 @@ class LaneDealer:
             if not self._started and self._batch == 0:
                 self._positions.reset(lanes)
 
-    def add_net(self) -> NetOutbox:
+    def add_net(self, prefetch: bool = True) -> NetOutbox:
+        """A new net's outbox (before start); ``prefetch``: its feed holds
+        batches of its own ahead (else its outbox holds them: see
+        :data:`FEED_AHEAD_BATCHES`)."""
         with self._lock:
             if self._started:
                 raise ValueError(
@@ -335,6 +347,9 @@ class LaneDealer:
                 )
             box = NetOutbox(self, len(self.outboxes))
             self.outboxes.append(box)
+            if not prefetch and self._outbox_asked is None and not self._bare:
+                self._bare = True
+                self.outbox_samples += FEED_AHEAD_BATCHES * self.batch_size
             return box
 
     def start(self) -> None:
@@ -363,7 +378,9 @@ class LaneDealer:
                 return False
             if self._outbox_sizing and nbytes and chunk.n:
                 self._outbox_sizing = False
-                self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n)
+                self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n) + (
+                    FEED_AHEAD_BATCHES * self.batch_size if self._bare else 0
+                )
             lane.append(chunk)
             sizes.append(nbytes)
             self._lane_bytes[worker_id] += nbytes
