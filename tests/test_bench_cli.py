@@ -999,6 +999,14 @@ def _canned(w: str, r: str, seconds: float) -> dict[str, Any]:
     return copy.deepcopy({**_passing_results(), **_peer_results()}[f"{w}/{r}"])
 
 
+def _only_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench sees Pillow and no optional peer, whatever this machine has:
+    in the runner (what it measures) and in the CLI (what it estimates;
+    it imported the function by name)."""
+    for module in (runner, cli):
+        monkeypatch.setattr(module, "available_packages", lambda: frozenset({"PIL"}))
+
+
 def test_a_timed_out_peer_is_a_failed_row_and_the_rest_is_judged(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1013,7 +1021,7 @@ def test_a_timed_out_peer_is_a_failed_row_and_the_rest_is_judged(
         return _canned(w, r, seconds)
 
     monkeypatch.setattr(runner, "measure_one", measure)
-    monkeypatch.setattr(runner, "available_packages", lambda: frozenset({"PIL"}))
+    _only_pillow(monkeypatch)
     status = cli.main(["--workloads", "W1,W4p", "--repeats", "2", "--seconds", "0.1"])
     captured = capsys.readouterr()
     out = captured.out
@@ -1218,7 +1226,7 @@ def test_the_estimate_is_computed_from_the_options_and_checked_at_the_end(
     comes from the options and the runners it will run, and the run says
     at the end how long it took."""
     monkeypatch.setattr(runner, "measure_one", _canned)
-    monkeypatch.setattr(runner, "available_packages", lambda: frozenset({"PIL"}))
+    _only_pillow(monkeypatch)
     said = {}
     for argv in (["--workloads", "W1", "--seconds", "1", "--repeats", "1"],
                  ["--workloads", "W1", "--seconds", "4", "--repeats", "1"],
