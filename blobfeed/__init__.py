@@ -16,6 +16,7 @@ from .coordinator import (
 )
 from .errors import BlobfeedError, BlobfeedWarning, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
+from .feeders.indexed import IndexedReadError, RandomAccessSource
 from .net import Net, Workspace
 from .queues import BlobsQueue
 from .service import Attachment, FeedServer, attach_source, serve_source
@@ -42,9 +43,11 @@ __all__ = [
     "FetcherBackend",
     "FeedServer",
     "FetcherError",
+    "IndexedReadError",
     "GlobalCoordinator",
     "Net",
     "ProcessBackend",
+    "RandomAccessSource",
     "ServiceError",
     "ThreadBackend",
     "WorkerCoordinator",

@@ -195,6 +195,12 @@ class _Collector:
             "Accepted samples inside blobfeed now: internal queue, re-batching, device queues.",
             labels=S,
         )
+        bottleneck = GaugeMetricFamily(
+            "blobfeed_bottleneck_info",
+            "Always 1: the stage that limits this net fed from this source now (gil, fetch, workers, copy, "
+            "model, idle), judged over the last few seconds (docs/TUNING.md).",
+            labels=["source", "net", "stage"],
+        )
         for name, entry in sorted((sources or {}).items()):
             f = entry.fetch
             chunks.add_metric([name], f.chunks)
@@ -245,10 +251,12 @@ class _Collector:
                 buffered.add_metric([name], 0)
         if sources is not None:  # a scrape (describe() wants no samples)
             build.add_metric(list(_build_labels()), 1)
+            for v in self._hub.verdicts():
+                bottleneck.add_metric([v.source, v.net, v.stage], 1)
         yield from (
             chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap, iq_bytes,
             dq_depth, wait_s, timeouts, alive, ips, delivered, dropped, skipped, buffered, deaths, transport,
-            build, first, busy, model_s,
+            build, first, busy, model_s, bottleneck,
         )
 
 

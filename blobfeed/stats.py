@@ -18,7 +18,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 __all__ = [
     "AssembleStats", "ConsumeStats", "DEFAULT_BUCKETS", "DROP_REASONS", "FETCH_ERROR_KINDS",
@@ -235,6 +235,10 @@ class MetricsHub:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sources: dict[str, _SourceEntry] = {}
+        #: the bottleneck verdicts in force (objects with ``source``, ``net``
+        #: and ``stage``), for ``blobfeed_bottleneck_info``; the coordinator
+        #: that judges them sets it
+        self.verdicts: Callable[[], Iterable[Any]] = tuple
 
     def _entry(self, source: str) -> _SourceEntry:
         entry = self._sources.get(source)
@@ -339,6 +343,12 @@ class MetricsHub:
                     fe = entry.feeds[net]
                     fe.consume.remove(s)
                     fe.consume_retired.add(s)
+
+    def is_live(self, source: str) -> bool:
+        """Whether a running source of this name is attached."""
+        with self._lock:
+            entry = self._sources.get(source)
+            return entry is not None and entry.live is not None
 
     def inputs_per_second(self, source: str) -> float:
         with self._lock:

@@ -506,7 +506,8 @@ def test_the_service_workloads_are_opt_in_and_named_like_the_others() -> None:
     assert cli.parse_workloads("s1,ATTACH") == ["S1", "attach"]
     assert cli.build_parser().parse_args(["--workload", "S1"]).workloads == "S1"  # argparse takes the prefix
     assert runner._plan(service_wls, {"PIL"}) == [
-        ("S1", "service"), ("S1", "pipes"), ("S1", "copy"), ("S2", "service"), ("S2", "pipes"), ("attach", "service"),
+        ("S1", "service"), ("S1", "pipes"), ("S1", "copy"), ("S1", "copy2"), ("S2", "service"), ("S2", "pipes"),
+        ("attach", "service"),
     ]
     with_ray = runner._plan(service_wls, {"PIL", "ray", "ray.data"})
     assert [p for p in with_ray if p[1] == "raysplit"] == [("S1", "raysplit"), ("S2", "raysplit")]
@@ -890,12 +891,21 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     for key in ("S1/service", "S1/pipes", "S2/service", "S2/pipes", "S8/service"):
         assert float(cells[key]["batches/s"]) > 0 and int(cells[key]["PSS MB"]) > 0, cells[key]
         assert cells[key]["lost"] == "0", cells[key]
-    assert float(cells["S1/copy"]["GB/s"]) > 0
+    assert float(cells["S1/copy"]["GB/s"]) > 0 and float(cells["S1/copy2"]["GB/s"]) > 0
     assert cells["attach/service"]["batches/s"] == "-" and float(cells["attach/service"]["first ms"]) > 0
     # the hand-offs: every process's CPU and context switches in the window, per batch
     top = lines.index(next(line for line in lines if line.startswith("per batch taken")))
+    rows = lines[top + 1: lines.index("", top)]
+    # the service's steps are indented under it: its threads by role, its worker processes
+    KEY = report.KEY_WIDTH
+    steps = {(line[:KEY].strip(), line[KEY:].split("  ")[1].strip()): line.split()[-1]
+             for line in rows if line[KEY:].startswith("  ")}
+    for k, roles in (("S1/service", ("sender", "receiver", "intake", "worker processes")),
+                     ("S2/service", ("sender", "receiver", "fetchers"))):
+        for role in roles:
+            assert float(steps[(k, role)]) > 0, (k, role, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
-             for line in lines[top + 1: lines.index("", top)]}
+             for line in rows if not line[KEY:].startswith("  ")}
     assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service")
                           for who in ("service", "consumer", "service + consumer")} | {
         ("S1/pipes", "consumer"), ("S2/pipes", "consumer")}, costs
@@ -1226,7 +1236,7 @@ def test_the_estimate_is_computed_from_the_options_and_checked_at_the_end(
     comes from the options and the runners it will run, and the run says
     at the end how long it took."""
     monkeypatch.setattr(runner, "measure_one", _canned)
-    _only_pillow(monkeypatch)
+    _only_pillow(monkeypatch)  # the CLI's own name too: with ray[data] installed it counted Ray Data's measurements
     said = {}
     for argv in (["--workloads", "W1", "--seconds", "1", "--repeats", "1"],
                  ["--workloads", "W1", "--seconds", "4", "--repeats", "1"],

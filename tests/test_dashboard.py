@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -67,6 +68,11 @@ def exported(gc: blobfeed.GlobalCoordinator) -> dict[str, str]:
     blobfeed.init_data_input_workers(net, ["x", "y"], fetch, batch_size=8, coordinator=gc, timeout=5.0)
     gc.start()
     for _ in range(20):
+        net.run()
+    # ... and until the first bottleneck verdict (a second's window)
+    deadline = time.monotonic() + 60
+    while not gc.bottleneck():
+        assert time.monotonic() < deadline, "no bottleneck verdict within 60 s"
         net.run()
     # Collected while the source is live: queue gauges exist only then.
     names = {s.name: family.type for family in gc.registry.collect() for s in family.samples}

@@ -17,10 +17,14 @@ PKG = Path(__file__).resolve().parent.parent / "blobfeed"
 #: lower imports higher never; same layer never (except a package and its parts)
 LAYERS: dict[str, int] = {
     "blobfeed.errors": 0, "blobfeed.arguments": 0, "blobfeed.worker_info": 0, "blobfeed.stats": 0,
+    # the bottleneck verdict: reads the hub's sums (types only)
+    "blobfeed.bottleneck": 0.5,
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
     "blobfeed.feeders.shuffle": 3.05,
+    # random-access sources: read units (the dispenser, the reader), and the dealer that orders them
+    "blobfeed.feeders.indexed": 3.08, "blobfeed.feeders.dealing.indexed": 3.3,
     "blobfeed.feeders.dealing.base": 3.1, "blobfeed.feeders.dealing.turns": 3.1,
     "blobfeed.feeders.dealing.positions": 3.1, "blobfeed.feeders.dealing.rounds": 3.12,
     "blobfeed.feeders.dealing.stages": 3.15, "blobfeed.feeders.dealing.arrival": 3.2,
@@ -31,12 +35,13 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.enqueuer": 5, "blobfeed.feeders.reading": 5.5,
     "blobfeed.feeders.backends": 6,
     "blobfeed.feeders.transport": 6,
-    "blobfeed.feeders.child": 7,
-    "blobfeed.feeders.processes": 8, "blobfeed.feeders.ray_backend": 8,
+    "blobfeed.feeders.child": 7, "blobfeed.feeders.starting": 7,
+    "blobfeed.feeders.processes": 8, "blobfeed.feeders.ray_backend": 8, "blobfeed.feeders.ray_pins": 7,
     "blobfeed.feeders": 9,
     "blobfeed.net": 10, "blobfeed.metrics": 10,
     "blobfeed.coordinator.groups": 10.2, "blobfeed.coordinator.registry": 10.3,
-    "blobfeed.coordinator.checkpoint": 10.3, "blobfeed.coordinator.lifecycle": 10.5,
+    "blobfeed.coordinator.checkpoint": 10.3, "blobfeed.coordinator.elastic": 10.4,
+    "blobfeed.coordinator.lifecycle": 10.5,
     "blobfeed.coordinator.wiring": 10.6,
     "blobfeed.coordinator": 11,
     # the reader seam: the one way in to a source besides the public names
@@ -64,7 +69,7 @@ LAYERS: dict[str, int] = {
     **{f"blobfeed.apps.bench.peers.{peer}": 14.4 for peer in (
         "caffe2", "copy_bound", "grain_dataset", "model_alone", "mp_pool", "ray_data", "torch_dataloader")},
     "blobfeed.apps.bench.peers": 14.5, "blobfeed.apps.bench.runner": 14.6, "blobfeed.apps.bench.cli": 14.7,
-    "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.serve": 14.8, "blobfeed.apps.cli": 14.9,
+    "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.serve": 14.8, "blobfeed.apps.top": 14.8, "blobfeed.apps.cli": 14.9,
 }
 APPS = {m for m in LAYERS if m == "blobfeed.apps" or m.startswith("blobfeed.apps.")}
 #: what an application may import of the package

@@ -481,3 +481,29 @@ def test_ray_missing_in_ci_is_a_failure_not_a_skip() -> None:
     """The module imports ray unconditionally when CI=true (see its top)."""
     if os.environ.get("CI") == "true":
         assert "ray" in sys.modules
+
+
+# ---------------------------------------------------------------------------------------------
+# random-access sources (issue 26): the same stream on actors, an actor restarted by Ray
+# ---------------------------------------------------------------------------------------------
+def test_a_random_access_source_on_ray_gives_the_stream_of_threads(cluster: Any) -> None:
+    from . import test_indexed as ix
+
+    want = ix.reference(29, 4, 2)
+    with ix.Pipeline(ix.Items(29), 2, 3, backend=backend()) as p:
+        got = p.lockstep()
+    ix.assert_stream(got, want, "ray, 3 actors, 2 nets")
+
+
+def test_a_restarted_actor_of_a_random_access_source_reads_its_units_again(cluster: Any, tmp_path: Path) -> None:
+    from . import test_indexed as ix
+
+    n, bs = 40, 4
+    want = ix.reference(n, bs, 2)
+    at = int(np.random.default_rng((ix.SEED, 0)).permutation(n)[13])
+    with ix.Pipeline(ix.Killer(n, at=at, marks=str(tmp_path)), 1, 2, bs=bs,
+                     backend=backend(max_restarts=1)) as p:
+        got = p.lockstep()
+        assert sample(p.gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 1
+    assert len(list(tmp_path.iterdir())) == 1, "one actor was killed"
+    ix.assert_stream(got, want, "ray, an actor killed and restarted")

@@ -30,7 +30,8 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 #: Process workers exchange pickles with child processes this program
 #: started itself (its own code, its own user, over pipes no one else holds):
 #: the only place pickle may appear.  Nothing from the network or a file.
-PICKLE_TRUSTED = {"feeders/processes.py", "feeders/child.py", "feeders/transport.py"}
+#: (feeders/starting.py pickles the fetch_fun for those children: it dumps, never loads)
+PICKLE_TRUSTED = {"feeders/processes.py", "feeders/child.py", "feeders/transport.py", "feeders/starting.py"}
 #: ``blobfeed serve MODULE:FUNCTION`` imports the module its operator names
 #: on the command line (as ``python -m`` does): code of the operator's own,
 #: never anything a peer sent
@@ -254,3 +255,89 @@ def test_a_record_nested_deeper_than_the_bound_is_refused_whatever_its_strings_h
         decode_record(record.encode(), "a peer")
     shallow = '{"t":"ack","a":"' + escape + '","b":' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}"  # with its own {
     assert decode_record(shallow.encode(), "a peer")["t"] == "ack"
+
+
+# -- the acknowledgement's own parser (one ack a batch: no JSON decoder) ----------------
+ACKS_BLOBFEED_SENDS = [
+    b'{"t":"ack","g":0,"slots":[],"waited":0.0}',
+    b'{"t":"ack","g":-1,"slots":[3],"waited":12.5}',
+    b'{"t":"ack","g":123456789012345678,"slots":[0,1,63,1023],"waited":1e-05}',
+    b'{"t":"ack","g":7,"slots":[2],"waited":1.5e+16}',
+    b'{"t":"ack","g":7,"slots":[2],"waited":4.611686018427388e+18}',  # over 2**62 seconds: refused
+    b'{"t":"ack","g":7,"slots":[2],"waited":1e+999}',  # infinite: refused
+]
+ACKS_OF_OTHER_SHAPES = [
+    b'{"t": "ack", "g": 0, "slots": [], "waited": 0.0}',  # spaces: the general decoder's
+    b'{"t":"ack","g":0,"slots":[],"waited":0.0,"x":1}',  # an unknown field: refused
+    b'{"t":"ack","g":true,"slots":[],"waited":0.0}',  # a bool: refused
+    b'{"t":"ack","g":01,"slots":[],"waited":0.0}',  # not JSON
+    b'{"t":"ack","g":-2,"slots":[],"waited":0.0}',
+    b'{"t":"ack","g":0,"slots":[-1],"waited":0.0}',
+    b'{"t":"ack","g":0,"slots":[1.5],"waited":0.0}',  # a float slot: refused
+    b'{"t":"ack","g":0,"slots":[],"waited":NaN}',  # refused
+    b'{"t":"ack","g":0,"slots":[],"waited":-0.0}',
+    b'{"t":"ack","g":99999999999999999999,"slots":[],"waited":0.0}',  # out of range: refused
+    b'{"t":"ack","g":0,"slots":[' + b",".join(b"1" for _ in range(1025)) + b'],"waited":0.0}',  # too many
+    b'{"t":"ack","g":0,"slots":[],"waited":0.0}\n',
+    b'{"t":"ack","g":0,"slots":[],"waited":0.0}{"t":"bye","waited":0.0}',
+]
+
+
+def _as_the_service_reads(data: bytes) -> Any:
+    """What the service makes of one record from a consumer: the checked
+    record, or the WireError's text."""
+    from blobfeed.service.wire import WireError, check, decode_record, freed_slots
+
+    try:
+        record = check(decode_record(data, "peer"), ("ack", "state", "bye"), "peer")
+        if record["t"] == "ack":
+            freed_slots(record, "peer")
+        return dict(record)
+    except WireError as err:
+        return f"WireError: {err}"
+
+
+def _as_json_reads(data: bytes) -> Any:
+    """The same through the JSON decoder alone (the reference)."""
+    import json as json_module
+
+    from blobfeed.service.wire import WireError, _shallow, check, freed_slots
+
+    try:
+        if not _shallow(data):
+            raise WireError("deep")
+        try:
+            record = json_module.loads(data)
+        except ValueError:
+            raise WireError("not JSON") from None
+        if not isinstance(record, dict) or not isinstance(record.get("t"), str):
+            raise WireError("no kind")
+        record = check(record, ("ack", "state", "bye"), "peer")
+        if record["t"] == "ack":
+            freed_slots(record, "peer")
+        return dict(record)
+    except WireError as err:
+        return f"WireError: {err}"
+
+
+@pytest.mark.parametrize("data", ACKS_BLOBFEED_SENDS + ACKS_OF_OTHER_SHAPES)
+def test_an_ack_is_read_as_the_json_decoder_and_the_checks_read_it(data: bytes) -> None:
+    fast, reference = _as_the_service_reads(data), _as_json_reads(data)
+    if isinstance(reference, str):
+        assert isinstance(fast, str), f"{data[:60]!r} was accepted: {fast!r}"
+    else:
+        assert fast == reference
+        assert all(type(fast[k]) is type(reference[k]) for k in reference)
+
+
+def test_the_acks_blobfeed_sends_take_the_short_way() -> None:
+    from blobfeed.service import wire
+
+    def short(data: bytes) -> bool:
+        try:
+            return wire.fast_ack(data) is not None
+        except wire.WireError:
+            return True  # its form, a wait out of range: refused there
+
+    assert all(short(d) for d in ACKS_BLOBFEED_SENDS)
+    assert all(wire.fast_ack(d) is None for d in ACKS_OF_OTHER_SHAPES[:2])

@@ -18,6 +18,8 @@ SUMMARIES = {
     # "bench": made from the workload table by _bench_summary(), so it cannot go stale
     "bench": "",
     "serve": "serve input sources to trainer processes (blobfeed serve MODULE:FUNCTION)",
+    "top": "watch a running pipeline or service live from its /metrics address: rates, queues, "
+           "waits, the bottleneck (blobfeed top HOST:PORT)",
     "help": "show this help, or a command's: blobfeed help COMMAND",
     "version": "print blobfeed's version",
 }
@@ -69,6 +71,10 @@ def _command(name: str) -> Callable[[list[str]], int] | None:
         from .serve import main as serve_main
 
         return serve_main
+    if name == "top":
+        from .top import main as top_main
+
+        return top_main
     if name == "bench":
         from .bench.cli import main as bench_main
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, NoReturn, Sequence
 
 from ..feeders import READABLE_VERSIONS, InputSource
+from ..feeders.dealing import INDEXED_STATE_VERSION
 
 
 def resumable_source(name: str, source: InputSource | None) -> InputSource:
@@ -43,7 +44,100 @@ def layout(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
 
 def state_dict(source: InputSource, seeds: Sequence[int]) -> dict[str, Any]:
     """The position of ``source`` after the last batch each net's ``run()`` returned."""
+    if is_random_access(source):
+        return source.dealer.state(random_access_layout(source), [f.net_name for f in source.feeds])
     return source.dealer.state(layout(source, seeds), [f.net_name for f in source.feeds])
+
+
+# -- random-access sources ---------------------------------------------------------------
+def is_random_access(source: InputSource) -> bool:
+    return source.dealing.random_access
+
+
+def random_access_layout(source: InputSource) -> dict[str, Any]:
+    """What a random-access source's state records of its wiring: what its
+    stream is a function of (checked on load), and the rest for the record
+    (workers, nets, read size: a resume may change them)."""
+    n, seed, shuffle, read_size = source.random_access  # type: ignore[attr-defined]
+    return {
+        "length": n,
+        "batch_size": source.dealer.batch_size,
+        "seed": seed,
+        "shuffle": shuffle,
+        "equal": source.dealing.equal,
+        "axes": list(source.axes),
+        # for the record only
+        "num_workers": len(source.dealer.worker_ids),
+        "read_size": read_size,
+        "drop_last": [bool(f.drop_last) for f in source.feeds],
+    }
+
+
+#: the fields of a random-access source's state that its stream depends on
+_RA_LAYOUT = ("length", "batch_size", "seed", "shuffle", "equal", "axes")
+#: at most this many ranges of samples left out (a state is a file: bounded)
+MAX_SKIP_ENTRIES = 1 << 20
+
+
+def check_random_access_state(name: str, state: dict[str, Any], source: InputSource) -> None:
+    """:func:`check_state` for a random-access source: the stream's fields
+    must match (``ValueError`` naming the field, saved vs now); the worker
+    count, backend and number of nets may differ."""
+    check = _Checker(name)
+    version = check.get(state, ["version"])
+    if version != INDEXED_STATE_VERSION or type(version) is not int:
+        raise ValueError(
+            f"source {name!r}: state has version {version!r}; a random-access source reads version "
+            f"{INDEXED_STATE_VERSION} (a state of a fetch_fun source cannot resume a random-access one)"
+        )
+    if state.get("kind") != "random_access":
+        check.fail(["kind"], f"expected 'random_access', got {state.get('kind')!r}")
+    wired = random_access_layout(source)
+    for key in _RA_LAYOUT:
+        saved = check.get(state, [key])
+        if not _same(saved, wired[key]):
+            hint = " (pass the saved seed to RandomAccessSource(seed=...) or seed=)" if key == "seed" else ""
+            check.fail([key], f"saved {saved!r}, this pipeline has {wired[key]!r}: another stream{hint}")
+    n = wired["length"]
+    epochs = source.epochs
+    position = check.get(state, ["position"])
+    if not isinstance(position, dict):
+        check.fail(["position"], f"expected a dict, got {position!r}")
+    batches = check.integer(check.get(position, ["position", "batches"]), ["position", "batches"], 0)
+    epoch = check.integer(check.get(position, ["position", "epoch"]), ["position", "epoch"], 0,
+                          None if epochs is None else epochs)
+    check.integer(check.get(position, ["position", "offset"]), ["position", "offset"], 0, n + 1)
+    for key in ("skip", "returned"):
+        entries = check.get(state, [key])
+        if not isinstance(entries, list) or len(entries) > MAX_SKIP_ENTRIES:
+            check.fail([key], f"expected a list of at most {MAX_SKIP_ENTRIES} [epoch, offset, count], "
+                       f"got {type(entries).__name__}{f' of {len(entries)}' if isinstance(entries, list) else ''}")
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, list) or len(entry) != 3:
+                check.fail([key, i], f"expected [epoch, offset, count], got {entry!r}")
+            check.integer(entry[0], [key, i, 0], epoch, None if epochs is None else epochs)
+            off = check.integer(entry[1], [key, i, 1], 0, n)
+            check.integer(entry[2], [key, i, 2], 1, n - off + 1)
+    nets = check.get(state, ["nets"])
+    if not isinstance(nets, list) or not nets or len(nets) > 1 << 16:
+        check.fail(["nets"], f"expected a list of [net name, next batch, epoch], got {nets!r}")
+    k = len(nets)
+    next_batches = []
+    for j, entry in enumerate(nets):
+        if not isinstance(entry, list) or len(entry) != 3:
+            check.fail(["nets", j], f"expected [net name, next batch, epoch], got {entry!r}")
+        if not isinstance(entry[0], str):
+            check.fail(["nets", j, 0], f"expected the net's name (a str), got {entry[0]!r}")
+        nxt = check.integer(entry[1], ["nets", j, 1], j)
+        if (nxt - j) % k:
+            check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
+                       f"batches are dealt to the {k} nets in turn), got {nxt}")
+        check.integer(entry[2], ["nets", j, 2], 0, None if epochs is None else epochs)
+        next_batches.append(nxt)
+    low = min(next_batches)
+    if not low - k < batches <= low:
+        check.fail(["position", "batches"], f"expected {low} (the next batch of the slowest net, "
+                   f"in {next_batches}), got {batches}")
 
 
 #: what a state must hold (``seed``, ``shuffle_buffer``, ``drop_last``, ``equal`` came later: see _LAYOUT)
@@ -117,6 +211,14 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+    if is_random_access(source):
+        check_random_access_state(name, state, source)
+        return
+    if state.get("kind") == "random_access":
+        raise ValueError(
+            f"source {name!r}: the state is a random-access source's (version {state.get('version')!r}); "
+            "this source is read through a fetch_fun"
+        )
     check = _Checker(name)
     for key in _REQUIRED:
         check.get(state, [key])

@@ -29,6 +29,7 @@ from ..feeders import (
     is_stateful,
     thread_main,
 )
+from ..feeders.indexed import UnitReader
 from ..metrics import ExternalLogger
 from ..net import Net
 from ..stats import FetchStats, MetricsHub
@@ -37,6 +38,11 @@ from ..worker_info import WorkerInfo, worker_seeds
 logger = logging.getLogger("blobfeed.coordinator")
 
 InitFun = Callable[["WorkerCoordinator", Any], Any]
+
+
+def _on_host(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A reader read as it is: its batches stay on the host."""
+    return arrays
 
 
 class ActiveFlag:
@@ -149,6 +155,8 @@ class WorkerCoordinator:
         self._threads: list[threading.Thread] = []
         #: workers started by a backend (data input), besides our own threads
         self._group: WorkerGroup | None = None
+        #: workers added while it runs (set_num_workers), each call's group
+        self._more_groups: list[WorkerGroup] = []
         self._log_runner: _LogRunner | None = None
         self._stop_event = threading.Event()
         #: set without a lock by request_stop (see InputSource.halted)
@@ -244,6 +252,8 @@ class WorkerCoordinator:
         returns the names still alive."""
         me = threading.current_thread()
         stuck = [] if self._group is None else self._group.join(deadline)
+        for g in list(self._more_groups):
+            stuck += g.join(deadline)
         for t in self._threads:
             if t is me:
                 stuck.append(t.name)
@@ -256,6 +266,8 @@ class WorkerCoordinator:
     def _alive(self) -> list[str]:
         """Names of our threads and workers still running."""
         alive = [t.name for t in self._threads if t.is_alive()]
+        for g in list(self._more_groups):
+            alive += g.alive()
         return alive if self._group is None else alive + self._group.alive()
 
     def _log_metrics(self) -> dict[str, Any]:
@@ -376,6 +388,32 @@ class DataInputCoordinator(WorkerCoordinator):
             return []
         return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self._enqueue)]
 
+    def add_workers(self, worker_ids: list[int]) -> None:
+        """Start more workers of a running random-access source (their ids
+        allocated and their lanes wired already)."""
+        fetch_fun = self._fetch_fun
+        assert isinstance(fetch_fun, UnitReader)
+        first = len(self.worker_ids)
+        self.worker_ids.extend(worker_ids)
+        workers = self._plans(worker_ids, first)
+        self._more_groups.append(self.backend.launch(LaunchPlan(
+            self.name, fetch_fun, self._worker_init_fun, workers,
+            self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
+        )))
+
+    def _plans(self, worker_ids: list[int], first: int = 0) -> list[WorkerPlan]:
+        hub = self._hub
+        backend = self.backend
+        workers = []
+        n = len(self.worker_ids)
+        for index, wid in enumerate(worker_ids, first):
+            stats = hub.fetch_stats(self.name, backend.name)
+            self._fetch_stats.append(stats)
+            seed, rng = worker_seeds(self.seed, wid)
+            intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
+            workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
+        return workers
+
     def _launch_workers(self) -> WorkerGroup:
         hub = self._hub
         backend = self.backend
@@ -388,6 +426,13 @@ class DataInputCoordinator(WorkerCoordinator):
             intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
             workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
         fetch_fun = self._fetch_fun
+        if isinstance(fetch_fun, UnitReader):
+            # a random-access source: the workers take read units, whatever
+            # the epoch (the dealer knows where epochs end)
+            return backend.launch(LaunchPlan(
+                self.name, fetch_fun, self._worker_init_fun, workers,
+                self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
+            ))
         start = {wid: self.source.resume_at.get(wid, (0, None)) for wid in self.worker_ids}
         for w in workers:
             w.intake.calls = start[w.worker_id][0]  # the seq of its next chunk
@@ -432,6 +477,8 @@ class DataInputCoordinator(WorkerCoordinator):
         self.source.stop()
         if self._group is not None:
             self._group.request_stop()
+        for g in list(self._more_groups):
+            g.request_stop()
 
     def _log_metrics(self) -> dict[str, Any]:
         now = time.monotonic()

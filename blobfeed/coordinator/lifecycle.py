@@ -23,6 +23,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 
 from ..arguments import check_index, check_timeout, wait_bound
+from ..bottleneck import Bottleneck, BottleneckTracker, fetcher_threads
 from ..errors import EndOfInput
 from ..feeders import Feed, InputSource
 from ..feeders.backends import runs_user_code
@@ -30,8 +31,8 @@ from ..feeders.reading import BatchReader, Inlet, InletDealer, SourceInfo
 from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
-from . import checkpoint
-from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator
+from . import checkpoint, elastic
+from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator, _on_host
 from .registry import Registry
 
 logger = logging.getLogger("blobfeed.coordinator")
@@ -112,6 +113,7 @@ class GlobalCoordinator:
         self.log_interval = check_timeout("log_interval", log_interval)
         self._registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._hub = MetricsHub()
+        self._bottleneck = BottleneckTracker(self._hub)
         register_collector(self._registry, self._hub)
         self._make_locks()
         #: the groups, the sources by name, the worker ids (under _lock)
@@ -687,6 +689,9 @@ class GlobalCoordinator:
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
             checkpoint.load_state(source, state)
 
+    #: ``set_num_workers(name, n)``: a running random-access source's worker count (see elastic)
+    set_num_workers = elastic.set_num_workers
+
     @overload
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None: ...
 
@@ -751,14 +756,20 @@ class GlobalCoordinator:
             try:
                 now = time.monotonic()
                 self._hub.update_rates(now)
+                with self._lock:
+                    coordinators = list(self._coordinators)
+                self._bottleneck.observe(now, self._hub.totals(), fetcher_threads(coordinators))
                 if now >= next_log:
                     next_log = now + self.log_interval
-                    with self._lock:
-                        coordinators = list(self._coordinators)
                     for c in coordinators:
                         c._call_loggers()
             except Exception:
                 logger.exception("blobfeed monitor tick failed")
+
+    def bottleneck(self) -> list[Bottleneck]:
+        """What limits each net fed from each live source, judged about once a second over
+        the last few seconds: one :class:`~blobfeed.bottleneck.Bottleneck` each (docs/TUNING.md)."""
+        return list(self._bottleneck.verdicts())
 
     def _reset_after_fork(self) -> None:
         """In a child made by ``os.fork()``: the parent's threads do not exist
@@ -769,6 +780,7 @@ class GlobalCoordinator:
         self._monitor = None
         self._stopper = None
         self._hub.reset_after_fork()
+        self._bottleneck.forget()
 
     def __enter__(self) -> "GlobalCoordinator":
         return self
@@ -778,11 +790,6 @@ class GlobalCoordinator:
 
     def __repr__(self) -> str:
         return f"<GlobalCoordinator {len(self._coordinators)} coordinator(s), sources {sorted(self._sources)}>"
-
-
-def _on_host(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A reader read as it is: its batches stay on the host."""
-    return arrays
 
 
 def _stop_all_at_exit() -> None:

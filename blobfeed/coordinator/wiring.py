@@ -22,6 +22,8 @@ from ..feeders import (
     DealingOptions,
     ThreadBackend,
 )
+from ..feeders.dealing import Direct, EqualRounds, IndexedDealer
+from ..feeders.indexed import RandomAccessSource, UnitDispenser, UnitReader, dataset_length, is_random_access
 from ..metrics import ExternalLogger
 from ..net import Net
 from ..worker_info import draw_base_seed, shuffle_rng
@@ -174,7 +176,12 @@ def init_data_input_workers(
     Args:
         net: the :class:`~blobfeed.Net` to feed.
         input_blob_names: one name per array of a chunk.
-        fetch_fun: the user's fetcher.
+        fetch_fun: the user's fetcher; or a random-access source, an object
+            with ``__len__`` and ``__getitem__`` (torch's map-style
+            ``Dataset``, grain's ``RandomAccessDataSource``) or a
+            :class:`~blobfeed.RandomAccessSource`: blobfeed draws its order
+            and its batch stream does not depend on the workers or nets
+            (docs/SOURCES.md).
         batch_size: samples per batch (the last batch of an ended source may be smaller).
         num_worker_threads: fetcher threads for this call.
         input_source_name: calls with the same name share one internal queue
@@ -303,9 +310,16 @@ def _wire(
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"input_blob_names has duplicates: {dupes}")
-    if not callable(fetch_fun):
-        raise TypeError(f"fetch_fun must be callable, got {type(fetch_fun).__name__}")
-    check_call("fetch_fun", fetch_fun, ("worker_id", "batch_size"))
+    spec: RandomAccessSource | None = None
+    if is_random_access(fetch_fun):
+        spec = fetch_fun if isinstance(fetch_fun, RandomAccessSource) else RandomAccessSource(fetch_fun)
+    elif not callable(fetch_fun):
+        raise TypeError(
+            f"fetch_fun must be callable, got {type(fetch_fun).__name__} (or a random-access source: "
+            "an object with __len__ and __getitem__)"
+        )
+    else:
+        check_call("fetch_fun", fetch_fun, ("worker_id", "batch_size"))
     batch_size = check_index("batch_size", batch_size)
     num_worker_threads = check_index("num_worker_threads", num_worker_threads)
     max_buffered_batches = check_index("max_buffered_batches", max_buffered_batches)
@@ -352,7 +366,29 @@ def _wire(
     if worker_init_fun is not None:
         check_call("worker_init_fun", worker_init_fun, ("worker_id",))
     runner = resolve_backend(backend)
-    runner.check(fetch_fun, worker_init_fun)
+    n_items = 0
+    if spec is not None:
+        n_items = dataset_length(input_source_name, spec.dataset)
+        refused = [
+            what for what, on in (
+                ("dont_rebatch=True", dont_rebatch), (f"shuffle_buffer={shuffle_buffer}", shuffle_buffer),
+                ("on_error='skip'", on_error == "skip"),
+            ) if on
+        ]
+        if refused:
+            raise ValueError(
+                f"source {input_source_name!r} is a random-access source (an object with __len__ and "
+                f"__getitem__): it cannot take {', '.join(refused)} (its order is drawn by blobfeed: "
+                "use RandomAccessSource(dataset, shuffle=True); every index is read exactly once per "
+                "epoch, so a failed read fails the source)"
+            )
+        if not getattr(runner, "random_access", False):
+            raise ValueError(
+                f"source {input_source_name!r} is a random-access source: it runs on backend='threads', "
+                f"'processes' or a RayBackend (a backend with random_access = True), not on {runner!r}"
+            )
+    if spec is None:
+        runner.check(fetch_fun, worker_init_fun)
     clash = sorted(set(names).intersection(net.output_names)) if net is not None else []
     if net is not None and clash:
         raise ValueError(
@@ -365,9 +401,16 @@ def _wire(
     base_seed = seed if seed is not None else gc._known.seed_of(input_source_name)
     if base_seed is None:
         base_seed = draw_base_seed(input_source_name)
+    if spec is not None:
+        fetch_fun = UnitReader(
+            input_source_name, spec, n_items, spec.seed if spec.seed is not None else base_seed, names, axes,
+        )
+        runner.check(fetch_fun, worker_init_fun)
     # with equal=True the dealer drops an epoch's last partial batch itself
     # (see DealingOptions.drop_last), so every net must agree on drop_last
-    dealing = DealingOptions(deterministic, shuffle_buffer, epochs, equal, drop_last and equal)
+    dealing = DealingOptions(
+        deterministic or spec is not None, shuffle_buffer, epochs, equal, drop_last and equal, spec is not None,
+    )
     with gc._lock:
         # Every check first, so a refused call leaves nothing behind.
         source = gc._sources.get(input_source_name)
@@ -421,7 +464,18 @@ def _wire(
                     f"shuffle_buffer, epochs or equal) and already started: "
                     "wire every net before start()"
                 )
+            if spec is not None:
+                assert isinstance(fetch_fun, UnitReader)
+                _same_random_access(input_source_name, source, fetch_fun, spec)
+                fetch_fun.units = source.dealer.units  # type: ignore[attr-defined]
             source.register_fetchers(num_worker_threads)  # atomic with the source's end
+        elif spec is not None:
+            assert isinstance(fetch_fun, UnitReader)
+            source = _random_access_source(
+                gc, input_source_name, fetch_fun, spec, dealing, batch_size, axes, len(names),
+                max_buffered_batches, max_buffered_bytes,
+            )
+            source.register_fetchers(num_worker_threads)
         else:
             source = InputSource(
                 input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure,
@@ -449,6 +503,45 @@ def _wire(
             runner, worker_init_fun,
         ))
     return gc, reader
+
+
+def _random_access_source(
+    gc: GlobalCoordinator, name: str, reader: UnitReader, spec: RandomAccessSource, dealing: DealingOptions,
+    batch_size: int, axes: Sequence[int], n_blobs: int, capacity: int, max_bytes: int | None,
+) -> InputSource:
+    """The source of a random-access dataset: its read units and the dealer
+    that puts them back in order."""
+    units = UnitDispenser(name, reader.n, spec.read_size or batch_size, dealing.epochs)
+    reader.units = units
+    hub = gc._hub
+
+    def dealer(src: InputSource) -> IndexedDealer:
+        return IndexedDealer(
+            name, batch_size, axes, capacity, src.fail_in_order, units,
+            on_dropped=lambda reason, n: hub.count_dropped(name, reason, n),
+            rounds=EqualRounds(dealing.drop_last) if dealing.equal else Direct(),
+            max_bytes=max_bytes, window=spec.window,
+        )
+
+    source = InputSource(
+        name, capacity, n_blobs, axes, hub, gc._on_failure, dealing=dealing, batch_size=batch_size,
+        max_bytes=max_bytes, dealer=dealer,
+    )
+    #: what a state of it records and checks: (length, seed, shuffle, read size)
+    source.random_access = (reader.n, reader.seed, reader.shuffle, units.read_size)  # type: ignore[attr-defined]
+    return source
+
+
+def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec: RandomAccessSource) -> None:
+    """Refuse a later call for a random-access source that reads other data."""
+    n, seed, shuffle, _ = source.random_access  # type: ignore[attr-defined]
+    for what, had, asked in (("len(dataset)", n, reader.n), ("shuffle", shuffle, reader.shuffle),
+                             ("seed", seed, reader.seed)):
+        if had != asked:
+            raise ValueError(
+                f"source {name!r} reads a random-access dataset with {what}={had!r}; this call "
+                f"passes one with {what}={asked!r}: every call for one source reads the same data"
+            )
 
 
 def init_reader(

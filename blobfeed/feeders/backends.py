@@ -62,6 +62,10 @@ class LaunchPlan(NamedTuple):
     epochs: int | None = 1
     #: the epoch the workers start in (a resumed run: the saved one)
     first_epoch: int = 0
+    #: a random-access source's read units
+    #: (:class:`~blobfeed.feeders.indexed.UnitDispenser`): a thread worker's
+    #: ``fetch_fun`` takes them itself; a process worker gets them down a pipe
+    units: Any = None
 
 
 class WorkerGroup(Protocol):
@@ -178,6 +182,8 @@ class ThreadBackend:
     core however many workers it has.
     """
 
+    #: runs random-access sources (gives its workers read units: LaunchPlan.units)
+    random_access = True
     name = "threads"
 
     def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:

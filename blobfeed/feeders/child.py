@@ -81,7 +81,7 @@ def _wait_for_hangup(fd: int) -> None:
 
 def _read_payload(fd: int) -> bytearray:
     """The pickled ``(fetch_fun, worker_init_fun)`` the parent wrote into
-    the memfd ``fd`` (see ``processes._payload_fd``)."""
+    the memfd ``fd`` (see ``starting._payload_fd``)."""
     size = os.fstat(fd).st_size
     out = bytearray(size)
     view = memoryview(out)
@@ -110,8 +110,10 @@ def child_main(
     pdeathsig: bool = True,
     epochs: int | None = 1,
     first_epoch: int = 0,
+    units_fd: FdHandle | None = None,
 ) -> None:
-    """Entry point of a worker process (``multiprocessing`` target)."""
+    """Entry point of a worker process (``multiprocessing`` target).
+    ``units_fd``: a random-access source's read units (see ``indexed.PipeUnits``)."""
     # Ctrl-C in a terminal reaches the whole process group: the program gets
     # its KeyboardInterrupt and stops us; we must not die of it first (a
     # traceback each, and the interrupt turned into a FetcherError).
@@ -136,6 +138,7 @@ def child_main(
         _work(
             WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed)),
             payload, on_error, area, free_fd.fd, out_fd.fd, parent, epochs, first_epoch,
+            None if units_fd is None else units_fd.fd,
         )
     finally:
         # we return on purpose: an exit with code 0 without this flag is a
@@ -153,6 +156,7 @@ def _work(
     parent: int,
     epochs: int | None,
     epoch: int,
+    units_fd: int | None = None,
 ) -> None:
     worker_id = first.worker_id
     dumps = functools.partial(pickle.dumps, protocol=5)
@@ -210,6 +214,13 @@ def _work(
         pending = []
         pending_bytes = 0
 
+    if units_fd is not None:
+        from .indexed import PipeUnits
+
+        # a random-access source's units come down a pipe; what is pending
+        # goes out before waiting for the next one (the parent hands out
+        # more once it has them)
+        fetch_fun.units = PipeUnits(units_fd, flush)
     events = worker_events(
         fetch_fun, worker_init_fun, worker_id, first, area.hint,
         lambda: area.stopping() or os.getppid() != parent, epochs, epoch,

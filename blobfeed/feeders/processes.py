@@ -31,7 +31,6 @@ import os
 import pickle
 import queue
 import signal
-import sys
 import threading
 import time
 import weakref
@@ -43,6 +42,8 @@ from ..errors import BlobfeedError, FetcherError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
 from .chunks import GrantPin
+from .indexed import HOLDERS, UNIT_RECORD
+from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
 from .transport import SLOT_INDEX, FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
@@ -54,9 +55,6 @@ logger = logging.getLogger("blobfeed.feeders.processes")
 
 #: seconds stop() lets a child end by itself before it is killed
 STOP_GRACE_S = 0.25
-#: the exit code of a worker process whose start-up, importing the program's
-#: main module, ran a pipeline with process workers again (no __main__ guard)
-MAIN_REENTRY_EXIT = 86
 
 
 class ProcessBackend:
@@ -76,6 +74,8 @@ class ProcessBackend:
     own copy, so state they keep is per worker.
     """
 
+    #: runs random-access sources (gives its workers read units: LaunchPlan.units)
+    random_access = True
     name = "processes"
 
     def __init__(self, *, slots: int = 8, slot_bytes: int = 16 * 1024 * 1024, start_method: str = "forkserver") -> None:
@@ -107,84 +107,6 @@ class ProcessBackend:
 
     def __repr__(self) -> str:
         return f"ProcessBackend(slots={self.slots}, slot_bytes={self.slot_bytes}, start_method={self.start_method!r})"
-
-
-def _main_module() -> str | None:
-    """What a worker process imports as the program's main module before
-    blobfeed's code runs in it (``multiprocessing.spawn.prepare``): the
-    script's path, or the module of ``python -m``; None when nothing."""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if name is not None:
-        return None if name == "__main__" or name.endswith(".__main__") else name
-    return getattr(main, "__file__", None)
-
-
-def _exit_if_importing_main() -> None:
-    """End this process, in one line, when it is a new process of
-    multiprocessing's ``spawn`` or ``forkserver`` still importing the main
-    module and that module starts process workers again: a script without
-    ``if __name__ == "__main__":``.
-
-    multiprocessing would raise its RuntimeError a moment later anyway, with
-    a traceback of some 75 lines per worker; the exit code tells the parent
-    the cause, which it names in its FetcherError.
-    """
-    if not getattr(multiprocessing.current_process(), "_inheriting", False):
-        return
-    logger.error(
-        "blobfeed: process pid %d imports the main module %r to start a worker process, and the "
-        "module starts blobfeed's process workers again: guard the pipeline with "
-        "if __name__ == '__main__':", os.getpid(), _main_module(),
-    )
-    logging.shutdown()
-    os._exit(MAIN_REENTRY_EXIT)
-
-
-def _payload_fd(payload: bytes) -> int:
-    """A memfd holding ``payload``, for the workers to read at start-up.
-
-    The payload (``fetch_fun`` pickled, with whatever it refers to: often a
-    module-level array of megabytes) does not travel in the process object
-    multiprocessing writes to a new process's start-up pipe.  A process
-    that ends while importing the main module (a script without the
-    ``__main__`` guard, :func:`_exit_if_importing_main`) stops reading that
-    pipe, and a write past the pipe's 64 KiB buffer then failed in
-    ``start()`` with a bare BrokenPipeError, before the cause could be named.
-    """
-    fd = os.memfd_create("blobfeed-payload", os.MFD_CLOEXEC)
-    try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view):]
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> bytes:
-    """``(fetch_fun, worker_init_fun)`` pickled for the children.
-
-    Raises:
-        TypeError: naming what does not pickle, before anything starts.
-    """
-    try:
-        import cloudpickle
-
-        dumps: Callable[[Any], bytes] = cloudpickle.dumps
-    except ImportError:  # pragma: no cover - a dependency
-        dumps = pickle.dumps
-    for what, obj in (("fetch_fun", fetch_fun), ("worker_init_fun", worker_init_fun)):
-        try:
-            dumps(obj)
-        except Exception as exc:
-            raise TypeError(
-                f"{what} {obj!r} cannot be sent to a worker process: {exc!r}. With "
-                "backend='processes' it must pickle (a module-level function, or anything "
-                "cloudpickle handles) together with what it refers to"
-            ) from exc
-    return dumps((fetch_fun, worker_init_fun))
 
 
 class _SlotRing:
@@ -309,6 +231,15 @@ class _Worker:
         #: the exit code once known (negative: the signal that killed it)
         self.exitcode: int | None = None
         out_r, out_w = os.pipe()
+        #: a random-access source: the pipe its read units go down, and the
+        #: thread that feeds it (see _feed_units)
+        self.units = group.plan.units
+        #: this incarnation's name with the dispenser (a replacement has its own)
+        self.holder = next(HOLDERS)
+        self.units_w = -1
+        units_r = -1
+        if self.units is not None:
+            units_r, self.units_w = os.pipe()
         info = w.info
         self.process = group.ctx.Process(
             target=child_main,
@@ -318,6 +249,7 @@ class _Worker:
                 FdHandle(group.payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
                 backend.slot_bytes, FdHandle(free_r), FdHandle(out_w), backend.start_method == "forkserver",
                 group.plan.epochs, group.plan.first_epoch,
+                FdHandle(units_r) if units_r >= 0 else None,
             ),
             daemon=True,
         )
@@ -327,12 +259,17 @@ class _Worker:
         except BaseException:
             self.ring.close()
             os.close(out_r)
+            if self.units_w >= 0:
+                os.close(self.units_w)
+                self.units_w = -1
             raise
         finally:
             # the child has its copies now (or never will): ours go
             os.close(area_fd)
             os.close(free_r)
             os.close(out_w)
+            if units_r >= 0:
+                os.close(units_r)
         self.pid: int = self.process.pid or 0
         #: ready when the worker process itself has ended (see _exit_fd)
         self.sentinel, self._own_sentinel = _exit_fd(self.process)
@@ -345,6 +282,35 @@ class _Worker:
             name=f"blobfeed-recv-{group.source}-{w.worker_id}",
             daemon=True,
         )
+        self.feeder: threading.Thread | None = None
+        if self.units is not None:
+            self.feeder = threading.Thread(
+                target=thread_main,
+                args=(f"blobfeed-units-{group.source}-{w.worker_id}", self._feed_units, group.plan.on_thread_exit),
+                name=f"blobfeed-units-{group.source}-{w.worker_id}",
+                daemon=True,
+            )
+
+    #: read units a worker process holds at most (being read, or waiting in its pipe)
+    UNITS_AHEAD = 2
+
+    def _feed_units(self) -> None:
+        """Give the child its read units, :data:`UNITS_AHEAD` at most that it
+        has not delivered, until there are none left or the source stops;
+        then the pipe's end tells it so."""
+        units = self.units
+        wid = self.plan.worker_id
+        fd = self.units_w
+        try:
+            while True:
+                r = units.take(wid, self.UNITS_AHEAD, self.holder)
+                if r is None:
+                    return
+                os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
+        except OSError:
+            pass  # the child is gone: its receiver says why
+        finally:
+            os.close(fd)
 
     # -- slots --------------------------------------------------------------
     def _slot_result(self, event: Result, message_bytes: int) -> bool:
@@ -460,8 +426,18 @@ class _Worker:
             err.__cause__ = exc
             return intake.exception(err)
         share = len(data) // max(1, len(events))
+        units = self.units
         for event in events:
             kind = type(event)
+            if units is not None and (kind is Result or kind is Raised):
+                unit = event.state if kind is Result else None
+                if not units.delivered(self.holder, unit) and kind is Result:
+                    # read by a process that died meanwhile: another reads it again
+                    if type(event.raw) is Arrays:
+                        self.ring.release(event.raw.where)
+                    continue
+                if kind is Result:
+                    self.group._deaths[self.plan.worker_id] = 0
             if kind is Result:
                 if type(event.raw) is Arrays:
                     go: bool | None = self._slot_result(event, len(data))
@@ -487,6 +463,22 @@ class _Worker:
             if self.done or self._death_reported or self.group.stopping:
                 return
             self._death_reported = True
+        code = self.exitcode
+        if self.units is not None and self.area.started() and code is not None and code != 0:
+            # a random-access source's worker: the units it held are read
+            # again, by a new process in its place
+            intake = self.plan.intake
+            poison = self.units.retire(self.holder)
+            if poison:
+                unit, tries = poison[0]
+                intake.died(
+                    f"worker process pid {self.pid} {_describe(code)}; the processes reading read unit "
+                    f"{unit} died {tries} times (a sample that kills its reader?)"
+                )
+                return
+            if self.group.replace(self, code):
+                intake.stats.deaths[intake.backend] += 1  # counted as any death (died() counts its own)
+                return
         code = self.exitcode
         if self.area.started() or code is None or code < 0:
             self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}")
@@ -643,6 +635,12 @@ class _ProcessGroup:
             _preload_forkserver(self.ctx)
         self.stopping = False
         self._join_lock = threading.Lock()
+        #: replacements of dead workers (a random-access source); per
+        #: worker id, deaths since its last delivered unit
+        self._replace_lock = threading.Lock()
+        self._joining = False
+        self._new_workers: list[_Worker] = []
+        self._deaths: dict[int, int] = {}
         self._released = False
         self._wake_r, self._wake_w = os.pipe()
         #: weak references to the chunks viewing slots, by id, with their
@@ -657,12 +655,51 @@ class _ProcessGroup:
             self._abort_start()
             raise
         finally:
-            # every worker has its copy now (or never will): ours goes
-            os.close(self.payload_fd)
+            # every worker has its copy now (or never will): ours goes --
+            # unless a dead worker of a random-access source is replaced
+            if plan.units is None:
+                os.close(self.payload_fd)
+                self.payload_fd = -1
         self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()
+            if wk.feeder is not None:
+                wk.feeder.start()
         self.watcher = self._thread("watch", self._watch)
+
+    #: a worker id whose processes die this many times in a row is not replaced again
+    MAX_REPLACEMENTS = 3
+
+    def replace(self, dead: "_Worker", code: int | None) -> bool:
+        """Start a process in place of ``dead`` (a random-access source's
+        worker that died): same worker id, intake and lane.  False when it
+        is not replaced (stopping, or its processes keep dying)."""
+        wid = dead.plan.worker_id
+        with self._replace_lock:
+            if self.stopping or self._joining or self.payload_fd < 0 or dead.plan.intake.halted:
+                return False
+            deaths = self._deaths[wid] = self._deaths.get(wid, 0) + 1
+            if deaths > self.MAX_REPLACEMENTS:
+                return False
+            logger.warning(
+                "source %r, worker %d: worker process pid %d %s; a new process takes its place and the "
+                "read units it held are read again", self.source, wid, dead.pid, _describe(code),
+            )
+            try:
+                wk = _Worker(self, dead.plan)
+            except Exception:
+                logger.exception("source %r, worker %d: the new worker process did not start", self.source, wid)
+                return False
+            self.workers.append(wk)
+            self._new_workers.append(wk)
+            wk.thread.start()
+            if wk.feeder is not None:
+                wk.feeder.start()
+        try:
+            os.write(self._wake_w, b"a")  # the watcher watches it too
+        except OSError:
+            pass
+        return True
 
     def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
         """Start one of the group's own daemon threads, ``blobfeed-<role>-<source>``."""
@@ -697,6 +734,9 @@ class _ProcessGroup:
 
     def _abort_start(self) -> None:
         self.stopping = True
+        if self.payload_fd >= 0 and self.plan.units is not None:
+            os.close(self.payload_fd)
+            self.payload_fd = -1
         for wk in self.workers:
             wk.kill()
             wk.wait_exit(5.0)
@@ -708,10 +748,16 @@ class _ProcessGroup:
         """Wait on every child's sentinel at once: a death is seen at once."""
         waiting = {wk.sentinel: wk for wk in self.workers}
         try:
-            while waiting:
+            while waiting or self.plan is not None and self.plan.units is not None and not self._joining:
                 ready = multiprocessing.connection.wait([*waiting, self._wake_r])
                 if self._wake_r in ready:
-                    return
+                    if b"x" in os.read(self._wake_r, 64):
+                        return
+                    with self._replace_lock:
+                        added, self._new_workers = self._new_workers, []
+                    for wk in added:
+                        waiting[wk.sentinel] = wk
+                    ready = [r for r in ready if r != self._wake_r]
                 for s in ready:
                     wk = waiting.pop(s)  # type: ignore[arg-type]
                     wk.wait_exit(1.0)
@@ -737,6 +783,8 @@ class _ProcessGroup:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        with self._replace_lock:
+            self._joining = True
         with self._join_lock:
             if self._released:
                 return []
@@ -748,13 +796,17 @@ class _ProcessGroup:
                 for wk in self.workers:
                     wk.kill()
             stuck = []
-            for wk in self.workers:
+            for wk in list(self.workers):
                 wk.wait_exit(left())
                 wk.thread.join(left())
                 if wk.running():
                     stuck.append(wk.name)
                 if wk.thread.is_alive():
                     stuck.append(wk.thread.name)
+                if wk.feeder is not None:
+                    wk.feeder.join(left())
+                    if wk.feeder.is_alive():
+                        stuck.append(wk.feeder.name)
             if not any(wk.running() for wk in self.workers):
                 try:
                     os.write(self._wake_w, b"x")
@@ -784,6 +836,9 @@ class _ProcessGroup:
         """Everything ended: close every descriptor now (not at the next
         garbage collection), so that nothing is left behind after stop()."""
         self._released = True
+        if self.payload_fd >= 0:
+            os.close(self.payload_fd)
+            self.payload_fd = -1
         for wk in self.workers:
             wk.close()
         os.close(self._wake_w)
@@ -802,6 +857,7 @@ class _ProcessGroup:
             return []
         out = [wk.name for wk in self.workers if wk.running()]
         out += [wk.thread.name for wk in self.workers if wk.thread.is_alive()]
+        out += [wk.feeder.name for wk in self.workers if wk.feeder is not None and wk.feeder.is_alive()]
         if self.watcher.is_alive():
             out.append(self.watcher.name)
         if self.returner.is_alive():

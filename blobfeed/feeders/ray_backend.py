@@ -75,7 +75,6 @@ import queue
 import socket
 import threading
 import time
-import weakref
 from typing import Any, Mapping
 
 import numpy as np
@@ -84,6 +83,8 @@ from ..errors import FetcherError
 from ..worker_info import WorkerInfo
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
 from .chunks import GrantPin
+from .indexed import HOLDERS, ReadUnit, UnitReader
+from .ray_pins import _PinTracker
 from .messages import (
     Arrays, EpochDone, Exhausted, Raised, Result, arrays_nbytes, plain_arrays, read_arrays, sendable, write_arrays,
 )
@@ -153,6 +154,8 @@ class RayBackend:
     blobfeed and numpy must be importable on every node that runs actors.
     """
 
+    #: runs random-access sources (gives its workers read units: LaunchPlan.units)
+    random_access = True
     name = "ray"
 
     def __init__(
@@ -282,6 +285,11 @@ class _FetchActor:
             err.__cause__ = exc
             self.load_error = err
             return
+        if isinstance(self.fetch_fun, UnitReader):
+            # a random-access source: the driver gives this actor its read units
+            self.units: queue.SimpleQueue[ReadUnit | None] = queue.SimpleQueue()
+            self.fetch_fun.units = _QueueUnits(self)
+            return
         # restarts need the fetcher's state with each result (or the count
         # of its calls, which Replayed replays): wrap a plain fetch_fun
         if track_state and not isinstance(self.fetch_fun, Replayed):
@@ -299,6 +307,11 @@ class _FetchActor:
 
     def set_hint(self, batch_size: int) -> None:
         self.hint = batch_size
+
+    def give_units(self, units: list[tuple[int, int, int] | None]) -> None:
+        """Read units for a random-access source's fetch_fun (None: no more)."""
+        for u in units:
+            self.units.put(None if u is None else ReadUnit(*u))
 
     def stop(self) -> None:
         self.stopping = True
@@ -360,6 +373,22 @@ class _FetchActor:
             events.close()
 
 
+class _QueueUnits:
+    """An actor's read units (a random-access source), given by the driver
+    (``give_units``); a stop of the actor ends the wait."""
+
+    def __init__(self, actor: _FetchActor) -> None:
+        self.actor = actor
+
+    def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
+        while not self.actor.stopping:
+            try:
+                return self.actor.units.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+        return None
+
+
 _actor_class: Any = None
 _actor_class_lock = threading.Lock()
 
@@ -375,63 +404,6 @@ def _remote_actor_class() -> Any:
 # ---------------------------------------------------------------------------------------------
 # the driver's side
 # ---------------------------------------------------------------------------------------------
-class _PinTracker:
-    """Bundles of one worker held as views of Ray's object store.
-
-    A bundle counts from its arrival until its root array (every chunk and
-    batch viewing it keeps the root alive) dies.  The death is heard through
-    a weak reference whose callback is C code (``SimpleQueue.put``: no
-    Python runs in whatever thread drops the last batch) and counted lazily.
-    """
-
-    __slots__ = ("limit", "_lock", "_live", "_viewed", "_dead")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._live: dict[int, weakref.ref[np.ndarray]] = {}
-        self._viewed: set[int] = set()
-        self._dead: queue.SimpleQueue[weakref.ref[np.ndarray]] = queue.SimpleQueue()
-
-    def _reap(self) -> None:
-        while True:
-            try:
-                ref = self._dead.get_nowait()
-            except queue.Empty:
-                return
-            key = id(ref)
-            self._live.pop(key, None)
-            self._viewed.discard(key)
-
-    def hold(self, root: np.ndarray) -> int | None:
-        """Count ``root`` in; None when ``limit`` bundles are held already
-        (then its chunks must be copied out)."""
-        with self._lock:
-            self._reap()
-            if len(self._live) >= self.limit:
-                return None
-            ref = weakref.ref(root, self._dead.put)
-            key = id(ref)
-            self._live[key] = ref
-            return key
-
-    def grant_view(self, key: int) -> bool:
-        """May a batch be a view of bundle ``key``?  At most ``limit - 2`` at once."""
-        with self._lock:
-            self._reap()
-            if key in self._viewed:
-                return True
-            if len(self._viewed) >= max(1, self.limit - 2):
-                return False
-            self._viewed.add(key)
-            return True
-
-    def held(self) -> int:
-        with self._lock:
-            self._reap()
-            return len(self._live)
-
-
 class _Restart(Exception):
     """Internal: the actor died and will be started again."""
 
@@ -462,6 +434,38 @@ class _Worker:
             target=thread_main, args=(self.name, self._receive, group.plan.on_thread_exit),
             name=self.name, daemon=True,
         )
+        #: a random-access source's read units: this actor incarnation's name
+        #: with the dispenser, and the threads that give it its units
+        self.units = group.plan.units
+        self.holder = next(HOLDERS)
+        self.feeders: list[threading.Thread] = []
+
+    #: read units an actor holds at most (being read, or queued in it)
+    UNITS_AHEAD = 2
+
+    def _start_feeder(self) -> None:
+        """Give the actor (this incarnation of it) its read units, on a thread."""
+        name = f"blobfeed-units-{self.group.source}-{self.plan.worker_id}"
+        t = threading.Thread(
+            target=thread_main, args=(name, self._feed_units, self.group.plan.on_thread_exit),
+            name=name, daemon=True,
+        )
+        self.feeders.append(t)
+        t.start()
+
+    def _feed_units(self) -> None:
+        units, holder, actor = self.units, self.holder, self.actor
+        wid = self.plan.worker_id
+        try:
+            while True:
+                r = units.take(wid, self.UNITS_AHEAD, holder)
+                if r is None:
+                    if not units.closed and not units.retired(holder):
+                        actor.give_units.remote([None])  # the data ended
+                    return
+                actor.give_units.remote([(r.unit, r.lo, r.hi)])
+        except Exception as err:  # the actor is gone: its receiver says why
+            logger.debug("%s: give_units: %r", self.name, err)
 
     # -- where the actor is -----------------------------------------------------------------
     def describe(self) -> str:
@@ -508,6 +512,8 @@ class _Worker:
         try:
             if not self._locate():
                 return
+            if self.units is not None:
+                self._start_feeder()
             while True:
                 outcome = self._stream()
                 if outcome is True:
@@ -526,6 +532,13 @@ class _Worker:
                 gc.collect()
                 if self._halted():
                     return
+                if self.units is not None:
+                    # a random-access source: the units it held are read again
+                    poison = self.units.retire(self.holder)
+                    if poison:
+                        intake.died(f"{self.describe()} died: {_reason(err)}; the actors reading read unit "
+                                    f"{poison[0][0]} died {poison[0][1]} times")
+                        return
                 if self.restarts_left > 0:
                     self.restarts_left -= 1
                     intake.stats.deaths[intake.backend] += 1
@@ -537,6 +550,9 @@ class _Worker:
                     self._where_ref = self.actor.where.remote()
                     if not self._wait_restart():
                         return
+                    if self.units is not None:
+                        self.holder = next(HOLDERS)
+                        self._start_feeder()
                     continue
                 intake.died(f"{self.describe()} died: {_reason(err)}")
                 return
@@ -588,13 +604,16 @@ class _Worker:
         ray = _ray()
         backend = self.group.backend
         resume = None
-        if self.epoch_calls or self.last_state is not None:
+        if self.units is None and (self.epoch_calls or self.last_state is not None):
             resume = (self.epoch_calls, self.last_state)
+        # a random-access source's actor waits for its next unit between
+        # results: each goes at once (the driver gives more once it has them)
+        delay = 0.0 if self.units is not None else backend.bundle_delay_s
         hint = self.group.plan.batch_size_hint()
         self._hint_sent = hint
         gen = self.actor.run.options(
             num_returns="streaming", _generator_backpressure_num_objects=backend.max_in_flight,
-        ).remote(hint, self.epoch, self.group.epochs, resume, backend.bundle_bytes, backend.bundle_delay_s)
+        ).remote(hint, self.epoch, self.group.epochs, resume, backend.bundle_bytes, delay)
         try:
             while True:
                 if self._halted():
@@ -648,8 +667,12 @@ class _Worker:
         del buf, bundle
         share = (root.nbytes if root is not None else 0) // max(1, len(items))
         pin = GrantPin(self.tracker, key) if key is not None else None
+        units = self.units
         for event in items:
             kind = type(event)
+            if units is not None and (kind is Result or kind is Raised):
+                if not units.delivered(self.holder, event.state if kind is Result else None) and kind is Result:
+                    continue  # read by an incarnation that died: another reads it again
             if kind is Result:
                 raw = event.raw
                 if type(raw) is Arrays:
@@ -793,6 +816,10 @@ class _RayGroup:
                 wk.thread.join(left())
                 if wk.thread.is_alive():
                     stuck.append(wk.thread.name)
+                for t in wk.feeders:
+                    t.join(left())
+                    if t.is_alive():
+                        stuck.append(t.name)
             if stuck:
                 return stuck
             stuck = self._wait_dead(deadline)
@@ -832,4 +859,4 @@ class _RayGroup:
     def alive(self) -> list[str]:
         if self._released:
             return []
-        return [wk.thread.name for wk in self.workers if wk.thread.is_alive()]
+        return [t.name for wk in self.workers for t in [wk.thread, *wk.feeders] if t.is_alive()]

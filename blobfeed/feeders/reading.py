@@ -320,7 +320,10 @@ class BatchReader:
             ok, batch = self._device_queue.get_nowait()
             if ok:
                 return batch  # type: ignore[return-value]
-            if feed.prefetch and not feed.fed_by_caller:
+            if not feed.fed_by_caller:
+                # without prefetch too: one pass under the feed's lock takes
+                # the chunks a small batch needs, where pump() would make a
+                # step (lock, drain, queue) of each chunk
                 batch = self._assemble_here()
                 if batch is not None:
                     return batch
@@ -368,7 +371,7 @@ class BatchReader:
             return feed.device_queue.get(timeout)
         feed.pump(timeout)
         ok, batch = feed.device_queue.get_nowait()
-        if ok:
+        if ok and batch is not None:
             return batch
         raise DequeueTimeout(f"no batch within {timeout:.3g} s")
 

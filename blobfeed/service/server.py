@@ -270,6 +270,8 @@ class FeedServer:
             saved = self._resume_state["sources"].get(name, {}).get("inner", {}).get("seed")
             if isinstance(saved, list) and saved and type(saved[0]) is int:
                 seed = saved[0]
+            elif type(saved) is int:  # a random-access source's state: one seed
+                seed = saved
         wiring = dict(
             max_buffered_batches=max_buffered_batches, timeout=timeout,
             drop_last=drop_last, on_error=on_error, seed=seed, backend=backend,

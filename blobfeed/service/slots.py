@@ -329,7 +329,8 @@ class ConsumerMapping:
             dt, shape, off, nbytes = known
             if shape[0] != n:
                 raise WireError(f"{peer}: array {i}: bad shape {list(shape)!r} for {n} samples")
-            out.append(root[off:off + nbytes].view(dt).reshape(shape))
+            # one constructor, not a slice, a view and a reshape; its base is `root`
+            out.append(np.ndarray(shape, dt, root, off))
         if check is not None:
             check.arrays(n, [(a.dtype, a.shape) for a in out], peer)
         # every view's base is `root` (numpy collapses view chains): the slot

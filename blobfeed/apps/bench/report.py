@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from .measure import STEP_CPU, STEP_CTX
 from .workloads import IN_PROCESS_PEERS, PROCESS_PEERS, WORKLOADS
 
 
@@ -478,6 +479,8 @@ RUNNER_LEGEND = {
     "caffe2": "Caffe2's original re-batching (np.append, np.split), written from its description; "
               "its lost column is the leftovers it drops, by design, when its queue is full",
     "copy": "the copy bound: each batch's bytes copied once with np.copyto, out of cache",
+    "copy2": "the same in two threads at once: what the memory moves when both cores copy (a path that "
+             "copies each byte twice, as S1's does with worker processes, reaches at most half of it)",
     "model": "the model alone: InferenceSession.run on batches made in advance",
     "grain0": "grain, no worker process: chunks re-batched by grain",
     "torch0": "torch DataLoader, num_workers=0, a map-style dataset of single samples",
@@ -549,7 +552,11 @@ def legend(report: dict[str, Any]) -> list[str]:
                      "voluntary+involuntary summed over threads; service: the measuring process (the service's "
                      "threads) and its worker processes, over every batch; consumer: the consumer processes (for "
                      "pipes each with its pipeline's workers), over every batch they took: what one consumer "
-                     "spends per batch it takes")
+                     "spends per batch it takes; the service's steps (indented): its threads by role (sender: "
+                     "re-batching, the copy into the shared batch memory, sending; receiver: acknowledgements; "
+                     "intake: a worker process's chunks into the dealer; fetchers: worker threads), and its worker "
+                     "processes (the service's CPU time none of its threads spent; their switches are in the "
+                     "service's total)")
     return lines
 
 
@@ -564,22 +571,26 @@ def cost_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     """The table of hand-off costs per batch: for each measurement that
     read them, the service's and a consumer's context switches and CPU
     microseconds per batch, and their sum; empty when none did."""
-    rows = []
+    rows: list[tuple[str, str, float | None, float]] = []
     for key, r in results.items():
         if "failed" in r:
             continue
         for who, cpu, ctx in COST_KEYS:
             if cpu in r:
                 rows.append((key, who, r.get(ctx), r[cpu]))
+            if who == "service":
+                steps = sorted(((k[len(STEP_CPU):], v) for k, v in r.items() if k.startswith(STEP_CPU)),
+                               key=lambda kv: -kv[1])
+                rows += [(key, f"  {role}", r.get(STEP_CTX + role), cpu_us) for role, cpu_us in steps if cpu_us >= 0.05]
         total = service_path_cpu_us(r)
         if total is not None:
             switches = [r.get(ctx) for _, _, ctx in COST_KEYS]
-            rows.append((key, "service + consumer", None if None in switches else sum(switches), total))
+            rows.append((key, "service + consumer", None if None in switches else float(sum(s for s in switches if s is not None)), total))
     if not rows:
         return []
     lines = [f"{'per batch taken':<{KEY_WIDTH}}{'':<20}{'ctx switches/batch':>20}{'CPU us/batch':>14}"]
-    for key, who, ctx, cpu in rows:
-        lines.append(f"{key:<{KEY_WIDTH}}{who:<20}{'-' if ctx is None else format(ctx, '.1f'):>20}{cpu:>14.1f}")
+    for key, who, switched, cpu_us in rows:
+        lines.append(f"{key:<{KEY_WIDTH}}{who:<20}{'-' if switched is None else format(switched, '.1f'):>20}{cpu_us:>14.1f}")
     return lines
 
 

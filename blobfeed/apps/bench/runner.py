@@ -154,8 +154,8 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
         one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2)) + W5_EXTRA_S
     elif r == "caffe2":
         one += CAFFE2_EXTRA_S
-    elif r == "copy":
-        one += COPY_SETUP_S
+    elif r in ("copy", "copy2"):
+        one += COPY_SETUP_S * (2 if r == "copy2" else 1)
     elif r == "model":
         one += MODEL_EXTRA_S
     elif r.startswith("torch"):

@@ -23,6 +23,7 @@ import numpy as np
 from ..shuffle import ShuffleBuffer
 from .arrival import ArrivalDealer
 from .base import Dealer, DealerStats, DealingOptions, DropCounter, Reader
+from .indexed import INDEXED_STATE_VERSION, IndexedDealer
 from .lanes import LaneDealer, NetOutbox, default_outbox_samples
 from .positions import READABLE_VERSIONS, STATE_VERSION
 from .rounds import Direct, EqualRounds
@@ -31,7 +32,7 @@ from .turns import FirstReadyTurns, StrictTurns, Turns
 
 __all__ = [
     "ArrivalDealer", "Cut", "Dealer", "DealerStats", "DealingOptions", "Direct", "DropCounter", "EqualRounds",
-    "FirstReadyTurns", "LaneDealer", "NetOutbox", "READABLE_VERSIONS", "Reader", "STATE_VERSION", "Shuffled",
+    "FirstReadyTurns", "INDEXED_STATE_VERSION", "IndexedDealer", "LaneDealer", "NetOutbox", "READABLE_VERSIONS", "Reader", "STATE_VERSION", "Shuffled",
     "Stage", "StrictTurns", "Turns", "default_outbox_samples", "make_dealer",
 ]
 

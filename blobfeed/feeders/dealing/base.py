@@ -65,17 +65,25 @@ class DealingOptions:
     #: rounds are counted (the nets' ``drop_last``, which must agree); False
     #: without ``equal`` (each net's feed applies its own)
     drop_last: bool = False
+    #: a random-access source: read units put back in order (see
+    #: :mod:`.indexed`); the stream is a function of the data, seed and batch size
+    random_access: bool = False
 
     @property
     def in_arrival_order(self) -> bool:
         """Chunks can be taken as they arrive, by whichever net asks first."""
-        return not self.deterministic and not self.shuffle_buffer and self.epochs == 1 and not self.equal
+        return (
+            not self.deterministic and not self.shuffle_buffer and self.epochs == 1 and not self.equal
+            and not self.random_access
+        )
 
     def describe(self) -> str:
         text = (
             f"deterministic={self.deterministic}, shuffle_buffer={self.shuffle_buffer}, "
             f"epochs={self.epochs}, equal={self.equal}"
         )
+        if self.random_access:
+            text = f"a random-access source, epochs={self.epochs}, equal={self.equal}"
         return f"{text}, drop_last={self.drop_last}" if self.equal else text
 
 

@@ -1,0 +1,297 @@
+"""The dealer of a random-access source: read units put back in order.
+
+Workers take read units from a :class:`~blobfeed.feeders.indexed.UnitDispenser`
+as they free up, each in increasing order, and hand each unit's samples over
+as one chunk stamped with its number (``chunk.state``).  The stream is unit
+0, 1, 2, ...: each lane is kept sorted by unit (a worker's units increase;
+the process that replaces a dead one may read an older one), so the unit the
+stream waits for is at the head of its holder's lane as soon as it is read,
+and :class:`UnitTurns` only looks there.  Batches are cut from that stream as
+for a deterministic source (:class:`~.stages.Cut`), batch *i* to net *i mod
+k*, epochs ending where the dispenser's units cross an epoch.
+
+A position is ``(batches, g)``: the batches dealt and the global position
+(``epoch * n + offset`` in the epochs' orders) of the next sample.  A state
+records where the slowest net is, the ranges of the batches faster nets
+already returned, and the ranges an earlier resume left out: a resume with
+another number of nets, workers or backend reads the rest of the stream,
+leaving those out, and deals it anew from net 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from ..chunks import Chunk, EpochEnd
+from ..indexed import UnitDispenser, merge_ranges
+from .base import DropCounter
+from .lanes import LaneDealer, _Failed, default_outbox_samples
+from .positions import Positions
+from .rounds import Direct
+from .stages import Cut
+from .turns import Turns
+
+__all__ = ["INDEXED_STATE_VERSION", "IndexedDealer", "UnitTurns"]
+
+#: the layout version of a random-access source's ``state_dict``
+INDEXED_STATE_VERSION = 3
+
+
+class UnitTurns(Turns):
+    """The stream reads unit ``next`` from the lane of the worker holding it."""
+
+    strict = True
+    resumable = True
+
+    def __init__(self, dispenser: UnitDispenser) -> None:
+        super().__init__()
+        self.units = dispenser
+        #: the unit the stream waits for
+        self.next = 0
+        #: the epoch the stream is in
+        self.epoch = 0
+
+    def _head_ok(self, lanes: Any) -> int | None:
+        u = self.next
+        wid = self.units.owner(u)
+        if wid is None:
+            return None
+        lane = lanes[wid]
+        if not lane:
+            return None
+        head = lane[0]
+        if type(head) is Chunk and head.state == u:
+            return wid
+        if isinstance(head, _Failed):
+            return wid
+        return None
+
+    def turn(self, lanes: Any) -> int | None:
+        if self.all_ended():
+            return None
+        return self._head_ok(lanes)
+
+    def ready(self, lanes: Any) -> bool:
+        return not self.all_ended() and self._head_ok(lanes) is not None
+
+    def passed(self) -> None:
+        self.units.consumed(self.next)
+        self.next += 1
+
+    def lane_ended(self, worker_id: int, for_good: bool) -> None:  # pragma: no cover - never at a head we pick
+        pass
+
+    def all_ended(self) -> bool:
+        """The stream's epoch has no unit left."""
+        r = self.units.unit(self.next)
+        return r is None or r.lo // self.units.n > self.epoch
+
+    def all_done(self) -> bool:
+        if self.units.unit(self.next) is not None:
+            return False
+        end = self.units.end
+        return end is None or self.epoch + 1 >= end // self.units.n
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+
+
+class UnitPositions(Positions):
+    """A position per batch, ``(batches, g)``."""
+
+    def reset(self, lanes: int) -> None:
+        self.kept = {0: self._now(0)}
+
+
+class UnitCut(Cut):
+    positions = UnitPositions
+
+
+class IndexedDealer(LaneDealer):
+    """A random-access source's stream (see the module docstring).
+
+    Args: as :class:`~.lanes.LaneDealer`'s, and ``dispenser``: the source's units.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        batch_size: int,
+        axes: Sequence[int],
+        capacity: int,
+        on_error: Callable[[BaseException], None],
+        dispenser: UnitDispenser,
+        *,
+        on_dropped: DropCounter | None = None,
+        rounds: Direct | None = None,
+        max_bytes: int | None = None,
+        outbox_samples: int | None = None,
+        window: int | None = None,
+    ) -> None:
+        self.units = dispenser
+        #: the dispenser's window (None: by the worker count, at start)
+        self.window = window
+        if window is not None:
+            dispenser.window = window
+        self._unit_turns = UnitTurns(dispenser)
+        super().__init__(
+            source, batch_size, axes, capacity, outbox_samples, on_error, on_dropped=on_dropped,
+            turns=self._unit_turns, stage=UnitCut(), rounds=rounds, max_bytes=max_bytes,
+        )
+        self._epoch = self._unit_turns.epoch
+
+    # -- workers -----------------------------------------------------------------
+    def put(self, worker_id: int, chunk: Chunk, nbytes: int = 0) -> bool:
+        """As :meth:`LaneDealer.put`, but the lane stays sorted by unit (a
+        worker process that replaced a dead one may read a unit older than
+        what its lane holds), and the unit the stream waits for always
+        enters (its lane may be full of later units)."""
+        unit = chunk.state
+        with self._room:
+            lane = self._lanes[worker_id]
+            sizes = self._sizes[worker_id]
+            while not self._lanes_closed and unit != self.units.oldest and (
+                len(lane) >= self.lane_capacity
+                or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
+            ):
+                self._room.wait()
+            if self._lanes_closed:
+                return False
+            if self._outbox_sizing and nbytes and chunk.n:
+                self._outbox_sizing = False
+                self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n)
+            # the chunks come first in a lane, sorted by unit; markers after them
+            i = len(sizes)
+            while i and lane[i - 1].state > unit:
+                i -= 1
+            lane.insert(i, chunk)
+            sizes.insert(i, nbytes)
+            self._lane_bytes[worker_id] += nbytes
+            self._queued_bytes += nbytes
+            self._lane_chunks += 1
+            self._lane_n += chunk.n
+            if i == 0:
+                self._items.notify_all()
+            return True
+
+    def put_error(self, worker_id: int, error: BaseException) -> None:
+        """The worker failed: the error surfaces at the unit it held, or at
+        once when it holds none (its ``worker_init_fun`` failed, say: no
+        unit of the stream would ever reach it)."""
+        super().put_error(worker_id, error)
+        if not self.units.holds(worker_id):
+            with self._lock:
+                if self._error is None:
+                    self._error = error  # what the nets get once what was dealt is out
+                self._items.notify_all()
+            self._on_error(error)
+
+    def _consumed(self, wid: int, chunk: Chunk, lane: Any) -> None:
+        super()._consumed(wid, chunk, lane)
+        # a worker may wait with the unit the stream now waits for
+        self._room.notify_all()
+
+    # -- the stream --------------------------------------------------------------
+    def _position(self, batches: int) -> Any:
+        t = self._unit_turns
+        return (batches, self.units.position_of(t.next) + self._offset)
+
+    def start(self) -> None:
+        if self.window is None:
+            self.units.window = max(8, 4 * len(self._turns.order))
+        super().start()
+
+    def close(self, reason: BaseException | None, *, in_order: bool = False) -> int:
+        self.units.close()
+        return super().close(reason, in_order=in_order)
+
+    # -- state ---------------------------------------------------------------------
+    def _as_entries(self, ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
+        """Global ``[lo, hi)`` ranges as ``[epoch, offset, count]``, one per epoch."""
+        n = self.units.n
+        out = []
+        for lo, hi in merge_ranges(ranges):
+            while lo < hi:
+                e, off = divmod(lo, n)
+                stop = min(hi, (e + 1) * n)
+                out.append([e, off, stop - lo])
+                lo = stop
+        return out
+
+    def state(self, layout: dict[str, Any], nets: Sequence[str]) -> dict[str, Any]:
+        """Where the slowest net is, and what the faster ones returned beyond
+        it (lock-free, as :meth:`LaneDealer.state`)."""
+        pos, nets_at = self._positions.find(nets, self.source)
+        batches, g = pos[0], pos[1]  # (batches, g): see _position
+        kept = self._positions.kept
+        k = len(nets_at)
+        returned: list[tuple[int, int]] = []
+        for j, (_, nxt, _) in enumerate(nets_at):
+            b = batches + ((j - batches) % k)
+            while b < nxt:
+                lo, hi = kept.get(b), kept.get(b + 1)
+                if lo is not None and hi is not None:
+                    returned.append((lo[1], hi[1]))
+                b += k
+        epoch, offset = divmod(g, self.units.n)
+        if epoch and not offset:
+            # the end of an epoch: said as such (the end of the data is in
+            # the last epoch), whether or not its end was dealt yet
+            epoch, offset = epoch - 1, self.units.n
+        return {
+            "version": INDEXED_STATE_VERSION,
+            "kind": "random_access",
+            "source": self.source,
+            **layout,
+            "position": {"batches": batches, "epoch": epoch, "offset": offset},
+            # left out of this stream by an earlier resume
+            "skip": self._as_entries([r for r in self.units.skip if r[1] > g]),
+            # the batches past the position that some net already returned
+            "returned": self._as_entries(returned),
+            "nets": nets_at,
+        }
+
+    def load(self, state: dict[str, Any]) -> list[tuple[int, Any]]:
+        """Continue from a checked ``state``: the same nets (as many as when
+        it was saved) each get exactly the batches an uninterrupted run would
+        have given them; another number of nets gets the rest of the stream,
+        what any net returned left out, dealt anew from net 0."""
+        pos = state["position"]
+        n = self.units.n
+        g = pos["epoch"] * n + pos["offset"]
+
+        def ranges(key: str) -> list[tuple[int, int]]:
+            return [(e * n + off, e * n + off + c) for e, off, c in state[key]]
+
+        same = len(state["nets"]) == len(self.outboxes)
+        with self._lock:
+            t = self._unit_turns
+            t.epoch = self._epoch = pos["epoch"]
+            t.next = 0
+            self._stage.reset()
+            self._rounds.clear()
+            self._offset = self._prefix = 0
+            if same:
+                # the faster nets' batches are read again and dropped (skip_until)
+                self.units.restart(g, ranges("skip"))
+                self._batch = pos["batches"]
+                for box, (_, nxt, told) in zip(self.outboxes, state["nets"]):
+                    self._place(box, nxt, told)
+            else:
+                self.units.restart(g, ranges("skip") + ranges("returned"))
+                self._batch = 0
+                told = min(entry[2] for entry in state["nets"])
+                for box in self.outboxes:
+                    self._place(box, box.index, told)
+            self._positions.restart(self._batch, 0)
+            self._record(self._batch)
+        return []
+
+    def _place(self, box: Any, nxt: int, told: int) -> None:
+        box.next_batch = box.skip_until = nxt
+        box.epoch = told
+        box.pieces.clear()
+        box.samples = 0
+        for e in range(told, self._epoch):
+            box.pieces.append(EpochEnd(e))
+        box.marks_from = max(told, self._epoch)

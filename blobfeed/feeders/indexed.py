@@ -1,0 +1,536 @@
+"""Random-access sources: a dataset with ``__len__`` and ``__getitem__``
+(torch's map-style ``Dataset``, grain's ``RandomAccessDataSource``), read by
+blobfeed in an order it draws itself.
+
+The order of epoch *e* is ``range(n)``, or with ``shuffle=True`` the
+permutation ``numpy.random.default_rng((seed, e)).permutation(n)``: a
+global shuffle, not a buffer.  The positions of the whole run are numbered
+globally, ``g = e * n + p`` (position *p* of epoch *e*'s order).  They are
+handed to the workers as *read units*: ``read_size`` consecutive positions
+(fewer at an epoch's end), numbered 0, 1, 2, ... in stream order.  A worker
+takes the next unit when it is free (:class:`UnitDispenser`), reads its
+samples (``__getitems__`` when the dataset has it, else ``__getitem__`` per
+index) and returns them as one chunk stamped with the unit's number; the
+dealer (:mod:`.dealing.indexed`) puts the units back in order and cuts the
+batches.  So the batches are a function of the data, the seed, the epoch and
+the batch size only, whatever the workers and nets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import select
+import struct
+import threading
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from .chunks import Stamped
+
+__all__ = [
+    "IndexedReadError", "PipeUnits", "RandomAccessSource", "ReadUnit", "UnitDispenser", "UnitReader",
+    "is_random_access",
+]
+
+logger = logging.getLogger("blobfeed.feeders")
+
+#: names of worker process (or actor) incarnations with a dispenser: unique per program
+HOLDERS = itertools.count(1)
+#: a unit whose reading process died this many times fails the source
+MAX_TRIES = 3
+#: a unit as it travels to a worker process: (unit, g_lo, g_hi); unit -1 ends
+UNIT_RECORD = struct.Struct("<qqq")
+
+
+def is_random_access(obj: Any) -> bool:
+    """Whether ``obj`` is read as a random-access source: a
+    :class:`RandomAccessSource`, or any object with ``__len__`` and
+    ``__getitem__`` (even a callable one)."""
+    if isinstance(obj, RandomAccessSource):
+        return True
+    kind = type(obj)
+    return hasattr(kind, "__len__") and hasattr(kind, "__getitem__")
+
+
+class RandomAccessSource:
+    """A map-style dataset and how blobfeed reads it.
+
+    Pass it (or the dataset itself, for the defaults) where a ``fetch_fun``
+    goes: ``init_data_input_workers``, ``init_reader``,
+    ``FeedServer.serve_source``.
+
+    Args:
+        dataset: an object with ``__len__`` and ``__getitem__(i)``; a sample
+            is a tuple or list with one array per blob (without the batch
+            axis), or a dict blob name -> array.  ``__getitems__(indices)``,
+            when it has one, reads several at once and returns a list of such
+            samples (torch >= 2.2's convention).
+        shuffle: each epoch is a permutation of the dataset drawn from
+            ``(seed, epoch)`` (a global shuffle); False: ``0 .. n-1`` in order.
+        seed: the shuffle's seed; None: the wiring's ``seed`` (drawn and
+            logged when that is None too).
+        read_size: consecutive positions of the order a worker reads at
+            once (one read unit); None: the batch size.
+        window: a worker may not take a unit more than this many units past
+            the oldest one the stream still waits for; None: ``4 x`` the
+            worker count, at least 8.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        shuffle: bool = False,
+        seed: int | None = None,
+        read_size: int | None = None,
+        window: int | None = None,
+    ) -> None:
+        from ..arguments import check_flag, check_index
+
+        kind = type(dataset)
+        if not hasattr(kind, "__len__") or not hasattr(kind, "__getitem__"):
+            raise TypeError(
+                f"a random-access source needs __len__ and __getitem__; {kind.__qualname__} has "
+                f"{'neither' if not hasattr(kind, '__len__') and not hasattr(kind, '__getitem__') else 'only one'}"
+            )
+        self.dataset = dataset
+        self.shuffle = check_flag("shuffle", shuffle)
+        self.seed = None if seed is None else check_index("seed", seed, minimum=0)
+        self.read_size = None if read_size is None else check_index("read_size", read_size)
+        self.window = None if window is None else check_index("window", window)
+
+    def __repr__(self) -> str:
+        return (
+            f"RandomAccessSource({type(self.dataset).__qualname__}, shuffle={self.shuffle}, "
+            f"seed={self.seed}, read_size={self.read_size}, window={self.window})"
+        )
+
+
+def dataset_length(source: str, dataset: Any) -> int:
+    """``len(dataset)``, checked: an int >= 1."""
+    try:
+        n = len(dataset)
+    except Exception as exc:
+        raise TypeError(f"source {source!r}: len(dataset) raised {exc!r}") from exc
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"source {source!r}: len(dataset) must be an int >= 1, got {n!r}")
+    return n
+
+
+def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The dataset indexes of epoch ``epoch``, in stream order."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng((seed, epoch)).permutation(n).astype(np.int64)
+
+
+class ReadUnit(NamedTuple):
+    """``hi - lo`` consecutive global positions, read as one chunk."""
+
+    unit: int
+    lo: int
+    hi: int
+
+
+def merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint, non-empty ``[lo, hi)`` ranges covering ``ranges``."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+class UnitDispenser:
+    """Hands out the read units of a random-access source, in stream order,
+    to whichever worker asks; knows who holds each unit until the stream
+    has consumed it.  Thread-safe.
+
+    Args:
+        source: the source's name.
+        n: the dataset's length.
+        read_size: positions per unit.
+        epochs: passes over the data (None: endless).
+    """
+
+    def __init__(self, source: str, n: int, read_size: int, epochs: int | None) -> None:
+        self.source = source
+        self.n = n
+        self.read_size = read_size
+        self.epochs = epochs
+        self.window = 8
+        self._cond = threading.Condition(threading.Lock())
+        #: the first global position of the stream, and ranges left out of it
+        #: (a resume: what nets had returned already)
+        self.start = 0
+        self.skip: list[tuple[int, int]] = []
+        self._reset()
+        self.closed = False
+
+    def _reset(self) -> None:
+        #: units made so far (unit -> ReadUnit), until consumed
+        self._units: dict[int, ReadUnit] = {}
+        self._made = 0  # units made
+        self._cursor = self.start  # the next global position to put in a unit
+        self._skip_i = 0
+        #: the next unit to give a worker; the oldest the stream waits for
+        self._next = 0
+        self.oldest = 0
+        #: unit -> worker id holding it (until consumed)
+        self._owner: dict[int, int] = {}
+        #: per holder (a worker process's incarnation): units it took and
+        #: has not delivered, in the order it took them
+        self._held: dict[int, list[int]] = {}
+        #: holders whose process died: they take nothing more
+        self._retired: set[int] = set()
+        #: units to read again (their reader died), smallest first
+        self._redo: list[int] = []
+        #: unit -> how many readers of it died
+        self._tries: dict[int, int] = {}
+        #: workers told to take no more units (set_num_workers)
+        self._stopped: set[int] = set()
+
+    def restart(self, start: int, skip: Sequence[tuple[int, int]]) -> None:
+        """A resume: the stream starts at global position ``start`` and leaves
+        out ``skip`` (before any unit was handed out)."""
+        with self._cond:
+            self.start = start
+            self.skip = merge_ranges([(max(lo, start), hi) for lo, hi in skip if hi > start])
+            self._reset()
+
+    @property
+    def end(self) -> int | None:
+        """The global position where the data ends (None: endless)."""
+        return None if self.epochs is None else self.epochs * self.n
+
+    def _make(self) -> bool:
+        """Make the next unit (under the lock); False at the end of the data."""
+        end = self.end
+        g = self._cursor
+        skip = self.skip
+        while self._skip_i < len(skip) and skip[self._skip_i][1] <= g:
+            self._skip_i += 1
+        if self._skip_i < len(skip) and skip[self._skip_i][0] <= g:
+            g = skip[self._skip_i][1]
+            self._skip_i += 1
+        if end is not None and g >= end:
+            self._cursor = g
+            return False
+        hi = min(g + self.read_size, (g // self.n + 1) * self.n)  # never across an epoch
+        if self._skip_i < len(skip):
+            hi = min(hi, skip[self._skip_i][0])
+        self._units[self._made] = ReadUnit(self._made, g, hi)
+        self._made += 1
+        self._cursor = hi
+        return True
+
+    def unit(self, u: int) -> ReadUnit | None:
+        """Unit ``u`` (made if it is not yet), or None past the end of the data."""
+        with self._cond:
+            return self._unit(u)
+
+    def _unit(self, u: int) -> ReadUnit | None:
+        while self._made <= u:
+            if not self._make():
+                return None
+        return self._units.get(u)
+
+    def position_of(self, u: int) -> int:
+        """The global position where unit ``u`` starts (the end of the data,
+        or of what was made, past it)."""
+        with self._cond:
+            r = self._unit(u)
+            return r.lo if r is not None else self._cursor
+
+    def holds(self, worker_id: int) -> bool:
+        """Does ``worker_id`` hold a unit the stream has not consumed?"""
+        with self._cond:
+            return worker_id in self._owner.values()
+
+    def owner(self, u: int) -> int | None:
+        """The worker that holds unit ``u``, None while nobody took it."""
+        return self._owner.get(u)  # a dict read: atomic, no lock (called per chunk under the dealer's)
+
+    def take(self, worker_id: int, ahead: int | None = None, holder: int | None = None) -> ReadUnit | None:
+        """The next unit for ``worker_id``: a unit to read again first (its
+        reader died), else the next one of the stream, waiting while that
+        would be more than ``window`` units past the oldest one the stream
+        waits for.  ``holder`` (a worker process's incarnation) is told of
+        each unit it takes, until :meth:`delivered`; with ``ahead``, it waits
+        while it holds that many.  None: the data ended, the source stopped,
+        or the holder was retired."""
+        with self._cond:
+            held = self._held.setdefault(holder, []) if holder is not None else None
+            while not self.closed and holder not in self._retired and worker_id not in self._stopped and (
+                (not self._redo and self._next >= self.oldest + self.window)
+                or (ahead is not None and held is not None and len(held) >= ahead)
+            ):
+                self._cond.wait()
+            if self.closed or holder in self._retired or worker_id in self._stopped:
+                return None
+            r: ReadUnit | None
+            if self._redo:
+                r = self._units[heapq.heappop(self._redo)]
+            else:
+                r = self._unit(self._next)
+                if r is None:
+                    return None
+                self._next += 1
+            self._owner[r.unit] = worker_id
+            if held is not None:
+                held.append(r.unit)
+            return r
+
+    def active(self, worker_ids: Sequence[int]) -> list[int]:
+        """Of ``worker_ids``, those not told to stop (:meth:`stop_workers`)."""
+        with self._cond:
+            return [w for w in worker_ids if w not in self._stopped]
+
+    def stop_workers(self, worker_ids: Sequence[int]) -> None:
+        """These workers take no more units (they end once they delivered
+        what they hold): the source runs on fewer workers."""
+        with self._cond:
+            self._stopped.update(worker_ids)
+            self._cond.notify_all()
+
+    def delivered(self, holder: int, unit: int | None) -> bool:
+        """A worker process delivered ``unit`` (None: it failed on the oldest
+        unit it held).  False: ``holder`` does not hold it (it was retired
+        and the unit handed to another reader): drop what it read."""
+        with self._cond:
+            held = self._held.get(holder)
+            if not held:
+                return False
+            if unit is None:
+                held.pop(0)
+            elif unit in held:
+                held.remove(unit)
+            else:
+                return False
+            self._cond.notify_all()
+            return True
+
+    def retired(self, holder: int) -> bool:
+        """Was ``holder`` retired (its process died)?"""
+        with self._cond:
+            return holder in self._retired
+
+    def retire(self, holder: int) -> list[tuple[int, int]]:
+        """A worker process died: the units it held are read again by
+        whoever asks next.  Returns those of them whose readers died
+        :data:`MAX_TRIES` times, ``(unit, tries)`` (the source must fail)."""
+        with self._cond:
+            self._retired.add(holder)
+            poison = []
+            for u in self._held.pop(holder, []):
+                tries = self._tries[u] = self._tries.get(u, 0) + 1
+                self._owner.pop(u, None)
+                heapq.heappush(self._redo, u)
+                if tries >= MAX_TRIES:
+                    poison.append((u, tries))
+            self._cond.notify_all()
+            return poison
+
+    def consumed(self, u: int) -> None:
+        """The stream took unit ``u`` (the oldest it waited for)."""
+        with self._cond:
+            self._owner.pop(u, None)
+            self._units.pop(u, None)
+            self._tries.pop(u, None)
+            self.oldest = u + 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The source stopped: every waiting ``take`` returns None."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class IndexedReadError(Exception):
+    """Reading a random-access source failed: names the source, the index and
+    (when the sample is at fault) the blob."""
+
+
+class PipeUnits:
+    """A worker process's end of its units: records the parent writes
+    (:data:`UNIT_RECORD`); a unit < 0 or the pipe's end: no more.
+
+    ``before_wait`` is called when no unit is there yet, before waiting for
+    one: the worker sends the results it holds back (the parent gives it
+    more units only once they arrive)."""
+
+    def __init__(self, fd: int, before_wait: Callable[[], None] | None = None) -> None:
+        self.fd = fd
+        self.before_wait = before_wait
+
+    def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
+        size = UNIT_RECORD.size
+        if self.before_wait is not None and not select.select([self.fd], [], [], 0)[0]:
+            self.before_wait()
+        data = b""
+        while len(data) < size:
+            part = os.read(self.fd, size - len(data))
+            if not part:
+                return None
+            data += part
+        unit, lo, hi = UNIT_RECORD.unpack(data)
+        return None if unit < 0 else ReadUnit(unit, lo, hi)
+
+
+class UnitReader:
+    """The ``fetch_fun`` of a random-access source: takes the next read unit,
+    reads its samples, and returns them as one chunk stamped with the unit's
+    number.  Raises StopIteration when no unit is left.
+
+    Pickles without its unit source (a worker process gets a pipe of its own).
+    """
+
+    def __init__(
+        self, source: str, spec: RandomAccessSource, n: int, seed: int, blob_names: Sequence[str],
+        axes: Sequence[int],
+    ) -> None:
+        self.source = source
+        self.dataset = spec.dataset
+        self.shuffle = spec.shuffle
+        self.n = n
+        self.seed = seed
+        self.blob_names = tuple(blob_names)
+        self.axes = tuple(axes)
+        #: where units come from: the dispenser (threads), a pipe (a process)
+        self.units: Any = None
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+        #: each blob's per-sample shape, from the first sample read
+        self._shapes: list[tuple[int, ...]] | None = None
+
+    def __repr__(self) -> str:
+        return f"<the reader of random-access source {self.source!r}: {type(self.dataset).__qualname__} of {self.n}>"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["units"] = None
+        state["_order"] = None
+        state["_order_epoch"] = -1
+        return state
+
+    def _indexes(self, r: ReadUnit) -> np.ndarray:
+        epoch, lo = divmod(r.lo, self.n)
+        if epoch != self._order_epoch:
+            self._order = epoch_order(self.n, self.shuffle, self.seed, epoch)
+            self._order_epoch = epoch
+        assert self._order is not None
+        return self._order[lo:lo + (r.hi - r.lo)]
+
+    def __call__(self, worker_id: int, batch_size: int) -> Stamped:
+        r = self.units.take(worker_id)
+        if r is None:
+            raise StopIteration
+        idx = [int(i) for i in self._indexes(r)]
+        samples = self._read(idx)
+        return Stamped(self._stack(idx, samples), r.unit)
+
+    def _read(self, idx: list[int]) -> Sequence[Any]:
+        ds = self.dataset
+        many = getattr(ds, "__getitems__", None)
+        if many is not None:
+            try:
+                samples = many(idx)
+            except Exception as exc:
+                raise IndexedReadError(
+                    f"source {self.source!r}: dataset.__getitems__({_short(idx)}) raised {exc!r}"
+                ) from exc
+            try:
+                count = len(samples)
+            except TypeError:
+                count = -1
+            if count != len(idx):
+                raise IndexedReadError(
+                    f"source {self.source!r}: dataset.__getitems__({_short(idx)}) returned "
+                    f"{type(samples).__name__} of {count if count >= 0 else 'no'} samples; expected a list of "
+                    f"{len(idx)} samples, one per index"
+                )
+            return samples
+        out = []
+        for i in idx:
+            try:
+                out.append(ds[i])
+            except Exception as exc:
+                raise IndexedReadError(f"source {self.source!r}: dataset[{i}] raised {exc!r}") from exc
+        return out
+
+    def _blobs(self, i: int, sample: Any) -> list[np.ndarray]:
+        """Sample ``i`` as one array per blob, checked."""
+        names = self.blob_names
+        where = f"source {self.source!r}: dataset[{i}]"
+        if isinstance(sample, Mapping):
+            missing = [b for b in names if b not in sample]
+            if missing:
+                raise IndexedReadError(
+                    f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, sample))[:10]}); "
+                    f"expected the blobs {list(names)}"
+                )
+            values = [sample[b] for b in names]
+        elif isinstance(sample, (tuple, list)):
+            if len(sample) != len(names):
+                raise IndexedReadError(
+                    f"{where} has {len(sample)} arrays; expected {len(names)}, one per blob {list(names)}"
+                )
+            values = list(sample)
+        else:
+            raise IndexedReadError(
+                f"{where} is a {type(sample).__name__}; expected a tuple or list with one array per blob "
+                f"{list(names)}, or a dict blob name -> array"
+            )
+        arrays = []
+        for b, v in zip(names, values):
+            try:
+                a = np.asarray(v)
+            except Exception as exc:
+                raise IndexedReadError(f"{where}, blob {b!r}: not an array ({type(v).__name__}): {exc!r}") from exc
+            if a.dtype.kind == "O":
+                raise IndexedReadError(
+                    f"{where}, blob {b!r}: an object array ({type(v).__name__}); expected numbers "
+                    "of one shape (a numpy array, a tensor, a number)"
+                )
+            arrays.append(a)
+        return arrays
+
+    def _stack(self, idx: list[int], samples: Sequence[Any]) -> list[np.ndarray]:
+        per_blob: list[list[np.ndarray]] = [[] for _ in self.blob_names]
+        for i, sample in zip(idx, samples):
+            arrays = self._blobs(i, sample)
+            if self._shapes is None:
+                self._shapes = [a.shape for a in arrays]
+            for k, (a, want) in enumerate(zip(arrays, self._shapes)):
+                if a.shape != want:
+                    raise IndexedReadError(
+                        f"source {self.source!r}: dataset[{i}], blob {self.blob_names[k]!r}: shape "
+                        f"{a.shape}; the samples read before have {want}"
+                    )
+                per_blob[k].append(a)
+        out = []
+        for k, (arrays, ax) in enumerate(zip(per_blob, self.axes)):
+            if ax > arrays[0].ndim:
+                raise IndexedReadError(
+                    f"source {self.source!r}: blob {self.blob_names[k]!r}: batch axis {ax}, but its samples "
+                    f"have {arrays[0].ndim} dimensions (shape {arrays[0].shape})"
+                )
+            try:
+                out.append(np.stack(arrays, axis=ax))
+            except Exception as exc:  # dtypes that do not stack, say
+                raise IndexedReadError(
+                    f"source {self.source!r}: blob {self.blob_names[k]!r}: the samples of indexes "
+                    f"{_short(idx)} do not stack: {exc!r}"
+                ) from exc
+        return out
+
+
+def _short(idx: Sequence[int]) -> str:
+    return str(list(idx)) if len(idx) <= 8 else f"[{', '.join(map(str, idx[:8]))}, ... ({len(idx)} indexes)]"

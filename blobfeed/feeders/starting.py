@@ -1,0 +1,100 @@
+"""How a worker process starts: what it imports first (the program's main
+module, which must not start workers again) and the pickled ``fetch_fun``
+it reads at start-up.  Used by :mod:`.processes`."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import sys
+from typing import Any, Callable
+
+from .backends import FetchFun, WorkerInitFun
+
+__all__ = ["MAIN_REENTRY_EXIT"]
+
+logger = logging.getLogger("blobfeed.feeders.processes")
+
+#: the exit code of a worker process whose start-up, importing the program's
+#: main module, ran a pipeline with process workers again (no __main__ guard)
+MAIN_REENTRY_EXIT = 86
+
+
+def _main_module() -> str | None:
+    """What a worker process imports as the program's main module before
+    blobfeed's code runs in it (``multiprocessing.spawn.prepare``): the
+    script's path, or the module of ``python -m``; None when nothing."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return None if name == "__main__" or name.endswith(".__main__") else name
+    return getattr(main, "__file__", None)
+
+
+def _exit_if_importing_main() -> None:
+    """End this process, in one line, when it is a new process of
+    multiprocessing's ``spawn`` or ``forkserver`` still importing the main
+    module and that module starts process workers again: a script without
+    ``if __name__ == "__main__":``.
+
+    multiprocessing would raise its RuntimeError a moment later anyway, with
+    a traceback of some 75 lines per worker; the exit code tells the parent
+    the cause, which it names in its FetcherError.
+    """
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    logger.error(
+        "blobfeed: process pid %d imports the main module %r to start a worker process, and the "
+        "module starts blobfeed's process workers again: guard the pipeline with "
+        "if __name__ == '__main__':", os.getpid(), _main_module(),
+    )
+    logging.shutdown()
+    os._exit(MAIN_REENTRY_EXIT)
+
+
+def _payload_fd(payload: bytes) -> int:
+    """A memfd holding ``payload``, for the workers to read at start-up.
+
+    The payload (``fetch_fun`` pickled, with whatever it refers to: often a
+    module-level array of megabytes) does not travel in the process object
+    multiprocessing writes to a new process's start-up pipe.  A process
+    that ends while importing the main module (a script without the
+    ``__main__`` guard, :func:`_exit_if_importing_main`) stops reading that
+    pipe, and a write past the pipe's 64 KiB buffer then failed in
+    ``start()`` with a bare BrokenPipeError, before the cause could be named.
+    """
+    fd = os.memfd_create("blobfeed-payload", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> bytes:
+    """``(fetch_fun, worker_init_fun)`` pickled for the children.
+
+    Raises:
+        TypeError: naming what does not pickle, before anything starts.
+    """
+    try:
+        import cloudpickle
+
+        dumps: Callable[[Any], bytes] = cloudpickle.dumps
+    except ImportError:  # pragma: no cover - a dependency
+        dumps = pickle.dumps
+    for what, obj in (("fetch_fun", fetch_fun), ("worker_init_fun", worker_init_fun)):
+        try:
+            dumps(obj)
+        except Exception as exc:
+            raise TypeError(
+                f"{what} {obj!r} cannot be sent to a worker process: {exc!r}. With "
+                "backend='processes' it must pickle (a module-level function, or anything "
+                "cloudpickle handles) together with what it refers to"
+            ) from exc
+    return dumps((fetch_fun, worker_init_fun))
