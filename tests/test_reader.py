@@ -358,8 +358,9 @@ def test_a_reader_without_prefetch_times_out_stops_and_ends_bounded() -> None:
         stopper.start()
         with pytest.raises(EndOfInput):
             reader.read(WAIT)
+        release.set()  # the fetcher, waiting in fetch_fun, returns: stop() need not wait out its WAIT
         stopper.join(WAIT)
-        release.set()  # the fetcher's wait ends: the stop joins it at once
+        assert not stopper.is_alive()
         assert gc.stop(WAIT)
     assert not enqueuers("slow")
 
