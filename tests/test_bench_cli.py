@@ -900,10 +900,12 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     KEY = report.KEY_WIDTH
     steps = {(line[:KEY].strip(), line[KEY:].split("  ")[1].strip()): line.split()[-1]
              for line in rows if line[KEY:].startswith("  ")}
-    for k, roles in (("S1/service", ("sender", "receiver", "intake", "worker processes")),
-                     ("S2/service", ("sender", "receiver", "fetchers"))):
-        for role in roles:
-            assert float(steps[(k, role)]) > 0, (k, role, steps)
+    # CPU time is read in clock ticks (10 ms a thread): in a tiny window only
+    # the busiest step is sure to show; a step under 0.05 us a batch is left out
+    assert {role for k, role in steps} <= {"sender", "receiver", "intake", "fetchers", "slot returner",
+                                           "worker processes", "other threads"}, steps
+    for k in ("S1/service", "S2/service"):
+        assert float(steps[(k, "sender")]) > 0, (k, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
              for line in rows if not line[KEY:].startswith("  ")}
     assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service")
