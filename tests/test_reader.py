@@ -354,12 +354,14 @@ def test_a_reader_without_prefetch_times_out_stops_and_ends_bounded() -> None:
         assert isinstance(batch, Batch) and batch.arrays[0].tolist() == [0, 1]
         reader.returned(batch)
         # a stop from another thread ends a read waiting in the reader's thread
-        stopper = threading.Timer(0.05, gc.stop, kwargs={"timeout": WAIT})
+        stopper = threading.Timer(0.05, gc.request_stop)
         stopper.start()
         with pytest.raises(EndOfInput):
             reader.read(WAIT)
+        release.set()  # the fetcher, waiting in fetch_fun, returns: stop() need not wait out its WAIT
         stopper.join(WAIT)
-        release.set()
+        assert not stopper.is_alive()
+        assert gc.stop(WAIT)
     assert not enqueuers("slow")
 
 
