@@ -723,3 +723,63 @@ def test_a_worker_init_fun_error_fails_the_source_though_its_worker_held_no_unit
         with pytest.raises(FetcherError, match=r"worker 2: starting the worker failed: RuntimeError\('no GPU"):
             for _ in range(400):
                 p.next_event(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. A dead worker's units while the other lanes are full (the review of issue 26)
+# ---------------------------------------------------------------------------------------------
+class HangAtZero(Items):
+    """Reading index 0 the first time writes the reader's pid to ``mark``
+    and sleeps until the test kills it."""
+
+    def __init__(self, n: int, mark: str) -> None:
+        super().__init__(n)
+        self.mark = mark
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        import os
+
+        if i == 0 and not os.path.exists(self.mark):
+            with open(self.mark + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(self.mark + ".tmp", self.mark)
+            time.sleep(120)
+        return super().__getitem__(i)
+
+
+def lane_full(p: Pipeline, wid: int) -> bool:
+    """No further chunk fits in ``wid``'s lane (in chunks or in bytes)."""
+    dealer = p.gc._sources[SRC].dealer
+    with dealer._lock:
+        lane = dealer._lanes[wid]
+        return bool(lane) and (len(lane) >= dealer.lane_capacity
+                               or dealer._lane_bytes[wid] + dealer._lane_bytes[wid] // len(lane) > dealer.lane_bytes)
+
+
+@pytest.mark.parametrize("kw", [{"max_buffered_batches": 2}, {"max_buffered_bytes": 160}])
+def test_a_dead_workers_units_are_read_again_though_the_other_lanes_are_full(tmp_path: Any, kw: dict) -> None:
+    """Worker 0 dies holding unit 0 while worker 1's lane is full of later
+    units: unit 0 is read again (by worker 0's new process) and delivered."""
+    import os
+    import signal
+
+    mark = str(tmp_path / "pid")
+    n = 40
+    with Pipeline(HangAtZero(n, mark), 1, 2, bs=2, epochs=1, shuffle=False, read_size=2, window=5,
+                  backend="processes", **kw) as p:
+        p.start()
+        wait_until(lambda: os.path.exists(mark), timeout=WAIT, what="worker 0 reads index 0")
+        dealer = p.gc._sources[SRC].dealer
+        # worker 1 took the window's units (1-4) and its lane is full: its
+        # receiver waits with one of them
+        wait_until(lambda: dealer.units._next >= 5 and lane_full(p, 1), timeout=WAIT,
+                   what="worker 1's lane full")
+        os.kill(int(open(mark).read()), signal.SIGKILL)
+        got = []
+        while True:
+            try:
+                out = p.nets[0].run(timeout=15.0)
+            except EndOfInput:
+                break
+            got.append(tuple(int(i) for i in out["ids"]))
+    assert got == [(i, i + 1) for i in range(0, n, 2)]

@@ -172,6 +172,9 @@ class UnitDispenser:
         self.skip: list[tuple[int, int]] = []
         self._reset()
         self.closed = False
+        #: called (outside the lock) when a worker took a unit to read again:
+        #: the dealer lets it in past a full lane when it is the oldest
+        self.on_redo_taken: Callable[[], None] | None = None
 
     def _reset(self) -> None:
         #: units made so far (unit -> ReadUnit), until consumed
@@ -189,7 +192,14 @@ class UnitDispenser:
         self._held: dict[int, list[int]] = {}
         #: holders whose process died: they take nothing more
         self._retired: set[int] = set()
-        #: units to read again (their reader died), smallest first
+        #: holder -> the worker id it reads for
+        self._wid_of: dict[int, int] = {}
+        #: units to read again (their reader died), smallest first: per
+        #: worker id, for the process that replaces the dead one (its lane
+        #: holds only units its incarnations read, in order) ...
+        self._redo_of: dict[int, list[int]] = {}
+        #: ... and those of worker ids that are stopped or not replaced, for
+        #: any worker
         self._redo: list[int] = []
         #: unit -> how many readers of it died
         self._tries: dict[int, int] = {}
@@ -259,23 +269,31 @@ class UnitDispenser:
 
     def take(self, worker_id: int, ahead: int | None = None, holder: int | None = None) -> ReadUnit | None:
         """The next unit for ``worker_id``: a unit to read again first (its
-        reader died), else the next one of the stream, waiting while that
-        would be more than ``window`` units past the oldest one the stream
-        waits for.  ``holder`` (a worker process's incarnation) is told of
-        each unit it takes, until :meth:`delivered`; with ``ahead``, it waits
-        while it holds that many.  None: the data ended, the source stopped,
-        or the holder was retired."""
+        reader died: one of this worker id's own, else one of a worker id
+        that is stopped or not replaced), else the next one of the stream,
+        waiting while that would be more than ``window`` units past the
+        oldest one the stream waits for.  ``holder`` (a worker process's
+        incarnation) is told of each unit it takes, until :meth:`delivered`;
+        with ``ahead``, it waits while it holds that many.  None: the data
+        ended, the source stopped, or the holder was retired."""
         with self._cond:
             held = self._held.setdefault(holder, []) if holder is not None else None
+            if holder is not None and holder not in self._retired:
+                self._wid_of[holder] = worker_id
+            own = self._redo_of.get(worker_id)
             while not self.closed and holder not in self._retired and worker_id not in self._stopped and (
-                (not self._redo and self._next >= self.oldest + self.window)
+                (not self._redo and not own and self._next >= self.oldest + self.window)
                 or (ahead is not None and held is not None and len(held) >= ahead)
             ):
                 self._cond.wait()
+                own = self._redo_of.get(worker_id)
             if self.closed or holder in self._retired or worker_id in self._stopped:
                 return None
             r: ReadUnit | None
-            if self._redo:
+            again = bool(own or self._redo)
+            if own:
+                r = self._units[heapq.heappop(own)]
+            elif self._redo:
                 r = self._units[heapq.heappop(self._redo)]
             else:
                 r = self._unit(self._next)
@@ -285,7 +303,9 @@ class UnitDispenser:
             self._owner[r.unit] = worker_id
             if held is not None:
                 held.append(r.unit)
-            return r
+        if again and self.on_redo_taken is not None:
+            self.on_redo_taken()
+        return r
 
     def active(self, worker_ids: Sequence[int]) -> list[int]:
         """Of ``worker_ids``, those not told to stop (:meth:`stop_workers`)."""
@@ -297,7 +317,20 @@ class UnitDispenser:
         what they hold): the source runs on fewer workers."""
         with self._cond:
             self._stopped.update(worker_ids)
+            for w in worker_ids:
+                self._release(w)
             self._cond.notify_all()
+
+    def release(self, worker_id: int) -> None:
+        """``worker_id``'s dead process is not replaced: the units it held
+        are read again by whichever worker asks first."""
+        with self._cond:
+            self._release(worker_id)
+            self._cond.notify_all()
+
+    def _release(self, worker_id: int) -> None:
+        for u in self._redo_of.pop(worker_id, []):
+            heapq.heappush(self._redo, u)
 
     def delivered(self, holder: int, unit: int | None) -> bool:
         """A worker process delivered ``unit`` (None: it failed on the oldest
@@ -322,16 +355,20 @@ class UnitDispenser:
             return holder in self._retired
 
     def retire(self, holder: int) -> list[tuple[int, int]]:
-        """A worker process died: the units it held are read again by
-        whoever asks next.  Returns those of them whose readers died
+        """A worker process died: the units it held are read again, by the
+        process that replaces it (the same worker id), or by whoever asks
+        first when that worker id is stopped (or, see :meth:`release`, not
+        replaced).  Returns those of them whose readers died
         :data:`MAX_TRIES` times, ``(unit, tries)`` (the source must fail)."""
         with self._cond:
             self._retired.add(holder)
+            wid = self._wid_of.pop(holder, None)
+            redo = self._redo if wid is None or wid in self._stopped else self._redo_of.setdefault(wid, [])
             poison = []
             for u in self._held.pop(holder, []):
                 tries = self._tries[u] = self._tries.get(u, 0) + 1
                 self._owner.pop(u, None)
-                heapq.heappush(self._redo, u)
+                heapq.heappush(redo, u)
                 if tries >= MAX_TRIES:
                     poison.append((u, tries))
             self._cond.notify_all()

@@ -479,6 +479,7 @@ class _Worker:
             if self.group.replace(self, code):
                 intake.stats.deaths[intake.backend] += 1  # counted as any death (died() counts its own)
                 return
+            self.units.release(self.plan.worker_id)  # not replaced: any worker reads them
         code = self.exitcode
         if self.area.started() or code is None or code < 0:
             self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}")

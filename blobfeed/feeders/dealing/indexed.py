@@ -133,6 +133,7 @@ class IndexedDealer(LaneDealer):
         self.window = window
         if window is not None:
             dispenser.window = window
+        dispenser.on_redo_taken = self._wake_workers
         self._unit_turns = UnitTurns(dispenser)
         super().__init__(
             source, batch_size, axes, capacity, outbox_samples, on_error, on_dropped=on_dropped,
@@ -147,10 +148,14 @@ class IndexedDealer(LaneDealer):
         what its lane holds), and the unit the stream waits for always
         enters (its lane may be full of later units)."""
         unit = chunk.state
+        units = self.units
         with self._room:
             lane = self._lanes[worker_id]
             sizes = self._sizes[worker_id]
-            while not self._lanes_closed and unit != self.units.oldest and (
+            # never wait with the oldest unit the stream waits for, nor while
+            # this worker holds it (it reads it next: a unit to read again,
+            # taken after later ones)
+            while not self._lanes_closed and unit != units.oldest and units.owner(units.oldest) != worker_id and (
                 len(lane) >= self.lane_capacity
                 or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
             ):
@@ -173,6 +178,12 @@ class IndexedDealer(LaneDealer):
             if i == 0:
                 self._items.notify_all()
             return True
+
+    def _wake_workers(self) -> None:
+        """A worker took a unit to read again: if it is the oldest, that
+        worker's chunks no longer wait for room (see :meth:`put`)."""
+        with self._room:
+            self._room.notify_all()
 
     def put_error(self, worker_id: int, error: BaseException) -> None:
         """The worker failed: the error surfaces at the unit it held, or at
