@@ -783,3 +783,40 @@ def test_a_dead_workers_units_are_read_again_though_the_other_lanes_are_full(tmp
                 break
             got.append(tuple(int(i) for i in out["ids"]))
     assert got == [(i, i + 1) for i in range(0, n, 2)]
+
+
+def test_an_error_reading_a_unit_taken_again_surfaces_at_its_place_in_the_lane() -> None:
+    """A unit handed back by a dead worker process (here: of a worker id
+    set_num_workers stopped) is read by a worker whose lane already holds
+    later units, and the read raises: the stream fails at that unit, after
+    the units before it, instead of waiting behind the later ones."""
+    from blobfeed.feeders.chunks import Chunk
+    from blobfeed.feeders.dealing.indexed import IndexedDealer
+    from blobfeed.feeders.indexed import UnitDispenser
+
+    failures: list[BaseException] = []
+    units = UnitDispenser(SRC, 20, 2, 1)
+    dealer = IndexedDealer(SRC, 2, [0, 0], 8, failures.append, units, window=10)
+    box = dealer.add_net()
+    dealer.add_lanes([0, 1])
+    dealer.start()
+
+    def chunk(wid: int, u: int) -> Chunk:
+        ids = np.arange(2 * u, 2 * u + 2, dtype=np.int64)
+        return Chunk((ids, np.repeat(ids.astype(np.float32)[:, None], 3, axis=1)), 2, wid, u, state=u)
+
+    a, b = 101, 102  # two worker process incarnations
+    assert units.take(1, 2, a).unit == 0
+    assert [units.take(0, 2, b).unit for _ in range(2)] == [1, 2]
+    for u in (1, 2):
+        assert units.delivered(b, u)
+        assert dealer.put(0, chunk(0, u), 40)
+    units.stop_workers([1])
+    assert units.retire(a) == []  # worker 1's process died holding unit 0: anyone reads it
+    assert units.take(0, 2, b).unit == 0
+    assert units.delivered(b, None)  # reading it raised
+    dealer.put_error(0, FetcherError("unit 0 is corrupt"))
+    with pytest.raises(FetcherError, match="unit 0 is corrupt"):
+        box.get_nowait()  # before: (False, None), the stream waiting for unit 0 for ever
+    assert len(failures) == 1 and "unit 0 is corrupt" in str(failures[0])
+    dealer.close(None)

@@ -205,6 +205,8 @@ class UnitDispenser:
         self._tries: dict[int, int] = {}
         #: workers told to take no more units (set_num_workers)
         self._stopped: set[int] = set()
+        #: worker id -> the unit whose read failed in its process (delivered(holder, None))
+        self._failed: dict[int, int] = {}
 
     def restart(self, start: int, skip: Sequence[tuple[int, int]]) -> None:
         """A resume: the stream starts at global position ``start`` and leaves
@@ -341,13 +343,28 @@ class UnitDispenser:
             if not held:
                 return False
             if unit is None:
-                held.pop(0)
+                u = held.pop(0)
+                wid = self._owner.get(u)
+                if wid is not None:
+                    self._failed[wid] = u
             elif unit in held:
                 held.remove(unit)
             else:
                 return False
             self._cond.notify_all()
             return True
+
+    def failed_unit(self, worker_id: int, read: Sequence[int]) -> int | None:
+        """The unit whose read failed in ``worker_id``: the one its process
+        said, else the oldest it holds that is not in ``read`` (a thread
+        reads one unit at a time); None when it holds none."""
+        with self._cond:
+            u = self._failed.pop(worker_id, None)
+            if u is not None:
+                return u
+            done = set(read)
+            mine = [v for v, w in self._owner.items() if w == worker_id and v not in done]
+            return min(mine) if mine else None
 
     def retired(self, holder: int) -> bool:
         """Was ``holder`` retired (its process died)?"""

@@ -62,7 +62,7 @@ class UnitTurns(Turns):
         head = lane[0]
         if type(head) is Chunk and head.state == u:
             return wid
-        if isinstance(head, _Failed):
+        if isinstance(head, _Failed) and (head.state is None or head.state <= u):
             return wid
         return None
 
@@ -165,12 +165,16 @@ class IndexedDealer(LaneDealer):
             if self._outbox_sizing and nbytes and chunk.n:
                 self._outbox_sizing = False
                 self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n)
-            # the chunks come first in a lane, sorted by unit; markers after them
-            i = len(sizes)
+            # the chunks (and failed reads, see put_error) come first in a
+            # lane, sorted by unit; the other markers after them
+            end = self._sorted_end(lane, len(sizes))
+            i = end
             while i and lane[i - 1].state > unit:
                 i -= 1
             lane.insert(i, chunk)
-            sizes.insert(i, nbytes)
+            # sizes has one entry per chunk: the failed reads before i are not
+            j = i if end == len(sizes) else sum(1 for k in range(i) if type(lane[k]) is Chunk)
+            sizes.insert(j, nbytes)
             self._lane_bytes[worker_id] += nbytes
             self._queued_bytes += nbytes
             self._lane_chunks += 1
@@ -185,12 +189,33 @@ class IndexedDealer(LaneDealer):
         with self._room:
             self._room.notify_all()
 
+    @staticmethod
+    def _sorted_end(lane: Any, chunks: int) -> int:
+        """Where the sorted part of a lane (chunks, failed reads) ends."""
+        i = chunks
+        while i < len(lane) and (type(lane[i]) is Chunk or type(lane[i]) is _Failed and lane[i].state is not None):
+            i += 1
+        return i
+
     def put_error(self, worker_id: int, error: BaseException) -> None:
-        """The worker failed: the error surfaces at the unit it held, or at
-        once when it holds none (its ``worker_init_fun`` failed, say: no
-        unit of the stream would ever reach it)."""
-        super().put_error(worker_id, error)
-        if not self.units.holds(worker_id):
+        """The worker failed: the error surfaces at the unit whose read
+        failed, at its sorted place in the lane (later units may be there
+        already: a unit read again after its reader died), or at once when
+        it holds none (its ``worker_init_fun`` failed, say: no unit of the
+        stream would ever reach it)."""
+        with self._lock:
+            lane = self._lanes[worker_id]
+            unit = self.units.failed_unit(worker_id, [c.state for c in lane if type(c) is Chunk])
+            if not self._lanes_closed:
+                if unit is None:
+                    lane.append(_Failed(error))
+                else:
+                    i = self._sorted_end(lane, len(self._sizes[worker_id]))
+                    while i and lane[i - 1].state > unit:
+                        i -= 1
+                    lane.insert(i, _Failed(error, unit))
+                self._items.notify_all()
+        if unit is None and not self.units.holds(worker_id):
             with self._lock:
                 if self._error is None:
                     self._error = error  # what the nets get once what was dealt is out

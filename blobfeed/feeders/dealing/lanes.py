@@ -114,10 +114,12 @@ _NEXT_EPOCH = _NextEpoch()
 
 
 class _Failed:
-    """A lane's marker: its worker's error, at its place in the stream."""
+    """A lane's marker: its worker's error, at its place in the stream
+    (``state``: a random-access source's unit whose read failed)."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, state: Any = None) -> None:
         self.error = error
+        self.state = state
 
 
 class NetOutbox:
