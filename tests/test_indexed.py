@@ -820,3 +820,26 @@ def test_an_error_reading_a_unit_taken_again_surfaces_at_its_place_in_the_lane()
         box.get_nowait()  # before: (False, None), the stream waiting for unit 0 for ever
     assert len(failures) == 1 and "unit 0 is corrupt" in str(failures[0])
     dealer.close(None)
+
+
+def endless_state(**position: int) -> dict[str, Any]:
+    """A state of an endless source (epochs=None) with ``position`` changed
+    (``told``: the net's told epoch)."""
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None) as p:
+        p.lockstep(limit=2)
+        state = p.state()
+    told = position.pop("told", None)
+    state["position"].update(position)
+    if told is not None:
+        state["nets"][0][2] = told
+    return state
+
+
+def test_a_state_far_past_the_nets_told_epochs_is_refused() -> None:
+    """An untrusted state of an endless source: a net told of epoch 0 at
+    a position in epoch 10**6 would be handed 10**6 epoch ends (memory
+    without bound); it is refused naming the field."""
+    state = endless_state(epoch=10**6, told=0)
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None) as p:
+        with pytest.raises(ValueError, match=r"state\['nets'\]\[0\]\[2\]: .*epoch"):
+            p.gc.load_state_dict(SRC, state)

@@ -77,6 +77,11 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
 _RA_LAYOUT = ("length", "batch_size", "seed", "shuffle", "equal", "axes")
 #: at most this many ranges of samples left out (a state is a file: bounded)
 MAX_SKIP_ENTRIES = 1 << 20
+#: a net's told epoch (the epoch ends run() reported to it) is at most this
+#: far from the position's epoch (a net is behind the position by at most
+#: about one epoch per net: each is a piece it is handed on load, so an
+#: untrusted state may not ask for more)
+MAX_UNTOLD_EPOCHS = 1 << 16
 
 
 def check_random_access_state(name: str, state: dict[str, Any], source: InputSource) -> None:
@@ -132,7 +137,11 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
         if (nxt - j) % k:
             check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
                        f"batches are dealt to the {k} nets in turn), got {nxt}")
-        check.integer(entry[2], ["nets", j, 2], 0, None if epochs is None else epochs)
+        told = check.integer(entry[2], ["nets", j, 2], 0, None if epochs is None else epochs)
+        if told + MAX_UNTOLD_EPOCHS < epoch or told > epoch + MAX_UNTOLD_EPOCHS:
+            # each epoch end between them is a piece the net is handed on load
+            check.fail(["nets", j, 2], f"expected an epoch within {MAX_UNTOLD_EPOCHS} of the position's "
+                       f"epoch {epoch} (the epoch ends this net was told of), got {told}")
         next_batches.append(nxt)
     low = min(next_batches)
     if not low - k < batches <= low:
