@@ -843,3 +843,39 @@ def test_a_state_far_past_the_nets_told_epochs_is_refused() -> None:
     with Pipeline(Items(10), 1, 1, bs=2, epochs=None) as p:
         with pytest.raises(ValueError, match=r"state\['nets'\]\[0\]\[2\]: .*epoch"):
             p.gc.load_state_dict(SRC, state)
+
+
+def test_a_state_past_the_positions_a_unit_can_say_is_refused() -> None:
+    """A position past 2**62 samples (an endless source, an untrusted state)
+    is refused naming the field, rather than loaded (a worker process's
+    unit could not be sent: its source hung)."""
+    state = endless_state(epoch=2**62, told=2**62)
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None, backend="processes") as p:
+        with pytest.raises(ValueError, match=r"state\['position'\]\['epoch'\]: .*2\*\*62"):
+            p.gc.load_state_dict(SRC, state)
+    state = endless_state()
+    state["returned"] = [[2**62, 0, 1]]
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None) as p:
+        with pytest.raises(ValueError, match=r"state\['returned'\]\[0\]\[0\]"):
+            p.gc.load_state_dict(SRC, state)
+
+
+def test_a_unit_the_parent_cannot_send_fails_the_source_naming_the_cause(monkeypatch: Any) -> None:
+    """The thread that sends a worker process its units fails (here: the
+    record cannot be packed): the source fails with the cause, rather than
+    the child ending as done while it owns the unit (a hang)."""
+    import struct
+
+    from blobfeed.feeders import processes
+
+    class Unpackable:
+        size = processes.UNIT_RECORD.size
+
+        def pack(self, *values: int) -> bytes:
+            raise struct.error(f"cannot pack {values}")
+
+    monkeypatch.setattr(processes, "UNIT_RECORD", Unpackable())
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=1, backend="processes") as p:
+        p.start()
+        with pytest.raises(FetcherError, match=r"worker 0.*read unit.*struct.error|cannot pack"):
+            p.nets[0].run(timeout=15.0)

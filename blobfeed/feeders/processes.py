@@ -301,6 +301,7 @@ class _Worker:
         units = self.units
         wid = self.plan.worker_id
         fd = self.units_w
+        r = None
         try:
             while True:
                 r = units.take(wid, self.UNITS_AHEAD, self.holder)
@@ -309,6 +310,17 @@ class _Worker:
                 os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
         except OSError:
             pass  # the child is gone: its receiver says why
+        except Exception as exc:
+            # the child would end as done while it holds the unit: the
+            # stream would wait for it for ever.  The source fails instead.
+            logger.exception("source %r, worker %d: sending read unit %s failed", self.group.source, wid, r)
+            failure = FetcherError(
+                f"source {self.group.source!r}, worker {wid}: blobfeed could not send read unit "
+                f"{r.unit if r is not None else '?'} (positions {r.lo if r is not None else '?'} to "
+                f"{r.hi if r is not None else '?'}) to its worker process: {exc!r}"
+            )
+            failure.__cause__ = exc
+            self.plan.intake.source.fail(failure)
         finally:
             os.close(fd)
 
