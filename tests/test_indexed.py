@@ -879,3 +879,62 @@ def test_a_unit_the_parent_cannot_send_fails_the_source_naming_the_cause(monkeyp
         p.start()
         with pytest.raises(FetcherError, match=r"worker 0.*read unit.*struct.error|cannot pack"):
             p.nets[0].run(timeout=15.0)
+
+
+class KillEvery(Items):
+    """Reading index i (i % 10 == 7) kills the reader, once per index."""
+
+    def __init__(self, n: int, marks: str) -> None:
+        super().__init__(n)
+        self.marks = marks
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        import os
+        import signal
+
+        if i % 10 == 7:
+            mark = os.path.join(self.marks, str(i))
+            if not os.path.exists(mark):
+                open(mark, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def resources() -> tuple[int, int, list[str]]:
+    """Descriptors, mappings of worker slot areas, blobfeed threads."""
+    import os
+
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for line in f if "blobfeed-fetch" in line)
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("blobfeed-"))
+    return len(os.listdir("/proc/self/fd")), maps, threads
+
+
+def test_replaced_worker_processes_release_what_they_held_while_the_source_runs(tmp_path: Any) -> None:
+    """10 deaths in one run: each dead process's slot area and descriptors
+    go once it and its receiver ended, not at stop()."""
+    with Pipeline(KillEvery(100, str(tmp_path)), 1, 1, bs=5, epochs=1, shuffle=False, read_size=5,
+                  backend="processes") as p:
+        p.lockstep(limit=1)
+        fds, maps, _ = resources()
+        got = p.lockstep()
+        assert len(list(tmp_path.iterdir())) == 10
+        # the last worker process is done (the data ended): at most its own
+        wait_until(lambda: resources()[0] <= fds + 3 and resources()[1] <= maps, timeout=10.0,
+                   what=f"descriptors back to {fds} (+3), mappings to {maps}: now {resources()[:2]}")
+    assert batches_of(got[0]) == [tuple(range(s, s + 5)) for s in range(5, 100, 5)]
+
+
+def test_set_num_workers_up_and_down_leaves_nothing_behind_while_running() -> None:
+    """Workers added then removed, three times: the removed ones' processes,
+    slot areas, descriptors and threads go once they ended, not at stop()."""
+    with Pipeline(Items(100000), 1, 1, bs=4, epochs=1, shuffle=False, backend="processes") as p:
+        p.lockstep(limit=2)
+        fds, maps, threads = resources()
+        for _ in range(3):
+            p.gc.set_num_workers(SRC, 3)
+            p.lockstep(limit=20)
+            p.gc.set_num_workers(SRC, 1)
+            p.lockstep(limit=60)
+        wait_until(lambda: resources()[2] == threads and resources()[0] <= fds + 2 and resources()[1] <= maps,
+                   timeout=10.0, what=f"back to {(fds, maps, threads)}: now {resources()}")

@@ -223,6 +223,8 @@ class _Worker:
         #: the child said "done" (StopIteration): its exit is not a death
         self.done = False
         self._death_reported = False
+        #: set once its death was reported (and it was replaced, or not)
+        self.death_handled = threading.Event()
         # multiprocessing.Process is not thread-safe: two threads polling
         # one forkserver child race to read its exit status (the loser sees
         # EOF and makes it 255).  Every poll, kill and close goes through here.
@@ -475,6 +477,12 @@ class _Worker:
             if self.done or self._death_reported or self.group.stopping:
                 return
             self._death_reported = True
+        try:
+            self._report_death()
+        finally:
+            self.death_handled.set()
+
+    def _report_death(self) -> None:
         code = self.exitcode
         if self.units is not None and self.area.started() and code is not None and code != 0:
             # a random-access source's worker: the units it held are read
@@ -656,6 +664,9 @@ class _ProcessGroup:
         self._deaths: dict[int, int] = {}
         self._released = False
         self._wake_r, self._wake_w = os.pipe()
+        #: the watcher ended: every process ended and none can be replaced
+        #: any more; the wake pipe is closed (under _replace_lock)
+        self._watch_ended = False
         #: weak references to the chunks viewing slots, by id, with their
         #: slots; their callback puts them on `_returned`
         self._outstanding: dict[int, tuple[weakref.ref[np.ndarray], _SlotRing, int]] = {}
@@ -689,7 +700,7 @@ class _ProcessGroup:
         is not replaced (stopping, or its processes keep dying)."""
         wid = dead.plan.worker_id
         with self._replace_lock:
-            if self.stopping or self._joining or self.payload_fd < 0 or dead.plan.intake.halted:
+            if self.stopping or self._joining or self._watch_ended or self.payload_fd < 0 or dead.plan.intake.halted:
                 return False
             deaths = self._deaths[wid] = self._deaths.get(wid, 0) + 1
             if deaths > self.MAX_REPLACEMENTS:
@@ -703,16 +714,23 @@ class _ProcessGroup:
             except Exception:
                 logger.exception("source %r, worker %d: the new worker process did not start", self.source, wid)
                 return False
-            self.workers.append(wk)
+            self.workers = self.workers + [wk]  # a new list: others iterate the old one
             self._new_workers.append(wk)
             wk.thread.start()
             if wk.feeder is not None:
                 wk.feeder.start()
-        try:
-            os.write(self._wake_w, b"a")  # the watcher watches it too
-        except OSError:
-            pass
+        self._wake(b"a")  # the watcher watches it too
         return True
+
+    def _wake(self, what: bytes) -> None:
+        """A byte to the watcher, unless it ended (its pipe is closed then)."""
+        with self._replace_lock:
+            if self._watch_ended:
+                return
+            try:
+                os.write(self._wake_w, what)
+            except OSError:
+                pass
 
     def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
         """Start one of the group's own daemon threads, ``blobfeed-<role>-<source>``."""
@@ -757,19 +775,35 @@ class _ProcessGroup:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
+    #: how often the watcher looks whether an ended worker's threads ended
+    #: too (then it releases what that worker holds)
+    REAP_POLL_S = 0.2
+
     def _watch(self) -> None:
-        """Wait on every child's sentinel at once: a death is seen at once."""
+        """Wait on every child's sentinel at once: a death is seen at once.
+        A worker whose process and threads ended is closed and dropped (a
+        replaced one, a removed one: its slot area and descriptors go now,
+        not at stop()); once every process ended and none can be replaced,
+        the watcher waits for their threads, ends the returner and ends."""
         waiting = {wk.sentinel: wk for wk in self.workers}
+        ended: list[_Worker] = []
         try:
-            while waiting or self.plan is not None and self.plan.units is not None and not self._joining:
-                ready = multiprocessing.connection.wait([*waiting, self._wake_r])
+            while True:
+                with self._replace_lock:
+                    for wk in self._new_workers:
+                        waiting[wk.sentinel] = wk
+                    self._new_workers = []
+                    if not waiting:
+                        # every process ended and was reported (here, before
+                        # we got here): no replacement can come any more
+                        self._watch_ended = True
+                        break
+                ready = multiprocessing.connection.wait(
+                    [*waiting, self._wake_r], self.REAP_POLL_S if ended else None,
+                )
                 if self._wake_r in ready:
                     if b"x" in os.read(self._wake_r, 64):
                         return
-                    with self._replace_lock:
-                        added, self._new_workers = self._new_workers, []
-                    for wk in added:
-                        waiting[wk.sentinel] = wk
                     ready = [r for r in ready if r != self._wake_r]
                 for s in ready:
                     wk = waiting.pop(s)  # type: ignore[arg-type]
@@ -778,8 +812,44 @@ class _ProcessGroup:
                     # Then say so now, without waiting for the receiver, which
                     # may be blocked on a full queue with messages to read.
                     wk.report_death()
+                    if wk._death_reported:
+                        # its receiver may be reporting it: replaced before we go on
+                        wk.death_handled.wait(10.0)
+                    ended.append(wk)
+                ended = self._reap(ended)
+            # every process ended: once their receivers did too (they may
+            # still be handing their last results over), nothing needs a
+            # slot back any more
+            for wk in ended:
+                wk.thread.join()
+                if wk.feeder is not None:
+                    wk.feeder.join()
+            self._reap(ended)
+            self._returned.put(None)
+            self.returner.join()
+            self._outstanding.clear()  # batches the user keeps: their slots need no return
+            with self._replace_lock:
+                if self.payload_fd >= 0:
+                    os.close(self.payload_fd)
+                    self.payload_fd = -1
         finally:
-            os.close(self._wake_r)
+            with self._replace_lock:
+                self._watch_ended = True
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    def _reap(self, ended: list[_Worker]) -> list[_Worker]:
+        """Close and drop the workers of ``ended`` whose threads ended too;
+        returns the others."""
+        left = []
+        for wk in ended:
+            if wk.thread.is_alive() or wk.feeder is not None and wk.feeder.is_alive() or wk.poll() is None:
+                left.append(wk)
+                continue
+            with self._replace_lock:
+                self.workers = [w for w in self.workers if w is not wk]
+            wk.close()
+        return left
 
     def request_stop(self) -> None:
         self.stopping = True
@@ -821,10 +891,7 @@ class _ProcessGroup:
                     if wk.feeder.is_alive():
                         stuck.append(wk.feeder.name)
             if not any(wk.running() for wk in self.workers):
-                try:
-                    os.write(self._wake_w, b"x")
-                except OSError:
-                    pass
+                self._wake(b"x")
                 self.watcher.join(left())
                 if self.watcher.is_alive():
                     stuck.append(self.watcher.name)
@@ -854,7 +921,6 @@ class _ProcessGroup:
             self.payload_fd = -1
         for wk in self.workers:
             wk.close()
-        os.close(self._wake_w)
         # and no reference cycle through us (the coordinator holds this
         # group, the plan holds the coordinator), so that a pipeline, its net
         # and the batch the net's workspace keeps are freed as soon as they
