@@ -938,3 +938,32 @@ def test_set_num_workers_up_and_down_leaves_nothing_behind_while_running() -> No
             p.lockstep(limit=60)
         wait_until(lambda: resources()[2] == threads and resources()[0] <= fds + 2 and resources()[1] <= maps,
                    timeout=10.0, what=f"back to {(fds, maps, threads)}: now {resources()}")
+
+
+def payload_fds() -> int:
+    """Open descriptors of pickled fetch_funs (datasets) for worker processes."""
+    import os
+
+    count = 0
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            count += "blobfeed-payload" in os.readlink(f"/proc/self/fd/{f}")
+        except OSError:
+            pass
+    return count
+
+
+def test_the_pickled_dataset_is_not_kept_while_the_source_runs(tmp_path: Any) -> None:
+    """The dataset pickled for the worker processes (a memfd: RAM) goes once
+    they started, also with workers added later; a worker process that dies
+    is replaced all the same (the dataset pickled again)."""
+    with Pipeline(Killer(40, at=13, marks=str(tmp_path)), 1, 2, bs=4, epochs=1, shuffle=False,
+                  backend="processes") as p:
+        p.lockstep(limit=1)
+        assert payload_fds() == 0
+        p.gc.set_num_workers(SRC, 3)
+        assert payload_fds() == 0
+        got = p.lockstep()
+        assert payload_fds() == 0
+    assert len(list(tmp_path.iterdir())) == 1, "a worker process was killed"
+    assert batches_of(got[0]) == [tuple(range(s, s + 4)) for s in range(4, 40, 4)]

@@ -207,7 +207,7 @@ class _SlotRing:
 class _Worker:
     """The parent's end of one worker process."""
 
-    def __init__(self, group: "_ProcessGroup", w: WorkerPlan) -> None:
+    def __init__(self, group: "_ProcessGroup", w: WorkerPlan, payload_fd: int) -> None:
         self.plan = w
         self.group = group
         self.name = f"blobfeed-fetch-{group.source}-{w.worker_id}"
@@ -248,7 +248,7 @@ class _Worker:
             name=self.name,
             args=(
                 w.worker_id, info.index, info.num_workers, info.source, info.seed,
-                FdHandle(group.payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
+                FdHandle(payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
                 backend.slot_bytes, FdHandle(free_r), FdHandle(out_w), backend.start_method == "forkserver",
                 group.plan.epochs, group.plan.first_epoch,
                 FdHandle(units_r) if units_r >= 0 else None,
@@ -647,7 +647,7 @@ class _ProcessGroup:
     def __init__(self, backend: ProcessBackend, plan: LaunchPlan, payload: bytes) -> None:
         self.backend = backend
         self.plan = plan
-        self.payload_fd = _payload_fd(payload)
+        payload_fd = _payload_fd(payload)
         self.source = plan.source
         self.ctx = multiprocessing.get_context(backend.start_method)
         #: what each worker process imports first (named if it fails there)
@@ -674,16 +674,15 @@ class _ProcessGroup:
         self.workers: list[_Worker] = []
         try:
             for w in plan.workers:
-                self.workers.append(_Worker(self, w))
+                self.workers.append(_Worker(self, w, payload_fd))
         except BaseException:
             self._abort_start()
             raise
         finally:
-            # every worker has its copy now (or never will): ours goes --
-            # unless a dead worker of a random-access source is replaced
-            if plan.units is None:
-                os.close(self.payload_fd)
-                self.payload_fd = -1
+            # every worker has its copy now (or never will): ours goes (a
+            # replacement of a dead worker gets the dataset pickled again:
+            # it may be big, and is not kept in RAM for the run for that)
+            os.close(payload_fd)
         self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()
@@ -700,7 +699,7 @@ class _ProcessGroup:
         is not replaced (stopping, or its processes keep dying)."""
         wid = dead.plan.worker_id
         with self._replace_lock:
-            if self.stopping or self._joining or self._watch_ended or self.payload_fd < 0 or dead.plan.intake.halted:
+            if self.stopping or self._joining or self._watch_ended or self._released or dead.plan.intake.halted:
                 return False
             deaths = self._deaths[wid] = self._deaths.get(wid, 0) + 1
             if deaths > self.MAX_REPLACEMENTS:
@@ -710,7 +709,11 @@ class _ProcessGroup:
                 "read units it held are read again", self.source, wid, dead.pid, _describe(code),
             )
             try:
-                wk = _Worker(self, dead.plan)
+                payload_fd = _payload_fd(_payload(self.plan.fetch_fun, self.plan.worker_init_fun))
+                try:
+                    wk = _Worker(self, dead.plan, payload_fd)
+                finally:
+                    os.close(payload_fd)
             except Exception:
                 logger.exception("source %r, worker %d: the new worker process did not start", self.source, wid)
                 return False
@@ -765,9 +768,6 @@ class _ProcessGroup:
 
     def _abort_start(self) -> None:
         self.stopping = True
-        if self.payload_fd >= 0 and self.plan.units is not None:
-            os.close(self.payload_fd)
-            self.payload_fd = -1
         for wk in self.workers:
             wk.kill()
             wk.wait_exit(5.0)
@@ -828,10 +828,6 @@ class _ProcessGroup:
             self._returned.put(None)
             self.returner.join()
             self._outstanding.clear()  # batches the user keeps: their slots need no return
-            with self._replace_lock:
-                if self.payload_fd >= 0:
-                    os.close(self.payload_fd)
-                    self.payload_fd = -1
         finally:
             with self._replace_lock:
                 self._watch_ended = True
@@ -916,9 +912,6 @@ class _ProcessGroup:
         """Everything ended: close every descriptor now (not at the next
         garbage collection), so that nothing is left behind after stop()."""
         self._released = True
-        if self.payload_fd >= 0:
-            os.close(self.payload_fd)
-            self.payload_fd = -1
         for wk in self.workers:
             wk.close()
         # and no reference cycle through us (the coordinator holds this
