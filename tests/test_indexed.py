@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from typing import Any, Sequence
@@ -395,7 +396,9 @@ def test_a_dataset_without_len_is_refused() -> None:
 @pytest.mark.parametrize("dataset,match", [
     (Raises(12), r"source 'train': dataset\[5\] raised KeyError\('no such record'\)"),
     (WrongCount(12), r"source 'train': dataset\[5\] has 1 arrays; expected 2, one per blob \['ids', 'x'\]"),
-    (WrongShape(12), r"source 'train': dataset\[5\], blob 'x': shape \(4,\); the samples read before have \(3,\)"),
+    (WrongShape(12), r"source 'train': dataset\[5\] \(read unit 2: indexes \[4, 5\]\), blob 'x': dtype float32, "
+                     r"per-sample shape \(4,\); the samples before it in its read unit have dtype float32, "
+                     r"per-sample shape \(3,\) \(as dataset\[4\]\)"),
 ])
 @pytest.mark.parametrize("backend", ["threads", "processes"])
 def test_a_bad_sample_fails_the_source_naming_source_index_and_blob(dataset: Any, match: str, backend: str) -> None:
@@ -959,11 +962,67 @@ def test_the_pickled_dataset_is_not_kept_while_the_source_runs(tmp_path: Any) ->
     is replaced all the same (the dataset pickled again)."""
     with Pipeline(Killer(40, at=13, marks=str(tmp_path)), 1, 2, bs=4, epochs=1, shuffle=False,
                   backend="processes") as p:
+        # (bounded waits: a replacement being started holds its own for a moment)
         p.lockstep(limit=1)
-        assert payload_fds() == 0
+        wait_until(lambda: payload_fds() == 0, timeout=10.0, what="no pickled dataset held")
         p.gc.set_num_workers(SRC, 3)
-        assert payload_fds() == 0
+        wait_until(lambda: payload_fds() == 0, timeout=10.0, what="no pickled dataset held")
         got = p.lockstep()
-        assert payload_fds() == 0
+        wait_until(lambda: payload_fds() == 0, timeout=10.0, what="no pickled dataset held")
     assert len(list(tmp_path.iterdir())) == 1, "a worker process was killed"
     assert batches_of(got[0]) == [tuple(range(s, s + 4)) for s in range(4, 40, 4)]
+
+
+class Shift(Items):
+    """Blob x has 4 values from index 4 on (3 before); ids are int32 from index 9."""
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        ids, x = super().__getitem__(i)
+        if i >= 9:
+            ids = np.int32(i)
+        return ids, (np.full(4, i, np.float32) if i >= 4 else x)
+
+
+def first_error(dataset: Any, workers: int, backend: str, read_size: int = 2) -> tuple[list[Any], str]:
+    """The batches before the source failed, and the cause of its error."""
+    with Pipeline(dataset, 1, workers, bs=2, epochs=1, shuffle=False, read_size=read_size,
+                  backend=backend) as p:
+        got = []
+        with pytest.raises(FetcherError) as info:
+            while True:
+                got.append(p.next_event(0))
+    cause = info.value.__cause__
+    assert cause is not None, info.value
+    return got, f"{type(cause).__name__}: {cause}"
+
+
+@pytest.mark.parametrize("workers,backend", [(3, "threads"), (3, "processes")])
+def test_a_sample_of_another_shape_fails_the_same_way_whatever_the_workers(workers: int, backend: str) -> None:
+    """The shape each blob's samples must have is the first sample's of the
+    stream (not of whichever unit a worker read first): the error names the
+    index and its read unit's indexes, whatever the worker count."""
+    want = first_error(Shift(40), 1, "threads")
+    assert want[0] == [(0, 1), (2, 3)]
+    assert re.search(r"dataset\[4\] \(read unit 2: indexes \[4, 5\]\), blob 'x': dtype float32, per-sample "
+                     r"shape \(4,\); the stream's samples before it have dtype float32, per-sample shape "
+                     r"\(3,\)", want[1]), want[1]
+    assert first_error(Shift(40), workers, backend) == want
+
+
+def test_a_sample_of_another_dtype_fails_naming_it() -> None:
+    """int64 ids, then an int32 one inside a read unit (np.stack would have
+    made it int64 silently): the source fails naming the index and the unit."""
+    got, cause = first_error(Shift(40), 1, "threads", read_size=10)
+    assert got == []
+    assert re.search(r"dataset\[4\] \(read unit 0: indexes \[0, 1, 2, .*\]\), blob 'x': dtype float32, "
+                     r"per-sample shape \(4,\); .*dataset\[0\]", cause), cause
+    got, cause = first_error(ShiftIds(40), 2, "threads", read_size=5)
+    assert got == [(0, 1), (2, 3)]
+    assert re.search(r"dataset\[9\] \(read unit 1: indexes \[5, 6, 7, 8, 9\]\), blob 'ids': dtype int32, "
+                     r"per-sample shape \(\); .* dtype int64", cause), cause
+
+
+class ShiftIds(Items):
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        ids, x = super().__getitem__(i)
+        return (np.int32(i) if i >= 9 else ids), x

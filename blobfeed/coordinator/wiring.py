@@ -520,13 +520,15 @@ def _random_access_source(
             name, batch_size, axes, capacity, src.fail_in_order, units,
             on_dropped=lambda reason, n: hub.count_dropped(name, reason, n),
             rounds=EqualRounds(dealing.drop_last) if dealing.equal else Direct(),
-            max_bytes=max_bytes, window=spec.window,
+            max_bytes=max_bytes, window=spec.window, reader=reader,
         )
 
     source = InputSource(
         name, capacity, n_blobs, axes, hub, gc._on_failure, dealing=dealing, batch_size=batch_size,
         max_bytes=max_bytes, dealer=dealer,
     )
+    # its chunks' layouts are checked in stream order, by the dealer
+    source.validator.per_chunk_only = True
     #: what a state of it records and checks: (length, seed, shuffle, read size)
     source.random_access = (reader.n, reader.seed, reader.shuffle, units.read_size)  # type: ignore[attr-defined]
     return source

@@ -459,10 +459,8 @@ class UnitReader:
         self.axes = tuple(axes)
         #: where units come from: the dispenser (threads), a pipe (a process)
         self.units: Any = None
-        self._order_epoch = -1
-        self._order: np.ndarray | None = None
-        #: each blob's per-sample shape, from the first sample read
-        self._shapes: list[tuple[int, ...]] | None = None
+        #: (epoch, its order): one tuple, read and replaced at once (threads share it)
+        self._order: tuple[int, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         return f"<the reader of random-access source {self.source!r}: {type(self.dataset).__qualname__} of {self.n}>"
@@ -471,24 +469,26 @@ class UnitReader:
         state = dict(self.__dict__)
         state["units"] = None
         state["_order"] = None
-        state["_order_epoch"] = -1
         return state
 
     def _indexes(self, r: ReadUnit) -> np.ndarray:
         epoch, lo = divmod(r.lo, self.n)
-        if epoch != self._order_epoch:
-            self._order = epoch_order(self.n, self.shuffle, self.seed, epoch)
-            self._order_epoch = epoch
-        assert self._order is not None
-        return self._order[lo:lo + (r.hi - r.lo)]
+        cached = self._order
+        if cached is None or cached[0] != epoch:
+            cached = self._order = (epoch, epoch_order(self.n, self.shuffle, self.seed, epoch))
+        return cached[1][lo:lo + (r.hi - r.lo)]
+
+    def indexes(self, r: ReadUnit) -> list[int]:
+        """The dataset indexes unit ``r`` reads."""
+        return [int(i) for i in self._indexes(r)]
 
     def __call__(self, worker_id: int, batch_size: int) -> Stamped:
         r = self.units.take(worker_id)
         if r is None:
             raise StopIteration
-        idx = [int(i) for i in self._indexes(r)]
+        idx = self.indexes(r)
         samples = self._read(idx)
-        return Stamped(self._stack(idx, samples), r.unit)
+        return Stamped(self._stack(r.unit, idx, samples), r.unit)
 
     def _read(self, idx: list[int]) -> Sequence[Any]:
         ds = self.dataset
@@ -556,17 +556,24 @@ class UnitReader:
             arrays.append(a)
         return arrays
 
-    def _stack(self, idx: list[int], samples: Sequence[Any]) -> list[np.ndarray]:
+    def _stack(self, unit: int, idx: list[int], samples: Sequence[Any]) -> list[np.ndarray]:
+        """The unit's samples stacked per blob.  Every sample must have the
+        dtype and shape of the unit's first one (the dealer checks the
+        units against each other, in stream order: see
+        :func:`layout_mismatch`)."""
         per_blob: list[list[np.ndarray]] = [[] for _ in self.blob_names]
+        first: list[tuple[np.dtype, tuple[int, ...]]] | None = None
         for i, sample in zip(idx, samples):
             arrays = self._blobs(i, sample)
-            if self._shapes is None:
-                self._shapes = [a.shape for a in arrays]
-            for k, (a, want) in enumerate(zip(arrays, self._shapes)):
-                if a.shape != want:
+            if first is None:
+                first = [(a.dtype, a.shape) for a in arrays]
+            for k, (a, (dtype, shape)) in enumerate(zip(arrays, first)):
+                if a.shape != shape or a.dtype != dtype:
                     raise IndexedReadError(
-                        f"source {self.source!r}: dataset[{i}], blob {self.blob_names[k]!r}: shape "
-                        f"{a.shape}; the samples read before have {want}"
+                        f"source {self.source!r}: dataset[{i}] (read unit {unit}: indexes {_short(idx)}), blob "
+                        f"{self.blob_names[k]!r}: dtype {a.dtype}, per-sample shape {a.shape}; the samples "
+                        f"before it in its read unit have dtype {dtype}, per-sample shape {shape} "
+                        f"(as dataset[{idx[0]}])"
                     )
                 per_blob[k].append(a)
         out = []
@@ -584,6 +591,24 @@ class UnitReader:
                     f"{_short(idx)} do not stack: {exc!r}"
                 ) from exc
         return out
+
+
+def layout_mismatch(
+    source: str, blob_names: Sequence[str], layout: Sequence[tuple[np.dtype, tuple[int, ...]]],
+    first: int, arrays: Sequence[np.ndarray], axes: Sequence[int], unit: int, idx: Sequence[int],
+) -> IndexedReadError | None:
+    """Unit ``unit``'s chunk (``arrays``, indexes ``idx``) against the
+    per-sample ``layout`` of the stream's first sample (``dataset[first]``):
+    None when it fits, else the error naming the unit's first index."""
+    for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
+        got = a.shape[:ax] + a.shape[ax + 1:]
+        if got != shape or a.dtype != dtype:
+            return IndexedReadError(
+                f"source {source!r}: dataset[{idx[0]}] (read unit {unit}: indexes {_short(idx)}), blob "
+                f"{blob_names[k]!r}: dtype {a.dtype}, per-sample shape {got}; the stream's samples before it "
+                f"have dtype {dtype}, per-sample shape {shape} (as dataset[{first}])"
+            )
+    return None
 
 
 def _short(idx: Sequence[int]) -> str:

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ..chunks import Chunk, EpochEnd
-from ..indexed import UnitDispenser, merge_ranges
+from ...errors import FetcherError
+from ..indexed import UnitDispenser, layout_mismatch, merge_ranges
 from .base import DropCounter
 from .lanes import LaneDealer, _Failed, default_outbox_samples
 from .positions import Positions
@@ -127,8 +128,15 @@ class IndexedDealer(LaneDealer):
         max_bytes: int | None = None,
         outbox_samples: int | None = None,
         window: int | None = None,
+        reader: Any = None,
     ) -> None:
         self.units = dispenser
+        #: the source's UnitReader (its blob names, a unit's indexes): the
+        #: units' layouts are checked in stream order (None: not checked)
+        self._reader = reader
+        #: the per-sample layout of the stream's first sample, and its index
+        self._layout: tuple[list[tuple[Any, tuple[int, ...]]], int] | None = None
+        self._layout_checked = -1
         #: the dispenser's window (None: by the worker count, at start)
         self.window = window
         if window is not None:
@@ -228,6 +236,41 @@ class IndexedDealer(LaneDealer):
         self._room.notify_all()
 
     # -- the stream --------------------------------------------------------------
+    def _advance(self) -> Any:
+        t = self._unit_turns
+        if self._reader is not None and self._layout_checked != t.next and not self._eof and not t.all_ended():
+            wid = t._head_ok(self._lanes)
+            if wid is not None:
+                self._layout_checked = t.next
+                lane = self._lanes[wid]
+                if type(lane[0]) is Chunk:
+                    bad = self._check_layout(lane[0])
+                    if bad is not None:
+                        lane[0] = _Failed(bad, t.next)
+        return super()._advance()
+
+    def _check_layout(self, chunk: Chunk) -> BaseException | None:
+        """The unit the stream reaches against its first sample's layout
+        (the first unit's fixes it): in stream order, so whatever worker read
+        what, a sample of another dtype or shape fails the same way."""
+        reader = self._reader
+        r = self.units.unit(chunk.state)
+        if r is None:  # pragma: no cover - a unit the stream reaches exists
+            return None
+        idx = reader.indexes(r)
+        if self._layout is None:
+            self._layout = ([(a.dtype, a.shape[:ax] + a.shape[ax + 1:]) for a, ax in zip(chunk.arrays, self.axes)],
+                            idx[0])
+            return None
+        layout, first = self._layout
+        cause = layout_mismatch(self.source, reader.blob_names, layout, first, chunk.arrays, self.axes,
+                                chunk.state, idx)
+        if cause is None:
+            return None
+        err = FetcherError(f"{cause}")
+        err.__cause__ = cause
+        return err
+
     def _position(self, batches: int) -> Any:
         t = self._unit_turns
         return (batches, self.units.position_of(t.next) + self._offset)
