@@ -1026,3 +1026,53 @@ class ShiftIds(Items):
     def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
         ids, x = super().__getitem__(i)
         return (np.int32(i) if i >= 9 else ids), x
+
+
+def test_set_num_workers_starts_workers_outside_the_coordinators_lock_and_a_stop_meanwhile_ends_them(
+    monkeypatch: Any,
+) -> None:
+    """Starting the new workers (pickling the dataset, starting processes)
+    does not hold the coordinator's lock; a stop() while they start ends
+    them too (nothing left running)."""
+    from blobfeed.feeders.processes import ProcessBackend
+
+    entered, go = threading.Event(), threading.Event()
+    launched: list[Any] = []
+    real = ProcessBackend.launch
+
+    def slow_launch(self: Any, plan: Any) -> Any:
+        if [w.worker_id for w in plan.workers] != [0]:  # the added workers
+            entered.set()
+            assert go.wait(WAIT)
+        group = real(self, plan)
+        launched.append(group)
+        return group
+
+    monkeypatch.setattr(ProcessBackend, "launch", slow_launch)
+    errors: list[BaseException] = []
+    with Pipeline(Items(1000), 1, 1, bs=2, epochs=1, shuffle=False, backend="processes") as p:
+        p.lockstep(limit=1)
+
+        def grow() -> None:
+            try:
+                p.gc.set_num_workers(SRC, 3)
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=grow)
+        t.start()
+        assert entered.wait(WAIT)
+        free = p.gc._lock.acquire(timeout=2.0)
+        if free:
+            p.gc._lock.release()
+        stopped = threading.Thread(target=p.gc.stop, kwargs={"timeout": 20.0})
+        stopped.start()
+        stopped.join(1.0)  # the stop goes on while the workers start (it waits, with the lock held, before)
+        go.set()
+        t.join(WAIT)
+        stopped.join(WAIT)
+        assert not t.is_alive() and not stopped.is_alive()
+    assert free, "set_num_workers held the coordinator's lock while its workers started"
+    assert len(launched) == 2
+    assert launched[1].alive() == [], f"left running: {launched[1].alive()}"
+    assert len(errors) == 1 and "stopped" in str(errors[0]), errors

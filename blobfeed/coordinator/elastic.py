@@ -13,6 +13,9 @@ __all__ = ["set_num_workers"]
 
 logger = logging.getLogger("blobfeed.coordinator")
 
+#: how long new workers started while their source stopped may take to end
+STOP_NEW_WORKERS_S = 10.0
+
 
 def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
     """Run random-access source ``name`` on ``num_workers`` workers from now
@@ -25,10 +28,12 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
 
     Raises:
         ValueError: no such source, not a random-access source, not running
-            (before ``start()``, after its end or stop), or ``num_workers``
-            is not an int >= 1.
+            (before ``start()``, after its end or stop, or stopped while
+            the new workers started: they are stopped too), or
+            ``num_workers`` is not an int >= 1.
     """
     num_workers = check_index("num_workers", num_workers)
+    more = None
     with gc._lock:
         source = gc._live_source(name)
         if not source.dealing.random_access:
@@ -45,9 +50,12 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
             ids = gc._allocate(num_workers - len(active))
             source.register_fetchers(len(ids))
             source.add_workers(ids)
-            groups[0].add_workers(ids)
+            more = groups[0].add_workers(ids)
         elif num_workers < len(active):
             units.stop_workers(active[num_workers:])
         if getattr(source.dealer, "window", None) is None:
             units.window = max(8, 4 * num_workers)  # the default window follows the worker count
-        logger.info("source %r: %d workers now (were %d)", name, num_workers, len(active))
+    # started outside the lock (pickling the dataset, starting processes is slow)
+    if more is not None and not groups[0].launch_more(more, STOP_NEW_WORKERS_S):
+        raise ValueError(f"source {name!r} stopped while set_num_workers() started its new workers")
+    logger.info("source %r: %d workers now (were %d)", name, num_workers, len(active))

@@ -388,18 +388,34 @@ class DataInputCoordinator(WorkerCoordinator):
             return []
         return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self._enqueue)]
 
-    def add_workers(self, worker_ids: list[int]) -> None:
-        """Start more workers of a running random-access source (their ids
-        allocated and their lanes wired already)."""
+    def add_workers(self, worker_ids: list[int]) -> LaunchPlan:
+        """The plan of more workers of a running random-access source (their
+        ids allocated and their lanes wired already; under the coordinator's
+        lock): :meth:`launch_more` starts them."""
         fetch_fun = self._fetch_fun
         assert isinstance(fetch_fun, UnitReader)
         first = len(self.worker_ids)
         self.worker_ids.extend(worker_ids)
         workers = self._plans(worker_ids, first)
-        self._more_groups.append(self.backend.launch(LaunchPlan(
+        return LaunchPlan(
             self.name, fetch_fun, self._worker_init_fun, workers,
             self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
-        )))
+        )
+
+    def launch_more(self, plan: LaunchPlan, timeout: float | None) -> bool:
+        """Start the workers of ``plan`` (outside the coordinator's lock: it
+        pickles the dataset and starts processes).  False when this
+        coordinator was stopped meanwhile: they are stopped again (within
+        ``timeout``), since the stop may not have seen them."""
+        group = self.backend.launch(plan)
+        self._more_groups.append(group)  # before the check: a stop after it sees the group
+        if not self._halted:
+            return True
+        group.request_stop()
+        stuck = group.join(None if timeout is None else time.monotonic() + timeout)
+        if stuck:
+            logger.warning("source %r: workers started while it stopped did not end: %s", self.name, stuck)
+        return False
 
     def _plans(self, worker_ids: list[int], first: int = 0) -> list[WorkerPlan]:
         hub = self._hub
