@@ -1076,3 +1076,41 @@ def test_set_num_workers_starts_workers_outside_the_coordinators_lock_and_a_stop
     assert len(launched) == 2
     assert launched[1].alive() == [], f"left running: {launched[1].alive()}"
     assert len(errors) == 1 and "stopped" in str(errors[0]), errors
+
+
+class Wide(Items):
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        return (np.full(256, i, np.float32),)
+
+
+def wide_fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    return [np.zeros((batch_size, 256), np.float32)]
+
+
+def test_a_reader_without_prefetch_gets_the_same_room_ahead_as_with_a_fetch_fun() -> None:
+    """Two readers without prefetch (the service's consumers): reader 0 can
+    read as many batches ahead of reader 1 as with a fetch_fun source (its
+    outbox has FEED_AHEAD_BATCHES more, as LaneDealer.put gives it)."""
+    from blobfeed import DequeueTimeout
+    from blobfeed.coordinator.wiring import init_reader
+
+    def ahead(src: Any) -> int:
+        gc = blobfeed.GlobalCoordinator()
+        r0 = init_reader(["x"], src, 4, 2, coordinator=gc, reader_name="r0", prefetch=False, seed=1,
+                         deterministic=True, epochs=1)
+        gc.add_reader(SRC, "r1")
+        gc.start()
+        n = 0
+        try:
+            while n < 100:
+                r0.read(timeout=1.0)
+                n += 1
+        except DequeueTimeout:
+            pass
+        finally:
+            assert gc.stop(timeout=10.0)
+        return n
+
+    want = ahead(wide_fetch)
+    assert want < 100
+    assert ahead(RandomAccessSource(Wide(10000))) == want

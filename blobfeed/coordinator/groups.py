@@ -431,16 +431,8 @@ class DataInputCoordinator(WorkerCoordinator):
         return workers
 
     def _launch_workers(self) -> WorkerGroup:
-        hub = self._hub
         backend = self.backend
-        workers = []
-        n = len(self.worker_ids)
-        for index, wid in enumerate(self.worker_ids):
-            stats = hub.fetch_stats(self.name, backend.name)
-            self._fetch_stats.append(stats)
-            seed, rng = worker_seeds(self.seed, wid)
-            intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
-            workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
+        workers = self._plans(self.worker_ids)
         fetch_fun = self._fetch_fun
         if isinstance(fetch_fun, UnitReader):
             # a random-access source: the workers take read units, whatever

@@ -26,7 +26,7 @@ from ..chunks import Chunk, EpochEnd
 from ...errors import FetcherError
 from ..indexed import UnitDispenser, layout_mismatch, merge_ranges
 from .base import DropCounter
-from .lanes import LaneDealer, _Failed, default_outbox_samples
+from .lanes import LaneDealer, _Failed
 from .positions import Positions
 from .rounds import Direct
 from .stages import Cut
@@ -150,46 +150,30 @@ class IndexedDealer(LaneDealer):
         self._epoch = self._unit_turns.epoch
 
     # -- workers -----------------------------------------------------------------
-    def put(self, worker_id: int, chunk: Chunk, nbytes: int = 0) -> bool:
-        """As :meth:`LaneDealer.put`, but the lane stays sorted by unit (a
-        worker process that replaced a dead one may read a unit older than
-        what its lane holds), and the unit the stream waits for always
-        enters (its lane may be full of later units)."""
-        unit = chunk.state
+    # hooks of LaneDealer.put: a lane stays sorted by unit (a worker process
+    # that replaced a dead one may read a unit older than what its lane
+    # holds), and the unit the stream waits for always enters (its lane may
+    # be full of later units)
+    def _may_wait(self, worker_id: int, chunk: Chunk) -> bool:
+        """Never wait with the oldest unit the stream waits for, nor while
+        this worker holds it (it reads it next: a unit to read again, taken
+        after later ones)."""
         units = self.units
-        with self._room:
-            lane = self._lanes[worker_id]
-            sizes = self._sizes[worker_id]
-            # never wait with the oldest unit the stream waits for, nor while
-            # this worker holds it (it reads it next: a unit to read again,
-            # taken after later ones)
-            while not self._lanes_closed and unit != units.oldest and units.owner(units.oldest) != worker_id and (
-                len(lane) >= self.lane_capacity
-                or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
-            ):
-                self._room.wait()
-            if self._lanes_closed:
-                return False
-            if self._outbox_sizing and nbytes and chunk.n:
-                self._outbox_sizing = False
-                self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n)
-            # the chunks (and failed reads, see put_error) come first in a
-            # lane, sorted by unit; the other markers after them
-            end = self._sorted_end(lane, len(sizes))
-            i = end
-            while i and lane[i - 1].state > unit:
-                i -= 1
-            lane.insert(i, chunk)
-            # sizes has one entry per chunk: the failed reads before i are not
-            j = i if end == len(sizes) else sum(1 for k in range(i) if type(lane[k]) is Chunk)
-            sizes.insert(j, nbytes)
-            self._lane_bytes[worker_id] += nbytes
-            self._queued_bytes += nbytes
-            self._lane_chunks += 1
-            self._lane_n += chunk.n
-            if i == 0:
-                self._items.notify_all()
-            return True
+        oldest = units.oldest
+        return chunk.state != oldest and units.owner(oldest) != worker_id
+
+    def _insert_at(self, lane: Any, sizes: Any, chunk: Chunk) -> tuple[int, int]:
+        """The chunks (and failed reads, see put_error) come first in a lane,
+        sorted by unit; the other markers after them."""
+        unit = chunk.state
+        end = self._sorted_end(lane, len(sizes))
+        i = end
+        while i and lane[i - 1].state > unit:
+            i -= 1
+        if i == len(lane):
+            return i, len(sizes)
+        # sizes has one entry per chunk: the failed reads before i are not
+        return i, (i if end == len(sizes) else sum(1 for k in range(i) if type(lane[k]) is Chunk))
 
     def _wake_workers(self) -> None:
         """A worker took a unit to read again: if it is the oldest, that
