@@ -690,7 +690,8 @@ class _ProcessGroup:
                 wk.feeder.start()
         self.watcher = self._thread("watch", self._watch)
 
-    #: a worker id whose processes die this many times in a row is not replaced again
+    #: a worker id is replaced at most this many times in a row (its processes
+    #: dying without delivering a unit in between): the next death fails the source
     MAX_REPLACEMENTS = 3
 
     def replace(self, dead: "_Worker", code: int | None) -> bool:
