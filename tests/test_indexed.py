@@ -593,14 +593,16 @@ def test_nothing_left_behind_after_replaced_and_resized_workers(tmp_path: Any) -
     def cycle(i: int) -> None:
         marks = tmp_path / f"marks{i}"
         marks.mkdir()
-        with Pipeline(Killer(30, at=7, marks=str(marks)), 1, 2, bs=3, epochs=1, shuffle=False,
+        # 120 samples: more than the pipeline holds ahead, so the source
+        # still runs at set_num_workers (with 30 it had sometimes read them all)
+        with Pipeline(Killer(120, at=7, marks=str(marks)), 1, 2, bs=3, epochs=1, shuffle=False,
                       backend="processes") as p:
             got = p.lockstep(limit=2)
             p.gc.set_num_workers(SRC, 3)
             got += p.lockstep(limit=2)
             p.gc.set_num_workers(SRC, 1)
             got += p.lockstep()
-        assert [b for events in got for b in batches_of(events)] == [tuple(range(s, s + 3)) for s in range(0, 30, 3)]
+        assert [b for events in got for b in batches_of(events)] == [tuple(range(s, s + 3)) for s in range(0, 120, 3)]
         assert len(list(marks.iterdir())) == 1, "a worker process was killed"
 
     def threads() -> list[str]:
