@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from typing import Any, Sequence
@@ -395,7 +396,9 @@ def test_a_dataset_without_len_is_refused() -> None:
 @pytest.mark.parametrize("dataset,match", [
     (Raises(12), r"source 'train': dataset\[5\] raised KeyError\('no such record'\)"),
     (WrongCount(12), r"source 'train': dataset\[5\] has 1 arrays; expected 2, one per blob \['ids', 'x'\]"),
-    (WrongShape(12), r"source 'train': dataset\[5\], blob 'x': shape \(4,\); the samples read before have \(3,\)"),
+    (WrongShape(12), r"source 'train': dataset\[5\] \(read unit 2: indexes \[4, 5\]\), blob 'x': dtype float32, "
+                     r"per-sample shape \(4,\); the samples before it in its read unit have dtype float32, "
+                     r"per-sample shape \(3,\) \(as dataset\[4\]\)"),
 ])
 @pytest.mark.parametrize("backend", ["threads", "processes"])
 def test_a_bad_sample_fails_the_source_naming_source_index_and_blob(dataset: Any, match: str, backend: str) -> None:
@@ -433,6 +436,12 @@ def test_refused_wirings() -> None:
     init_data_input_workers(Net(), BLOBS, Items(5), 2, coordinator=gc, seed=1)
     with pytest.raises(ValueError, match=r"len\(dataset\)=5; this call passes one with len\(dataset\)=6"):
         init_data_input_workers(Net(), BLOBS, Items(6), 2, coordinator=gc, seed=1)
+    # how it is read too: a later call may not change it silently
+    with pytest.raises(ValueError, match=r"read_size=2; this call passes one with read_size=3"):
+        init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5), read_size=3), 2, coordinator=gc, seed=1)
+    with pytest.raises(ValueError, match=r"window=None; this call passes one with window=4"):
+        init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5), window=4), 2, coordinator=gc, seed=1)
+    init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5), read_size=2), 2, coordinator=gc, seed=1)
     gc.stop(timeout=5.0)
 
 
@@ -585,14 +594,16 @@ def test_nothing_left_behind_after_replaced_and_resized_workers(tmp_path: Any) -
     def cycle(i: int) -> None:
         marks = tmp_path / f"marks{i}"
         marks.mkdir()
-        with Pipeline(Killer(30, at=7, marks=str(marks)), 1, 2, bs=3, epochs=1, shuffle=False,
+        # 120 samples: more than the pipeline holds ahead, so the source
+        # still runs at set_num_workers (with 30 it had sometimes read them all)
+        with Pipeline(Killer(120, at=7, marks=str(marks)), 1, 2, bs=3, epochs=1, shuffle=False,
                       backend="processes") as p:
             got = p.lockstep(limit=2)
             p.gc.set_num_workers(SRC, 3)
             got += p.lockstep(limit=2)
             p.gc.set_num_workers(SRC, 1)
             got += p.lockstep()
-        assert [b for events in got for b in batches_of(events)] == [tuple(range(s, s + 3)) for s in range(0, 30, 3)]
+        assert [b for events in got for b in batches_of(events)] == [tuple(range(s, s + 3)) for s in range(0, 120, 3)]
         assert len(list(marks.iterdir())) == 1, "a worker process was killed"
 
     def threads() -> list[str]:
@@ -724,3 +735,391 @@ def test_a_worker_init_fun_error_fails_the_source_though_its_worker_held_no_unit
         with pytest.raises(FetcherError, match=r"worker 2: starting the worker failed: RuntimeError\('no GPU"):
             for _ in range(400):
                 p.next_event(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. A dead worker's units while the other lanes are full (the review of issue 26)
+# ---------------------------------------------------------------------------------------------
+class HangAtZero(Items):
+    """Reading index 0 the first time writes the reader's pid to ``mark``
+    and sleeps until the test kills it."""
+
+    def __init__(self, n: int, mark: str) -> None:
+        super().__init__(n)
+        self.mark = mark
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        import os
+
+        if i == 0 and not os.path.exists(self.mark):
+            with open(self.mark + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(self.mark + ".tmp", self.mark)
+            time.sleep(120)
+        return super().__getitem__(i)
+
+
+def lane_full(p: Pipeline, wid: int) -> bool:
+    """No further chunk fits in ``wid``'s lane (in chunks or in bytes)."""
+    dealer = p.gc._sources[SRC].dealer
+    with dealer._lock:
+        lane = dealer._lanes[wid]
+        return bool(lane) and (len(lane) >= dealer.lane_capacity
+                               or dealer._lane_bytes[wid] + dealer._lane_bytes[wid] // len(lane) > dealer.lane_bytes)
+
+
+@pytest.mark.parametrize("kw", [{"max_buffered_batches": 2}, {"max_buffered_bytes": 160}])
+def test_a_dead_workers_units_are_read_again_though_the_other_lanes_are_full(tmp_path: Any, kw: dict) -> None:
+    """Worker 0 dies holding unit 0 while worker 1's lane is full of later
+    units: unit 0 is read again (by worker 0's new process) and delivered."""
+    import os
+    import signal
+
+    mark = str(tmp_path / "pid")
+    n = 40
+    with Pipeline(HangAtZero(n, mark), 1, 2, bs=2, epochs=1, shuffle=False, read_size=2, window=5,
+                  backend="processes", **kw) as p:
+        p.start()
+        wait_until(lambda: os.path.exists(mark), timeout=WAIT, what="worker 0 reads index 0")
+        dealer = p.gc._sources[SRC].dealer
+        # worker 1 took the window's units (1-4) and its lane is full: its
+        # receiver waits with one of them
+        wait_until(lambda: dealer.units._next >= 5 and lane_full(p, 1), timeout=WAIT,
+                   what="worker 1's lane full")
+        os.kill(int(open(mark).read()), signal.SIGKILL)
+        got = []
+        while True:
+            try:
+                out = p.nets[0].run(timeout=15.0)
+            except EndOfInput:
+                break
+            got.append(tuple(int(i) for i in out["ids"]))
+    assert got == [(i, i + 1) for i in range(0, n, 2)]
+
+
+def test_an_error_reading_a_unit_taken_again_surfaces_at_its_place_in_the_lane() -> None:
+    """A unit handed back by a dead worker process (here: of a worker id
+    set_num_workers stopped) is read by a worker whose lane already holds
+    later units, and the read raises: the stream fails at that unit, after
+    the units before it, instead of waiting behind the later ones."""
+    from blobfeed.feeders.chunks import Chunk
+    from blobfeed.feeders.dealing.indexed import IndexedDealer
+    from blobfeed.feeders.indexed import UnitDispenser
+
+    failures: list[BaseException] = []
+    units = UnitDispenser(SRC, 20, 2, 1)
+    dealer = IndexedDealer(SRC, 2, [0, 0], 8, failures.append, units, window=10)
+    box = dealer.add_net()
+    dealer.add_lanes([0, 1])
+    dealer.start()
+
+    def chunk(wid: int, u: int) -> Chunk:
+        ids = np.arange(2 * u, 2 * u + 2, dtype=np.int64)
+        return Chunk((ids, np.repeat(ids.astype(np.float32)[:, None], 3, axis=1)), 2, wid, u, state=u)
+
+    a, b = 101, 102  # two worker process incarnations
+    assert units.take(1, 2, a).unit == 0
+    assert [units.take(0, 2, b).unit for _ in range(2)] == [1, 2]
+    for u in (1, 2):
+        assert units.delivered(b, u)
+        assert dealer.put(0, chunk(0, u), 40)
+    units.stop_workers([1])
+    assert units.retire(a) == []  # worker 1's process died holding unit 0: anyone reads it
+    assert units.take(0, 2, b).unit == 0
+    assert units.delivered(b, None)  # reading it raised
+    dealer.put_error(0, FetcherError("unit 0 is corrupt"))
+    with pytest.raises(FetcherError, match="unit 0 is corrupt"):
+        box.get_nowait()  # before: (False, None), the stream waiting for unit 0 for ever
+    assert len(failures) == 1 and "unit 0 is corrupt" in str(failures[0])
+    dealer.close(None)
+
+
+def endless_state(**position: int) -> dict[str, Any]:
+    """A state of an endless source (epochs=None) with ``position`` changed
+    (``told``: the net's told epoch)."""
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None) as p:
+        p.lockstep(limit=2)
+        state = p.state()
+    told = position.pop("told", None)
+    state["position"].update(position)
+    if told is not None:
+        state["nets"][0][2] = told
+    return state
+
+
+def test_a_state_far_past_the_nets_told_epochs_is_refused() -> None:
+    """An untrusted state of an endless source: a net told of epoch 0 at
+    a position in epoch 10**6 would be handed 10**6 epoch ends (memory
+    without bound); it is refused naming the field."""
+    state = endless_state(epoch=10**6, told=0)
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None) as p:
+        with pytest.raises(ValueError, match=r"state\['nets'\]\[0\]\[2\]: .*epoch"):
+            p.gc.load_state_dict(SRC, state)
+
+
+def test_a_state_past_the_positions_a_unit_can_say_is_refused() -> None:
+    """A position past 2**62 samples (an endless source, an untrusted state)
+    is refused naming the field, rather than loaded (a worker process's
+    unit could not be sent: its source hung)."""
+    state = endless_state(epoch=2**62, told=2**62)
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None, backend="processes") as p:
+        with pytest.raises(ValueError, match=r"state\['position'\]\['epoch'\]: .*2\*\*62"):
+            p.gc.load_state_dict(SRC, state)
+    state = endless_state()
+    state["returned"] = [[2**62, 0, 1]]
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=None) as p:
+        with pytest.raises(ValueError, match=r"state\['returned'\]\[0\]\[0\]"):
+            p.gc.load_state_dict(SRC, state)
+
+
+def test_a_unit_the_parent_cannot_send_fails_the_source_naming_the_cause(monkeypatch: Any) -> None:
+    """The thread that sends a worker process its units fails (here: the
+    record cannot be packed): the source fails with the cause, rather than
+    the child ending as done while it owns the unit (a hang)."""
+    import struct
+
+    from blobfeed.feeders import processes
+
+    class Unpackable:
+        size = processes.UNIT_RECORD.size
+
+        def pack(self, *values: int) -> bytes:
+            raise struct.error(f"cannot pack {values}")
+
+    monkeypatch.setattr(processes, "UNIT_RECORD", Unpackable())
+    with Pipeline(Items(10), 1, 1, bs=2, epochs=1, backend="processes") as p:
+        p.start()
+        with pytest.raises(FetcherError, match=r"worker 0.*read unit.*struct.error|cannot pack"):
+            p.nets[0].run(timeout=15.0)
+
+
+class KillEvery(Items):
+    """Reading index i (i % 10 == 7) kills the reader, once per index."""
+
+    def __init__(self, n: int, marks: str) -> None:
+        super().__init__(n)
+        self.marks = marks
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        import os
+        import signal
+
+        if i % 10 == 7:
+            mark = os.path.join(self.marks, str(i))
+            if not os.path.exists(mark):
+                open(mark, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def resources() -> tuple[int, int, list[str]]:
+    """Descriptors, mappings of worker slot areas, blobfeed threads."""
+    import os
+
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for line in f if "blobfeed-fetch" in line)
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("blobfeed-"))
+    return len(os.listdir("/proc/self/fd")), maps, threads
+
+
+def test_replaced_worker_processes_release_what_they_held_while_the_source_runs(tmp_path: Any) -> None:
+    """10 deaths in one run: each dead process's slot area and descriptors
+    go once it and its receiver ended, not at stop()."""
+    with Pipeline(KillEvery(100, str(tmp_path)), 1, 1, bs=5, epochs=1, shuffle=False, read_size=5,
+                  backend="processes") as p:
+        p.lockstep(limit=1)
+        fds, maps, _ = resources()
+        got = p.lockstep()
+        assert len(list(tmp_path.iterdir())) == 10
+        # the last worker process is done (the data ended): at most its own
+        wait_until(lambda: resources()[0] <= fds + 3 and resources()[1] <= maps, timeout=10.0,
+                   what=f"descriptors back to {fds} (+3), mappings to {maps}: now {resources()[:2]}")
+    assert batches_of(got[0]) == [tuple(range(s, s + 5)) for s in range(5, 100, 5)]
+
+
+def test_set_num_workers_up_and_down_leaves_nothing_behind_while_running() -> None:
+    """Workers added then removed, three times: the removed ones' processes,
+    slot areas, descriptors and threads go once they ended, not at stop()."""
+    with Pipeline(Items(100000), 1, 1, bs=4, epochs=1, shuffle=False, backend="processes") as p:
+        p.lockstep(limit=2)
+        fds, maps, threads = resources()
+        for _ in range(3):
+            p.gc.set_num_workers(SRC, 3)
+            p.lockstep(limit=20)
+            p.gc.set_num_workers(SRC, 1)
+            p.lockstep(limit=60)
+        wait_until(lambda: resources()[2] == threads and resources()[0] <= fds + 2 and resources()[1] <= maps,
+                   timeout=10.0, what=f"back to {(fds, maps, threads)}: now {resources()}")
+
+
+def payload_fds() -> int:
+    """Open descriptors of pickled fetch_funs (datasets) for worker processes."""
+    import os
+
+    count = 0
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            count += "blobfeed-payload" in os.readlink(f"/proc/self/fd/{f}")
+        except OSError:
+            pass
+    return count
+
+
+def test_the_pickled_dataset_is_not_kept_while_the_source_runs(tmp_path: Any) -> None:
+    """The dataset pickled for the worker processes (a memfd: RAM) goes once
+    they started, also with workers added later; a worker process that dies
+    is replaced all the same (the dataset pickled again)."""
+    with Pipeline(Killer(40, at=13, marks=str(tmp_path)), 1, 2, bs=4, epochs=1, shuffle=False,
+                  backend="processes") as p:
+        # (bounded waits: a replacement being started holds its own for a moment)
+        p.lockstep(limit=1)
+        wait_until(lambda: payload_fds() == 0, timeout=10.0, what="no pickled dataset held")
+        p.gc.set_num_workers(SRC, 3)
+        wait_until(lambda: payload_fds() == 0, timeout=10.0, what="no pickled dataset held")
+        got = p.lockstep()
+        wait_until(lambda: payload_fds() == 0, timeout=10.0, what="no pickled dataset held")
+    assert len(list(tmp_path.iterdir())) == 1, "a worker process was killed"
+    assert batches_of(got[0]) == [tuple(range(s, s + 4)) for s in range(4, 40, 4)]
+
+
+class Shift(Items):
+    """Blob x has 4 values from index 4 on (3 before); ids are int32 from index 9."""
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        ids, x = super().__getitem__(i)
+        if i >= 9:
+            ids = np.int32(i)
+        return ids, (np.full(4, i, np.float32) if i >= 4 else x)
+
+
+def first_error(dataset: Any, workers: int, backend: str, read_size: int = 2) -> tuple[list[Any], str]:
+    """The batches before the source failed, and the cause of its error."""
+    with Pipeline(dataset, 1, workers, bs=2, epochs=1, shuffle=False, read_size=read_size,
+                  backend=backend) as p:
+        got = []
+        with pytest.raises(FetcherError) as info:
+            while True:
+                got.append(p.next_event(0))
+    cause = info.value.__cause__
+    assert cause is not None, info.value
+    return got, f"{type(cause).__name__}: {cause}"
+
+
+@pytest.mark.parametrize("workers,backend", [(3, "threads"), (3, "processes")])
+def test_a_sample_of_another_shape_fails_the_same_way_whatever_the_workers(workers: int, backend: str) -> None:
+    """The shape each blob's samples must have is the first sample's of the
+    stream (not of whichever unit a worker read first): the error names the
+    index and its read unit's indexes, whatever the worker count."""
+    want = first_error(Shift(40), 1, "threads")
+    assert want[0] == [(0, 1), (2, 3)]
+    assert re.search(r"dataset\[4\] \(read unit 2: indexes \[4, 5\]\), blob 'x': dtype float32, per-sample "
+                     r"shape \(4,\); the stream's samples before it have dtype float32, per-sample shape "
+                     r"\(3,\)", want[1]), want[1]
+    assert first_error(Shift(40), workers, backend) == want
+
+
+def test_a_sample_of_another_dtype_fails_naming_it() -> None:
+    """int64 ids, then an int32 one inside a read unit (np.stack would have
+    made it int64 silently): the source fails naming the index and the unit."""
+    got, cause = first_error(Shift(40), 1, "threads", read_size=10)
+    assert got == []
+    assert re.search(r"dataset\[4\] \(read unit 0: indexes \[0, 1, 2, .*\]\), blob 'x': dtype float32, "
+                     r"per-sample shape \(4,\); .*dataset\[0\]", cause), cause
+    got, cause = first_error(ShiftIds(40), 2, "threads", read_size=5)
+    assert got == [(0, 1), (2, 3)]
+    assert re.search(r"dataset\[9\] \(read unit 1: indexes \[5, 6, 7, 8, 9\]\), blob 'ids': dtype int32, "
+                     r"per-sample shape \(\); .* dtype int64", cause), cause
+
+
+class ShiftIds(Items):
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        ids, x = super().__getitem__(i)
+        return (np.int32(i) if i >= 9 else ids), x
+
+
+def test_set_num_workers_starts_workers_outside_the_coordinators_lock_and_a_stop_meanwhile_ends_them(
+    monkeypatch: Any,
+) -> None:
+    """Starting the new workers (pickling the dataset, starting processes)
+    does not hold the coordinator's lock; a stop() while they start ends
+    them too (nothing left running)."""
+    from blobfeed.feeders.processes import ProcessBackend
+
+    entered, go = threading.Event(), threading.Event()
+    launched: list[Any] = []
+    real = ProcessBackend.launch
+
+    def slow_launch(self: Any, plan: Any) -> Any:
+        if [w.worker_id for w in plan.workers] != [0]:  # the added workers
+            entered.set()
+            assert go.wait(WAIT)
+        group = real(self, plan)
+        launched.append(group)
+        return group
+
+    monkeypatch.setattr(ProcessBackend, "launch", slow_launch)
+    errors: list[BaseException] = []
+    with Pipeline(Items(1000), 1, 1, bs=2, epochs=1, shuffle=False, backend="processes") as p:
+        p.lockstep(limit=1)
+
+        def grow() -> None:
+            try:
+                p.gc.set_num_workers(SRC, 3)
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=grow)
+        t.start()
+        assert entered.wait(WAIT)
+        free = p.gc._lock.acquire(timeout=2.0)
+        if free:
+            p.gc._lock.release()
+        stopped = threading.Thread(target=p.gc.stop, kwargs={"timeout": 20.0})
+        stopped.start()
+        stopped.join(1.0)  # the stop goes on while the workers start (it waits, with the lock held, before)
+        go.set()
+        t.join(WAIT)
+        stopped.join(WAIT)
+        assert not t.is_alive() and not stopped.is_alive()
+    assert free, "set_num_workers held the coordinator's lock while its workers started"
+    assert len(launched) == 2
+    assert launched[1].alive() == [], f"left running: {launched[1].alive()}"
+    assert len(errors) == 1 and "stopped" in str(errors[0]), errors
+
+
+class Wide(Items):
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        return (np.full(256, i, np.float32),)
+
+
+def wide_fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
+    return [np.zeros((batch_size, 256), np.float32)]
+
+
+def test_a_reader_without_prefetch_gets_the_same_room_ahead_as_with_a_fetch_fun() -> None:
+    """Two readers without prefetch (the service's consumers): reader 0 can
+    read as many batches ahead of reader 1 as with a fetch_fun source (its
+    outbox has FEED_AHEAD_BATCHES more, as LaneDealer.put gives it)."""
+    from blobfeed import DequeueTimeout
+    from blobfeed.coordinator.wiring import init_reader
+
+    def ahead(src: Any) -> int:
+        gc = blobfeed.GlobalCoordinator()
+        r0 = init_reader(["x"], src, 4, 2, coordinator=gc, reader_name="r0", prefetch=False, seed=1,
+                         deterministic=True, epochs=1)
+        gc.add_reader(SRC, "r1")
+        gc.start()
+        n = 0
+        try:
+            while n < 100:
+                r0.read(timeout=1.0)
+                n += 1
+        except DequeueTimeout:
+            pass
+        finally:
+            assert gc.stop(timeout=10.0)
+        return n
+
+    want = ahead(wide_fetch)
+    assert want < 100
+    assert ahead(RandomAccessSource(Wide(10000))) == want

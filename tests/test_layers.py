@@ -38,7 +38,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.enqueuer": 5, "blobfeed.feeders.reading": 5.5,
     "blobfeed.feeders.backends": 6,
     "blobfeed.feeders.transport": 6,
-    "blobfeed.feeders.child": 7, "blobfeed.feeders.starting": 7,
+    "blobfeed.feeders.child": 7, "blobfeed.feeders.starting": 7, "blobfeed.feeders.slot_ring": 7,
     "blobfeed.feeders.processes": 8, "blobfeed.feeders.ray_backend": 8, "blobfeed.feeders.ray_pins": 7,
     "blobfeed.feeders": 9,
     "blobfeed.net": 10, "blobfeed.metrics": 10,

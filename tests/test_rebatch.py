@@ -563,7 +563,7 @@ def test_big_spanning_batches_reuse_warm_memory() -> None:
 
 
 def test_a_size_class_pool_reuses_one_buffer_for_chunks_of_different_sizes() -> None:
-    """Chunks copied out of a worker's slots (see _SlotRing.hold) have a
+    """Chunks copied out of a worker's slots (see slot_ring.SlotRing.hold) have a
     varying row count; into fresh pages that copy cost three times the copy
     (W2p: 6-13 % of the batches/s).  The receiver's pool rounds sizes up to
     a power of two, so chunks of 9 to 13 images share warm buffers."""

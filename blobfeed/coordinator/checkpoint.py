@@ -77,6 +77,14 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
 _RA_LAYOUT = ("length", "batch_size", "seed", "shuffle", "equal", "axes")
 #: at most this many ranges of samples left out (a state is a file: bounded)
 MAX_SKIP_ENTRIES = 1 << 20
+#: a net's told epoch (the epoch ends run() reported to it) is at most this
+#: far from the position's epoch (a net is behind the position by at most
+#: about one epoch per net: each is a piece it is handed on load, so an
+#: untrusted state may not ask for more)
+MAX_UNTOLD_EPOCHS = 1 << 16
+#: global positions of a random-access source stay below this (2**62: a
+#: read unit's record says them as signed 64-bit ints, with room to spare)
+MAX_POSITION = 1 << 62
 
 
 def check_random_access_state(name: str, state: dict[str, Any], source: InputSource) -> None:
@@ -104,8 +112,13 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
     if not isinstance(position, dict):
         check.fail(["position"], f"expected a dict, got {position!r}")
     batches = check.integer(check.get(position, ["position", "batches"]), ["position", "batches"], 0)
+    # a global position (epoch * length + offset) travels to a worker
+    # process as a signed 64-bit int: an endless source's epochs are bounded
     epoch = check.integer(check.get(position, ["position", "epoch"]), ["position", "epoch"], 0,
                           None if epochs is None else epochs)
+    if (epoch + 1) * n >= MAX_POSITION:
+        check.fail(["position", "epoch"], f"epoch {epoch} of {n} samples ends past sample 2**62, "
+                   "further than blobfeed counts")
     check.integer(check.get(position, ["position", "offset"]), ["position", "offset"], 0, n + 1)
     for key in ("skip", "returned"):
         entries = check.get(state, [key])
@@ -115,7 +128,10 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
         for i, entry in enumerate(entries):
             if not isinstance(entry, list) or len(entry) != 3:
                 check.fail([key, i], f"expected [epoch, offset, count], got {entry!r}")
-            check.integer(entry[0], [key, i, 0], epoch, None if epochs is None else epochs)
+            e = check.integer(entry[0], [key, i, 0], epoch, None if epochs is None else epochs)
+            if (e + 1) * n >= MAX_POSITION:
+                check.fail([key, i, 0], f"epoch {e} of {n} samples ends past sample 2**62, "
+                           "further than blobfeed counts")
             off = check.integer(entry[1], [key, i, 1], 0, n)
             check.integer(entry[2], [key, i, 2], 1, n - off + 1)
     nets = check.get(state, ["nets"])
@@ -132,7 +148,11 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
         if (nxt - j) % k:
             check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
                        f"batches are dealt to the {k} nets in turn), got {nxt}")
-        check.integer(entry[2], ["nets", j, 2], 0, None if epochs is None else epochs)
+        told = check.integer(entry[2], ["nets", j, 2], 0, None if epochs is None else epochs)
+        if told + MAX_UNTOLD_EPOCHS < epoch or told > epoch + MAX_UNTOLD_EPOCHS:
+            # each epoch end between them is a piece the net is handed on load
+            check.fail(["nets", j, 2], f"expected an epoch within {MAX_UNTOLD_EPOCHS} of the position's "
+                       f"epoch {epoch} (the epoch ends this net was told of), got {told}")
         next_batches.append(nxt)
     low = min(next_batches)
     if not low - k < batches <= low:

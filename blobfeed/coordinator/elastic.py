@@ -20,6 +20,9 @@ __all__ = ["set_num_workers", "num_workers"]
 
 logger = logging.getLogger("blobfeed.coordinator")
 
+#: how long new workers started while their source stopped may take to end
+STOP_NEW_WORKERS_S = 10.0
+
 
 def _groups(gc: Any, name: str) -> list[DataInputCoordinator]:
     return [c for c in gc._known.named(name) if isinstance(c, DataInputCoordinator)]
@@ -78,10 +81,12 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
             count (a fetch_fun source with ``deterministic``,
             ``shuffle_buffer``, ``epochs`` other than 1 or ``equal``); a
             backend that cannot (Ray, for a fetch_fun source); not running
-            (before ``start()``, after its end or stop); or ``num_workers``
-            is not an int >= 1.
+            (before ``start()``, after its end or stop, or stopped while
+            the new workers started: they are stopped too); or
+            ``num_workers`` is not an int >= 1.
     """
     num_workers = check_index("num_workers", num_workers)
+    more = None
     with gc._lock:
         source = gc._live_source(name)
         groups = _groups(gc, name)
@@ -98,7 +103,7 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
                 ids = gc._allocate(num_workers - len(active))
                 source.register_fetchers(len(ids))
                 source.add_workers(ids)
-                groups[0].add_workers(ids, num_workers)
+                more = groups[0].add_workers(ids, num_workers)
             elif num_workers < len(active):
                 units.stop_workers(active[num_workers:])
             if getattr(source.dealer, "window", None) is None:
@@ -110,10 +115,19 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
                 ids = gc._allocate(num_workers - was)
                 source.register_fetchers(len(ids))  # refuses a source that ended meanwhile
                 source.add_workers(ids)
-                groups[0].add_workers(ids, num_workers)
+                more = groups[0].add_workers(ids, num_workers)
             elif num_workers < was:
                 for wid, c in mine[num_workers:]:
                     c.retire_workers([wid])
         source.worker_count = num_workers
+    # started outside the lock (pickling the fetcher or dataset, starting processes is slow)
+    try:
+        started = more is None or groups[0].launch_more(more, STOP_NEW_WORKERS_S)
+    except BaseException:
+        with gc._lock:
+            source.worker_count = was  # they never ran
+        raise
+    if not started:
+        raise ValueError(f"source {name!r} stopped while set_num_workers() started its new workers")
     if num_workers != was:
         logger.info("source %r: %d workers now (were %d)", name, num_workers, was)

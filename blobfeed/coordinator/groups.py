@@ -396,36 +396,53 @@ class DataInputCoordinator(WorkerCoordinator):
             return []
         return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self._enqueue)]
 
-    def add_workers(self, worker_ids: list[int], num_workers: int | None = None) -> None:
-        """Start more workers of a running random-access source, or of a
-        fetch_fun source in arrival order (their ids allocated, registered
-        with the source and their lanes wired already); ``num_workers``:
-        the source's worker count from now on (their WorkerInfo's)."""
+    def add_workers(self, worker_ids: list[int], num_workers: int | None = None) -> LaunchPlan:
+        """The plan of more workers of a running random-access source, or of
+        a fetch_fun source in arrival order (their ids allocated, registered
+        with the source and their lanes wired already; under the
+        coordinator's lock); ``num_workers``: the source's worker count from
+        now on (their WorkerInfo's).  :meth:`launch_more` starts them."""
         first = len(self.worker_ids)
         self.worker_ids.extend(worker_ids)
         workers = self._plans(worker_ids, first, num_workers)
         fetch_fun = self._launched
         if isinstance(fetch_fun, UnitReader):
-            plan = LaunchPlan(
+            return LaunchPlan(
                 self.name, fetch_fun, self._worker_init_fun, workers,
                 self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
             )
-        else:
-            plan = LaunchPlan(
-                self.name, fetch_fun, self._worker_init_fun, workers,
-                self._batch_size_hint, self._gc._thread_ended,
-                epochs=self.source.epochs, first_epoch=self.source.dealer.epoch, elastic=self.elastic,
-            )
+        return LaunchPlan(
+            self.name, fetch_fun, self._worker_init_fun, workers,
+            self._batch_size_hint, self._gc._thread_ended,
+            epochs=self.source.epochs, first_epoch=self.source.dealer.epoch, elastic=self.elastic,
+        )
+
+    def launch_more(self, plan: LaunchPlan, timeout: float | None) -> bool:
+        """Start the workers of ``plan`` (outside the coordinator's lock: it
+        pickles the fetcher or dataset and starts processes).  False when
+        this coordinator was stopped meanwhile: they are stopped again
+        (within ``timeout``), since the stop may not have seen them.
+
+        Raises:
+            Exception: what the backend raised; the workers never ran and
+                the source does not wait for their end.
+        """
         try:
             group = self.backend.launch(plan)
         except BaseException:
-            # they never ran: the source does not wait for their end
-            for w in workers:
+            for w in plan.workers:
                 self.source.fetcher_started()
                 w.intake.retired = True
                 w.intake.finished(False)
             raise
-        self._more_groups.append(group)
+        self._more_groups.append(group)  # before the check: a stop after it sees the group
+        if not self._halted:
+            return True
+        group.request_stop()
+        stuck = group.join(None if timeout is None else time.monotonic() + timeout)
+        if stuck:
+            logger.warning("source %r: workers started while it stopped did not end: %s", self.name, stuck)
+        return False
 
     def retire_workers(self, worker_ids: list[int]) -> None:
         """Make the workers ``worker_ids`` of this group (a running fetch_fun

@@ -564,27 +564,34 @@ def _random_access_source(
             name, batch_size, axes, capacity, src.fail_in_order, units,
             on_dropped=lambda reason, n: hub.count_dropped(name, reason, n),
             rounds=EqualRounds(dealing.drop_last) if dealing.equal else Direct(),
-            max_bytes=max_bytes, window=spec.window,
+            max_bytes=max_bytes, window=spec.window, reader=reader,
         )
 
     source = InputSource(
         name, capacity, n_blobs, axes, hub, gc._on_failure, dealing=dealing, batch_size=batch_size,
         max_bytes=max_bytes, dealer=dealer,
     )
+    # its chunks' layouts are checked in stream order, by the dealer
+    source.validator.per_chunk_only = True
     #: what a state of it records and checks: (length, seed, shuffle, read size)
     source.random_access = (reader.n, reader.seed, reader.shuffle, units.read_size)  # type: ignore[attr-defined]
     return source
 
 
 def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec: RandomAccessSource) -> None:
-    """Refuse a later call for a random-access source that reads other data."""
-    n, seed, shuffle, _ = source.random_access  # type: ignore[attr-defined]
+    """Refuse a later call for a random-access source that reads other data,
+    or reads it otherwise (another read size or window)."""
+    n, seed, shuffle, read_size = source.random_access  # type: ignore[attr-defined]
+    dealer = source.dealer
     for what, had, asked in (("len(dataset)", n, reader.n), ("shuffle", shuffle, reader.shuffle),
-                             ("seed", seed, reader.seed)):
+                             ("seed", seed, reader.seed),
+                             ("read_size", read_size, spec.read_size or dealer.batch_size),
+                             ("window", dealer.window, spec.window)):  # type: ignore[attr-defined]
         if had != asked:
             raise ValueError(
                 f"source {name!r} reads a random-access dataset with {what}={had!r}; this call "
-                f"passes one with {what}={asked!r}: every call for one source reads the same data"
+                f"passes one with {what}={asked!r}: every call for one source reads the same data, "
+                "the same way"
             )
 
 

@@ -212,6 +212,9 @@ class ChunkValidator:
         self.axes = tuple(axes)
         self._expected: tuple[tuple[np.dtype, tuple[int, ...]], ...] | None = None
         self._lock = threading.Lock()
+        #: the chunks are not checked against each other here (a random-access
+        #: source's dealer does it in stream order, not in arrival order)
+        self.per_chunk_only = False
 
     def check(
         self,
@@ -276,6 +279,8 @@ class ChunkValidator:
             return "empty"
         if model_checks:
             check_model_inputs(Chunk(tuple(arrays), n, worker_id), model_checks, self.axes, where)
+        if self.per_chunk_only:
+            return Chunk(tuple(arrays), n, worker_id, seq, pin)
         expected = self._expected
         if expected is None:
             with self._lock:

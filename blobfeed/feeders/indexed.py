@@ -172,6 +172,9 @@ class UnitDispenser:
         self.skip: list[tuple[int, int]] = []
         self._reset()
         self.closed = False
+        #: called (outside the lock) when a worker took a unit to read again:
+        #: the dealer lets it in past a full lane when it is the oldest
+        self.on_redo_taken: Callable[[], None] | None = None
 
     def _reset(self) -> None:
         #: units made so far (unit -> ReadUnit), until consumed
@@ -189,12 +192,21 @@ class UnitDispenser:
         self._held: dict[int, list[int]] = {}
         #: holders whose process died: they take nothing more
         self._retired: set[int] = set()
-        #: units to read again (their reader died), smallest first
+        #: holder -> the worker id it reads for
+        self._wid_of: dict[int, int] = {}
+        #: units to read again (their reader died), smallest first: per
+        #: worker id, for the process that replaces the dead one (its lane
+        #: holds only units its incarnations read, in order) ...
+        self._redo_of: dict[int, list[int]] = {}
+        #: ... and those of worker ids that are stopped or not replaced, for
+        #: any worker
         self._redo: list[int] = []
         #: unit -> how many readers of it died
         self._tries: dict[int, int] = {}
         #: workers told to take no more units (set_num_workers)
         self._stopped: set[int] = set()
+        #: worker id -> the unit whose read failed in its process (delivered(holder, None))
+        self._failed: dict[int, int] = {}
 
     def restart(self, start: int, skip: Sequence[tuple[int, int]]) -> None:
         """A resume: the stream starts at global position ``start`` and leaves
@@ -259,23 +271,31 @@ class UnitDispenser:
 
     def take(self, worker_id: int, ahead: int | None = None, holder: int | None = None) -> ReadUnit | None:
         """The next unit for ``worker_id``: a unit to read again first (its
-        reader died), else the next one of the stream, waiting while that
-        would be more than ``window`` units past the oldest one the stream
-        waits for.  ``holder`` (a worker process's incarnation) is told of
-        each unit it takes, until :meth:`delivered`; with ``ahead``, it waits
-        while it holds that many.  None: the data ended, the source stopped,
-        or the holder was retired."""
+        reader died: one of this worker id's own, else one of a worker id
+        that is stopped or not replaced), else the next one of the stream,
+        waiting while that would be more than ``window`` units past the
+        oldest one the stream waits for.  ``holder`` (a worker process's
+        incarnation) is told of each unit it takes, until :meth:`delivered`;
+        with ``ahead``, it waits while it holds that many.  None: the data
+        ended, the source stopped, or the holder was retired."""
         with self._cond:
             held = self._held.setdefault(holder, []) if holder is not None else None
+            if holder is not None and holder not in self._retired:
+                self._wid_of[holder] = worker_id
+            own = self._redo_of.get(worker_id)
             while not self.closed and holder not in self._retired and worker_id not in self._stopped and (
-                (not self._redo and self._next >= self.oldest + self.window)
+                (not self._redo and not own and self._next >= self.oldest + self.window)
                 or (ahead is not None and held is not None and len(held) >= ahead)
             ):
                 self._cond.wait()
+                own = self._redo_of.get(worker_id)
             if self.closed or holder in self._retired or worker_id in self._stopped:
                 return None
             r: ReadUnit | None
-            if self._redo:
+            again = bool(own or self._redo)
+            if own:
+                r = self._units[heapq.heappop(own)]
+            elif self._redo:
                 r = self._units[heapq.heappop(self._redo)]
             else:
                 r = self._unit(self._next)
@@ -285,7 +305,9 @@ class UnitDispenser:
             self._owner[r.unit] = worker_id
             if held is not None:
                 held.append(r.unit)
-            return r
+        if again and self.on_redo_taken is not None:
+            self.on_redo_taken()
+        return r
 
     def active(self, worker_ids: Sequence[int]) -> list[int]:
         """Of ``worker_ids``, those not told to stop (:meth:`stop_workers`)."""
@@ -297,7 +319,20 @@ class UnitDispenser:
         what they hold): the source runs on fewer workers."""
         with self._cond:
             self._stopped.update(worker_ids)
+            for w in worker_ids:
+                self._release(w)
             self._cond.notify_all()
+
+    def release(self, worker_id: int) -> None:
+        """``worker_id``'s dead process is not replaced: the units it held
+        are read again by whichever worker asks first."""
+        with self._cond:
+            self._release(worker_id)
+            self._cond.notify_all()
+
+    def _release(self, worker_id: int) -> None:
+        for u in self._redo_of.pop(worker_id, []):
+            heapq.heappush(self._redo, u)
 
     def delivered(self, holder: int, unit: int | None) -> bool:
         """A worker process delivered ``unit`` (None: it failed on the oldest
@@ -308,7 +343,10 @@ class UnitDispenser:
             if not held:
                 return False
             if unit is None:
-                held.pop(0)
+                u = held.pop(0)
+                wid = self._owner.get(u)
+                if wid is not None:
+                    self._failed[wid] = u
             elif unit in held:
                 held.remove(unit)
             else:
@@ -316,22 +354,38 @@ class UnitDispenser:
             self._cond.notify_all()
             return True
 
+    def failed_unit(self, worker_id: int, read: Sequence[int]) -> int | None:
+        """The unit whose read failed in ``worker_id``: the one its process
+        said, else the oldest it holds that is not in ``read`` (a thread
+        reads one unit at a time); None when it holds none."""
+        with self._cond:
+            u = self._failed.pop(worker_id, None)
+            if u is not None:
+                return u
+            done = set(read)
+            mine = [v for v, w in self._owner.items() if w == worker_id and v not in done]
+            return min(mine) if mine else None
+
     def retired(self, holder: int) -> bool:
         """Was ``holder`` retired (its process died)?"""
         with self._cond:
             return holder in self._retired
 
     def retire(self, holder: int) -> list[tuple[int, int]]:
-        """A worker process died: the units it held are read again by
-        whoever asks next.  Returns those of them whose readers died
+        """A worker process died: the units it held are read again, by the
+        process that replaces it (the same worker id), or by whoever asks
+        first when that worker id is stopped (or, see :meth:`release`, not
+        replaced).  Returns those of them whose readers died
         :data:`MAX_TRIES` times, ``(unit, tries)`` (the source must fail)."""
         with self._cond:
             self._retired.add(holder)
+            wid = self._wid_of.pop(holder, None)
+            redo = self._redo if wid is None or wid in self._stopped else self._redo_of.setdefault(wid, [])
             poison = []
             for u in self._held.pop(holder, []):
                 tries = self._tries[u] = self._tries.get(u, 0) + 1
                 self._owner.pop(u, None)
-                heapq.heappush(self._redo, u)
+                heapq.heappush(redo, u)
                 if tries >= MAX_TRIES:
                     poison.append((u, tries))
             self._cond.notify_all()
@@ -405,10 +459,8 @@ class UnitReader:
         self.axes = tuple(axes)
         #: where units come from: the dispenser (threads), a pipe (a process)
         self.units: Any = None
-        self._order_epoch = -1
-        self._order: np.ndarray | None = None
-        #: each blob's per-sample shape, from the first sample read
-        self._shapes: list[tuple[int, ...]] | None = None
+        #: (epoch, its order): one tuple, read and replaced at once (threads share it)
+        self._order: tuple[int, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         return f"<the reader of random-access source {self.source!r}: {type(self.dataset).__qualname__} of {self.n}>"
@@ -417,24 +469,26 @@ class UnitReader:
         state = dict(self.__dict__)
         state["units"] = None
         state["_order"] = None
-        state["_order_epoch"] = -1
         return state
 
     def _indexes(self, r: ReadUnit) -> np.ndarray:
         epoch, lo = divmod(r.lo, self.n)
-        if epoch != self._order_epoch:
-            self._order = epoch_order(self.n, self.shuffle, self.seed, epoch)
-            self._order_epoch = epoch
-        assert self._order is not None
-        return self._order[lo:lo + (r.hi - r.lo)]
+        cached = self._order
+        if cached is None or cached[0] != epoch:
+            cached = self._order = (epoch, epoch_order(self.n, self.shuffle, self.seed, epoch))
+        return cached[1][lo:lo + (r.hi - r.lo)]
+
+    def indexes(self, r: ReadUnit) -> list[int]:
+        """The dataset indexes unit ``r`` reads."""
+        return [int(i) for i in self._indexes(r)]
 
     def __call__(self, worker_id: int, batch_size: int) -> Stamped:
         r = self.units.take(worker_id)
         if r is None:
             raise StopIteration
-        idx = [int(i) for i in self._indexes(r)]
+        idx = self.indexes(r)
         samples = self._read(idx)
-        return Stamped(self._stack(idx, samples), r.unit)
+        return Stamped(self._stack(r.unit, idx, samples), r.unit)
 
     def _read(self, idx: list[int]) -> Sequence[Any]:
         ds = self.dataset
@@ -502,17 +556,24 @@ class UnitReader:
             arrays.append(a)
         return arrays
 
-    def _stack(self, idx: list[int], samples: Sequence[Any]) -> list[np.ndarray]:
+    def _stack(self, unit: int, idx: list[int], samples: Sequence[Any]) -> list[np.ndarray]:
+        """The unit's samples stacked per blob.  Every sample must have the
+        dtype and shape of the unit's first one (the dealer checks the
+        units against each other, in stream order: see
+        :func:`layout_mismatch`)."""
         per_blob: list[list[np.ndarray]] = [[] for _ in self.blob_names]
+        first: list[tuple[np.dtype, tuple[int, ...]]] | None = None
         for i, sample in zip(idx, samples):
             arrays = self._blobs(i, sample)
-            if self._shapes is None:
-                self._shapes = [a.shape for a in arrays]
-            for k, (a, want) in enumerate(zip(arrays, self._shapes)):
-                if a.shape != want:
+            if first is None:
+                first = [(a.dtype, a.shape) for a in arrays]
+            for k, (a, (dtype, shape)) in enumerate(zip(arrays, first)):
+                if a.shape != shape or a.dtype != dtype:
                     raise IndexedReadError(
-                        f"source {self.source!r}: dataset[{i}], blob {self.blob_names[k]!r}: shape "
-                        f"{a.shape}; the samples read before have {want}"
+                        f"source {self.source!r}: dataset[{i}] (read unit {unit}: indexes {_short(idx)}), blob "
+                        f"{self.blob_names[k]!r}: dtype {a.dtype}, per-sample shape {a.shape}; the samples "
+                        f"before it in its read unit have dtype {dtype}, per-sample shape {shape} "
+                        f"(as dataset[{idx[0]}])"
                     )
                 per_blob[k].append(a)
         out = []
@@ -530,6 +591,24 @@ class UnitReader:
                     f"{_short(idx)} do not stack: {exc!r}"
                 ) from exc
         return out
+
+
+def layout_mismatch(
+    source: str, blob_names: Sequence[str], layout: Sequence[tuple[np.dtype, tuple[int, ...]]],
+    first: int, arrays: Sequence[np.ndarray], axes: Sequence[int], unit: int, idx: Sequence[int],
+) -> IndexedReadError | None:
+    """Unit ``unit``'s chunk (``arrays``, indexes ``idx``) against the
+    per-sample ``layout`` of the stream's first sample (``dataset[first]``):
+    None when it fits, else the error naming the unit's first index."""
+    for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
+        got = a.shape[:ax] + a.shape[ax + 1:]
+        if got != shape or a.dtype != dtype:
+            return IndexedReadError(
+                f"source {source!r}: dataset[{idx[0]}] (read unit {unit}: indexes {_short(idx)}), blob "
+                f"{blob_names[k]!r}: dtype {a.dtype}, per-sample shape {got}; the stream's samples before it "
+                f"have dtype {dtype}, per-sample shape {shape} (as dataset[{first}])"
+            )
+    return None
 
 
 def _short(idx: Sequence[int]) -> str:

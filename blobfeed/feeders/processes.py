@@ -46,7 +46,8 @@ from .indexed import HOLDERS, UNIT_RECORD
 from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
-from .transport import SLOT_INDEX, FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
+from .slot_ring import SlotRing as _SlotRing
+from .transport import FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
 from .worker_loop import deliver
 
 __all__ = ["ProcessBackend"]
@@ -111,105 +112,10 @@ class ProcessBackend:
         return f"ProcessBackend(slots={self.slots}, slot_bytes={self.slot_bytes}, start_method={self.start_method!r})"
 
 
-class _SlotRing:
-    """The parent's side of one worker's slots: which ones batches view, and
-    the pipe that gives free ones back to the child.
-
-    It refers to nothing else on purpose: the finalizer of every chunk that
-    views a slot holds it, and a finalizer keeps what it holds alive.  Were
-    it the worker (and through it the coordinator, the net and the net's
-    workspace, which keeps the last batch), the batch would keep itself
-    alive forever, with its mapping, descriptors and net.
-    """
-
-    __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed", "_held")
-
-    def __init__(self, slots: int, free_w: int) -> None:
-        self.slots = slots
-        self._free_w = free_w
-        self._lock = threading.Lock()
-        self._closed = False
-        #: slots some batch was handed out as a view of, until they are free again
-        self._viewed: set[int] = set()
-        #: slots the child announced and that are not free again yet
-        self._held = 0
-
-    def hold(self, small: bool) -> bool:
-        """Count a slot the child just announced; ``small``: its chunk holds
-        fewer samples than a batch.  Returns True when the chunk must be
-        copied out at once and the slot given back:
-
-        * it took the child's last free slot and is smaller than a batch: a
-          batch may need more such chunks than there are slots, and would
-          wait for the child while the child waits for a slot;
-        * every other slot is viewed by batches (which the user may keep for
-          ever: only with two slots, see :meth:`grant_view`): the rest of a
-          chunk waiting in this one for the next chunk would hold the last
-          circulating slot.
-        """
-        with self._lock:
-            self._held += 1
-            return (small and self._held >= self.slots) or len(self._viewed) >= self.slots - 1
-
-    def grant_view(self, slot: int) -> bool:
-        """May a batch be handed out as a view of ``slot``?  (The re-batcher
-        asks, for a batch that lies inside one chunk.)
-
-        A batch the user keeps holds its slot for as long as it lives, so at
-        most ``slots - max(2, slots // 4)`` slots may be viewed by batches at
-        once: the others keep circulating, and the worker never waits for a
-        batch somebody keeps.  Past that bound a batch is copied out of its
-        chunk instead.  Chunks that are merely queued or being re-batched do
-        not count: blobfeed lets go of them by itself.
-
-        With two slots (the minimum) one may be viewed, but only while the
-        other is free: whatever arrives in it while the view lives is then
-        copied out at once (:meth:`hold`), so it keeps circulating whatever
-        the user keeps.
-        """
-        with self._lock:
-            viewed = self._viewed
-            if slot in viewed:
-                return True
-            # two stay unviewed: a batch straddling two chunks needs both
-            bound = self.slots - max(2, self.slots // 4)
-            if len(viewed) >= bound and not (self.slots == 2 and not viewed and self._held == 1):
-                return False
-            viewed.add(slot)
-            return True
-
-    def release(self, slot: int) -> None:
-        """Give ``slot`` back to the child: nothing views it any more (on the
-        group's returner thread).  Never blocks."""
-        with self._lock:
-            self._viewed.discard(slot)
-            self._held -= 1
-            self._send(slot)
-
-    def stop(self) -> None:
-        """Tell the child to stop (it may be waiting for a free slot)."""
-        with self._lock:
-            self._send(-1)
-
-    def _send(self, index: int) -> None:
-        if self._closed:
-            return
-        try:
-            os.write(self._free_w, SLOT_INDEX.pack(index))
-        except OSError:
-            pass  # the child is gone (or the pipe is full: it is not reading)
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                os.close(self._free_w)
-
-
 class _Worker:
     """The parent's end of one worker process."""
 
-    def __init__(self, group: "_ProcessGroup", w: WorkerPlan) -> None:
+    def __init__(self, group: "_ProcessGroup", w: WorkerPlan, payload_fd: int) -> None:
         self.plan = w
         self.group = group
         self.name = f"blobfeed-fetch-{group.source}-{w.worker_id}"
@@ -225,6 +131,8 @@ class _Worker:
         #: the child said "done" (StopIteration): its exit is not a death
         self.done = False
         self._death_reported = False
+        #: set once its death was reported (and it was replaced, or not)
+        self.death_handled = threading.Event()
         # multiprocessing.Process is not thread-safe: two threads polling
         # one forkserver child race to read its exit status (the loser sees
         # EOF and makes it 255).  Every poll, kill and close goes through here.
@@ -248,7 +156,7 @@ class _Worker:
             name=self.name,
             args=(
                 w.worker_id, info.index, info.num_workers, info.source, info.seed,
-                FdHandle(group.payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
+                FdHandle(payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
                 backend.slot_bytes, FdHandle(free_r), FdHandle(out_w), backend.start_method == "forkserver",
                 group.plan.epochs, group.plan.first_epoch,
                 FdHandle(units_r) if units_r >= 0 else None,
@@ -303,6 +211,7 @@ class _Worker:
         units = self.units
         wid = self.plan.worker_id
         fd = self.units_w
+        r = None
         try:
             while True:
                 r = units.take(wid, self.UNITS_AHEAD, self.holder)
@@ -311,6 +220,17 @@ class _Worker:
                 os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
         except OSError:
             pass  # the child is gone: its receiver says why
+        except Exception as exc:
+            # the child would end as done while it holds the unit: the
+            # stream would wait for it for ever.  The source fails instead.
+            logger.exception("source %r, worker %d: sending read unit %s failed", self.group.source, wid, r)
+            failure = FetcherError(
+                f"source {self.group.source!r}, worker {wid}: blobfeed could not send read unit "
+                f"{r.unit if r is not None else '?'} (positions {r.lo if r is not None else '?'} to "
+                f"{r.hi if r is not None else '?'}) to its worker process: {exc!r}"
+            )
+            failure.__cause__ = exc
+            self.plan.intake.source.fail(failure)
         finally:
             os.close(fd)
 
@@ -465,6 +385,12 @@ class _Worker:
             if self.done or self._death_reported or self.group.stopping:
                 return
             self._death_reported = True
+        try:
+            self._report_death()
+        finally:
+            self.death_handled.set()
+
+    def _report_death(self) -> None:
         code = self.exitcode
         if self.units is not None and self.area.started() and code is not None and code != 0:
             # a random-access source's worker: the units it held are read
@@ -481,6 +407,7 @@ class _Worker:
             if self.group.replace(self, code):
                 intake.stats.deaths[intake.backend] += 1  # counted as any death (died() counts its own)
                 return
+            self.units.release(self.plan.worker_id)  # not replaced: any worker reads them
         code = self.exitcode
         if self.area.started() or code is None or code < 0:
             self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}")
@@ -628,7 +555,7 @@ class _ProcessGroup:
     def __init__(self, backend: ProcessBackend, plan: LaunchPlan, payload: bytes) -> None:
         self.backend = backend
         self.plan = plan
-        self.payload_fd = _payload_fd(payload)
+        payload_fd = _payload_fd(payload)
         self.source = plan.source
         self.ctx = multiprocessing.get_context(backend.start_method)
         #: what each worker process imports first (named if it fails there)
@@ -645,6 +572,9 @@ class _ProcessGroup:
         self._deaths: dict[int, int] = {}
         self._released = False
         self._wake_r, self._wake_w = os.pipe()
+        #: the watcher ended: every process ended and none can be replaced
+        #: any more; the wake pipe is closed (under _replace_lock)
+        self._watch_ended = False
         #: weak references to the chunks viewing slots, by id, with their
         #: slots; their callback puts them on `_returned`
         self._outstanding: dict[int, tuple[weakref.ref[np.ndarray], _SlotRing, int]] = {}
@@ -652,16 +582,15 @@ class _ProcessGroup:
         self.workers: list[_Worker] = []
         try:
             for w in plan.workers:
-                self.workers.append(_Worker(self, w))
+                self.workers.append(_Worker(self, w, payload_fd))
         except BaseException:
             self._abort_start()
             raise
         finally:
-            # every worker has its copy now (or never will): ours goes --
-            # unless a dead worker of a random-access source is replaced
-            if plan.units is None:
-                os.close(self.payload_fd)
-                self.payload_fd = -1
+            # every worker has its copy now (or never will): ours goes (a
+            # replacement of a dead worker gets the dataset pickled again:
+            # it may be big, and is not kept in RAM for the run for that)
+            os.close(payload_fd)
         self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()
@@ -669,7 +598,8 @@ class _ProcessGroup:
                 wk.feeder.start()
         self.watcher = self._thread("watch", self._watch)
 
-    #: a worker id whose processes die this many times in a row is not replaced again
+    #: a worker id is replaced at most this many times in a row (its processes
+    #: dying without delivering a unit in between): the next death fails the source
     MAX_REPLACEMENTS = 3
 
     def replace(self, dead: "_Worker", code: int | None) -> bool:
@@ -678,7 +608,7 @@ class _ProcessGroup:
         is not replaced (stopping, or its processes keep dying)."""
         wid = dead.plan.worker_id
         with self._replace_lock:
-            if self.stopping or self._joining or self.payload_fd < 0 or dead.plan.intake.halted:
+            if self.stopping or self._joining or self._watch_ended or self._released or dead.plan.intake.halted:
                 return False
             deaths = self._deaths[wid] = self._deaths.get(wid, 0) + 1
             if deaths > self.MAX_REPLACEMENTS:
@@ -688,20 +618,31 @@ class _ProcessGroup:
                 "read units it held are read again", self.source, wid, dead.pid, _describe(code),
             )
             try:
-                wk = _Worker(self, dead.plan)
+                payload_fd = _payload_fd(_payload(self.plan.fetch_fun, self.plan.worker_init_fun))
+                try:
+                    wk = _Worker(self, dead.plan, payload_fd)
+                finally:
+                    os.close(payload_fd)
             except Exception:
                 logger.exception("source %r, worker %d: the new worker process did not start", self.source, wid)
                 return False
-            self.workers.append(wk)
+            self.workers = self.workers + [wk]  # a new list: others iterate the old one
             self._new_workers.append(wk)
             wk.thread.start()
             if wk.feeder is not None:
                 wk.feeder.start()
-        try:
-            os.write(self._wake_w, b"a")  # the watcher watches it too
-        except OSError:
-            pass
+        self._wake(b"a")  # the watcher watches it too
         return True
+
+    def _wake(self, what: bytes) -> None:
+        """A byte to the watcher, unless it ended (its pipe is closed then)."""
+        with self._replace_lock:
+            if self._watch_ended:
+                return
+            try:
+                os.write(self._wake_w, what)
+            except OSError:
+                pass
 
     def _thread(self, role: str, body: Callable[[], None]) -> threading.Thread:
         """Start one of the group's own daemon threads, ``blobfeed-<role>-<source>``."""
@@ -736,9 +677,6 @@ class _ProcessGroup:
 
     def _abort_start(self) -> None:
         self.stopping = True
-        if self.payload_fd >= 0 and self.plan.units is not None:
-            os.close(self.payload_fd)
-            self.payload_fd = -1
         for wk in self.workers:
             wk.kill()
             wk.wait_exit(5.0)
@@ -746,19 +684,35 @@ class _ProcessGroup:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
+    #: how often the watcher looks whether an ended worker's threads ended
+    #: too (then it releases what that worker holds)
+    REAP_POLL_S = 0.2
+
     def _watch(self) -> None:
-        """Wait on every child's sentinel at once: a death is seen at once."""
+        """Wait on every child's sentinel at once: a death is seen at once.
+        A worker whose process and threads ended is closed and dropped (a
+        replaced one, a removed one: its slot area and descriptors go now,
+        not at stop()); once every process ended and none can be replaced,
+        the watcher waits for their threads, ends the returner and ends."""
         waiting = {wk.sentinel: wk for wk in self.workers}
+        ended: list[_Worker] = []
         try:
-            while waiting or self.plan is not None and self.plan.units is not None and not self._joining:
-                ready = multiprocessing.connection.wait([*waiting, self._wake_r])
+            while True:
+                with self._replace_lock:
+                    for wk in self._new_workers:
+                        waiting[wk.sentinel] = wk
+                    self._new_workers = []
+                    if not waiting:
+                        # every process ended and was reported (here, before
+                        # we got here): no replacement can come any more
+                        self._watch_ended = True
+                        break
+                ready = multiprocessing.connection.wait(
+                    [*waiting, self._wake_r], self.REAP_POLL_S if ended else None,
+                )
                 if self._wake_r in ready:
                     if b"x" in os.read(self._wake_r, 64):
                         return
-                    with self._replace_lock:
-                        added, self._new_workers = self._new_workers, []
-                    for wk in added:
-                        waiting[wk.sentinel] = wk
                     ready = [r for r in ready if r != self._wake_r]
                 for s in ready:
                     wk = waiting.pop(s)  # type: ignore[arg-type]
@@ -767,8 +721,40 @@ class _ProcessGroup:
                     # Then say so now, without waiting for the receiver, which
                     # may be blocked on a full queue with messages to read.
                     wk.report_death()
+                    if wk._death_reported:
+                        # its receiver may be reporting it: replaced before we go on
+                        wk.death_handled.wait(10.0)
+                    ended.append(wk)
+                ended = self._reap(ended)
+            # every process ended: once their receivers did too (they may
+            # still be handing their last results over), nothing needs a
+            # slot back any more
+            for wk in ended:
+                wk.thread.join()
+                if wk.feeder is not None:
+                    wk.feeder.join()
+            self._reap(ended)
+            self._returned.put(None)
+            self.returner.join()
+            self._outstanding.clear()  # batches the user keeps: their slots need no return
         finally:
-            os.close(self._wake_r)
+            with self._replace_lock:
+                self._watch_ended = True
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    def _reap(self, ended: list[_Worker]) -> list[_Worker]:
+        """Close and drop the workers of ``ended`` whose threads ended too;
+        returns the others."""
+        left = []
+        for wk in ended:
+            if wk.thread.is_alive() or wk.feeder is not None and wk.feeder.is_alive() or wk.poll() is None:
+                left.append(wk)
+                continue
+            with self._replace_lock:
+                self.workers = [w for w in self.workers if w is not wk]
+            wk.close()
+        return left
 
     def request_stop(self) -> None:
         self.stopping = True
@@ -824,10 +810,7 @@ class _ProcessGroup:
                     if wk.feeder.is_alive():
                         stuck.append(wk.feeder.name)
             if not any(wk.running() for wk in self.workers):
-                try:
-                    os.write(self._wake_w, b"x")
-                except OSError:
-                    pass
+                self._wake(b"x")
                 self.watcher.join(left())
                 if self.watcher.is_alive():
                     stuck.append(self.watcher.name)
@@ -852,12 +835,8 @@ class _ProcessGroup:
         """Everything ended: close every descriptor now (not at the next
         garbage collection), so that nothing is left behind after stop()."""
         self._released = True
-        if self.payload_fd >= 0:
-            os.close(self.payload_fd)
-            self.payload_fd = -1
         for wk in self.workers:
             wk.close()
-        os.close(self._wake_w)
         # and no reference cycle through us (the coordinator holds this
         # group, the plan holds the coordinator), so that a pipeline, its net
         # and the batch the net's workspace keeps are freed as soon as they

@@ -554,6 +554,8 @@ class _Worker:
                         self.holder = next(HOLDERS)
                         self._start_feeder()
                     continue
+                if self.units is not None:
+                    self.units.release(self.plan.worker_id)  # not restarted: any worker reads them
                 intake.died(f"{self.describe()} died: {_reason(err)}")
                 return
         except Exception as exc:

@@ -268,7 +268,7 @@ class InputSource:
         chunks out as they come (nothing waits for one worker's next chunk)
         and every feed copies each piece into a big batch at once.  A worker
         process's chunk then need not be copied out of its slot to keep the
-        worker going (see ``processes._SlotRing.hold``)."""
+        worker going (see ``slot_ring.SlotRing.hold``)."""
         feeds = list(self.feeds)
         return (
             bool(feeds) and self.dealing.in_arrival_order

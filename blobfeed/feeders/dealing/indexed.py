@@ -23,9 +23,10 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from ..chunks import Chunk, EpochEnd
-from ..indexed import UnitDispenser, merge_ranges
+from ...errors import FetcherError
+from ..indexed import UnitDispenser, layout_mismatch, merge_ranges
 from .base import DropCounter
-from .lanes import LaneDealer, _Failed, default_outbox_samples
+from .lanes import LaneDealer, _Failed
 from .positions import Positions
 from .rounds import Direct
 from .stages import Cut
@@ -62,7 +63,7 @@ class UnitTurns(Turns):
         head = lane[0]
         if type(head) is Chunk and head.state == u:
             return wid
-        if isinstance(head, _Failed):
+        if isinstance(head, _Failed) and (head.state is None or head.state <= u):
             return wid
         return None
 
@@ -127,12 +128,20 @@ class IndexedDealer(LaneDealer):
         max_bytes: int | None = None,
         outbox_samples: int | None = None,
         window: int | None = None,
+        reader: Any = None,
     ) -> None:
         self.units = dispenser
+        #: the source's UnitReader (its blob names, a unit's indexes): the
+        #: units' layouts are checked in stream order (None: not checked)
+        self._reader = reader
+        #: the per-sample layout of the stream's first sample, and its index
+        self._layout: tuple[list[tuple[Any, tuple[int, ...]]], int] | None = None
+        self._layout_checked = -1
         #: the dispenser's window (None: by the worker count, at start)
         self.window = window
         if window is not None:
             dispenser.window = window
+        dispenser.on_redo_taken = self._wake_workers
         self._unit_turns = UnitTurns(dispenser)
         super().__init__(
             source, batch_size, axes, capacity, outbox_samples, on_error, on_dropped=on_dropped,
@@ -141,45 +150,64 @@ class IndexedDealer(LaneDealer):
         self._epoch = self._unit_turns.epoch
 
     # -- workers -----------------------------------------------------------------
-    def put(self, worker_id: int, chunk: Chunk, nbytes: int = 0) -> bool:
-        """As :meth:`LaneDealer.put`, but the lane stays sorted by unit (a
-        worker process that replaced a dead one may read a unit older than
-        what its lane holds), and the unit the stream waits for always
-        enters (its lane may be full of later units)."""
+    # hooks of LaneDealer.put: a lane stays sorted by unit (a worker process
+    # that replaced a dead one may read a unit older than what its lane
+    # holds), and the unit the stream waits for always enters (its lane may
+    # be full of later units)
+    def _may_wait(self, worker_id: int, chunk: Chunk) -> bool:
+        """Never wait with the oldest unit the stream waits for, nor while
+        this worker holds it (it reads it next: a unit to read again, taken
+        after later ones)."""
+        units = self.units
+        oldest = units.oldest
+        return chunk.state != oldest and units.owner(oldest) != worker_id
+
+    def _insert_at(self, lane: Any, sizes: Any, chunk: Chunk) -> tuple[int, int]:
+        """The chunks (and failed reads, see put_error) come first in a lane,
+        sorted by unit; the other markers after them."""
         unit = chunk.state
+        end = self._sorted_end(lane, len(sizes))
+        i = end
+        while i and lane[i - 1].state > unit:
+            i -= 1
+        if i == len(lane):
+            return i, len(sizes)
+        # sizes has one entry per chunk: the failed reads before i are not
+        return i, (i if end == len(sizes) else sum(1 for k in range(i) if type(lane[k]) is Chunk))
+
+    def _wake_workers(self) -> None:
+        """A worker took a unit to read again: if it is the oldest, that
+        worker's chunks no longer wait for room (see :meth:`put`)."""
         with self._room:
-            lane = self._lanes[worker_id]
-            sizes = self._sizes[worker_id]
-            while not self._lanes_closed and unit != self.units.oldest and (
-                len(lane) >= self.lane_capacity
-                or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
-            ):
-                self._room.wait()
-            if self._lanes_closed:
-                return False
-            if self._outbox_sizing and nbytes and chunk.n:
-                self._outbox_sizing = False
-                self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n)
-            # the chunks come first in a lane, sorted by unit; markers after them
-            i = len(sizes)
-            while i and lane[i - 1].state > unit:
-                i -= 1
-            lane.insert(i, chunk)
-            sizes.insert(i, nbytes)
-            self._lane_bytes[worker_id] += nbytes
-            self._queued_bytes += nbytes
-            self._lane_chunks += 1
-            self._lane_n += chunk.n
-            if i == 0:
-                self._items.notify_all()
-            return True
+            self._room.notify_all()
+
+    @staticmethod
+    def _sorted_end(lane: Any, chunks: int) -> int:
+        """Where the sorted part of a lane (chunks, failed reads) ends."""
+        i = chunks
+        while i < len(lane) and (type(lane[i]) is Chunk or type(lane[i]) is _Failed and lane[i].state is not None):
+            i += 1
+        return i
 
     def put_error(self, worker_id: int, error: BaseException) -> None:
-        """The worker failed: the error surfaces at the unit it held, or at
-        once when it holds none (its ``worker_init_fun`` failed, say: no
-        unit of the stream would ever reach it)."""
-        super().put_error(worker_id, error)
-        if not self.units.holds(worker_id):
+        """The worker failed: the error surfaces at the unit whose read
+        failed, at its sorted place in the lane (later units may be there
+        already: a unit read again after its reader died), or at once when
+        it holds none (its ``worker_init_fun`` failed, say: no unit of the
+        stream would ever reach it)."""
+        with self._lock:
+            lane = self._lanes[worker_id]
+            unit = self.units.failed_unit(worker_id, [c.state for c in lane if type(c) is Chunk])
+            if not self._lanes_closed:
+                if unit is None:
+                    lane.append(_Failed(error))
+                else:
+                    i = self._sorted_end(lane, len(self._sizes[worker_id]))
+                    while i and lane[i - 1].state > unit:
+                        i -= 1
+                    lane.insert(i, _Failed(error, unit))
+                self._items.notify_all()
+        if unit is None and not self.units.holds(worker_id):
             with self._lock:
                 if self._error is None:
                     self._error = error  # what the nets get once what was dealt is out
@@ -192,6 +220,41 @@ class IndexedDealer(LaneDealer):
         self._room.notify_all()
 
     # -- the stream --------------------------------------------------------------
+    def _advance(self) -> Any:
+        t = self._unit_turns
+        if self._reader is not None and self._layout_checked != t.next and not self._eof and not t.all_ended():
+            wid = t._head_ok(self._lanes)
+            if wid is not None:
+                self._layout_checked = t.next
+                lane = self._lanes[wid]
+                if type(lane[0]) is Chunk:
+                    bad = self._check_layout(lane[0])
+                    if bad is not None:
+                        lane[0] = _Failed(bad, t.next)
+        return super()._advance()
+
+    def _check_layout(self, chunk: Chunk) -> BaseException | None:
+        """The unit the stream reaches against its first sample's layout
+        (the first unit's fixes it): in stream order, so whatever worker read
+        what, a sample of another dtype or shape fails the same way."""
+        reader = self._reader
+        r = self.units.unit(chunk.state)
+        if r is None:  # pragma: no cover - a unit the stream reaches exists
+            return None
+        idx = reader.indexes(r)
+        if self._layout is None:
+            self._layout = ([(a.dtype, a.shape[:ax] + a.shape[ax + 1:]) for a, ax in zip(chunk.arrays, self.axes)],
+                            idx[0])
+            return None
+        layout, first = self._layout
+        cause = layout_mismatch(self.source, reader.blob_names, layout, first, chunk.arrays, self.axes,
+                                chunk.state, idx)
+        if cause is None:
+            return None
+        err = FetcherError(f"{cause}")
+        err.__cause__ = cause
+        return err
+
     def _position(self, batches: int) -> Any:
         t = self._unit_turns
         return (batches, self.units.position_of(t.next) + self._offset)

@@ -114,10 +114,12 @@ _NEXT_EPOCH = _NextEpoch()
 
 
 class _Failed:
-    """A lane's marker: its worker's error, at its place in the stream."""
+    """A lane's marker: its worker's error, at its place in the stream
+    (``state``: a random-access source's unit whose read failed)."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, state: Any = None) -> None:
         self.error = error
+        self.state = state
 
 
 class NetOutbox:
@@ -369,7 +371,7 @@ class LaneDealer:
         with self._room:
             lane = self._lanes[worker_id]
             sizes = self._sizes[worker_id]
-            while not self._lanes_closed and (
+            while not self._lanes_closed and self._may_wait(worker_id, chunk) and (
                 len(lane) >= self.lane_capacity
                 or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
             ):
@@ -381,15 +383,30 @@ class LaneDealer:
                 self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n) + (
                     FEED_AHEAD_BATCHES * self.batch_size if self._bare else 0
                 )
-            lane.append(chunk)
-            sizes.append(nbytes)
+            i, j = self._insert_at(lane, sizes, chunk)
+            if i == len(lane):
+                lane.append(chunk)
+                sizes.append(nbytes)
+            else:
+                lane.insert(i, chunk)
+                sizes.insert(j, nbytes)
             self._lane_bytes[worker_id] += nbytes
             self._queued_bytes += nbytes
             self._lane_chunks += 1
             self._lane_n += chunk.n
-            if len(lane) == 1:
+            if i == 0:
                 self._items.notify_all()
             return True
+
+    # hooks of put (a random-access source's dealer has its own)
+    def _may_wait(self, worker_id: int, chunk: Chunk) -> bool:
+        """May ``chunk`` wait for room in its full lane?"""
+        return True
+
+    def _insert_at(self, lane: collections.deque[Any], sizes: collections.deque[int], chunk: Chunk) -> tuple[int, int]:
+        """Where ``chunk`` goes: its index in the lane and in ``sizes``
+        (one entry per chunk of the lane).  Here: at the end."""
+        return len(lane), len(sizes)
 
     def sink(self, worker_id: int) -> Callable[[Chunk, int], bool]:
         return functools.partial(self.put, worker_id)

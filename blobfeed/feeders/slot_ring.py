@@ -1,0 +1,107 @@
+"""The parent's side of one worker process's shared-memory slots
+(:class:`SlotRing`): which slots batches view, when a chunk must be copied
+out of its slot, and the pipe that gives free slots back to the child."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .transport import SLOT_INDEX
+
+__all__ = ["SlotRing"]
+
+
+class SlotRing:
+    """The parent's side of one worker's slots: which ones batches view, and
+    the pipe that gives free ones back to the child.
+
+    It refers to nothing else on purpose: the finalizer of every chunk that
+    views a slot holds it, and a finalizer keeps what it holds alive.  Were
+    it the worker (and through it the coordinator, the net and the net's
+    workspace, which keeps the last batch), the batch would keep itself
+    alive forever, with its mapping, descriptors and net.
+    """
+
+    __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed", "_held")
+
+    def __init__(self, slots: int, free_w: int) -> None:
+        self.slots = slots
+        self._free_w = free_w
+        self._lock = threading.Lock()
+        self._closed = False
+        #: slots some batch was handed out as a view of, until they are free again
+        self._viewed: set[int] = set()
+        #: slots the child announced and that are not free again yet
+        self._held = 0
+
+    def hold(self, small: bool) -> bool:
+        """Count a slot the child just announced; ``small``: its chunk holds
+        fewer samples than a batch.  Returns True when the chunk must be
+        copied out at once and the slot given back:
+
+        * it took the child's last free slot and is smaller than a batch: a
+          batch may need more such chunks than there are slots, and would
+          wait for the child while the child waits for a slot;
+        * every other slot is viewed by batches (which the user may keep for
+          ever: only with two slots, see :meth:`grant_view`): the rest of a
+          chunk waiting in this one for the next chunk would hold the last
+          circulating slot.
+        """
+        with self._lock:
+            self._held += 1
+            return (small and self._held >= self.slots) or len(self._viewed) >= self.slots - 1
+
+    def grant_view(self, slot: int) -> bool:
+        """May a batch be handed out as a view of ``slot``?  (The re-batcher
+        asks, for a batch that lies inside one chunk.)
+
+        A batch the user keeps holds its slot for as long as it lives, so at
+        most ``slots - max(2, slots // 4)`` slots may be viewed by batches at
+        once: the others keep circulating, and the worker never waits for a
+        batch somebody keeps.  Past that bound a batch is copied out of its
+        chunk instead.  Chunks that are merely queued or being re-batched do
+        not count: blobfeed lets go of them by itself.
+
+        With two slots (the minimum) one may be viewed, but only while the
+        other is free: whatever arrives in it while the view lives is then
+        copied out at once (:meth:`hold`), so it keeps circulating whatever
+        the user keeps.
+        """
+        with self._lock:
+            viewed = self._viewed
+            if slot in viewed:
+                return True
+            # two stay unviewed: a batch straddling two chunks needs both
+            bound = self.slots - max(2, self.slots // 4)
+            if len(viewed) >= bound and not (self.slots == 2 and not viewed and self._held == 1):
+                return False
+            viewed.add(slot)
+            return True
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back to the child: nothing views it any more (on the
+        group's returner thread).  Never blocks."""
+        with self._lock:
+            self._viewed.discard(slot)
+            self._held -= 1
+            self._send(slot)
+
+    def stop(self) -> None:
+        """Tell the child to stop (it may be waiting for a free slot)."""
+        with self._lock:
+            self._send(-1)
+
+    def _send(self, index: int) -> None:
+        if self._closed:
+            return
+        try:
+            os.write(self._free_w, SLOT_INDEX.pack(index))
+        except OSError:
+            pass  # the child is gone (or the pipe is full: it is not reading)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._free_w)
