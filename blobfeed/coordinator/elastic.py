@@ -15,8 +15,9 @@ logger = logging.getLogger("blobfeed.coordinator")
 
 
 def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
-    """Run random-access source ``name`` of coordinator ``gc`` on
-    ``num_workers`` workers from now on; its stream does not change.
+    """Run random-access source ``name`` on ``num_workers`` workers from now
+    on, while it runs; its stream does not change.  (``GlobalCoordinator``'s
+    method ``set_num_workers(name, num_workers)``; ``gc`` is the coordinator.)
 
     More workers start on the backend of the source's first wiring call
     (``worker_init_fun`` runs in each); fewer: the workers with the highest

@@ -40,6 +40,11 @@ logger = logging.getLogger("blobfeed.coordinator")
 InitFun = Callable[["WorkerCoordinator", Any], Any]
 
 
+def _on_host(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A reader read as it is: its batches stay on the host."""
+    return arrays
+
+
 class ActiveFlag:
     """What ``is_active`` reads: a truth value (``if dc.is_active:``, as
     blobfeed documented it) that can also be called (``dc.is_active()``, as

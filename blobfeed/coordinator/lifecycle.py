@@ -32,7 +32,7 @@ from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
 from . import checkpoint, elastic
-from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator
+from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator, _on_host
 from .registry import Registry
 
 logger = logging.getLogger("blobfeed.coordinator")
@@ -689,11 +689,8 @@ class GlobalCoordinator:
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
             checkpoint.load_state(source, state)
 
-    def set_num_workers(self, name: str, num_workers: int) -> None:
-        """Run random-access source ``name`` on ``num_workers`` workers from now on,
-        while it runs; its stream does not change (``ValueError`` where it
-        cannot: see :func:`~blobfeed.coordinator.elastic.set_num_workers`)."""
-        elastic.set_num_workers(self, name, num_workers)
+    #: ``set_num_workers(name, n)``: a running random-access source's worker count (see elastic)
+    set_num_workers = elastic.set_num_workers
 
     @overload
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None: ...
@@ -793,11 +790,6 @@ class GlobalCoordinator:
 
     def __repr__(self) -> str:
         return f"<GlobalCoordinator {len(self._coordinators)} coordinator(s), sources {sorted(self._sources)}>"
-
-
-def _on_host(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A reader read as it is: its batches stay on the host."""
-    return arrays
 
 
 def _stop_all_at_exit() -> None:
