@@ -912,8 +912,17 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     assert cells["attach/service"]["batches/s"] == "-" and float(cells["attach/service"]["first ms"]) > 0
     # the hand-offs: every process's CPU and context switches in the window, per batch
     top = lines.index(next(line for line in lines if line.startswith("per batch taken")))
+    rows = lines[top + 1: lines.index("", top)]
+    # the service's steps are indented under it: its threads by role, its worker processes
+    KEY = report.KEY_WIDTH
+    steps = {(line[:KEY].strip(), line[KEY:].split("  ")[1].strip()): line.split()[-1]
+             for line in rows if line[KEY:].startswith("  ")}
+    for k, roles in (("S1/service", ("sender", "receiver", "intake", "worker processes")),
+                     ("S2/service", ("sender", "receiver", "fetchers"))):
+        for role in roles:
+            assert float(steps[(k, role)]) > 0, (k, role, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
-             for line in lines[top + 1: lines.index("", top)]}
+             for line in rows if not line[KEY:].startswith("  ")}
     assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service")
                           for who in ("service", "consumer", "service + consumer")} | {
         ("S1/pipes", "consumer"), ("S2/pipes", "consumer")}, costs

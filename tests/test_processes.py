@@ -1419,12 +1419,12 @@ def test_small_chunks_of_big_batches_are_copied_once_even_when_the_queue_is_full
         reader = blobfeed.reader.init_reader(
             ["id", "x"], SmallChunksOfBigSamples(60), 32, 2, "big", coordinator=gc,
             backend=ProcessBackend(slots=4, slot_bytes=1 << 20), max_buffered_batches=40,
-            deterministic=deterministic,
+            deterministic=deterministic, prefetch=False,  # nothing takes chunks until the test reads
         )
         gc.start()
         # nobody reads until the workers filled their 2 x 4 slots (with the
         # copies out, the queue went on filling past them)
-        wait_until(lambda: reader.source.queue_depth() >= 8, "the workers' slots to fill")
+        wait_until(lambda: reader.source.queue_depth() >= 8, "the workers' slots to fill", timeout=60.0)
         got = []
         while True:
             try:

@@ -43,6 +43,17 @@ def test_reproducibility_example_runs() -> None:
     assert "resumed epochs gave the same 23 batches and epoch ends" in proc.stdout
 
 
+def test_the_dataset_example_runs() -> None:
+    """The README's random-access dataset example (issue 26) runs as written."""
+    section = README.read_text().split("## A dataset instead of a fetcher", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the dataset section lost its example"
+    proc = subprocess.run([sys.executable, "-c", blocks[0] + "\nprint('dataset ok')\n"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "dataset ok" in proc.stdout
+
+
 def test_tutorial_runs_epochs_on_one_wiring() -> None:
     """The tutorial's second pass is ``epochs=2`` on the same workers, not a
     second wiring (issue 19: the tutorial showed only re-wiring)."""

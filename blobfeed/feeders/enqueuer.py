@@ -389,18 +389,18 @@ class Feed:
             return None
         except (Exception if once else BaseException) as exc:  # our bug or a device error: never hang the net
             logger.exception("enqueuer %s/%s failed", src.name, self.net_name)
-            err = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
-            err.__cause__ = exc
+            failure = FetcherError(f"source {src.name!r}: enqueuer for net {self.net_name!r} failed: {exc!r}")
+            failure.__cause__ = exc
             # As a fetcher error would: the net's other sources and the
             # coordinator (should_stop, join) hear of it.
-            lost = self.abort(err)
+            lost = self.abort(failure)
             with self._lock:
                 # a big batch whose copy raised: its samples are lost too
                 lost += self._joining
                 self._joining = 0
                 self.stats.dropped["error"] += lost
                 self._lose_all()
-            src.report_failure(err)
+            src.report_failure(failure)
             return None
 
     def _drain(self, *, final: bool = False) -> bool:

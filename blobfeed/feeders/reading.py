@@ -368,7 +368,7 @@ class BatchReader:
             return feed.device_queue.get(timeout)
         feed.pump(timeout)
         ok, batch = feed.device_queue.get_nowait()
-        if ok:
+        if ok and batch is not None:
             return batch
         raise DequeueTimeout(f"no batch within {timeout:.3g} s")
 

@@ -166,7 +166,7 @@ class Channel:
         self.sock.close()
 
 
-class CheckedRecord(dict):  # type: ignore[type-arg]
+class CheckedRecord(dict[str, Any]):
     """A record whose fields were checked as it was read (:func:`fast_ack`):
     :func:`check` lets it through as it is."""
 

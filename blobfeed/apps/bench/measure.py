@@ -257,6 +257,38 @@ def read_procs(pids: list[int]) -> ProcReading:
     return ProcReading(cpu, switches)
 
 
+#: the keys of the service's steps in a result (``service.service_steps``):
+#: STEP_CPU + role, STEP_CTX + role
+STEP_CPU = "step_cpu_us_per_batch:"
+STEP_CTX = "step_ctx_per_batch:"
+
+
+def read_threads(role: Callable[[int], str]) -> dict[str, tuple[int, int]]:
+    """This process's live threads, grouped by ``role(tid)``: (CPU ticks,
+    context switches) per role."""
+    out: dict[str, tuple[int, int]] = {}
+    me = os.getpid()
+    for tid, switches in _thread_switches(me).items():
+        try:
+            with open(f"/proc/{me}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        fields = stat[stat.rfind(")") + 2 :].split()
+        ticks, n = out.get(role(tid), (0, 0))
+        out[role(tid)] = (ticks + int(fields[11]) + int(fields[12]), n + switches)
+    return out
+
+
+def threads_between(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[str, "Usage"]:
+    """What each role's threads spent from reading ``a`` to reading ``b``
+    (a thread that ended in between is left out: not readable any more)."""
+    return {
+        role: Usage((ticks - a.get(role, (0, 0))[0]) / CLK_TCK, n - a.get(role, (0, 0))[1])
+        for role, (ticks, n) in b.items()
+    }
+
+
 @dataclass(frozen=True)
 class Usage:
     """What a group of processes spent between two readings."""
@@ -501,6 +533,8 @@ class ConsumerWindow:
     pss_mb: float
     #: what each group of processes spent in the window (``watch_consumers``'s ``usage``)
     usage: dict[str, Usage] = field(default_factory=dict)
+    #: what this process's threads spent in the window, by role (``thread_roles``)
+    threads: dict[str, Usage] = field(default_factory=dict)
 
 
 def watch_consumers(
@@ -515,6 +549,7 @@ def watch_consumers(
     poll_s: float = 0.01,
     pss: bool = True,
     usage: dict[str, list[int]] | None = None,
+    thread_roles: Callable[[int], str] | None = None,
 ) -> ConsumerWindow:
     """Batches/s of consumers in other processes, measured from outside.
 
@@ -532,13 +567,16 @@ def watch_consumers(
     ``usage``: groups of processes (a name and the pids at the group's
     root, see :class:`UsageProbe`) whose CPU time and context switches are
     read at the window's start and end; the PSS sampler is in none of them.
+    ``thread_roles``: names the role of each of this process's threads (by
+    thread id); what each role's threads spent is read at the same two moments.
 
     Raises:
         TimeoutError: a consumer had no batch within ``start_timeout``.
     """
     sampler = PssSampler() if pss else None
     try:
-        return _watch(counts, consumers, seconds, t_start, check, warmup, start_timeout, poll_s, sampler, usage)
+        return _watch(counts, consumers, seconds, t_start, check, warmup, start_timeout, poll_s, sampler, usage,
+                      thread_roles)
     finally:
         if sampler is not None:
             sampler.close()  # a consumer died, or the start timed out
@@ -546,7 +584,8 @@ def watch_consumers(
 
 def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check: Callable[[], None], warmup: float,
            start_timeout: float, poll_s: float, sampler: PssSampler | None,
-           usage: dict[str, list[int]] | None = None) -> ConsumerWindow:
+           usage: dict[str, list[int]] | None = None,
+           thread_roles: Callable[[int], str] | None = None) -> ConsumerWindow:
     first: list[float | None] = [None] * consumers
     deadline = time.perf_counter() + start_timeout
     while True:
@@ -571,6 +610,7 @@ def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check:
         time.sleep(poll_s)
     if probe is not None:
         probe.start()
+    threads0 = read_threads(thread_roles) if thread_roles is not None else {}
     t0 = time.perf_counter()
     c0 = [counts.count(k) for k in range(consumers)]
     if sampler is not None:
@@ -584,8 +624,9 @@ def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check:
     t1 = time.perf_counter()
     c1 = [counts.count(k) for k in range(consumers)]
     spent = probe.stop() if probe is not None else {}
+    threads = threads_between(threads0, read_threads(thread_roles)) if thread_roles is not None else {}
     peak = sampler.stop() if sampler is not None else 0.0
-    return ConsumerWindow([b - a for a, b in zip(c0, c1)], t1 - t0, t_all - t_start, peak, spent)
+    return ConsumerWindow([b - a for a, b in zip(c0, c1)], t1 - t0, t_all - t_start, peak, spent, threads)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--pss-sampler"]:

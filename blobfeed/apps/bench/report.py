@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from .measure import STEP_CPU, STEP_CTX
 from .workloads import IN_PROCESS_PEERS, PROCESS_PEERS, W7_PEER_WORKERS, W7_PEERS, WORKLOADS
 
 
@@ -571,7 +572,11 @@ def legend(report: dict[str, Any]) -> list[str]:
                      "voluntary+involuntary summed over threads; service: the measuring process (the service's "
                      "threads) and its worker processes, over every batch; consumer: the consumer processes (for "
                      "pipes each with its pipeline's workers), over every batch they took: what one consumer "
-                     "spends per batch it takes")
+                     "spends per batch it takes; the service's steps (indented): its threads by role (sender: "
+                     "re-batching, the copy into the shared batch memory, sending; receiver: acknowledgements; "
+                     "intake: a worker process's chunks into the dealer; fetchers: worker threads), and its worker "
+                     "processes (the service's CPU time none of its threads spent; their switches are in the "
+                     "service's total)")
     return lines
 
 
@@ -586,22 +591,26 @@ def cost_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     """The table of hand-off costs per batch: for each measurement that
     read them, the service's and a consumer's context switches and CPU
     microseconds per batch, and their sum; empty when none did."""
-    rows = []
+    rows: list[tuple[str, str, float | None, float]] = []
     for key, r in results.items():
         if "failed" in r:
             continue
         for who, cpu, ctx in COST_KEYS:
             if cpu in r:
                 rows.append((key, who, r.get(ctx), r[cpu]))
+            if who == "service":
+                steps = sorted(((k[len(STEP_CPU):], v) for k, v in r.items() if k.startswith(STEP_CPU)),
+                               key=lambda kv: -kv[1])
+                rows += [(key, f"  {role}", r.get(STEP_CTX + role), cpu_us) for role, cpu_us in steps if cpu_us >= 0.05]
         total = service_path_cpu_us(r)
         if total is not None:
             switches = [r.get(ctx) for _, _, ctx in COST_KEYS]
-            rows.append((key, "service + consumer", None if None in switches else sum(switches), total))
+            rows.append((key, "service + consumer", None if None in switches else float(sum(s for s in switches if s is not None)), total))
     if not rows:
         return []
     lines = [f"{'per batch taken':<{KEY_WIDTH}}{'':<20}{'ctx switches/batch':>20}{'CPU us/batch':>14}"]
-    for key, who, ctx, cpu in rows:
-        lines.append(f"{key:<{KEY_WIDTH}}{who:<20}{'-' if ctx is None else format(ctx, '.1f'):>20}{cpu:>14.1f}")
+    for key, who, switched, cpu_us in rows:
+        lines.append(f"{key:<{KEY_WIDTH}}{who:<20}{'-' if switched is None else format(switched, '.1f'):>20}{cpu_us:>14.1f}")
     return lines
 
 

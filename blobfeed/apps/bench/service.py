@@ -38,12 +38,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from .measure import Tally, Usage, watch_consumers
+from .measure import STEP_CPU, STEP_CTX, Tally, Usage, watch_consumers
 from .workloads import WORKLOADS, Workload
 
 #: the served source's name and the service's workers
@@ -237,6 +238,23 @@ def _running_service(wl: Workload, fetched: Tally, num_consumers: int | None) ->
         server.stop()
 
 
+#: the service's threads by what they do (thread name prefix -> role), for the
+#: per-step costs: where a batch's CPU goes inside the service
+THREAD_ROLES = (
+    ("blobfeed-service-send", "sender"),  # reads its reader: re-batching, the copy into the arena; sends
+    ("blobfeed-service-recv", "receiver"),  # each connection's: acknowledgements, frees
+    ("blobfeed-recv-", "intake"),  # a worker process's receiver: its chunks into the dealer
+    ("blobfeed-fetch-", "fetchers"),  # worker threads: fetch_fun, the chunk into the dealer
+    ("blobfeed-slots", "slot returner"),  # gives worker processes their slots back
+)
+
+
+def thread_role(tid: int) -> str:
+    """The role of this process's thread ``tid`` (see :data:`THREAD_ROLES`)."""
+    name = next((t.name for t in threading.enumerate() if t.native_id == tid), "")
+    return next((role for prefix, role in THREAD_ROLES if name.startswith(prefix)), "other threads")
+
+
 def per_batch_costs(usage: dict[str, Usage], batches: int) -> dict[str, float]:
     """The window's hand-off costs per batch taken: CPU microseconds and
     context switches of the ``service`` group (when there is one) over
@@ -259,7 +277,8 @@ def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: 
     groups = {f"consumer{k}": [proc.pid] for k, (proc, _, _) in enumerate(consumers.procs)}
     if service:  # this process runs the service: its threads, and its workers below it (the consumers apart)
         groups[SERVICE_GROUP] = [os.getpid()]
-    w = watch_consumers(counts, wl.consumers, seconds, t_start, consumers.check, usage=groups)
+    w = watch_consumers(counts, wl.consumers, seconds, t_start, consumers.check, usage=groups,
+                        thread_roles=thread_role if service else None)
     total = sum(w.batches)
     fair = min(w.batches) / (total / len(w.batches)) if total else 0.0
     return {
@@ -269,7 +288,25 @@ def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: 
         "pss_mb": w.pss_mb,
         "consumer_min_share": fair,  # the slowest consumer's batches over the mean
         **per_batch_costs(w.usage, total),
+        **service_steps(w.usage, w.threads, total),
     }
+
+
+def service_steps(usage: dict[str, Usage], threads: dict[str, Usage], batches: int) -> dict[str, float]:
+    """The service's CPU microseconds and context switches per batch by
+    step (its threads by role, and its worker processes: the service
+    group's time that none of its own threads spent, their switches left in
+    the service's total); empty without them.  Flat keys, so that the
+    repetitions' median is taken key by key."""
+    if not batches or not threads or SERVICE_GROUP not in usage:
+        return {}
+    out = {}
+    for role, u in threads.items():
+        out[STEP_CPU + role] = u.cpu_s / batches * 1e6
+        out[STEP_CTX + role] = u.switches / batches
+    own = sum(u.cpu_s for u in threads.values())
+    out[STEP_CPU + "worker processes"] = max(0.0, usage[SERVICE_GROUP].cpu_s - own) / batches * 1e6
+    return out
 
 
 def run_service(wl: Workload, seconds: float) -> dict[str, Any]:
