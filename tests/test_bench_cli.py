@@ -1493,9 +1493,9 @@ def test_the_random_access_runner_counts_samples_out_of_place() -> None:
 @pytest.mark.parametrize("peer", ["torchmap0", "grainmap0"])
 def test_w7s_peers_read_the_same_dataset(small_w7: workloads.Workload, peer: str) -> None:
     pytest.importorskip(peer[:-4])
-    from blobfeed.apps.bench.peers import map_style
+    from blobfeed.apps.bench import peers
 
-    got = map_style.RUNNERS[peer](small_w7, 0.2)
+    got = peers.RUNNERS[peer](small_w7, 0.2)
     assert got["batches_per_s"] > 0 and "samples_lost" not in got and got["workers"] == 0
 
 

@@ -49,7 +49,8 @@ def run_indexed(wl: Workload, seconds: float, shuffle: bool | None = None, worke
     shuffle = wl.shuffle if shuffle is None else shuffle
     dataset = wl.dataset()
     n = len(dataset)
-    source = blobfeed.RandomAccessSource(dataset, shuffle=shuffle, seed=ORDERED_SEED, read_size=wl.batch)
+    # Any: init_data_input_workers's annotation names only a fetch_fun
+    source: Any = blobfeed.RandomAccessSource(dataset, shuffle=shuffle, seed=ORDERED_SEED, read_size=wl.batch)
     net = blobfeed.Net(None, name="bench")
     gc = blobfeed.GlobalCoordinator()
     kwargs: dict[str, Any] = {} if wl.backend == "threads" else {"backend": wl.backend}

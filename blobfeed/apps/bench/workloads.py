@@ -371,7 +371,7 @@ class IndexedArrays:
         if self.kind == "W1":  # W1's 8 pools of 64 rows, one after the other; float64 labels
             pools = W1Fetch().build()[1]
             rows = np.concatenate([pools[w][0] for w in range(8)])
-            labels = np.arange(self.length, dtype=np.float64)
+            labels: np.ndarray = np.arange(self.length, dtype=np.float64)
         else:  # W2's 16 images; int64 labels
             rows = W2Fetch().build()[1]
             labels = np.arange(self.length, dtype=np.int64)
