@@ -88,14 +88,21 @@ W6_EXTRA_S = 0.2
 #: rate; W1s: 312 small ones, 0.05 s).
 SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 0.5}
 #: W7 (blobfeed and its own sequential read, 2 worker processes): the
-#: forkserver and the workers as any process workload, and the dataset's
-#: index (57 217 offsets) loaded and pickled to each worker.
-W7_EXTRA_S = 0.2
-#: W7's peers: each worker process of torch's map-style DataLoader (forked,
-#: with the dataset) and of grain's DataLoader (spawned, importing grain
-#: again), on top of the package's import (TORCH_EXTRA_S, GRAIN_EXTRA_S).
-TORCH_MAP_WORKER_S = 0.1
-GRAIN_MAP_WORKER_S = 0.4
+#: forkserver and the workers as any process workload, plus the dataset's
+#: index (57 217 offsets) pickled to each worker and the first batches'
+#: faults in the mapped file (its first batch took 0.5-1.1 s).
+#: W7's peers: the package's import (TORCH_EXTRA_S, GRAIN_EXTRA_S), the
+#: loader's start and its first shuffled batches, and each worker process
+#: (torch's forked with the dataset; grain's spawned, importing grain again).
+#: Timed from outside with --seconds 0.5 windows while the machine was at
+#: load 10-12 (blobfeed 1.75 s beyond warm-up and window, sequential 2.5;
+#: torchmap0/1/2/4 5.1, 3.6, 4.0, 4.4; grainmap0/1/2/4 1.2, 1.9, 3.0, 6.0),
+#: and taken at about half, the load (4-5) of the other overheads here.
+W7_EXTRA_S = 0.4
+TORCH_MAP_EXTRA_S = 0.6
+TORCH_MAP_WORKER_S = 0.15
+GRAIN_MAP_EXTRA_S = 0.4
+GRAIN_MAP_WORKER_S = 0.6
 #: The first run with W7 writes its 2 GB record file (not in the estimate:
 #: once per machine; 19 s on this project's 2-core machine, shared, load 8).
 W7_GENERATE_S = 20.0
@@ -172,9 +179,9 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
     elif r == "model":
         one += MODEL_EXTRA_S
     elif r.startswith("torchmap"):
-        one += TORCH_EXTRA_S + TORCH_MAP_WORKER_S * int(r[len("torchmap"):])
+        one += TORCH_EXTRA_S + TORCH_MAP_EXTRA_S + TORCH_MAP_WORKER_S * int(r[len("torchmap"):])
     elif r.startswith("grainmap"):
-        one += GRAIN_EXTRA_S + GRAIN_MAP_WORKER_S * int(r[len("grainmap"):])
+        one += GRAIN_EXTRA_S + GRAIN_MAP_EXTRA_S + GRAIN_MAP_WORKER_S * int(r[len("grainmap"):])
     elif r.startswith("torch"):
         one += TORCH_EXTRA_S + (TORCH_WORKERS_S if r.startswith("torch2") else 0.0)
     elif r.startswith("grain"):
