@@ -473,6 +473,10 @@ def ensure_w7_records(folder: Path | str | None = None, size: int = W7_BYTES, pr
                 block = min(left, 64 << 20)
                 f.write(rng.bytes(block))
                 left -= block
+            # on disk before the first measurement: 2 GB of dirty pages being
+            # written back while W7 ran made its shuffled read about 10 x slower here
+            f.flush()
+            os.fsync(f.fileno())
         np.save(tmp / W7_INDEX, offsets, allow_pickle=False)
         if folder.exists():  # a broken or older file: ours, written again
             for name in (W7_DATA, W7_INDEX):
