@@ -473,8 +473,9 @@ def ensure_w7_records(folder: Path | str | None = None, size: int = W7_BYTES, pr
                 block = min(left, 64 << 20)
                 f.write(rng.bytes(block))
                 left -= block
-            # on disk before the first measurement: 2 GB of dirty pages being
-            # written back while W7 ran made its shuffled read about 10 x slower here
+            # on disk before the first measurement: in the minutes after the file
+            # was written (its pages still being written back, we think), W7's
+            # shuffled read measured about 10 x slower than later
             f.flush()
             os.fsync(f.fileno())
         np.save(tmp / W7_INDEX, offsets, allow_pickle=False)
