@@ -218,6 +218,7 @@ class BlobsQueue(Generic[T]):
                     self._item_watchers -= 1
         except RuntimeError as err:
             raise self._interrupted(err, self._item_watch) from None
+        return False  # never reached: mypy cannot see that the with block returns
 
     def get(self, timeout: float | None = None) -> T:
         """Dequeue the oldest batch, waiting for one.

@@ -1,9 +1,11 @@
-"""Shared fixtures: an isolated coordinator per test and a thread-leak check."""
+"""Shared fixtures: an isolated coordinator per test, a thread-leak check,
+and one local Ray cluster for every Ray test of the session."""
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -43,3 +45,71 @@ def gc() -> Iterator[blobfeed.GlobalCoordinator]:
     finally:
         assert coordinator.stop(timeout=WAIT), "a thread outlived stop()"
 
+
+
+#: the session's Ray cluster (``ray.cluster_utils.Cluster``): a head with no
+#: CPUs, so every actor runs on a worker node, and two worker nodes of 2 CPUs.
+#: The first carries the resource ``spot`` (tests/test_ray.py places actors
+#: by it and adds a second such node) and ``a``, the second ``b``
+#: (tests/service/test_ray_service.py places the service and each consumer on
+#: a node of its choosing).  Every actor and task asks for a quarter of a CPU.
+RAY_NODES = ({"num_cpus": 2, "resources": {"spot": 1, "a": 1}}, {"num_cpus": 2, "resources": {"b": 1}})
+#: the driver's namespace (the named service actors of tests/service/test_ray_service.py)
+RAY_NAMESPACE = "blobfeed-service-tests"
+#: the bound on starting the cluster's first actors (Ray starts its worker
+#: processes and their imports lazily: seconds on a loaded machine)
+RAY_START_S = 120.0
+
+
+def _uses_ray(item: pytest.Item) -> bool:
+    """The test needs the session's Ray cluster: it asks for it (directly or
+    through a fixture), or it is a tests/contract case on the Ray backend
+    (its ``backend`` fixture asks for the cluster only then)."""
+    if "ray_cluster" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("backend_name") == "ray"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The Ray tests run last, in their order: the one cluster is started
+    once, at the first of them, and no other test runs while it is up (its
+    processes, threads and sockets would be in the way of the leak checks)."""
+    items[:] = [i for i in items if not _uses_ray(i)] + [i for i in items if _uses_ray(i)]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """The one local Ray cluster (see :data:`RAY_NODES`), this process
+    connected to it, what Ray starts lazily (worker processes, their
+    imports) paid here, once, with a generous bound, not inside a test's
+    waits.  Shut down at the end of the session.  In CI (``CI=true``) a
+    missing ``ray`` is a failure, not a skip."""
+    if os.environ.get("CI") == "true":
+        import ray  # CI installs the extra: its absence is a failure
+    else:
+        ray = pytest.importorskip("ray")
+    from .helpers import local_ray_cluster
+
+    with local_ray_cluster(list(RAY_NODES), namespace=RAY_NAMESPACE) as cluster:
+
+        @ray.remote(num_cpus=0.25)
+        class Warm:
+            def ready(self) -> int:
+                import tests.contract.fetchers  # noqa: F401  (what the actors import: blobfeed with it)
+
+                return os.getpid()
+
+        @ray.remote(num_cpus=0.25)
+        def warm_task() -> int:
+            import blobfeed  # noqa: F401  (what every consumer task imports)
+
+            return os.getpid()
+
+        # actors and tasks (whose worker processes Ray keeps for the next tasks), two of each on each node
+        warm = [Warm.options(resources={node: 0.01}).remote() for node in "abab"]
+        ray.get([w.ready.remote() for w in warm] + [warm_task.options(resources={node: 0.01}).remote()
+                                                    for node in "abab"], timeout=RAY_START_S)
+        for w in warm:
+            ray.kill(w)
+        yield cluster

@@ -842,22 +842,28 @@ def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runne
     return out
 
 
-@pytest.mark.timeout(240)
-def test_a_tiny_real_run_exits_as_its_verdict_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1", "--seconds", "0.2", "--repeats", "1"],
+@pytest.fixture(scope="module")
+def w1_family_run() -> subprocess.CompletedProcess[str]:
+    """One tiny real run of W1, its ordered modes and its process workers
+    (W1p), which the three tests below read: one CLI, one estimate, one
+    verdict over all four, 0.3 s a measurement."""
+    return subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1,W1d,W1s,W1p", "--seconds", "0.3",
+         "--repeats", "1"],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
     )
-    _check_real_run(proc, "W1")
 
 
 @pytest.mark.timeout(240)
-def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1p", "--seconds", "0.3", "--repeats", "1"],
-        capture_output=True, text=True, timeout=200, cwd=ROOT,
-    )
-    out = _check_real_run(proc, "W1p")
+def test_a_tiny_real_run_exits_as_its_verdict_says(w1_family_run: subprocess.CompletedProcess[str]) -> None:
+    _check_real_run(w1_family_run, "W1")
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says(
+    w1_family_run: subprocess.CompletedProcess[str],
+) -> None:
+    out = _check_real_run(w1_family_run, "W1p")
     assert re.search(r"^W1p/pool ", out, re.M), out  # the standard library's peer always runs
     assert re.search(r"^W1p first batch <= 500 ms ", out, re.M), out
     assert re.search(r"^W1p batches/s vs the best process peer >= 1\.5 ", out, re.M), out
@@ -865,12 +871,10 @@ def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1,W1d,W1s", "--seconds", "0.2", "--repeats", "1"],
-        capture_output=True, text=True, timeout=200, cwd=ROOT,
-    )
-    out = _check_real_run(proc, "W1d")
+def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says(
+    w1_family_run: subprocess.CompletedProcess[str],
+) -> None:
+    out = _check_real_run(w1_family_run, "W1d")
     assert re.search(r"^W1s/blobfeed +.* x W1$", out, re.M), out  # shuffling's cost, beside W1
     assert re.search(r"^W1d batches/s vs W1 >= 0\.8 ", out, re.M), out
     assert re.search(r"^W1s batches/s vs W1 >= 0\.5 ", out, re.M), out
@@ -917,10 +921,12 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     KEY = report.KEY_WIDTH
     steps = {(line[:KEY].strip(), line[KEY:].split("  ")[1].strip()): line.split()[-1]
              for line in rows if line[KEY:].startswith("  ")}
-    for k, roles in (("S1/service", ("sender", "receiver", "intake", "worker processes")),
-                     ("S2/service", ("sender", "receiver", "fetchers"))):
-        for role in roles:
-            assert float(steps[(k, role)]) > 0, (k, role, steps)
+    # CPU time is read in clock ticks (10 ms a thread): in a tiny window only
+    # the busiest step is sure to show; a step under 0.05 us a batch is left out
+    assert {role for k, role in steps} <= {"sender", "receiver", "intake", "fetchers", "slot returner",
+                                           "worker processes", "other threads"}, steps
+    for k in ("S1/service", "S2/service"):
+        assert float(steps[(k, "sender")]) > 0, (k, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
              for line in rows if not line[KEY:].startswith("  ")}
     assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service")
@@ -1026,6 +1032,14 @@ def _canned(w: str, r: str, seconds: float) -> dict[str, Any]:
     return copy.deepcopy({**_passing_results(), **_peer_results()}[f"{w}/{r}"])
 
 
+def _only_pillow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench sees Pillow and no optional peer, whatever this machine has:
+    in the runner (what it measures) and in the CLI (what it estimates;
+    it imported the function by name)."""
+    for module in (runner, cli):
+        monkeypatch.setattr(module, "available_packages", lambda: frozenset({"PIL"}))
+
+
 def test_a_timed_out_peer_is_a_failed_row_and_the_rest_is_judged(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1040,7 +1054,7 @@ def test_a_timed_out_peer_is_a_failed_row_and_the_rest_is_judged(
         return _canned(w, r, seconds)
 
     monkeypatch.setattr(runner, "measure_one", measure)
-    monkeypatch.setattr(runner, "available_packages", lambda: frozenset({"PIL"}))
+    _only_pillow(monkeypatch)
     status = cli.main(["--workloads", "W1,W4p", "--repeats", "2", "--seconds", "0.1"])
     captured = capsys.readouterr()
     out = captured.out
@@ -1245,9 +1259,7 @@ def test_the_estimate_is_computed_from_the_options_and_checked_at_the_end(
     comes from the options and the runners it will run, and the run says
     at the end how long it took."""
     monkeypatch.setattr(runner, "measure_one", _canned)
-    # the CLI's own name too: with ray[data] installed it counted the Ray Data peer's measurements
-    for module in (runner, cli):
-        monkeypatch.setattr(module, "available_packages", lambda: frozenset({"PIL"}))
+    _only_pillow(monkeypatch)  # the CLI's own name too: with ray[data] installed it counted Ray Data's measurements
     said = {}
     for argv in (["--workloads", "W1", "--seconds", "1", "--repeats", "1"],
                  ["--workloads", "W1", "--seconds", "4", "--repeats", "1"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -100,21 +101,48 @@ def test_queue_byte_bound_is_checked() -> None:
 # -- a source ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("slow_first_batch", [False, True], ids=["", "slow-first-batch"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_a_fetcher_of_big_chunks_blocks_at_the_byte_budget(gc, deterministic: bool) -> None:
-    # 1 MiB chunks, a 4 MiB budget, 800 chunks allowed by count: the bytes bound it
+def test_a_fetcher_of_big_chunks_blocks_at_the_byte_budget(gc, deterministic: bool, slow_first_batch: bool) -> None:
+    # 2 MiB chunks, a 4 MiB budget, 800 chunks allowed by count: the bytes
+    # bound it.  A fetcher blocked on the budget is woken once the queue
+    # drained to half of it (the low-water mark): with chunks of half the
+    # budget, any chunk the net's side takes wakes it, and it fills the queue
+    # back up to the budget.  (With 1 MiB chunks the queue stood at 3 MiB,
+    # the fetcher asleep, whenever the net's side took its second chunk
+    # after the fetcher blocked: a timeout under load.)
     net = Net(name="n")
-    init_data_input_workers(net, ["x"], big_fetcher(40), 1024, num_worker_threads=1, coordinator=gc,
+    init_data_input_workers(net, ["x"], big_fetcher(20, rows=2048), 1024, num_worker_threads=1, coordinator=gc,
                             device_queue_capacity=1, max_buffered_bytes=4 * MIB, deterministic=deterministic)
     source = gc._sources["train"]
+    two_placed = threading.Event()
+    if slow_first_batch:
+        # the net's side slow with its first batch (a loaded machine): the
+        # fetcher fills the queue and blocks before the net's side takes more
+        feed = source.feeds[0]
+        place, placed = feed._place, []
+
+        def slow_place(arrays):
+            placed.append(1)
+            if len(placed) == 1:
+                time.sleep(0.3)
+            elif len(placed) == 2:
+                two_placed.set()
+            return place(arrays)
+
+        feed._place = slow_place
+    else:
+        two_placed.set()
     gc.start()
-    # at rest: the fetcher blocked handing over its fifth chunk
+    assert two_placed.wait(WAIT)
+
+    # at rest: the fetcher blocked handing over a third queued chunk, the net's side full
     def at_rest() -> bool:
         return (source.inflight.get(next(iter(source.dealer.worker_ids)), 0) > 0
-                and sample(gc, "blobfeed_internal_queue_depth", source="train") == 4)
+                and sample(gc, "blobfeed_internal_queue_depth", source="train") == 2
+                and sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 1)
 
-    # bounded generously: this timed out once at 5 s in a loaded CI run (not
-    # reproduced in 20 runs since); the message says where it stood
+    # bounded generously; the message says where it stood
     try:
         wait_until(at_rest, "the fetcher blocked on a full queue", timeout=30)
     except AssertionError as err:

@@ -1,9 +1,10 @@
 """Ray actors as workers (``blobfeed.ray.RayBackend``): docs/CONTRACT.md,
 "Fetcher backends", on a real local Ray cluster of several simulated nodes.
 
-One cluster for the module (``ray.cluster_utils.Cluster``: a head with no
-CPUs, so every actor runs on a worker node, and two worker nodes of 2 CPUs;
-a third node is added and removed by the test that loses it).  Actors ask
+The session's one cluster (``ray_cluster`` in tests/conftest.py,
+``ray.cluster_utils.Cluster``: a head with no CPUs, so every actor runs on a
+worker node, and two worker nodes of 2 CPUs, the first with a "spot"; a
+third node is added and removed by the test that loses it).  Actors ask
 for a quarter of a CPU: the fetchers here sleep or do little, and a 2-core
 CI machine must hold them.  The simulated nodes share this machine, so the
 fetchers signal the tests through files, as in tests/test_processes.py.
@@ -40,7 +41,7 @@ from blobfeed.ray import RayBackend
 
 from . import test_determinism as det
 from . import test_epochs as ep
-from .helpers import drain, local_ray_cluster, sample, wait_until
+from .helpers import drain, sample, wait_until
 from .test_processes import (
     SHM_ROWS,
     WIDE,
@@ -80,25 +81,10 @@ def backend(**kw: Any) -> RayBackend:
     return RayBackend(actor_options=opts, **kw)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    with local_ray_cluster([{"num_cpus": 2, "resources": {"spot": 1}}, {"num_cpus": 2}]) as c:
-        # The cluster's first actors pay for what Ray starts lazily (worker
-        # processes, their imports): here, once, with a generous bound, not
-        # inside the first test's 5-20 s waits.
-        warm = [_Warm.options(num_cpus=0.25).remote() for _ in range(4)]
-        ray.get([w.ready.remote() for w in warm], timeout=120)
-        for w in warm:
-            ray.kill(w)
-        yield c
-
-
-@ray.remote
-class _Warm:
-    def ready(self) -> int:
-        import blobfeed  # noqa: F401  (what every test's actors import)
-
-        return os.getpid()
+@pytest.fixture
+def cluster(ray_cluster: Any) -> Any:
+    """The session's cluster (tests/conftest.py), its first actors already started."""
+    return ray_cluster
 
 
 @pytest.fixture

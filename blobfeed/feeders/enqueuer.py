@@ -190,6 +190,7 @@ class Feed:
             + (staged.n if staged is not None else 0)
             + (held.n if held is not None else 0)
             + (in_model.n if in_model is not None else 0)
+            + (reader.lent if reader is not None else 0)
             + sum(b.n for b in self.device_queue.snapshot())
         )
 

@@ -110,6 +110,9 @@ class BatchReader:
         self._first_checked = False
         #: the name of the net it feeds (Net.add_reader), None for none
         self.net: str | None = None
+        #: samples read() handed out and not yet returned or held: still the
+        #: source's (buffered), wherever the consumer keeps them
+        self.lent = 0
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -157,11 +160,16 @@ class BatchReader:
             BlobfeedError: the coordinator was never started.
         """
         held = self.take_held()
-        return held if held is not None else self.dequeue(timeout)
+        item = held if held is not None else self.dequeue(timeout)
+        if type(item) is Batch:
+            self.lent += item.n
+        return item
 
     def returned(self, batch: Batch | EpochEnd) -> None:
         """The consumer is done with ``batch`` (or passed the epoch end): it
         counts as delivered, and the source's position moves past it."""
+        if type(batch) is Batch:
+            self.lent = max(0, self.lent - batch.n)
         self.delivered(batch)
 
     def ready(self) -> int:
@@ -196,6 +204,7 @@ class BatchReader:
         feed = self._feed
         with feed._lock:
             self._in_model = None
+            self.lent = max(0, self.lent - batch.n)
             if not feed._aborted:
                 self._held = batch
                 return
@@ -320,7 +329,10 @@ class BatchReader:
             ok, batch = self._device_queue.get_nowait()
             if ok:
                 return batch  # type: ignore[return-value]
-            if feed.prefetch and not feed.fed_by_caller:
+            if not feed.fed_by_caller:
+                # without prefetch too: one pass under the feed's lock takes
+                # the chunks a small batch needs, where pump() would make a
+                # step (lock, drain, queue) of each chunk
                 batch = self._assemble_here()
                 if batch is not None:
                     return batch

@@ -297,12 +297,12 @@ class RayAttachment(Attached):
             self.inlet.fail(err)
             raise
         if counted is False:
-            err = ServiceError(
+            gone = ServiceError(
                 f"{self._service} no longer counts this consumer as attached (it was silent for longer than "
                 f"its lease of {self._lease:.3g} s, or detached): what it had not acknowledged was dealt again"
             )
-            self.inlet.fail(err)
-            raise err
+            self.inlet.fail(gone)
+            raise gone
 
     def _heartbeat(self) -> None:
         """Renew the lease while the net does not call run() (a long step,

@@ -824,8 +824,8 @@ class _ServiceCollector:
             for k, counter in (("delivered", c.delivered), ("acknowledged", c.acknowledged), ("redealt", c.redealt)):
                 for label, v in list(counter.items()):
                     fams[k].add_metric([name, label], v)
-            for label, v in list(c.waited.items()):
-                waited.add_metric([name, label], v)
+            for label, secs in list(c.waited.items()):
+                waited.add_metric([name, label], secs)
             for label, secs in list(c.run_waited.items()):
                 run_waited.add_metric([name, label], secs)
         yield consumers

@@ -520,3 +520,32 @@ def test_a_state_taken_while_an_acknowledgement_lands_is_one_moment() -> None:
         for s in chans:
             s.close()
         assert server.stop()
+
+
+@pytest.mark.parametrize("by_index", [False, True])
+def test_the_service_s_scrape_balances_while_a_consumer_holds_batches(tmp_path: Path, by_index: bool) -> None:
+    """Batches sent to a consumer and not acknowledged yet are still the
+    source's: its scrape counts them as buffered, so fetched == delivered +
+    dropped + buffered holds while a consumer holds them (it missed them)."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, max_buffered_batches=200,
+                        **(dict(num_consumers=1) if by_index else {}))
+    server.start()
+    out = tmp_path / "c.jsonl"
+    holder = consumer(server.address, out, "--hold-after", "2", *(["--index", "0", "--num", "1"] if by_index else []))
+    try:
+        wait_for(lambda: out.exists() and {"holding": 2} in lines(out), 30, "the holder's 2 batches")
+        counts = server.sources["train"].counts
+        # the service sent it more than it returned: those are out, unacknowledged
+        wait_for(lambda: sum(counts.delivered.values()) > 2, 30, "batches sent ahead")
+        every = len(feeds.all_ids(2))
+        wait_for(lambda: metric(server, "blobfeed_fetched_samples_total", source="train") == every, 30, "the fetch")
+        names = ("fetched_samples_total", "delivered_samples_total", "dropped_samples_total", "buffered_samples")
+        f, d, x, b = (metric(server, f"blobfeed_{n}", source="train") for n in names)
+        assert f == d + x + b, dict(fetched=f, delivered=d, dropped=x, buffered=b)
+        holder.send_signal(signal.SIGUSR1)
+        assert finish([holder]) == [0]
+    finally:
+        holder.kill()
+        server.stop()
+    assert sorted(i for b in batches(out) for i in b) == feeds.all_ids(2)

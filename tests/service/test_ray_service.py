@@ -2,9 +2,11 @@
 Ray"): ``blobfeed.ray.serve_on_ray`` and ``attach_source(...,
 address="ray://NAME")`` on a local Ray cluster of simulated nodes.
 
-One cluster for the module (``ray.cluster_utils.Cluster``: a head with no
-CPUs and two worker nodes of 2 CPUs, tagged ``a`` and ``b`` so that the
-service and each consumer are placed on a node of the test's choosing).
+The session's one cluster (``ray_cluster`` in tests/conftest.py,
+``ray.cluster_utils.Cluster``: a head with no CPUs and two worker nodes of 2
+CPUs, tagged ``a`` and ``b`` so that the service and each consumer are
+placed on a node of the test's choosing; the driver in the namespace
+``NAMESPACE``).
 Consumers are Ray tasks (their worker processes are reused: cheap) or, where
 a test kills one, Ray actors; everything asks for a quarter of a CPU so a
 2-core CI machine holds it.  Every wait is bounded.
@@ -21,7 +23,7 @@ import functools
 import os
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -34,10 +36,9 @@ import blobfeed
 from blobfeed.ray import RayBackend, RayService, serve_on_ray
 
 from . import feeds
-from ..helpers import local_ray_cluster
 from .test_service import local_streams
 
-NAMESPACE = "blobfeed-service-tests"
+NAMESPACE = "blobfeed-service-tests"  # the driver's: RAY_NAMESPACE in tests/conftest.py
 #: the bound of every wait here
 WAIT = 30.0
 #: what every task and actor here asks for; NODE[x]: placed on node x
@@ -47,21 +48,10 @@ NODE = {"a": {"a": 0.01}, "b": {"b": 0.01}}
 LEASE = 2.0
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    with local_ray_cluster([{"num_cpus": 2, "resources": {"a": 1}}, {"num_cpus": 2, "resources": {"b": 1}}],
-                           namespace=NAMESPACE) as c:
-        # what Ray starts lazily (worker processes, their imports) is paid
-        # for here, once, with a generous bound, not inside a test's waits
-        ray.get([_warm.options(num_cpus=CPU, resources=NODE[n]).remote() for n in "abab"], timeout=120)
-        yield c
-
-
-@ray.remote
-def _warm() -> str:
-    import blobfeed  # noqa: F401  (what every consumer imports)
-
-    return ray.get_runtime_context().get_node_id()
+@pytest.fixture
+def cluster(ray_cluster: Any) -> Any:
+    """The session's cluster (tests/conftest.py): its worker processes started, blobfeed imported in them."""
+    return ray_cluster
 
 
 def wire(workers: int = 2, **kw: Any) -> None:

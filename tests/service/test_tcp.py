@@ -422,20 +422,42 @@ def test_a_batch_read_off_the_stream_is_the_service_s_bytes_read_only() -> None:
         fake.close()
 
 
-def test_batches_held_when_the_service_goes_away_after_the_end_are_not_handed_out() -> None:
+class _SlowFailure(logging.Handler):
+    """Holds the thread that fails a source for ``delay`` seconds at its
+    "stopped by a fetcher error" log line: after the source's error is set,
+    before its nets' device queues are aborted (a loaded machine)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(logging.ERROR)
+        self.delay = delay
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "stopped by a fetcher error" in record.getMessage():
+            time.sleep(self.delay)
+
+
+@pytest.mark.parametrize("slow_failure", [False, True], ids=["", "slow-failure"])
+def test_batches_held_when_the_service_goes_away_after_the_end_are_not_handed_out(slow_failure: bool) -> None:
     """The stream's end came with a batch still unacknowledged, then the
     service went away: its acknowledgement could not be counted, so the
     consumer must not return it (a resumed service deals it again).  It
-    used to stop reading at the end and hand it out."""
+    used to stop reading at the end and hand it out.  ``slow_failure``: the
+    failure takes a while to reach the net after the source's error is set
+    (what made this test see "DID NOT RAISE" once under load, when it waited
+    for the error only)."""
     ids = np.array([5, 6, 7], dtype=np.int64)
     fake = FakeService([batch_frame(ids), frame({"t": "end", "error": None, "kind": "end"})])
     net = blobfeed.Net(None)
+    slow = _SlowFailure(0.5)
+    if slow_failure:
+        logging.getLogger("blobfeed.feeders").addHandler(slow)
     try:
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10) as att:
             wait_for(lambda: att.inlet.error is not None, 10, "the consumer to see the service go")
             with pytest.raises(blobfeed.ServiceError, match="acknowledged the 1 items"):
                 net.run(timeout=10)
     finally:
+        logging.getLogger("blobfeed.feeders").removeHandler(slow)
         fake.close()
 
 
