@@ -14,6 +14,7 @@ from .coordinator import (
     init_data_input_workers,
     init_workers,
 )
+from .autotune import AutoWorkers
 from .errors import BlobfeedError, BlobfeedWarning, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
 from .feeders.indexed import IndexedReadError, RandomAccessSource
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Attachment",
+    "AutoWorkers",
     "BlobfeedError",
     "BlobfeedWarning",
     "BlobsQueue",

@@ -144,6 +144,12 @@ class _Collector:
         )
         timeouts = CounterMetricFamily("blobfeed_dequeue_timeouts", "DequeueTimeouts raised.", labels=SN)
         alive = GaugeMetricFamily("blobfeed_workers_alive", "Fetcher threads running.", labels=S)
+        workers = GaugeMetricFamily(
+            "blobfeed_workers",
+            "Workers the source runs on now: its wiring's count, or the last set_num_workers' "
+            "(num_worker_threads='auto': the tuner's choice).",
+            labels=S,
+        )
         ips = GaugeMetricFamily(
             "blobfeed_inputs_per_second",
             "Samples/s fetched over the last few seconds (Caffe2's inputs_per_sec, as a gauge).",
@@ -239,6 +245,9 @@ class _Collector:
                 iq_cap.add_metric([name], live.queue_capacity())
                 iq_bytes.add_metric([name], live.queue_bytes())
                 alive.add_metric([name], live.workers_alive())
+                count = getattr(live, "worker_count", None)
+                if count is not None:
+                    workers.add_metric([name], count)
                 buffered.add_metric([name], live.buffered_samples())
                 depths: dict[str, int] = {}
                 for net, depth in live.device_queue_depths():
@@ -255,7 +264,7 @@ class _Collector:
                 bottleneck.add_metric([v.source, v.net, v.stage], 1)
         yield from (
             chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap, iq_bytes,
-            dq_depth, wait_s, timeouts, alive, ips, delivered, dropped, skipped, buffered, deaths, transport,
+            dq_depth, wait_s, timeouts, alive, workers, ips, delivered, dropped, skipped, buffered, deaths, transport,
             build, first, busy, model_s, bottleneck,
         )
 

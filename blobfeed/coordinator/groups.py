@@ -363,6 +363,14 @@ class DataInputCoordinator(WorkerCoordinator):
         self.seed: int = seed
         self._fetch_stats: list[FetchStats] = []
         self._last_log: tuple[float, float, int, float, int] | None = None
+        #: every worker's intake by worker id (set_num_workers retires them)
+        self._intakes: dict[int, WorkerIntake] = {}
+        #: the fetch_fun the workers were launched with (a Replayed one
+        #: wraps the user's): workers added later run the same
+        self._launched: FetchFun = fetch_fun
+        #: a fetch_fun source in arrival order: its worker count can change
+        #: while it runs (set_num_workers, num_worker_threads="auto")
+        self.elastic = source.dealing.in_arrival_order and not isinstance(fetch_fun, UnitReader)
 
     @property
     def batch_size(self) -> int:
@@ -388,43 +396,69 @@ class DataInputCoordinator(WorkerCoordinator):
             return []
         return [(f"blobfeed-enqueue-{self.name}-{self.feed.net_name}", self._enqueue)]
 
-    def add_workers(self, worker_ids: list[int]) -> None:
-        """Start more workers of a running random-access source (their ids
-        allocated and their lanes wired already)."""
-        fetch_fun = self._fetch_fun
-        assert isinstance(fetch_fun, UnitReader)
+    def add_workers(self, worker_ids: list[int], num_workers: int | None = None) -> None:
+        """Start more workers of a running random-access source, or of a
+        fetch_fun source in arrival order (their ids allocated, registered
+        with the source and their lanes wired already); ``num_workers``:
+        the source's worker count from now on (their WorkerInfo's)."""
         first = len(self.worker_ids)
         self.worker_ids.extend(worker_ids)
-        workers = self._plans(worker_ids, first)
-        self._more_groups.append(self.backend.launch(LaunchPlan(
-            self.name, fetch_fun, self._worker_init_fun, workers,
-            self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
-        )))
+        workers = self._plans(worker_ids, first, num_workers)
+        fetch_fun = self._launched
+        if isinstance(fetch_fun, UnitReader):
+            plan = LaunchPlan(
+                self.name, fetch_fun, self._worker_init_fun, workers,
+                self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
+            )
+        else:
+            plan = LaunchPlan(
+                self.name, fetch_fun, self._worker_init_fun, workers,
+                self._batch_size_hint, self._gc._thread_ended,
+                epochs=self.source.epochs, first_epoch=self.source.dealer.epoch, elastic=self.elastic,
+            )
+        try:
+            group = self.backend.launch(plan)
+        except BaseException:
+            # they never ran: the source does not wait for their end
+            for w in workers:
+                self.source.fetcher_started()
+                w.intake.retired = True
+                w.intake.finished(False)
+            raise
+        self._more_groups.append(group)
 
-    def _plans(self, worker_ids: list[int], first: int = 0) -> list[WorkerPlan]:
+    def retire_workers(self, worker_ids: list[int]) -> None:
+        """Make the workers ``worker_ids`` of this group (a running fetch_fun
+        source in arrival order) finish their current call, hand over what
+        it gave and end, without counting as exhausted.  Never waits."""
+        mine = [wid for wid in worker_ids if wid in self._intakes]
+        for wid in mine:
+            self._intakes[wid].retired = True
+        for g in [self._group, *self._more_groups]:
+            if g is not None and mine:
+                g.retire(mine)
+
+    def active_workers(self) -> list[int]:
+        """This group's worker ids not removed by set_num_workers."""
+        return [wid for wid in self.worker_ids if wid in self._intakes and not self._intakes[wid].retired]
+
+    def _plans(self, worker_ids: list[int], first: int = 0, num_workers: int | None = None) -> list[WorkerPlan]:
         hub = self._hub
         backend = self.backend
         workers = []
-        n = len(self.worker_ids)
+        n = len(self.worker_ids) if num_workers is None else num_workers
         for index, wid in enumerate(worker_ids, first):
             stats = hub.fetch_stats(self.name, backend.name)
             self._fetch_stats.append(stats)
             seed, rng = worker_seeds(self.seed, wid)
             intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
+            self._intakes[wid] = intake
             workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
         return workers
 
     def _launch_workers(self) -> WorkerGroup:
-        hub = self._hub
         backend = self.backend
-        workers = []
-        n = len(self.worker_ids)
-        for index, wid in enumerate(self.worker_ids):
-            stats = hub.fetch_stats(self.name, backend.name)
-            self._fetch_stats.append(stats)
-            seed, rng = worker_seeds(self.seed, wid)
-            intake = WorkerIntake(self.source, wid, self.feed.blob_names, self._on_error, stats, backend.name)
-            workers.append(WorkerPlan(wid, WorkerInfo(wid, index, n, self.name, seed, rng), intake))
+        workers = self._plans(self.worker_ids)
         fetch_fun = self._fetch_fun
         if isinstance(fetch_fun, UnitReader):
             # a random-access source: the workers take read units, whatever
@@ -441,10 +475,11 @@ class DataInputCoordinator(WorkerCoordinator):
         # with each chunk, whatever the dealer does with it.
         if any(calls for calls, _ in start.values()) or is_stateful(fetch_fun):
             fetch_fun = Replayed(fetch_fun, start)
+        self._launched = fetch_fun
         return backend.launch(LaunchPlan(
             self.name, fetch_fun, self._worker_init_fun, workers,
             self._batch_size_hint, self._gc._thread_ended,
-            epochs=self.source.epochs, first_epoch=self.source.dealer.epoch,
+            epochs=self.source.epochs, first_epoch=self.source.dealer.epoch, elastic=self.elastic,
         ))
 
     def _enqueue(self) -> None:

@@ -23,6 +23,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 
 from ..arguments import check_index, check_timeout, wait_bound
+from ..autotune import TICK_S as AUTOTUNE_TICK_S, AutoTuner
 from ..bottleneck import Bottleneck, BottleneckTracker, fetcher_threads
 from ..errors import EndOfInput
 from ..feeders import Feed, InputSource
@@ -114,6 +115,8 @@ class GlobalCoordinator:
         self._registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._hub = MetricsHub()
         self._bottleneck = BottleneckTracker(self._hub)
+        #: the sources wired with num_worker_threads="auto" (blobfeed.autotune)
+        self._autotune = AutoTuner(self)
         register_collector(self._registry, self._hub)
         self._make_locks()
         #: the groups, the sources by name, the worker ids (under _lock)
@@ -689,8 +692,10 @@ class GlobalCoordinator:
                 raise ValueError(f"source {name!r} already started: load_state_dict() goes before start()")
             checkpoint.load_state(source, state)
 
-    #: ``set_num_workers(name, n)``: a running random-access source's worker count (see elastic)
+    #: ``set_num_workers(name, n)``: a running source's worker count (see elastic)
     set_num_workers = elastic.set_num_workers
+    #: ``num_workers(name)``: the workers a source runs on now (see elastic)
+    num_workers = elastic.num_workers
 
     @overload
     def reset_data_input(self, name: str, net: Net, batch_size: int) -> None: ...
@@ -751,14 +756,26 @@ class GlobalCoordinator:
     def _monitor_loop(self, stop: threading.Event) -> None:
         tick = min(RATE_TICK_S, self.log_interval)
         next_log = time.monotonic() + self.log_interval
-        # Event.wait as a timer: a stop wakes it at once.
-        while not stop.wait(tick):
+        next_rates = 0.0
+        # Event.wait as a timer: a stop wakes it at once; faster while a
+        # source's worker count is tuned (num_worker_threads="auto")
+        while not stop.wait(min(tick, AUTOTUNE_TICK_S) if self._autotune.active else tick):
             try:
                 now = time.monotonic()
-                self._hub.update_rates(now)
                 with self._lock:
                     coordinators = list(self._coordinators)
-                self._bottleneck.observe(now, self._hub.totals(), fetcher_threads(coordinators))
+                totals = None
+                if self._autotune.active:
+                    totals = self._hub.totals()
+                    try:
+                        self._autotune.tick(now, totals, coordinators)
+                    except Exception:
+                        logger.exception("blobfeed worker-count tuner tick failed")
+                if now < next_rates:
+                    continue
+                next_rates = now + tick * 0.9
+                self._hub.update_rates(now)
+                self._bottleneck.observe(now, totals or self._hub.totals(), fetcher_threads(coordinators))
                 if now >= next_log:
                     next_log = now + self.log_interval
                     for c in coordinators:
@@ -781,6 +798,7 @@ class GlobalCoordinator:
         self._stopper = None
         self._hub.reset_after_fork()
         self._bottleneck.forget()
+        self._autotune.forget()
 
     def __enter__(self) -> "GlobalCoordinator":
         return self

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 import numpy as np
 
 from ..arguments import check_flag, check_index, check_timeout
+from ..autotune import AutoWorkers, as_auto
 from ..feeders.reading import BatchReader
 from ..feeders import (
     Feed,
@@ -142,7 +143,7 @@ def init_data_input_workers(
     input_blob_names: Sequence[str],
     fetch_fun: FetchFun,
     batch_size: int,
-    num_worker_threads: int = 2,
+    num_worker_threads: int | Literal["auto"] | AutoWorkers = 2,
     input_source_name: str = "train",
     max_buffered_batches: int = 800,
     init_fun: InitFun | None = None,
@@ -183,7 +184,17 @@ def init_data_input_workers(
             and its batch stream does not depend on the workers or nets
             (docs/SOURCES.md).
         batch_size: samples per batch (the last batch of an ended source may be smaller).
-        num_worker_threads: fetcher threads for this call.
+        num_worker_threads: fetcher threads for this call; or ``"auto"``
+            (or :class:`~blobfeed.AutoWorkers` with bounds): the source
+            starts with one worker and the coordinator adds workers while
+            the nets wait for input and one more raises the throughput, and
+            removes them when they idle, within the CPUs this process may
+            use, ``max_buffered_bytes`` and a hard cap (docs/TUNING.md).  On
+            a ``fetch_fun`` source it needs arrival order (not
+            ``deterministic``, no ``shuffle_buffer``, ``epochs=1``, not
+            ``equal``), threads or processes, and a ``fetch_fun`` that does
+            not split the data by worker (``get_worker_info().num_workers``
+            changes while it runs).  Every call for one source agrees on it.
         input_source_name: calls with the same name share one internal queue
             (data parallel: every sample reaches exactly one net).
         max_buffered_batches: bound of the internal queue, in chunks (the first
@@ -272,7 +283,7 @@ def _wire(
     input_blob_names: Sequence[str],
     fetch_fun: FetchFun,
     batch_size: int,
-    num_worker_threads: int = 2,
+    num_worker_threads: int | Literal["auto"] | AutoWorkers = 2,
     input_source_name: str = "train",
     max_buffered_batches: int = 800,
     init_fun: InitFun | None = None,
@@ -321,7 +332,8 @@ def _wire(
     else:
         check_call("fetch_fun", fetch_fun, ("worker_id", "batch_size"))
     batch_size = check_index("batch_size", batch_size)
-    num_worker_threads = check_index("num_worker_threads", num_worker_threads)
+    auto = as_auto(num_worker_threads)
+    num_worker_threads = auto.start if auto is not None else check_index("num_worker_threads", num_worker_threads)
     max_buffered_batches = check_index("max_buffered_batches", max_buffered_batches)
     device_queue_capacity = check_index("device_queue_capacity", device_queue_capacity)
     if batch_columns is None:
@@ -389,6 +401,10 @@ def _wire(
             )
     if spec is None:
         runner.check(fetch_fun, worker_init_fun)
+        if auto is not None:
+            _check_auto_fetch_fun(input_source_name, runner, DealingOptions(
+                deterministic, shuffle_buffer, epochs, equal, drop_last and equal, False,
+            ))
     clash = sorted(set(names).intersection(net.output_names)) if net is not None else []
     if net is not None and clash:
         raise ValueError(
@@ -464,6 +480,14 @@ def _wire(
                     f"shuffle_buffer, epochs or equal) and already started: "
                     "wire every net before start()"
                 )
+            tuned = gc._autotune.tuned(input_source_name)
+            if tuned != (auto is not None):
+                raise ValueError(
+                    f"source {input_source_name!r} was wired with num_worker_threads="
+                    f"{'auto' if tuned else 'a number'}; this call asks for "
+                    f"{num_worker_threads if auto is None else repr('auto')}: every call for one source "
+                    "agrees on whether its worker count is tuned"
+                )
             if spec is not None:
                 assert isinstance(fetch_fun, UnitReader)
                 _same_random_access(input_source_name, source, fetch_fun, spec)
@@ -498,11 +522,31 @@ def _wire(
         gc._sources[input_source_name] = source
         ids = gc._allocate(num_worker_threads)
         source.add_workers(ids)
+        source.worker_count += num_worker_threads
+        if auto is not None:
+            gc._autotune.add(input_source_name, auto, num_worker_threads, source)
         gc._add(DataInputCoordinator(
             gc, source, net, feed, fetch_fun, ids, init_fun, loggers, on_error, base_seed,
             runner, worker_init_fun,
         ))
     return gc, reader
+
+
+def _check_auto_fetch_fun(name: str, runner: FetcherBackend, dealing: DealingOptions) -> None:
+    """Refuse ``num_worker_threads="auto"`` for a fetch_fun source whose
+    worker count cannot change while it runs."""
+    if not dealing.in_arrival_order:
+        raise ValueError(
+            f"source {name!r}: num_worker_threads='auto' changes the worker count while the source "
+            f"runs, and this fetch_fun source keeps a lane per worker ({dealing.describe()}: only "
+            "deterministic=False, shuffle_buffer=0, epochs=1, equal=False takes chunks as they come); use a fixed num_worker_threads, or a random-access source "
+            "(an object with __len__ and __getitem__), whose stream does not depend on its workers"
+        )
+    if not getattr(runner, "elastic", False):
+        raise ValueError(
+            f"source {name!r}: num_worker_threads='auto' needs a backend that can add and remove "
+            f"workers of a running fetch_fun source (threads, processes), not {runner!r}"
+        )
 
 
 def _random_access_source(
@@ -548,7 +592,7 @@ def init_reader(
     input_blob_names: Sequence[str],
     fetch_fun: FetchFun,
     batch_size: int,
-    num_worker_threads: int = 2,
+    num_worker_threads: int | Literal["auto"] | AutoWorkers = 2,
     input_source_name: str = "train",
     *,
     reader_name: str = "reader",

@@ -66,6 +66,10 @@ class LaunchPlan(NamedTuple):
     #: (:class:`~blobfeed.feeders.indexed.UnitDispenser`): a thread worker's
     #: ``fetch_fun`` takes them itself; a process worker gets them down a pipe
     units: Any = None
+    #: a fetch_fun source whose worker count may change while it runs
+    #: (``set_num_workers``, ``num_worker_threads="auto"``): its workers can
+    #: be told one by one to stop (:meth:`WorkerGroup.retire`)
+    elastic: bool = False
 
 
 class WorkerGroup(Protocol):
@@ -81,6 +85,12 @@ class WorkerGroup(Protocol):
 
     def alive(self) -> list[str]:
         """Names of the workers (and helper threads) still running."""
+
+    def retire(self, worker_ids: Sequence[int]) -> None:
+        """Make the workers ``worker_ids`` (their intakes' ``retired`` set
+        already) make no further call once their current one returned;
+        never waits.  Backends that do not have it cannot shrink a running
+        fetch_fun source."""
 
 
 @runtime_checkable
@@ -106,6 +116,7 @@ def run_worker(
     info: WorkerInfo | None,
     epochs: int | None = 1,
     first_epoch: int = 0,
+    elastic: bool = False,
 ) -> None:
     """One worker's loop (:func:`~blobfeed.feeders.worker_loop.worker_events`)
     in the thread that runs it, each event handed to the intake at once,
@@ -113,7 +124,9 @@ def run_worker(
     exhausted = False
     intake.started()
     # asked before every call: a C-level partial, no Python frame per chunk
-    halted = functools.partial(getattr, intake.source, "halted")
+    # (a worker of a source whose worker count may change asks its intake,
+    # which also knows whether set_num_workers removed it)
+    halted = intake.stop_asked if elastic else functools.partial(getattr, intake.source, "halted")
     events = worker_events(
         fetch_fun, worker_init_fun, intake.worker_id, info, hint, halted, epochs, first_epoch,
     )
@@ -174,6 +187,9 @@ class _ThreadGroup:
     def alive(self) -> list[str]:
         return [t.name for t in self._threads if t.is_alive()]
 
+    def retire(self, worker_ids: Sequence[int]) -> None:
+        pass  # each thread asks its intake before every call (run_worker)
+
 
 class ThreadBackend:
     """Workers are daemon threads of this process (``backend="threads"``).
@@ -184,6 +200,8 @@ class ThreadBackend:
 
     #: runs random-access sources (gives its workers read units: LaunchPlan.units)
     random_access = True
+    #: can add and remove workers of a running fetch_fun source (LaunchPlan.elastic, WorkerGroup.retire)
+    elastic = True
     name = "threads"
 
     def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:
@@ -195,7 +213,7 @@ class ThreadBackend:
             name = f"blobfeed-fetch-{plan.source}-{w.worker_id}"
             body = functools.partial(
                 run_worker, w.intake, plan.fetch_fun, plan.worker_init_fun, plan.batch_size_hint, w.info,
-                plan.epochs, plan.first_epoch,
+                plan.epochs, plan.first_epoch, plan.elastic,
             )
             threads.append(threading.Thread(
                 target=thread_main, args=(name, body, plan.on_thread_exit), name=name, daemon=True

@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -76,6 +76,8 @@ class ProcessBackend:
 
     #: runs random-access sources (gives its workers read units: LaunchPlan.units)
     random_access = True
+    #: can add and remove workers of a running fetch_fun source (LaunchPlan.elastic, WorkerGroup.retire)
+    elastic = True
     name = "processes"
 
     def __init__(self, *, slots: int = 8, slot_bytes: int = 16 * 1024 * 1024, start_method: str = "forkserver") -> None:
@@ -778,6 +780,20 @@ class _ProcessGroup:
                 except ValueError:
                     pass  # closed meanwhile: the worker has ended
             wk.ring.stop()
+
+    def retire(self, worker_ids: Sequence[int]) -> None:
+        """Tell the worker processes ``worker_ids`` to make no further call:
+        each sends what it fetched and returns (an exit with code 0 after
+        its last message, not a death); its receiver hands every message
+        over and ends.  Never waits."""
+        ids = set(worker_ids)
+        for wk in list(self.workers):
+            area = wk.area
+            if wk.plan.worker_id in ids and area is not None:
+                try:
+                    area.set_stop()
+                except ValueError:
+                    pass  # closed meanwhile: the worker has ended
 
     def join(self, deadline: float | None) -> list[str]:
         def left() -> float | None:

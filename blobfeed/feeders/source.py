@@ -114,6 +114,9 @@ class InputSource:
         self.hub = hub
         self._lock = threading.Lock()
         self._fetchers_registered = 0
+        #: the workers the source runs on (its wiring calls', then the last
+        #: set_num_workers'): the gauge blobfeed_workers
+        self.worker_count = 0
         self._fetchers_running = 0
         self._fetchers_finished = 0
         self.error: BaseException | None = None
@@ -173,6 +176,19 @@ class InputSource:
                 self._fetchers_finished += 1
             last = self._fetchers_finished == self._fetchers_registered
         if last and exhausted:
+            logger.info("source %r: every fetcher finished; draining", self.name)
+            self.dealer.end_of_input()
+
+    def fetcher_left(self) -> None:
+        """A fetcher removed while the source runs (``set_num_workers``)
+        ended without StopIteration: it no longer counts among those whose
+        end the source waits for; when every other one has finished already,
+        the stream ends after what is queued."""
+        with self._lock:
+            self._fetchers_running -= 1
+            self._fetchers_registered -= 1
+            last = 0 < self._fetchers_finished == self._fetchers_registered
+        if last:
             logger.info("source %r: every fetcher finished; draining", self.name)
             self.dealer.end_of_input()
 
@@ -353,6 +369,10 @@ class WorkerIntake:
         self.backend = backend
         #: index of the next fetch_fun call (the ``seq`` of its chunk)
         self.calls = 0
+        #: set (a plain store) when ``set_num_workers`` removes this worker
+        #: from a running fetch_fun source: it makes no further call, hands
+        #: over what it holds and leaves without ending the source's data
+        self.retired = False
         #: where this worker's chunks go (the dealer's, chosen per worker once)
         self._put = source.dealer.sink(worker_id)
         #: the source's checks_version this worker's chunks were checked at
@@ -381,13 +401,21 @@ class WorkerIntake:
         self.calls = 0
         return self.source.dealer.end_epoch(self.worker_id, state)
 
+    def stop_asked(self) -> bool:
+        """Whether the worker should make no further call: the source
+        stopped or failed, or this worker was removed (:attr:`retired`)."""
+        return self.retired or self.source.halted
+
     def finished(self, exhausted: bool) -> None:
         """The worker ended; ``exhausted``: by StopIteration (its data is done)."""
         self.source.inflight.pop(self.worker_id, None)
         self.source.empty_runs.pop(self.worker_id, None)
         if exhausted:
             self.source.dealer.finish(self.worker_id)
-        self.source.fetcher_finished(exhausted)
+        if self.retired and not exhausted:
+            self.source.fetcher_left()
+        else:
+            self.source.fetcher_finished(exhausted)
 
     def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0) -> bool:
         """One value ``fetch_fun`` returned.  Returns False when the worker must stop."""
