@@ -19,6 +19,9 @@ LAYERS: dict[str, int] = {
     "blobfeed.errors": 0, "blobfeed.arguments": 0, "blobfeed.worker_info": 0, "blobfeed.stats": 0,
     # the bottleneck verdict: reads the hub's sums (types only)
     "blobfeed.bottleneck": 0.5,
+    # the worker-count tuner (num_worker_threads="auto"): reads the verdict's
+    # snapshots, acts through the coordinator it is handed
+    "blobfeed.autotune": 0.6,
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
@@ -41,6 +44,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.net": 10, "blobfeed.metrics": 10,
     "blobfeed.coordinator.groups": 10.2, "blobfeed.coordinator.registry": 10.3,
     "blobfeed.coordinator.checkpoint": 10.3, "blobfeed.coordinator.elastic": 10.4,
+    "blobfeed.coordinator.monitor": 10.45,
     "blobfeed.coordinator.lifecycle": 10.5,
     "blobfeed.coordinator.wiring": 10.6,
     "blobfeed.coordinator": 11,

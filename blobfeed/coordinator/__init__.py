@@ -10,6 +10,7 @@ parts, each in a module named for its job (imports run down this list):
 * ``checkpoint``: ``state_dict`` / ``load_state_dict``: layout, validation;
 * ``lifecycle``: :class:`GlobalCoordinator` start/stop/join, the stopper and
   monitor threads, atexit and fork hooks;
+* ``monitor``: the monitor thread's body (rates, the verdict, the tuner, the loggers);
 * ``wiring``: ``init_workers``, ``init_data_input_workers``, argument checks.
 """
 
@@ -17,13 +18,13 @@ from .groups import DataInputCoordinator, WorkerCoordinator, _GenericCoordinator
 from .lifecycle import (
     ATEXIT_JOIN_TIMEOUT,
     DEFAULT_JOIN_TIMEOUT,
-    RATE_TICK_S,
     GlobalCoordinator,
     _inside_blobfeed,
     _is_core,
     _Stopper,
     global_coordinator,
 )
+from .monitor import RATE_TICK_S
 from .wiring import InitFun, init_data_input_workers, init_reader, init_workers, resolve_backend
 
 __all__ = [

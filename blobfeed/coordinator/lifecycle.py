@@ -23,8 +23,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 
 from ..arguments import check_index, check_timeout, wait_bound
-from ..autotune import TICK_S as AUTOTUNE_TICK_S, AutoTuner
-from ..bottleneck import Bottleneck, BottleneckTracker, fetcher_threads
+from ..autotune import AutoTuner
+from ..bottleneck import Bottleneck, BottleneckTracker
 from ..errors import EndOfInput
 from ..feeders import Feed, InputSource
 from ..feeders.backends import runs_user_code
@@ -34,6 +34,7 @@ from ..net import Net
 from ..stats import MetricsHub
 from . import checkpoint, elastic
 from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator, _on_host
+from .monitor import monitor_loop
 from .registry import Registry
 
 logger = logging.getLogger("blobfeed.coordinator")
@@ -42,8 +43,6 @@ logger = logging.getLogger("blobfeed.coordinator")
 DEFAULT_JOIN_TIMEOUT = 5.0
 #: At interpreter exit nothing should hold the process for long.
 ATEXIT_JOIN_TIMEOUT = 0.25
-#: Seconds between updates of ``blobfeed_inputs_per_second``.
-RATE_TICK_S = 1.0
 
 
 _live_coordinators: "weakref.WeakSet[GlobalCoordinator]" = weakref.WeakSet()
@@ -749,39 +748,9 @@ class GlobalCoordinator:
             return
         self._monitor_stop = threading.Event()
         self._monitor = threading.Thread(
-            target=self._monitor_loop, args=(self._monitor_stop,), name="blobfeed-monitor", daemon=True
+            target=monitor_loop, args=(self, self._monitor_stop), name="blobfeed-monitor", daemon=True
         )
         self._monitor.start()
-
-    def _monitor_loop(self, stop: threading.Event) -> None:
-        tick = min(RATE_TICK_S, self.log_interval)
-        next_log = time.monotonic() + self.log_interval
-        next_rates = 0.0
-        # Event.wait as a timer: a stop wakes it at once; faster while a
-        # source's worker count is tuned (num_worker_threads="auto")
-        while not stop.wait(min(tick, AUTOTUNE_TICK_S) if self._autotune.active else tick):
-            try:
-                now = time.monotonic()
-                with self._lock:
-                    coordinators = list(self._coordinators)
-                totals = None
-                if self._autotune.active:
-                    totals = self._hub.totals()
-                    try:
-                        self._autotune.tick(now, totals, coordinators)
-                    except Exception:
-                        logger.exception("blobfeed worker-count tuner tick failed")
-                if now < next_rates:
-                    continue
-                next_rates = now + tick * 0.9
-                self._hub.update_rates(now)
-                self._bottleneck.observe(now, totals or self._hub.totals(), fetcher_threads(coordinators))
-                if now >= next_log:
-                    next_log = now + self.log_interval
-                    for c in coordinators:
-                        c._call_loggers()
-            except Exception:
-                logger.exception("blobfeed monitor tick failed")
 
     def bottleneck(self) -> list[Bottleneck]:
         """What limits each net fed from each live source, judged about once a second over
