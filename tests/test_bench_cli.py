@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import multiprocessing
 import os
@@ -106,6 +107,15 @@ def _peer_results() -> dict[str, dict[str, Any]]:
                               **_costs(service=(2200.0, 80.0), consumer=(320.0, 3.0))),
         "attach/service": {"first_batch_ms": 12.0, "attach_ms_max": 20.0, "attach_cycles": 5, "peak_rss_mb": 300.0,
                            "samples_lost": 0},
+        # random-access sources: W1i 0.93 x W1 (300), W2i 0.94 x W2 (500); W7 shuffled 0.91 x its
+        # sequential read, 1.67 x the best of its peers (grainmap2, 120)
+        "W1i/blobfeed": _result(batches_per_s=280.0),
+        "W2i/blobfeed": _result(batches_per_s=470.0),
+        "W7/blobfeed": _result(batches_per_s=200.0, pss_mb=2100.0),
+        "W7/sequential": _result(batches_per_s=220.0, pss_mb=2100.0),
+        **{f"W7/{p}": {k: v for k, v in _result(batches_per_s=120.0 if p == "grainmap2" else 60.0 + 5 * i,
+                                                pss_mb=2000.0).items() if k != "samples_lost"}
+           for i, p in enumerate(workloads.W7_PEERS)},
     }
 
 
@@ -144,7 +154,11 @@ def test_help_shows_every_default_and_the_total_time() -> None:
     assert "(default: 3)" in out
     assert "(default: none)" in out  # --json
     assert f"{', '.join(workloads.WORKLOADS)}, or all" in out  # every workload, and the whole set
-    assert "W2s, or all" in out
+    assert "W7, or all" in out
+    # W7 is opt-in, and the help says its first run writes a 2 GB file, and where
+    assert "W7" not in DEFAULT
+    assert "the first run that includes W7 writes W7's record file, 2 GB, into" in out
+    assert workloads.W7_VERSION in out
     # The default invocation's length, before anyone starts it ...
     m = re.search(r"The default invocation runs (\d+) measurements \((\d+) per repeat x 3 repeats\) "
                   r"and takes about (\d+) s \(([\d.]+) min\)", out)
@@ -218,8 +232,8 @@ def test_workloads_parse_by_name_in_any_case_or_all() -> None:
     assert cli.parse_workloads("w1p, W2") == ["W1p", "W2"]
     assert cli.parse_workloads("all") == list(workloads.WORKLOADS)
     assert cli.parse_workloads("W6p,all") == ["W6p"] + [w for w in workloads.WORKLOADS if w != "W6p"]
-    with pytest.raises(ValueError, match="W7"):
-        cli.parse_workloads("W1,W7")
+    with pytest.raises(ValueError, match="W9"):
+        cli.parse_workloads("W1,W9")
 
 
 def test_an_unknown_workload_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,7 +268,7 @@ def test_a_missed_target_exits_1_and_is_named(monkeypatch: pytest.MonkeyPatch, c
 
 
 @pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4", "W5", "W6", "W1p", "W2p", "W4p", "W6p",
-                                      "W1d", "W2d", "W4pd", "W1s", "W2s"])
+                                      "W1d", "W2d", "W4pd", "W1s", "W2s", "W1i", "W2i", "W7"])
 def test_a_lost_sample_exits_1(
     workload: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -383,6 +397,13 @@ def test_a_peer_target_uses_the_best_peer_that_ran_and_names_the_missing() -> No
          r"\(171 us against the pipelines' 140 us\)"),
         (("attach/service", "first_batch_ms", 65.0),
          r"  attach first batch after attach_source <= 50 ms: measured 65\.00 \(slowest of 5: 20 ms\)"),
+        (("W1i/blobfeed", "batches_per_s", 240.0), r"  W1i batches/s vs W1 >= 0\.9: measured 0\.80"),
+        (("W2i/blobfeed", "batches_per_s", 440.0), r"  W2i batches/s vs W2 >= 0\.9: measured 0\.88"),
+        (("W7/sequential", "batches_per_s", 400.0),
+         r"  W7 batches/s shuffled vs its own sequential read >= 0\.8: measured 0\.50"),
+        (("W7/torchmap4", "batches_per_s", 160.0),
+         r"  W7 batches/s vs torch's and grain's map-style loaders at their best worker count >= 1\.5: "
+         r"measured 1\.25 \(best: torchmap4\)"),
     ],
 )
 def test_a_missed_new_target_exits_1(
@@ -823,11 +844,12 @@ def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runne
 
 @pytest.fixture(scope="module")
 def w1_family_run() -> subprocess.CompletedProcess[str]:
-    """One tiny real run of W1, its ordered modes and its process workers
-    (W1p), which the three tests below read: one CLI, one estimate, one
-    verdict over all four, 0.3 s a measurement."""
+    """One tiny real run of W1, its ordered modes, its process workers
+    (W1p) and the random-access sources W1i and W2i (W2i without W2), which
+    the tests below read: one CLI, one estimate, one verdict over all six,
+    0.3 s a measurement."""
     return subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1,W1d,W1s,W1p", "--seconds", "0.3",
+        [sys.executable, "-m", "blobfeed.apps.cli", "bench", "--workloads", "W1,W1d,W1s,W1p,W1i,W2i", "--seconds", "0.3",
          "--repeats", "1"],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
     )
@@ -1282,3 +1304,225 @@ def test_a_ratio_never_reads_as_its_targets_bound_when_it_is_not(value: float, t
     from blobfeed.apps.bench.report import _measured
 
     assert _measured(value, target) == shown
+
+
+# --------------------------------------------------------------------------- random-access sources: W1i, W2i, W7 (issue 26)
+def test_the_random_access_targets_met_in_the_table_and_the_json(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    results = {**_passing_results(), **_peer_results()}
+    out_json = tmp_path / "r.json"
+    assert _run_main(monkeypatch, results, "--json", str(out_json)) == 0
+    out = capsys.readouterr().out
+    # W1i and W2i beside their fetch_fun form, as the ordered modes beside theirs
+    assert re.search(r"^W1i/blobfeed +.* 0\.93 x W1$", out, re.M), out
+    assert re.search(r"^W2i/blobfeed +.* 0\.94 x W2$", out, re.M), out
+    assert re.search(r"^W1i batches/s vs W1 >= 0\.9 +0\.93  ok$", out, re.M), out
+    assert re.search(r"^W2i batches/s vs W2 >= 0\.9 +0\.94  ok$", out, re.M), out
+    assert re.search(r"^W7 batches/s shuffled vs its own sequential read >= 0\.8 +0\.91  ok$", out, re.M), out
+    assert re.search(r"^W7 batches/s vs torch's and grain's map-style loaders at their best worker count >= 1\.5 "
+                     r"+1\.67  ok  \[best: grainmap2\]$", out, re.M), out
+    assert re.search(r"^W7 samples lost == 0 \(sequential\) +0  ok$", out, re.M), out
+    # every runner of the sweep is a row, and has its legend line
+    for p in workloads.W7_PEERS:
+        assert re.search(rf"^W7/{p} ", out, re.M), out
+        assert re.search(rf"^  {p} +\S", out, re.M), out
+    assert re.search(r"^  sequential +blobfeed on W7's source with shuffle=False", out, re.M), out
+    saved = json.loads(out_json.read_text())
+    rows = {(t["workload"], t["target"]): t for t in saved["targets"]}
+    assert rows[("W1i", "batches/s vs W1 >= 0.9")]["ratio"] == pytest.approx(280 / 300)
+    summarized = report.summarize({("W2", "blobfeed"): [_result(batches_per_s=500.0)],
+                                  ("W2i", "blobfeed"): [_result(batches_per_s=470.0)]})
+    assert summarized["W2i/blobfeed"]["base_ratio"] == pytest.approx(0.94)  # in --json too
+    assert rows[("W7", "batches/s vs torch's and grain's map-style loaders at their best worker count >= 1.5")][
+        "detail"] == "best: grainmap2"
+
+
+def test_the_random_access_targets_without_their_peers_or_their_base(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {**_passing_results(), **_peer_results()}
+    target = "batches/s vs torch's and grain's map-style loaders"
+    # grain not installed: judged against torch's sweep, and says so
+    no_grain = {k: v for k, v in results.items() if "/grainmap" not in k}
+    row = _row(report.evaluate(_report(no_grain)), "W7", target)
+    assert row["ok"] is True and row["ratio"] == pytest.approx(200 / 75)
+    assert row["detail"] == "best: torchmap4; not run: grainmap0, grainmap1, grainmap2, grainmap4"
+    # neither installed: not evaluated (peer missing), not a failure
+    neither = {k: v for k, v in results.items() if "map" not in k.split("/")[1]}
+    row = _row(report.evaluate(_report(neither)), "W7", target)
+    assert row["ok"] is None and row["ratio"] is None
+    assert row["detail"] == f"peer missing: {', '.join(workloads.W7_PEERS)}"
+    # W1i, W2i without W1, W2 in the run: not evaluated
+    alone = {k: v for k, v in neither.items() if not k.startswith(("W1/", "W2/"))}
+    rows = report.evaluate(_report(alone))
+    assert _row(rows, "W1i", "batches/s vs W1")["detail"] == "W1 not in this run"
+    assert _row(rows, "W2i", "batches/s vs W2")["ok"] is None
+    assert _run_main(monkeypatch, neither) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^W7 {target} at their best worker count >= 1\.5 +- +not evaluated \(peer missing\)  "
+                     r"\[torchmap0, ", out, re.M), out
+    assert re.search(r"^verdict: all \d+ targets met$", out, re.M), out
+
+
+def test_a_sample_lost_by_w7s_sequential_read_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = {**_passing_results(), **_peer_results()}
+    results["W7/sequential"]["samples_lost"] = 3
+    assert _run_main(monkeypatch, results) == 1
+    assert re.search(r"^  W7 samples lost == 0 \(sequential\): measured 3$", capsys.readouterr().out, re.M)
+
+
+def test_the_plan_and_the_estimate_of_the_random_access_workloads() -> None:
+    assert not {"W1i", "W2i", "W7"} & set(DEFAULT)
+    assert "W7" in cli.parse_workloads("all")  # opt-in, like S1: not in the default run, in all
+    assert runner._plan(["W1i", "W2i", "W7"], {"PIL"}) == [
+        ("W1i", "blobfeed"), ("W2i", "blobfeed"), ("W7", "blobfeed"), ("W7", "sequential"),
+    ]
+    full = runner._plan(["W7"], {"PIL", "torch", "grain"})
+    assert full == [("W7", "blobfeed"), ("W7", "sequential"), *(("W7", p) for p in workloads.W7_PEERS)]
+    assert [p for _, p in runner._plan(["W7"], {"PIL", "torch"})][2:] == [f"torchmap{k}" for k in (0, 1, 2, 4)]
+    one = runner.CHILD_OVERHEAD_S + runner.WARMUP_S + 3.0
+    assert runner.measurement_seconds("W1i", "blobfeed", 3.0) == pytest.approx(one)  # threads, as W1
+    assert runner.measurement_seconds("W7", "blobfeed", 3.0) == pytest.approx(
+        one + runner.PROCESSES_EXTRA_S + runner.W7_EXTRA_S)
+    assert runner.measurement_seconds("W7", "sequential", 3.0) == runner.measurement_seconds("W7", "blobfeed", 3.0)
+    assert runner.measurement_seconds("W7", "torchmap4", 3.0) == pytest.approx(
+        one + runner.TORCH_EXTRA_S + runner.TORCH_MAP_EXTRA_S + 4 * runner.TORCH_MAP_WORKER_S)
+    assert runner.measurement_seconds("W7", "grainmap0", 3.0) == pytest.approx(
+        one + runner.GRAIN_EXTRA_S + runner.GRAIN_MAP_EXTRA_S)
+    assert runner.measurement_seconds("W7", "grainmap4", 3.0) > runner.measurement_seconds("W7", "grainmap2", 3.0)
+    sweep = sum(runner.measurement_seconds("W7", p, 3.0) for p in workloads.W7_PEERS)
+    assert runner.estimate_seconds(["W1i", "W2i", "W7"], 3.0, 1, {"PIL", "torch", "grain"}) == pytest.approx(
+        runner.estimate_seconds(["W1i", "W2i", "W7"], 3.0, 1, {"PIL"}) + sweep)
+    assert runner.estimate_seconds(["W7"], 3.0, 2, {"PIL"}) == pytest.approx(
+        2 * 2 * runner.measurement_seconds("W7", "blobfeed", 3.0))
+
+
+def test_w1i_and_w2i_read_w1s_and_w2s_arrays_by_index() -> None:
+    w1, w2 = workloads.w1_dataset(), workloads.w2_dataset()
+    assert len(w1) % workloads.WORKLOADS["W1i"].batch == 0 and len(w2) % workloads.WORKLOADS["W2i"].batch == 0
+    pools = workloads.W1Fetch().build()[1]
+    for i in (0, 63, 64, 511, 512, len(w1) - 1):
+        data, label = w1[i]
+        np.testing.assert_array_equal(data, pools[(i // 64) % 8][0][i % 64])  # W1's own rows
+        assert label == i and label.dtype == np.float64
+    images = workloads.W2Fetch().build()[1]
+    many = w2.__getitems__([3, 19, 1023])
+    assert [int(lab) for _, lab in many] == [3, 19, 1023]
+    for (img, _), i in zip(many, (3, 19, 1023)):
+        assert np.shares_memory(img, w2._arrays[0])  # a view: no copy before blobfeed's
+        np.testing.assert_array_equal(img, images[i % 16])
+    import pickle
+
+    assert pickle.loads(pickle.dumps(w2))._arrays is None  # its arrays are built where it is read
+
+
+def test_w7s_record_file_is_generated_once_checked_and_read_whole(tmp_path: Path) -> None:
+    import io
+    import pickle
+
+    folder = tmp_path / "w7"
+    said = io.StringIO()
+    size = 3 << 20  # a few MB: the real file is 2 GB
+    assert workloads.ensure_w7_records(folder, size=size, progress=said) == folder
+    assert "generating W7's record file" in said.getvalue()
+    offsets = np.load(folder / workloads.W7_INDEX)
+    sizes = np.diff(offsets)
+    n = len(sizes)
+    assert n > 0 and n % workloads.W7_BATCH == 0
+    assert sizes.min() >= 4096 and sizes.max() <= 65536
+    assert os.path.getsize(folder / workloads.W7_DATA) == offsets[-1] <= size
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    raw = (folder / workloads.W7_DATA).read_bytes()
+    ds = workloads.W7Records(folder)
+    assert len(ds) == n
+    for i in (0, 1, n - 1):
+        data, length, index = ds[i]
+        assert data.shape == (65536,) and data.dtype == np.uint8
+        assert int(length) == sizes[i] and int(index) == i
+        assert data[: sizes[i]].tobytes() == raw[offsets[i]: offsets[i + 1]]  # every byte of the record
+        assert not data[sizes[i]:].any()  # then zeros
+    for (d1, l1, i1), i in zip(ds.__getitems__([n - 1, 0, 5]), (n - 1, 0, 5)):
+        d0, l0, i0 = ds[i]
+        np.testing.assert_array_equal(d1, d0)
+        assert (l1, i1) == (l0, i0)
+    assert pickle.loads(pickle.dumps(ds))._map is None  # a worker maps the file itself
+    with pytest.raises(IndexError, match=f"W7 has {n} records"):
+        ds[n]
+    # reused as it is; written again (the same bytes) when it fails the size check
+    mtime = os.stat(folder / workloads.W7_DATA).st_mtime_ns
+    workloads.ensure_w7_records(folder, size=size, progress=io.StringIO())
+    assert os.stat(folder / workloads.W7_DATA).st_mtime_ns == mtime
+    with open(folder / workloads.W7_DATA, "r+b") as f:
+        f.truncate(1000)
+    assert not workloads.w7_records_ok(folder, size)
+    workloads.ensure_w7_records(folder, size=size)
+    assert workloads.w7_records_ok(folder, size)
+    assert (folder / workloads.W7_DATA).read_bytes() == raw
+    assert not workloads.w7_records_ok(folder, 2 * size)  # another size: another index
+    with pytest.raises(ValueError, match="hold no 64 records"):
+        workloads.w7_offsets(100_000)
+
+
+@pytest.fixture(scope="module")
+def small_w7(tmp_path_factory: pytest.TempPathFactory) -> workloads.Workload:
+    """W7 over a 3 MB record file (64 records) in a temporary folder."""
+    import dataclasses
+
+    folder = workloads.ensure_w7_records(tmp_path_factory.mktemp("w7") / "w7", size=3 << 20)
+    return dataclasses.replace(workloads.WORKLOADS["W7"], dataset=functools.partial(workloads.W7Records, folder))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_w7s_runner_checks_the_global_shuffle_on_process_workers(small_w7: workloads.Workload, shuffle: bool) -> None:
+    from blobfeed.apps.bench import library
+
+    got = library.run_indexed(small_w7, 0.2, shuffle=shuffle)
+    assert got["samples_lost"] == 0, got
+    assert got["batches_per_s"] > 0 and got["samples_checked"] > got["dataset_length"] == 64  # past an epoch
+
+
+class _OneOutOfPlace(workloads.IndexedArrays):
+    """W1i's dataset with samples 5 and 6 of every epoch swapped."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple]:
+        swap = {5: 6, 6: 5}
+        return super().__getitems__([swap.get(i, i) for i in indices])
+
+
+@pytest.mark.timeout(60)
+def test_the_random_access_runner_counts_samples_out_of_place() -> None:
+    import dataclasses
+
+    from blobfeed.apps.bench import library
+
+    wl = dataclasses.replace(workloads.WORKLOADS["W1i"], dataset=lambda: _OneOutOfPlace("W1", 64))
+    got = library.run_indexed(wl, 0.1)
+    assert got["samples_lost"] >= 2 and got["samples_lost"] % 2 == 0, got  # two positions per epoch
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("peer", ["torchmap0", "grainmap0"])
+def test_w7s_peers_read_the_same_dataset(small_w7: workloads.Workload, peer: str) -> None:
+    pytest.importorskip(peer[:-4])
+    from blobfeed.apps.bench import peers
+
+    got = peers.RUNNERS[peer](small_w7, 0.2)
+    assert got["batches_per_s"] > 0 and "samples_lost" not in got and got["workers"] == 0
+
+
+@pytest.mark.timeout(240)
+def test_a_tiny_real_run_of_w1i_and_w2i_reports_their_rows_and_loses_nothing(
+    w1_family_run: subprocess.CompletedProcess[str],
+) -> None:
+    out = _check_real_run(w1_family_run, "W1i")
+    for w in ("W1i", "W2i"):
+        assert re.search(rf"^{w}/blobfeed +[\d.]+ +[\d.]+ +\d+ +\d+ +[\d.]+ +0\b", out, re.M), out
+        assert re.search(rf"^{w} samples lost == 0 +0  ok$", out, re.M), out
+    # W1i beside W1, which ran: its target is judged; W2 did not run: W2i's is not
+    assert re.search(r"^W1i/blobfeed +.* [\d.]+ x W1$", out, re.M), out
+    assert re.search(r"^W1i batches/s vs W1 >= 0\.9 +[\d.]+  (ok|MISSED)$", out, re.M), out
+    assert re.search(r"^W2i batches/s vs W2 >= 0\.9 +- +not evaluated  \[W2 not in this run\]$", out, re.M), out

@@ -12,8 +12,8 @@ from collections.abc import Collection
 
 from ..argtypes import positive_float, positive_int
 from .report import IDEAL_TOLERANCE, evaluate, format_report, verdict
-from .runner import RUNNERS, WARMUP_S, _packages, _plan, available_packages, estimate_seconds, run_all
-from .workloads import WORKLOADS, w6_corpus_dir
+from .runner import RUNNERS, W7_GENERATE_S, WARMUP_S, _packages, _plan, available_packages, estimate_seconds, run_all
+from .workloads import W7_BYTES, WORKLOADS, w6_corpus_dir, w7_records_dir
 
 
 DEFAULT_WORKLOADS = "W1,W2,W3,W4,W5"
@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     epilog = (
         f"The default invocation runs {_run_length(wls, packages)} on a 2-core machine; "
         f"--workloads all runs {_run_length(everything, packages)}; {peer_note}. The first run that "
-        f"includes W6 or W6p also generates W6's JPEG corpus into {w6_corpus_dir()} (a few seconds). "
+        f"includes W6 or W6p also generates W6's JPEG corpus into {w6_corpus_dir()} (a few seconds); the "
+        f"first run that includes W7 writes W7's record file, {W7_BYTES / 1e9:g} GB, into {w7_records_dir()} "
+        f"(about {W7_GENERATE_S:.0f} s, not in the estimates; it is checked and reused after). "
         f"Each measurement is a child process: start-up, a {WARMUP_S:g} s warm-up, then the measured "
         f"window, and its runner's set-up, calibration and drain. Every run prints its own estimate "
         f"before it starts (from its --workloads, --seconds, --repeats and the runners installed), and "
@@ -90,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         "W1s, W2s: with shuffle_buffer=10000) against its default mode, and the feeding service "
         "(S1, S2: one service and 4 consumer processes against 4 independent pipelines, with the CPU "
         "time and context switches per batch of the service and of the consumers; S8: S1 with 8 "
-        "consumers; attach: the first batch after attach_source; opt-in: --workloads S1,S2,S8,attach); "
+        "consumers; attach: the first batch after attach_source; opt-in: --workloads S1,S2,S8,attach), "
+        "the random-access sources (W1i, W2i: W1's and W2's data behind a map-style dataset, against "
+        "the fetch_fun form), and W7 (opt-in: a global shuffle over a 2 GB memory-mapped record file, "
+        "against its own sequential read and torch's and grain's map-style loaders at 0, 1, 2 and 4 "
+        "workers each); "
         "print one table and the targets, and exit with the verdict.",
         epilog=epilog,
     )

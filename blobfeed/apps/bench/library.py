@@ -20,11 +20,73 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
     """``wl`` through blobfeed's threads or worker processes (``wl.backend``)."""
     import blobfeed
 
+    if wl.dataset is not None:
+        return run_indexed(wl, seconds)
     tally = Tally()
     try:
         return _run_blobfeed(wl, seconds, tally, blobfeed)
     finally:
         tally.close()
+
+
+def run_indexed(wl: Workload, seconds: float, shuffle: bool | None = None, workers: int = 2) -> dict[str, Any]:
+    """``wl``'s map-style dataset (W1i, W2i, W7) as a random-access source:
+    ``blobfeed.RandomAccessSource(dataset, shuffle=..., seed=0,
+    read_size=batch)`` on ``workers`` threads or worker processes
+    (``wl.backend``), endless (``epochs=None``; each epoch's end is an
+    ``EndOfEpoch``, skipped).  ``shuffle``: None for ``wl.shuffle``.
+
+    A random-access source's stream is exact, so nothing is counted at the
+    fetch: the index of every sample delivered in the warm-up and the
+    window (the last blob) is checked against the source's documented order
+    (``range(n)`` per epoch, or ``default_rng((seed, epoch)).permutation(n)``);
+    ``samples_lost`` is the number of positions where they differ (a sample
+    dropped, repeated or out of place).  The source is stopped after the
+    window: what it read ahead is not a loss."""
+    import blobfeed
+
+    assert wl.dataset is not None, f"{wl.id} has no dataset"
+    shuffle = wl.shuffle if shuffle is None else shuffle
+    dataset = wl.dataset()
+    n = len(dataset)
+    # Any: init_data_input_workers's annotation names only a fetch_fun
+    source: Any = blobfeed.RandomAccessSource(dataset, shuffle=shuffle, seed=ORDERED_SEED, read_size=wl.batch)
+    net = blobfeed.Net(None, name="bench")
+    gc = blobfeed.GlobalCoordinator()
+    kwargs: dict[str, Any] = {} if wl.backend == "threads" else {"backend": wl.backend}
+    blobfeed.init_data_input_workers(net, list(wl.blobs), source, wl.batch, num_worker_threads=workers, coordinator=gc,
+                                     epochs=None, **kwargs)
+    m = Meter(seconds)
+    wait_key = ("blobfeed_dequeue_wait_seconds_sum", {"source": "train", "net": "bench"})
+    seen: list[np.ndarray] = []
+    wait0 = 0.0
+    m.begin()
+    gc.start()
+    try:
+        while True:
+            try:
+                out = net.run(timeout=60)
+            except blobfeed.EndOfEpoch:
+                continue
+            arrays = [out[name] for name in wl.blobs]
+            seen.append(np.array(arrays[-1], dtype=np.int64))  # a copy: the indexes, checked after the window
+            before = m.batches
+            going = m.tick(arrays)
+            if before == 0 and m.batches == 1:
+                wait0 = gc.registry.get_sample_value(*wait_key) or 0.0
+            if not going:
+                break
+        waited = (gc.registry.get_sample_value(*wait_key) or 0.0) - wait0
+    finally:
+        gc.stop()
+    got = np.concatenate(seen)
+    epochs = -(-len(got) // n)
+    order = np.concatenate([
+        np.random.default_rng((ORDERED_SEED, e)).permutation(n) if shuffle else np.arange(n) for e in range(epochs)
+    ])[: len(got)]
+    window = max(m.t_end - m.t_window, 1e-9)
+    return m.result(samples_lost=int(np.count_nonzero(got != order)), wait_share=waited / window,
+                    samples_checked=len(got), dataset_length=n)
 
 
 def _run_blobfeed(wl: Workload, seconds: float, tally: Tally, blobfeed: Any, backend: Any = None,
@@ -155,6 +217,7 @@ def run_ray(wl: Workload, seconds: float, nodes: int, fetcher: Callable[[Tally |
 #: blobfeed's runners, by the name the workloads give them
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "blobfeed": run_blobfeed,
+    "sequential": lambda wl, s: run_indexed(wl, s, shuffle=False),
     "ray": lambda wl, s: run_ray(wl, s, 1),
     "ray1": lambda wl, s: run_ray(wl, s, 1),
     "ray2": lambda wl, s: run_ray(wl, s, 2),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .measure import STEP_CPU, STEP_CTX
-from .workloads import IN_PROCESS_PEERS, PROCESS_PEERS, WORKLOADS
+from .workloads import IN_PROCESS_PEERS, PROCESS_PEERS, W7_PEER_WORKERS, W7_PEERS, WORKLOADS
 
 
 TARGETS = [
@@ -24,6 +24,8 @@ TARGETS = [
     ("W5", "batches/s vs the model alone (interleaved)", "blobfeed", "model", "batches_per_s", 0.85),
     ("W4p", "batches/s vs the two-core ideal", "blobfeed", "ideal", "batches_per_s", 0.85),
     ("W6p", "batches/s vs the two-core ideal", "blobfeed", "ideal", "batches_per_s", 0.85),
+    # W7: the global shuffle against the same source read in order (shuffle=False), in the same run
+    ("W7", "batches/s shuffled vs its own sequential read", "blobfeed", "sequential", "batches_per_s", 0.8),
 ]
 
 PEER_TARGETS = [
@@ -35,6 +37,7 @@ PEER_TARGETS = [
     ("W1", "batches/s vs Ray Data", ("raydata",), 1.0),
     ("W2", "batches/s vs Ray Data", ("raydata",), 1.0),
     ("W3", "batches/s vs Ray Data", ("raydata",), 1.0),
+    ("W7", "batches/s vs torch's and grain's map-style loaders at their best worker count", W7_PEERS, 1.5),
 ]
 
 #: W2p's memory target compares blobfeed's PSS with grain's (its process peers)
@@ -46,8 +49,12 @@ FIRST_BATCH_TARGETS = [("W1", 50.0), ("W1p", 500.0)]
 #: (workload, threshold): blobfeed's batches/s in an ordered mode over its
 #: batches/s on the workload's ``base`` (default mode) in the same run;
 #: evaluated only when both ran.  Shuffling (W1s, W2s) may cost at most
-#: half the default mode's rate.
-MODE_TARGETS = [("W1d", 0.8), ("W2d", 0.8), ("W4pd", 0.9), ("W1s", 0.5), ("W2s", 0.5)]
+#: half the default mode's rate.  The random-access sources (W1i, W2i: the
+#: same data behind a map-style dataset) against the fetch_fun form: 0.9.
+MODE_TARGETS = [("W1d", 0.8), ("W2d", 0.8), ("W4pd", 0.9), ("W1s", 0.5), ("W2s", 0.5), ("W1i", 0.9), ("W2i", 0.9)]
+#: blobfeed's runners besides ``blobfeed`` that count their samples (their
+#: lost column is judged): W7's own sequential read
+COUNTED_RUNNERS = ("sequential",)
 
 
 #: the feeding service (S1, S2, S8): (workload, description, numerator
@@ -260,6 +267,11 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         if a:
             lost = a.get("samples_lost_total", a["samples_lost"])
             rows.append(_row(wl, "samples lost == 0", lost, lost == 0))
+        for runner in COUNTED_RUNNERS:
+            a = res.get(f"{wl}/{runner}")
+            if a:
+                lost = a.get("samples_lost_total", a["samples_lost"])
+                rows.append(_row(wl, f"samples lost == 0 ({runner})", lost, lost == 0))
     for wl in ("W2", "W3"):
         a, b = res.get(f"{wl}/blobfeed"), res.get(f"{wl}/caffe2")
         if a and b:
@@ -475,7 +487,15 @@ def _lost_cell(result: dict[str, Any]) -> str:
 
 #: what each runner is, for the legend under the table (one line per runner that appears)
 RUNNER_LEGEND = {
-    "blobfeed": "blobfeed: a Net with no model (W5: the MLP), 2 fetcher threads (W*p: worker processes)",
+    "blobfeed": "blobfeed: a Net with no model (W5: the MLP), 2 fetcher threads (W*p: worker processes); W1i, W2i, "
+                "W7: a RandomAccessSource over the map-style dataset (W7: shuffle=True, 2 worker processes), its "
+                "lost column the delivered indexes that are not the source's order",
+    "sequential": "blobfeed on W7's source with shuffle=False (its own sequential read), 2 worker processes",
+    **{f"torchmap{k}": f"torch DataLoader over W7's dataset, shuffle=True, num_workers={k} "
+                       f"({'in this process' if not k else 'forked, persistent'}), __getitems__ per batch"
+       for k in W7_PEER_WORKERS},
+    **{f"grainmap{k}": f"grain DataLoader over W7's dataset, IndexSampler(shuffle=True), worker_count={k}, Batch"
+       for k in W7_PEER_WORKERS},
     "caffe2": "Caffe2's original re-batching (np.append, np.split), written from its description; "
               "its lost column is the leftovers it drops, by design, when its queue is full",
     "copy": "the copy bound: each batch's bytes copied once with np.copyto, out of cache",

@@ -19,7 +19,8 @@ from .library import W5_SLICE_S
 from .measure import Meter, sweep_tallies
 from .peers.ray_data import RAYDATA_NEEDS
 from .report import summarize
-from .workloads import PROCESS_PEERS, SERVICE_CONSUMERS, WORKLOADS, W4Fetch, Workload, ensure_w6_corpus
+from .workloads import (PROCESS_PEERS, SERVICE_CONSUMERS, WORKLOADS, W4Fetch, Workload, ensure_w6_corpus,
+                        ensure_w7_records)
 
 #: every runner by name: blobfeed's, then the peers'
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
@@ -86,6 +87,25 @@ W6_EXTRA_S = 0.2
 #: samples still leave as batches (W2s: 156 of 9.6 MB, about 0.4 s at its
 #: rate; W1s: 312 small ones, 0.05 s).
 SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 0.5}
+#: W7 (blobfeed and its own sequential read, 2 worker processes): the
+#: forkserver and the workers as any process workload, plus the dataset's
+#: index (57 217 offsets) pickled to each worker and the first batches'
+#: faults in the mapped file (its first batch took 0.5-1.1 s).
+#: W7's peers: the package's import (TORCH_EXTRA_S, GRAIN_EXTRA_S), the
+#: loader's start and its first shuffled batches, and each worker process
+#: (torch's forked with the dataset; grain's spawned, importing grain again).
+#: Timed from outside with --seconds 0.5 windows while the machine was at
+#: load 10-12 (blobfeed 1.75 s beyond warm-up and window, sequential 2.5;
+#: torchmap0/1/2/4 5.1, 3.6, 4.0, 4.4; grainmap0/1/2/4 1.2, 1.9, 3.0, 6.0),
+#: and taken at about half, the load (4-5) of the other overheads here.
+W7_EXTRA_S = 0.4
+TORCH_MAP_EXTRA_S = 0.6
+TORCH_MAP_WORKER_S = 0.15
+GRAIN_MAP_EXTRA_S = 0.4
+GRAIN_MAP_WORKER_S = 0.6
+#: The first run with W7 writes its 2 GB record file (not in the estimate:
+#: once per machine; 19 s on this project's 2-core machine, shared, load 8).
+W7_GENERATE_S = 20.0
 #: A local Ray cluster: the head, then each simulated node (with its actors' start).
 RAY_CLUSTER_S = 6.0
 RAY_NODE_S = 1.5
@@ -158,6 +178,10 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
         one += COPY_SETUP_S * (2 if r == "copy2" else 1)
     elif r == "model":
         one += MODEL_EXTRA_S
+    elif r.startswith("torchmap"):
+        one += TORCH_EXTRA_S + TORCH_MAP_EXTRA_S + TORCH_MAP_WORKER_S * int(r[len("torchmap"):])
+    elif r.startswith("grainmap"):
+        one += GRAIN_EXTRA_S + GRAIN_MAP_EXTRA_S + GRAIN_MAP_WORKER_S * int(r[len("grainmap"):])
     elif r.startswith("torch"):
         one += TORCH_EXTRA_S + (TORCH_WORKERS_S if r.startswith("torch2") else 0.0)
     elif r.startswith("grain"):
@@ -176,8 +200,8 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
     elif r.startswith("ray"):
         nodes = {"ray2": 2, "ray2max": 2, "ray4": 4}.get(r, 1)
         one += RAY_CLUSTER_S + RAY_NODE_S * nodes
-    elif r == "blobfeed" and wl.backend == "processes":
-        one += PROCESSES_EXTRA_S
+    elif r in ("blobfeed", "sequential") and wl.backend == "processes":
+        one += PROCESSES_EXTRA_S + (W7_EXTRA_S if wl.dataset is not None else 0.0)
     if r == "blobfeed":
         one += SHUFFLE_DRAIN_S.get(w, 0.0)
     if wl.fetcher is W4Fetch:
@@ -343,6 +367,8 @@ def run_all(workloads: list[str], seconds: float, repeats: int, progress: Any = 
     raw: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in plan}
     if any(w for w, _ in plan if "PIL" in WORKLOADS[w].needs):
         ensure_w6_corpus(progress=progress)
+    if any(w == "W7" for w, _ in plan):
+        ensure_w7_records(progress=progress)  # 2 GB, once
     total = len(plan) * repeats
     done = 0
     failures: dict[tuple[str, str], str] = {}

@@ -346,6 +346,215 @@ class R1FastFetch(R1Fetch):
     delay_s = 0.0
 
 
+class IndexedArrays:
+    """W1i, W2i: a workload's in-memory arrays as a map-style dataset
+    (``__len__``, ``__getitem__``, a batched ``__getitems__``), the form
+    torch's ``Dataset`` and grain's ``RandomAccessDataSource`` take.
+
+    Sample ``i`` is ``(rows[i % len(rows)], labels[i])``: a view of one row
+    of the fetcher's own arrays (no copy: blobfeed's stacking is the one
+    copy, as the re-batching is W1's and W2's) and, as its label, ``i``
+    itself in the label dtype of the workload, so that the delivered stream
+    can be checked against the source's order (the last blob is the index).
+    Module-level and lazily built, so that it pickles by reference.
+    """
+
+    def __init__(self, kind: str, length: int) -> None:
+        self.kind = kind
+        self.length = length
+        self._arrays: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}
+
+    def _build(self) -> Any:
+        if self.kind == "W1":  # W1's 8 pools of 64 rows, one after the other; float64 labels
+            pools = W1Fetch().build()[1]
+            rows = np.concatenate([pools[w][0] for w in range(8)])
+            labels: np.ndarray = np.arange(self.length, dtype=np.float64)
+        else:  # W2's 16 images; int64 labels
+            rows = W2Fetch().build()[1]
+            labels = np.arange(self.length, dtype=np.int64)
+        self._arrays = (rows, labels)
+        return self._arrays
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple:
+        rows, labels = self._arrays or self._build()
+        return rows[i % len(rows)], labels[i]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple]:
+        rows, labels = self._arrays or self._build()
+        p = len(rows)
+        return [(rows[i % p], labels[i]) for i in indices]
+
+
+#: W1i, W2i: samples per epoch (a multiple of the batch: no short batch at an epoch's end)
+W1I_LENGTH = 4096
+W2I_LENGTH = 1024
+
+
+def w1_dataset() -> IndexedArrays:
+    return IndexedArrays("W1", W1I_LENGTH)
+
+
+def w2_dataset() -> IndexedArrays:
+    return IndexedArrays("W2", W2I_LENGTH)
+
+
+# W7's record file: generated once, from a fixed seed, into a cache folder
+W7_BYTES = 2_000_000_000
+W7_RECORD_MIN = 4 * 1024
+W7_RECORD_MAX = 64 * 1024
+#: W7's batch: its record count is a multiple of it (no short batch at an epoch's end)
+W7_BATCH = 64
+W7_SEED = 7
+W7_VERSION = "w7-v1"
+W7_DATA = "records.bin"
+W7_INDEX = "index.npy"
+
+
+def w7_records_dir() -> Path:
+    """``$XDG_CACHE_HOME/blobfeed-bench/w7-v1`` (default ``~/.cache/...``)."""
+    return w6_corpus_dir().parent / W7_VERSION
+
+
+def w7_offsets(size: int) -> np.ndarray:
+    """The records' offsets for a file of at most ``size`` bytes: record
+    sizes drawn uniformly in [4 KiB, 64 KiB] from seed 7, as many as fit,
+    their count cut to a multiple of :data:`W7_BATCH`; ``n + 1`` int64
+    offsets, the last one the file's size."""
+    mean = (W7_RECORD_MIN + W7_RECORD_MAX) / 2
+    draws = int(size / mean * 1.2) + 4 * W7_BATCH
+    sizes = np.random.default_rng(W7_SEED).integers(W7_RECORD_MIN, W7_RECORD_MAX + 1, size=draws)
+    ends = np.cumsum(sizes, dtype=np.int64)
+    n = int(np.searchsorted(ends, size, side="right")) // W7_BATCH * W7_BATCH
+    if n == 0:
+        raise ValueError(f"W7: {size} bytes hold no {W7_BATCH} records of {W7_RECORD_MIN}-{W7_RECORD_MAX} bytes")
+    return np.concatenate([[0], ends[:n]]).astype(np.int64)
+
+
+def w7_records_ok(folder: Path | str, size: int = W7_BYTES) -> bool:
+    """Whether ``folder`` holds W7's file for ``size``: the index is the
+    expected one and the data file has exactly its last offset's bytes."""
+    data, index = os.path.join(folder, W7_DATA), os.path.join(folder, W7_INDEX)
+    try:
+        offsets = np.load(index, allow_pickle=False)
+        have = os.path.getsize(data)
+    except (OSError, ValueError):
+        return False
+    want = w7_offsets(size)
+    return offsets.shape == want.shape and bool(np.array_equal(offsets, want)) and have == int(want[-1])
+
+
+def ensure_w7_records(folder: Path | str | None = None, size: int = W7_BYTES, progress: Any = None) -> Path:
+    """W7's record file (``records.bin``, random bytes from seed 7) and its
+    index of offsets (``index.npy``), made once and reused while they pass
+    the size check (:func:`w7_records_ok`); a folder that fails it is
+    written again.  Written beside the cache folder and renamed into place,
+    so a crash or a concurrent run never leaves half a file behind."""
+    folder = w7_records_dir() if folder is None else Path(folder)
+    if w7_records_ok(folder, size):
+        return folder
+    offsets = w7_offsets(size)
+    if progress is not None:
+        progress.write(f"blobfeed bench: generating W7's record file ({int(offsets[-1]) / 1e9:.2f} GB, "
+                       f"{len(offsets) - 1} records) in {folder}\n")
+        progress.flush()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        rng = np.random.default_rng(W7_SEED + 1)
+        left = int(offsets[-1])
+        with open(tmp / W7_DATA, "wb") as f:
+            while left:
+                block = min(left, 64 << 20)
+                f.write(rng.bytes(block))
+                left -= block
+            # on disk before the first measurement: in the minutes after the file
+            # was written (its pages still being written back, we think), W7's
+            # shuffled read measured about 10 x slower than later
+            f.flush()
+            os.fsync(f.fileno())
+        np.save(tmp / W7_INDEX, offsets, allow_pickle=False)
+        if folder.exists():  # a broken or older file: ours, written again
+            for name in (W7_DATA, W7_INDEX):
+                (folder / name).unlink(missing_ok=True)
+            folder.rmdir()
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another run got there first
+            if not w7_records_ok(folder, size):
+                raise
+    finally:
+        if tmp.exists():
+            for p in tmp.iterdir():
+                p.unlink()
+            tmp.rmdir()
+    return folder
+
+
+class W7Records:
+    """W7's map-style dataset: record ``i`` of the memory-mapped file.
+
+    A sample is ``(data, size, index)``: ``data`` a uint8 array of 64 KiB
+    (the largest record) with the record's bytes copied in and zeros after
+    them, ``size`` the record's length (int64: what of ``data`` is the
+    record), ``index`` the record's number (int64; the last blob, so the
+    delivered stream can be checked against the source's order).  Every
+    byte of the record is read.  The file is mapped lazily, in the process
+    that reads (a worker process maps its own).
+    """
+
+    def __init__(self, folder: Path | str) -> None:
+        self.folder = str(folder)
+        self._map: Any = None
+        self._offsets = np.load(os.path.join(self.folder, W7_INDEX), allow_pickle=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_map": None}
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def _file(self) -> np.ndarray:
+        if self._map is None:
+            self._map = np.memmap(os.path.join(self.folder, W7_DATA), dtype=np.uint8, mode="r")
+        return self._map
+
+    def _fill(self, out: np.ndarray, i: int) -> int:
+        lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
+        n = hi - lo
+        out[:n] = self._file()[lo:hi]
+        out[n:] = 0
+        return n
+
+    def __getitem__(self, i: int) -> tuple:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"W7 has {len(self)} records; asked for {i}")
+        out = np.empty(W7_RECORD_MAX, np.uint8)
+        n = self._fill(out, i)
+        return out, np.int64(n), np.int64(i)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple]:
+        out = np.empty((len(indices), W7_RECORD_MAX), np.uint8)  # one allocation for the read
+        return [(out[k], np.int64(self._fill(out[k], int(i))), np.int64(i)) for k, i in enumerate(indices)]
+
+
+class DatasetOnly(Fetcher):
+    """W7's ``fetcher``: it has none (it is read as a map-style dataset only)."""
+
+    def chunk(self, worker_id: int) -> list:
+        raise TypeError("W7 has no fetch_fun: it is read as a random-access source (Workload.dataset)")
+
+
+def w7_dataset() -> W7Records:
+    return W7Records(ensure_w7_records())
+
+
 @dataclass(frozen=True)
 class Workload:
     id: str
@@ -374,6 +583,12 @@ class Workload:
     pipes_backend: str = ""
     #: S1, S2, S8: why the service's workers use ``backend`` (the legend says it)
     backend_why: str = ""
+    #: W1i, W2i, W7: a random-access source (``blobfeed.RandomAccessSource``)
+    #: over the map-style dataset this makes, instead of ``fetcher``; the
+    #: last blob is each sample's index
+    dataset: Callable[[], Any] | None = None
+    #: its ``shuffle`` (a global shuffle of each epoch)
+    shuffle: bool = False
 
     def ideal(self, tally: Tally, batches_per_s: float) -> dict[str, Any]:
         """The ideal from the CPU times the workers recorded in this very
@@ -411,6 +626,12 @@ S1_BACKEND_WHY = ("processes: W2's fetcher stands for loading images (files, dec
 #: S2: W1's fetcher slices an array in memory: nothing to gain from
 #: processes, a pipe and a copy to lose; a user picks threads (the default).
 S2_BACKEND_WHY = "threads: W1's fetcher is trivial (slices of an array in memory), so a user keeps the default"
+
+#: W7's peers: torch's map-style DataLoader (shuffle=True) and grain's
+#: DataLoader (IndexSampler with shuffle), each at 0, 1, 2 and 4 worker
+#: processes: its target is set against the best of them
+W7_PEER_WORKERS = (0, 1, 2, 4)
+W7_PEERS = (*(f"torchmap{k}" for k in W7_PEER_WORKERS), *(f"grainmap{k}" for k in W7_PEER_WORKERS))
 
 WORKLOADS = {
     "W1": Workload("W1", 32, ("data", "label"), W1Fetch, ("blobfeed", "caffe2", *IN_PROCESS_PEERS, "raydata"),
@@ -459,6 +680,15 @@ WORKLOADS = {
                     deterministic=True, shuffle_buffer=SHUFFLE_BUFFER, base="W1"),
     "W2s": Workload("W2s", 64, ("data", "label"), W2Fetch, ("blobfeed",), "W2, deterministic, shuffle_buffer=10000",
                     deterministic=True, shuffle_buffer=SHUFFLE_BUFFER, base="W2"),
+    # random-access sources: the same data behind a map-style dataset, against the fetch_fun form
+    "W1i": Workload("W1i", 32, ("data", "label"), W1Fetch, ("blobfeed",), "W1's arrays as a random-access source",
+                    base="W1", dataset=w1_dataset),
+    "W2i": Workload("W2i", 64, ("data", "label"), W2Fetch, ("blobfeed",), "W2's arrays as a random-access source",
+                    base="W2", dataset=w2_dataset),
+    # a global shuffle over a 2 GB memory-mapped record file (written once into the cache folder)
+    "W7": Workload("W7", W7_BATCH, ("data", "size", "index"), DatasetOnly, ("blobfeed", "sequential", *W7_PEERS),
+                   "a global shuffle over a 2 GB record file", backend="processes", dataset=w7_dataset,
+                   shuffle=True),
 }
 
 
