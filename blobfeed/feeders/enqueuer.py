@@ -314,8 +314,7 @@ class Feed:
     # -- the enqueuer thread ---------------------------------------------------
     def run(self) -> None:
         """Body of the enqueuer thread."""
-        while self._step(None) is not None:
-            pass
+        self._step(None)
 
     def pump(self, timeout: float) -> None:
         """A feed without an enqueuer (``prefetch=False``): do the enqueuer's
@@ -342,40 +341,44 @@ class Feed:
             self._pump_lock.release()
 
     def _step(self, wait: float | None, once: bool = False) -> bool | None:
-        """One round of the enqueuer: take a chunk, queue what it completes,
-        and wait up to ``wait`` (None: for ever) when there was none.
-        Returns whether it took a chunk; None once the feed's stream is over
-        (ended, stopped or failed).
+        """The enqueuer's rounds: take a chunk, queue what it completes, and
+        wait up to ``wait`` (None: for ever) when there was none; until the
+        feed's stream is over (ended, stopped or failed: returns None), or
+        with ``once`` after one round (returns whether it took a chunk).
         ``once``: in the reader's thread (see :meth:`pump`): its own
-        interrupts (Ctrl-C) go to it rather than failing the source."""
+        interrupts (Ctrl-C) go to it rather than failing the source.
+        (One loop here, not a call per round: the enqueuer of a small-batch
+        source makes many rounds a second.)"""
         src = self.source
         queue = self._input
         try:
-            # Take and push under the lock, so chunks enter the re-batcher
-            # in queue order whichever thread takes them; wait outside it.
-            with self._lock:
-                try:
-                    ok, _ = self._take(queue)
-                except SourceStopped as stop:
-                    _forget_frames(stop)
-                    self._lose_all()
+            while True:
+                # Take and push under the lock, so chunks enter the re-batcher
+                # in queue order whichever thread takes them; wait outside it.
+                with self._lock:
+                    try:
+                        ok, _ = self._take(queue)
+                    except SourceStopped as stop:
+                        _forget_frames(stop)
+                        self._lose_all()
+                        return None
+                    except EndOfInput as end:
+                        _forget_frames(end)
+                        ok = False
+                        ended = True
+                    else:
+                        ended = False
+                if ended:
+                    self._finish()
                     return None
-                except EndOfInput as end:
-                    _forget_frames(end)
-                    ok = False
-                    ended = True
-                else:
-                    ended = False
-            if ended:
-                self._finish()
-                return None
-            # Complete batches may be waiting even without a new chunk
-            # (the net's thread pushed one it did not use up): prefetch them.
-            if not self._drain():
-                return None
-            if not ok and not (once and self.device_queue.qsize()):
-                queue.wait_for_item(wait)  # woken by a put or a close
-            return ok
+                # Complete batches may be waiting even without a new chunk
+                # (the net's thread pushed one it did not use up): prefetch them.
+                if not self._drain():
+                    return None
+                if not ok and not (once and self.device_queue.qsize()):
+                    queue.wait_for_item(wait)  # woken by a put or a close
+                if once:
+                    return ok
         except FetcherError as err:
             _forget_frames(err)
             if not self._aborted:

@@ -154,6 +154,8 @@ class IndexedDealer(LaneDealer):
     # that replaced a dead one may read a unit older than what its lane
     # holds), and the unit the stream waits for always enters (its lane may
     # be full of later units)
+    sorted_lanes = True
+
     def _may_wait(self, worker_id: int, chunk: Chunk) -> bool:
         """Never wait with the oldest unit the stream waits for, nor while
         this worker holds it (it reads it next: a unit to read again, taken

@@ -371,10 +371,11 @@ class LaneDealer:
         with self._room:
             lane = self._lanes[worker_id]
             sizes = self._sizes[worker_id]
-            while not self._lanes_closed and self._may_wait(worker_id, chunk) and (
+            # (the hook only when the lane is full: put runs once a chunk)
+            while not self._lanes_closed and (
                 len(lane) >= self.lane_capacity
                 or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
-            ):
+            ) and self._may_wait(worker_id, chunk):
                 self._room.wait()
             if self._lanes_closed:
                 return False
@@ -383,7 +384,7 @@ class LaneDealer:
                 self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n) + (
                     FEED_AHEAD_BATCHES * self.batch_size if self._bare else 0
                 )
-            i, j = self._insert_at(lane, sizes, chunk)
+            i, j = self._insert_at(lane, sizes, chunk) if self.sorted_lanes else (len(lane), len(sizes))
             if i == len(lane):
                 lane.append(chunk)
                 sizes.append(nbytes)
@@ -403,9 +404,13 @@ class LaneDealer:
         """May ``chunk`` wait for room in its full lane?"""
         return True
 
+    #: lanes are kept in an order of the dealer's own (:meth:`_insert_at`);
+    #: False: a chunk goes at its lane's end (not asked, once a chunk)
+    sorted_lanes = False
+
     def _insert_at(self, lane: collections.deque[Any], sizes: collections.deque[int], chunk: Chunk) -> tuple[int, int]:
         """Where ``chunk`` goes: its index in the lane and in ``sizes``
-        (one entry per chunk of the lane).  Here: at the end."""
+        (one entry per chunk of the lane), when :attr:`sorted_lanes`.  Here: at the end."""
         return len(lane), len(sizes)
 
     def sink(self, worker_id: int) -> Callable[[Chunk, int], bool]:
