@@ -384,13 +384,14 @@ class LaneDealer:
                 self.outbox_samples = default_outbox_samples(self.batch_size, len(self.outboxes), nbytes // chunk.n) + (
                     FEED_AHEAD_BATCHES * self.batch_size if self._bare else 0
                 )
-            i, j = self._insert_at(lane, sizes, chunk) if self.sorted_lanes else (len(lane), len(sizes))
-            if i == len(lane):
-                lane.append(chunk)
-                sizes.append(nbytes)
-            else:
+            if self.sorted_lanes:
+                i, j = self._insert_at(lane, sizes, chunk)
                 lane.insert(i, chunk)
                 sizes.insert(j, nbytes)
+            else:
+                i = len(lane)
+                lane.append(chunk)
+                sizes.append(nbytes)
             self._lane_bytes[worker_id] += nbytes
             self._queued_bytes += nbytes
             self._lane_chunks += 1
