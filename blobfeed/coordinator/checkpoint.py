@@ -87,6 +87,29 @@ MAX_UNTOLD_EPOCHS = 1 << 16
 MAX_POSITION = 1 << 62
 
 
+def _net_entry(check: Any, j: int, entry: Any, k: int, sizes: tuple[int, ...]) -> int:
+    """Net ``j``'s entry of ``k``: [name, next batch(, epoch)] of one of
+    ``sizes``; its next batch, one of net ``j``'s (dealt in turn)."""
+    if not isinstance(entry, list) or len(entry) not in sizes:
+        check.fail(["nets", j], f"expected [net name, next batch, epoch], got {entry!r}")
+    if not isinstance(entry[0], str):
+        check.fail(["nets", j, 0], f"expected the net's name (a str), got {entry[0]!r}")
+    nxt: int = check.integer(entry[1], ["nets", j, 1], j)
+    if (nxt - j) % k:
+        check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
+                   f"batches are dealt to the {k} nets in turn), got {nxt}")
+    return nxt
+
+
+def _told_near(check: Any, j: int, told: int, epoch: int) -> None:
+    """Net ``j`` was told of the end of epochs up to ``told``: within
+    MAX_UNTOLD_EPOCHS of the position's ``epoch`` (each epoch end between
+    them is a piece the net is handed on load)."""
+    if told + MAX_UNTOLD_EPOCHS < epoch or told > epoch + MAX_UNTOLD_EPOCHS:
+        check.fail(["nets", j, 2], f"expected an epoch within {MAX_UNTOLD_EPOCHS} of the position's "
+                   f"epoch {epoch} (the epoch ends this net was told of), got {told}")
+
+
 def check_random_access_state(name: str, state: dict[str, Any], source: InputSource) -> None:
     """:func:`check_state` for a random-access source: the stream's fields
     must match (``ValueError`` naming the field, saved vs now); the worker
@@ -140,19 +163,9 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
     k = len(nets)
     next_batches = []
     for j, entry in enumerate(nets):
-        if not isinstance(entry, list) or len(entry) != 3:
-            check.fail(["nets", j], f"expected [net name, next batch, epoch], got {entry!r}")
-        if not isinstance(entry[0], str):
-            check.fail(["nets", j, 0], f"expected the net's name (a str), got {entry[0]!r}")
-        nxt = check.integer(entry[1], ["nets", j, 1], j)
-        if (nxt - j) % k:
-            check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
-                       f"batches are dealt to the {k} nets in turn), got {nxt}")
+        nxt = _net_entry(check, j, entry, k, (3,))
         told = check.integer(entry[2], ["nets", j, 2], 0, None if epochs is None else epochs)
-        if told + MAX_UNTOLD_EPOCHS < epoch or told > epoch + MAX_UNTOLD_EPOCHS:
-            # each epoch end between them is a piece the net is handed on load
-            check.fail(["nets", j, 2], f"expected an epoch within {MAX_UNTOLD_EPOCHS} of the position's "
-                       f"epoch {epoch} (the epoch ends this net was told of), got {told}")
+        _told_near(check, j, told, epoch)
         next_batches.append(nxt)
     low = min(next_batches)
     if not low - k < batches <= low:
@@ -297,15 +310,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     # per net: [name, next batch, epochs it was told ended] (version 1: no epochs)
     next_batches = []
     for j, entry in enumerate(nets):
-        sizes = (2, 3) if version == 1 else (3,)
-        if not isinstance(entry, list) or len(entry) not in sizes:
-            check.fail(["nets", j], f"expected [net name, next batch, epoch], got {entry!r}")
-        if not isinstance(entry[0], str):
-            check.fail(["nets", j, 0], f"expected the net's name (a str), got {entry[0]!r}")
-        nxt = check.integer(entry[1], ["nets", j, 1], j)
-        if (nxt - j) % k:
-            check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
-                       f"batches are dealt to the {k} nets in turn), got {nxt}")
+        nxt = _net_entry(check, j, entry, k, (2, 3) if version == 1 else (3,))
         if len(entry) == 3:
             # The ends it was told of (the last epoch's is EndOfInput, not
             # told).  One net: one per epoch the position passed.  Several:
@@ -316,7 +321,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
             elif epochs is not None:
                 check.integer(entry[2], ["nets", j, 2], 0, epochs)
             else:
-                check.integer(entry[2], ["nets", j, 2], 0)
+                _told_near(check, j, check.integer(entry[2], ["nets", j, 2], 0), epoch)
         next_batches.append(nxt)
     low = min(next_batches)
     if source.dealing.shuffle_buffer:
