@@ -133,19 +133,25 @@ def test_by_index_exactly_once_and_equal_to_four_nets_in_one_process(tmp_path: P
 
 
 @pytest.mark.parametrize("by_index", [True, False])
-def test_batches_go_from_the_dealer_to_each_sender_with_no_enqueuer_between(tmp_path: Path, by_index: bool) -> None:
+def test_batches_go_from_the_dealer_to_each_sender_with_no_enqueuer_between(
+    tmp_path: Path, by_index: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Each connection's sender assembles the batches it sends straight
     from the dealer: the service runs no enqueuer thread (one per consumer
     index before) and its readers hold no device queue of batches."""
+    seen: list[str] = []
+    start = threading.Thread.start
+
+    def recorded(self: threading.Thread) -> None:  # every thread started, however short-lived
+        seen.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recorded)
     kw: dict[str, Any] = dict(deterministic=True, num_consumers=2) if by_index else {}
     with served(2, **kw) as server:
         outs = [tmp_path / f"c{i}.jsonl" for i in range(2)]
         args = [["--index", str(i), "--num", "2"] if by_index else [] for i in range(2)]
         procs = [consumer(server.address, outs[i], *args[i]) for i in range(2)]
-        seen: set[str] = set()
-        while any(p.poll() is None for p in procs) and len(seen) < 1000:
-            seen.update(t.name for t in threading.enumerate())
-            time.sleep(0.01)
         assert finish(procs) == [0] * 2
     assert sorted(i for o in outs for b in batches(o) for i in b) == feeds.all_ids(2)
     assert any(n.startswith("blobfeed-service-send") for n in seen), seen
