@@ -1123,3 +1123,28 @@ def test_a_reader_without_prefetch_gets_the_same_room_ahead_as_with_a_fetch_fun(
     want = ahead(wide_fetch)
     assert want < 100
     assert ahead(RandomAccessSource(Wide(10000))) == want
+
+
+def test_plain_samples_stack_the_same_by_the_short_way_and_the_checked_one() -> None:
+    """Samples that are tuples of numpy arrays and scalars stack without a
+    step per sample (the short way); what it returns is what the checked
+    way returns, and anything it cannot take (a dict, a Python number, a
+    mixed dtype, another shape) goes the checked way, errors included."""
+    from blobfeed.feeders.indexed import IndexedReadError, RandomAccessSource, UnitReader
+
+    reader = UnitReader("s", RandomAccessSource([None]), 4, 0, ("x", "y"), (0, 0))
+    rng = np.random.default_rng(0)
+    plain = [(rng.random((3, 2)), np.int64(i)) for i in range(4)]
+    fast = reader._stack_plain(plain)
+    assert fast is not None
+    slow_reader = UnitReader("s", RandomAccessSource([None]), 4, 0, ("x", "y"), (0, 0))
+    slow_reader._stack_plain = lambda samples: None  # type: ignore[method-assign]
+    slow = slow_reader._stack(0, [0, 1, 2, 3], plain)
+    assert [a.dtype for a in fast] == [a.dtype for a in slow] and all(np.array_equal(a, b) for a, b in zip(fast, slow))
+    for other in ([{"x": s[0], "y": s[1]} for s in plain],  # dicts
+                  [(s[0], 1) for s in plain],  # a Python number
+                  [(s[0], np.int32(1) if i else np.int64(1)) for i, s in enumerate(plain)],  # mixed dtypes
+                  [(rng.random((3, 2 + i % 2)), np.int64(i)) for i in range(4)]):  # another shape
+        assert reader._stack_plain(other) is None
+    with pytest.raises(IndexedReadError, match=r"dataset\[1\].*blob 'y': dtype int32"):
+        reader._stack(0, [0, 1], [(plain[0][0], np.int64(0)), (plain[1][0], np.int32(1))])

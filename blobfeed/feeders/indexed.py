@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import operator
 import os
 import select
 import struct
@@ -561,6 +562,11 @@ class UnitReader:
         dtype and shape of the unit's first one (the dealer checks the
         units against each other, in stream order: see
         :func:`layout_mismatch`)."""
+        fast = self._stack_plain(samples)
+        if fast is not None:
+            return fast
+        # anything else (a dict, a tensor, a number, a bad sample): sample
+        # by sample, each checked, with the error naming its index
         per_blob: list[list[np.ndarray]] = [[] for _ in self.blob_names]
         first: list[tuple[np.dtype, tuple[int, ...]]] | None = None
         for i, sample in zip(idx, samples):
@@ -591,6 +597,44 @@ class UnitReader:
                     f"{_short(idx)} do not stack: {exc!r}"
                 ) from exc
         return out
+
+
+    def _stack_plain(self, samples: Sequence[Any]) -> list[np.ndarray] | None:
+        """The common case without a Python step per sample and blob: every
+        sample a tuple or list with one numpy array (or numpy scalar) per
+        blob, each blob of one dtype and shape throughout; None for anything
+        else, which the checked way takes (it gives the errors).  Checking
+        each sample in Python costs more than stacking them (277 µs against
+        13 µs for 32 of W1's samples), so the checks here run in C: ``map``,
+        ``set`` and ``zip`` over the samples."""
+        n = len(self.blob_names)
+        if not samples or not set(map(type, samples)) <= _PLAIN or set(map(len, samples)) != {n}:
+            return None
+        out = []
+        for ax, col in zip(self.axes, zip(*samples)):
+            if not all(issubclass(t, _NUMPY) for t in set(map(type, col))):
+                return None
+            dtypes = set(map(_DTYPE, col))
+            if len(dtypes) != 1:
+                return None
+            dtype = dtypes.pop()
+            first = col[0]
+            if dtype.kind == "O" or ax > first.ndim:
+                return None
+            try:
+                # one C call; samples of other shapes raise (numpy >= 1.24)
+                stacked = np.array(col, dtype=dtype) if ax == 0 else np.stack(col, axis=ax)
+            except ValueError:
+                return None  # the checked way names the sample
+            if stacked.shape[:ax] + stacked.shape[ax + 1:] != first.shape:
+                return None
+            out.append(stacked)
+        return out
+
+
+_PLAIN = {tuple, list}
+_NUMPY = (np.ndarray, np.generic)
+_DTYPE = operator.attrgetter("dtype")
 
 
 def layout_mismatch(
