@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -284,3 +285,28 @@ def test_second_wiring_with_another_budget_warns_and_keeps_the_first(gc, caplog)
         init_data_input_workers(b, ["x"], big_fetcher(1), 4, coordinator=gc, max_buffered_bytes=2 * MIB)
     assert "max_buffered_bytes=2097152 ignored" in caplog.text
     assert gc._sources["train"].dealer.stats().max_bytes == MIB
+
+
+@pytest.mark.parametrize("available, expected", [
+    (16 << 30, 2 << 30),  # an eighth of what the process may still take
+    (100 << 20, 64 << 20),  # never under 64 MiB
+    (None, 1 << 30),  # unknown: the fixed default
+])
+def test_an_auto_byte_budget_is_a_share_of_the_memory_the_process_may_take(
+    monkeypatch: pytest.MonkeyPatch, available: Any, expected: int,
+) -> None:
+    """max_buffered_bytes="auto": the bound is a share of the memory this
+    process may still take when the source is wired (MemAvailable, within
+    its cgroup's limit), and the log says what it chose."""
+    from blobfeed.coordinator import wiring
+
+    monkeypatch.setattr(wiring, "mem_available", lambda: available)
+    with blobfeed.GlobalCoordinator() as gc:
+        net = Net(None, name="auto-bytes")
+        init_data_input_workers(net, ["x"], lambda w, b: [np.zeros((4, 2))], 4, 1, "auto-bytes",
+                                coordinator=gc, max_buffered_bytes="auto")
+        assert gc.open_source("auto-bytes") is not None
+        assert gc._sources["auto-bytes"].max_bytes == expected
+    with pytest.raises(TypeError, match=r"max_buffered_bytes must be an int >= 1, None or 'auto', got 'big'"):
+        init_data_input_workers(Net(None), ["x"], lambda w, b: [np.zeros((4, 2))], 4, 1, "bad",
+                                coordinator=blobfeed.GlobalCoordinator(), max_buffered_bytes="big")

@@ -25,6 +25,7 @@ from ..feeders import (
 )
 from ..feeders.dealing import Direct, EqualRounds, IndexedDealer
 from ..feeders.indexed import RandomAccessSource, UnitDispenser, UnitReader, dataset_length, is_random_access
+from ..feeders.transport import mem_available
 from ..metrics import ExternalLogger
 from ..net import Net
 from ..worker_info import draw_base_seed, shuffle_rng
@@ -38,6 +39,23 @@ InitFun = Callable[[WorkerCoordinator, GlobalCoordinator], Any]
 #: the default bound of a source's internal queue in bytes: 1 GiB, so 800
 #: image chunks cannot hold 2 GB however large each is
 DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
+#: max_buffered_bytes="auto": this share of the memory the process may still
+#: take when the source is wired (MemAvailable, within its cgroup's limit),
+#: never under AUTO_BUFFERED_BYTES_MIN; the fixed default when it is unknown
+AUTO_BUFFERED_BYTES_SHARE = 8
+AUTO_BUFFERED_BYTES_MIN = 64 << 20
+
+
+def auto_buffered_bytes(source: str) -> int:
+    """The byte budget ``max_buffered_bytes="auto"`` gives source ``source``."""
+    free = mem_available()
+    budget = DEFAULT_MAX_BUFFERED_BYTES if free is None else max(AUTO_BUFFERED_BYTES_MIN, free // AUTO_BUFFERED_BYTES_SHARE)
+    logger.info(
+        "source %r: max_buffered_bytes='auto' is %d MiB (%s)", source, budget >> 20,
+        "the memory this process may take is unknown: the default" if free is None
+        else f"1/{AUTO_BUFFERED_BYTES_SHARE} of the {free >> 20} MiB this process may still take",
+    )
+    return budget
 
 
 # -- argument checks: at the public boundary, never assert ---------------------------------
@@ -162,7 +180,7 @@ def init_data_input_workers(
     deterministic: bool = False,
     shuffle_buffer: int = 0,
     epochs: int | None = 1,
-    max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
+    max_buffered_bytes: int | Literal["auto"] | None = DEFAULT_MAX_BUFFERED_BYTES,
     equal: bool = False,
 ) -> GlobalCoordinator:
     """Feed ``net``'s blobs ``input_blob_names`` from ``fetch_fun`` on worker threads.
@@ -241,7 +259,9 @@ def init_data_input_workers(
             shuffle buffer, each epoch is shuffled on its own.  Every call
             for one source must agree on it.
         max_buffered_bytes: bound of the internal queue in bytes (its
-            chunks' arrays; default 1 GiB; ``None``: no bound), besides
+            chunks' arrays; default 1 GiB; ``None``: no bound; ``"auto"``:
+            an eighth of the memory this process may still take when the
+            source is wired, at least 64 MiB, logged), besides
             ``max_buffered_batches``: a fetcher waits while its chunk would
             pass it, but a chunk always enters an empty queue (with
             ``deterministic``, ``shuffle_buffer`` or ``epochs``: each worker's
@@ -302,7 +322,7 @@ def _wire(
     deterministic: bool = False,
     shuffle_buffer: int = 0,
     epochs: int | None = 1,
-    max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
+    max_buffered_bytes: int | Literal["auto"] | None = DEFAULT_MAX_BUFFERED_BYTES,
     equal: bool = False,
     prefetch: bool = True,
 ) -> tuple[GlobalCoordinator, BatchReader]:
@@ -356,7 +376,11 @@ def _wire(
     shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
     if epochs is not None:
         epochs = check_index("epochs", epochs)
-    if max_buffered_bytes is not None:
+    if max_buffered_bytes == "auto":
+        max_buffered_bytes = auto_buffered_bytes(input_source_name)
+    elif isinstance(max_buffered_bytes, str):
+        raise TypeError(f"max_buffered_bytes must be an int >= 1, None or 'auto', got {max_buffered_bytes!r}")
+    elif max_buffered_bytes is not None:
         max_buffered_bytes = check_index("max_buffered_bytes", max_buffered_bytes)
     equal = check_flag("equal", equal)
     if equal and dont_rebatch:
