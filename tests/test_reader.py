@@ -64,6 +64,19 @@ def read_all(reader: BatchReader) -> list[Any]:
             got.append(item.arrays[0].tolist())
 
 
+def read_all_at_once(readers: list[BatchReader]) -> dict[str, list[Any]]:
+    """:func:`read_all` of each reader, each in a thread of its own (a
+    source dealt in turn needs them read together), by reader name."""
+    results: dict[str, list[Any]] = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r.name, read_all(r))) for r in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 3)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
 def test_a_source_is_read_through_a_reader_without_any_net() -> None:
     with blobfeed.GlobalCoordinator() as gc:
         reader = init_reader(["id", "x"], counting(4), 4, 2, "src", coordinator=gc, reader_name="r0")
@@ -100,13 +113,7 @@ def test_readers_added_to_a_deterministic_source_are_dealt_in_turn_and_described
         assert gc.open_source("det").started
         with pytest.raises(ValueError, match="before start"):
             gc.add_reader("det", "late")
-        results: dict[str, list[Any]] = {}
-        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r.name, read_all(r))) for r in (first, second)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(WAIT * 3)
-        assert not any(t.is_alive() for t in threads)
+        results = read_all_at_once([first, second])
         assert gc.stop(WAIT)
     a, b = results["a"], results["b"]
     # each epoch: both see its end; the batches of the epoch alternate a, b, a, ...
@@ -316,14 +323,7 @@ def test_a_reader_without_prefetch_assembles_in_its_own_thread_the_same_stream(b
             second = gc.add_reader("pf", "b", prefetch=prefetch)
             gc.start()
             assert len(enqueuers("pf")) == (2 if prefetch else 0)
-            results: dict[str, list[Any]] = {}
-            threads = [threading.Thread(target=lambda r=r: results.__setitem__(r.name, read_all(r)))
-                       for r in (first, second)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(WAIT * 3)
-            assert not any(t.is_alive() for t in threads)
+            results = read_all_at_once([first, second])
             assert gc.stop(WAIT)
         streams.append(results)
     assert streams[0] == streams[1]
