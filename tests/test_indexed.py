@@ -437,11 +437,14 @@ def test_refused_wirings() -> None:
     with pytest.raises(ValueError, match=r"len\(dataset\)=5; this call passes one with len\(dataset\)=6"):
         init_data_input_workers(Net(), BLOBS, Items(6), 2, coordinator=gc, seed=1)
     # how it is read too: a later call may not change it silently
-    with pytest.raises(ValueError, match=r"read_size=2; this call passes one with read_size=3"):
-        init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5), read_size=3), 2, coordinator=gc, seed=1)
+    # (the default, None, sizes the units by bytes: not the same as read_size=<the batch>)
+    for size in (2, 3):
+        with pytest.raises(ValueError, match=rf"read_size=None; this call passes one with read_size={size}"):
+            init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5), read_size=size), 2, coordinator=gc,
+                                    seed=1)
     with pytest.raises(ValueError, match=r"window=None; this call passes one with window=4"):
         init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5), window=4), 2, coordinator=gc, seed=1)
-    init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5), read_size=2), 2, coordinator=gc, seed=1)
+    init_data_input_workers(Net(), BLOBS, RandomAccessSource(Items(5)), 2, coordinator=gc, seed=1)
     gc.stop(timeout=5.0)
 
 
@@ -1148,3 +1151,47 @@ def test_plain_samples_stack_the_same_by_the_short_way_and_the_checked_one() -> 
         assert reader._stack_plain(other) is None
     with pytest.raises(IndexedReadError, match=r"dataset\[1\].*blob 'y': dtype int32"):
         reader._stack(0, [0, 1], [(plain[0][0], np.int64(0)), (plain[1][0], np.int32(1))])
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. The default read size: units of about UNIT_BYTES, the stream unchanged
+# ---------------------------------------------------------------------------------------------
+class Counted(Items):
+    """With ``__getitems__``: records how many indexes each read asks for."""
+
+    reads: list[int] = []
+
+    def __getitems__(self, idx: list[int]) -> list[tuple[Any, np.ndarray]]:
+        type(self).reads.append(len(idx))
+        return [(np.int64(i), np.full(3, i, np.float32)) for i in idx]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_default_read_size_makes_units_of_about_64_kib_and_keeps_the_stream(workers: int) -> None:
+    from blobfeed.feeders.indexed import UNIT_BYTES
+
+    n, bs = 7000, 4
+    per_sample = 8 + 3 * 4  # int64 id, 3 float32
+    size = bs * -(-UNIT_BYTES // (bs * per_sample))  # whole batches of at least UNIT_BYTES
+    assert bs < size < n
+    Counted.reads = []
+    with Pipeline(Counted(n), 1, workers, bs=bs, epochs=2, read_size=None) as p:
+        got = p.lockstep()
+    assert_stream(got, reference(n, bs, 2), f"read_size=None, {workers} workers")
+    # the first unit is one batch (its samples' size is not known before);
+    # every later one holds `size` positions, cut at each epoch's end
+    first = [bs] + [size] * ((n - bs) // size) + [(n - bs) % size]
+    second = [size] * (n // size) + [n % size]
+    assert sorted(Counted.reads) == sorted(first + second), Counted.reads
+
+
+
+def test_the_default_read_size_stays_the_batch_for_large_samples() -> None:
+    from blobfeed.feeders.indexed import UNIT_BYTES, UnitDispenser
+
+    for sample_bytes, bs, want in [(UNIT_BYTES, 4, 4), (UNIT_BYTES // 8, 16, 16), (UNIT_BYTES // 8, 4, 8),
+                                   (20, 4, 3280), (1, 1, UNIT_BYTES)]:
+        units = UnitDispenser(SRC, 10**6, bs, 1, auto=True)
+        assert units.take(0) == (0, 0, bs)
+        units.sized(sample_bytes)
+        assert units.take(0) == (1, bs, bs + want), (sample_bytes, bs)

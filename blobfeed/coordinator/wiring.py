@@ -579,7 +579,7 @@ def _random_access_source(
 ) -> InputSource:
     """The source of a random-access dataset: its read units and the dealer
     that puts them back in order."""
-    units = UnitDispenser(name, reader.n, spec.read_size or batch_size, dealing.epochs)
+    units = UnitDispenser(name, reader.n, spec.read_size or batch_size, dealing.epochs, auto=spec.read_size is None)
     reader.units = units
     hub = gc._hub
 
@@ -597,8 +597,8 @@ def _random_access_source(
     )
     # its chunks' layouts are checked in stream order, by the dealer
     source.validator.per_chunk_only = True
-    #: what a state of it records and checks: (length, seed, shuffle, read size)
-    source.random_access = (reader.n, reader.seed, reader.shuffle, units.read_size)  # type: ignore[attr-defined]
+    #: what a state of it records and checks: (length, seed, shuffle, read size (None: by bytes))
+    source.random_access = (reader.n, reader.seed, reader.shuffle, spec.read_size)  # type: ignore[attr-defined]
     return source
 
 
@@ -609,7 +609,7 @@ def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec
     dealer = source.dealer
     for what, had, asked in (("len(dataset)", n, reader.n), ("shuffle", shuffle, reader.shuffle),
                              ("seed", seed, reader.seed),
-                             ("read_size", read_size, spec.read_size or dealer.batch_size),
+                             ("read_size", read_size, spec.read_size),
                              ("window", dealer.window, spec.window)):  # type: ignore[attr-defined]
         if had != asked:
             raise ValueError(

@@ -45,6 +45,9 @@ HOLDERS = itertools.count(1)
 MAX_TRIES = 3
 #: a unit as it travels to a worker process: (unit, g_lo, g_hi); unit -1 ends
 UNIT_RECORD = struct.Struct("<qqq")
+#: ``read_size=None``: the units after the first hold whole batches of at
+#: least this many bytes of samples (or one batch, when larger)
+UNIT_BYTES = 64 * 1024
 
 
 def is_random_access(obj: Any) -> bool:
@@ -75,7 +78,10 @@ class RandomAccessSource:
         seed: the shuffle's seed; None: the wiring's ``seed`` (drawn and
             logged when that is None too).
         read_size: consecutive positions of the order a worker reads at
-            once (one read unit); None: the batch size.
+            once (one read unit); None: the first unit is one batch, the
+            next ones whole batches of at least :data:`UNIT_BYTES` of
+            samples (as many bytes as the first unit's samples take).  The
+            stream does not depend on it.
         window: a worker may not take a unit more than this many units past
             the oldest one the stream still waits for; None: ``4 x`` the
             worker count, at least 8.
@@ -156,13 +162,21 @@ class UnitDispenser:
     Args:
         source: the source's name.
         n: the dataset's length.
-        read_size: positions per unit.
+        read_size: positions per unit (with ``auto``, the first unit's: the batch size).
         epochs: passes over the data (None: endless).
+        auto: the units after the first hold ``read_size x k`` positions,
+            ``k`` the fewest batches of at least :data:`UNIT_BYTES` once
+            :meth:`sized` says how many bytes a sample takes; no worker takes
+            a unit past the first before that (the units' bounds do not
+            depend on timing).
     """
 
-    def __init__(self, source: str, n: int, read_size: int, epochs: int | None) -> None:
+    def __init__(self, source: str, n: int, read_size: int, epochs: int | None, auto: bool = False) -> None:
         self.source = source
         self.n = n
+        #: the first unit's size (the batch's, when auto)
+        self.base = read_size
+        self.auto = auto
         self.read_size = read_size
         self.epochs = epochs
         self.window = 8
@@ -178,6 +192,9 @@ class UnitDispenser:
         self.on_redo_taken: Callable[[], None] | None = None
 
     def _reset(self) -> None:
+        self.read_size = self.base
+        #: the units' size is known (auto: once the first unit's samples were seen)
+        self._sized = not self.auto
         #: units made so far (unit -> ReadUnit), until consumed
         self._units: dict[int, ReadUnit] = {}
         self._made = 0  # units made
@@ -216,6 +233,22 @@ class UnitDispenser:
             self.start = start
             self.skip = merge_ranges([(max(lo, start), hi) for lo, hi in skip if hi > start])
             self._reset()
+
+    def sized(self, sample_bytes: int) -> None:
+        """``auto``: a sample takes ``sample_bytes``; the units after the
+        first are sized from it (once)."""
+        with self._cond:
+            if self._sized:
+                return
+            self._sized = True
+            per_batch = max(1, sample_bytes * self.base)
+            self.read_size = self.base * max(1, -(-UNIT_BYTES // per_batch))
+            self._cond.notify_all()
+
+    def _fresh_waits(self) -> bool:
+        """The next unit of the stream may not be handed out yet: it is past
+        the window, or past the first before the units are sized."""
+        return self._next >= self.oldest + self.window or (not self._sized and self._next >= 1)
 
     @property
     def end(self) -> int | None:
@@ -285,7 +318,7 @@ class UnitDispenser:
                 self._wid_of[holder] = worker_id
             own = self._redo_of.get(worker_id)
             while not self.closed and holder not in self._retired and worker_id not in self._stopped and (
-                (not self._redo and not own and self._next >= self.oldest + self.window)
+                (not self._redo and not own and self._fresh_waits())
                 or (ahead is not None and held is not None and len(held) >= ahead)
             ):
                 self._cond.wait()
@@ -481,7 +514,7 @@ class UnitReader:
 
     def indexes(self, r: ReadUnit) -> list[int]:
         """The dataset indexes unit ``r`` reads."""
-        return [int(i) for i in self._indexes(r)]
+        return self._indexes(r).tolist()
 
     def __call__(self, worker_id: int, batch_size: int) -> Stamped:
         r = self.units.take(worker_id)

@@ -31,8 +31,8 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
 
 def run_indexed(wl: Workload, seconds: float, shuffle: bool | None = None, workers: int = 2) -> dict[str, Any]:
     """``wl``'s map-style dataset (W1i, W2i, W7) as a random-access source:
-    ``blobfeed.RandomAccessSource(dataset, shuffle=..., seed=0,
-    read_size=batch)`` on ``workers`` threads or worker processes
+    ``blobfeed.RandomAccessSource(dataset, shuffle=..., seed=0)`` (the
+    default read size: units of about 64 KiB, at least a batch) on ``workers`` threads or worker processes
     (``wl.backend``), endless (``epochs=None``; each epoch's end is an
     ``EndOfEpoch``, skipped).  ``shuffle``: None for ``wl.shuffle``.
 
@@ -50,7 +50,7 @@ def run_indexed(wl: Workload, seconds: float, shuffle: bool | None = None, worke
     dataset = wl.dataset()
     n = len(dataset)
     # Any: init_data_input_workers's annotation names only a fetch_fun
-    source: Any = blobfeed.RandomAccessSource(dataset, shuffle=shuffle, seed=ORDERED_SEED, read_size=wl.batch)
+    source: Any = blobfeed.RandomAccessSource(dataset, shuffle=shuffle, seed=ORDERED_SEED)
     net = blobfeed.Net(None, name="bench")
     gc = blobfeed.GlobalCoordinator()
     kwargs: dict[str, Any] = {} if wl.backend == "threads" else {"backend": wl.backend}

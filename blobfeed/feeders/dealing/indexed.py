@@ -247,6 +247,8 @@ class IndexedDealer(LaneDealer):
         if self._layout is None:
             self._layout = ([(a.dtype, a.shape[:ax] + a.shape[ax + 1:]) for a, ax in zip(chunk.arrays, self.axes)],
                             idx[0])
+            # read_size=None: the later units are sized by the bytes of a sample
+            self.units.sized(sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n))
             return None
         layout, first = self._layout
         cause = layout_mismatch(self.source, reader.blob_names, layout, first, chunk.arrays, self.axes,
