@@ -1147,8 +1147,18 @@ def test_plain_samples_stack_the_same_by_the_short_way_and_the_checked_one() -> 
     for other in ([{"x": s[0], "y": s[1]} for s in plain],  # dicts
                   [(s[0], 1) for s in plain],  # a Python number
                   [(s[0], np.int32(1) if i else np.int64(1)) for i, s in enumerate(plain)],  # mixed dtypes
-                  [(rng.random((3, 2 + i % 2)), np.int64(i)) for i in range(4)]):  # another shape
+                  [(rng.random((3, 2 + i % 2)), np.int64(i)) for i in range(4)],  # another shape
+                  [s if i != 2 else (s[0],) for i, s in enumerate(plain)],  # a blob missing
+                  [s if i != 2 else (*s, s[1]) for i, s in enumerate(plain)],  # an array too many
+                  [(s[0], np.float32(1) if i == 3 else np.float64(1)) for i, s in enumerate(plain)],
+                  [(s[0], np.int64(1) if i == 3 else s[0]) for i, s in enumerate(plain)]):  # an array among scalars
         assert reader._stack_plain(other) is None
+    for scalars in ([np.datetime64(i, "s") for i in range(4)], [np.str_(f"a{i}") for i in range(4)],
+                    [np.float32(i) for i in range(4)], [np.bool_(i % 2) for i in range(4)]):
+        samples = [(s[0], v) for s, v in zip(plain, scalars)]
+        fast, slow = reader._stack_plain(samples), slow_reader._stack(0, [0, 1, 2, 3], samples)
+        assert fast is None or ([a.dtype for a in fast] == [a.dtype for a in slow]
+                                and all(np.array_equal(a, b) for a, b in zip(fast, slow))), scalars
     with pytest.raises(IndexedReadError, match=r"dataset\[1\].*blob 'y': dtype int32"):
         reader._stack(0, [0, 1], [(plain[0][0], np.int64(0)), (plain[1][0], np.int32(1))])
 

@@ -641,16 +641,24 @@ class UnitReader:
         13 µs for 32 of W1's samples), so the checks here run in C: ``map``,
         ``set`` and ``zip`` over the samples."""
         n = len(self.blob_names)
-        if not samples or not set(map(type, samples)) <= _PLAIN or set(map(len, samples)) != {n}:
+        if not samples or not set(map(type, samples)) <= _PLAIN:
+            return None
+        # a sample with fewer arrays gives a _MISSING, one with more a column too many
+        cols = list(itertools.zip_longest(*samples, fillvalue=_MISSING))
+        if len(cols) != n:
             return None
         out = []
-        for ax, col in zip(self.axes, zip(*samples)):
-            if not all(issubclass(t, _NUMPY) for t in set(map(type, col))):
-                return None
-            dtypes = set(map(_DTYPE, col))
-            if len(dtypes) != 1:
-                return None
-            dtype = dtypes.pop()
+        for ax, col in zip(self.axes, cols):
+            types = set(map(type, col))
+            if len(types) == 1 and (t := next(iter(types))) in _SCALARS:
+                dtype = _SCALARS[t]  # a numeric numpy scalar's type is its dtype: no pass over them
+            else:
+                if not all(issubclass(t, _NUMPY) for t in types):
+                    return None
+                dtypes = set(map(_DTYPE, col))
+                if len(dtypes) != 1:
+                    return None
+                dtype = dtypes.pop()
             first = col[0]
             if dtype.kind == "O" or ax > first.ndim:
                 return None
@@ -667,6 +675,11 @@ class UnitReader:
 
 _PLAIN = {tuple, list}
 _NUMPY = (np.ndarray, np.generic)
+_MISSING = object()
+#: numpy scalar types whose dtype their type says (not str, bytes, void, datetime: their size or unit varies)
+_SCALARS = {t: np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                     np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+                                     np.complex128, np.longlong, np.ulonglong, np.longdouble, np.clongdouble)}
 _DTYPE = operator.attrgetter("dtype")
 
 
