@@ -1205,3 +1205,108 @@ def test_the_default_read_size_stays_the_batch_for_large_samples() -> None:
         assert units.take(0) == (0, 0, bs)
         units.sized(sample_bytes)
         assert units.take(0) == (1, bs, bs + want), (sample_bytes, bs)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. A worker process SIGKILLed every 0.5 s: nothing lost or repeated
+# ---------------------------------------------------------------------------------------------
+class ReadLog(Items):
+    """``__getitems__`` appends a byte to ``marks/<pid>`` per read (a read
+    unit) and takes ``delay`` s: the test sees which worker processes live
+    and how many units each began."""
+
+    def __init__(self, n: int, marks: str, delay: float) -> None:
+        super().__init__(n)
+        self.marks = marks
+        self.unit_delay = delay
+
+    def __getitems__(self, idx: list[int]) -> list[tuple[Any, np.ndarray]]:
+        import os
+
+        fd = os.open(os.path.join(self.marks, str(os.getpid())), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            os.write(fd, b".")
+        finally:
+            os.close(fd)
+        time.sleep(self.unit_delay)  # a read that takes time (I/O, decoding)
+        return [(np.int64(i), np.full(3, i, np.float32)) for i in idx]
+
+
+def _live(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+#: a process is killed only once it began this many units: a process holds
+#: at most 2 units and delivers them in order, so by its 4th it delivered its
+#: first 2, which include every unit it read again for the process it
+#: replaced.  Each kill thus hits units read 0 times before (a unit's
+#: readers die at most once: MAX_TRIES is never reached) and a process that
+#: delivered (a worker id never dies 4 times in a row without delivering):
+#: the run passes by design, however slow the machine
+KILL_AFTER_READS = 4
+
+
+class EveryHalfSecond(threading.Thread):
+    """SIGKILLs a random live worker process (one that began
+    :data:`KILL_AFTER_READS` units) every 0.5 s, at most ``limit`` times."""
+
+    def __init__(self, marks: str, seed: int, limit: int) -> None:
+        super().__init__(daemon=True, name="killer")
+        self.marks = marks
+        self.rng = random.Random(seed)
+        self.limit = limit
+        self.killed: list[int] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        import os
+        import signal
+
+        while len(self.killed) < self.limit and not self.halt.wait(0.5):
+            ready = sorted(
+                pid for pid in map(int, os.listdir(self.marks))
+                if pid not in self.killed and os.path.getsize(os.path.join(self.marks, str(pid))) >= KILL_AFTER_READS
+                and _live(pid)
+            )
+            if ready:
+                pid = self.rng.choice(ready)
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(pid)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workers=st.integers(1, 4), nets=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_a_worker_process_sigkilled_every_half_second_loses_and_repeats_nothing(
+    workers: int, nets: int, seed: int
+) -> None:
+    import shutil
+    import tempfile
+
+    n, bs, epochs = 96, 4, 4
+    marks = tempfile.mkdtemp(prefix="blobfeed-kills-")
+    killer = EveryHalfSecond(marks, seed, limit=6)
+    try:
+        # 192 units of 2, about 3 s whatever the worker count
+        with Pipeline(ReadLog(n, marks, delay=0.015 * workers), nets, workers, bs=bs, epochs=epochs, seed=seed,
+                      read_size=2, backend="processes") as p:
+            p.start()
+            killer.start()
+            got = p.lockstep()
+            killer.halt.set()
+            killer.join(timeout=WAIT)
+            assert not killer.is_alive()
+            deaths = p.gc.registry.get_sample_value("blobfeed_worker_deaths_total",
+                                                    {"source": SRC, "backend": "processes"}) or 0
+    finally:
+        killer.halt.set()
+        shutil.rmtree(marks, ignore_errors=True)
+    kills = len(killer.killed)
+    assert kills >= 2, f"only {kills} worker processes were killed: the run was too short to test anything"
+    # a kill may reach a process that was ending at the end of the data (not a death)
+    assert kills - workers <= deaths <= kills, (kills, deaths)
+    assert_stream(got, reference(n, bs, epochs, seed=seed),
+                  f"{workers} worker processes, {nets} nets, seed {seed}, {kills} killed")
