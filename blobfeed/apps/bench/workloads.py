@@ -4,6 +4,7 @@ model W5 runs."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import statistics
 import tempfile
@@ -413,6 +414,8 @@ W7_BATCH = 64
 W7_SEED = 7
 W7_VERSION = "w7-v1"
 W7_DATA = "records.bin"
+#: madvise(2)'s MADV_POPULATE_READ (Linux >= 5.14; not in Python 3.11's mmap module)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 W7_INDEX = "index.npy"
 
 
@@ -505,7 +508,12 @@ class W7Records:
     record), ``index`` the record's number (int64; the last blob, so the
     delivered stream can be checked against the source's order).  Every
     byte of the record is read.  The file is mapped lazily, in the process
-    that reads (a worker process maps its own).
+    that reads (a worker process maps its own), and its page tables are
+    built at once (``MADV_POPULATE_READ``, Linux >= 5.14; skipped where
+    refused): a first pass that faults the pages in one at a time costs a
+    shuffled read one fault per record or so against one per 64 KiB in
+    order (the kernel maps 16 neighbouring pages per fault), the gap W7
+    measured in the first epoch; mapped up front, both pay the same once.
     """
 
     def __init__(self, folder: Path | str) -> None:
@@ -521,7 +529,14 @@ class W7Records:
 
     def _file(self) -> np.ndarray:
         if self._map is None:
-            self._map = np.memmap(os.path.join(self.folder, W7_DATA), dtype=np.uint8, mode="r")
+            with open(os.path.join(self.folder, W7_DATA), "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                mapped.madvise(MADV_POPULATE_READ)
+            except (OSError, ValueError):  # an older kernel, another system: faulted in as read
+                pass
+            # a plain array over the map (not np.memmap: slicing it is cheaper per record)
+            self._map = np.frombuffer(mapped, dtype=np.uint8)
         return self._map
 
     def _fill(self, out: np.ndarray, i: int) -> int:
