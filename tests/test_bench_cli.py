@@ -1408,6 +1408,11 @@ def test_w1i_and_w2i_read_w1s_and_w2s_arrays_by_index() -> None:
         data, label = w1[i]
         np.testing.assert_array_equal(data, pools[(i // 64) % 8][0][i % 64])  # W1's own rows
         assert label == i and label.dtype == np.float64
+    # W1i reads a unit at once, stacked: the same rows and labels as one by one
+    unit = w1.__getitems__([5, 700, 64, len(w1) - 1])
+    assert sorted(unit) == ["data", "label"]
+    np.testing.assert_array_equal(unit["data"], np.stack([w1[i][0] for i in (5, 700, 64, len(w1) - 1)]))
+    np.testing.assert_array_equal(unit["label"], np.array([5, 700, 64, len(w1) - 1], dtype=np.float64))
     images = workloads.W2Fetch().build()[1]
     many = w2.__getitems__([3, 19, 1023])
     assert [int(lab) for _, lab in many] == [3, 19, 1023]

@@ -1310,3 +1310,58 @@ def test_a_worker_process_sigkilled_every_half_second_loses_and_repeats_nothing(
     assert kills - workers <= deaths <= kills, (kills, deaths)
     assert_stream(got, reference(n, bs, epochs, seed=seed),
                   f"{workers} worker processes, {nets} nets, seed {seed}, {kills} killed")
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. __getitems__ may return the unit already stacked: a dict blob -> array
+# ---------------------------------------------------------------------------------------------
+class Stacked(Items):
+    """``__getitems__`` returns the unit stacked (one fancy index per blob);
+    ``bad`` makes one unit's read go wrong: "short" (a sample too few),
+    "missing" (no blob x), "dtype" (float64 x), "flat" (a 0-d x)."""
+
+    def __init__(self, n: int, bad: str | None = None, at: int = 6) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.at = at
+
+    def __getitems__(self, idx: list[int]) -> dict[str, np.ndarray]:
+        ids = np.asarray(idx, dtype=np.int64)
+        out = {"ids": ids, "x": np.repeat(ids.astype(np.float32)[:, None], 3, axis=1)}
+        if self.bad is not None and self.at in idx:
+            if self.bad == "short":
+                out["x"] = out["x"][1:]
+            elif self.bad == "missing":
+                del out["x"]
+            elif self.bad == "dtype":
+                out["x"] = out["x"].astype(np.float64)
+            elif self.bad == "flat":
+                out["x"] = np.float32(1)
+        return out
+
+
+@pytest.mark.parametrize("backend,workers,read_size", [("threads", 2, 3), ("threads", 3, None),
+                                                       ("processes", 2, 5)])
+def test_a_unit_read_already_stacked_gives_the_same_stream(backend: str, workers: int, read_size: int | None) -> None:
+    with Pipeline(Stacked(41), 2, workers, bs=4, epochs=2, read_size=read_size, backend=backend) as p:
+        got = p.lockstep()
+    assert_stream(got, reference(41, 4, 2), f"{backend}, {workers} workers, read_size={read_size}")
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("short", r"__getitems__\(\[6, 7\]\) returned blob 'x' with 1 samples along its batch axis 0 \(shape \(1, 3\)\); "
+              r"expected 2, one per index"),
+    ("missing", r"__getitems__\(\[6, 7\]\) returned a dict without blob\(s\) \['x'\]"),
+    ("dtype", r"dataset\[6\] \(read unit 3: indexes \[6, 7\]\), blob 'x': dtype float64, per-sample shape \(3,\); "
+              r"the stream's samples before it have dtype float32"),
+    ("flat", r"__getitems__\(\[6, 7\]\) returned blob 'x' with 0 dimensions; its batch axis is 0"),
+])
+def test_a_bad_stacked_unit_fails_at_its_place_naming_the_blob(bad: str, match: str) -> None:
+    with Pipeline(Stacked(12, bad), 1, 2, bs=2, epochs=1, shuffle=False, read_size=2) as p:
+        got = []
+        with pytest.raises(FetcherError) as info:
+            while True:
+                got.append(p.next_event(0))
+    assert got == [(0, 1), (2, 3), (4, 5)]
+    cause = info.value.__cause__ or info.value
+    assert re.search(match, str(cause)), str(cause)

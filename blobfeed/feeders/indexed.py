@@ -294,6 +294,12 @@ class UnitDispenser:
             r = self._unit(u)
             return r.lo if r is not None else self._cursor
 
+    def start_of(self, u: int) -> int:
+        """:meth:`position_of`, without the lock when unit ``u`` was made
+        and not consumed (a dict read is atomic)."""
+        r = self._units.get(u)
+        return r.lo if r is not None else self.position_of(u)
+
     def holds(self, worker_id: int) -> bool:
         """Does ``worker_id`` hold a unit the stream has not consumed?"""
         with self._cond:
@@ -522,9 +528,13 @@ class UnitReader:
             raise StopIteration
         idx = self.indexes(r)
         samples = self._read(idx)
+        if isinstance(samples, Mapping):  # the unit already stacked
+            return Stamped(self._stacked(idx, samples), r.unit)
         return Stamped(self._stack(r.unit, idx, samples), r.unit)
 
-    def _read(self, idx: list[int]) -> Sequence[Any]:
+    def _read(self, idx: list[int]) -> Sequence[Any] | Mapping[str, Any]:
+        """The unit's samples, or a dict blob name -> the unit stacked
+        (what ``__getitems__`` may return)."""
         ds = self.dataset
         many = getattr(ds, "__getitems__", None)
         if many is not None:
@@ -534,6 +544,8 @@ class UnitReader:
                 raise IndexedReadError(
                     f"source {self.source!r}: dataset.__getitems__({_short(idx)}) raised {exc!r}"
                 ) from exc
+            if isinstance(samples, Mapping):
+                return samples
             try:
                 count = len(samples)
             except TypeError:
@@ -551,6 +563,42 @@ class UnitReader:
                 out.append(ds[i])
             except Exception as exc:
                 raise IndexedReadError(f"source {self.source!r}: dataset[{i}] raised {exc!r}") from exc
+        return out
+
+    def _stacked(self, idx: list[int], unit: Mapping[str, Any]) -> list[np.ndarray]:
+        """A unit ``__getitems__`` returned stacked, checked: every blob, an
+        array of numbers with one sample per index along its batch axis
+        (taken as it is: no copy).  Its per-sample dtype and shape are
+        checked against the stream's by the dealer, as any unit's."""
+        where = f"source {self.source!r}: dataset.__getitems__({_short(idx)}) returned"
+        missing = [b for b in self.blob_names if b not in unit]
+        if missing:
+            raise IndexedReadError(
+                f"{where} a dict without blob(s) {missing} (it has keys {sorted(map(str, unit))[:10]}); a unit "
+                f"read at once is a dict with one array per blob {list(self.blob_names)}, the batch axis "
+                "holding one sample per index"
+            )
+        out = []
+        for b, ax in zip(self.blob_names, self.axes):
+            v = unit[b]
+            try:
+                a = np.asarray(v)
+            except Exception as exc:
+                raise IndexedReadError(f"{where} blob {b!r}: not an array ({type(v).__name__}): {exc!r}") from exc
+            if a.dtype.kind == "O":
+                raise IndexedReadError(
+                    f"{where} blob {b!r}: an object array ({type(v).__name__}); expected numbers"
+                )
+            if ax >= a.ndim:
+                raise IndexedReadError(
+                    f"{where} blob {b!r} with {a.ndim} dimensions; its batch axis is {ax} (one sample per index)"
+                )
+            if a.shape[ax] != len(idx):
+                raise IndexedReadError(
+                    f"{where} blob {b!r} with {a.shape[ax]} samples along its batch axis {ax} (shape {a.shape}); "
+                    f"expected {len(idx)}, one per index"
+                )
+            out.append(a)
         return out
 
     def _blobs(self, i: int, sample: Any) -> list[np.ndarray]:

@@ -358,11 +358,18 @@ class IndexedArrays:
     itself in the label dtype of the workload, so that the delivered stream
     can be checked against the source's order (the last blob is the index).
     Module-level and lazily built, so that it pickles by reference.
+
+    ``stacked``: ``__getitems__`` returns the unit already stacked, a dict
+    blob name -> array (one fancy index per blob: ``rows[indices % len(rows)]``,
+    ``labels[indices]``), the form an array-backed dataset can take; else a
+    list of samples, one tuple per index (torch's form), which blobfeed
+    checks and stacks.
     """
 
-    def __init__(self, kind: str, length: int) -> None:
+    def __init__(self, kind: str, length: int, stacked: bool = False) -> None:
         self.kind = kind
         self.length = length
+        self.stacked = stacked
         self._arrays: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -386,9 +393,12 @@ class IndexedArrays:
         rows, labels = self._arrays or self._build()
         return rows[i % len(rows)], labels[i]
 
-    def __getitems__(self, indices: list[int]) -> list[tuple]:
+    def __getitems__(self, indices: list[int]) -> list[tuple] | dict[str, np.ndarray]:
         rows, labels = self._arrays or self._build()
         p = len(rows)
+        if self.stacked:
+            ix = np.asarray(indices, dtype=np.int64)
+            return {"data": rows[ix % p], "label": labels[ix]}
         return [(rows[i % p], labels[i]) for i in indices]
 
 
@@ -398,7 +408,7 @@ W2I_LENGTH = 1024
 
 
 def w1_dataset() -> IndexedArrays:
-    return IndexedArrays("W1", W1I_LENGTH)
+    return IndexedArrays("W1", W1I_LENGTH, stacked=True)
 
 
 def w2_dataset() -> IndexedArrays:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from ..chunks import Chunk, EpochEnd
 from ...errors import FetcherError
-from ..indexed import UnitDispenser, layout_mismatch, merge_ranges
+from ..indexed import ReadUnit, UnitDispenser, layout_mismatch, merge_ranges
 from .base import DropCounter
 from .lanes import LaneDealer, _Failed
 from .positions import Positions
@@ -243,16 +243,18 @@ class IndexedDealer(LaneDealer):
         r = self.units.unit(chunk.state)
         if r is None:  # pragma: no cover - a unit the stream reaches exists
             return None
-        idx = reader.indexes(r)
         if self._layout is None:
             self._layout = ([(a.dtype, a.shape[:ax] + a.shape[ax + 1:]) for a, ax in zip(chunk.arrays, self.axes)],
-                            idx[0])
+                            reader.indexes(ReadUnit(r.unit, r.lo, r.lo + 1))[0])
             # read_size=None: the later units are sized by the bytes of a sample
             self.units.sized(sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n))
             return None
         layout, first = self._layout
+        if all(a.dtype == dtype and a.shape[:ax] + a.shape[ax + 1:] == shape
+               for a, ax, (dtype, shape) in zip(chunk.arrays, self.axes, layout)):
+            return None  # (the unit's indexes, a list as long as the unit, only for the error)
         cause = layout_mismatch(self.source, reader.blob_names, layout, first, chunk.arrays, self.axes,
-                                chunk.state, idx)
+                                chunk.state, reader.indexes(r))
         if cause is None:
             return None
         err = FetcherError(f"{cause}")
@@ -260,8 +262,8 @@ class IndexedDealer(LaneDealer):
         return err
 
     def _position(self, batches: int) -> Any:
-        t = self._unit_turns
-        return (batches, self.units.position_of(t.next) + self._offset)
+        # (per batch: the unit the stream is in was made, its start read without the dispenser's lock)
+        return (batches, self.units.start_of(self._unit_turns.next) + self._offset)
 
     def start(self) -> None:
         if self.window is None:
