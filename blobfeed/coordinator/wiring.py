@@ -198,9 +198,10 @@ def init_data_input_workers(
         fetch_fun: the user's fetcher; or a random-access source, an object
             with ``__len__`` and ``__getitem__`` (torch's map-style
             ``Dataset``, grain's ``RandomAccessDataSource``) or a
-            :class:`~blobfeed.RandomAccessSource`: blobfeed draws its order
-            and its batch stream does not depend on the workers or nets
-            (docs/SOURCES.md).
+            :class:`~blobfeed.RandomAccessSource`, or a
+            :class:`~blobfeed.ShardedSource` (shards read sequentially):
+            blobfeed draws its order and its batch stream does not depend
+            on the workers or nets (docs/SOURCES.md).
         batch_size: samples per batch (the last batch of an ended source may be smaller).
         num_worker_threads: fetcher threads for this call; or ``"auto"``
             (or :class:`~blobfeed.AutoWorkers` with bounds): the source
