@@ -268,11 +268,13 @@ class ShardedReader(UnitReader):
             parts.append(s + self._block_perm(epoch, k, blk, min(b, size - s)))
         return np.concatenate(parts)[lo - first * b:hi - first * b]
 
+    def _shard_of(self, sample_id: int) -> tuple[int, int]:
+        """Sample id -> (shard, sample in it)."""
+        k = int(np.searchsorted(self.starts, sample_id, side="right")) - 1  # the last shard starting there
+        return k, sample_id - int(self.starts[k])
+
     def where(self, sample_id: int) -> str:
-        k = int(np.searchsorted(self.starts, sample_id, side="right")) - 1
-        while k > 0 and self.sizes[k] == 0:
-            k -= 1
-        return f"shard {k} sample {sample_id - int(self.starts[k])}"
+        return "shard {} sample {}".format(*self._shard_of(sample_id))
 
     def layout_mismatch(
         self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
@@ -290,11 +292,10 @@ class ShardedReader(UnitReader):
         return None
 
     def _span(self, idx: Sequence[int]) -> str:
-        k = self.where(idx[0]).split()[1]
-        o = idx[0] - int(self.starts[int(k)])
+        k, o = self._shard_of(idx[0])
         if not self.block:
             return f"shard {k} samples {o}..{o + len(idx) - 1}"
-        return f"shard {k} samples {_short([i - int(self.starts[int(k)]) for i in idx])}"
+        return f"shard {k} samples {_short([self._shard_of(i)[1] for i in idx])}"
 
     # -- reading ------------------------------------------------------------------
     def __call__(self, worker_id: int, batch_size: int) -> Stamped:
@@ -333,6 +334,22 @@ class ShardedReader(UnitReader):
             except Exception as exc:
                 raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {exc!r}") from exc
             cur = _Open(k, lo, lo, it, None, 0)
+        try:
+            out, rest, extra = self._read(cur, k, lo, hi)
+        except BaseException:
+            cur.close()  # a failed read leaves no file open behind it
+            raise
+        if hi < size:
+            self._open[worker_id] = _Open(k, cur.opened, hi, cur.it, rest, extra)
+        else:
+            cur.close()
+        return out
+
+    def _read(self, cur: _Open, k: int, lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray] | None, int]:
+        """Samples ``lo .. hi-1`` of shard ``k`` from ``cur``: the unit's
+        arrays, what was read past it and how many samples that is.  At the
+        shard's end, checks that nothing follows."""
+        size = int(self.sizes[k])
         want = hi - lo
         parts: list[list[np.ndarray]] = []
         have = 0
@@ -344,13 +361,11 @@ class ShardedReader(UnitReader):
             try:
                 chunk = next(cur.it)
             except StopIteration:
-                cur.close()
                 raise IndexedReadError(
                     f"source {self.source!r}: shard {k} ended at sample {at} (read_shard({k}, {cur.opened}) "
                     f"stopped); shard_sizes[{k}] = {size}: expected samples up to {size}"
                 ) from None
             except Exception as exc:
-                cur.close()
                 raise IndexedReadError(
                     f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} reading shard "
                     f"{k} at sample {at}"
@@ -361,33 +376,27 @@ class ShardedReader(UnitReader):
                 have += count
         # the unit's arrays, and what was read past it
         out, rest = self._cut(k, lo, parts, want, have)
-        if hi < size:
-            self._open[worker_id] = _Open(k, cur.opened, hi, cur.it, rest, have - want)
-        else:
+        extra = have - want
+        if hi == size:
             # the shard's end: nothing may follow (a shard longer than its size)
-            extra = have - want
-            if not extra:
-                try:
-                    while not extra:
-                        chunk = next(cur.it)
-                        extra = self._chunk(k, size, chunk)[1]
-                except StopIteration:
-                    pass
-                except IndexedReadError:
-                    raise
-                except Exception as exc:
-                    cur.close()
-                    raise IndexedReadError(
-                        f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} after the "
-                        f"shard's last sample ({size - 1})"
-                    ) from exc
-            cur.close()
+            try:
+                while not extra:
+                    extra = self._chunk(k, size, next(cur.it))[1]
+            except StopIteration:
+                pass
+            except IndexedReadError:
+                raise
+            except Exception as exc:
+                raise IndexedReadError(
+                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} after the "
+                    f"shard's last sample ({size - 1})"
+                ) from exc
             if extra:
                 raise IndexedReadError(
                     f"source {self.source!r}: shard {k} has samples past its end: shard_sizes[{k}] = {size}, "
-                    f"but read_shard({k}, ...) gave more"
+                    f"but read_shard({k}, {cur.opened}) gave more"
                 )
-        return out
+        return out, rest, extra
 
     def _cut(
         self, k: int, lo: int, parts: list[list[np.ndarray]], want: int, have: int,
