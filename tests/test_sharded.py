@@ -270,6 +270,39 @@ def test_one_worker_reads_each_shard_with_one_read_shard_call() -> None:
     assert sorted(opens) == sorted((k, 0) for k in nonempty for _ in range(2)), opens
 
 
+class Tracked(Shards):
+    """Records each iterator's open and close (threads only); shard 3's
+    chunk at sample 1 has one array when ``bad``."""
+
+    def __init__(self, log: list[tuple[str, int, int]], bad: bool = False) -> None:
+        super().__init__()
+        self.log = log
+        self.bad = bad
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        self.log.append(("open", k, offset))
+        try:
+            for o, c in enumerate(super().__call__(k, offset), offset):
+                yield c[:1] if self.bad and (k, o) == (3, 1) else c
+        finally:
+            self.log.append(("close", k, offset))
+
+
+def test_every_shard_iterator_is_closed_and_a_failed_one_at_once() -> None:
+    log: list[tuple[str, int, int]] = []
+    with Pipeline(Tracked(log), 2, 3, bs=4, epochs=2, read_size=2) as p:
+        got = p.lockstep()
+        assert_stream(got, reference(4, 2), "3 workers")
+        # the data ended: every worker closed what it had open
+        assert sorted(e[1:] for e in log if e[0] == "open") == sorted(e[1:] for e in log if e[0] == "close")
+    log.clear()
+    with Pipeline(Tracked(log, bad=True), 1, 1, bs=4, epochs=1, shuffle=False, read_size=4) as p:
+        with pytest.raises(FetcherError, match="has 1 arrays"):
+            while p.next_event(0) is not None:
+                pass
+        assert ("close", 3, 0) in log, f"the failed shard's iterator is still open: {log}"
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Elastic resume
 # ---------------------------------------------------------------------------------------------
