@@ -189,8 +189,10 @@ class ShardedReader(UnitReader):
         self.blob_names = tuple(blob_names)
         self.axes = tuple(axes)
         self.units: Any = None
-        #: (epoch, shard order, ends of the shards in that order): replaced at once
+        #: ((epoch, shard order, ends of the shards in that order), ...): see _epoch
         self._order: Any = None
+        #: ((epoch, shard, block), its permutation): the last block drawn
+        self._perm: Any = None
         #: worker id -> its open shard (threads share one reader)
         self._open: dict[int, _Open] = {}
 
@@ -207,20 +209,28 @@ class ShardedReader(UnitReader):
         state = dict(self.__dict__)
         state["units"] = None
         state["_order"] = None
+        state["_perm"] = None
         state["_open"] = {}
         return state
 
     # -- the order ----------------------------------------------------------------
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        cached = self._order
-        if cached is None or cached[0] != epoch:
-            k = len(self.sizes)
-            if self.shuffle:
-                order = np.random.default_rng((self.seed, epoch)).permutation(k).astype(np.int64)
-            else:
-                order = np.arange(k, dtype=np.int64)
-            cached = self._order = (epoch, order, np.cumsum(self.sizes[order]))
-        return cached[1], cached[2]
+        """Epoch ``epoch``'s shard order and where each shard ends in it.
+        The last two epochs are kept (the dispenser makes units of the next
+        epoch while the dealer checks those of this one): a tuple read and
+        replaced at once, as threads share it."""
+        cached = self._order or ()
+        for entry in cached:
+            if entry[0] == epoch:
+                return entry[1], entry[2]
+        k = len(self.sizes)
+        if self.shuffle:
+            order = np.random.default_rng((self.seed, epoch)).permutation(k).astype(np.int64)
+        else:
+            order = np.arange(k, dtype=np.int64)
+        entry = (epoch, order, np.cumsum(self.sizes[order]))
+        self._order = (entry,) + tuple(cached[:1])
+        return entry[1], entry[2]
 
     def locate(self, g: int) -> tuple[int, int, int]:
         """Global position ``g``: its shard, its offset in the shard's
@@ -245,7 +255,15 @@ class ShardedReader(UnitReader):
         return hi
 
     def _block_perm(self, epoch: int, k: int, blk: int, size: int) -> np.ndarray:
-        return np.random.default_rng((self.seed, epoch, k, blk)).permutation(size)
+        """The permutation of block ``blk`` of shard ``k`` in ``epoch`` (the
+        last one drawn is kept: the units of a large block ask for it again)."""
+        key = (epoch, k, blk)
+        cached = self._perm
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        perm = np.random.default_rng((self.seed, epoch, k, blk)).permutation(size)
+        self._perm = (key, perm)
+        return perm
 
     def indexes(self, r: ReadUnit) -> list[int]:
         """The sample ids unit ``r`` reads (shard k's sample o is id
