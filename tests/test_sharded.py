@@ -27,6 +27,7 @@ import json
 import os
 import random
 import signal
+import threading
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -417,6 +418,19 @@ def test_later_wiring_calls_must_read_the_same_shards() -> None:
                        ([0, 0], "has no sample"), ("12", "shard_sizes must be a list of ints")]:
         with pytest.raises((TypeError, ValueError), match=match):
             ShardedSource(bad, Shards())
+
+
+class Unpicklable(Shards):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def test_a_read_shard_that_does_not_pickle_is_refused_on_processes_when_wired() -> None:
+    with pytest.raises(TypeError, match=r"sharded source 'train': read_shard Unpicklable over 7 shards of 31 "
+                                        r"samples> cannot be sent to a worker process.*cannot pickle"):
+        init_data_input_workers(Net(), BLOBS, ShardedSource(SIZES, Unpicklable()), 2, backend="processes",
+                                coordinator=blobfeed.GlobalCoordinator())
 
 
 # ---------------------------------------------------------------------------------------------

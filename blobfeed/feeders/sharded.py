@@ -203,7 +203,9 @@ class ShardedReader(UnitReader):
         return len(self.sizes), sizes_digest(self.sizes), self.block
 
     def __repr__(self) -> str:
-        return f"<the reader of sharded source {self.source!r}: {len(self.sizes)} shards of {self.n} samples>"
+        what = getattr(self.read_shard, "__qualname__", type(self.read_shard).__qualname__)
+        return (f"<the reader of sharded source {self.source!r}: read_shard {what} over {len(self.sizes)} shards "
+                f"of {self.n} samples>")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
