@@ -616,7 +616,7 @@ def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec
             f"passes a {'sharded source' if shards else 'random-access dataset'}: every call for one source "
             "reads the same data, the same way"
         )
-    if had_shards is not None:
+    if had_shards is not None and shards is not None:
         for what, had, asked in zip(("the shard count", "shard_sizes", "shuffle_block"), had_shards, shards):
             if had != asked:
                 raise ValueError(

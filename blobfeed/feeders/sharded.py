@@ -355,7 +355,7 @@ class ShardedReader(UnitReader):
                 raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {exc!r}") from exc
             cur = _Open(k, lo, lo, it, None, 0)
         try:
-            out, rest, extra = self._read(cur, k, lo, hi)
+            out, rest, extra = self._read_from(cur, k, lo, hi)
         except BaseException:
             cur.close()  # a failed read leaves no file open behind it
             raise
@@ -365,7 +365,7 @@ class ShardedReader(UnitReader):
             cur.close()
         return out
 
-    def _read(self, cur: _Open, k: int, lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray] | None, int]:
+    def _read_from(self, cur: _Open, k: int, lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray] | None, int]:
         """Samples ``lo .. hi-1`` of shard ``k`` from ``cur``: the unit's
         arrays, what was read past it and how many samples that is.  At the
         shard's end, checks that nothing follows."""
