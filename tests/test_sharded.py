@@ -313,7 +313,8 @@ def _resume_cases() -> list[tuple[int, tuple[int, int], tuple[int, int], int, in
     for _ in range(6):
         cases.append((rng.randrange(0, 20), (rng.randint(1, 4), rng.randint(1, 3)),
                       (rng.randint(1, 4), rng.randint(1, 3)), rng.randint(1, 5), rng.choice([0, 0, 3])))
-    return cases
+    # shuffle_block: a stop inside a block, the same nets and other nets
+    return cases + [(7, (2, 2), (3, 2), 2, 4), (5, (3, 1), (2, 3), 5, 4)]
 
 
 @pytest.mark.parametrize("stop,before,after,read_size,block", _resume_cases())
@@ -327,10 +328,12 @@ def test_resume_with_other_counts_gives_the_rest_of_the_stream(
         first = p.lockstep(limit=stop)
         state = p.state()
     assert state["kind"] == "sharded" and state["shards"] == len(SIZES)
-    with Pipeline(Shards(), after[1], after[0], **kw) as p:
+    # the resumed run reads in units of another size: the stream does not depend on it
+    with Pipeline(Shards(), after[1], after[0], **{**kw, "read_size": read_size % 5 + 1}) as p:
         p.gc.load_state_dict(SRC, state)
         rest = p.lockstep()
-    what = f"stop after {stop}, {before} -> {after}, read_size {read_size}, block {block}: {state}"
+    what = (f"stop after {stop}, {before} -> {after}, read_size {read_size} -> {read_size % 5 + 1}, "
+            f"block {block}: {state}")
     done = [b for events in first for b in batches_of(events)]
     got = done + [b for events in rest for b in batches_of(events)]
     assert sorted(got) == sorted(batches_of(want)), what
