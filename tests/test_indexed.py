@@ -1178,12 +1178,13 @@ class Counted(Items):
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_the_default_read_size_makes_units_of_about_64_kib_and_keeps_the_stream(workers: int) -> None:
-    from blobfeed.feeders.indexed import UNIT_BYTES
+    from blobfeed.feeders.indexed import MAX_UNIT_BATCHES, UNIT_BYTES
 
-    n, bs = 7000, 4
+    n, bs = 7000, 32
     per_sample = 8 + 3 * 4  # int64 id, 3 float32
     size = bs * -(-UNIT_BYTES // (bs * per_sample))  # whole batches of at least UNIT_BYTES
-    assert bs < size < n
+    assert size == bs * 103 and size // bs > MAX_UNIT_BATCHES
+    size = bs * MAX_UNIT_BATCHES
     Counted.reads = []
     with Pipeline(Counted(n), 1, workers, bs=bs, epochs=2, read_size=None) as p:
         got = p.lockstep()
@@ -1195,12 +1196,21 @@ def test_the_default_read_size_makes_units_of_about_64_kib_and_keeps_the_stream(
     assert sorted(Counted.reads) == sorted(first + second), Counted.reads
 
 
+def test_the_default_read_size_is_the_batch_without_getitems() -> None:
+    """A dataset read per index (no __getitems__) keeps units of one batch:
+    its reads may be slow per sample, and small units spread them over the
+    workers (a unit is read by one worker)."""
+    with Pipeline(Items(400), 1, 2, bs=4, epochs=1, read_size=None) as p:
+        assert batches_of(p.lockstep()[0]) == batches_of(reference(400, 4, 1))
+        assert p.gc.state_dict(SRC)["read_size"] == 4
+
+
 
 def test_the_default_read_size_stays_the_batch_for_large_samples() -> None:
     from blobfeed.feeders.indexed import UNIT_BYTES, UnitDispenser
 
     for sample_bytes, bs, want in [(UNIT_BYTES, 4, 4), (UNIT_BYTES // 8, 16, 16), (UNIT_BYTES // 8, 4, 8),
-                                   (20, 4, 3280), (1, 1, UNIT_BYTES)]:
+                                   (UNIT_BYTES // 64, 4, 64), (20, 4, 64), (1, 1, 16), (32, 32, 512)]:
         units = UnitDispenser(SRC, 10**6, bs, 1, auto=True)
         assert units.take(0) == (0, 0, bs)
         units.sized(sample_bytes)

@@ -45,9 +45,14 @@ HOLDERS = itertools.count(1)
 MAX_TRIES = 3
 #: a unit as it travels to a worker process: (unit, g_lo, g_hi); unit -1 ends
 UNIT_RECORD = struct.Struct("<qqq")
-#: ``read_size=None``: the units after the first hold whole batches of at
-#: least this many bytes of samples (or one batch, when larger)
+#: ``read_size=None`` with ``__getitems__``: the units after the first hold
+#: whole batches of at least this many bytes of samples (or one batch, when
+#: larger) ...
 UNIT_BYTES = 64 * 1024
+#: ... but at most this many batches: a unit is read by one worker, in one
+#: call, and a dataset whose reads are slow per index (I/O) must still spread
+#: over the workers
+MAX_UNIT_BATCHES = 16
 
 
 def is_random_access(obj: Any) -> bool:
@@ -78,10 +83,11 @@ class RandomAccessSource:
         seed: the shuffle's seed; None: the wiring's ``seed`` (drawn and
             logged when that is None too).
         read_size: consecutive positions of the order a worker reads at
-            once (one read unit); None: the first unit is one batch, the
-            next ones whole batches of at least :data:`UNIT_BYTES` of
-            samples (as many bytes as the first unit's samples take).  The
-            stream does not depend on it.
+            once (one read unit); None: the batch size, and when the dataset
+            has ``__getitems__``, the units after the first hold whole
+            batches of at least :data:`UNIT_BYTES` of samples (as many bytes
+            as the first unit's samples take), at most
+            :data:`MAX_UNIT_BATCHES`.  The stream does not depend on it.
         window: a worker may not take a unit more than this many units past
             the oldest one the stream still waits for; None: ``4 x`` the
             worker count, at least 8.
@@ -115,6 +121,17 @@ class RandomAccessSource:
             f"RandomAccessSource({type(self.dataset).__qualname__}, shuffle={self.shuffle}, "
             f"seed={self.seed}, read_size={self.read_size}, window={self.window})"
         )
+
+    #: how wiring errors call such a source
+    kind = "random-access source (an object with __len__ and __getitem__)"
+
+    def length(self, source: str) -> int:
+        """The number of samples of one epoch, checked."""
+        return dataset_length(source, self.dataset)
+
+    def reader(self, source: str, n: int, seed: int, blob_names: Sequence[str], axes: Sequence[int]) -> "UnitReader":
+        """The ``fetch_fun`` its workers run (see :class:`UnitReader`)."""
+        return UnitReader(source, self, n, seed, blob_names, axes)
 
 
 def dataset_length(source: str, dataset: Any) -> int:
@@ -164,14 +181,20 @@ class UnitDispenser:
         n: the dataset's length.
         read_size: positions per unit (with ``auto``, the first unit's: the batch size).
         epochs: passes over the data (None: endless).
+        unit_end: ``unit_end(g, read_size)``: where the unit that starts at
+            global position ``g`` ends (a sharded source's units never cross
+            a shard); None: ``read_size`` positions, never across an epoch.
         auto: the units after the first hold ``read_size x k`` positions,
-            ``k`` the fewest batches of at least :data:`UNIT_BYTES` once
-            :meth:`sized` says how many bytes a sample takes; no worker takes
-            a unit past the first before that (the units' bounds do not
-            depend on timing).
+            ``k`` the fewest batches of at least :data:`UNIT_BYTES` (at most
+            :data:`MAX_UNIT_BATCHES`) once :meth:`sized` says how many bytes
+            a sample takes; no worker takes a unit past the first before
+            that (the units' bounds do not depend on timing).
     """
 
-    def __init__(self, source: str, n: int, read_size: int, epochs: int | None, auto: bool = False) -> None:
+    def __init__(
+        self, source: str, n: int, read_size: int, epochs: int | None,
+        unit_end: Callable[[int, int], int] | None = None, auto: bool = False,
+    ) -> None:
         self.source = source
         self.n = n
         #: the first unit's size (the batch's, when auto)
@@ -179,6 +202,7 @@ class UnitDispenser:
         self.auto = auto
         self.read_size = read_size
         self.epochs = epochs
+        self.unit_end = unit_end
         self.window = 8
         self._cond = threading.Condition(threading.Lock())
         #: the first global position of the stream, and ranges left out of it
@@ -242,7 +266,7 @@ class UnitDispenser:
                 return
             self._sized = True
             per_batch = max(1, sample_bytes * self.base)
-            self.read_size = self.base * max(1, -(-UNIT_BYTES // per_batch))
+            self.read_size = self.base * min(MAX_UNIT_BATCHES, max(1, -(-UNIT_BYTES // per_batch)))
             self._cond.notify_all()
 
     def _fresh_waits(self) -> bool:
@@ -268,7 +292,10 @@ class UnitDispenser:
         if end is not None and g >= end:
             self._cursor = g
             return False
-        hi = min(g + self.read_size, (g // self.n + 1) * self.n)  # never across an epoch
+        if self.unit_end is None:
+            hi = min(g + self.read_size, (g // self.n + 1) * self.n)  # never across an epoch
+        else:
+            hi = self.unit_end(g, self.read_size)
         if self._skip_i < len(skip):
             hi = min(hi, skip[self._skip_i][0])
         self._units[self._made] = ReadUnit(self._made, g, hi)
@@ -510,6 +537,16 @@ class UnitReader:
         state["units"] = None
         state["_order"] = None
         return state
+
+    #: ``UnitDispenser(unit_end=)`` for this source's units (None: the default cut)
+    unit_end: Callable[[int, int], int] | None = None
+
+    def layout_mismatch(
+        self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
+        axes: Sequence[int], unit: int, idx: Sequence[int],
+    ) -> IndexedReadError | None:
+        """:func:`layout_mismatch` for this source (the dealer checks the units in stream order)."""
+        return layout_mismatch(self.source, self.blob_names, layout, first, arrays, axes, unit, idx)
 
     def _indexes(self, r: ReadUnit) -> np.ndarray:
         epoch, lo = divmod(r.lo, self.n)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from ..chunks import Chunk, EpochEnd
 from ...errors import FetcherError
-from ..indexed import ReadUnit, UnitDispenser, layout_mismatch, merge_ranges
+from ..indexed import ReadUnit, UnitDispenser, merge_ranges
 from .base import DropCounter
 from .lanes import LaneDealer, _Failed
 from .positions import Positions
@@ -253,8 +253,7 @@ class IndexedDealer(LaneDealer):
         if all(a.dtype == dtype and a.shape[:ax] + a.shape[ax + 1:] == shape
                for a, ax, (dtype, shape) in zip(chunk.arrays, self.axes, layout)):
             return None  # (the unit's indexes, a list as long as the unit, only for the error)
-        cause = layout_mismatch(self.source, reader.blob_names, layout, first, chunk.arrays, self.axes,
-                                chunk.state, reader.indexes(r))
+        cause = reader.layout_mismatch(layout, first, chunk.arrays, self.axes, chunk.state, reader.indexes(r))
         if cause is None:
             return None
         err = FetcherError(f"{cause}")
