@@ -32,7 +32,7 @@ def run_blobfeed(wl: Workload, seconds: float) -> dict[str, Any]:
 def run_indexed(wl: Workload, seconds: float, shuffle: bool | None = None, workers: int = 2) -> dict[str, Any]:
     """``wl``'s map-style dataset (W1i, W2i, W7) as a random-access source:
     ``blobfeed.RandomAccessSource(dataset, shuffle=..., seed=0)`` (the
-    default read size: units of about 64 KiB, at least a batch) on ``workers`` threads or worker processes
+    default read size: W1i's units are 16 batches, W2i's and W7's one) on ``workers`` threads or worker processes
     (``wl.backend``), endless (``epochs=None``; each epoch's end is an
     ``EndOfEpoch``, skipped).  ``shuffle``: None for ``wl.shuffle``.
 
