@@ -74,7 +74,7 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
         "axes": list(source.axes),
         # for the record only
         "num_workers": len(source.dealer.worker_ids),
-        "read_size": source.dealer.units.read_size if read_size is None else read_size,
+        "read_size": source.dealer.units.read_size if read_size is None else read_size,  # type: ignore[attr-defined]
         "drop_last": [bool(f.drop_last) for f in source.feeds],
     }
 
