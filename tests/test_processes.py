@@ -1510,3 +1510,31 @@ def test_worker_processes_assemble_whole_batches_the_parent_copies_none(
         assert len(copies) >= batches - 1, "dealt in turn, chunks go as they came"
     else:
         assert copies == [], f"the parent copied {len(copies)} of {batches} batches"
+
+
+def test_batches_a_worker_assembled_that_the_user_keeps_never_stall_it_nor_change() -> None:
+    """A worker that assembles whole batches waits while two of its batches
+    are inside blobfeed; batches handed out do not count, so keeping every
+    batch read (more than the worker has slots) never stalls it, and none
+    changes under the user's hands."""
+    calls = 8 * 28  # 56 batches of 32 per worker: far more than its 8 slots
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = blobfeed.reader.init_reader(
+            ["id", "x"], SmallChunksOfMidSamples(calls), 32, 2, "kept", coordinator=gc,
+            backend=ProcessBackend(slots=8, slot_bytes=4 << 20),
+        )
+        gc.start()
+        kept = []
+        while True:
+            try:
+                batch = reader.read(WAIT)
+            except EndOfInput:
+                break
+            kept.append(batch)
+            reader.returned(batch)
+        assert gc.stop(WAIT)
+    ids = np.concatenate([b.arrays[0] for b in kept])
+    for b in kept:  # each as it was handed out
+        assert (b.arrays[1] == (b.arrays[0] % 251).astype(np.uint8)[:, None]).all()
+    expected = [w * 100_000 + k * 10 + i for w in (0, 1) for k in range(calls) for i in range(1 + k % 7)]
+    assert sorted(ids.tolist()) == sorted(expected)
