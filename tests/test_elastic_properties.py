@@ -1,0 +1,86 @@
+"""Issue 26's guarantee as properties (hypothesis, bounded): for a
+random-access source, the global batch sequence is a function of the data,
+seed, epoch and batch size only -- the same with 1-6 workers, 1-5 nets, on
+threads and on processes -- and a stop at any batch, resumed with any other
+worker count, net count and backend, delivers exactly the rest of the
+uninterrupted stream (each sample once per epoch over both runs; batch i
+of the rest to net i mod k).  The fixed cases and the helpers are
+tests/test_indexed.py's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .test_indexed import (
+    SRC, Items, Pipeline, assert_stream, batches_of, reference, reference_tagged, tagged_from_start, tagged_to_end,
+)
+
+#: (workers, nets, backend): processes start a process per worker, so they are drawn less often
+layouts = st.tuples(st.integers(1, 6), st.integers(1, 5), st.sampled_from(["threads", "threads", "processes"]))
+
+
+# each example starts a pipeline (processes: one per worker): a few seconds
+# on a loaded machine, past the suite's 60 s per test over ten of them
+@pytest.mark.timeout(180)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 40), bs=st.integers(1, 7), read_size=st.integers(1, 9), epochs=st.integers(1, 3),
+       layout=layouts)
+def test_the_stream_is_the_same_for_any_workers_nets_and_backend(
+    n: int, bs: int, read_size: int, epochs: int, layout: tuple[int, int, str],
+) -> None:
+    workers, nets, backend = layout
+    with Pipeline(Items(n), nets, workers, bs=bs, epochs=epochs, read_size=read_size, backend=backend) as p:
+        got = p.lockstep()
+    assert_stream(got, reference(n, bs, epochs), f"{backend}, {workers} workers, {nets} nets")
+
+
+@pytest.mark.timeout(180)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(5, 30), bs=st.integers(1, 6), read_size=st.integers(1, 7), epochs=st.integers(1, 3),
+       before=layouts, after=layouts, stop=st.integers(0, 40))
+def test_a_stop_anywhere_resumed_on_any_layout_gives_the_rest_exactly_once(
+    n: int, bs: int, read_size: int, epochs: int, before: tuple[int, int, str], after: tuple[int, int, str],
+    stop: int,
+) -> None:
+    kw: dict[str, Any] = {"bs": bs, "epochs": epochs, "read_size": read_size}
+    with Pipeline(Items(n), before[1], before[0], backend=before[2], **kw) as p:
+        first = p.lockstep(limit=stop)
+        state = p.state()
+    with Pipeline(Items(n), after[1], after[0], backend=after[2], **kw) as p:
+        p.gc.load_state_dict(SRC, state)
+        rest = p.lockstep()
+    want = reference_tagged(n, bs, epochs)
+    done = [t for events in first for t in tagged_from_start(events)]
+    later = [tagged_to_end(events, epochs - 1) for events in rest]
+    # each sample exactly once per epoch over both runs
+    assert sorted(done + [t for net in later for t in net]) == sorted(want), state
+    k = after[1]
+    if k == before[1]:
+        # the same nets: each goes on with its own batches of the uninterrupted stream
+        whole = [batches_of(events) for events in uninterrupted(n, bs, epochs, read_size, k)]
+        for j in range(k):
+            assert batches_of(first[j]) + batches_of(rest[j]) == whole[j], (state, before, after)
+    else:
+        # the rest of the stream, in its order, dealt anew: batch i to net i mod k
+        stream = [t for t in want if t not in done]
+        for j in range(k):
+            assert later[j] == stream[j::k], (state, before, after)
+
+
+def uninterrupted(n: int, bs: int, epochs: int, read_size: int, nets: int) -> list[list[Any]]:
+    """Each net's events of the whole stream, from the reference (batch i to net i mod k)."""
+    events = reference(n, bs, epochs)
+    out: list[list[Any]] = [[] for _ in range(nets)]
+    i = 0
+    for e in events:
+        if e[0] == "end":
+            for net in out:
+                net.append(e)
+        else:
+            out[i % nets].append(e)
+            i += 1
+    return out
