@@ -36,6 +36,8 @@ import pytest
 import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, ShardedSource, init_data_input_workers
 
+from .helpers import wait_until
+
 SRC = "train"
 BLOBS = ["ids", "x"]
 WAIT = 30.0
@@ -302,6 +304,46 @@ def test_every_shard_iterator_is_closed_and_a_failed_one_at_once() -> None:
             while p.next_event(0) is not None:
                 pass
         assert ("close", 3, 0) in log, f"the failed shard's iterator is still open: {log}"
+
+
+
+class Endless(Tracked):
+    """Tracked over shards of 100 samples; shard 3 (chunks of one sample) raises at sample 50 when ``fail``."""
+
+    def __init__(self, log: list[tuple[str, int, int]], fail: bool = False) -> None:
+        super().__init__(log)
+        self.sizes = [100] * 4
+        self.starts = starts_of(self.sizes)
+        self.fail = fail
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        for o, c in enumerate(super().__call__(k, offset), offset):
+            if self.fail and (k, o) == (3, 50):
+                raise ValueError("corrupt record")
+            yield c
+
+
+@pytest.mark.parametrize("how", ["stop", "failure"])
+def test_every_shard_iterator_is_closed_when_its_worker_stops_mid_stream(how: str) -> None:
+    """A worker that sees the source stopped (or failed) makes no further
+    call: its open iterator is closed all the same, in its own thread."""
+    log: list[tuple[str, int, int]] = []
+    p = Pipeline(Endless(log, fail=how == "failure"), 1, 3, bs=4, epochs=1, shuffle=False, read_size=4,
+                 sizes=[100] * 4, max_buffered_batches=1)
+    try:
+        p.next_event(0)
+        if how == "stop":
+            # the three workers each opened a shard and wait on the full queue
+            wait_until(lambda: sum(e[0] == "open" for e in log) >= 3, "three opens")
+        else:
+            with pytest.raises(FetcherError, match="corrupt record"):
+                while p.next_event(0) is not None:
+                    pass
+    finally:
+        assert p.gc.stop(timeout=10.0), "a thread outlived stop()"
+    opens = [e[1:] for e in log if e[0] == "open"]
+    closes = [e[1:] for e in log if e[0] == "close"]
+    assert opens and sorted(opens) == sorted(closes), f"still open after stop(): {sorted(set(opens) - set(closes))}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -496,6 +496,12 @@ class UnitReader:
     #: ``UnitDispenser(unit_end=)`` for this source's units (None: the default cut)
     unit_end: Callable[[int, int], int] | None = None
 
+    def worker_ended(self, worker_id: int) -> None:
+        """Worker ``worker_id`` makes no further call (it stopped, failed or
+        ran out of units): called in that worker's own thread, whatever the
+        backend (:func:`~.worker_loop.worker_events`).  A sharded reader
+        closes the worker's open shard here; this reader holds nothing."""
+
     def layout_mismatch(
         self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
         axes: Sequence[int], unit: int, idx: Sequence[int],

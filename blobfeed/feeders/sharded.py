@@ -339,6 +339,11 @@ class ShardedReader(UnitReader):
         if was is not None:
             was.close()
 
+    def worker_ended(self, worker_id: int) -> None:
+        """The worker stopped (a stop, a failure, its last unit): its open
+        shard is closed, in its own thread."""
+        self._close(worker_id)
+
     def _take(self, worker_id: int, k: int, lo: int, hi: int) -> list[np.ndarray]:
         """Samples ``lo .. hi-1`` of shard ``k``, one array per blob: from
         this worker's open iterator when it stands there, else from a new
