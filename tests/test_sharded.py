@@ -346,6 +346,53 @@ def test_every_shard_iterator_is_closed_when_its_worker_stops_mid_stream(how: st
     assert opens and sorted(opens) == sorted(closes), f"still open after stop(): {sorted(set(opens) - set(closes))}"
 
 
+
+class ListUnits:
+    """Hands a reader the given read units, then None (a dispenser's ``take``)."""
+
+    def __init__(self, units: Sequence[tuple[int, int, int]]) -> None:
+        from blobfeed.feeders.indexed import ReadUnit
+
+        self.left = [ReadUnit(*u) for u in units]
+
+    def take(self, worker_id: int, ahead: int | None = None) -> Any:
+        return self.left.pop(0) if self.left else None
+
+
+def held_bytes(a: np.ndarray) -> int:
+    """The bytes the memory that ``a`` keeps alive holds (the array it views, and so on)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a.nbytes
+
+
+def test_a_small_unit_does_not_keep_its_large_chunk_alive() -> None:
+    """A unit of 16 samples cut from a chunk of 1000 (a shard read at once)
+    holds its own 16 samples, not the chunk: the units in the window would
+    otherwise each pin a different large chunk.  What the worker keeps for
+    its next unit stays a view of the last chunk (no copy of it)."""
+    chunks: list[Any] = []
+
+    def read_shard(k: int, offset: int) -> Iterator[Any]:
+        for lo in range(offset, 1000, 1000 if offset else 40):  # 40 samples, then the rest at once
+            ids = np.arange(lo, min(lo + (1000 if lo else 40), 1000), dtype=np.int64)
+            chunks.append((ids, np.ones((len(ids), 64), np.float32)))
+            yield chunks[-1]
+
+    reader = ShardedSource([1000], read_shard, read_size=16).reader(SRC, 1000, 0, BLOBS, (0, 0))
+    reader.units = ListUnits([(0, 0, 16), (1, 16, 32), (2, 32, 48), (3, 48, 64), (4, 500, 516)])
+    for lo in (0, 16, 32, 48, 500):
+        out = reader(0, 16).raw
+        np.testing.assert_array_equal(out[0], np.arange(lo, lo + 16))
+        for a in out:
+            assert held_bytes(a) <= 2 * a.nbytes, f"unit at {lo}: {a.nbytes} bytes keep {held_bytes(a)} alive"
+        if lo == 32:
+            # the unit straddles the chunks 0..39 and 40..999: the rest is a view of the second
+            rest = reader._open[0].rest
+            assert rest is not None and all(np.shares_memory(r, c) for r, c in zip(rest, chunks[1]))
+    reader.worker_ended(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Elastic resume
 # ---------------------------------------------------------------------------------------------

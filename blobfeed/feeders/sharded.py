@@ -327,7 +327,7 @@ class ShardedReader(UnitReader):
         hi = lo + (r.hi - r.lo)
         b = self.block
         if not b:
-            return Stamped(self._take(worker_id, k, lo, hi), r.unit)
+            return Stamped([_own(a) for a in self._take(worker_id, k, lo, hi)], r.unit)
         size = int(self.sizes[k])
         read_lo, read_hi = lo // b * b, min(-(-hi // b) * b, size)
         arrays = self._take(worker_id, k, read_lo, read_hi)
@@ -440,14 +440,19 @@ class ShardedReader(UnitReader):
                         f"samples {lo}..{lo + want - 1} has dtype {a.dtype}, per-sample shape {got}; the one "
                         f"before it in the unit has dtype {f.dtype}, per-sample shape {had}"
                     )
+        # what is read past the unit lies in the last part alone (reading
+        # stops once the unit is whole): only its head joins the unit, its
+        # tail stays a view for the next unit (no copy of a large chunk)
+        rest = None
+        if have > want:
+            last = parts[-1]
+            count = int(last[0].shape[axes[0]])
+            cut = count - (have - want)
+            rest = [_slice(a, ax, cut, count) for a, ax in zip(last, axes)]
+            parts = parts[:-1] + [[_slice(a, ax, 0, cut) for a, ax in zip(last, axes)]]
         if len(parts) == 1:
-            whole = first
-        else:
-            whole = [np.concatenate([p[j] for p in parts], axis=ax) for j, ax in enumerate(axes)]
-        if have == want:
-            return whole, None
-        return ([_slice(a, ax, 0, want) for a, ax in zip(whole, axes)],
-                [_slice(a, ax, want, have) for a, ax in zip(whole, axes)])
+            return parts[0], rest
+        return [np.concatenate([p[j] for p in parts], axis=ax) for j, ax in enumerate(axes)], rest
 
     def _chunk(self, k: int, at: int, chunk: Any) -> tuple[list[np.ndarray], int]:
         """A chunk of shard ``k`` whose first sample is ``at``: one array per
@@ -499,3 +504,26 @@ class ShardedReader(UnitReader):
 
 def _slice(a: np.ndarray, ax: int, lo: int, hi: int) -> np.ndarray:
     return a[(slice(None),) * ax + (slice(lo, hi),)]
+
+
+def _held_bytes(a: np.ndarray) -> int:
+    """The bytes of the memory ``a`` keeps alive: the array (or buffer) it views."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    held = a.nbytes
+    if a.base is not None:
+        try:
+            with memoryview(a.base) as m:
+                held = max(held, m.nbytes)
+        except TypeError:
+            pass
+    return held
+
+
+def _own(a: np.ndarray) -> np.ndarray:
+    """``a``, copied when it views memory more than twice its size (a few
+    samples cut from a large chunk): a unit waiting in the window must not
+    keep its whole chunk alive."""
+    if a.base is None or 2 * a.nbytes >= _held_bytes(a):
+        return a
+    return a.copy()
