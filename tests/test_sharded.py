@@ -590,6 +590,37 @@ def test_a_bad_read_shard_fails_the_source_at_its_place_naming_the_shard(how: st
     assert got == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
 
 
+class Empties(Shards):
+    """Shard 3 gives chunks of no sample forever from sample 1 on (``at="middle"``) or after its last one (``"end"``)."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        for o, c in enumerate(super().__call__(k, offset), offset):
+            if k == 3 and o == 1 and self.at == "middle":
+                break
+            yield c
+        while k == 3:
+            yield np.zeros(0, np.int64), np.zeros((0, 3), np.float32)
+
+
+@pytest.mark.parametrize("at,match", [
+    ("middle", r"source 'train': read_shard\(3, 0\) gave 1000 chunks in a row without a sample at sample 1 of "
+               r"shard 3 \(shard_sizes\[3\] = 3: expected samples up to 3\)"),
+    ("end", r"source 'train': read_shard\(3, 0\) gave 1000 chunks in a row without a sample at sample 3 of "
+            r"shard 3 \(shard_sizes\[3\] = 3: expected its end\)"),
+])
+def test_a_read_shard_giving_empty_chunks_forever_fails_naming_the_shard(at: str, match: str) -> None:
+    with Pipeline(Empties(at), 1, 2, bs=4, epochs=1, shuffle=False, read_size=4) as p:
+        got = []
+        with pytest.raises(FetcherError, match=match):
+            while True:
+                got.append(p.next_event(0))
+    assert got == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+
+
 def test_a_unit_of_another_layout_fails_naming_shard_and_sample() -> None:
     class Wide(Shards):
         def chunk(self, ids: np.ndarray) -> Any:

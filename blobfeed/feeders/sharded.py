@@ -37,6 +37,8 @@ logger = logging.getLogger("blobfeed.feeders")
 
 #: a source may have at most this many shards (its sizes travel to every worker)
 MAX_SHARDS = 1 << 24
+#: a read_shard that gives this many chunks of no sample in a row fails the source
+MAX_EMPTY_CHUNKS = 1000
 
 
 def _sizes(shard_sizes: Any) -> np.ndarray:
@@ -378,6 +380,7 @@ class ShardedReader(UnitReader):
         want = hi - lo
         parts: list[list[np.ndarray]] = []
         have = 0
+        empty = 0  # chunks of no sample in a row
         if cur.rest is not None:
             parts.append(cur.rest)
             have = cur.count
@@ -399,14 +402,20 @@ class ShardedReader(UnitReader):
             if count:
                 parts.append(arrays)
                 have += count
+                empty = 0
+            else:
+                empty = self._empty(empty, k, cur.opened, at, f"samples up to {size}")
         # the unit's arrays, and what was read past it
         out, rest = self._cut(k, lo, parts, want, have)
         extra = have - want
         if hi == size:
             # the shard's end: nothing may follow (a shard longer than its size)
+            empty = 0
             try:
                 while not extra:
                     extra = self._chunk(k, size, next(cur.it))[1]
+                    if not extra:
+                        empty = self._empty(empty, k, cur.opened, size, "its end")
             except StopIteration:
                 pass
             except IndexedReadError:
@@ -422,6 +431,18 @@ class ShardedReader(UnitReader):
                     f"but read_shard({k}, {cur.opened}) gave more"
                 )
         return out, rest, extra
+
+    def _empty(self, run: int, k: int, opened: int, at: int, expected: str) -> int:
+        """One more chunk of no sample in a row (``run`` before it): raises
+        after :data:`MAX_EMPTY_CHUNKS` (a read_shard that gives empty chunks
+        forever would hold its worker past any stop)."""
+        run += 1
+        if run >= MAX_EMPTY_CHUNKS:
+            raise IndexedReadError(
+                f"source {self.source!r}: read_shard({k}, {opened}) gave {run} chunks in a row without a sample "
+                f"at sample {at} of shard {k} (shard_sizes[{k}] = {int(self.sizes[k])}: expected {expected})"
+            )
+        return run
 
     def _cut(
         self, k: int, lo: int, parts: list[list[np.ndarray]], want: int, have: int,
