@@ -512,6 +512,33 @@ def test_later_wiring_calls_must_read_the_same_shards() -> None:
             ShardedSource(bad, Shards())
 
 
+@pytest.mark.parametrize("sizes,match", [
+    ([2**62] * 5, r"shard_sizes\[0\] = 4611686018427387904: at most 4611686018427387903 samples"),
+    ([3, 2**63], r"shard_sizes\[1\] = 9223372036854775808: at most 4611686018427387903 samples"),
+    ([3, 2**64], r"shard_sizes\[1\] = 18446744073709551616: at most"),
+    (np.array([5, 2**62], np.uint64), r"shard_sizes\[1\] = 4611686018427387904: at most"),
+    ([2**61, 2**61 - 1, 2], r"shard_sizes sum to 4611686018427387905 samples \(from shard_sizes\[2\] on\); "
+                            r"at most 4611686018427387903"),
+    (np.full(1 << 20, 2**42, np.int64), r"shard_sizes sum to 4611686018427387904 samples \(from "
+                                         r"shard_sizes\[1048575\] on\)"),
+    ([True, 1], r"shard_sizes\[0\] must be an int >= 0 \(samples in shard 0\), got True"),
+    ([1, 2.0], r"shard_sizes\[1\] must be an int >= 0 \(samples in shard 1\), got 2.0"),
+    (np.array([4, -1]), r"shard_sizes\[1\] must be an int >= 0 \(samples in shard 1\), got -1"),
+])
+def test_shard_sizes_past_the_positions_blobfeed_counts_are_refused_naming_the_shard(sizes: Any, match: str) -> None:
+    """The sizes and their sum stay below MAX_POSITION (global positions are
+    signed 64-bit): a ValueError naming the shard, never a wrapped sum or an
+    OverflowError."""
+    from blobfeed.coordinator.checkpoint import MAX_POSITION
+    from blobfeed.feeders import sharded
+
+    assert sharded.MAX_POSITION == MAX_POSITION
+    with pytest.raises(ValueError, match=match):
+        ShardedSource(sizes, Shards())
+    ok = ShardedSource(np.array([2**61, 2**61 - 1], np.uint64), Shards())
+    assert ok.length(SRC) == MAX_POSITION - 1 and ok.shard_sizes.dtype == np.int64
+
+
 class Unpicklable(Shards):
     def __init__(self) -> None:
         super().__init__()

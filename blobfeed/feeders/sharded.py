@@ -37,13 +37,18 @@ logger = logging.getLogger("blobfeed.feeders")
 
 #: a source may have at most this many shards (its sizes travel to every worker)
 MAX_SHARDS = 1 << 24
+#: global positions stay below this (as ``blobfeed.coordinator.checkpoint.MAX_POSITION``:
+#: a read unit's record says them as signed 64-bit ints): the shard sizes and their sum too
+MAX_POSITION = 1 << 62
 #: a read_shard that gives this many chunks of no sample in a row fails the source
 MAX_EMPTY_CHUNKS = 1000
 
 
 def _sizes(shard_sizes: Any) -> np.ndarray:
-    """``shard_sizes`` as an int64 array, checked: ints >= 0, at least one
-    sample in all."""
+    """``shard_sizes`` as an int64 array, checked: ints >= 0, each and their
+    sum below :data:`MAX_POSITION`, at least one sample in all.  Checked
+    with numpy (a list of a million shards costs no Python step per shard
+    unless it is wrong)."""
     if isinstance(shard_sizes, (str, bytes, Mapping)) or not isinstance(shard_sizes, (Sequence, np.ndarray)):
         raise TypeError(
             f"shard_sizes must be a list of ints (the number of samples of each shard), got "
@@ -53,13 +58,66 @@ def _sizes(shard_sizes: Any) -> np.ndarray:
         raise ValueError("shard_sizes is empty: a sharded source needs at least one shard")
     if len(shard_sizes) > MAX_SHARDS:
         raise ValueError(f"shard_sizes has {len(shard_sizes)} shards; at most {MAX_SHARDS}")
-    for k, v in enumerate(shard_sizes):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ValueError(f"shard_sizes[{k}] must be an int >= 0 (samples in shard {k}), got {v!r}")
-    sizes = np.asarray([int(v) for v in shard_sizes], dtype=np.int64)
+
+    def bad(k: int) -> ValueError:
+        v = shard_sizes[k]
+        shown = int(v) if isinstance(v, np.integer) else v
+        return ValueError(f"shard_sizes[{k}] must be an int >= 0 (samples in shard {k}), got {shown!r}")
+
+    def too_big(k: int) -> ValueError:
+        return ValueError(
+            f"shard_sizes[{k}] = {int(shard_sizes[k])}: at most {MAX_POSITION - 1} samples (blobfeed counts "
+            "global positions in signed 64-bit ints)"
+        )
+
+    if isinstance(shard_sizes, np.ndarray):
+        if shard_sizes.ndim != 1 or shard_sizes.dtype.kind not in "iu":
+            raise ValueError(
+                f"shard_sizes must be a 1-d array of ints (samples per shard), got dtype {shard_sizes.dtype}, "
+                f"shape {shard_sizes.shape}"
+            )
+        raw = shard_sizes
+    else:
+        if not all(issubclass(t, _INT) and not issubclass(t, _BOOL) for t in set(map(type, shard_sizes))):
+            raise bad(next(k for k, v in enumerate(shard_sizes)
+                           if isinstance(v, _BOOL) or not isinstance(v, _INT)))
+        try:
+            raw = np.asarray(shard_sizes)
+        except OverflowError:
+            raw = np.asarray(shard_sizes, dtype=object)
+        if raw.dtype.kind not in "iu":  # ints past 64 bits, numpy ints of mixed signs: one by one
+            for k, v in enumerate(shard_sizes):
+                if v < 0:
+                    raise bad(k)
+                if v >= MAX_POSITION:
+                    raise too_big(k)
+            raw = np.array([int(v) for v in shard_sizes], dtype=np.int64)
+    if raw.dtype.kind == "i":
+        neg = np.flatnonzero(raw < 0)
+        if len(neg):
+            raise bad(int(neg[0]))
+    big = np.flatnonzero(raw >= MAX_POSITION)
+    if len(big):
+        raise too_big(int(big[0]))
+    sizes = raw.astype(np.int64)
+    # each size < 2**62 and at most 2**24 of them: the int64 sum may wrap
+    # only when the largest times the count reaches 2**62; then summed exactly
+    if int(sizes.max()) * len(sizes) >= MAX_POSITION:
+        total = 0
+        for k, v in enumerate(sizes.tolist()):
+            total += v
+            if total >= MAX_POSITION:
+                raise ValueError(
+                    f"shard_sizes sum to {sum(sizes.tolist())} samples (from shard_sizes[{k}] on); at most "
+                    f"{MAX_POSITION - 1} samples (blobfeed counts global positions in signed 64-bit ints)"
+                )
     if int(sizes.sum()) < 1:
         raise ValueError(f"shard_sizes {list(map(int, sizes[:8]))}... has no sample: a source needs at least one")
     return sizes
+
+
+_INT = (int, np.integer)
+_BOOL = (bool, np.bool_)
 
 
 def sizes_digest(sizes: np.ndarray) -> str:
