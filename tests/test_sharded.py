@@ -539,6 +539,38 @@ def test_shard_sizes_past_the_positions_blobfeed_counts_are_refused_naming_the_s
     assert ok.length(SRC) == MAX_POSITION - 1 and ok.shard_sizes.dtype == np.int64
 
 
+@pytest.mark.parametrize("block", [0, 4])
+def test_the_dealer_does_not_list_a_units_samples_to_check_its_layout(block: int) -> None:
+    """The dealer checks each unit's layout against the first sample's under
+    its lock: it asks the reader for the unit's first sample id only; the
+    full list (a million ids for a unit of a million samples) is built for
+    an error message alone."""
+    from blobfeed.feeders.sharded import ShardedReader
+
+    calls: list[int] = []
+
+    class Listing(ShardedReader):
+        def indexes(self, r: Any) -> list[int]:
+            calls.append(r.unit)
+            return super().indexes(r)
+
+    class Source(ShardedSource):
+        def reader(self, source: str, n: int, seed: int, blob_names: Sequence[str], axes: Sequence[int]) -> Any:
+            return Listing(source, self, n, seed, blob_names, axes)
+
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="net0")
+    init_data_input_workers(net, BLOBS, Source(SIZES, Shards(), shuffle=True, seed=SEED, read_size=3,
+                                               shuffle_block=block), 4,
+                            num_worker_threads=2, coordinator=gc, epochs=2)
+    p = Pipeline.__new__(Pipeline)
+    p.gc, p.nets, p.started = gc, [net], False
+    with p:
+        got = p.lockstep()
+    assert_stream(got, reference(4, 2, block=block), f"shuffle_block={block}")
+    assert calls == [], f"the sample ids of units {calls[:10]} were listed"
+
+
 class Unpicklable(Shards):
     def __init__(self) -> None:
         super().__init__()

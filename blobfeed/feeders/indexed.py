@@ -504,10 +504,35 @@ class UnitReader:
 
     def layout_mismatch(
         self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
-        axes: Sequence[int], unit: int, idx: Sequence[int],
+        axes: Sequence[int], r: ReadUnit,
     ) -> IndexedReadError | None:
-        """:func:`layout_mismatch` for this source (the dealer checks the units in stream order)."""
-        return layout_mismatch(self.source, self.blob_names, layout, first, arrays, axes, unit, idx)
+        """Unit ``r``'s chunk (``arrays``) against the per-sample ``layout``
+        of the stream's first sample (sample ``first``): None when it fits,
+        else the error naming the unit's first sample (the dealer checks
+        the units in stream order, under its lock: the unit's samples are
+        listed only for the error)."""
+        for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
+            got = a.shape[:ax] + a.shape[ax + 1:]
+            if got != shape or a.dtype != dtype:
+                idx = self.indexes(r)
+                return IndexedReadError(
+                    f"source {self.source!r}: {self.where(idx[0])} (read unit {r.unit}: {self.span(idx)}), blob "
+                    f"{self.blob_names[k]!r}: dtype {a.dtype}, per-sample shape {got}; the stream's samples "
+                    f"before it have dtype {dtype}, per-sample shape {shape} (as {self.where(first)})"
+                )
+        return None
+
+    def where(self, i: int) -> str:
+        """How errors name sample ``i`` (an index of the dataset)."""
+        return f"dataset[{i}]"
+
+    def span(self, idx: Sequence[int]) -> str:
+        """How errors name the samples ``idx`` of a unit."""
+        return f"indexes {_short(idx)}"
+
+    def first_index(self, r: ReadUnit) -> int:
+        """The first sample unit ``r`` reads (without listing the others)."""
+        return int(self._indexes(r)[0])
 
     def _indexes(self, r: ReadUnit) -> np.ndarray:
         epoch, lo = divmod(r.lo, self.n)
@@ -598,7 +623,7 @@ class UnitReader:
         """The unit's samples stacked per blob.  Every sample must have the
         dtype and shape of the unit's first one (the dealer checks the
         units against each other, in stream order: see
-        :func:`layout_mismatch`)."""
+        :meth:`layout_mismatch`)."""
         fast = self._stack_plain(samples)
         if fast is not None:
             return fast
@@ -672,24 +697,6 @@ class UnitReader:
 _PLAIN = {tuple, list}
 _NUMPY = (np.ndarray, np.generic)
 _DTYPE = operator.attrgetter("dtype")
-
-
-def layout_mismatch(
-    source: str, blob_names: Sequence[str], layout: Sequence[tuple[np.dtype, tuple[int, ...]]],
-    first: int, arrays: Sequence[np.ndarray], axes: Sequence[int], unit: int, idx: Sequence[int],
-) -> IndexedReadError | None:
-    """Unit ``unit``'s chunk (``arrays``, indexes ``idx``) against the
-    per-sample ``layout`` of the stream's first sample (``dataset[first]``):
-    None when it fits, else the error naming the unit's first index."""
-    for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
-        got = a.shape[:ax] + a.shape[ax + 1:]
-        if got != shape or a.dtype != dtype:
-            return IndexedReadError(
-                f"source {source!r}: dataset[{idx[0]}] (read unit {unit}: indexes {_short(idx)}), blob "
-                f"{blob_names[k]!r}: dtype {a.dtype}, per-sample shape {got}; the stream's samples before it "
-                f"have dtype {dtype}, per-sample shape {shape} (as dataset[{first}])"
-            )
-    return None
 
 
 def _short(idx: Sequence[int]) -> str:

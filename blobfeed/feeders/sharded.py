@@ -356,22 +356,16 @@ class ShardedReader(UnitReader):
     def where(self, sample_id: int) -> str:
         return "shard {} sample {}".format(*self._shard_of(sample_id))
 
-    def layout_mismatch(
-        self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
-        axes: Sequence[int], unit: int, idx: Sequence[int],
-    ) -> IndexedReadError | None:
-        for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
-            got = a.shape[:ax] + a.shape[ax + 1:]
-            if got != shape or a.dtype != dtype:
-                return IndexedReadError(
-                    f"source {self.source!r}: {self.where(idx[0])} (read unit {unit}: "
-                    f"{self._span(idx)}), blob {self.blob_names[k]!r}: dtype {a.dtype}, per-sample shape "
-                    f"{got}; the stream's samples before it have dtype {dtype}, per-sample shape {shape} "
-                    f"(as {self.where(first)})"
-                )
-        return None
+    def first_index(self, r: ReadUnit) -> int:
+        """The first sample id unit ``r`` reads (one block's permutation
+        with ``shuffle_block``, not the unit's list)."""
+        k, lo, _ = self.locate(r.lo)
+        base = int(self.starts[k])
+        if not self.block:
+            return base + lo
+        return base + int(self._in_blocks(r.lo // self.n, k, lo, lo + 1)[0])
 
-    def _span(self, idx: Sequence[int]) -> str:
+    def span(self, idx: Sequence[int]) -> str:
         k, o = self._shard_of(idx[0])
         if not self.block:
             return f"shard {k} samples {o}..{o + len(idx) - 1}"
