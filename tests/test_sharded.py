@@ -505,6 +505,10 @@ def test_later_wiring_calls_must_read_the_same_shards() -> None:
     with pytest.raises(ValueError, match="shuffle_buffer=8"):
         init_data_input_workers(Net(), BLOBS, ShardedSource(SIZES, Shards()), 2, coordinator=gc, seed=1,
                                 shuffle_buffer=8)
+    for kw, match in [({"seed": 2}, "seed=1; this call passes one with seed=2"),
+                      ({"read_size": 3}, "read_size=2; this call passes one with read_size=3")]:
+        with pytest.raises(ValueError, match=rf"source 'train' reads a sharded source with {match}"):
+            init_data_input_workers(Net(), BLOBS, ShardedSource(SIZES, Shards(), **kw), 2, coordinator=gc, seed=1)
     gc.stop(timeout=10.0)
     for bad, match in [([], "shard_sizes is empty"), ([3, -1], r"shard_sizes\[1\] must be an int >= 0"),
                        ([0, 0], "has no sample"), ("12", "shard_sizes must be a list of ints")]:
@@ -678,6 +682,68 @@ def test_a_read_shard_giving_empty_chunks_forever_fails_naming_the_shard(at: str
             while True:
                 got.append(p.next_event(0))
     assert got == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+
+
+class NoRepr(Exception):
+    """An exception whose repr raises."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr failed")
+
+    __str__ = __repr__
+
+
+class NoReprShards(Shards):
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when = when
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        if k == 3 and self.when == "open":
+            raise NoRepr()
+        return self._read(k, offset)
+
+    def _read(self, k: int, offset: int) -> Iterator[Any]:
+        for c in super().__call__(k, offset):
+            if k == 3:
+                raise NoRepr()
+            yield c
+
+
+class NoReprDataset:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 5:
+            raise NoRepr()
+        return np.int64(i), np.full(3, i, np.float32)
+
+
+@pytest.mark.parametrize("how,match", [
+    ("open", r"source 'train': read_shard\(3, 0\) raised NoRepr \(its repr raised RuntimeError\)"),
+    ("iterate", r"source 'train': read_shard\(3, 0\) raised NoRepr \(its repr raised RuntimeError\) reading "
+                r"shard 3 at sample 0"),
+    ("dataset", r"source 'train': dataset\[5\] raised NoRepr \(its repr raised RuntimeError\)"),
+])
+def test_an_exception_whose_repr_fails_still_names_source_and_shard(how: str, match: str) -> None:
+    if how == "dataset":
+        gc = blobfeed.GlobalCoordinator()
+        net = Net(name="net0")
+        init_data_input_workers(net, BLOBS, blobfeed.RandomAccessSource(NoReprDataset(), read_size=1), 2,
+                                num_worker_threads=1, coordinator=gc, epochs=1)
+        gc.start()
+        try:
+            with pytest.raises(FetcherError, match=match):
+                for _ in range(4):
+                    net.run(timeout=WAIT)
+        finally:
+            assert gc.stop(timeout=10.0)
+        return
+    with Pipeline(NoReprShards(how), 1, 1, bs=4, epochs=1, shuffle=False, read_size=4) as p:
+        with pytest.raises(FetcherError, match=match):
+            while True:
+                p.next_event(0)
 
 
 def test_a_unit_of_another_layout_fails_naming_shard_and_sample() -> None:

@@ -127,7 +127,7 @@ def dataset_length(source: str, dataset: Any) -> int:
     try:
         n = len(dataset)
     except Exception as exc:
-        raise TypeError(f"source {source!r}: len(dataset) raised {exc!r}") from exc
+        raise TypeError(f"source {source!r}: len(dataset) raised {safe_repr(exc)}") from exc
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"source {source!r}: len(dataset) must be an int >= 1, got {n!r}")
     return n
@@ -561,7 +561,7 @@ class UnitReader:
                 samples = many(idx)
             except Exception as exc:
                 raise IndexedReadError(
-                    f"source {self.source!r}: dataset.__getitems__({_short(idx)}) raised {exc!r}"
+                    f"source {self.source!r}: dataset.__getitems__({_short(idx)}) raised {safe_repr(exc)}"
                 ) from exc
             try:
                 count = len(samples)
@@ -579,45 +579,12 @@ class UnitReader:
             try:
                 out.append(ds[i])
             except Exception as exc:
-                raise IndexedReadError(f"source {self.source!r}: dataset[{i}] raised {exc!r}") from exc
+                raise IndexedReadError(f"source {self.source!r}: dataset[{i}] raised {safe_repr(exc)}") from exc
         return out
 
     def _blobs(self, i: int, sample: Any) -> list[np.ndarray]:
         """Sample ``i`` as one array per blob, checked."""
-        names = self.blob_names
-        where = f"source {self.source!r}: dataset[{i}]"
-        if isinstance(sample, Mapping):
-            missing = [b for b in names if b not in sample]
-            if missing:
-                raise IndexedReadError(
-                    f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, sample))[:10]}); "
-                    f"expected the blobs {list(names)}"
-                )
-            values = [sample[b] for b in names]
-        elif isinstance(sample, (tuple, list)):
-            if len(sample) != len(names):
-                raise IndexedReadError(
-                    f"{where} has {len(sample)} arrays; expected {len(names)}, one per blob {list(names)}"
-                )
-            values = list(sample)
-        else:
-            raise IndexedReadError(
-                f"{where} is a {type(sample).__name__}; expected a tuple or list with one array per blob "
-                f"{list(names)}, or a dict blob name -> array"
-            )
-        arrays = []
-        for b, v in zip(names, values):
-            try:
-                a = np.asarray(v)
-            except Exception as exc:
-                raise IndexedReadError(f"{where}, blob {b!r}: not an array ({type(v).__name__}): {exc!r}") from exc
-            if a.dtype.kind == "O":
-                raise IndexedReadError(
-                    f"{where}, blob {b!r}: an object array ({type(v).__name__}); expected numbers "
-                    "of one shape (a numpy array, a tensor, a number)"
-                )
-            arrays.append(a)
-        return arrays
+        return blob_arrays(f"source {self.source!r}: dataset[{i}]", self.blob_names, sample)
 
     def _stack(self, unit: int, idx: list[int], samples: Sequence[Any]) -> list[np.ndarray]:
         """The unit's samples stacked per blob.  Every sample must have the
@@ -656,7 +623,7 @@ class UnitReader:
             except Exception as exc:  # dtypes that do not stack, say
                 raise IndexedReadError(
                     f"source {self.source!r}: blob {self.blob_names[k]!r}: the samples of indexes "
-                    f"{_short(idx)} do not stack: {exc!r}"
+                    f"{_short(idx)} do not stack: {safe_repr(exc)}"
                 ) from exc
         return out
 
@@ -697,6 +664,56 @@ class UnitReader:
 _PLAIN = {tuple, list}
 _NUMPY = (np.ndarray, np.generic)
 _DTYPE = operator.attrgetter("dtype")
+
+
+def safe_repr(obj: Any) -> str:
+    """``repr(obj)`` for an error message, even when that repr raises (a
+    user's exception or value): its type then, not an error of its own."""
+    try:
+        return repr(obj)
+    except Exception as exc:
+        return f"{type(obj).__qualname__} (its repr raised {type(exc).__name__})"
+
+
+def blob_arrays(where: str, names: Sequence[str], value: Any, batched: bool = False) -> list[np.ndarray]:
+    """``value`` (a sample, or with ``batched`` a chunk of samples: a tuple
+    or list with one array per blob, or a dict blob name -> array) as one
+    numpy array per blob of ``names``, in order; IndexedReadError beginning
+    with ``where`` when it is not that."""
+    if isinstance(value, Mapping):
+        missing = [b for b in names if b not in value]
+        if missing:
+            raise IndexedReadError(
+                f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, value))[:10]}); "
+                f"expected the blobs {list(names)}"
+            )
+        values = [value[b] for b in names]
+    elif isinstance(value, (tuple, list)):
+        if len(value) != len(names):
+            raise IndexedReadError(
+                f"{where} has {len(value)} arrays; expected {len(names)}, one per blob {list(names)}"
+            )
+        values = list(value)
+    else:
+        raise IndexedReadError(
+            f"{where} is a {type(value).__name__}; expected a tuple or list with one array per blob "
+            f"{list(names)}{' (each with its batch axis)' if batched else ''}, or a dict blob name -> array"
+        )
+    arrays = []
+    for b, v in zip(names, values):
+        try:
+            a = np.asarray(v)
+        except Exception as exc:
+            raise IndexedReadError(
+                f"{where}, blob {b!r}: not an array ({type(v).__name__}): {safe_repr(exc)}"
+            ) from exc
+        if a.dtype.kind == "O":
+            raise IndexedReadError(
+                f"{where}, blob {b!r}: an object array ({type(v).__name__}); expected numbers "
+                "of one shape (a numpy array, a tensor, a number)"
+            )
+        arrays.append(a)
+    return arrays
 
 
 def _short(idx: Sequence[int]) -> str:

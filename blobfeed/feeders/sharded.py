@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .chunks import Stamped
-from .indexed import IndexedReadError, RandomAccessSource, ReadUnit, UnitReader, _short
+from .indexed import IndexedReadError, RandomAccessSource, ReadUnit, UnitReader, _short, blob_arrays, safe_repr
 
 __all__ = ["ShardedReader", "ShardedSource"]
 
@@ -62,7 +62,7 @@ def _sizes(shard_sizes: Any) -> np.ndarray:
     def bad(k: int) -> ValueError:
         v = shard_sizes[k]
         shown = int(v) if isinstance(v, np.integer) else v
-        return ValueError(f"shard_sizes[{k}] must be an int >= 0 (samples in shard {k}), got {shown!r}")
+        return ValueError(f"shard_sizes[{k}] must be an int >= 0 (samples in shard {k}), got {safe_repr(shown)}")
 
     def too_big(k: int) -> ValueError:
         return ValueError(
@@ -411,7 +411,7 @@ class ShardedReader(UnitReader):
             try:
                 it = iter(self.read_shard(k, lo))
             except Exception as exc:
-                raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {exc!r}") from exc
+                raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {safe_repr(exc)}") from exc
             cur = _Open(k, lo, lo, it, None, 0)
         try:
             out, rest, extra = self._read_from(cur, k, lo, hi)
@@ -447,7 +447,7 @@ class ShardedReader(UnitReader):
                 ) from None
             except Exception as exc:
                 raise IndexedReadError(
-                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} reading shard "
+                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {safe_repr(exc)} reading shard "
                     f"{k} at sample {at}"
                 ) from exc
             arrays, count = self._chunk(k, at, chunk)
@@ -474,7 +474,7 @@ class ShardedReader(UnitReader):
                 raise
             except Exception as exc:
                 raise IndexedReadError(
-                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} after the "
+                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {safe_repr(exc)} after the "
                     f"shard's last sample ({size - 1})"
                 ) from exc
             if extra:
@@ -530,36 +530,10 @@ class ShardedReader(UnitReader):
     def _chunk(self, k: int, at: int, chunk: Any) -> tuple[list[np.ndarray], int]:
         """A chunk of shard ``k`` whose first sample is ``at``: one array per
         blob and their sample count, checked."""
-        names = self.blob_names
         where = f"source {self.source!r}: shard {k}, the chunk read_shard gave at sample {at}"
-        if isinstance(chunk, Mapping):
-            missing = [b for b in names if b not in chunk]
-            if missing:
-                raise IndexedReadError(
-                    f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, chunk))[:10]}); "
-                    f"expected the blobs {list(names)}"
-                )
-            values = [chunk[b] for b in names]
-        elif isinstance(chunk, (tuple, list)):
-            if len(chunk) != len(names):
-                raise IndexedReadError(
-                    f"{where} has {len(chunk)} arrays; expected {len(names)}, one per blob {list(names)}"
-                )
-            values = list(chunk)
-        else:
-            raise IndexedReadError(
-                f"{where} is a {type(chunk).__name__}; expected a tuple or list with one array per blob "
-                f"{list(names)} (each with its batch axis), or a dict blob name -> array"
-            )
-        arrays = []
+        arrays = blob_arrays(where, self.blob_names, chunk, batched=True)
         count = None
-        for b, v, ax in zip(names, values, self.axes):
-            try:
-                a = np.asarray(v)
-            except Exception as exc:
-                raise IndexedReadError(f"{where}, blob {b!r}: not an array ({type(v).__name__}): {exc!r}") from exc
-            if a.dtype.kind == "O":
-                raise IndexedReadError(f"{where}, blob {b!r}: an object array; expected numbers")
+        for b, a, ax in zip(self.blob_names, arrays, self.axes):
             if a.ndim <= ax:
                 raise IndexedReadError(
                     f"{where}, blob {b!r}: shape {a.shape} has no batch axis {ax} (a chunk's arrays carry "
@@ -571,7 +545,6 @@ class ShardedReader(UnitReader):
                 raise IndexedReadError(
                     f"{where}, blob {b!r}: {a.shape[ax]} samples; the blob(s) before it have {count}"
                 )
-            arrays.append(a)
         return arrays, count or 0
 
 

@@ -303,9 +303,11 @@ class IndexedDealer(LaneDealer):
             # the end of an epoch: said as such (the end of the data is in
             # the last epoch), whether or not its end was dealt yet
             epoch, offset = epoch - 1, self.units.n
+        layout = dict(layout)
+        kind = layout.pop("kind")  # "random_access" or "sharded": see random_access_layout
         return {
             "version": INDEXED_STATE_VERSION,
-            "kind": "random_access",
+            "kind": kind,
             "source": self.source,
             **layout,
             "position": {"batches": batches, "epoch": epoch, "offset": offset},
