@@ -25,6 +25,7 @@ from ..feeders import (
 )
 from ..feeders.dealing import Direct, EqualRounds, IndexedDealer
 from ..feeders.indexed import RandomAccessSource, UnitDispenser, UnitReader, is_random_access
+from ..feeders.sharded import ShardedReader
 from ..feeders.transport import mem_available
 from ..metrics import ExternalLogger
 from ..net import Net
@@ -598,18 +599,18 @@ def _random_access_source(
     # its chunks' layouts are checked in stream order, by the dealer
     source.validator.per_chunk_only = True
     #: what a state of it records and checks: (length, seed, shuffle, read size)
-    source.random_access = (reader.n, reader.seed, reader.shuffle, units.read_size)  # type: ignore[attr-defined]
-    #: a sharded source's (shard count, sizes' digest, shuffle_block); None: a dataset
-    source.sharded = getattr(reader, "fingerprint", None)  # type: ignore[attr-defined]
+    source.random_access = (reader.n, reader.seed, reader.shuffle, units.read_size)
+    source.sharded = reader.fingerprint if isinstance(reader, ShardedReader) else None
     return source
 
 
 def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec: RandomAccessSource) -> None:
     """Refuse a later call for a random-access source that reads other data,
     or reads it otherwise (another read size or window)."""
-    n, seed, shuffle, read_size = source.random_access  # type: ignore[attr-defined]
+    assert source.random_access is not None
+    n, seed, shuffle, read_size = source.random_access
     dealer = source.dealer
-    had_shards, shards = source.sharded, getattr(reader, "fingerprint", None)  # type: ignore[attr-defined]
+    had_shards, shards = source.sharded, reader.fingerprint if isinstance(reader, ShardedReader) else None
     if (had_shards is None) != (shards is None):
         raise ValueError(
             f"source {name!r} reads a {'sharded source' if had_shards else 'random-access dataset'}; this call "
@@ -623,13 +624,15 @@ def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec
                     f"source {name!r} reads a sharded source with {what} {had!r}; this call passes one with "
                     f"{asked!r}: every call for one source reads the same data, the same way"
                 )
-    for what, had, asked in (("len(dataset)", n, reader.n), ("shuffle", shuffle, reader.shuffle),
+    kind, length = ("sharded source", "sum(shard_sizes)") if shards is not None else ("random-access dataset",
+                                                                                      "len(dataset)")
+    for what, had, asked in ((length, n, reader.n), ("shuffle", shuffle, reader.shuffle),
                              ("seed", seed, reader.seed),
                              ("read_size", read_size, spec.read_size or dealer.batch_size),
                              ("window", dealer.window, spec.window)):  # type: ignore[attr-defined]
         if had != asked:
             raise ValueError(
-                f"source {name!r} reads a random-access dataset with {what}={had!r}; this call "
+                f"source {name!r} reads a {kind} with {what}={had!r}; this call "
                 f"passes one with {what}={asked!r}: every call for one source reads the same data, "
                 "the same way"
             )

@@ -134,6 +134,11 @@ class InputSource:
         self.empty_runs: dict[int, int] = {}
         #: a BlobfeedWarning said that a fetcher returned None (or no samples)
         self.empty_warned = False
+        #: a random-access source's (length, seed, shuffle, read size): what
+        #: its state records and checks; None for a fetch_fun source
+        self.random_access: tuple[int, int, bool, int] | None = None
+        #: a sharded source's (shard count, sizes' digest, shuffle_block); None otherwise
+        self.sharded: tuple[int, str, int] | None = None
         hub.attach_source(self)
 
     @property

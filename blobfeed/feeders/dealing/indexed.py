@@ -243,13 +243,14 @@ class IndexedDealer(LaneDealer):
         r = self.units.unit(chunk.state)
         if r is None:  # pragma: no cover - a unit the stream reaches exists
             return None
-        idx = reader.indexes(r)
         if self._layout is None:
             self._layout = ([(a.dtype, a.shape[:ax] + a.shape[ax + 1:]) for a, ax in zip(chunk.arrays, self.axes)],
-                            idx[0])
+                            reader.first_index(r))
             return None
         layout, first = self._layout
-        cause = reader.layout_mismatch(layout, first, chunk.arrays, self.axes, chunk.state, idx)
+        # the unit's sample ids are listed only when it does not fit (a
+        # unit of a million samples: 30 ms under the dealer's lock)
+        cause = reader.layout_mismatch(layout, first, chunk.arrays, self.axes, r)
         if cause is None:
             return None
         err = FetcherError(f"{cause}")
@@ -302,9 +303,11 @@ class IndexedDealer(LaneDealer):
             # the end of an epoch: said as such (the end of the data is in
             # the last epoch), whether or not its end was dealt yet
             epoch, offset = epoch - 1, self.units.n
+        layout = dict(layout)
+        kind = layout.pop("kind")  # "random_access" or "sharded": see random_access_layout
         return {
             "version": INDEXED_STATE_VERSION,
-            "kind": "random_access",
+            "kind": kind,
             "source": self.source,
             **layout,
             "position": {"batches": batches, "epoch": epoch, "offset": offset},
