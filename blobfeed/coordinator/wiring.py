@@ -569,7 +569,7 @@ def _check_auto_fetch_fun(name: str, runner: FetcherBackend, dealing: DealingOpt
     if not getattr(runner, "elastic", False):
         raise ValueError(
             f"source {name!r}: num_worker_threads='auto' needs a backend that can add and remove "
-            f"workers of a running fetch_fun source (threads, processes), not {runner!r}"
+            f"workers of a running fetch_fun source (threads, processes, Ray), not {runner!r}"
         )
 
 
