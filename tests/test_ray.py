@@ -558,11 +558,21 @@ def test_actors_are_added_and_removed_while_a_fetch_fun_source_runs(cluster: Any
     for wid, calls in made.items():
         assert per_worker.get(wid) == list(range(calls)), f"actor {wid}: made {calls} chunks"
     assert_nothing_left()
-    # the tuner may run there too: wired, not refused
+    # the tuner runs there too: actors that wait (10 ms a call) are added while the net waits
+    (tmp_path / "stop").unlink()
     gc2 = blobfeed.GlobalCoordinator()
-    init_data_input_workers(Net(name="a"), ["ids", "x"], Counted(str(tmp_path)), 4, num_worker_threads="auto",
+    net2 = Net(name="a")
+    init_data_input_workers(net2, ["ids", "x"], Counted(str(tmp_path), delay=0.01), 4, num_worker_threads="auto",
                             coordinator=gc2, backend=backend())
-    assert gc2.stop(timeout=WAIT)
+    try:
+        gc2.start()
+        deadline = time.monotonic() + WAIT
+        while gc2.num_workers(SRC) < 2:
+            assert time.monotonic() < deadline, "the tuner added no actor"
+            net2.run(timeout=WAIT)
+    finally:
+        assert gc2.stop(timeout=WAIT), "a thread outlived stop()"
+    assert_nothing_left()
 
 
 def test_actors_of_a_random_access_source_are_added_and_removed_keeping_the_stream(cluster: Any) -> None:
