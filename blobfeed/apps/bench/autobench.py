@@ -47,7 +47,7 @@ SETTLE_S = 10.0
 #: the series' step, seconds
 STEP_S = 0.25
 #: the trailing span the series' rates are taken over (reach and recovery times)
-RATE_SPAN_S = 2.0
+RATE_SPAN_S = 1.0
 #: the fixed counts of the sweep; the I/O-bound workload also 16
 FIXED = (1, 2, 4, 8)
 FIXED_IO = (*FIXED, 16)
