@@ -44,6 +44,8 @@ from .workloads import WORKLOADS, Fetcher, W2Fetch, W4Fetch, W6Fetch, Workload
 
 #: auto's time to find its count: its batches/s is measured after this
 SETTLE_S = 10.0
+#: a fixed count's warm-up after its first batch, seconds
+WARMUP_S = 0.5
 #: the series' step, seconds
 STEP_S = 0.25
 #: the trailing span the series' rates are taken over (reach and recovery times)
@@ -140,7 +142,8 @@ def run_counted(wl: Workload, seconds: float, workers: Any, doubled: bool = Fals
                 double_after: float | None = None, settle: float = 0.0) -> dict[str, Any]:
     """``wl`` on ``workers`` (a count or "auto"), ``max_buffered_bytes="auto"``.
 
-    A fixed count: a warm-up of 0.5 s, then the window.  ``settle``: the
+    A fixed count: a warm-up of :data:`WARMUP_S` after its first batch,
+    then the window.  ``settle``: the
     window starts that long after ``start()`` (auto's time to find its
     count).  ``doubled``: every fetch costs twice from the start;
     ``double_after``: from that long after ``start()``, after which it runs
@@ -159,8 +162,10 @@ def run_counted(wl: Workload, seconds: float, workers: Any, doubled: bool = Fals
                                          coordinator=gc, max_buffered_bytes="auto", **kwargs)
         source = gc._sources["train"]
         budget = source.max_bytes
-        warm = 0.5 if settle == 0.0 else settle
-        total = warm + seconds if double_after is None else double_after + settle + seconds
+        # a fixed count: the window starts WARMUP_S after the first batch (worker
+        # processes take a while to start); auto: at settle after start(),
+        # its own start counted in the time it takes
+        total = settle + seconds if double_after is None else double_after + settle + seconds
         delivered = 0
         batches_in = samples_in = 0
         nbytes = 0
@@ -180,6 +185,9 @@ def run_counted(wl: Workload, seconds: float, workers: Any, doubled: bool = Fals
             delivered += n
             if t_first is None:
                 t_first = now - t0
+                if settle == 0.0 and double_after is None:
+                    win_start = t_first + WARMUP_S
+                    total = win_start + seconds
             if now - t0 >= win_start:
                 batches_in += 1
                 samples_in += n
@@ -232,13 +240,13 @@ RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
 
 def measurement_seconds(runner: str, seconds: float) -> float:
     """The wall time of one auto-workload measurement beyond a child's
-    start-up: fixed counts a 0.5 s warm-up and the window; auto its
+    start-up: fixed counts a warm-up and the window; auto its
     settling and the window; autox2 both twice."""
     if runner == "auto":
         return SETTLE_S + seconds
     if runner == "autox2":
         return 2 * (SETTLE_S + seconds)
-    return 0.5 + seconds
+    return WARMUP_S + seconds
 
 
 def workers_of(runner: str) -> int:
