@@ -1643,3 +1643,11 @@ def test_a_tiny_real_run_of_the_auto_runners(monkeypatch: pytest.MonkeyPatch) ->
         assert out["peak_queue_mb"] <= out["budget_mb"]
     assert out["doubled_at_s"] == pytest.approx(0.6)
     assert out["series"][-1][0] > out["doubled_at_s"] + 0.3  # it ran on after the doubling
+
+
+def test_a_slow_workloads_reach_time_is_read_over_enough_batches() -> None:
+    """At a few batches/s a second holds a handful: one batch early must not read as reached."""
+    s = _series(10.0, 32, 30.0, 20.0, start_bps=5.0)
+    s[8][1] += 32 * 6  # six batches at once, at 2 s
+    t = autobench.time_to(s, 32, 9.5)
+    assert t is not None and t > 20.0, t

@@ -48,8 +48,11 @@ SETTLE_S = 10.0
 WARMUP_S = 0.5
 #: the series' step, seconds
 STEP_S = 0.25
-#: the trailing span the series' rates are taken over (reach and recovery times)
+#: the trailing span the series' rates are taken over (reach and recovery
+#: times): at least this long, and long enough to hold SPAN_BATCHES at the
+#: rate sought (A6p's few batches/s would otherwise be read off a handful)
 RATE_SPAN_S = 1.0
+SPAN_BATCHES = 50
 #: the fixed counts of the sweep; the I/O-bound workload also 16
 FIXED = (1, 2, 4, 8)
 FIXED_IO = (*FIXED, 16)
@@ -260,16 +263,18 @@ def workers_of(runner: str) -> int:
 # -- the report ------------------------------------------------------------------------------
 def time_to(series: list[list[float]], batch: int, rate: float, after: float = 0.0) -> float | None:
     """The first time (seconds from ``start()``, counted from ``after``) at
-    which the batches/s over the trailing :data:`RATE_SPAN_S` (a span that
-    starts at ``after`` or later) reached ``rate``; None: never."""
+    which the batches/s over the trailing span (:data:`RATE_SPAN_S`, or the
+    time :data:`SPAN_BATCHES` take at ``rate`` if longer; a span that starts
+    at ``after`` or later) reached ``rate``; None: never."""
+    span = max(RATE_SPAN_S, SPAN_BATCHES / rate) if rate > 0 else RATE_SPAN_S
     pts = [p for p in series if p[0] >= after]
     j = 0
     for i, (t, samples, *_rest) in enumerate(pts):
-        while j < i and t - pts[j][0] > RATE_SPAN_S:
+        while j < i and t - pts[j][0] > span:
             j += 1
-        # the longest span back within RATE_SPAN_S, at least most of it
+        # the longest span back within `span`, at least most of it
         t0, s0 = pts[j][0], pts[j][1]
-        if t - t0 >= 0.75 * RATE_SPAN_S and (samples - s0) / batch / (t - t0) >= rate:
+        if t - t0 >= 0.75 * span and (samples - s0) / batch / (t - t0) >= rate:
             return t - after
     return None
 
