@@ -18,6 +18,7 @@ from .autotune import AutoWorkers
 from .errors import BlobfeedError, BlobfeedWarning, ChunkError, DequeueTimeout, EndOfEpoch, EndOfInput, FetcherError, ServiceError
 from .feeders import FetcherBackend, ProcessBackend, ThreadBackend
 from .feeders.indexed import IndexedReadError, RandomAccessSource
+from .feeders.sharded import ShardedSource
 from .net import Net, Workspace
 from .queues import BlobsQueue
 from .service import Attachment, FeedServer, attach_source, serve_source
@@ -51,6 +52,7 @@ __all__ = [
     "ProcessBackend",
     "RandomAccessSource",
     "ServiceError",
+    "ShardedSource",
     "ThreadBackend",
     "WorkerCoordinator",
     "WorkerInfo",

@@ -59,7 +59,13 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
     stream is a function of (checked on load), and the rest for the record
     (workers, nets, read size: a resume may change them)."""
     n, seed, shuffle, read_size = source.random_access  # type: ignore[attr-defined]
+    sharded = getattr(source, "sharded", None)
+    # a sharded source: kind "sharded", its shard count, sizes and shuffle_block
+    extra: dict[str, Any] = {} if sharded is None else {
+        "kind": "sharded", "shards": sharded[0], "shard_sizes": sharded[1], "shuffle_block": sharded[2],
+    }
     return {
+        **extra,
         "length": n,
         "batch_size": source.dealer.batch_size,
         "seed": seed,
@@ -75,6 +81,8 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
 
 #: the fields of a random-access source's state that its stream depends on
 _RA_LAYOUT = ("length", "batch_size", "seed", "shuffle", "equal", "axes")
+#: and those of a sharded source (checked first: another shard count says more than another length)
+_SHARDED_LAYOUT = ("shards", "shard_sizes", "shuffle_block")
 #: at most this many ranges of samples left out (a state is a file: bounded)
 MAX_SKIP_ENTRIES = 1 << 20
 #: a net's told epoch (the epoch ends run() reported to it) is at most this
@@ -121,13 +129,17 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
             f"source {name!r}: state has version {version!r}; a random-access source reads version "
             f"{INDEXED_STATE_VERSION} (a state of a fetch_fun source cannot resume a random-access one)"
         )
-    if state.get("kind") != "random_access":
-        check.fail(["kind"], f"expected 'random_access', got {state.get('kind')!r}")
     wired = random_access_layout(source)
-    for key in _RA_LAYOUT:
+    kind = wired.get("kind", "random_access")
+    if state.get("kind") != kind:
+        check.fail(["kind"], f"expected {kind!r} (this pipeline reads a "
+                   f"{'sharded' if kind == 'sharded' else 'random-access'} source), got {state.get('kind')!r}")
+    for key in (_SHARDED_LAYOUT if kind == "sharded" else ()) + _RA_LAYOUT:
         saved = check.get(state, [key])
         if not _same(saved, wired[key]):
             hint = " (pass the saved seed to RandomAccessSource(seed=...) or seed=)" if key == "seed" else ""
+            if key == "shard_sizes":
+                hint = " (the same number of shards and samples, other sizes)"
             check.fail([key], f"saved {saved!r}, this pipeline has {wired[key]!r}: another stream{hint}")
     n = wired["length"]
     epochs = source.epochs
@@ -247,9 +259,9 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     if is_random_access(source):
         check_random_access_state(name, state, source)
         return
-    if state.get("kind") == "random_access":
+    if state.get("kind") in ("random_access", "sharded"):
         raise ValueError(
-            f"source {name!r}: the state is a random-access source's (version {state.get('version')!r}); "
+            f"source {name!r}: the state is a {str(state.get('kind')).replace('_', '-')} source's (version {state.get('version')!r}); "
             "this source is read through a fetch_fun"
         )
     check = _Checker(name)

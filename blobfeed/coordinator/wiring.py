@@ -24,7 +24,7 @@ from ..feeders import (
     ThreadBackend,
 )
 from ..feeders.dealing import Direct, EqualRounds, IndexedDealer
-from ..feeders.indexed import RandomAccessSource, UnitDispenser, UnitReader, dataset_length, is_random_access
+from ..feeders.indexed import RandomAccessSource, UnitDispenser, UnitReader, is_random_access
 from ..feeders.transport import mem_available
 from ..metrics import ExternalLogger
 from ..net import Net
@@ -198,9 +198,10 @@ def init_data_input_workers(
         fetch_fun: the user's fetcher; or a random-access source, an object
             with ``__len__`` and ``__getitem__`` (torch's map-style
             ``Dataset``, grain's ``RandomAccessDataSource``) or a
-            :class:`~blobfeed.RandomAccessSource`: blobfeed draws its order
-            and its batch stream does not depend on the workers or nets
-            (docs/SOURCES.md).
+            :class:`~blobfeed.RandomAccessSource`, or a
+            :class:`~blobfeed.ShardedSource` (shards read sequentially):
+            blobfeed draws its order and its batch stream does not depend
+            on the workers or nets (docs/SOURCES.md).
         batch_size: samples per batch (the last batch of an ended source may be smaller).
         num_worker_threads: fetcher threads for this call; or ``"auto"``
             (or :class:`~blobfeed.AutoWorkers` with bounds): the source
@@ -408,7 +409,7 @@ def _wire(
     runner = resolve_backend(backend)
     n_items = 0
     if spec is not None:
-        n_items = dataset_length(input_source_name, spec.dataset)
+        n_items = spec.length(input_source_name)
         refused = [
             what for what, on in (
                 ("dont_rebatch=True", dont_rebatch), (f"shuffle_buffer={shuffle_buffer}", shuffle_buffer),
@@ -417,14 +418,13 @@ def _wire(
         ]
         if refused:
             raise ValueError(
-                f"source {input_source_name!r} is a random-access source (an object with __len__ and "
-                f"__getitem__): it cannot take {', '.join(refused)} (its order is drawn by blobfeed: "
-                "use RandomAccessSource(dataset, shuffle=True); every index is read exactly once per "
-                "epoch, so a failed read fails the source)"
+                f"source {input_source_name!r} is a {spec.kind}: it cannot take {', '.join(refused)} "
+                f"(its order is drawn by blobfeed: use {type(spec).__name__}(..., shuffle=True); every "
+                "sample is read exactly once per epoch, so a failed read fails the source)"
             )
         if not getattr(runner, "random_access", False):
             raise ValueError(
-                f"source {input_source_name!r} is a random-access source: it runs on backend='threads', "
+                f"source {input_source_name!r} is a {spec.kind}: it runs on backend='threads', "
                 f"'processes' or a RayBackend (a backend with random_access = True), not on {runner!r}"
             )
     if spec is None:
@@ -446,8 +446,8 @@ def _wire(
     if base_seed is None:
         base_seed = draw_base_seed(input_source_name)
     if spec is not None:
-        fetch_fun = UnitReader(
-            input_source_name, spec, n_items, spec.seed if spec.seed is not None else base_seed, names, axes,
+        fetch_fun = spec.reader(
+            input_source_name, n_items, spec.seed if spec.seed is not None else base_seed, names, axes,
         )
         runner.check(fetch_fun, worker_init_fun)
     # with equal=True the dealer drops an epoch's last partial batch itself
@@ -585,7 +585,7 @@ def _random_access_source(
 ) -> InputSource:
     """The source of a random-access dataset: its read units and the dealer
     that puts them back in order."""
-    units = UnitDispenser(name, reader.n, spec.read_size or batch_size, dealing.epochs)
+    units = UnitDispenser(name, reader.n, spec.read_size or batch_size, dealing.epochs, unit_end=reader.unit_end)
     reader.units = units
     hub = gc._hub
 
@@ -605,6 +605,8 @@ def _random_access_source(
     source.validator.per_chunk_only = True
     #: what a state of it records and checks: (length, seed, shuffle, read size)
     source.random_access = (reader.n, reader.seed, reader.shuffle, units.read_size)  # type: ignore[attr-defined]
+    #: a sharded source's (shard count, sizes' digest, shuffle_block); None: a dataset
+    source.sharded = getattr(reader, "fingerprint", None)  # type: ignore[attr-defined]
     return source
 
 
@@ -613,6 +615,20 @@ def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec
     or reads it otherwise (another read size or window)."""
     n, seed, shuffle, read_size = source.random_access  # type: ignore[attr-defined]
     dealer = source.dealer
+    had_shards, shards = source.sharded, getattr(reader, "fingerprint", None)  # type: ignore[attr-defined]
+    if (had_shards is None) != (shards is None):
+        raise ValueError(
+            f"source {name!r} reads a {'sharded source' if had_shards else 'random-access dataset'}; this call "
+            f"passes a {'sharded source' if shards else 'random-access dataset'}: every call for one source "
+            "reads the same data, the same way"
+        )
+    if had_shards is not None and shards is not None:
+        for what, had, asked in zip(("the shard count", "shard_sizes", "shuffle_block"), had_shards, shards):
+            if had != asked:
+                raise ValueError(
+                    f"source {name!r} reads a sharded source with {what} {had!r}; this call passes one with "
+                    f"{asked!r}: every call for one source reads the same data, the same way"
+                )
     for what, had, asked in (("len(dataset)", n, reader.n), ("shuffle", shuffle, reader.shuffle),
                              ("seed", seed, reader.seed),
                              ("read_size", read_size, spec.read_size or dealer.batch_size),

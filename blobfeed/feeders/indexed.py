@@ -110,6 +110,17 @@ class RandomAccessSource:
             f"seed={self.seed}, read_size={self.read_size}, window={self.window})"
         )
 
+    #: how wiring errors call such a source
+    kind = "random-access source (an object with __len__ and __getitem__)"
+
+    def length(self, source: str) -> int:
+        """The number of samples of one epoch, checked."""
+        return dataset_length(source, self.dataset)
+
+    def reader(self, source: str, n: int, seed: int, blob_names: Sequence[str], axes: Sequence[int]) -> "UnitReader":
+        """The ``fetch_fun`` its workers run (see :class:`UnitReader`)."""
+        return UnitReader(source, self, n, seed, blob_names, axes)
+
 
 def dataset_length(source: str, dataset: Any) -> int:
     """``len(dataset)``, checked: an int >= 1."""
@@ -158,13 +169,20 @@ class UnitDispenser:
         n: the dataset's length.
         read_size: positions per unit.
         epochs: passes over the data (None: endless).
+        unit_end: ``unit_end(g, read_size)``: where the unit that starts at
+            global position ``g`` ends (a sharded source's units never cross
+            a shard); None: ``read_size`` positions, never across an epoch.
     """
 
-    def __init__(self, source: str, n: int, read_size: int, epochs: int | None) -> None:
+    def __init__(
+        self, source: str, n: int, read_size: int, epochs: int | None,
+        unit_end: Callable[[int, int], int] | None = None,
+    ) -> None:
         self.source = source
         self.n = n
         self.read_size = read_size
         self.epochs = epochs
+        self.unit_end = unit_end
         self.window = 8
         self._cond = threading.Condition(threading.Lock())
         #: the first global position of the stream, and ranges left out of it
@@ -235,7 +253,10 @@ class UnitDispenser:
         if end is not None and g >= end:
             self._cursor = g
             return False
-        hi = min(g + self.read_size, (g // self.n + 1) * self.n)  # never across an epoch
+        if self.unit_end is None:
+            hi = min(g + self.read_size, (g // self.n + 1) * self.n)  # never across an epoch
+        else:
+            hi = self.unit_end(g, self.read_size)
         if self._skip_i < len(skip):
             hi = min(hi, skip[self._skip_i][0])
         self._units[self._made] = ReadUnit(self._made, g, hi)
@@ -471,6 +492,16 @@ class UnitReader:
         state["units"] = None
         state["_order"] = None
         return state
+
+    #: ``UnitDispenser(unit_end=)`` for this source's units (None: the default cut)
+    unit_end: Callable[[int, int], int] | None = None
+
+    def layout_mismatch(
+        self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
+        axes: Sequence[int], unit: int, idx: Sequence[int],
+    ) -> IndexedReadError | None:
+        """:func:`layout_mismatch` for this source (the dealer checks the units in stream order)."""
+        return layout_mismatch(self.source, self.blob_names, layout, first, arrays, axes, unit, idx)
 
     def _indexes(self, r: ReadUnit) -> np.ndarray:
         epoch, lo = divmod(r.lo, self.n)

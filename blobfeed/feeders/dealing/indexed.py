@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from ..chunks import Chunk, EpochEnd
 from ...errors import FetcherError
-from ..indexed import UnitDispenser, layout_mismatch, merge_ranges
+from ..indexed import UnitDispenser, merge_ranges
 from .base import DropCounter
 from .lanes import LaneDealer, _Failed
 from .positions import Positions
@@ -249,8 +249,7 @@ class IndexedDealer(LaneDealer):
                             idx[0])
             return None
         layout, first = self._layout
-        cause = layout_mismatch(self.source, reader.blob_names, layout, first, chunk.arrays, self.axes,
-                                chunk.state, idx)
+        cause = reader.layout_mismatch(layout, first, chunk.arrays, self.axes, chunk.state, idx)
         if cause is None:
             return None
         err = FetcherError(f"{cause}")

@@ -1,0 +1,496 @@
+"""Sharded sources: data cut into shards fixed by the data (files, tar parts,
+record files), each read sequentially from a sample offset.
+
+A :class:`ShardedSource` is a random-access source underneath: the same
+global positions, read units, :class:`~.indexed.UnitDispenser`, dealer,
+state, resume, worker replacement and ``set_num_workers``.  What differs is
+the order and how a unit is read:
+
+* the order of epoch *e* is the shards in the permutation
+  ``numpy.random.default_rng((seed, e)).permutation(num_shards)`` (or in
+  order without ``shuffle``), and the samples of each shard in order (or,
+  with ``shuffle_block=B``, each block of ``B`` consecutive samples of a
+  shard permuted by ``default_rng((seed, e, shard, block))``);
+* a read unit never crosses a shard's end (the dispenser's ``unit_end`` is
+  :meth:`ShardedReader.unit_end`), and with ``shuffle_block`` it covers whole
+  blocks (except after a resume that starts inside one);
+* a worker reads a unit with ``read_shard(shard, offset)``, an iterator of
+  chunks, taking chunks until it has the unit's samples; it keeps the
+  iterator (and what it read past the unit) when the next unit it takes
+  continues the same shard there, else it reopens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .chunks import Stamped
+from .indexed import IndexedReadError, RandomAccessSource, ReadUnit, UnitReader, _short
+
+__all__ = ["ShardedReader", "ShardedSource"]
+
+logger = logging.getLogger("blobfeed.feeders")
+
+#: a source may have at most this many shards (its sizes travel to every worker)
+MAX_SHARDS = 1 << 24
+
+
+def _sizes(shard_sizes: Any) -> np.ndarray:
+    """``shard_sizes`` as an int64 array, checked: ints >= 0, at least one
+    sample in all."""
+    if isinstance(shard_sizes, (str, bytes, Mapping)) or not isinstance(shard_sizes, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"shard_sizes must be a list of ints (the number of samples of each shard), got "
+            f"{type(shard_sizes).__name__}"
+        )
+    if len(shard_sizes) == 0:
+        raise ValueError("shard_sizes is empty: a sharded source needs at least one shard")
+    if len(shard_sizes) > MAX_SHARDS:
+        raise ValueError(f"shard_sizes has {len(shard_sizes)} shards; at most {MAX_SHARDS}")
+    for k, v in enumerate(shard_sizes):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"shard_sizes[{k}] must be an int >= 0 (samples in shard {k}), got {v!r}")
+    sizes = np.asarray([int(v) for v in shard_sizes], dtype=np.int64)
+    if int(sizes.sum()) < 1:
+        raise ValueError(f"shard_sizes {list(map(int, sizes[:8]))}... has no sample: a source needs at least one")
+    return sizes
+
+
+def sizes_digest(sizes: np.ndarray) -> str:
+    """What a state records of the shard sizes: their SHA-256 (as int64, little-endian)."""
+    return "sha256:" + hashlib.sha256(sizes.astype("<i8").tobytes()).hexdigest()[:32]
+
+
+class ShardedSource(RandomAccessSource):
+    """Data in shards, each read sequentially, and how blobfeed reads it.
+
+    Pass it where a ``fetch_fun`` goes: ``init_data_input_workers``,
+    ``init_reader``, ``FeedServer.serve_source``.  Its batch stream is a
+    function of the shards, the seed, the epoch and the batch size only, as
+    for a :class:`RandomAccessSource` (docs/SOURCES.md).
+
+    Args:
+        shard_sizes: the number of samples of each shard (ints >= 0), in
+            shard order 0, 1, ...: the order is drawn from it.
+        read_shard: ``read_shard(shard, offset)``: an iterable of chunks
+            holding the samples of shard ``shard`` from sample ``offset`` on,
+            in order.  A chunk is a tuple or list with one array per blob (a
+            dict blob name -> array too), all with the same number of
+            samples along their batch axis (``batch_columns``), any number.
+            It must pickle for ``backend="processes"`` (cloudpickle).
+        shuffle: each epoch reads the shards in a permutation drawn from
+            ``(seed, epoch)``; False: shard 0, 1, ... in order.  The samples
+            of a shard stay in order (see ``shuffle_block``).
+        seed: the shuffle's seed; None: the wiring's ``seed``.
+        read_size: samples a worker reads at once (one read unit, never
+            across a shard's end); None: the batch size.
+        window: as :class:`RandomAccessSource`'s.
+        shuffle_block: 0: the samples of a shard in order; B >= 2: each run
+            of B consecutive samples of a shard (from its start) is permuted,
+            by a permutation drawn from ``(seed, epoch, shard, block)`` (also
+            without ``shuffle``); a read unit then covers whole blocks.
+    """
+
+    kind = "sharded source"
+
+    def __init__(
+        self,
+        shard_sizes: Sequence[int],
+        read_shard: Callable[[int, int], Iterable[Any]],
+        *,
+        shuffle: bool = False,
+        seed: int | None = None,
+        read_size: int | None = None,
+        window: int | None = None,
+        shuffle_block: int = 0,
+    ) -> None:
+        from ..arguments import check_flag, check_index
+
+        self.shard_sizes = _sizes(shard_sizes)
+        if not callable(read_shard):
+            raise TypeError(f"read_shard must be callable (shard, offset) -> iterable of chunks, got "
+                            f"{type(read_shard).__name__}")
+        self.read_shard = read_shard
+        self.dataset = None
+        self.shuffle = check_flag("shuffle", shuffle)
+        self.seed = None if seed is None else check_index("seed", seed, minimum=0)
+        self.read_size = None if read_size is None else check_index("read_size", read_size)
+        self.window = None if window is None else check_index("window", window)
+        self.shuffle_block = check_index("shuffle_block", shuffle_block, minimum=0)
+        if self.shuffle_block == 1:
+            self.shuffle_block = 0  # a block of one sample is no shuffle
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedSource({len(self.shard_sizes)} shards of {int(self.shard_sizes.sum())} samples, "
+            f"{getattr(self.read_shard, '__qualname__', type(self.read_shard).__qualname__)}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, read_size={self.read_size}, window={self.window}, "
+            f"shuffle_block={self.shuffle_block})"
+        )
+
+    def length(self, source: str) -> int:
+        return int(self.shard_sizes.sum())
+
+    def reader(self, source: str, n: int, seed: int, blob_names: Sequence[str], axes: Sequence[int]) -> "ShardedReader":
+        return ShardedReader(source, self, n, seed, blob_names, axes)
+
+
+class _Open:
+    """A worker's open shard: the iterator, where it is, what it read past
+    the last unit (arrays per blob, and their sample count)."""
+
+    __slots__ = ("shard", "opened", "at", "it", "rest", "count")
+
+    def __init__(
+        self, shard: int, opened: int, at: int, it: Iterator[Any], rest: list[np.ndarray] | None, count: int,
+    ) -> None:
+        self.shard = shard
+        #: the offset read_shard was called with
+        self.opened = opened
+        self.at = at
+        self.it = it
+        self.rest = rest
+        self.count = count
+
+    def close(self) -> None:
+        close = getattr(self.it, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # a reader's own cleanup failing does not fail the stream
+                logger.debug("closing a shard iterator raised", exc_info=True)
+
+
+class ShardedReader(UnitReader):
+    """The ``fetch_fun`` of a sharded source: takes the next read unit, reads
+    it from its shard, returns it as one chunk stamped with the unit's
+    number.  Raises StopIteration when no unit is left.
+
+    Pickles without its unit source and its open shards.
+    """
+
+    def __init__(
+        self, source: str, spec: ShardedSource, n: int, seed: int, blob_names: Sequence[str], axes: Sequence[int],
+    ) -> None:
+        self.source = source
+        self.dataset = None
+        self.read_shard = spec.read_shard
+        self.sizes = spec.shard_sizes
+        #: where each shard starts when the shards are in order (sample ids)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.block = spec.shuffle_block
+        self.shuffle = spec.shuffle
+        self.n = n
+        self.seed = seed
+        self.blob_names = tuple(blob_names)
+        self.axes = tuple(axes)
+        self.units: Any = None
+        #: ((epoch, shard order, ends of the shards in that order), ...): see _epoch
+        self._order: Any = None
+        #: ((epoch, shard, block), its permutation): the last block drawn
+        self._perm: Any = None
+        #: worker id -> its open shard (threads share one reader)
+        self._open: dict[int, _Open] = {}
+
+    @property
+    def fingerprint(self) -> tuple[int, str, int]:
+        """What a later wiring call and a state must agree on: shard count,
+        sizes' digest, shuffle_block."""
+        return len(self.sizes), sizes_digest(self.sizes), self.block
+
+    def __repr__(self) -> str:
+        what = getattr(self.read_shard, "__qualname__", type(self.read_shard).__qualname__)
+        return (f"<the reader of sharded source {self.source!r}: read_shard {what} over {len(self.sizes)} shards "
+                f"of {self.n} samples>")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["units"] = None
+        state["_order"] = None
+        state["_perm"] = None
+        state["_open"] = {}
+        return state
+
+    # -- the order ----------------------------------------------------------------
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch ``epoch``'s shard order and where each shard ends in it.
+        The last two epochs are kept (the dispenser makes units of the next
+        epoch while the dealer checks those of this one): a tuple read and
+        replaced at once, as threads share it."""
+        cached = self._order or ()
+        for entry in cached:
+            if entry[0] == epoch:
+                return entry[1], entry[2]
+        k = len(self.sizes)
+        if self.shuffle:
+            order = np.random.default_rng((self.seed, epoch)).permutation(k).astype(np.int64)
+        else:
+            order = np.arange(k, dtype=np.int64)
+        entry = (epoch, order, np.cumsum(self.sizes[order]))
+        self._order = (entry,) + tuple(cached[:1])
+        return entry[1], entry[2]
+
+    def locate(self, g: int) -> tuple[int, int, int]:
+        """Global position ``g``: its shard, its offset in the shard's
+        order, and the global position where that shard ends."""
+        epoch, p = divmod(g, self.n)
+        order, ends = self._epoch(epoch)
+        i = int(np.searchsorted(ends, p, side="right"))  # skips shards of no sample
+        k = int(order[i])
+        end = int(ends[i])
+        return k, p - (end - int(self.sizes[k])), epoch * self.n + end
+
+    def unit_end(self, g: int, read_size: int) -> int:
+        """Where the unit that starts at ``g`` ends: ``read_size`` samples,
+        never past its shard's end; with ``shuffle_block``, at a block's end."""
+        k, off, end = self.locate(g)
+        hi = min(g + read_size, end)
+        b = self.block
+        if b and hi < end:
+            start = g - off  # the shard's first global position
+            down = (hi - start) // b * b
+            hi = start + down if start + down > g else min(start + (off // b + 1) * b, end)
+        return hi
+
+    def _block_perm(self, epoch: int, k: int, blk: int, size: int) -> np.ndarray:
+        """The permutation of block ``blk`` of shard ``k`` in ``epoch`` (the
+        last one drawn is kept: the units of a large block ask for it again)."""
+        key = (epoch, k, blk)
+        cached = self._perm
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        perm = np.random.default_rng((self.seed, epoch, k, blk)).permutation(size)
+        self._perm = (key, perm)
+        return perm
+
+    def indexes(self, r: ReadUnit) -> list[int]:
+        """The sample ids unit ``r`` reads (shard k's sample o is id
+        ``sum(shard_sizes[:k]) + o``)."""
+        k, lo, _ = self.locate(r.lo)
+        hi = lo + (r.hi - r.lo)
+        base = int(self.starts[k])
+        if not self.block:
+            return list(range(base + lo, base + hi))
+        return [base + int(o) for o in self._in_blocks(r.lo // self.n, k, lo, hi)]
+
+    def _in_blocks(self, epoch: int, k: int, lo: int, hi: int) -> np.ndarray:
+        """The shard's samples at positions ``lo .. hi`` of its order (with shuffle_block)."""
+        b = self.block
+        size = int(self.sizes[k])
+        first = lo // b
+        parts = []
+        for blk in range(first, (hi - 1) // b + 1):
+            s = blk * b
+            parts.append(s + self._block_perm(epoch, k, blk, min(b, size - s)))
+        return np.concatenate(parts)[lo - first * b:hi - first * b]
+
+    def _shard_of(self, sample_id: int) -> tuple[int, int]:
+        """Sample id -> (shard, sample in it)."""
+        k = int(np.searchsorted(self.starts, sample_id, side="right")) - 1  # the last shard starting there
+        return k, sample_id - int(self.starts[k])
+
+    def where(self, sample_id: int) -> str:
+        return "shard {} sample {}".format(*self._shard_of(sample_id))
+
+    def layout_mismatch(
+        self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
+        axes: Sequence[int], unit: int, idx: Sequence[int],
+    ) -> IndexedReadError | None:
+        for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
+            got = a.shape[:ax] + a.shape[ax + 1:]
+            if got != shape or a.dtype != dtype:
+                return IndexedReadError(
+                    f"source {self.source!r}: {self.where(idx[0])} (read unit {unit}: "
+                    f"{self._span(idx)}), blob {self.blob_names[k]!r}: dtype {a.dtype}, per-sample shape "
+                    f"{got}; the stream's samples before it have dtype {dtype}, per-sample shape {shape} "
+                    f"(as {self.where(first)})"
+                )
+        return None
+
+    def _span(self, idx: Sequence[int]) -> str:
+        k, o = self._shard_of(idx[0])
+        if not self.block:
+            return f"shard {k} samples {o}..{o + len(idx) - 1}"
+        return f"shard {k} samples {_short([self._shard_of(i)[1] for i in idx])}"
+
+    # -- reading ------------------------------------------------------------------
+    def __call__(self, worker_id: int, batch_size: int) -> Stamped:
+        r = self.units.take(worker_id)
+        if r is None:
+            self._close(worker_id)
+            raise StopIteration
+        k, lo, _ = self.locate(r.lo)
+        hi = lo + (r.hi - r.lo)
+        b = self.block
+        if not b:
+            return Stamped(self._take(worker_id, k, lo, hi), r.unit)
+        size = int(self.sizes[k])
+        read_lo, read_hi = lo // b * b, min(-(-hi // b) * b, size)
+        arrays = self._take(worker_id, k, read_lo, read_hi)
+        sel = self._in_blocks(r.lo // self.n, k, lo, hi) - read_lo
+        return Stamped([np.take(a, sel, axis=ax) for a, ax in zip(arrays, self.axes)], r.unit)
+
+    def _close(self, worker_id: int) -> None:
+        was = self._open.pop(worker_id, None)
+        if was is not None:
+            was.close()
+
+    def _take(self, worker_id: int, k: int, lo: int, hi: int) -> list[np.ndarray]:
+        """Samples ``lo .. hi-1`` of shard ``k``, one array per blob: from
+        this worker's open iterator when it stands there, else from a new
+        ``read_shard(k, lo)``."""
+        size = int(self.sizes[k])
+        cur = self._open.pop(worker_id, None)
+        if cur is not None and (cur.shard != k or cur.at != lo):
+            cur.close()
+            cur = None
+        if cur is None:
+            try:
+                it = iter(self.read_shard(k, lo))
+            except Exception as exc:
+                raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {exc!r}") from exc
+            cur = _Open(k, lo, lo, it, None, 0)
+        try:
+            out, rest, extra = self._read_from(cur, k, lo, hi)
+        except BaseException:
+            cur.close()  # a failed read leaves no file open behind it
+            raise
+        if hi < size:
+            self._open[worker_id] = _Open(k, cur.opened, hi, cur.it, rest, extra)
+        else:
+            cur.close()
+        return out
+
+    def _read_from(self, cur: _Open, k: int, lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray] | None, int]:
+        """Samples ``lo .. hi-1`` of shard ``k`` from ``cur``: the unit's
+        arrays, what was read past it and how many samples that is.  At the
+        shard's end, checks that nothing follows."""
+        size = int(self.sizes[k])
+        want = hi - lo
+        parts: list[list[np.ndarray]] = []
+        have = 0
+        if cur.rest is not None:
+            parts.append(cur.rest)
+            have = cur.count
+        while have < want:
+            at = lo + have
+            try:
+                chunk = next(cur.it)
+            except StopIteration:
+                raise IndexedReadError(
+                    f"source {self.source!r}: shard {k} ended at sample {at} (read_shard({k}, {cur.opened}) "
+                    f"stopped); shard_sizes[{k}] = {size}: expected samples up to {size}"
+                ) from None
+            except Exception as exc:
+                raise IndexedReadError(
+                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} reading shard "
+                    f"{k} at sample {at}"
+                ) from exc
+            arrays, count = self._chunk(k, at, chunk)
+            if count:
+                parts.append(arrays)
+                have += count
+        # the unit's arrays, and what was read past it
+        out, rest = self._cut(k, lo, parts, want, have)
+        extra = have - want
+        if hi == size:
+            # the shard's end: nothing may follow (a shard longer than its size)
+            try:
+                while not extra:
+                    extra = self._chunk(k, size, next(cur.it))[1]
+            except StopIteration:
+                pass
+            except IndexedReadError:
+                raise
+            except Exception as exc:
+                raise IndexedReadError(
+                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} after the "
+                    f"shard's last sample ({size - 1})"
+                ) from exc
+            if extra:
+                raise IndexedReadError(
+                    f"source {self.source!r}: shard {k} has samples past its end: shard_sizes[{k}] = {size}, "
+                    f"but read_shard({k}, {cur.opened}) gave more"
+                )
+        return out, rest, extra
+
+    def _cut(
+        self, k: int, lo: int, parts: list[list[np.ndarray]], want: int, have: int,
+    ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """The first ``want`` samples of ``parts`` (one array per blob), and
+        the rest (None: none); every part has the first one's dtype and
+        per-sample shape."""
+        axes = self.axes
+        first = parts[0]
+        for p, arrays in enumerate(parts[1:], 1):
+            for j, (a, f, ax) in enumerate(zip(arrays, first, axes)):
+                got, had = a.shape[:ax] + a.shape[ax + 1:], f.shape[:ax] + f.shape[ax + 1:]
+                if got != had or a.dtype != f.dtype:
+                    raise IndexedReadError(
+                        f"source {self.source!r}: shard {k}, blob {self.blob_names[j]!r}: a chunk read for "
+                        f"samples {lo}..{lo + want - 1} has dtype {a.dtype}, per-sample shape {got}; the one "
+                        f"before it in the unit has dtype {f.dtype}, per-sample shape {had}"
+                    )
+        if len(parts) == 1:
+            whole = first
+        else:
+            whole = [np.concatenate([p[j] for p in parts], axis=ax) for j, ax in enumerate(axes)]
+        if have == want:
+            return whole, None
+        return ([_slice(a, ax, 0, want) for a, ax in zip(whole, axes)],
+                [_slice(a, ax, want, have) for a, ax in zip(whole, axes)])
+
+    def _chunk(self, k: int, at: int, chunk: Any) -> tuple[list[np.ndarray], int]:
+        """A chunk of shard ``k`` whose first sample is ``at``: one array per
+        blob and their sample count, checked."""
+        names = self.blob_names
+        where = f"source {self.source!r}: shard {k}, the chunk read_shard gave at sample {at}"
+        if isinstance(chunk, Mapping):
+            missing = [b for b in names if b not in chunk]
+            if missing:
+                raise IndexedReadError(
+                    f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, chunk))[:10]}); "
+                    f"expected the blobs {list(names)}"
+                )
+            values = [chunk[b] for b in names]
+        elif isinstance(chunk, (tuple, list)):
+            if len(chunk) != len(names):
+                raise IndexedReadError(
+                    f"{where} has {len(chunk)} arrays; expected {len(names)}, one per blob {list(names)}"
+                )
+            values = list(chunk)
+        else:
+            raise IndexedReadError(
+                f"{where} is a {type(chunk).__name__}; expected a tuple or list with one array per blob "
+                f"{list(names)} (each with its batch axis), or a dict blob name -> array"
+            )
+        arrays = []
+        count = None
+        for b, v, ax in zip(names, values, self.axes):
+            try:
+                a = np.asarray(v)
+            except Exception as exc:
+                raise IndexedReadError(f"{where}, blob {b!r}: not an array ({type(v).__name__}): {exc!r}") from exc
+            if a.dtype.kind == "O":
+                raise IndexedReadError(f"{where}, blob {b!r}: an object array; expected numbers")
+            if a.ndim <= ax:
+                raise IndexedReadError(
+                    f"{where}, blob {b!r}: shape {a.shape} has no batch axis {ax} (a chunk's arrays carry "
+                    "the batch axis)"
+                )
+            if count is None:
+                count = a.shape[ax]
+            elif a.shape[ax] != count:
+                raise IndexedReadError(
+                    f"{where}, blob {b!r}: {a.shape[ax]} samples; the blob(s) before it have {count}"
+                )
+            arrays.append(a)
+        return arrays, count or 0
+
+
+def _slice(a: np.ndarray, ax: int, lo: int, hi: int) -> np.ndarray:
+    return a[(slice(None),) * ax + (slice(lo, hi),)]
