@@ -262,8 +262,10 @@ def init_data_input_workers(
             for one source must agree on it.
         max_buffered_bytes: bound of the internal queue in bytes (its
             chunks' arrays; default 1 GiB; ``None``: no bound; ``"auto"``:
-            an eighth of the memory this process may still take when the
-            source is wired, at least 64 MiB, logged), besides
+            a budget of an eighth of the memory this process may still
+            take when the source is wired, at least 64 MiB, logged; in
+            arrival order the queue holds at most a working limit under it
+            that follows need, :mod:`blobfeed.buffers`), besides
             ``max_buffered_batches``: a fetcher waits while its chunk would
             pass it, but a chunk always enters an empty queue (with
             ``deterministic``, ``shuffle_buffer`` or ``epochs``: each worker's
@@ -378,6 +380,8 @@ def _wire(
     shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
     if epochs is not None:
         epochs = check_index("epochs", epochs)
+    # "auto": the budget, and (in arrival order) a working limit under it that follows need
+    follow_need = max_buffered_bytes == "auto"
     if max_buffered_bytes == "auto":
         max_buffered_bytes = auto_buffered_bytes(input_source_name)
     elif isinstance(max_buffered_bytes, str):
@@ -529,9 +533,11 @@ def _wire(
             source = InputSource(
                 input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure,
                 dealing=dealing, batch_size=batch_size, shuffle_rng=functools.partial(shuffle_rng, base_seed),
-                max_bytes=max_buffered_bytes,
+                max_bytes=max_buffered_bytes, follow_need=follow_need,
             )
             source.register_fetchers(num_worker_threads)
+            if follow_need and max_buffered_bytes is not None and dealing.in_arrival_order:
+                gc._buffers.add(input_source_name, source, max_buffered_bytes)
         feed = Feed(
             source, reader_name, net._place if net is not None else _on_host, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,
@@ -570,7 +576,7 @@ def _check_auto_fetch_fun(name: str, runner: FetcherBackend, dealing: DealingOpt
     if not getattr(runner, "elastic", False):
         raise ValueError(
             f"source {name!r}: num_worker_threads='auto' needs a backend that can add and remove "
-            f"workers of a running fetch_fun source (threads, processes), not {runner!r}"
+            f"workers of a running fetch_fun source (threads, processes, Ray), not {runner!r}"
         )
 
 

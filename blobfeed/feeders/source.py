@@ -73,6 +73,8 @@ class InputSource:
             None: unbounded).
         dealer: makes the source's dealer instead of ``dealing`` (called
             with the source; a feeding service's consumer end).
+        follow_need: ``max_buffered_bytes="auto"``: an arrival-order
+            queue's byte limit may change while it runs, within ``max_bytes``.
 
     Thread-safe.
     """
@@ -91,6 +93,7 @@ class InputSource:
         shuffle_rng: Callable[[], np.random.Generator] = np.random.default_rng,
         max_bytes: int | None = None,
         dealer: Callable[["InputSource"], Dealer] | None = None,
+        follow_need: bool = False,
     ) -> None:
         self.name = name
         self._on_failure = on_failure
@@ -100,6 +103,7 @@ class InputSource:
             name, dealing, batch_size=batch_size, axes=axes, capacity=capacity,
             shuffle_rng=shuffle_rng, on_error=self.fail, on_error_in_order=self.fail_in_order,
             on_dropped=lambda reason, n: hub.count_dropped(name, reason, n), max_bytes=max_bytes,
+            follow_need=follow_need,
         )
         self.max_bytes = max_bytes
         self.n_blobs = n_blobs
@@ -216,6 +220,12 @@ class InputSource:
     def queue_bytes(self) -> int:
         """Bytes of the chunks waiting in the dealer (``max_buffered_bytes`` bounds them)."""
         return self.dealer.queued_bytes()
+
+    def queue_byte_limit(self) -> int | None:
+        """The bound on those bytes in force now: ``max_buffered_bytes``, or
+        under ``"auto"`` in arrival order the working limit (:mod:`blobfeed.buffers`)."""
+        limit = getattr(self.dealer, "byte_limit", None)
+        return limit() if limit is not None else self.max_bytes
 
     # -- ending --------------------------------------------------------------
     def fail(self, error: BaseException, *, in_order: bool = False) -> None:
