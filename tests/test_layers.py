@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.dealing.stages": 3.15, "blobfeed.feeders.dealing.arrival": 3.2,
     "blobfeed.feeders.dealing.lanes": 3.2, "blobfeed.feeders.dealing": 3.5,
     "blobfeed.feeders.replay": 3, "blobfeed.feeders.messages": 3,
+    # a worker process's batches assembled in its own slots (its messages only)
+    "blobfeed.feeders.worker_batches": 3.01,
     "blobfeed.feeders.source": 4,
     "blobfeed.feeders.worker_loop": 4.5,
     "blobfeed.feeders.enqueuer": 5, "blobfeed.feeders.reading": 5.5,

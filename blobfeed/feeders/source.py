@@ -32,6 +32,8 @@ class FeedEnd(Protocol):
     def buffered_samples(self) -> int: ...
     def device_queue_depth(self) -> int: ...
     def absorbs(self, sample_bytes: int) -> bool: ...
+    @property
+    def cuts_batches(self) -> bool: ...
 
 __all__ = ["FeedEnd", "InputSource", "OnError", "SourceStopped", "WorkerIntake"]
 
@@ -275,6 +277,21 @@ class InputSource:
             and all(f.absorbs(sample_bytes) for f in feeds)
         )
 
+    def whole_batch_size(self) -> int:
+        """The size of the batches a worker process may assemble from its
+        own chunks (see ``worker_batches``), 0 when it may not: the dealer
+        hands chunks out as they come (so which samples share a batch was
+        never promised), and every feed cuts batches of that one size along
+        axis 0."""
+        feeds = list(self.feeds)
+        if not feeds or not self.dealing.in_arrival_order or any(self.axes):
+            return 0
+        size = feeds[0].batch_size
+        for f in feeds:
+            if f.batch_size != size or not f.cuts_batches:
+                return 0
+        return size
+
     def report_failure(self, error: BaseException) -> None:
         """Tell the coordinator (``should_stop``/``join``) of an error that
         ended a feed of this source without failing the source."""
@@ -417,12 +434,14 @@ class WorkerIntake:
         else:
             self.source.fetcher_finished(exhausted)
 
-    def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0) -> bool:
-        """One value ``fetch_fun`` returned.  Returns False when the worker must stop."""
+    def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0, calls: int = 1) -> bool:
+        """One value ``fetch_fun`` returned (or, ``calls`` other than 1, a
+        batch a worker process assembled from the values of that many
+        calls).  Returns False when the worker must stop."""
         src = self.source
         stats = self.stats
         seq = self.calls
-        self.calls = seq + 1
+        self.calls = seq + calls
         state = None
         if type(raw) is Stamped:
             raw, state = raw
@@ -450,7 +469,7 @@ class WorkerIntake:
             self._empty_run = 0
             src.empty_runs[self.worker_id] = 0
         self._checked_at = src.checks_version
-        stats.chunks += 1
+        stats.chunks += calls
         stats.samples += chunk.n
         nbytes = 0
         for a in chunk.arrays:  # a loop, not sum(genexpr): no frame per chunk

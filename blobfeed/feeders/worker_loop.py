@@ -145,9 +145,13 @@ def deliver(intake: "WorkerIntake", event: Any, pin: Pin | None = None, transpor
     to go on, False when the worker must stop, None when it is done
     (:class:`Exhausted`)."""
     if type(event) is Result:
-        intake.stats.fetch.observe(event.seconds)
-        raw = event.raw if event.state is None else Stamped(event.raw, event.state)
-        return intake.result(raw, pin, transport_bytes)
+        if event.calls is None:
+            intake.stats.fetch.observe(event.seconds)
+            raw = event.raw if event.state is None else Stamped(event.raw, event.state)
+            return intake.result(raw, pin, transport_bytes)
+        for seconds in event.calls:
+            intake.stats.fetch.observe(seconds)
+        return intake.result(event.raw, pin, transport_bytes, len(event.calls))
     if type(event) is Raised:
         if not event.fatal:
             intake.stats.fetch.observe(event.seconds)
