@@ -138,6 +138,11 @@ class _Collector:
             "blobfeed_internal_queue_bytes",
             "Bytes of the chunks waiting in the internal queue (max_buffered_bytes bounds them).", labels=S,
         )
+        iq_limit = GaugeMetricFamily(
+            "blobfeed_internal_queue_limit_bytes",
+            "Bound of the internal queue in bytes in force now: max_buffered_bytes, or with "
+            "max_buffered_bytes='auto' the working limit under it that follows need.", labels=S,
+        )
         dq_depth = GaugeMetricFamily("blobfeed_device_queue_depth", "Batches waiting for the net.", labels=SN)
         wait_s = HistogramMetricFamily(
             "blobfeed_dequeue_wait_seconds", "Time Net.run() waited for input.", labels=SN
@@ -244,6 +249,10 @@ class _Collector:
                 iq_depth.add_metric([name], live.queue_depth())
                 iq_cap.add_metric([name], live.queue_capacity())
                 iq_bytes.add_metric([name], live.queue_bytes())
+                limit_of = getattr(live, "queue_byte_limit", None)
+                limit = limit_of() if limit_of is not None else None
+                if limit is not None:
+                    iq_limit.add_metric([name], limit)
                 alive.add_metric([name], live.workers_alive())
                 count = getattr(live, "worker_count", None)
                 if count is not None:
@@ -263,7 +272,7 @@ class _Collector:
             for v in self._hub.verdicts():
                 bottleneck.add_metric([v.source, v.net, v.stage], 1)
         yield from (
-            chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap, iq_bytes,
+            chunks, samples, nbytes, fetch_s, errors, batches, direct, enqueue_s, iq_depth, iq_cap, iq_bytes, iq_limit,
             dq_depth, wait_s, timeouts, alive, workers, ips, delivered, dropped, skipped, buffered, deaths, transport,
             build, first, busy, model_s, bottleneck,
         )

@@ -10,7 +10,7 @@ from typing import Generic, Iterator, TypeVar
 
 from .errors import DequeueTimeout, EndOfInput
 
-__all__ = ["BlobsQueue"]
+__all__ = ["BlobsQueue", "WatermarkQueue"]
 
 T = TypeVar("T")
 
@@ -81,6 +81,11 @@ class BlobsQueue(Generic[T]):
         self._error: BaseException | None = None
         #: raised instead of EndOfInput once drained (close(error, after_items=True))
         self._final: BaseException | None = None
+        #: counted where a caller is about to wait anyway (never on the fast
+        #: path): producers held back by the byte bound, readers that found
+        #: the queue empty (WatermarkQueue's signals)
+        self._held = 0
+        self._empty = 0
 
     @property
     def capacity(self) -> int:
@@ -166,6 +171,8 @@ class BlobsQueue(Generic[T]):
             while not self._closed and (
                 len(items) >= self._capacity or (self._bytes and self._bytes + nbytes > self._max_bytes)
             ):
+                if len(items) < self._capacity:
+                    self._held += 1  # held back by the bytes, not the count
                 self._not_full.wait()
             if self._closed:
                 return False
@@ -211,6 +218,8 @@ class BlobsQueue(Generic[T]):
         """
         try:
             with self._lock:
+                if not self._items and not self._closed:
+                    self._empty += 1
                 self._item_watchers += 1
                 try:
                     return self._item_watch.wait_for(self._item_or_closed, timeout)
@@ -234,8 +243,10 @@ class BlobsQueue(Generic[T]):
         """
         try:
             with self._not_empty:
-                if not self._item_or_closed() and not self._not_empty.wait_for(self._item_or_closed, timeout):
-                    raise DequeueTimeout(f"queue {self.name!r}: no batch within {timeout:g} s")
+                if not self._item_or_closed():
+                    self._empty += 1
+                    if not self._not_empty.wait_for(self._item_or_closed, timeout):
+                        raise DequeueTimeout(f"queue {self.name!r}: no batch within {timeout:g} s")
                 if self._error is not None:
                     # A fresh traceback per raise: the useful one is on __cause__.
                     raise self._error.with_traceback(None)
@@ -330,6 +341,49 @@ class BlobsQueue(Generic[T]):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<BlobsQueue {self.name!r} {len(self._items)}/{self._capacity} {state}>"
+
+
+class WatermarkQueue(BlobsQueue[T]):
+    """A :class:`BlobsQueue` with a byte bound that may change while it
+    runs (:meth:`set_byte_limit`), and what a policy needs to change it
+    (:meth:`take_marks`): ``max_buffered_bytes="auto"``
+    (:mod:`blobfeed.buffers`).  A plain ``BlobsQueue`` where the bound is
+    fixed: the one step more per item (the lowest fill) is paid only here."""
+
+    def __init__(self, capacity: int, *, name: str = "", low_water: int | None = None, max_bytes: int) -> None:
+        super().__init__(capacity, name=name, low_water=low_water, max_bytes=max_bytes)
+        #: the fewest bytes queued since the last take_marks()
+        self._low_bytes = 0
+
+    def set_byte_limit(self, max_bytes: int) -> None:
+        """Bound the bytes queued by ``max_bytes`` from now on (what it holds
+        above a lower bound drains as it is taken; a higher one wakes the
+        producers it held back)."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"queue {self.name!r}: byte limit must be an int >= 1, got {max_bytes!r}")
+        with self._lock:
+            grew = max_bytes > self._max_bytes
+            self._max_bytes = max_bytes
+            self._bytes_low = max_bytes // 2
+            if grew:
+                self._not_full.notify_all()
+                if self._room_watchers:
+                    self._room_watch.notify_all()
+
+    def take_marks(self) -> tuple[int, int, int]:
+        """``(held, empty, low)``: the producers held back by the byte bound
+        and the readers that found it empty, counted since it was made, and
+        the fewest bytes it held since the last call (which starts the next
+        such span at what it holds now)."""
+        with self._lock:
+            low, self._low_bytes = self._low_bytes, self._bytes
+            return self._held, self._empty, low
+
+    def _pop(self) -> T:
+        item = super()._pop()
+        if self._bytes < self._low_bytes:
+            self._low_bytes = self._bytes
+        return item
 
 
 def drained(q: "queue.SimpleQueue[T]") -> Iterator[T]:

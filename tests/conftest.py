@@ -73,9 +73,14 @@ def _uses_ray(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The Ray tests run last, in their order: the one cluster is started
-    once, at the first of them, and no other test runs while it is up (its
-    processes, threads and sockets would be in the way of the leak checks)."""
-    items[:] = [i for i in items if not _uses_ray(i)] + [i for i in items if _uses_ray(i)]
+    once, at the first of them, and no other test of this process runs while
+    it is up (its processes, threads and sockets would be in the way of the
+    leak checks).  With pytest-xdist they are one group (``--dist
+    loadgroup``): one worker runs them all, on one cluster."""
+    ray_tests = [i for i in items if _uses_ray(i)]
+    for item in ray_tests:
+        item.add_marker(pytest.mark.xdist_group("ray"))
+    items[:] = [i for i in items if not _uses_ray(i)] + ray_tests
 
 
 @pytest.fixture(scope="session")

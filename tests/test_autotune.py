@@ -367,7 +367,7 @@ def test_auto_on_processes_grows_and_the_stream_still_ends(tmp_path: Path) -> No
 
 class FixedBackend:
     """A backend that cannot add or remove workers of a running fetch_fun
-    source (as RayBackend cannot): no ``elastic``."""
+    source: no ``elastic``."""
 
     name = "fixed"
 

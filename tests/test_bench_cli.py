@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blobfeed.apps.bench import cli, measure, report, runner, service, workloads
+from blobfeed.apps.bench import autobench, cli, measure, report, runner, service, workloads
 from blobfeed.apps.bench.peers import base, ray_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +154,12 @@ def test_help_shows_every_default_and_the_total_time() -> None:
     assert "(default: 3)" in out
     assert "(default: none)" in out  # --json
     assert f"{', '.join(workloads.WORKLOADS)}, or all" in out  # every workload, and the whole set
-    assert "W7, or all" in out
+    assert "W7, A4p," in out
+    # the auto workloads are opt-in, by name
+    assert "or all, or auto (the auto workloads A4p, A6p, A2p, Aio)" in out
+    m = re.search(r"--workloads auto \(the auto workloads, opt-in\) runs (\d+) measurements .* about (\d+) s", out)
+    assert m and int(m.group(2)) == round(runner.estimate_seconds(list(autobench.AUTO_IDS), 5.0, 3,
+                                                                   runner.available_packages()))
     # W7 is opt-in, and the help says its first run writes a 2 GB file, and where
     assert "W7" not in DEFAULT
     assert "the first run that includes W7 writes W7's record file, 2 GB, into" in out
@@ -1531,3 +1536,123 @@ def test_a_tiny_real_run_of_w1i_and_w2i_reports_their_rows_and_loses_nothing(
     assert re.search(r"^W1i/blobfeed +.* [\d.]+ x W1$", out, re.M), out
     assert re.search(r"^W1i batches/s vs W1 >= 0\.9 +[\d.]+  (ok|MISSED)$", out, re.M), out
     assert re.search(r"^W2i batches/s vs W2 >= 0\.9 +- +not evaluated  \[W2 not in this run\]$", out, re.M), out
+
+
+# --------------------------------------------------------------------------- the auto workloads (issue 27)
+def _series(rate_bps: float, batch: int, until: float, reach_at: float, start_bps: float = 0.0,
+            step: float = 0.25, t0: float = 0.0, samples0: int = 0) -> list[list[float]]:
+    """An auto run's series: ``start_bps`` until ``reach_at``, then ``rate_bps``."""
+    out, samples, t = [], float(samples0), t0
+    while t <= until + 1e-9:
+        out.append([round(t, 3), int(samples), 2, 1 << 20])
+        samples += (start_bps if t < reach_at else rate_bps) * batch * step
+        t += step
+    return out
+
+
+def _auto_results(auto_bps: float = 98.0, reach_at: float = 3.0, recover_at: float = 2.0,
+                  peak_mb: float = 5.0) -> dict[str, dict[str, Any]]:
+    """Aio's rows as run_all reports them: fixed counts (best: fixed8, 100
+    batches/s; at the doubled cost fixed16x2, 60), auto and autox2."""
+    res = {f"Aio/fixed{n}": _result(batches_per_s=bps, workers=float(n), peak_queue_mb=1.0, budget_mb=512.0,
+                                    batch=32)
+           for n, bps in ((1, 20.0), (2, 40.0), (4, 75.0), (8, 100.0), (16, 99.0))}
+    res.update({f"Aio/fixed{n}x2": _result(batches_per_s=bps, workers=float(n), peak_queue_mb=1.0,
+                                           budget_mb=512.0, batch=32)
+                for n, bps in ((1, 10.0), (2, 20.0), (4, 38.0), (8, 55.0), (16, 60.0))})
+    res["Aio/auto"] = _result(batches_per_s=auto_bps, workers=8.0, peak_queue_mb=peak_mb, budget_mb=512.0, batch=32,
+                              series=[_series(auto_bps, 32, 15.0, reach_at, start_bps=20.0)] * 3)
+    first = _series(100.0, 32, 15.0, 1.0, start_bps=20.0)
+    after = _series(60.0, 32, 30.0, 15.0 + recover_at, start_bps=30.0, t0=15.25, samples0=first[-1][1] + 800)
+    res["Aio/autox2"] = _result(batches_per_s=59.0, workers=16.0, peak_queue_mb=peak_mb, budget_mb=512.0,
+                                batch=32, doubled_at_s=15.0, series=[first + after] * 3)
+    return res
+
+
+def test_the_auto_workloads_are_opt_in_and_named_auto() -> None:
+    assert cli.parse_workloads("auto") == ["A4p", "A6p", "A2p", "Aio"]
+    assert not set(cli.parse_workloads(cli.DEFAULT_WORKLOADS)) & set(cli.parse_workloads("auto"))
+    assert runner._plan(["Aio"], {"PIL"})[:6] == [("Aio", f"fixed{n}") for n in (1, 2, 4, 8, 16)] + [("Aio", "auto")]
+    assert [r for _, r in runner._plan(["A4p"], {"PIL"})] == [
+        "fixed1", "fixed2", "fixed4", "fixed8", "auto", "fixed1x2", "fixed2x2", "fixed4x2", "fixed8x2", "autox2"]
+    # the estimate counts auto's settling (and autox2's twice), not a plain warm-up
+    assert runner.measurement_seconds("Aio", "auto", 5.0) == pytest.approx(runner.CHILD_OVERHEAD_S + 15.0)
+    assert runner.measurement_seconds("Aio", "autox2", 5.0) == pytest.approx(runner.CHILD_OVERHEAD_S + 30.0)
+    assert runner.measurement_seconds("A4p", "fixed8", 5.0) > runner.measurement_seconds("Aio", "fixed8", 5.0)
+    assert "--workloads auto" in cli.build_parser().format_help()
+
+
+def test_the_time_to_reach_a_rate_is_read_from_the_series() -> None:
+    s = _series(100.0, 32, 15.0, 4.0, start_bps=20.0)
+    t = autobench.time_to(s, 32, 95.0)
+    assert t is not None and 4.0 < t <= 4.0 + autobench.RATE_SPAN_S + 0.25
+    assert autobench.time_to(s, 32, 101.0) is None
+    # counted from the doubling, over spans after it only
+    assert autobench.time_to(s, 32, 95.0, after=10.0) == pytest.approx(0.75 * autobench.RATE_SPAN_S)
+
+
+def test_the_auto_targets_met_in_the_table_and_the_json(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    rows = report.evaluate(_report(_auto_results()))
+    auto = [r for r in rows if r["workload"] == "Aio"]
+    assert {r["target"].split(" >=")[0].split(" within")[0] for r in auto} >= {
+        "auto's batches/s after 10 s vs the best fixed count", "auto reaches 0.95 x the best fixed count",
+        "after the fetch cost doubles, auto reaches 0.9 x the new best", "auto: peak buffered bytes <= the budget",
+        "autox2: peak buffered bytes <= the budget", "samples lost == 0 (auto)"}
+    assert all(r["ok"] for r in auto), [r for r in auto if not r["ok"]]
+    assert _row(rows, "Aio", "auto's batches/s")["ratio"] == pytest.approx(0.98)
+    assert "best: fixed8" in _row(rows, "Aio", "auto's batches/s")["detail"]
+    assert "new best: fixed16x2" in _row(rows, "Aio", "after the fetch cost doubles")["detail"]
+    text = report.format_report(_report(_auto_results()))
+    assert re.search(r"^Aio/auto +98\.0 batches/s \(0\.98 x fixed8\), 8 workers at the end, 0\.95 x reached: "
+                     r"[\d.]+ s; peak queue 5\.0 MiB of a 512 MiB budget$", text, re.M), text
+    assert re.search(r"^Aio/autox2 .* 0\.9 x reached: [\d.]+ s after the doubling", text, re.M), text
+    assert re.search(r"^  autox2 +auto whose fetch cost doubles", text, re.M)
+    monkeypatch.setattr(cli, "run_all", lambda *a, **k: _report(_auto_results()))
+    assert cli.main(["--workloads", "auto", "--json", str(tmp_path / "auto.json")]) == 0
+    saved = json.loads((tmp_path / "auto.json").read_text())
+    assert any(t["workload"] == "Aio" and t["target"].startswith("auto reaches") and t["ok"] for t in saved["targets"])
+
+
+@pytest.mark.parametrize("kw, missed", [
+    (dict(auto_bps=90.0), "auto's batches/s after 10 s"),
+    (dict(reach_at=12.0), "auto reaches 0.95 x"),
+    (dict(recover_at=11.0), "after the fetch cost doubles"),
+    (dict(peak_mb=600.0), "auto: peak buffered bytes"),
+])
+def test_the_auto_targets_missed(kw: dict, missed: str) -> None:
+    rows = report.evaluate(_report(_auto_results(**kw)))
+    assert _row(rows, "Aio", missed)["ok"] is False
+    status, lines = report.verdict(rows)
+    assert status == 1 and any(missed in line for line in lines)
+
+
+def test_the_auto_median_keeps_each_repetitions_series() -> None:
+    runs = [_result(batches_per_s=b, series=[[0.0, 0, 1, 0]]) for b in (1.0, 3.0, 2.0)]
+    out = report.summarize({("Aio", "auto"): runs})
+    assert out["Aio/auto"]["batches_per_s"] == 2.0 and len(out["Aio/auto"]["series"]) == 3
+
+
+def test_a_tiny_real_run_of_the_auto_runners(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The I/O workload's auto and autox2 at 0.3 s windows after 0.3 s of
+    settling, in this process: a series, the worker count, the budget,
+    nothing lost."""
+    monkeypatch.setattr(autobench, "SETTLE_S", 0.3)
+    wl = workloads.WORKLOADS["Aio"]
+    fixed = autobench.RUNNERS["fixed2x2"](wl, 0.3)
+    assert fixed["samples_lost"] == 0 and fixed["workers"] == 2 and fixed["batches_per_s"] > 0
+    for name in ("auto", "autox2"):
+        out = autobench.RUNNERS[name](wl, 0.3)
+        assert out["samples_lost"] == 0, out
+        assert out["series"] and out["workers"] >= 1 and out["budget_mb"] > 0
+        assert out["peak_queue_mb"] <= out["budget_mb"]
+    assert out["doubled_at_s"] == pytest.approx(0.6)
+    assert out["series"][-1][0] > out["doubled_at_s"] + 0.3  # it ran on after the doubling
+
+
+def test_a_slow_workloads_reach_time_is_read_over_enough_batches() -> None:
+    """At a few batches/s a second holds a handful: one batch early must not read as reached."""
+    s = _series(10.0, 32, 30.0, 20.0, start_bps=5.0)
+    s[8][1] += 32 * 6  # six batches at once, at 2 s
+    t = autobench.time_to(s, 32, 9.5)
+    assert t is not None and t > 20.0, t

@@ -272,3 +272,18 @@ def test_a_new_stage_takes_force_when_two_ticks_agree_and_is_logged(caplog: pyte
     # the source stops: no verdict any more
     hub.detach_source(live)
     assert tracker.verdicts() == ()
+
+
+def test_w2_at_its_copy_bound_is_copy(gc: blobfeed.GlobalCoordinator, caplog: pytest.LogCaptureFixture) -> None:
+    """The bench's W2 as it runs there (its fetcher: slices of 1-16 images
+    of 150 KB held in memory, 2 threads, batches of 64): the fetchers cost
+    nothing, the net waits while every batch is copied together from its
+    chunks: the verdict names the copy (issue 27: "W2 at its copy bound")."""
+    from blobfeed.apps.bench.workloads import W2Fetch
+
+    fetch = W2Fetch()
+    v = run_pipeline(gc, caplog, lambda w, b: fetch(w, b)[:1], batch_size=64, num_worker_threads=2)
+    assert v.stage == "copy", v
+    assert "larger chunks" in v.advice, v
+    # the fetchers are not the limit: instant calls, most of their time handing chunks over or waiting for room
+    assert v.net_wait > 0.25 and v.fetch_busy is not None and v.fetch_busy < 0.6, v

@@ -22,6 +22,9 @@ LAYERS: dict[str, int] = {
     # the worker-count tuner (num_worker_threads="auto"): reads the verdict's
     # snapshots, acts through the coordinator it is handed
     "blobfeed.autotune": 0.6,
+    # the byte limit that follows need (max_buffered_bytes="auto"): reads the hub's sums
+    # (types only), sets the limit of the queue it is handed
+    "blobfeed.buffers": 0.65,
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
@@ -35,6 +38,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.dealing.stages": 3.15, "blobfeed.feeders.dealing.arrival": 3.2,
     "blobfeed.feeders.dealing.lanes": 3.2, "blobfeed.feeders.dealing": 3.5,
     "blobfeed.feeders.replay": 3, "blobfeed.feeders.messages": 3,
+    # a worker process's batches assembled in its own slots (its messages only)
+    "blobfeed.feeders.worker_batches": 3.01,
     "blobfeed.feeders.source": 4,
     "blobfeed.feeders.worker_loop": 4.5,
     "blobfeed.feeders.enqueuer": 5, "blobfeed.feeders.reading": 5.5,
@@ -70,6 +75,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.apps.argtypes": 13.9, "blobfeed.apps.demo_models": 13.92, "blobfeed.apps.demo_checks": 13.92,
     "blobfeed.apps": 14, "blobfeed.apps.models": 14, "blobfeed.apps.demo": 14, "blobfeed.apps.bench": 14,
     "blobfeed.apps.bench.measure": 14.1, "blobfeed.apps.bench.workloads": 14.2,
+    "blobfeed.apps.bench.autobench": 14.25,
     "blobfeed.apps.bench.report": 14.3, "blobfeed.apps.bench.library": 14.3, "blobfeed.apps.bench.peers.base": 14.3,
     "blobfeed.apps.bench.service": 14.3,
     **{f"blobfeed.apps.bench.peers.{peer}": 14.4 for peer in (

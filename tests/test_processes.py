@@ -1443,3 +1443,98 @@ def test_small_chunks_of_big_batches_are_copied_once_even_when_the_queue_is_full
         assert copies, "dealt in turn, a full ring still copies small chunks out"
     else:
         assert copies == [], f"{len(copies)} chunks copied out of their slots"
+
+
+class SmallChunksOfMidSamples:
+    """Chunks of 1-7 samples of 64 KiB (a batch of 32 is 2 MiB: big, and it
+    fits a slot of 4 MiB), ``calls`` calls, then the end."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+        self.k = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.k >= self.calls:
+            raise StopIteration
+        n = 1 + self.k % 7
+        ids = np.arange(n) + worker_id * 100_000 + self.k * 10
+        self.k += 1
+        return ids, np.repeat(ids[:, None] % 251, 64 * 1024, axis=1).astype(np.uint8)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_worker_processes_assemble_whole_batches_the_parent_copies_none(
+    monkeypatch: pytest.MonkeyPatch, deterministic: bool,
+) -> None:
+    """Each chunk of a worker process was copied twice: into the worker's
+    slot, then by the parent's re-batcher into a batch (and each chunk was a
+    message of its own).  Dealt in arrival order, a worker copies its chunks
+    straight into batch-sized slots, and the parent hands each slot out as a
+    batch: no copy in the parent but for the last batch, made of the rest of
+    each worker.  Every call still counts as a chunk, every sample comes
+    once, with its own data.  (Dealt in turn, chunks go as they came.)"""
+    from blobfeed.feeders import rebatch
+
+    copies = []
+    batch_of = rebatch.BufferPool.batch
+
+    def counting(self: Any, layout: Any) -> Any:  # every copy in the parent takes its memory here
+        copies.append(len(layout))
+        return batch_of(self, layout)
+
+    monkeypatch.setattr(rebatch.BufferPool, "batch", counting)
+    calls = 56  # 7 batches of 32 from each worker: no smaller batch at a worker's end
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = blobfeed.reader.init_reader(
+            ["id", "x"], SmallChunksOfMidSamples(calls), 32, 2, "mid", coordinator=gc,
+            backend=ProcessBackend(slots=8, slot_bytes=4 << 20), deterministic=deterministic,
+        )
+        gc.start()
+        got = []
+        batches = 0
+        while True:
+            try:
+                batch = reader.read(WAIT)
+            except EndOfInput:
+                break
+            ids, x = batch.arrays
+            assert (x == (ids % 251).astype(np.uint8)[:, None]).all()
+            got.extend(ids.tolist())
+            batches += 1
+            reader.returned(batch)
+        assert sample(gc, "blobfeed_fetched_chunks_total", source="mid") == 2 * calls
+        assert gc.stop(WAIT)
+    expected = [w * 100_000 + k * 10 + i for w in (0, 1) for k in range(calls) for i in range(1 + k % 7)]
+    assert sorted(got) == sorted(expected)
+    if deterministic:
+        assert len(copies) >= batches - 1, "dealt in turn, chunks go as they came"
+    else:
+        assert copies == [], f"the parent copied {len(copies)} of {batches} batches"
+
+
+def test_batches_a_worker_assembled_that_the_user_keeps_never_stall_it_nor_change() -> None:
+    """A worker that assembles whole batches waits while two of its batches
+    are inside blobfeed; batches handed out do not count, so keeping every
+    batch read (more than the worker has slots) never stalls it, and none
+    changes under the user's hands."""
+    calls = 8 * 28  # 56 batches of 32 per worker: far more than its 8 slots
+    with blobfeed.GlobalCoordinator() as gc:
+        reader = blobfeed.reader.init_reader(
+            ["id", "x"], SmallChunksOfMidSamples(calls), 32, 2, "kept", coordinator=gc,
+            backend=ProcessBackend(slots=8, slot_bytes=4 << 20),
+        )
+        gc.start()
+        kept = []
+        while True:
+            try:
+                batch = reader.read(WAIT)
+            except EndOfInput:
+                break
+            kept.append(batch)
+            reader.returned(batch)
+        assert gc.stop(WAIT)
+    ids = np.concatenate([b.arrays[0] for b in kept])
+    for b in kept:  # each as it was handed out
+        assert (b.arrays[1] == (b.arrays[0] % 251).astype(np.uint8)[:, None]).all()
+    expected = [w * 100_000 + k * 10 + i for w in (0, 1) for k in range(calls) for i in range(1 + k % 7)]
+    assert sorted(ids.tolist()) == sorted(expected)

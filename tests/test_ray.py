@@ -507,3 +507,86 @@ def test_a_restarted_actor_of_a_random_access_source_reads_its_units_again(clust
         assert sample(p.gc, "blobfeed_worker_deaths_total", source=SRC, backend="ray") == 1
     assert len(list(tmp_path.iterdir())) == 1, "one actor was killed"
     ix.assert_stream(got, want, "ray, an actor killed and restarted")
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker count changed while it runs (issue 27): actors added and removed
+# ---------------------------------------------------------------------------------------------
+def test_actors_are_added_and_removed_while_a_fetch_fun_source_runs(cluster: Any, tmp_path: Path) -> None:
+    """set_num_workers on Ray, 1 -> 3 -> 1 actors of a fetch_fun source in
+    arrival order: every chunk an actor made arrives exactly once (a removed
+    actor's last ones too), the removed actors are gone, the source still
+    ends when the remaining one finishes; ``num_worker_threads="auto"`` is
+    accepted on Ray."""
+    from .test_autotune import Counted
+
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "x"], Counted(str(tmp_path), delay=0.01), 4, num_worker_threads=1,
+                            coordinator=gc, backend=backend(), max_buffered_batches=8, seed=1)
+    got: list[int] = []
+
+    def take(k: int) -> None:
+        for _ in range(k):
+            got.extend(int(i) for i in net.run(timeout=WAIT)["ids"])
+
+    try:
+        gc.start()
+        take(3)
+        gc.set_num_workers(SRC, 3)
+        assert gc.num_workers(SRC) == 3
+        deadline = time.monotonic() + WAIT
+        while {i // 1_000_000 for i in got} != {0, 1, 2}:
+            assert time.monotonic() < deadline, f"the new actors' chunks never came: {sorted(set(got))[:20]}"
+            take(1)
+        gc.set_num_workers(SRC, 1)
+        wait_until(lambda: gc._sources[SRC].workers_alive() == 1, "the removed actors' end", timeout=WAIT)
+        take(5)
+        (tmp_path / "stop").touch()
+        while True:
+            try:
+                take(1)
+            except EndOfInput:
+                break
+    finally:
+        assert gc.stop(timeout=WAIT), "a thread outlived stop()"
+    made = {int(p.name): int(p.read_text()) for p in tmp_path.iterdir() if p.name.isdigit()}
+    assert set(made) == {0, 1, 2}
+    per_worker: dict[int, list[int]] = {}
+    for i in got[::2]:  # two rows per chunk, the same id
+        per_worker.setdefault(i // 1_000_000, []).append(i % 1_000_000)
+    for wid, calls in made.items():
+        assert per_worker.get(wid) == list(range(calls)), f"actor {wid}: made {calls} chunks"
+    assert_nothing_left()
+    # the tuner runs there too: actors that wait (10 ms a call) are added while the net waits
+    (tmp_path / "stop").unlink()
+    gc2 = blobfeed.GlobalCoordinator()
+    net2 = Net(name="a")
+    init_data_input_workers(net2, ["ids", "x"], Counted(str(tmp_path), delay=0.01), 4, num_worker_threads="auto",
+                            coordinator=gc2, backend=backend())
+    try:
+        gc2.start()
+        deadline = time.monotonic() + WAIT
+        while gc2.num_workers(SRC) < 2:
+            assert time.monotonic() < deadline, "the tuner added no actor"
+            net2.run(timeout=WAIT)
+    finally:
+        assert gc2.stop(timeout=WAIT), "a thread outlived stop()"
+    assert_nothing_left()
+
+
+def test_actors_of_a_random_access_source_are_added_and_removed_keeping_the_stream(cluster: Any) -> None:
+    from . import test_indexed as ix
+
+    n, bs = 60, 3
+    want = ix.reference(n, bs, 2)
+    with ix.Pipeline(ix.Items(n, delay=0.001), 2, 1, bs=bs, backend=backend()) as p:
+        got = p.lockstep(limit=6)
+        p.gc.set_num_workers(SRC, 3)
+        more = p.lockstep(limit=10)
+        p.gc.set_num_workers(SRC, 1)
+        rest = p.lockstep()
+    for j in range(2):
+        got[j] += more[j] + rest[j]
+    ix.assert_stream(got, want, "ray: 1 -> 3 -> 1 actors")
+    assert_nothing_left()

@@ -36,6 +36,8 @@ import pytest
 import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, ShardedSource, init_data_input_workers
 
+from .helpers import wait_until
+
 SRC = "train"
 BLOBS = ["ids", "x"]
 WAIT = 30.0
@@ -304,6 +306,93 @@ def test_every_shard_iterator_is_closed_and_a_failed_one_at_once() -> None:
         assert ("close", 3, 0) in log, f"the failed shard's iterator is still open: {log}"
 
 
+
+class Endless(Tracked):
+    """Tracked over shards of 100 samples; shard 3 (chunks of one sample) raises at sample 50 when ``fail``."""
+
+    def __init__(self, log: list[tuple[str, int, int]], fail: bool = False) -> None:
+        super().__init__(log)
+        self.sizes = [100] * 4
+        self.starts = starts_of(self.sizes)
+        self.fail = fail
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        for o, c in enumerate(super().__call__(k, offset), offset):
+            if self.fail and (k, o) == (3, 50):
+                raise ValueError("corrupt record")
+            yield c
+
+
+@pytest.mark.parametrize("how", ["stop", "failure"])
+def test_every_shard_iterator_is_closed_when_its_worker_stops_mid_stream(how: str) -> None:
+    """A worker that sees the source stopped (or failed) makes no further
+    call: its open iterator is closed all the same, in its own thread."""
+    log: list[tuple[str, int, int]] = []
+    p = Pipeline(Endless(log, fail=how == "failure"), 1, 3, bs=4, epochs=1, shuffle=False, read_size=4,
+                 sizes=[100] * 4, max_buffered_batches=1)
+    try:
+        p.next_event(0)
+        if how == "stop":
+            # the three workers each opened a shard and wait on the full queue
+            wait_until(lambda: sum(e[0] == "open" for e in log) >= 3, "three opens")
+        else:
+            with pytest.raises(FetcherError, match="corrupt record"):
+                while p.next_event(0) is not None:
+                    pass
+    finally:
+        assert p.gc.stop(timeout=10.0), "a thread outlived stop()"
+    opens = [e[1:] for e in log if e[0] == "open"]
+    closes = [e[1:] for e in log if e[0] == "close"]
+    assert opens and sorted(opens) == sorted(closes), f"still open after stop(): {sorted(set(opens) - set(closes))}"
+
+
+
+class ListUnits:
+    """Hands a reader the given read units, then None (a dispenser's ``take``)."""
+
+    def __init__(self, units: Sequence[tuple[int, int, int]]) -> None:
+        from blobfeed.feeders.indexed import ReadUnit
+
+        self.left = [ReadUnit(*u) for u in units]
+
+    def take(self, worker_id: int, ahead: int | None = None) -> Any:
+        return self.left.pop(0) if self.left else None
+
+
+def held_bytes(a: np.ndarray) -> int:
+    """The bytes the memory that ``a`` keeps alive holds (the array it views, and so on)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a.nbytes
+
+
+def test_a_small_unit_does_not_keep_its_large_chunk_alive() -> None:
+    """A unit of 16 samples cut from a chunk of 1000 (a shard read at once)
+    holds its own 16 samples, not the chunk: the units in the window would
+    otherwise each pin a different large chunk.  What the worker keeps for
+    its next unit stays a view of the last chunk (no copy of it)."""
+    chunks: list[Any] = []
+
+    def read_shard(k: int, offset: int) -> Iterator[Any]:
+        for lo in range(offset, 1000, 1000 if offset else 40):  # 40 samples, then the rest at once
+            ids = np.arange(lo, min(lo + (1000 if lo else 40), 1000), dtype=np.int64)
+            chunks.append((ids, np.ones((len(ids), 64), np.float32)))
+            yield chunks[-1]
+
+    reader = ShardedSource([1000], read_shard, read_size=16).reader(SRC, 1000, 0, BLOBS, (0, 0))
+    reader.units = ListUnits([(0, 0, 16), (1, 16, 32), (2, 32, 48), (3, 48, 64), (4, 500, 516)])
+    for lo in (0, 16, 32, 48, 500):
+        out = reader(0, 16).raw
+        np.testing.assert_array_equal(out[0], np.arange(lo, lo + 16))
+        for a in out:
+            assert held_bytes(a) <= 2 * a.nbytes, f"unit at {lo}: {a.nbytes} bytes keep {held_bytes(a)} alive"
+        if lo == 32:
+            # the unit straddles the chunks 0..39 and 40..999: the rest is a view of the second
+            rest = reader._open[0].rest
+            assert rest is not None and all(np.shares_memory(r, c) for r, c in zip(rest, chunks[1]))
+    reader.worker_ended(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Elastic resume
 # ---------------------------------------------------------------------------------------------
@@ -416,11 +505,74 @@ def test_later_wiring_calls_must_read_the_same_shards() -> None:
     with pytest.raises(ValueError, match="shuffle_buffer=8"):
         init_data_input_workers(Net(), BLOBS, ShardedSource(SIZES, Shards()), 2, coordinator=gc, seed=1,
                                 shuffle_buffer=8)
+    for kw, match in [({"seed": 2}, "seed=1; this call passes one with seed=2"),
+                      ({"read_size": 3}, "read_size=2; this call passes one with read_size=3")]:
+        with pytest.raises(ValueError, match=rf"source 'train' reads a sharded source with {match}"):
+            init_data_input_workers(Net(), BLOBS, ShardedSource(SIZES, Shards(), **kw), 2, coordinator=gc, seed=1)
     gc.stop(timeout=10.0)
     for bad, match in [([], "shard_sizes is empty"), ([3, -1], r"shard_sizes\[1\] must be an int >= 0"),
                        ([0, 0], "has no sample"), ("12", "shard_sizes must be a list of ints")]:
         with pytest.raises((TypeError, ValueError), match=match):
             ShardedSource(bad, Shards())
+
+
+@pytest.mark.parametrize("sizes,match", [
+    ([2**62] * 5, r"shard_sizes\[0\] = 4611686018427387904: at most 4611686018427387903 samples"),
+    ([3, 2**63], r"shard_sizes\[1\] = 9223372036854775808: at most 4611686018427387903 samples"),
+    ([3, 2**64], r"shard_sizes\[1\] = 18446744073709551616: at most"),
+    (np.array([5, 2**62], np.uint64), r"shard_sizes\[1\] = 4611686018427387904: at most"),
+    ([2**61, 2**61 - 1, 2], r"shard_sizes sum to 4611686018427387905 samples \(from shard_sizes\[2\] on\); "
+                            r"at most 4611686018427387903"),
+    (np.full(1 << 20, 2**42, np.int64), r"shard_sizes sum to 4611686018427387904 samples \(from "
+                                         r"shard_sizes\[1048575\] on\)"),
+    ([True, 1], r"shard_sizes\[0\] must be an int >= 0 \(samples in shard 0\), got True"),
+    ([1, 2.0], r"shard_sizes\[1\] must be an int >= 0 \(samples in shard 1\), got 2.0"),
+    (np.array([4, -1]), r"shard_sizes\[1\] must be an int >= 0 \(samples in shard 1\), got -1"),
+])
+def test_shard_sizes_past_the_positions_blobfeed_counts_are_refused_naming_the_shard(sizes: Any, match: str) -> None:
+    """The sizes and their sum stay below MAX_POSITION (global positions are
+    signed 64-bit): a ValueError naming the shard, never a wrapped sum or an
+    OverflowError."""
+    from blobfeed.coordinator.checkpoint import MAX_POSITION
+    from blobfeed.feeders import sharded
+
+    assert sharded.MAX_POSITION == MAX_POSITION
+    with pytest.raises(ValueError, match=match):
+        ShardedSource(sizes, Shards())
+    ok = ShardedSource(np.array([2**61, 2**61 - 1], np.uint64), Shards())
+    assert ok.length(SRC) == MAX_POSITION - 1 and ok.shard_sizes.dtype == np.int64
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_the_dealer_does_not_list_a_units_samples_to_check_its_layout(block: int) -> None:
+    """The dealer checks each unit's layout against the first sample's under
+    its lock: it asks the reader for the unit's first sample id only; the
+    full list (a million ids for a unit of a million samples) is built for
+    an error message alone."""
+    from blobfeed.feeders.sharded import ShardedReader
+
+    calls: list[int] = []
+
+    class Listing(ShardedReader):
+        def indexes(self, r: Any) -> list[int]:
+            calls.append(r.unit)
+            return super().indexes(r)
+
+    class Source(ShardedSource):
+        def reader(self, source: str, n: int, seed: int, blob_names: Sequence[str], axes: Sequence[int]) -> Any:
+            return Listing(source, self, n, seed, blob_names, axes)
+
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="net0")
+    init_data_input_workers(net, BLOBS, Source(SIZES, Shards(), shuffle=True, seed=SEED, read_size=3,
+                                               shuffle_block=block), 4,
+                            num_worker_threads=2, coordinator=gc, epochs=2)
+    p = Pipeline.__new__(Pipeline)
+    p.gc, p.nets, p.started = gc, [net], False
+    with p:
+        got = p.lockstep()
+    assert_stream(got, reference(4, 2, block=block), f"shuffle_block={block}")
+    assert calls == [], f"the sample ids of units {calls[:10]} were listed"
 
 
 class Unpicklable(Shards):
@@ -499,6 +651,99 @@ def test_a_bad_read_shard_fails_the_source_at_its_place_naming_the_shard(how: st
                 got.append(p.next_event(0))
     # the batches before shard 3 (ids 0..11) came first
     assert got == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+
+
+class Empties(Shards):
+    """Shard 3 gives chunks of no sample forever from sample 1 on (``at="middle"``) or after its last one (``"end"``)."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        for o, c in enumerate(super().__call__(k, offset), offset):
+            if k == 3 and o == 1 and self.at == "middle":
+                break
+            yield c
+        while k == 3:
+            yield np.zeros(0, np.int64), np.zeros((0, 3), np.float32)
+
+
+@pytest.mark.parametrize("at,match", [
+    ("middle", r"source 'train': read_shard\(3, 0\) gave 1000 chunks in a row without a sample at sample 1 of "
+               r"shard 3 \(shard_sizes\[3\] = 3: expected samples up to 3\)"),
+    ("end", r"source 'train': read_shard\(3, 0\) gave 1000 chunks in a row without a sample at sample 3 of "
+            r"shard 3 \(shard_sizes\[3\] = 3: expected its end\)"),
+])
+def test_a_read_shard_giving_empty_chunks_forever_fails_naming_the_shard(at: str, match: str) -> None:
+    with Pipeline(Empties(at), 1, 2, bs=4, epochs=1, shuffle=False, read_size=4) as p:
+        got = []
+        with pytest.raises(FetcherError, match=match):
+            while True:
+                got.append(p.next_event(0))
+    assert got == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+
+
+class NoRepr(Exception):
+    """An exception whose repr raises."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr failed")
+
+    __str__ = __repr__
+
+
+class NoReprShards(Shards):
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when = when
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        if k == 3 and self.when == "open":
+            raise NoRepr()
+        return self._read(k, offset)
+
+    def _read(self, k: int, offset: int) -> Iterator[Any]:
+        for c in super().__call__(k, offset):
+            if k == 3:
+                raise NoRepr()
+            yield c
+
+
+class NoReprDataset:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 5:
+            raise NoRepr()
+        return np.int64(i), np.full(3, i, np.float32)
+
+
+@pytest.mark.parametrize("how,match", [
+    ("open", r"source 'train': read_shard\(3, 0\) raised NoRepr \(its repr raised RuntimeError\)"),
+    ("iterate", r"source 'train': read_shard\(3, 0\) raised NoRepr \(its repr raised RuntimeError\) reading "
+                r"shard 3 at sample 0"),
+    ("dataset", r"source 'train': dataset\[5\] raised NoRepr \(its repr raised RuntimeError\)"),
+])
+def test_an_exception_whose_repr_fails_still_names_source_and_shard(how: str, match: str) -> None:
+    if how == "dataset":
+        gc = blobfeed.GlobalCoordinator()
+        net = Net(name="net0")
+        init_data_input_workers(net, BLOBS, blobfeed.RandomAccessSource(NoReprDataset(), read_size=1), 2,
+                                num_worker_threads=1, coordinator=gc, epochs=1)
+        gc.start()
+        try:
+            with pytest.raises(FetcherError, match=match):
+                for _ in range(4):
+                    net.run(timeout=WAIT)
+        finally:
+            assert gc.stop(timeout=10.0)
+        return
+    with Pipeline(NoReprShards(how), 1, 1, bs=4, epochs=1, shuffle=False, read_size=4) as p:
+        with pytest.raises(FetcherError, match=match):
+            while True:
+                p.next_event(0)
 
 
 def test_a_unit_of_another_layout_fails_naming_shard_and_sample() -> None:

@@ -58,10 +58,11 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
     """What a random-access source's state records of its wiring: what its
     stream is a function of (checked on load), and the rest for the record
     (workers, nets, read size: a resume may change them)."""
-    n, seed, shuffle, read_size = source.random_access  # type: ignore[attr-defined]
-    sharded = getattr(source, "sharded", None)
+    assert source.random_access is not None
+    n, seed, shuffle, read_size = source.random_access
+    sharded = source.sharded
     # a sharded source: kind "sharded", its shard count, sizes and shuffle_block
-    extra: dict[str, Any] = {} if sharded is None else {
+    extra: dict[str, Any] = {"kind": "random_access"} if sharded is None else {
         "kind": "sharded", "shards": sharded[0], "shard_sizes": sharded[1], "shuffle_block": sharded[2],
     }
     return {
@@ -130,7 +131,7 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
             f"{INDEXED_STATE_VERSION} (a state of a fetch_fun source cannot resume a random-access one)"
         )
     wired = random_access_layout(source)
-    kind = wired.get("kind", "random_access")
+    kind = wired["kind"]
     if state.get("kind") != kind:
         check.fail(["kind"], f"expected {kind!r} (this pipeline reads a "
                    f"{'sharded' if kind == 'sharded' else 'random-access'} source), got {state.get('kind')!r}")

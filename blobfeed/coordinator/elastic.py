@@ -2,7 +2,7 @@
 
 A random-access source's stream does not depend on it.  A ``fetch_fun``
 source in arrival order (not ``deterministic``, no ``shuffle_buffer``,
-``epochs=1``, not ``equal``) can change too, on threads or processes: its
+``epochs=1``, not ``equal``) can change too, on threads, processes or Ray actors: its
 stream is the chunks in the order they arrive anyway, but its fetcher must
 not split the data by worker (``get_worker_info().num_workers`` changes).
 """
@@ -43,7 +43,7 @@ def elastic_refusal(source: InputSource, groups: list[DataInputCoordinator]) -> 
     if slow:
         return (
             f"source {source.name!r} reads a fetch_fun on {', '.join(slow)}: that backend cannot add or "
-            "remove workers of a running fetch_fun source (threads and processes can)"
+            "remove workers of a running fetch_fun source (threads, processes and Ray can)"
         )
     return None
 
@@ -66,7 +66,7 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
     num_workers)``; ``gc`` is the coordinator.)
 
     A random-access source's stream does not change.  A ``fetch_fun``
-    source in arrival order (threads or processes) gets new worker ids; its
+    source in arrival order (threads, processes, Ray actors) gets new worker ids; its
     ``fetch_fun`` must not split the data by worker, since
     ``get_worker_info().num_workers`` differs between its workers.
 
@@ -80,7 +80,8 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
         ValueError: no such source; one whose stream depends on its worker
             count (a fetch_fun source with ``deterministic``,
             ``shuffle_buffer``, ``epochs`` other than 1 or ``equal``); a
-            backend that cannot (Ray, for a fetch_fun source); not running
+            backend without ``elastic`` (one of your own), for a fetch_fun
+            source; not running
             (before ``start()``, after its end or stop, or stopped while
             the new workers started: they are stopped too); or
             ``num_workers`` is not an int >= 1.

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from ..arguments import check_index, check_timeout, wait_bound
 from ..autotune import AutoTuner
+from ..buffers import BufferTuner
 from ..bottleneck import Bottleneck, BottleneckTracker
 from ..errors import EndOfInput
 from ..feeders import Feed, InputSource
@@ -116,6 +117,8 @@ class GlobalCoordinator:
         self._bottleneck = BottleneckTracker(self._hub)
         #: the sources wired with num_worker_threads="auto" (blobfeed.autotune)
         self._autotune = AutoTuner(self)
+        #: the sources wired with max_buffered_bytes="auto" in arrival order (blobfeed.buffers)
+        self._buffers = BufferTuner(self)
         register_collector(self._registry, self._hub)
         self._make_locks()
         #: the groups, the sources by name, the worker ids (under _lock)
@@ -768,6 +771,7 @@ class GlobalCoordinator:
         self._hub.reset_after_fork()
         self._bottleneck.forget()
         self._autotune.forget()
+        self._buffers.forget()
 
     def __enter__(self) -> "GlobalCoordinator":
         return self

@@ -45,7 +45,13 @@ def monitor_loop(gc: Any, stop: threading.Event) -> None:
                 continue
             next_rates = now + tick * 0.9
             gc._hub.update_rates(now)
-            gc._bottleneck.observe(now, totals or gc._hub.totals(), fetcher_threads(coordinators))
+            totals = totals or gc._hub.totals()
+            gc._bottleneck.observe(now, totals, fetcher_threads(coordinators))
+            if gc._buffers.active:
+                try:
+                    gc._buffers.tick(now, totals)
+                except Exception:
+                    logger.exception("blobfeed buffer tuner tick failed")
             if now >= next_log:
                 next_log = now + gc.log_interval
                 for c in coordinators:

@@ -25,6 +25,7 @@ from ..feeders import (
 )
 from ..feeders.dealing import Direct, EqualRounds, IndexedDealer
 from ..feeders.indexed import RandomAccessSource, UnitDispenser, UnitReader, is_random_access
+from ..feeders.sharded import ShardedReader
 from ..feeders.transport import mem_available
 from ..metrics import ExternalLogger
 from ..net import Net
@@ -261,8 +262,10 @@ def init_data_input_workers(
             for one source must agree on it.
         max_buffered_bytes: bound of the internal queue in bytes (its
             chunks' arrays; default 1 GiB; ``None``: no bound; ``"auto"``:
-            an eighth of the memory this process may still take when the
-            source is wired, at least 64 MiB, logged), besides
+            a budget of an eighth of the memory this process may still
+            take when the source is wired, at least 64 MiB, logged; in
+            arrival order the queue holds at most a working limit under it
+            that follows need, :mod:`blobfeed.buffers`), besides
             ``max_buffered_batches``: a fetcher waits while its chunk would
             pass it, but a chunk always enters an empty queue (with
             ``deterministic``, ``shuffle_buffer`` or ``epochs``: each worker's
@@ -377,6 +380,8 @@ def _wire(
     shuffle_buffer = check_index("shuffle_buffer", shuffle_buffer, minimum=0)
     if epochs is not None:
         epochs = check_index("epochs", epochs)
+    # "auto": the budget, and (in arrival order) a working limit under it that follows need
+    follow_need = max_buffered_bytes == "auto"
     if max_buffered_bytes == "auto":
         max_buffered_bytes = auto_buffered_bytes(input_source_name)
     elif isinstance(max_buffered_bytes, str):
@@ -528,9 +533,11 @@ def _wire(
             source = InputSource(
                 input_source_name, max_buffered_batches, len(names), axes, gc._hub, gc._on_failure,
                 dealing=dealing, batch_size=batch_size, shuffle_rng=functools.partial(shuffle_rng, base_seed),
-                max_bytes=max_buffered_bytes,
+                max_bytes=max_buffered_bytes, follow_need=follow_need,
             )
             source.register_fetchers(num_worker_threads)
+            if follow_need and max_buffered_bytes is not None and dealing.in_arrival_order:
+                gc._buffers.add(input_source_name, source, max_buffered_bytes)
         feed = Feed(
             source, reader_name, net._place if net is not None else _on_host, names, batch_size,
             timeout=timeout, device_queue_capacity=device_queue_capacity,
@@ -569,8 +576,17 @@ def _check_auto_fetch_fun(name: str, runner: FetcherBackend, dealing: DealingOpt
     if not getattr(runner, "elastic", False):
         raise ValueError(
             f"source {name!r}: num_worker_threads='auto' needs a backend that can add and remove "
-            f"workers of a running fetch_fun source (threads, processes), not {runner!r}"
+            f"workers of a running fetch_fun source (threads, processes, Ray), not {runner!r}"
         )
+
+
+def _read_size(spec: RandomAccessSource, batch_size: int) -> int | None:
+    """The read size a wiring call asks for: ``spec.read_size``, the batch
+    size for None, or None when the units are sized by bytes (read_size=None
+    and a dataset with ``__getitems__``)."""
+    if spec.read_size is not None:
+        return spec.read_size
+    return None if hasattr(type(spec.dataset), "__getitems__") else batch_size
 
 
 def _random_access_source(
@@ -580,7 +596,7 @@ def _random_access_source(
     """The source of a random-access dataset: its read units and the dealer
     that puts them back in order."""
     units = UnitDispenser(name, reader.n, spec.read_size or batch_size, dealing.epochs, unit_end=reader.unit_end,
-                          auto=spec.read_size is None and hasattr(type(spec.dataset), "__getitems__"))
+                          auto=_read_size(spec, batch_size) is None)
     reader.units = units
     hub = gc._hub
 
@@ -599,18 +615,18 @@ def _random_access_source(
     # its chunks' layouts are checked in stream order, by the dealer
     source.validator.per_chunk_only = True
     #: what a state of it records and checks: (length, seed, shuffle, read size (None: the default))
-    source.random_access = (reader.n, reader.seed, reader.shuffle, spec.read_size)  # type: ignore[attr-defined]
-    #: a sharded source's (shard count, sizes' digest, shuffle_block); None: a dataset
-    source.sharded = getattr(reader, "fingerprint", None)  # type: ignore[attr-defined]
+    source.random_access = (reader.n, reader.seed, reader.shuffle, _read_size(spec, batch_size))
+    source.sharded = reader.fingerprint if isinstance(reader, ShardedReader) else None
     return source
 
 
 def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec: RandomAccessSource) -> None:
     """Refuse a later call for a random-access source that reads other data,
     or reads it otherwise (another read size or window)."""
-    n, seed, shuffle, read_size = source.random_access  # type: ignore[attr-defined]
+    assert source.random_access is not None
+    n, seed, shuffle, read_size = source.random_access
     dealer = source.dealer
-    had_shards, shards = source.sharded, getattr(reader, "fingerprint", None)  # type: ignore[attr-defined]
+    had_shards, shards = source.sharded, reader.fingerprint if isinstance(reader, ShardedReader) else None
     if (had_shards is None) != (shards is None):
         raise ValueError(
             f"source {name!r} reads a {'sharded source' if had_shards else 'random-access dataset'}; this call "
@@ -624,13 +640,15 @@ def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec
                     f"source {name!r} reads a sharded source with {what} {had!r}; this call passes one with "
                     f"{asked!r}: every call for one source reads the same data, the same way"
                 )
-    for what, had, asked in (("len(dataset)", n, reader.n), ("shuffle", shuffle, reader.shuffle),
+    kind, length = ("sharded source", "sum(shard_sizes)") if shards is not None else ("random-access dataset",
+                                                                                      "len(dataset)")
+    for what, had, asked in ((length, n, reader.n), ("shuffle", shuffle, reader.shuffle),
                              ("seed", seed, reader.seed),
-                             ("read_size", read_size, spec.read_size),
+                             ("read_size", read_size, _read_size(spec, dealer.batch_size)),
                              ("window", dealer.window, spec.window)):  # type: ignore[attr-defined]
         if had != asked:
             raise ValueError(
-                f"source {name!r} reads a random-access dataset with {what}={had!r}; this call "
+                f"source {name!r} reads a {kind} with {what}={had!r}; this call "
                 f"passes one with {what}={asked!r}: every call for one source reads the same data, "
                 "the same way"
             )

@@ -32,6 +32,7 @@ import numpy as np
 from ..worker_info import WorkerInfo
 from .messages import Note, Raised, Result, arrays_nbytes, plain_arrays, sendable, write_arrays
 from .transport import SLOT_INDEX, FdHandle, SlotArea, pack_exception, send_message
+from .worker_batches import BatchFiller
 from .worker_loop import skips, worker_events
 
 __all__ = ["child_main"]
@@ -42,6 +43,11 @@ SHM_MIN_BYTES = 32 * 1024
 INLINE_MAX_BYTES = 256 * 1024
 #: ... or once the oldest has waited this long (counting the next fetch)
 INLINE_MAX_DELAY_S = 0.005
+#: at most this many batches a worker assembled (see worker_batches) wait
+#: inside blobfeed (being filled, on their way, queued) at once
+BATCH_SLOTS = 2
+#: seconds between two looks at the viewed count while a worker waits on it
+VIEWED_POLL_S = 0.005
 
 _PR_SET_PDEATHSIG = 1
 
@@ -167,8 +173,15 @@ def _work(
     def send(events: list[Any]) -> None:
         send_message(out, dumps(events))
 
-    def take_slot() -> int:
-        while not free:
+    def take_slot(inside: int = slots) -> int:
+        """A free slot, once fewer than ``inside`` slots are out and not
+        viewed by batches handed out (blocking)."""
+        while not free or slots - len(free) - area.viewed() >= inside:
+            # Waiting for a slot back blocks; waiting for the parent to hand
+            # a batch out (the viewed count, in the shared header) looks
+            # again every VIEWED_POLL_S: no message tells of that.
+            if free and not select.select([free_r], [], [], VIEWED_POLL_S)[0]:
+                continue
             data = os.read(free_r, SLOT_INDEX.size * slots)
             if not data:
                 return -1  # the parent closed its end
@@ -177,6 +190,15 @@ def _work(
                     return -1
                 free.append(i)
         return free.pop()
+
+    def take_batch_slot() -> int:
+        # A chunk fills a part of its slot, a whole batch all of it: with
+        # every slot full of batches waiting in the parent, a worker held 8
+        # batches (W2p: 150 MiB) where it held 8 chunks.  So at most
+        # BATCH_SLOTS batches of a worker wait inside blobfeed; batches a
+        # reader was handed (that the user may keep) do not count, so a user
+        # keeping batches never stalls the worker.
+        return take_slot(BATCH_SLOTS)
 
     def packed(event: Raised) -> Raised:
         data, tb = pack_exception(event.error)
@@ -225,9 +247,18 @@ def _work(
         fetch_fun, worker_init_fun, worker_id, first, area.hint,
         lambda: area.stopping() or os.getppid() != parent, epochs, epoch,
     )
+    # a random-access source's chunks are its read units: never merged
+    filler = BatchFiller(area.mm, area.offset, slot_bytes, take_batch_slot, SHM_MIN_BYTES) if units_fd is None else None
+
+    def send_batch_begun() -> None:
+        if filler is not None and not filler.gone:
+            for result in filler.flush():
+                send([result])
+
     try:
         for event in events:
             if type(event) is not Result:
+                send_batch_begun()
                 flush()
                 if type(event) is Raised:
                     send([packed(event)])
@@ -237,6 +268,19 @@ def _work(
                 send([event])  # the epoch's end, or the last one's
                 continue
             arrays = plain_arrays(event.raw)
+            if filler is not None and arrays is not None and event.state is None:
+                size = area.whole()
+                as_tuple = isinstance(event.raw, tuple)
+                if size and filler.takes(arrays, as_tuple, size, event.seconds):
+                    if filler.filling and not filler.matches(arrays, as_tuple, size):
+                        send_batch_begun()
+                    flush()
+                    for result in filler.add(event.seconds, arrays, as_tuple, size):
+                        send([result])
+                    if filler.gone:
+                        return
+                    continue
+            send_batch_begun()
             nbytes = arrays_nbytes(arrays) if arrays is not None else 0
             if arrays is not None and SHM_MIN_BYTES <= nbytes <= slot_bytes:
                 flush()
@@ -263,4 +307,5 @@ def _work(
                 flush()
     finally:
         events.close()
+        send_batch_begun()
         flush()

@@ -175,6 +175,11 @@ class Feed:
     def device_queue_depth(self) -> int:
         return self.device_queue.qsize()
 
+    @property
+    def cuts_batches(self) -> bool:
+        """Batches of ``batch_size`` are cut from the chunks (not ``dont_rebatch``)."""
+        return not self.rebatcher.whole_chunks
+
     def absorbs(self, sample_bytes: int) -> bool:
         """Whether this feed copies every piece of a chunk of samples of
         ``sample_bytes`` into its batch at once, keeping no view of it."""

@@ -139,7 +139,7 @@ def dataset_length(source: str, dataset: Any) -> int:
     try:
         n = len(dataset)
     except Exception as exc:
-        raise TypeError(f"source {source!r}: len(dataset) raised {exc!r}") from exc
+        raise TypeError(f"source {source!r}: len(dataset) raised {safe_repr(exc)}") from exc
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"source {source!r}: len(dataset) must be an int >= 1, got {n!r}")
     return n
@@ -541,12 +541,43 @@ class UnitReader:
     #: ``UnitDispenser(unit_end=)`` for this source's units (None: the default cut)
     unit_end: Callable[[int, int], int] | None = None
 
+    def worker_ended(self, worker_id: int) -> None:
+        """Worker ``worker_id`` makes no further call (it stopped, failed or
+        ran out of units): called in that worker's own thread, whatever the
+        backend (:func:`~.worker_loop.worker_events`).  A sharded reader
+        closes the worker's open shard here; this reader holds nothing."""
+
     def layout_mismatch(
         self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
-        axes: Sequence[int], unit: int, idx: Sequence[int],
+        axes: Sequence[int], r: ReadUnit,
     ) -> IndexedReadError | None:
-        """:func:`layout_mismatch` for this source (the dealer checks the units in stream order)."""
-        return layout_mismatch(self.source, self.blob_names, layout, first, arrays, axes, unit, idx)
+        """Unit ``r``'s chunk (``arrays``) against the per-sample ``layout``
+        of the stream's first sample (sample ``first``): None when it fits,
+        else the error naming the unit's first sample (the dealer checks
+        the units in stream order, under its lock: the unit's samples are
+        listed only for the error)."""
+        for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
+            got = a.shape[:ax] + a.shape[ax + 1:]
+            if got != shape or a.dtype != dtype:
+                idx = self.indexes(r)
+                return IndexedReadError(
+                    f"source {self.source!r}: {self.where(idx[0])} (read unit {r.unit}: {self.span(idx)}), blob "
+                    f"{self.blob_names[k]!r}: dtype {a.dtype}, per-sample shape {got}; the stream's samples "
+                    f"before it have dtype {dtype}, per-sample shape {shape} (as {self.where(first)})"
+                )
+        return None
+
+    def where(self, i: int) -> str:
+        """How errors name sample ``i`` (an index of the dataset)."""
+        return f"dataset[{i}]"
+
+    def span(self, idx: Sequence[int]) -> str:
+        """How errors name the samples ``idx`` of a unit."""
+        return f"indexes {_short(idx)}"
+
+    def first_index(self, r: ReadUnit) -> int:
+        """The first sample unit ``r`` reads (without listing the others)."""
+        return int(self._indexes(r)[0])
 
     def _indexes(self, r: ReadUnit) -> np.ndarray:
         epoch, lo = divmod(r.lo, self.n)
@@ -579,7 +610,7 @@ class UnitReader:
                 samples = many(idx)
             except Exception as exc:
                 raise IndexedReadError(
-                    f"source {self.source!r}: dataset.__getitems__({_short(idx)}) raised {exc!r}"
+                    f"source {self.source!r}: dataset.__getitems__({_short(idx)}) raised {safe_repr(exc)}"
                 ) from exc
             if isinstance(samples, Mapping):
                 return samples
@@ -599,7 +630,7 @@ class UnitReader:
             try:
                 out.append(ds[i])
             except Exception as exc:
-                raise IndexedReadError(f"source {self.source!r}: dataset[{i}] raised {exc!r}") from exc
+                raise IndexedReadError(f"source {self.source!r}: dataset[{i}] raised {safe_repr(exc)}") from exc
         return out
 
     def _stacked(self, idx: list[int], unit: Mapping[str, Any]) -> list[np.ndarray]:
@@ -640,46 +671,13 @@ class UnitReader:
 
     def _blobs(self, i: int, sample: Any) -> list[np.ndarray]:
         """Sample ``i`` as one array per blob, checked."""
-        names = self.blob_names
-        where = f"source {self.source!r}: dataset[{i}]"
-        if isinstance(sample, Mapping):
-            missing = [b for b in names if b not in sample]
-            if missing:
-                raise IndexedReadError(
-                    f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, sample))[:10]}); "
-                    f"expected the blobs {list(names)}"
-                )
-            values = [sample[b] for b in names]
-        elif isinstance(sample, (tuple, list)):
-            if len(sample) != len(names):
-                raise IndexedReadError(
-                    f"{where} has {len(sample)} arrays; expected {len(names)}, one per blob {list(names)}"
-                )
-            values = list(sample)
-        else:
-            raise IndexedReadError(
-                f"{where} is a {type(sample).__name__}; expected a tuple or list with one array per blob "
-                f"{list(names)}, or a dict blob name -> array"
-            )
-        arrays = []
-        for b, v in zip(names, values):
-            try:
-                a = np.asarray(v)
-            except Exception as exc:
-                raise IndexedReadError(f"{where}, blob {b!r}: not an array ({type(v).__name__}): {exc!r}") from exc
-            if a.dtype.kind == "O":
-                raise IndexedReadError(
-                    f"{where}, blob {b!r}: an object array ({type(v).__name__}); expected numbers "
-                    "of one shape (a numpy array, a tensor, a number)"
-                )
-            arrays.append(a)
-        return arrays
+        return blob_arrays(f"source {self.source!r}: dataset[{i}]", self.blob_names, sample)
 
     def _stack(self, unit: int, idx: list[int], samples: Sequence[Any]) -> list[np.ndarray]:
         """The unit's samples stacked per blob.  Every sample must have the
         dtype and shape of the unit's first one (the dealer checks the
         units against each other, in stream order: see
-        :func:`layout_mismatch`)."""
+        :meth:`layout_mismatch`)."""
         fast = self._stack_plain(samples)
         if fast is not None:
             return fast
@@ -712,7 +710,7 @@ class UnitReader:
             except Exception as exc:  # dtypes that do not stack, say
                 raise IndexedReadError(
                     f"source {self.source!r}: blob {self.blob_names[k]!r}: the samples of indexes "
-                    f"{_short(idx)} do not stack: {exc!r}"
+                    f"{_short(idx)} do not stack: {safe_repr(exc)}"
                 ) from exc
         return out
 
@@ -768,22 +766,54 @@ _SCALARS = {t: np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.i
 _DTYPE = operator.attrgetter("dtype")
 
 
-def layout_mismatch(
-    source: str, blob_names: Sequence[str], layout: Sequence[tuple[np.dtype, tuple[int, ...]]],
-    first: int, arrays: Sequence[np.ndarray], axes: Sequence[int], unit: int, idx: Sequence[int],
-) -> IndexedReadError | None:
-    """Unit ``unit``'s chunk (``arrays``, indexes ``idx``) against the
-    per-sample ``layout`` of the stream's first sample (``dataset[first]``):
-    None when it fits, else the error naming the unit's first index."""
-    for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
-        got = a.shape[:ax] + a.shape[ax + 1:]
-        if got != shape or a.dtype != dtype:
-            return IndexedReadError(
-                f"source {source!r}: dataset[{idx[0]}] (read unit {unit}: indexes {_short(idx)}), blob "
-                f"{blob_names[k]!r}: dtype {a.dtype}, per-sample shape {got}; the stream's samples before it "
-                f"have dtype {dtype}, per-sample shape {shape} (as dataset[{first}])"
+def safe_repr(obj: Any) -> str:
+    """``repr(obj)`` for an error message, even when that repr raises (a
+    user's exception or value): its type then, not an error of its own."""
+    try:
+        return repr(obj)
+    except Exception as exc:
+        return f"{type(obj).__qualname__} (its repr raised {type(exc).__name__})"
+
+
+def blob_arrays(where: str, names: Sequence[str], value: Any, batched: bool = False) -> list[np.ndarray]:
+    """``value`` (a sample, or with ``batched`` a chunk of samples: a tuple
+    or list with one array per blob, or a dict blob name -> array) as one
+    numpy array per blob of ``names``, in order; IndexedReadError beginning
+    with ``where`` when it is not that."""
+    if isinstance(value, Mapping):
+        missing = [b for b in names if b not in value]
+        if missing:
+            raise IndexedReadError(
+                f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, value))[:10]}); "
+                f"expected the blobs {list(names)}"
             )
-    return None
+        values = [value[b] for b in names]
+    elif isinstance(value, (tuple, list)):
+        if len(value) != len(names):
+            raise IndexedReadError(
+                f"{where} has {len(value)} arrays; expected {len(names)}, one per blob {list(names)}"
+            )
+        values = list(value)
+    else:
+        raise IndexedReadError(
+            f"{where} is a {type(value).__name__}; expected a tuple or list with one array per blob "
+            f"{list(names)}{' (each with its batch axis)' if batched else ''}, or a dict blob name -> array"
+        )
+    arrays = []
+    for b, v in zip(names, values):
+        try:
+            a = np.asarray(v)
+        except Exception as exc:
+            raise IndexedReadError(
+                f"{where}, blob {b!r}: not an array ({type(v).__name__}): {safe_repr(exc)}"
+            ) from exc
+        if a.dtype.kind == "O":
+            raise IndexedReadError(
+                f"{where}, blob {b!r}: an object array ({type(v).__name__}); expected numbers "
+                "of one shape (a numpy array, a tensor, a number)"
+            )
+        arrays.append(a)
+    return arrays
 
 
 def _short(idx: Sequence[int]) -> str:

@@ -51,6 +51,10 @@ class Result(NamedTuple):
     seconds: float
     raw: Any
     state: Any = None
+    #: a batch a worker process assembled from several calls
+    #: (:mod:`.worker_batches`): the seconds of each call whose samples
+    #: start in it (``seconds`` is their sum); None: one call
+    calls: tuple[float, ...] | None = None
 
 
 class Raised(NamedTuple):

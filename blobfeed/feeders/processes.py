@@ -123,7 +123,7 @@ class _Worker:
         self.area, area_fd = SlotArea.create(self.name, backend.slots, backend.slot_bytes)
         free_r, free_w = os.pipe()
         os.set_blocking(free_w, False)
-        self.ring = _SlotRing(backend.slots, free_w)
+        self.ring = _SlotRing(backend.slots, free_w, self.area.set_viewed)
         #: where chunks copied out of their slots go (see _slot_result): the receiver's alone
         self._copies = BufferPool(size_classes=True)
         self._lock = threading.Lock()
@@ -165,6 +165,7 @@ class _Worker:
         )
         try:
             self.area.set_hint(group.plan.batch_size_hint())
+            self.area.set_whole(self._whole())
             self.process.start()
         except BaseException:
             self.ring.close()
@@ -271,11 +272,19 @@ class _Worker:
                                 None, used + message_bytes))
         return bool(deliver(intake, event._replace(raw=arrays), GrantPin(self.ring, slot), used + message_bytes))
 
+    def _whole(self) -> int:
+        """The size of the batches the child may assemble itself, 0: none
+        (see worker_batches).  Not with ``on_error="skip"``: a chunk skipped
+        is logged and counted as the call that made it."""
+        intake = self.plan.intake
+        return intake.source.whole_batch_size() if intake.on_error == "raise" else 0
+
     # -- the receiver thread ----------------------------------------------------
     def _receive(self) -> None:
         intake = self.plan.intake
         area = self.area
         hint = self.group.plan.batch_size_hint
+        whole = self._whole
         recv = self.reader.recv
         handle = self._handle
         exhausted = False
@@ -286,6 +295,7 @@ class _Worker:
                 if data is None:
                     break  # the child ended: its sentinel tells how
                 area.set_hint(hint())
+                area.set_whole(whole())
                 # One message per call: what it held (a chunk viewing a slot)
                 # dies with the call, never kept while we wait for the next
                 # one -- a stale reference here and the batches a user keeps

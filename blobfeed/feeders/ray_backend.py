@@ -75,7 +75,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -156,6 +156,9 @@ class RayBackend:
 
     #: runs random-access sources (gives its workers read units: LaunchPlan.units)
     random_access = True
+    #: can add and remove actors of a running fetch_fun source (LaunchPlan.elastic,
+    #: WorkerGroup.retire: a removed actor sends what it fetched and is killed)
+    elastic = True
     name = "ray"
 
     def __init__(
@@ -369,6 +372,10 @@ class _FetchActor:
                     if type(event) is Exhausted:
                         yield _bundle(items)
                         return
+            # stopped (a stop, or set_num_workers removed this actor): what
+            # it fetched goes out (after a stop the driver discards it)
+            if items:
+                yield _bundle(items)
         finally:
             events.close()
 
@@ -483,7 +490,8 @@ class _Worker:
         ray = _ray()
         t0 = time.monotonic()
         warned = False
-        while not self._halted():
+        # (removed by set_num_workers before it ran: it never runs)
+        while not self._halted() and not self.plan.intake.retired:
             ready, _ = ray.wait([self._where_ref], timeout=POLL_S)
             if ready:
                 try:
@@ -793,6 +801,19 @@ class _RayGroup:
         self.stopping = True
         for wk in self.workers:
             if not wk.killed:
+                try:
+                    wk.actor.stop.remote()
+                except Exception:  # pragma: no cover - Ray shut down under us
+                    pass
+
+    def retire(self, worker_ids: Sequence[int]) -> None:
+        """Tell the actors ``worker_ids`` (their intakes' ``retired`` set) to
+        make no further call: each sends what it fetched and its stream
+        ends; the receiver hands every bundle over, then kills the actor
+        (not a death: its CPUs return to the cluster).  Never waits."""
+        ids = set(worker_ids)
+        for wk in self.workers:
+            if wk.plan.worker_id in ids and not wk.killed:
                 try:
                     wk.actor.stop.remote()
                 except Exception:  # pragma: no cover - Ray shut down under us

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .chunks import Stamped
-from .indexed import IndexedReadError, RandomAccessSource, ReadUnit, UnitReader, _short
+from .indexed import IndexedReadError, RandomAccessSource, ReadUnit, UnitReader, _short, blob_arrays, safe_repr
 
 __all__ = ["ShardedReader", "ShardedSource"]
 
@@ -37,11 +37,18 @@ logger = logging.getLogger("blobfeed.feeders")
 
 #: a source may have at most this many shards (its sizes travel to every worker)
 MAX_SHARDS = 1 << 24
+#: global positions stay below this (as ``blobfeed.coordinator.checkpoint.MAX_POSITION``:
+#: a read unit's record says them as signed 64-bit ints): the shard sizes and their sum too
+MAX_POSITION = 1 << 62
+#: a read_shard that gives this many chunks of no sample in a row fails the source
+MAX_EMPTY_CHUNKS = 1000
 
 
 def _sizes(shard_sizes: Any) -> np.ndarray:
-    """``shard_sizes`` as an int64 array, checked: ints >= 0, at least one
-    sample in all."""
+    """``shard_sizes`` as an int64 array, checked: ints >= 0, each and their
+    sum below :data:`MAX_POSITION`, at least one sample in all.  Checked
+    with numpy (a list of a million shards costs no Python step per shard
+    unless it is wrong)."""
     if isinstance(shard_sizes, (str, bytes, Mapping)) or not isinstance(shard_sizes, (Sequence, np.ndarray)):
         raise TypeError(
             f"shard_sizes must be a list of ints (the number of samples of each shard), got "
@@ -51,13 +58,66 @@ def _sizes(shard_sizes: Any) -> np.ndarray:
         raise ValueError("shard_sizes is empty: a sharded source needs at least one shard")
     if len(shard_sizes) > MAX_SHARDS:
         raise ValueError(f"shard_sizes has {len(shard_sizes)} shards; at most {MAX_SHARDS}")
-    for k, v in enumerate(shard_sizes):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ValueError(f"shard_sizes[{k}] must be an int >= 0 (samples in shard {k}), got {v!r}")
-    sizes = np.asarray([int(v) for v in shard_sizes], dtype=np.int64)
+
+    def bad(k: int) -> ValueError:
+        v = shard_sizes[k]
+        shown = int(v) if isinstance(v, np.integer) else v
+        return ValueError(f"shard_sizes[{k}] must be an int >= 0 (samples in shard {k}), got {safe_repr(shown)}")
+
+    def too_big(k: int) -> ValueError:
+        return ValueError(
+            f"shard_sizes[{k}] = {int(shard_sizes[k])}: at most {MAX_POSITION - 1} samples (blobfeed counts "
+            "global positions in signed 64-bit ints)"
+        )
+
+    if isinstance(shard_sizes, np.ndarray):
+        if shard_sizes.ndim != 1 or shard_sizes.dtype.kind not in "iu":
+            raise ValueError(
+                f"shard_sizes must be a 1-d array of ints (samples per shard), got dtype {shard_sizes.dtype}, "
+                f"shape {shard_sizes.shape}"
+            )
+        raw = shard_sizes
+    else:
+        if not all(issubclass(t, _INT) and not issubclass(t, _BOOL) for t in set(map(type, shard_sizes))):
+            raise bad(next(k for k, v in enumerate(shard_sizes)
+                           if isinstance(v, _BOOL) or not isinstance(v, _INT)))
+        try:
+            raw = np.asarray(shard_sizes)
+        except OverflowError:
+            raw = np.asarray(shard_sizes, dtype=object)
+        if raw.dtype.kind not in "iu":  # ints past 64 bits, numpy ints of mixed signs: one by one
+            for k, v in enumerate(shard_sizes):
+                if v < 0:
+                    raise bad(k)
+                if v >= MAX_POSITION:
+                    raise too_big(k)
+            raw = np.array([int(v) for v in shard_sizes], dtype=np.int64)
+    if raw.dtype.kind == "i":
+        neg = np.flatnonzero(raw < 0)
+        if len(neg):
+            raise bad(int(neg[0]))
+    big = np.flatnonzero(raw >= MAX_POSITION)
+    if len(big):
+        raise too_big(int(big[0]))
+    sizes = raw.astype(np.int64)
+    # each size < 2**62 and at most 2**24 of them: the int64 sum may wrap
+    # only when the largest times the count reaches 2**62; then summed exactly
+    if int(sizes.max()) * len(sizes) >= MAX_POSITION:
+        total = 0
+        for k, v in enumerate(sizes.tolist()):
+            total += v
+            if total >= MAX_POSITION:
+                raise ValueError(
+                    f"shard_sizes sum to {sum(sizes.tolist())} samples (from shard_sizes[{k}] on); at most "
+                    f"{MAX_POSITION - 1} samples (blobfeed counts global positions in signed 64-bit ints)"
+                )
     if int(sizes.sum()) < 1:
         raise ValueError(f"shard_sizes {list(map(int, sizes[:8]))}... has no sample: a source needs at least one")
     return sizes
+
+
+_INT = (int, np.integer)
+_BOOL = (bool, np.bool_)
 
 
 def sizes_digest(sizes: np.ndarray) -> str:
@@ -296,22 +356,16 @@ class ShardedReader(UnitReader):
     def where(self, sample_id: int) -> str:
         return "shard {} sample {}".format(*self._shard_of(sample_id))
 
-    def layout_mismatch(
-        self, layout: Sequence[tuple[np.dtype, tuple[int, ...]]], first: int, arrays: Sequence[np.ndarray],
-        axes: Sequence[int], unit: int, idx: Sequence[int],
-    ) -> IndexedReadError | None:
-        for k, (a, ax, (dtype, shape)) in enumerate(zip(arrays, axes, layout)):
-            got = a.shape[:ax] + a.shape[ax + 1:]
-            if got != shape or a.dtype != dtype:
-                return IndexedReadError(
-                    f"source {self.source!r}: {self.where(idx[0])} (read unit {unit}: "
-                    f"{self._span(idx)}), blob {self.blob_names[k]!r}: dtype {a.dtype}, per-sample shape "
-                    f"{got}; the stream's samples before it have dtype {dtype}, per-sample shape {shape} "
-                    f"(as {self.where(first)})"
-                )
-        return None
+    def first_index(self, r: ReadUnit) -> int:
+        """The first sample id unit ``r`` reads (one block's permutation
+        with ``shuffle_block``, not the unit's list)."""
+        k, lo, _ = self.locate(r.lo)
+        base = int(self.starts[k])
+        if not self.block:
+            return base + lo
+        return base + int(self._in_blocks(r.lo // self.n, k, lo, lo + 1)[0])
 
-    def _span(self, idx: Sequence[int]) -> str:
+    def span(self, idx: Sequence[int]) -> str:
         k, o = self._shard_of(idx[0])
         if not self.block:
             return f"shard {k} samples {o}..{o + len(idx) - 1}"
@@ -327,7 +381,7 @@ class ShardedReader(UnitReader):
         hi = lo + (r.hi - r.lo)
         b = self.block
         if not b:
-            return Stamped(self._take(worker_id, k, lo, hi), r.unit)
+            return Stamped([_own(a) for a in self._take(worker_id, k, lo, hi)], r.unit)
         size = int(self.sizes[k])
         read_lo, read_hi = lo // b * b, min(-(-hi // b) * b, size)
         arrays = self._take(worker_id, k, read_lo, read_hi)
@@ -338,6 +392,11 @@ class ShardedReader(UnitReader):
         was = self._open.pop(worker_id, None)
         if was is not None:
             was.close()
+
+    def worker_ended(self, worker_id: int) -> None:
+        """The worker stopped (a stop, a failure, its last unit): its open
+        shard is closed, in its own thread."""
+        self._close(worker_id)
 
     def _take(self, worker_id: int, k: int, lo: int, hi: int) -> list[np.ndarray]:
         """Samples ``lo .. hi-1`` of shard ``k``, one array per blob: from
@@ -352,7 +411,7 @@ class ShardedReader(UnitReader):
             try:
                 it = iter(self.read_shard(k, lo))
             except Exception as exc:
-                raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {exc!r}") from exc
+                raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {safe_repr(exc)}") from exc
             cur = _Open(k, lo, lo, it, None, 0)
         try:
             out, rest, extra = self._read_from(cur, k, lo, hi)
@@ -373,6 +432,7 @@ class ShardedReader(UnitReader):
         want = hi - lo
         parts: list[list[np.ndarray]] = []
         have = 0
+        empty = 0  # chunks of no sample in a row
         if cur.rest is not None:
             parts.append(cur.rest)
             have = cur.count
@@ -387,28 +447,34 @@ class ShardedReader(UnitReader):
                 ) from None
             except Exception as exc:
                 raise IndexedReadError(
-                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} reading shard "
+                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {safe_repr(exc)} reading shard "
                     f"{k} at sample {at}"
                 ) from exc
             arrays, count = self._chunk(k, at, chunk)
             if count:
                 parts.append(arrays)
                 have += count
+                empty = 0
+            else:
+                empty = self._empty(empty, k, cur.opened, at, f"samples up to {size}")
         # the unit's arrays, and what was read past it
         out, rest = self._cut(k, lo, parts, want, have)
         extra = have - want
         if hi == size:
             # the shard's end: nothing may follow (a shard longer than its size)
+            empty = 0
             try:
                 while not extra:
                     extra = self._chunk(k, size, next(cur.it))[1]
+                    if not extra:
+                        empty = self._empty(empty, k, cur.opened, size, "its end")
             except StopIteration:
                 pass
             except IndexedReadError:
                 raise
             except Exception as exc:
                 raise IndexedReadError(
-                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {exc!r} after the "
+                    f"source {self.source!r}: read_shard({k}, {cur.opened}) raised {safe_repr(exc)} after the "
                     f"shard's last sample ({size - 1})"
                 ) from exc
             if extra:
@@ -417,6 +483,18 @@ class ShardedReader(UnitReader):
                     f"but read_shard({k}, {cur.opened}) gave more"
                 )
         return out, rest, extra
+
+    def _empty(self, run: int, k: int, opened: int, at: int, expected: str) -> int:
+        """One more chunk of no sample in a row (``run`` before it): raises
+        after :data:`MAX_EMPTY_CHUNKS` (a read_shard that gives empty chunks
+        forever would hold its worker past any stop)."""
+        run += 1
+        if run >= MAX_EMPTY_CHUNKS:
+            raise IndexedReadError(
+                f"source {self.source!r}: read_shard({k}, {opened}) gave {run} chunks in a row without a sample "
+                f"at sample {at} of shard {k} (shard_sizes[{k}] = {int(self.sizes[k])}: expected {expected})"
+            )
+        return run
 
     def _cut(
         self, k: int, lo: int, parts: list[list[np.ndarray]], want: int, have: int,
@@ -435,48 +513,27 @@ class ShardedReader(UnitReader):
                         f"samples {lo}..{lo + want - 1} has dtype {a.dtype}, per-sample shape {got}; the one "
                         f"before it in the unit has dtype {f.dtype}, per-sample shape {had}"
                     )
+        # what is read past the unit lies in the last part alone (reading
+        # stops once the unit is whole): only its head joins the unit, its
+        # tail stays a view for the next unit (no copy of a large chunk)
+        rest = None
+        if have > want:
+            last = parts[-1]
+            count = int(last[0].shape[axes[0]])
+            cut = count - (have - want)
+            rest = [_slice(a, ax, cut, count) for a, ax in zip(last, axes)]
+            parts = parts[:-1] + [[_slice(a, ax, 0, cut) for a, ax in zip(last, axes)]]
         if len(parts) == 1:
-            whole = first
-        else:
-            whole = [np.concatenate([p[j] for p in parts], axis=ax) for j, ax in enumerate(axes)]
-        if have == want:
-            return whole, None
-        return ([_slice(a, ax, 0, want) for a, ax in zip(whole, axes)],
-                [_slice(a, ax, want, have) for a, ax in zip(whole, axes)])
+            return parts[0], rest
+        return [np.concatenate([p[j] for p in parts], axis=ax) for j, ax in enumerate(axes)], rest
 
     def _chunk(self, k: int, at: int, chunk: Any) -> tuple[list[np.ndarray], int]:
         """A chunk of shard ``k`` whose first sample is ``at``: one array per
         blob and their sample count, checked."""
-        names = self.blob_names
         where = f"source {self.source!r}: shard {k}, the chunk read_shard gave at sample {at}"
-        if isinstance(chunk, Mapping):
-            missing = [b for b in names if b not in chunk]
-            if missing:
-                raise IndexedReadError(
-                    f"{where} is a dict without blob(s) {missing} (it has keys {sorted(map(str, chunk))[:10]}); "
-                    f"expected the blobs {list(names)}"
-                )
-            values = [chunk[b] for b in names]
-        elif isinstance(chunk, (tuple, list)):
-            if len(chunk) != len(names):
-                raise IndexedReadError(
-                    f"{where} has {len(chunk)} arrays; expected {len(names)}, one per blob {list(names)}"
-                )
-            values = list(chunk)
-        else:
-            raise IndexedReadError(
-                f"{where} is a {type(chunk).__name__}; expected a tuple or list with one array per blob "
-                f"{list(names)} (each with its batch axis), or a dict blob name -> array"
-            )
-        arrays = []
+        arrays = blob_arrays(where, self.blob_names, chunk, batched=True)
         count = None
-        for b, v, ax in zip(names, values, self.axes):
-            try:
-                a = np.asarray(v)
-            except Exception as exc:
-                raise IndexedReadError(f"{where}, blob {b!r}: not an array ({type(v).__name__}): {exc!r}") from exc
-            if a.dtype.kind == "O":
-                raise IndexedReadError(f"{where}, blob {b!r}: an object array; expected numbers")
+        for b, a, ax in zip(self.blob_names, arrays, self.axes):
             if a.ndim <= ax:
                 raise IndexedReadError(
                     f"{where}, blob {b!r}: shape {a.shape} has no batch axis {ax} (a chunk's arrays carry "
@@ -488,9 +545,31 @@ class ShardedReader(UnitReader):
                 raise IndexedReadError(
                     f"{where}, blob {b!r}: {a.shape[ax]} samples; the blob(s) before it have {count}"
                 )
-            arrays.append(a)
         return arrays, count or 0
 
 
 def _slice(a: np.ndarray, ax: int, lo: int, hi: int) -> np.ndarray:
     return a[(slice(None),) * ax + (slice(lo, hi),)]
+
+
+def _held_bytes(a: np.ndarray) -> int:
+    """The bytes of the memory ``a`` keeps alive: the array (or buffer) it views."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    held = a.nbytes
+    if a.base is not None:
+        try:
+            with memoryview(a.base) as m:
+                held = max(held, m.nbytes)
+        except TypeError:
+            pass
+    return held
+
+
+def _own(a: np.ndarray) -> np.ndarray:
+    """``a``, copied when it views memory more than twice its size (a few
+    samples cut from a large chunk): a unit waiting in the window must not
+    keep its whole chunk alive."""
+    if a.base is None or 2 * a.nbytes >= _held_bytes(a):
+        return a
+    return a.copy()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Callable
 
 from .transport import SLOT_INDEX
 
@@ -23,11 +24,14 @@ class SlotRing:
     alive forever, with its mapping, descriptors and net.
     """
 
-    __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed", "_held")
+    __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed", "_held", "_tell_viewed")
 
-    def __init__(self, slots: int, free_w: int) -> None:
+    def __init__(self, slots: int, free_w: int, tell_viewed: Callable[[int], None] | None = None) -> None:
         self.slots = slots
         self._free_w = free_w
+        #: tells the child how many of its slots batches handed out view
+        #: (the worker's shared header: see worker_batches)
+        self._tell_viewed = tell_viewed
         self._lock = threading.Lock()
         self._closed = False
         #: slots some batch was handed out as a view of, until they are free again
@@ -77,13 +81,19 @@ class SlotRing:
             if len(viewed) >= bound and not (self.slots == 2 and not viewed and self._held == 1):
                 return False
             viewed.add(slot)
+            if self._tell_viewed is not None:
+                self._tell_viewed(len(viewed))
             return True
 
     def release(self, slot: int) -> None:
         """Give ``slot`` back to the child: nothing views it any more (on the
         group's returner thread).  Never blocks."""
         with self._lock:
-            self._viewed.discard(slot)
+            viewed = self._viewed
+            if slot in viewed:
+                viewed.discard(slot)
+                if self._tell_viewed is not None:
+                    self._tell_viewed(len(viewed))
             self._held -= 1
             self._send(slot)
 

@@ -32,6 +32,8 @@ class FeedEnd(Protocol):
     def buffered_samples(self) -> int: ...
     def device_queue_depth(self) -> int: ...
     def absorbs(self, sample_bytes: int) -> bool: ...
+    @property
+    def cuts_batches(self) -> bool: ...
 
 __all__ = ["FeedEnd", "InputSource", "OnError", "SourceStopped", "WorkerIntake"]
 
@@ -71,6 +73,8 @@ class InputSource:
             None: unbounded).
         dealer: makes the source's dealer instead of ``dealing`` (called
             with the source; a feeding service's consumer end).
+        follow_need: ``max_buffered_bytes="auto"``: an arrival-order
+            queue's byte limit may change while it runs, within ``max_bytes``.
 
     Thread-safe.
     """
@@ -89,6 +93,7 @@ class InputSource:
         shuffle_rng: Callable[[], np.random.Generator] = np.random.default_rng,
         max_bytes: int | None = None,
         dealer: Callable[["InputSource"], Dealer] | None = None,
+        follow_need: bool = False,
     ) -> None:
         self.name = name
         self._on_failure = on_failure
@@ -98,6 +103,7 @@ class InputSource:
             name, dealing, batch_size=batch_size, axes=axes, capacity=capacity,
             shuffle_rng=shuffle_rng, on_error=self.fail, on_error_in_order=self.fail_in_order,
             on_dropped=lambda reason, n: hub.count_dropped(name, reason, n), max_bytes=max_bytes,
+            follow_need=follow_need,
         )
         self.max_bytes = max_bytes
         self.n_blobs = n_blobs
@@ -132,6 +138,11 @@ class InputSource:
         self.empty_runs: dict[int, int] = {}
         #: a BlobfeedWarning said that a fetcher returned None (or no samples)
         self.empty_warned = False
+        #: a random-access source's (length, seed, shuffle, read size; None: by bytes): what
+        #: its state records and checks; None for a fetch_fun source
+        self.random_access: tuple[int, int, bool, int | None] | None = None
+        #: a sharded source's (shard count, sizes' digest, shuffle_block); None otherwise
+        self.sharded: tuple[int, str, int] | None = None
         hub.attach_source(self)
 
     @property
@@ -210,6 +221,12 @@ class InputSource:
         """Bytes of the chunks waiting in the dealer (``max_buffered_bytes`` bounds them)."""
         return self.dealer.queued_bytes()
 
+    def queue_byte_limit(self) -> int | None:
+        """The bound on those bytes in force now: ``max_buffered_bytes``, or
+        under ``"auto"`` in arrival order the working limit (:mod:`blobfeed.buffers`)."""
+        limit = getattr(self.dealer, "byte_limit", None)
+        return limit() if limit is not None else self.max_bytes
+
     # -- ending --------------------------------------------------------------
     def fail(self, error: BaseException, *, in_order: bool = False) -> None:
         """on_error="raise": abort the source; every net gets ``error``.
@@ -274,6 +291,21 @@ class InputSource:
             bool(feeds) and self.dealing.in_arrival_order
             and all(f.absorbs(sample_bytes) for f in feeds)
         )
+
+    def whole_batch_size(self) -> int:
+        """The size of the batches a worker process may assemble from its
+        own chunks (see ``worker_batches``), 0 when it may not: the dealer
+        hands chunks out as they come (so which samples share a batch was
+        never promised), and every feed cuts batches of that one size along
+        axis 0."""
+        feeds = list(self.feeds)
+        if not feeds or not self.dealing.in_arrival_order or any(self.axes):
+            return 0
+        size = feeds[0].batch_size
+        for f in feeds:
+            if f.batch_size != size or not f.cuts_batches:
+                return 0
+        return size
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the coordinator (``should_stop``/``join``) of an error that
@@ -417,12 +449,14 @@ class WorkerIntake:
         else:
             self.source.fetcher_finished(exhausted)
 
-    def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0) -> bool:
-        """One value ``fetch_fun`` returned.  Returns False when the worker must stop."""
+    def result(self, raw: Any, pin: Pin | None = None, transport_bytes: int = 0, calls: int = 1) -> bool:
+        """One value ``fetch_fun`` returned (or, ``calls`` other than 1, a
+        batch a worker process assembled from the values of that many
+        calls).  Returns False when the worker must stop."""
         src = self.source
         stats = self.stats
         seq = self.calls
-        self.calls = seq + 1
+        self.calls = seq + calls
         state = None
         if type(raw) is Stamped:
             raw, state = raw
@@ -450,7 +484,7 @@ class WorkerIntake:
             self._empty_run = 0
             src.empty_runs[self.worker_id] = 0
         self._checked_at = src.checks_version
-        stats.chunks += 1
+        stats.chunks += calls
         stats.samples += chunk.n
         nbytes = 0
         for a in chunk.arrays:  # a loop, not sum(genexpr): no frame per chunk

@@ -27,7 +27,10 @@ __all__ = [
 
 #: area header: [0:8] the batch-size hint, [8:16] the stop flag (parent to
 #: worker), [16:24] the ending flag (worker to parent: it returns on purpose),
-#: [24:32] the started flag (worker to parent: its start-up is over)
+#: [24:32] the started flag (worker to parent: its start-up is over),
+#: [32:40] the size of the batches the worker may assemble itself, 0: none,
+#: [40:48] how many of its slots batches handed out view (both parent to
+#: worker, see worker_batches)
 HEADER_BYTES = 64
 _HINT = struct.Struct("<q")
 #: one free slot index on the free pipe; -1 tells the worker to stop
@@ -142,6 +145,20 @@ class SlotArea:
 
     def hint(self) -> int:
         return _HINT.unpack_from(self.mm, 0)[0]
+
+    def set_whole(self, size: int) -> None:
+        _HINT.pack_into(self.mm, 32, size)
+
+    def whole(self) -> int:
+        """The size of the batches the worker may assemble itself (0: it may not)."""
+        return _HINT.unpack_from(self.mm, 32)[0]
+
+    def set_viewed(self, slots: int) -> None:
+        _HINT.pack_into(self.mm, 40, slots)
+
+    def viewed(self) -> int:
+        """How many of the worker's slots batches handed out view now."""
+        return _HINT.unpack_from(self.mm, 40)[0]
 
     def set_stop(self) -> None:
         _HINT.pack_into(self.mm, 8, 1)

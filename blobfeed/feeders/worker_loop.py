@@ -15,6 +15,7 @@ error ``on_error`` does not skip, or when its intake says so.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 from .chunks import Pin, Stamped, StoppedWithState
+from .indexed import UnitReader
 from .messages import EpochDone, Exhausted, Raised, Result
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ EMPTY_BACKOFF_MIN_S = 0.001
 #: times a second instead of spinning a core
 EMPTY_BACKOFF_MAX_S = 0.1
 _sleep = time.sleep
+logger = logging.getLogger("blobfeed.feeders")
 
 
 def _no_data(raw: Any) -> bool:
@@ -129,6 +132,14 @@ def worker_events(
             yield EpochDone(seconds, after)
             epoch += 1
     finally:
+        # the loop makes no further call: a random-access reader frees what
+        # it holds for this worker (a sharded source's open shard), in this
+        # thread, after a stop or a failure as after the last unit
+        if isinstance(fetch_fun, UnitReader):
+            try:
+                fetch_fun.worker_ended(worker_id)
+            except Exception:
+                logger.warning("source reader %r: ending worker %d raised", fetch_fun, worker_id, exc_info=True)
         set_worker_info(None)
 
 
@@ -145,9 +156,13 @@ def deliver(intake: "WorkerIntake", event: Any, pin: Pin | None = None, transpor
     to go on, False when the worker must stop, None when it is done
     (:class:`Exhausted`)."""
     if type(event) is Result:
-        intake.stats.fetch.observe(event.seconds)
-        raw = event.raw if event.state is None else Stamped(event.raw, event.state)
-        return intake.result(raw, pin, transport_bytes)
+        if event.calls is None:
+            intake.stats.fetch.observe(event.seconds)
+            raw = event.raw if event.state is None else Stamped(event.raw, event.state)
+            return intake.result(raw, pin, transport_bytes)
+        for seconds in event.calls:
+            intake.stats.fetch.observe(seconds)
+        return intake.result(event.raw, pin, transport_bytes, len(event.calls))
     if type(event) is Raised:
         if not event.fatal:
             intake.stats.fetch.observe(event.seconds)

@@ -24,6 +24,11 @@ not installed.  R1's fetchers wait on I/O (50 ms per 256 KiB chunk): runners
 no wait: the driver's ingest limit).  R2 is W2 through Ray (``ray``: one
 node, 2 actors) beside W2 through threads (``blobfeed``) in the same run.
 
+A4p, A6p, A2p and Aio (opt-in: ``--workloads auto``) set
+``num_worker_threads="auto"`` against fixed counts 1, 2, 4, 8 (16 for Aio,
+the I/O-bound one) on the same fetcher, before and after its cost doubles
+(``autobench``).
+
 S1, S2, S8 and attach measure the feeding service (``blobfeed.service``),
 each consumer a process of its own.  S1 (W2's chunks and batch) and S2
 (W1's): ``service`` is one ``FeedServer`` (2 workers: processes for S1, as
@@ -85,6 +90,8 @@ The modules, by job:
   the meter of the timed window, the PSS of a process tree, the CPU time
   and context switches of groups of processes over a window;
 * ``library`` -- blobfeed's runners (threads, processes, Ray actors);
+* ``autobench`` -- the auto workloads: their fetchers, runners (fixed
+  counts, auto, the doubled cost) and their targets' reading of auto's series;
 * ``service`` -- the feeding service's runners (S1, S2, S8, attach) and their
   consumer processes;
 * ``peers`` -- one module per baseline or peer (``caffe2``, ``copy_bound``,

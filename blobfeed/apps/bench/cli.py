@@ -13,6 +13,7 @@ from collections.abc import Collection
 from ..argtypes import positive_float, positive_int
 from .report import IDEAL_TOLERANCE, evaluate, format_report, verdict
 from .runner import RUNNERS, W7_GENERATE_S, WARMUP_S, _packages, _plan, available_packages, estimate_seconds, run_all
+from .autobench import AUTO_IDS
 from .workloads import W7_BYTES, WORKLOADS, w6_corpus_dir, w7_records_dir
 
 
@@ -22,7 +23,7 @@ DEFAULT_REPEATS = 3
 
 
 def parse_workloads(text: str) -> list[str]:
-    """``W1,W2p`` (any case) or ``all`` -> workload ids.
+    """``W1,W2p`` (any case), ``all``, or ``auto`` (A4p, A6p, A2p, Aio) -> workload ids.
 
     Raises:
         ValueError: naming the unknown ones.
@@ -35,13 +36,15 @@ def parse_workloads(text: str) -> list[str]:
             continue
         if token.lower() == "all":
             out += [w for w in WORKLOADS if w not in out]
+        elif token.lower() == "auto":  # the auto workloads (autobench.AUTO_IDS)
+            out += [w for w in AUTO_IDS if w not in out]
         elif token.upper() in by_upper:
             if by_upper[token.upper()] not in out:
                 out.append(by_upper[token.upper()])
         else:
             unknown.append(token)
     if unknown:
-        raise ValueError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)} or all")
+        raise ValueError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}, all or auto")
     return out
 
 
@@ -68,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
     epilog = (
         f"The default invocation runs {_run_length(wls, packages)} on a 2-core machine; "
-        f"--workloads all runs {_run_length(everything, packages)}; {peer_note}. The first run that "
+        f"--workloads all runs {_run_length(everything, packages)}; --workloads auto (the auto workloads, opt-in) "
+        f"runs {_run_length(list(AUTO_IDS), packages)}; {peer_note}. The first run that "
         f"includes W6 or W6p also generates W6's JPEG corpus into {w6_corpus_dir()} (a few seconds); the "
         f"first run that includes W7 writes W7's record file, {W7_BYTES / 1e9:g} GB, into {w7_records_dir()} "
         f"(about {W7_GENERATE_S:.0f} s, not in the estimates; it is checked and reused after). "
@@ -96,13 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the random-access sources (W1i, W2i: W1's and W2's data behind a map-style dataset, against "
         "the fetch_fun form), and W7 (opt-in: a global shuffle over a 2 GB memory-mapped record file, "
         "against its own sequential read and torch's and grain's map-style loaders at 0, 1, 2 and 4 "
-        "workers each); "
+        "workers each), and the auto workloads (opt-in: --workloads auto: A4p, A6p, A2p, Aio, "
+        "num_worker_threads='auto' against fixed counts 1, 2, 4, 8 (16 for Aio), before and after the "
+        "fetch cost doubles); "
         "print one table and the targets, and exit with the verdict.",
         epilog=epilog,
     )
     p.add_argument(
         "--workloads", default=DEFAULT_WORKLOADS,
-        help=f"comma-separated subset of {', '.join(WORKLOADS)}, or all (default: {DEFAULT_WORKLOADS})",
+        help=f"comma-separated subset of {', '.join(WORKLOADS)}, or all, or auto (the auto workloads "
+             f"{', '.join(AUTO_IDS)}) (default: {DEFAULT_WORKLOADS})",
     )
     p.add_argument(
         "--seconds", type=positive_float, default=DEFAULT_SECONDS,

@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from . import autobench
 from .measure import STEP_CPU, STEP_CTX
 from .workloads import IN_PROCESS_PEERS, PROCESS_PEERS, W7_PEER_WORKERS, W7_PEERS, WORKLOADS
 
@@ -54,7 +55,7 @@ FIRST_BATCH_TARGETS = [("W1", 50.0), ("W1p", 500.0)]
 MODE_TARGETS = [("W1d", 0.8), ("W2d", 0.8), ("W4pd", 0.9), ("W1s", 0.5), ("W2s", 0.5), ("W1i", 0.9), ("W2i", 0.9)]
 #: blobfeed's runners besides ``blobfeed`` that count their samples (their
 #: lost column is judged): W7's own sequential read
-COUNTED_RUNNERS = ("sequential",)
+COUNTED_RUNNERS = ("sequential", *autobench.RUNNERS)
 
 
 #: the feeding service (S1, S2, S8): (workload, description, numerator
@@ -99,7 +100,12 @@ def _keys_in_all(results: list[dict[str, Any]]) -> list[str]:
 
 
 def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
-    return {k: statistics.median(r[k] for r in results) for k in _keys_in_all(results)}
+    """The median of each figure; a list (auto's series) is kept per
+    repetition, as a list of them."""
+    return {
+        k: [r[k] for r in results] if isinstance(results[0][k], list) else statistics.median(r[k] for r in results)
+        for k in _keys_in_all(results)
+    }
 
 
 #: a ratio to an ideal may pass the cores' bound by this much (timing noise)
@@ -298,6 +304,7 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         if a:
             rows.append(_row(wl, f"first batch <= {limit_ms:g} ms", a["first_batch_ms"], a["first_batch_ms"] <= limit_ms))
     rows += _service_rows(report, res, failed_input)
+    rows += autobench.auto_rows(res, _row)
     for wl, why in report.get("skipped", {}).items():
         rows.append(_row(wl, "every target", None, None, f"workload skipped: {why}"))
     return rows
@@ -520,6 +527,12 @@ RUNNER_LEGEND = {
     "ray2": "blobfeed's fetchers as Ray actors: 2 simulated nodes of 2 actors",
     "ray4": "blobfeed's fetchers as Ray actors: 4 simulated nodes of 2 actors",
     "ray2max": "ray2 with no wait in the fetchers: the driver's ingest limit",
+    **{f"fixed{n}": f"auto workloads: num_worker_threads={n}, max_buffered_bytes='auto'" for n in autobench.FIXED_IO},
+    **{f"fixed{n}x2": f"fixed{n} with every fetch costing twice as much" for n in autobench.FIXED_IO},
+    "auto": f"num_worker_threads='auto', max_buffered_bytes='auto'; batches/s over the window after "
+            f"{autobench.SETTLE_S:g} s",
+    "autox2": f"auto whose fetch cost doubles after {autobench.SETTLE_S:g} s + the window; batches/s over the "
+              f"window {autobench.SETTLE_S:g} s after the doubling",
     "ideal": "not a runner: the batches/s the cores could deliver if the pipeline cost nothing, from the CPU "
              "time of blobfeed's own fetches (vs ideal: a runner's batches/s over its own measurement's ideal)",
 }
@@ -654,6 +667,9 @@ def format_report(report: dict[str, Any]) -> str:
     costs = cost_lines(results)
     if costs:
         lines += ["", *costs]
+    auto = autobench.auto_lines(results)
+    if auto:
+        lines += ["", "auto workloads (the report's reading of auto's series; docs/BENCHMARKS.md):", *auto]
     lines += ["", *legend(report)]
     rows = evaluate(report)
     width = max([56] + [len(f"{row['workload']} {row['target']}") + 2 for row in rows if not row.get("failed")])

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from . import library, peers, service
+from . import autobench, library, peers, service
 from .library import W5_SLICE_S
 from .measure import Meter, sweep_tallies
 from .peers.ray_data import RAYDATA_NEEDS
@@ -24,7 +24,7 @@ from .workloads import (PROCESS_PEERS, SERVICE_CONSUMERS, WORKLOADS, W4Fetch, Wo
 
 #: every runner by name: blobfeed's, then the peers'
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
-    **library.RUNNERS, **service.RUNNERS, **peers.RUNNERS,
+    **library.RUNNERS, **service.RUNNERS, **peers.RUNNERS, **autobench.RUNNERS,
 }
 #: the optional package each runner needs; the others need only the standard library
 RUNNER_NEEDS: dict[str, str] = {**library.NEEDS, **service.NEEDS, **peers.NEEDS}
@@ -79,6 +79,9 @@ GRAIN_EXTRA_S = 0.2
 GRAIN_WORKERS_S = 0.5
 #: blobfeed's process workers: the forkserver, the children, the drain.
 PROCESSES_EXTRA_S = 0.5
+#: the auto workloads (A4p, A6p, A2p): each worker process beyond the first
+#: two (its start, its drain); for auto, a guess at the processes it starts
+AUTO_PROCESS_S = 0.1
 #: ``multiprocessing.Pool(2)``: start and terminate.
 POOL_EXTRA_S = 1.3
 #: Pillow's import (in the workers too) and W6's first decodes.
@@ -170,7 +173,13 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
     the window, and the runner's own set-up, calibration and drain."""
     wl = WORKLOADS[w]
     one = CHILD_OVERHEAD_S + WARMUP_S + seconds
-    if (w, r) == ("W5", "blobfeed"):
+    if r in autobench.RUNNERS:
+        # its own warm-up (auto: its settling; autox2: twice), and on processes
+        # the forkserver and a start for each worker (auto's too, as it adds them)
+        one = CHILD_OVERHEAD_S + autobench.measurement_seconds(r, seconds)
+        if wl.backend == "processes":
+            one += PROCESSES_EXTRA_S + AUTO_PROCESS_S * autobench.workers_of(r)
+    elif (w, r) == ("W5", "blobfeed"):
         one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2)) + W5_EXTRA_S
     elif r == "caffe2":
         one += CAFFE2_EXTRA_S

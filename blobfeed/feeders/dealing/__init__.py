@@ -50,6 +50,7 @@ def make_dealer(
     on_dropped: DropCounter,
     max_bytes: int | None = None,
     outbox_samples: int | None = None,
+    follow_need: bool = False,
 ) -> Dealer:
     """The dealer for a source wired with ``options``.
 
@@ -69,9 +70,12 @@ def make_dealer(
         outbox_samples: a lane dealer's run-ahead per net, in samples
             (None: :func:`~.lanes.default_outbox_samples`, two batches, one
             with several nets and big batches).
+        follow_need: ``max_buffered_bytes="auto"`` in arrival order: the
+            queue's byte limit may change while it runs, within ``max_bytes``
+            (:mod:`blobfeed.buffers`); ignored by the other dealers.
     """
     if options.in_arrival_order:
-        return ArrivalDealer(source, capacity, on_error, max_bytes)
+        return ArrivalDealer(source, capacity, on_error, max_bytes, follow_need)
     return LaneDealer(
         source, batch_size, axes, capacity=capacity, outbox_samples=outbox_samples,
         on_error=on_error_in_order, on_dropped=on_dropped, max_bytes=max_bytes,

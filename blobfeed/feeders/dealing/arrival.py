@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Sequence
 
-from ...queues import BlobsQueue
+from ...queues import BlobsQueue, WatermarkQueue
 from ..chunks import Chunk
 from .base import DealerStats
 
@@ -44,17 +44,22 @@ class ArrivalDealer:
         fail: the source's failure (``InputSource.fail``), for a worker's error.
         max_bytes: bound of the queue, in bytes (``max_buffered_bytes``; None:
             counted, not bounded); a chunk larger than it enters an empty queue.
+        follow_need: ``max_buffered_bytes="auto"``: the queue's byte limit
+            may change while it runs, within ``max_bytes``
+            (:mod:`blobfeed.buffers` changes it); False: it is fixed.
     """
 
     batch_size = None
     resumable = False
 
     def __init__(
-        self, source: str, capacity: int, fail: Callable[[BaseException], None], max_bytes: int | None = None
+        self, source: str, capacity: int, fail: Callable[[BaseException], None], max_bytes: int | None = None,
+        follow_need: bool = False,
     ) -> None:
         # Fetchers blocked on a full queue sleep until it is half empty, then
         # refill it in a burst: far fewer wake-ups than one per chunk.
-        self.queue: BlobsQueue[Chunk] = BlobsQueue(
+        make = WatermarkQueue if follow_need and max_bytes is not None else BlobsQueue
+        self.queue: BlobsQueue[Chunk] = make(
             capacity, name=f"{source}/internal", low_water=capacity // 2,
             max_bytes=sys.maxsize if max_bytes is None else max_bytes,
         )
@@ -110,6 +115,11 @@ class ArrivalDealer:
 
     def queued_bytes(self) -> int:
         return self.queue.qbytes()
+
+    def byte_limit(self) -> int | None:
+        """The bound on the bytes queued in force now (``max_buffered_bytes``,
+        or the working limit under it with ``"auto"``); None: unbounded."""
+        return None if self.max_bytes is None else self.queue.max_bytes
 
     def stats(self) -> DealerStats:
         items = self.queue.snapshot()
