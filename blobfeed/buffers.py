@@ -45,6 +45,8 @@ logger = logging.getLogger("blobfeed.buffers")
 
 #: the working limit a source starts with (at most its budget)
 START_BYTES = 8 << 20
+#: the working limit is never below this many of the source's batches (within the budget)
+FLOOR_BATCHES = 4
 #: the working limit never goes below this (nor above the budget)
 FLOOR_BYTES = 1 << 20
 #: a window is at least this long
@@ -95,6 +97,21 @@ class Watermarks:
         start = START_BYTES if start is None else start
         floor = FLOOR_BYTES if floor is None else floor
         return cls(limit=max(1, min(budget, start)), floor=max(1, min(budget, floor)), budget=budget)
+
+    def fit_batches(self, batch_bytes: int) -> int:
+        """The floor is at least :data:`FLOOR_BATCHES` batches of
+        ``batch_bytes`` (within the budget), and the limit at least the
+        floor: a queue that cannot hold a batch of each of a few workers
+        holds all but one of them back, whatever they could do (and the
+        worker tuner reads that another worker does not pay).  Returns the
+        limit."""
+        floor = min(self.budget, FLOOR_BATCHES * batch_bytes)
+        if floor > self.floor:
+            self.floor = floor
+        if self.limit < self.floor:
+            self.limit = self.floor
+            self.reason = f"{FLOOR_BATCHES} batches of the source's samples: at least {_mib(self.floor)}"
+        return self.limit
 
     def decide(self, now: float, f: Fill) -> int:
         if f.starved and f.held and f.empty:
@@ -177,6 +194,15 @@ class BufferTuner:
             entry = totals.get(name)
             if src.halted or src.finished or entry is None or entry.live is not src:
                 continue  # not started yet, or ending
+            fetched = entry.fetch
+            feeds = list(src.feeds)
+            if fetched.samples and feeds:
+                was = f.policy.limit
+                batch = fetched.bytes // fetched.samples * max(feed.batch_size for feed in feeds)
+                if f.policy.fit_batches(batch) != was:
+                    f.queue.set_byte_limit(f.policy.limit)
+                    logger.info("source %r: queue limit %s (was %s): %s", name, _mib(f.policy.limit), _mib(was),
+                                f.policy.reason)
             nets = {net: (c.wait.total, c.busy) for net, ((_, c), _) in entry.feeds.items()}
             if f.nets is None:  # the first look: the window starts here
                 f.t, f.nets, f.marks = now, nets, f.queue.take_marks()[:2]

@@ -84,6 +84,22 @@ def test_workers_that_are_the_limit_never_make_it_grow() -> None:
         assert p.decide(float(i), Fill(1.0, starved=True, held=0, empty=40, low=0)) == 2 * MIB
 
 
+def test_the_limit_never_goes_below_a_few_of_the_sources_batches() -> None:
+    """A2p (9.6 MB batches, whole in each worker's slot): the queue started
+    at 8 MiB, less than one batch, so a second worker process could queue
+    nothing, and the worker tuner read 'a second worker does not pay' and
+    went back to one (0.5 x the best fixed count).  The limit's floor rises
+    to a few batches of the source's samples, within the budget."""
+    p = Watermarks.start(budget=64 * MIB, start=8 * MIB, floor=1 * MIB)
+    assert p.fit_batches(10 * MIB) == 4 * 10 * MIB > 8 * MIB, "raised at once"
+    assert p.limit == 40 * MIB
+    assert set(run_plant(p, None, 10)) == {40 * MIB}, "never halved below it"
+    q = Watermarks.start(budget=24 * MIB, start=8 * MIB, floor=1 * MIB)
+    assert q.fit_batches(10 * MIB) == 24 * MIB, "within the budget"
+    r = Watermarks.start(budget=64 * MIB, start=8 * MIB, floor=1 * MIB)
+    assert r.fit_batches(1 * MIB) == 8 * MIB and r.floor == 4 * MIB, "small batches: nothing to raise"
+
+
 # -- the queue -------------------------------------------------------------------------------
 def test_the_watermark_queue_applies_a_new_limit_and_counts_its_marks() -> None:
     q: WatermarkQueue[str] = WatermarkQueue(100, max_bytes=10, low_water=50)
