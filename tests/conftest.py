@@ -4,6 +4,7 @@ and one local Ray cluster for every Ray test of the session."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from typing import Any, Iterator
 
@@ -17,6 +18,20 @@ WAIT = 5.0
 
 def _blobfeed_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("blobfeed-")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sigint_handed_on() -> Iterator[None]:
+    """Children get SIGINT's default disposition, whatever this process got.
+
+    A process started with SIGINT ignored (a background job of a shell
+    without job control, as some CI runners start their commands) hands
+    that on to every child it starts, and Python in the child then never
+    raises KeyboardInterrupt: the tests that interrupt a child would time
+    out.  A handler of our own is reset to the default in a child."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(autouse=True)
