@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .test_indexed import (
-    SEED, SRC, Items, Pipeline, assert_stream, batches_of, reference, reference_tagged, tagged_from_start,
-    tagged_to_end,
+    SEED, SRC, Items, Pipeline, assert_stream, batches_of, read_in_turn, reference, reference_tagged,
+    tagged_from_start, tagged_to_end,
 )
 
 #: (workers, nets, backend): processes start a process per worker, so they are drawn less often
@@ -102,10 +102,10 @@ def test_a_served_source_stopped_anywhere_resumes_on_any_num_consumers_exactly(
     import json
 
     import blobfeed
-    from blobfeed import EndOfEpoch, EndOfInput, Net, RandomAccessSource
+    from blobfeed import Net, RandomAccessSource
     from blobfeed.service import FeedServer
 
-    from .test_indexed import BLOBS, WAIT
+    from .test_indexed import BLOBS
 
     state_file = tmp_path_factory.mktemp("served") / "state.json"
 
@@ -118,20 +118,7 @@ def test_a_served_source_stopped_anywhere_resumes_on_any_num_consumers_exactly(
             atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
                     for i in range(consumers)]
             try:
-                got: list[list[Any]] = [[] for _ in nets]
-                live, steps = list(range(consumers)), 0
-                while live and (limit is None or steps < limit):
-                    for j in list(live):
-                        if limit is not None and steps >= limit:
-                            break
-                        steps += 1
-                        try:
-                            got[j].append(tuple(int(i) for i in nets[j].run(timeout=WAIT)["ids"]))
-                        except EndOfEpoch as end:
-                            got[j].append(("end", end.epoch))
-                        except EndOfInput:
-                            live.remove(j)
-                return got
+                return read_in_turn(nets, limit)
             finally:
                 for a in atts:
                     a.stop()

@@ -145,6 +145,26 @@ class Pipeline:
         return json.loads(json.dumps(self.gc.state_dict(SRC)))
 
 
+def read_in_turn(nets: Sequence[Net], limit: int | None) -> list[list[Event]]:
+    """Each net in turn (attached consumers, say) until each ended, or
+    ``limit`` events in all: each one's batches of sample ids and epoch ends."""
+    got: list[list[Event]] = [[] for _ in nets]
+    live = list(range(len(nets)))
+    steps = 0
+    while live and (limit is None or steps < limit):
+        for j in list(live):
+            if limit is not None and steps >= limit:
+                break
+            steps += 1
+            try:
+                got[j].append(tuple(int(i) for i in nets[j].run(timeout=WAIT)["ids"]))
+            except EndOfEpoch as end:
+                got[j].append(("end", end.epoch))
+            except EndOfInput:
+                live.remove(j)
+    return got
+
+
 def interleave(per_net: Sequence[Sequence[Event]]) -> list[tuple[int, ...]]:
     """The global batch sequence from each net's batches: batch i is net i mod k's."""
     k = len(per_net)
@@ -468,30 +488,13 @@ def test_a_served_random_access_source_resumes_with_another_num_consumers(tmp_pa
                             num_consumers=consumers, epochs=epochs)
         return server.start()
 
-    def read(nets: list[Net], limit: int | None) -> list[list[Event]]:
-        got: list[list[Event]] = [[] for _ in nets]
-        live = list(range(len(nets)))
-        steps = 0
-        while live and (limit is None or steps < limit):
-            for j in list(live):
-                if limit is not None and steps >= limit:
-                    break
-                steps += 1
-                try:
-                    got[j].append(tuple(int(i) for i in nets[j].run(timeout=WAIT)["ids"]))
-                except EndOfEpoch as end:
-                    got[j].append(("end", end.epoch))
-                except EndOfInput:
-                    live.remove(j)
-        return got
-
     def run(consumers: int, resume: bool, limit: int | None) -> list[list[Event]]:
         with serve(consumers, resume) as server:
             nets = [Net(name=f"rank{i}") for i in range(consumers)]
             atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
                     for i in range(consumers)]
             try:
-                return read(nets, limit)
+                return read_in_turn(nets, limit)
             finally:
                 for a in atts:
                     a.stop()

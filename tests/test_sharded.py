@@ -37,6 +37,7 @@ import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, ShardedSource, init_data_input_workers
 
 from .helpers import wait_until
+from .test_indexed import read_in_turn
 
 SRC = "train"
 BLOBS = ["ids", "x"]
@@ -446,7 +447,6 @@ def test_resume_with_other_counts_gives_the_rest_of_the_stream(
 
 
 def test_a_resume_on_processes_gives_the_rest_of_the_stream() -> None:
-    want = batches_of(reference(4, 2))
     with Pipeline(Shards(), 2, 2) as p:
         first = p.lockstep(limit=7)
         state = p.state()
@@ -828,24 +828,11 @@ def test_a_served_sharded_source_resumes_with_another_num_consumers(tmp_path: An
             nets = [Net(name=f"rank{i}") for i in range(consumers)]
             atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
                     for i in range(consumers)]
-            got: list[list[Event]] = [[] for _ in nets]
             try:
-                live, steps = list(range(consumers)), 0
-                while live and (limit is None or steps < limit):
-                    for j in list(live):
-                        if limit is not None and steps >= limit:
-                            break
-                        steps += 1
-                        try:
-                            got[j].append(tuple(int(i) for i in nets[j].run(timeout=WAIT)["ids"]))
-                        except EndOfEpoch as end:
-                            got[j].append(("end", end.epoch))
-                        except EndOfInput:
-                            live.remove(j)
+                return read_in_turn(nets, limit)
             finally:
                 for a in atts:
                     a.stop()
-            return got
 
     first = run(2, False, 5)
     seed = json.loads(state_file.read_text())["sources"][SRC]["inner"]["seed"]
