@@ -236,6 +236,26 @@ def test_the_climber_removes_idle_workers_and_never_grows_on_a_shared_gil() -> N
     assert max(seen) <= 2 and mode(seen) == 1, seen
 
 
+def test_workers_that_compute_for_waiting_nets_are_neither_idle_nor_tried_fewer() -> None:
+    """The auto bench: A4p and A6p (CPU-bound worker processes) ran at 2
+    workers like their best fixed count, yet at 0.81-0.83 x its batches/s:
+    every few seconds the tuner tried one worker less (half the throughput
+    for a window) though the nets waited and each worker kept a core busy.
+    A2p (a worker that also assembles batches outside fetch_fun: inside it
+    less than half its time) read as idle: never grown, tried fewer, and
+    ended at 1 worker (0.55 x).  Workers that compute (``hungry``) for nets
+    that wait are not idle, and are not tried fewer up to the cores."""
+    for busy in (1.0, 0.45):
+        c = Climber(1, lo=1, hi=32, cpus=2.0)
+        seen, t = [], 0.0
+        for _ in range(60):
+            t += 1.25
+            n = c.n
+            c.decide(t, Window(1.25, 100.0 * min(n, 2), True, busy, 1.0 * n, False, True))
+            seen.append(c.n)
+        assert seen[2:] == [2] * len(seen[2:]), (busy, seen)
+
+
 def test_the_cpu_bound_reads_affinity_and_the_cgroup_quota(tmp_path: Path) -> None:
     assert 1 <= cpu_limit() <= len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text("150000 100000\n")
