@@ -191,11 +191,11 @@ class BufferTuner:
             if src is None or id(src) != f.run or src.stopped:
                 self._followed.pop(name, None)  # its run is over
                 continue
+            feeds: list[Any] = list(src.feeds)  # (before the identity test below narrows src's type)
             entry = totals.get(name)
             if src.halted or src.finished or entry is None or entry.live is not src:
                 continue  # not started yet, or ending
             fetched = entry.fetch
-            feeds = list(src.feeds)
             if fetched.samples and feeds:
                 was = f.policy.limit
                 batch = fetched.bytes // fetched.samples * max(feed.batch_size for feed in feeds)
