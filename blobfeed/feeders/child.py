@@ -32,6 +32,7 @@ import numpy as np
 from ..worker_info import WorkerInfo
 from .messages import Note, Raised, Result, arrays_nbytes, plain_arrays, sendable, write_arrays
 from .transport import SLOT_INDEX, FdHandle, SlotArea, pack_exception, send_message
+from .unit_slots import UnitSlots
 from .worker_batches import BatchFiller
 from .worker_loop import skips, worker_events
 
@@ -236,6 +237,7 @@ def _work(
         pending = []
         pending_bytes = 0
 
+    unit_slots: UnitSlots | None = None
     if units_fd is not None:
         from .indexed import PipeUnits
 
@@ -243,6 +245,8 @@ def _work(
         # goes out before waiting for the next one (the parent hands out
         # more once it has them)
         fetch_fun.units = PipeUnits(units_fd, flush)
+        unit_slots = UnitSlots(area.mm, area.offset, slot_bytes, take_slot, free.append, flush, SHM_MIN_BYTES)
+        fetch_fun.into = unit_slots
     events = worker_events(
         fetch_fun, worker_init_fun, worker_id, first, area.hint,
         lambda: area.stopping() or os.getppid() != parent, epochs, epoch,
@@ -258,6 +262,8 @@ def _work(
     try:
         for event in events:
             if type(event) is not Result:
+                if unit_slots is not None:
+                    unit_slots.drop()
                 send_batch_begun()
                 flush()
                 if type(event) is Raised:
@@ -268,6 +274,13 @@ def _work(
                 send([event])  # the epoch's end, or the last one's
                 continue
             arrays = plain_arrays(event.raw)
+            if unit_slots is not None:
+                # stacked straight into a slot by the reader: sent as it lies
+                where = unit_slots.claim(arrays or (), isinstance(event.raw, tuple))
+                if where is not None:
+                    flush()
+                    send([event._replace(raw=where)])
+                    continue
             if filler is not None and arrays is not None and event.state is None:
                 size = area.whole()
                 as_tuple = isinstance(event.raw, tuple)

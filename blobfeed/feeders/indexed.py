@@ -528,6 +528,10 @@ class UnitReader:
         self.units: Any = None
         #: (epoch, its order): one tuple, read and replaced at once (threads share it)
         self._order: tuple[int, np.ndarray] | None = None
+        #: where a unit is stacked, when not in arrays of its own: called
+        #: with each blob's (shape, dtype), it returns arrays to stack into,
+        #: or None (a worker process's slot: unit_slots.UnitSlots)
+        self.into: Callable[[list[tuple[tuple[int, ...], np.dtype]]], list[np.ndarray] | None] | None = None
 
     def __repr__(self) -> str:
         return f"<the reader of random-access source {self.source!r}: {type(self.dataset).__qualname__} of {self.n}>"
@@ -536,6 +540,7 @@ class UnitReader:
         state = dict(self.__dict__)
         state["units"] = None
         state["_order"] = None
+        state["into"] = None
         return state
 
     #: ``UnitDispenser(unit_end=)`` for this source's units (None: the default cut)
@@ -730,7 +735,7 @@ class UnitReader:
         cols = list(itertools.zip_longest(*samples, fillvalue=_MISSING))
         if len(cols) != n:
             return None
-        out = []
+        layout: list[tuple[tuple[int, ...], np.dtype]] = []
         for ax, col in zip(self.axes, cols):
             types = set(map(type, col))
             if len(types) == 1 and (t := next(iter(types))) in _SCALARS:
@@ -742,15 +747,24 @@ class UnitReader:
                 if len(dtypes) != 1:
                     return None
                 dtype = dtypes.pop()
-            first = col[0]
-            if dtype.kind == "O" or ax > first.ndim:
+            shape = col[0].shape
+            if dtype.kind == "O" or ax > len(shape):
                 return None
+            layout.append((shape[:ax] + (len(col),) + shape[ax:], dtype))
+        into = self.into(layout) if self.into is not None else None
+        out = []
+        for k, (ax, col, (shape, dtype)) in enumerate(zip(self.axes, cols, layout)):
             try:
-                # one C call; samples of other shapes raise (numpy >= 1.24)
-                stacked = np.array(col, dtype=dtype) if ax == 0 else np.stack(col, axis=ax)
+                if into is not None:
+                    # straight into the worker's slot: no array of our own
+                    # (its pages faulted in anew each unit) and no copy after
+                    stacked = np.stack(col, axis=ax, out=into[k])
+                else:
+                    # one C call; samples of other shapes raise (numpy >= 1.24)
+                    stacked = np.array(col, dtype=dtype) if ax == 0 else np.stack(col, axis=ax)
             except ValueError:
                 return None  # the checked way names the sample
-            if stacked.shape[:ax] + stacked.shape[ax + 1:] != first.shape:
+            if stacked.shape != shape:
                 return None
             out.append(stacked)
         return out

@@ -32,7 +32,8 @@ import numpy as np
 
 __all__ = [
     "ALIGN", "Arrays", "EpochDone", "Exhausted", "Note", "Raised", "Result", "Unsendable", "align",
-    "arrays_nbytes", "packed_nbytes", "plain_arrays", "read_arrays", "sendable", "write_arrays",
+    "arrays_nbytes", "layout_nbytes", "packed_nbytes", "place_arrays", "plain_arrays", "read_arrays", "sendable",
+    "write_arrays",
 ]
 
 #: every array in a shared buffer starts at a multiple of this
@@ -121,15 +122,33 @@ def arrays_nbytes(arrays: Sequence[np.ndarray]) -> int:
 def write_arrays(arrays: Sequence[np.ndarray], buf: Any, base: int, where: int, as_tuple: bool) -> Arrays:
     """Copy ``arrays`` once into ``buf`` (anything with the buffer protocol)
     from byte ``base`` on; what reads them back (:func:`read_arrays`)."""
+    views, packed = place_arrays([(a.shape, a.dtype) for a in arrays], buf, base, where, as_tuple)
+    for dst, a in zip(views, arrays):
+        if a.nbytes:
+            np.copyto(dst, a, casting="no")
+    return packed
+
+
+def layout_nbytes(layout: Sequence[tuple[tuple[int, ...], np.dtype]]) -> int:
+    """Bytes arrays of these ``(shape, dtype)`` take in a shared buffer (each aligned)."""
+    return sum(align(math.prod(shape) * dtype.itemsize) for shape, dtype in layout)
+
+
+def place_arrays(
+    layout: Sequence[tuple[tuple[int, ...], np.dtype]], buf: Any, base: int, where: int, as_tuple: bool,
+) -> tuple[list[np.ndarray], Arrays]:
+    """Writable arrays of these ``(shape, dtype)`` in ``buf`` from byte
+    ``base`` on, laid out as :func:`write_arrays` lays them, and the
+    :class:`Arrays` that reads what is written into them back."""
+    views = []
     meta = []
     off = 0
-    for a in arrays:
-        if a.nbytes:
-            dst = np.ndarray(a.shape, a.dtype, buffer=buf, offset=base + off)
-            np.copyto(dst, a, casting="no")
-        meta.append((a.dtype, a.shape, off))
-        off += align(a.nbytes)
-    return Arrays(where, meta, as_tuple)
+    for shape, dtype in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        views.append(np.ndarray(shape, dtype, buffer=buf, offset=base + off) if nbytes else np.empty(shape, dtype))
+        meta.append((dtype, shape, off))
+        off += align(nbytes)
+    return views, Arrays(where, meta, as_tuple)
 
 
 def read_arrays(root: np.ndarray | None, packed: Arrays) -> list[np.ndarray] | tuple[np.ndarray, ...]:

@@ -1,0 +1,177 @@
+"""A random-access source's unit stacked straight into a worker process's
+slot (feeders/unit_slots.py): the slot's arrays are the result, sent with no
+copy; a unit that does not stack there gives its slot back; the stream on
+worker processes is the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed import FetcherError, Net, RandomAccessSource, init_data_input_workers
+from blobfeed.feeders.indexed import UnitReader
+from blobfeed.feeders.messages import read_arrays
+from blobfeed.feeders.unit_slots import UnitSlots
+
+from .test_indexed import SEED, reference
+
+SLOT = 4096
+WAIT = 30.0
+
+
+class Area:
+    """Three slots of SLOT bytes in one buffer, and the worker's free list."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(3 * SLOT)
+        self.free = [0, 1, 2]
+        self.flushes = 0
+
+    def take(self) -> int:
+        return self.free.pop()
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def slots(self, min_bytes: int = 64) -> UnitSlots:
+        return UnitSlots(self.buf, lambda k: k * SLOT, SLOT, self.take, self.free.append, self.flush, min_bytes)
+
+
+LAYOUT = [((4,), np.dtype(np.int64)), ((4, 3), np.dtype(np.float32))]
+
+
+def test_a_slot_s_arrays_filled_are_claimed_as_the_slot_and_read_back_from_it() -> None:
+    area = Area()
+    slots = area.slots()
+    ids, x = slots(LAYOUT)
+    assert area.free == [0, 1] and area.flushes == 1, "one slot taken, what was pending sent before"
+    ids[:] = [5, 6, 7, 8]
+    x[:] = np.arange(12, dtype=np.float32).reshape(4, 3)
+    packed = slots.claim([ids, x], as_tuple=True)
+    assert packed is not None and packed.where == 2 and packed.as_tuple
+    root = np.frombuffer(area.buf, np.uint8)[2 * SLOT:3 * SLOT]
+    back = read_arrays(root, packed)
+    assert isinstance(back, tuple)
+    np.testing.assert_array_equal(back[0], [5, 6, 7, 8])
+    np.testing.assert_array_equal(back[1], np.arange(12, dtype=np.float32).reshape(4, 3))
+    assert area.free == [0, 1], "the claimed slot is the parent's now"
+
+
+def test_a_slot_whose_arrays_are_not_the_result_goes_back() -> None:
+    area = Area()
+    slots = area.slots()
+    taken = slots(LAYOUT)
+    assert taken is not None
+    assert slots.claim([np.zeros(4, np.int64), taken[1]], as_tuple=False) is None
+    assert sorted(area.free) == [0, 1, 2]
+    assert slots.claim(taken, as_tuple=False) is None, "nothing held any more"
+
+
+def test_a_held_slot_goes_back_when_dropped_or_when_the_next_unit_takes_one() -> None:
+    area = Area()
+    slots = area.slots()
+    slots(LAYOUT)
+    slots.drop()
+    assert sorted(area.free) == [0, 1, 2]
+    slots(LAYOUT)
+    slots(LAYOUT)  # the first unit fell back without a claim
+    assert len(area.free) == 2, "one slot held at a time"
+
+
+@pytest.mark.parametrize("layout", [[((2,), np.dtype(np.int8))], [((SLOT,), np.dtype(np.float32))]])
+def test_units_under_the_minimum_or_over_a_slot_are_left_to_the_reader(layout: list) -> None:
+    area = Area()
+    assert area.slots(min_bytes=128)(layout) is None
+    assert area.free == [0, 1, 2] and area.flushes == 0
+
+
+class Rows:
+    """Sample i: (i, a row of 3 floats); sample ``bad`` has 4."""
+
+    def __init__(self, n: int, bad: int = -1) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        return np.int64(i), np.full(4 if i == self.bad else 3, i, np.float32)
+
+
+def _reader(dataset: Any) -> UnitReader:
+    return UnitReader("train", RandomAccessSource(dataset), len(dataset), SEED, ["ids", "x"], [0, 0])
+
+
+def test_a_unit_reader_stacks_into_the_arrays_it_is_given() -> None:
+    area = Area()
+    reader = _reader(Rows(8))
+    reader.into = area.slots()
+    samples = [Rows(8)[i] for i in (3, 1, 4, 0)]
+    out = reader._stack(0, [3, 1, 4, 0], samples)
+    packed = reader.into.claim(out, as_tuple=False)
+    assert packed is not None, "the stacked arrays are the slot's"
+    np.testing.assert_array_equal(out[0], [3, 1, 4, 0])
+    np.testing.assert_array_equal(out[1], np.repeat(np.array([3, 1, 4, 0], np.float32)[:, None], 3, axis=1))
+
+
+def test_a_unit_that_does_not_stack_in_the_slot_names_its_sample_and_gives_the_slot_back() -> None:
+    area = Area()
+    reader = _reader(Rows(8, bad=4))
+    reader.into = area.slots()
+    samples = [Rows(8, bad=4)[i] for i in (3, 4)]
+    with pytest.raises(Exception, match=r"dataset\[4\].*blob 'x'.*per-sample shape \(4,\)"):
+        reader._stack(0, [3, 4], samples)
+    reader.into.drop()  # what the worker does on the error's event
+    assert sorted(area.free) == [0, 1, 2]
+
+
+class Wide:
+    """Sample i: (i, 8 KiB of i): a unit of 4 is 32 KiB, one shared-memory slot's worth."""
+
+    def __init__(self, n: int, bad: int = -1) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        return np.int64(i), np.full(2048 + (i == self.bad), i, np.float32)
+
+
+def _run(dataset: Any, workers: int) -> list[tuple[int, ...]]:
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "x"], RandomAccessSource(dataset, shuffle=True, seed=SEED, read_size=4),
+                            4, num_worker_threads=workers, coordinator=gc, epochs=2, backend="processes")
+    got: list[tuple[int, ...]] = []
+    gc.start()
+    try:
+        while True:
+            try:
+                out = net.run(timeout=WAIT)
+            except blobfeed.EndOfEpoch:
+                continue
+            except blobfeed.EndOfInput:
+                break
+            ids = out["ids"]
+            np.testing.assert_array_equal(out["x"], np.repeat(ids.astype(np.float32)[:, None], 2048, axis=1))
+            got.append(tuple(int(i) for i in ids))
+    finally:
+        assert gc.stop(timeout=10.0)
+    return got
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_units_stacked_in_worker_process_slots_give_the_reference_stream(workers: int) -> None:
+    want = [b for b in reference(26, 4, 2) if b[0] != "end"]
+    assert _run(Wide(26), workers) == want
+
+
+def test_a_sample_that_does_not_stack_fails_the_source_naming_it_on_processes() -> None:
+    with pytest.raises(FetcherError) as err:
+        _run(Wide(26, bad=9), 2)
+    text = str(err.value).splitlines()[0]
+    assert "blob 'x'" in text and "dataset[9]" in text and "per-sample shape (2049,)" in text, text
