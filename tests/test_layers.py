@@ -40,6 +40,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.replay": 3, "blobfeed.feeders.messages": 3,
     # a worker process's batches assembled in its own slots (its messages only)
     "blobfeed.feeders.worker_batches": 3.01,
+    # a worker process's slot as the place its random-access reader stacks a unit (messages only)
+    "blobfeed.feeders.unit_slots": 3.01,
     "blobfeed.feeders.source": 4,
     "blobfeed.feeders.worker_loop": 4.5,
     "blobfeed.feeders.enqueuer": 5, "blobfeed.feeders.reading": 5.5,
