@@ -37,7 +37,7 @@ import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, ShardedSource, init_data_input_workers
 
 from .helpers import wait_until
-from .test_indexed import read_in_turn
+from .test_indexed import read_attached
 
 SRC = "train"
 BLOBS = ["ids", "x"]
@@ -830,14 +830,7 @@ def test_a_served_sharded_source_resumes_with_another_num_consumers(tmp_path: An
         server.serve_source(SRC, BLOBS, ShardedSource(SIZES, Shards(), shuffle=True), bs, 2,
                             num_consumers=consumers, epochs=epochs)
         with server.start():
-            nets = [Net(name=f"rank{i}") for i in range(consumers)]
-            atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
-                    for i in range(consumers)]
-            try:
-                return read_in_turn(nets, limit)
-            finally:
-                for a in atts:
-                    a.stop()
+            return read_attached(server.address, consumers, bs, limit)
 
     first = run(2, False, 5)
     seed = json.loads(state_file.read_text())["sources"][SRC]["inner"]["seed"]
