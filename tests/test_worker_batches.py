@@ -145,7 +145,7 @@ def test_a_batch_handed_out_wakes_a_worker_waiting_on_the_viewed_count_and_only_
     only every few milliseconds.  No flag, no token: nothing piles up."""
     import os
 
-    from blobfeed.feeders.slot_ring import WAKE
+    from blobfeed.feeders.transport import WAKE
 
     ring, area, free_r = _ring_and_area()
     try:

@@ -31,8 +31,7 @@ import numpy as np
 
 from ..worker_info import WorkerInfo
 from .messages import Note, Raised, Result, arrays_nbytes, plain_arrays, sendable, write_arrays
-from .transport import SLOT_INDEX, FdHandle, SlotArea, pack_exception, send_message
-from .slot_ring import WAKE
+from .transport import SLOT_INDEX, WAKE, FdHandle, SlotArea, pack_exception, send_message
 from .unit_slots import UnitSlots
 from .worker_batches import BatchFiller
 from .worker_loop import skips, worker_events

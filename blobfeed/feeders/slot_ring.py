@@ -8,12 +8,9 @@ import os
 import threading
 from typing import Callable
 
-from .transport import SLOT_INDEX
+from .transport import SLOT_INDEX, WAKE
 
-__all__ = ["SlotRing", "WAKE"]
-
-#: on the free-slot pipe: no slot, look at the viewed count again
-WAKE = -2
+__all__ = ["SlotRing"]
 
 
 class SlotRing:

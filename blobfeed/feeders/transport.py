@@ -34,9 +34,11 @@ __all__ = [
 #: grow (worker to parent: a batch handed out then writes it a wake-up)
 HEADER_BYTES = 64
 _HINT = struct.Struct("<q")
-#: one free slot index on the free pipe; -1 tells the worker to stop, -2
-#: wakes it to look at the viewed count again (slot_ring.WAKE)
+#: one free slot index on the free pipe; -1 tells the worker to stop, and
+#: WAKE wakes it to look at the viewed count again
 SLOT_INDEX = struct.Struct("<i")
+#: on the free-slot pipe: no slot, look at the viewed count again
+WAKE = -2
 
 
 #: the length of one message on a worker's pipe, before its bytes
