@@ -113,6 +113,12 @@ class BatchReader:
         #: samples read() handed out and not yet returned or held: still the
         #: source's (buffered), wherever the consumer keeps them
         self.lent = 0
+        #: called in the consumer's thread when :meth:`dequeue` is about to
+        #: wait for a batch (none is ready), with :attr:`waiting` set already:
+        #: a remote consumer's attachment frees the slots it kept back then
+        self.before_wait: Callable[[], None] | None = None
+        #: the consumer's thread waits in :meth:`dequeue` for a batch now
+        self.waiting = False
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -343,6 +349,10 @@ class BatchReader:
                     "returned before Net.run()"
                 )
             deadline = t0 + limit
+            hook = self.before_wait
+            if hook is not None:
+                self.waiting = True  # before the hook: see Attachment._on_free
+                hook()
             while True:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
@@ -365,6 +375,7 @@ class BatchReader:
                             self.source.sibling_hint(feed._input),
                         )
         finally:
+            self.waiting = False
             t1 = cs.last_end = time.perf_counter()
             cs.wait.observe(t1 - t0)
 

@@ -1,0 +1,71 @@
+"""The feeding service's per-batch path (issue 25, S2: small batches):
+what each batch costs in wake-ups and records, on the consumer and on the
+service, beside what it must still do (every batch once, acknowledged
+before run() returns it, its slot back to the service)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import blobfeed
+from blobfeed.service import FeedServer
+
+from . import feeds
+
+
+def _switches(thread: threading.Thread) -> int:
+    """Context switches of ``thread`` so far (each time it slept and woke, or was preempted)."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        return sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+
+
+def _serve(calls: int, **kw: Any) -> FeedServer:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(calls), 8, 2, **kw)
+    return server.start()
+
+
+def test_a_batch_the_net_lets_go_of_wakes_no_other_thread_of_the_consumer() -> None:
+    """Each run() replaces the workspace's last batch, so that batch's views
+    die inside run(), in the net's own thread: its slot went to the outbox
+    thread, woken once per batch to find, nearly always, that the next
+    acknowledgement had taken the slot already (S2: a fifth of a consumer's
+    CPU, half its context switches).  Now the slot waits for the net's next
+    acknowledgement, or its next wait: the outbox thread sleeps."""
+    with _serve(300) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=30) as att:
+            outbox = att._threads[1]
+            assert outbox.name.startswith("blobfeed-attach-out")
+            for _ in range(3):
+                net.run(timeout=30)
+            before = _switches(outbox)
+            runs = 60
+            for _ in range(runs):
+                net.run(timeout=30)
+            woke = _switches(outbox) - before
+    assert woke < runs // 6, f"the outbox thread woke {woke} times in {runs} runs"
+
+
+def test_slots_the_net_let_go_of_come_back_before_it_waits() -> None:
+    """The slots kept for the next acknowledgement come back before the
+    net waits when the service may be short of them: a user keeping its
+    last two batches holds two of 3 slots, the third is kept back, and the
+    service has none to send the next batch in (without the return before
+    the wait, run() would time out).  Every batch once, to the end."""
+    with _serve(feeds.CALLS, slots=3) as server:
+        net = blobfeed.Net(None)
+        got, last = [], []
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=10):
+            while True:
+                try:
+                    out = net.run(timeout=10)
+                except blobfeed.EndOfEpoch:
+                    continue
+                except blobfeed.EndOfInput:
+                    break
+                got.extend(int(i) for i in out["id"])
+                last = [out, *last][:2]  # the user keeps its last two batches
+                del out
+    assert sorted(got) == feeds.all_ids(2)
