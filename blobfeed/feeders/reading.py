@@ -171,6 +171,43 @@ class BatchReader:
             self.lent += item.n
         return item
 
+    def read_ready(self) -> Batch | EpochEnd | None:
+        """:meth:`read` without waiting: the next batch if it is ready now
+        (queued, or assembled in this thread from the chunks the source has
+        queued, in one pass under the feed's lock), else None.  A reader
+        without prefetch settles its stream's end in :meth:`read`, not
+        here: None then, and the caller's next :meth:`read` raises.
+
+        Raises:
+            EndOfInput, FetcherError: as :meth:`read`, for what is settled already.
+        """
+        held = self.take_held()
+        if held is not None:
+            if type(held) is Batch:
+                self.lent += held.n
+            return held
+        feed = self._feed
+        if feed.prefetch or feed.fed_by_caller or feed.rebatcher.big or not feed._started:
+            # the device queue's way: big batches are assembled outside the lock (Feed._drain)
+            return self.read() if self.ready() else None
+        cs = self.consume_stats
+        t0 = time.perf_counter()
+        ok, item = self._device_queue.get_nowait()
+        if not ok:
+            item = self._assemble_here()
+            if item is None:
+                return None
+        # counted as read() counts a batch it did not wait for
+        if cs.last_end:
+            cs.busy += t0 - cs.last_end
+        else:
+            self._first_ask = t0
+        t1 = cs.last_end = time.perf_counter()
+        cs.wait.observe(t1 - t0)
+        if type(item) is Batch:
+            self.lent += item.n
+        return item
+
     def returned(self, batch: Batch | EpochEnd) -> None:
         """The consumer is done with ``batch`` (or passed the epoch end): it
         counts as delivered, and the source's position moves past it."""
