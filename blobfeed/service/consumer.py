@@ -369,11 +369,12 @@ class Attachment(Attached):
             slot = mapping.freed(ref)
             if slot is not None:
                 slots.append(slot)
-        while len(slots) < MAX_ITEMS:
+        empty = self._out.empty
+        while len(slots) < MAX_ITEMS and not empty():  # (no exception raised per acknowledgement)
             try:
                 ref = get()
             except queue.Empty:
-                break
+                break  # the outbox thread took it meanwhile
             if ref is None:
                 self._out.put(None)  # for the outbox thread: it ends
                 break

@@ -5,6 +5,7 @@ before run() returns it, its slot back to the service)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -69,3 +70,31 @@ def test_slots_the_net_let_go_of_come_back_before_it_waits() -> None:
                 last = [out, *last][:2]  # the user keeps its last two batches
                 del out
     assert sorted(got) == feeds.all_ids(2)
+
+
+def test_a_batch_laid_out_as_the_last_is_still_checked_for_its_slot(tmp_path: Any) -> None:
+    """A consumer checks a batch's layout once and compares the next
+    batches' with it (most share it): the slot each names is still checked,
+    and a layout that differs in anything is checked afresh."""
+    import pytest
+
+    from .test_service import ID8, X8, FakeUnixService, batches_record
+
+    cases = [
+        (batches_record([0, 0, 8, [ID8, X8]], [1, 7, 8, [ID8, X8]]), "batch in slot 7, of 3"),
+        (batches_record([0, 0, 8, [ID8, X8]], [1, 1, 8, [ID8, ["<f4", [8, 3], 1000]]]), "do not fit a slot of 1024"),
+        (batches_record([0, 0, 8, [ID8, X8]], [1, 1, 7, [ID8, X8]]), "bad shape"),
+        # equal to the last layout as Python compares, not as JSON wrote it
+        (batches_record([0, 0, 8, [ID8, X8]], [1, 1, 8, [ID8, ["<f4", [8, 3], 64.0]]]), "must be [dtype, shape, offset]"),
+        (batches_record([0, 0, 8, [ID8, X8]], [1, 1, 8, [ID8, ["<f4", [8, 3.0], 64]]]), "bad shape"),
+    ]
+    for k, (record, expected) in enumerate(cases):
+        fake = FakeUnixService(tmp_path / f"fake{k}.sock", [record])
+        try:
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+                with pytest.raises(blobfeed.ServiceError, match=re.escape(expected)):
+                    for _ in range(2):  # the first batch is good: the second fails the record
+                        net.run(timeout=10)
+        finally:
+            fake.close()
