@@ -847,6 +847,11 @@ def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runne
     return out
 
 
+#: the tests that read w1_family_run: one test process takes them all (its
+#: fixture, a minute of real runs on a busy machine, then runs once)
+W1_FAMILY = pytest.mark.xdist_group("w1-family")
+
+
 @pytest.fixture(scope="module")
 def w1_family_run() -> subprocess.CompletedProcess[str]:
     """One tiny real run of W1, its ordered modes, its process workers
@@ -861,11 +866,13 @@ def w1_family_run() -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(240)
+@W1_FAMILY
 def test_a_tiny_real_run_exits_as_its_verdict_says(w1_family_run: subprocess.CompletedProcess[str]) -> None:
     _check_real_run(w1_family_run, "W1")
 
 
 @pytest.mark.timeout(240)
+@W1_FAMILY
 def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says(
     w1_family_run: subprocess.CompletedProcess[str],
 ) -> None:
@@ -877,6 +884,7 @@ def test_a_tiny_real_run_of_process_workers_exits_as_its_verdict_says(
 
 
 @pytest.mark.timeout(240)
+@W1_FAMILY
 def test_a_tiny_real_run_of_the_ordered_modes_exits_as_its_verdict_says(
     w1_family_run: subprocess.CompletedProcess[str],
 ) -> None:
@@ -1525,6 +1533,7 @@ def test_w7s_peers_read_the_same_dataset(small_w7: workloads.Workload, peer: str
 
 
 @pytest.mark.timeout(240)
+@W1_FAMILY
 def test_a_tiny_real_run_of_w1i_and_w2i_reports_their_rows_and_loses_nothing(
     w1_family_run: subprocess.CompletedProcess[str],
 ) -> None:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .test_indexed import (
-    SEED, SRC, Items, Pipeline, assert_stream, batches_of, read_in_turn, reference, reference_tagged,
+    SEED, SRC, Items, Pipeline, assert_stream, batches_of, read_attached, reference, reference_tagged,
     tagged_from_start, tagged_to_end,
 )
 
@@ -101,8 +101,7 @@ def test_a_served_source_stopped_anywhere_resumes_on_any_num_consumers_exactly(
     rest of the stream dealt anew."""
     import json
 
-    import blobfeed
-    from blobfeed import Net, RandomAccessSource
+    from blobfeed import RandomAccessSource
     from blobfeed.service import FeedServer
 
     from .test_indexed import BLOBS
@@ -114,14 +113,7 @@ def test_a_served_source_stopped_anywhere_resumes_on_any_num_consumers_exactly(
         server.serve_source(SRC, BLOBS, RandomAccessSource(Items(n), shuffle=True, seed=3), bs, 2,
                             num_consumers=consumers, epochs=epochs)
         with server.start():
-            nets = [Net(name=f"rank{i}") for i in range(consumers)]
-            atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
-                    for i in range(consumers)]
-            try:
-                return read_in_turn(nets, limit)
-            finally:
-                for a in atts:
-                    a.stop()
+            return read_attached(server.address, consumers, bs, limit)
 
     first = run(before, False, stop)
     assert json.loads(state_file.read_text())["sources"][SRC]["inner"]["seed"] == 3

@@ -145,6 +145,18 @@ class Pipeline:
         return json.loads(json.dumps(self.gc.state_dict(SRC)))
 
 
+def read_attached(address: str, consumers: int, bs: int, limit: int | None) -> list[list[Event]]:
+    """``consumers`` nets attached by index to the source served at
+    ``address``, read in turn (:func:`read_in_turn`), then detached."""
+    nets = [Net(name=f"rank{i}") for i in range(consumers)]
+    atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, address, consumer_index=i) for i in range(consumers)]
+    try:
+        return read_in_turn(nets, limit)
+    finally:
+        for a in atts:
+            a.stop()
+
+
 def read_in_turn(nets: Sequence[Net], limit: int | None) -> list[list[Event]]:
     """Each net in turn (attached consumers, say) until each ended, or
     ``limit`` events in all: each one's batches of sample ids and epoch ends."""
@@ -490,14 +502,7 @@ def test_a_served_random_access_source_resumes_with_another_num_consumers(tmp_pa
 
     def run(consumers: int, resume: bool, limit: int | None) -> list[list[Event]]:
         with serve(consumers, resume) as server:
-            nets = [Net(name=f"rank{i}") for i in range(consumers)]
-            atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
-                    for i in range(consumers)]
-            try:
-                return read_in_turn(nets, limit)
-            finally:
-                for a in atts:
-                    a.stop()
+            return read_attached(server.address, consumers, bs, limit)
 
     seed = None
     first = run(2, False, 5)

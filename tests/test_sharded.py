@@ -37,7 +37,7 @@ import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, ShardedSource, init_data_input_workers
 
 from .helpers import wait_until
-from .test_indexed import read_in_turn
+from .test_indexed import read_attached
 
 SRC = "train"
 BLOBS = ["ids", "x"]
@@ -183,7 +183,8 @@ class Pipeline:
         except EndOfInput:
             return None
         ids = out["ids"]
-        np.testing.assert_array_equal(out["x"], np.repeat(ids.astype(np.float32)[:, None], 3, axis=1))
+        x = out["x"]
+        np.testing.assert_array_equal(x, np.repeat(ids.astype(np.float32)[:, None], x.shape[1], axis=1))
         return tuple(int(i) for i in ids)
 
     def lockstep(self, limit: int | None = None) -> list[list[Event]]:
@@ -222,6 +223,21 @@ def test_same_stream_on_processes(workers: int, nets: int) -> None:
     with Pipeline(Shards(), nets, workers, backend="processes", block=4) as p:
         got = p.lockstep()
     assert_stream(got, reference(4, 2, block=4), f"processes, {workers} workers, {nets} nets, shuffle_block=4")
+
+
+class WideShards(Shards):
+    """Shards' samples with rows of 4096 floats: a unit of 4 is 64 KiB,
+    stacked straight into a worker process's slot."""
+
+    def chunk(self, ids: np.ndarray) -> Any:
+        return ids, np.repeat(ids.astype(np.float32)[:, None], 4096, axis=1)
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_wide_units_taken_into_worker_process_slots_give_the_reference_stream(block: int) -> None:
+    with Pipeline(WideShards(), 2, 2, backend="processes", block=block) as p:
+        got = p.lockstep()
+    assert_stream(got, reference(4, 2, block=block), f"processes, wide samples, shuffle_block={block}")
 
 
 def test_shuffle_changes_with_epoch_and_seed_and_blocks_permute_inside_shards() -> None:
@@ -830,14 +846,7 @@ def test_a_served_sharded_source_resumes_with_another_num_consumers(tmp_path: An
         server.serve_source(SRC, BLOBS, ShardedSource(SIZES, Shards(), shuffle=True), bs, 2,
                             num_consumers=consumers, epochs=epochs)
         with server.start():
-            nets = [Net(name=f"rank{i}") for i in range(consumers)]
-            atts = [blobfeed.attach_source(nets[i], BLOBS, bs, SRC, server.address, consumer_index=i)
-                    for i in range(consumers)]
-            try:
-                return read_in_turn(nets, limit)
-            finally:
-                for a in atts:
-                    a.stop()
+            return read_attached(server.address, consumers, bs, limit)
 
     first = run(2, False, 5)
     seed = json.loads(state_file.read_text())["sources"][SRC]["inner"]["seed"]

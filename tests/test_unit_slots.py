@@ -89,16 +89,17 @@ def test_units_under_the_minimum_or_over_a_slot_are_left_to_the_reader(layout: l
 
 
 class Rows:
-    """Sample i: (i, a row of 3 floats); sample ``bad`` has 4."""
+    """Sample i: (i, a row of ``width`` floats, each i); sample ``bad``'s
+    row has one more.  Module level: it pickles."""
 
-    def __init__(self, n: int, bad: int = -1) -> None:
-        self.n, self.bad = n, bad
+    def __init__(self, n: int, bad: int = -1, width: int = 3) -> None:
+        self.n, self.bad, self.width = n, bad, width
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
-        return np.int64(i), np.full(4 if i == self.bad else 3, i, np.float32)
+        return np.int64(i), np.full(self.width + (i == self.bad), i, np.float32)
 
 
 def _reader(dataset: Any) -> UnitReader:
@@ -128,17 +129,9 @@ def test_a_unit_that_does_not_stack_in_the_slot_names_its_sample_and_gives_the_s
     assert sorted(area.free) == [0, 1, 2]
 
 
-class Wide:
-    """Sample i: (i, 8 KiB of i): a unit of 4 is 32 KiB, one shared-memory slot's worth."""
-
-    def __init__(self, n: int, bad: int = -1) -> None:
-        self.n, self.bad = n, bad
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
-        return np.int64(i), np.full(2048 + (i == self.bad), i, np.float32)
+def wide(n: int, bad: int = -1) -> Rows:
+    """Rows of 8 KiB: a unit of 4 is 32 KiB, one shared-memory slot's worth."""
+    return Rows(n, bad, width=2048)
 
 
 def _run(dataset: Any, workers: int) -> list[tuple[int, ...]]:
@@ -167,11 +160,11 @@ def _run(dataset: Any, workers: int) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("workers", [1, 3])
 def test_units_stacked_in_worker_process_slots_give_the_reference_stream(workers: int) -> None:
     want = [b for b in reference(26, 4, 2) if b[0] != "end"]
-    assert _run(Wide(26), workers) == want
+    assert _run(wide(26), workers) == want
 
 
 def test_a_sample_that_does_not_stack_fails_the_source_naming_it_on_processes() -> None:
     with pytest.raises(FetcherError) as err:
-        _run(Wide(26, bad=9), 2)
+        _run(wide(26, bad=9), 2)
     text = str(err.value).splitlines()[0]
     assert "blob 'x'" in text and "dataset[9]" in text and "per-sample shape (2049,)" in text, text

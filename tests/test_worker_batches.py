@@ -110,3 +110,55 @@ def test_a_slow_first_call_does_not_turn_it_off_and_a_batch_begun_is_completed()
         if on:
             f.add(slow, [ids, x], True, 8)
     assert not on and not f.filling, "a batch begun is completed before it turns off"
+
+
+# --------------------------------------------------------------------------- waking a worker
+def _ring_and_area():
+    import os
+
+    from blobfeed.feeders.slot_ring import SlotRing
+    from blobfeed.feeders.transport import SlotArea
+
+    area, fd = SlotArea.create("test-wake", 4, 4096)
+    os.close(fd)
+    free_r, free_w = os.pipe()
+    os.set_blocking(free_r, False)
+    return SlotRing(4, free_w, area.set_viewed), area, free_r
+
+
+def _pipe_records(fd: int) -> list[int]:
+    import os
+
+    from blobfeed.feeders.transport import SLOT_INDEX
+
+    try:
+        data = os.read(fd, 4096)
+    except BlockingIOError:
+        return []
+    return [i for (i,) in SLOT_INDEX.iter_unpack(data)]
+
+
+def test_a_batch_handed_out_wakes_a_worker_waiting_on_the_viewed_count_and_only_then() -> None:
+    """A worker waits on the viewed count (its batches inside blobfeed)
+    with its flag up; the parent then writes a wake-up on the free-slot
+    pipe when a batch is handed out (viewed), where the worker looked again
+    only every few milliseconds.  No flag, no token: nothing piles up."""
+    import os
+
+    from blobfeed.feeders.slot_ring import WAKE
+
+    ring, area, free_r = _ring_and_area()
+    try:
+        ring.hold(False)
+        assert ring.grant_view(0)
+        assert area.viewed() == 1 and _pipe_records(free_r) == [], "nobody waits: no token"
+        area.set_waiting(True)
+        ring.hold(False)
+        assert ring.grant_view(1)
+        assert area.viewed() == 2 and _pipe_records(free_r) == [WAKE]
+        ring.release(0)  # a slot back wakes it by itself (its index)
+        assert _pipe_records(free_r) == [0]
+    finally:
+        ring.close()
+        os.close(free_r)
+        area.mm.close()

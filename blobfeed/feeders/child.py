@@ -32,6 +32,7 @@ import numpy as np
 from ..worker_info import WorkerInfo
 from .messages import Note, Raised, Result, arrays_nbytes, plain_arrays, sendable, write_arrays
 from .transport import SLOT_INDEX, FdHandle, SlotArea, pack_exception, send_message
+from .slot_ring import WAKE
 from .unit_slots import UnitSlots
 from .worker_batches import BatchFiller
 from .worker_loop import skips, worker_events
@@ -48,7 +49,8 @@ INLINE_MAX_DELAY_S = 0.005
 #: inside blobfeed (being filled, on their way, queued) at once
 BATCH_SLOTS = 2
 #: seconds between two looks at the viewed count while a worker waits on it
-VIEWED_POLL_S = 0.005
+#: (the parent wakes it when the count grows: this catches a lost wake-up)
+VIEWED_POLL_S = 0.02
 
 _PR_SET_PDEATHSIG = 1
 
@@ -178,15 +180,26 @@ def _work(
         """A free slot, once fewer than ``inside`` slots are out and not
         viewed by batches handed out (blocking)."""
         while not free or slots - len(free) - area.viewed() >= inside:
-            # Waiting for a slot back blocks; waiting for the parent to hand
-            # a batch out (the viewed count, in the shared header) looks
-            # again every VIEWED_POLL_S: no message tells of that.
-            if free and not select.select([free_r], [], [], VIEWED_POLL_S)[0]:
-                continue
+            if free:
+                # Waiting for the parent to hand a batch out (the viewed
+                # count, in the shared header): with our flag up it writes a
+                # WAKE on the free pipe when it does.  The flag and the count
+                # are two words with no fence between them, so a wake-up lost
+                # to the stores' order is caught by the timeout.
+                area.set_waiting(True)
+                try:
+                    if slots - len(free) - area.viewed() < inside:
+                        break
+                    if not select.select([free_r], [], [], VIEWED_POLL_S)[0]:
+                        continue
+                finally:
+                    area.set_waiting(False)
             data = os.read(free_r, SLOT_INDEX.size * slots)
             if not data:
                 return -1  # the parent closed its end
             for (i,) in SLOT_INDEX.iter_unpack(data):
+                if i == WAKE:
+                    continue
                 if i < 0:
                     return -1
                 free.append(i)

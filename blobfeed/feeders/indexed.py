@@ -528,10 +528,6 @@ class UnitReader:
         self.units: Any = None
         #: (epoch, its order): one tuple, read and replaced at once (threads share it)
         self._order: tuple[int, np.ndarray] | None = None
-        #: where a unit is stacked, when not in arrays of its own: called
-        #: with each blob's (shape, dtype), it returns arrays to stack into,
-        #: or None (a worker process's slot: unit_slots.UnitSlots)
-        self.into: Callable[[list[tuple[tuple[int, ...], np.dtype]]], list[np.ndarray] | None] | None = None
 
     def __repr__(self) -> str:
         return f"<the reader of random-access source {self.source!r}: {type(self.dataset).__qualname__} of {self.n}>"
@@ -540,11 +536,15 @@ class UnitReader:
         state = dict(self.__dict__)
         state["units"] = None
         state["_order"] = None
-        state["into"] = None
+        state.pop("into", None)
         return state
 
     #: ``UnitDispenser(unit_end=)`` for this source's units (None: the default cut)
     unit_end: Callable[[int, int], int] | None = None
+    #: where a unit is stacked, when not in arrays of its own: called with
+    #: each blob's (shape, dtype), it returns arrays to stack into, or None
+    #: (a worker process sets its slots here: unit_slots.UnitSlots)
+    into: Callable[[list[tuple[tuple[int, ...], np.dtype]]], list[np.ndarray] | None] | None = None
 
     def worker_ended(self, worker_id: int) -> None:
         """Worker ``worker_id`` makes no further call (it stopped, failed or

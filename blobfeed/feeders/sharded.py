@@ -381,12 +381,33 @@ class ShardedReader(UnitReader):
         hi = lo + (r.hi - r.lo)
         b = self.block
         if not b:
-            return Stamped([_own(a) for a in self._take(worker_id, k, lo, hi)], r.unit)
+            arrays = self._take(worker_id, k, lo, hi)
+            into = self._slot_for([(a.shape, a.dtype) for a in arrays], arrays)
+            if into is not None:  # a worker process: copied once, into its slot
+                for dst, a in zip(into, arrays):
+                    np.copyto(dst, a, casting="no")
+                return Stamped(into, r.unit)
+            return Stamped([_own(a) for a in arrays], r.unit)
         size = int(self.sizes[k])
         read_lo, read_hi = lo // b * b, min(-(-hi // b) * b, size)
         arrays = self._take(worker_id, k, read_lo, read_hi)
         sel = self._in_blocks(r.lo // self.n, k, lo, hi) - read_lo
+        layout = [(a.shape[:ax] + (len(sel),) + a.shape[ax + 1:], a.dtype) for a, ax in zip(arrays, self.axes)]
+        into = self._slot_for(layout, arrays)
+        if into is not None:  # the selection taken straight into the worker's slot
+            # mode="clip": with "raise" numpy buffers the output, a copy more (sel is in range)
+            return Stamped([np.take(a, sel, axis=ax, out=o, mode="clip") for a, ax, o in zip(arrays, self.axes, into)],
+                           r.unit)
         return Stamped([np.take(a, sel, axis=ax) for a, ax in zip(arrays, self.axes)], r.unit)
+
+    def _slot_for(self, layout: list[tuple[tuple[int, ...], np.dtype]], arrays: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Arrays of ``layout`` in the worker process's slot (see
+        ``UnitReader.into``), when there is one and every array is plain."""
+        if self.into is None or not all(
+            type(a) is np.ndarray and not a.dtype.hasobject and a.dtype.isnative for a in arrays
+        ):
+            return None
+        return self.into(layout)
 
     def _close(self, worker_id: int) -> None:
         was = self._open.pop(worker_id, None)

@@ -10,7 +10,10 @@ from typing import Callable
 
 from .transport import SLOT_INDEX
 
-__all__ = ["SlotRing"]
+__all__ = ["SlotRing", "WAKE"]
+
+#: on the free-slot pipe: no slot, look at the viewed count again
+WAKE = -2
 
 
 class SlotRing:
@@ -26,11 +29,12 @@ class SlotRing:
 
     __slots__ = ("slots", "_lock", "_free_w", "_closed", "_viewed", "_held", "_tell_viewed")
 
-    def __init__(self, slots: int, free_w: int, tell_viewed: Callable[[int], None] | None = None) -> None:
+    def __init__(self, slots: int, free_w: int, tell_viewed: Callable[[int], bool] | None = None) -> None:
         self.slots = slots
         self._free_w = free_w
         #: tells the child how many of its slots batches handed out view
-        #: (the worker's shared header: see worker_batches)
+        #: (the worker's shared header: see worker_batches); True when the
+        #: child waits for that count to grow
         self._tell_viewed = tell_viewed
         self._lock = threading.Lock()
         self._closed = False
@@ -81,8 +85,8 @@ class SlotRing:
             if len(viewed) >= bound and not (self.slots == 2 and not viewed and self._held == 1):
                 return False
             viewed.add(slot)
-            if self._tell_viewed is not None:
-                self._tell_viewed(len(viewed))
+            if self._tell_viewed is not None and self._tell_viewed(len(viewed)):
+                self._send(WAKE)  # it waits for this: no slot comes back to wake it
             return True
 
     def release(self, slot: int) -> None:

@@ -30,10 +30,12 @@ __all__ = [
 #: [24:32] the started flag (worker to parent: its start-up is over),
 #: [32:40] the size of the batches the worker may assemble itself, 0: none,
 #: [40:48] how many of its slots batches handed out view (both parent to
-#: worker, see worker_batches)
+#: worker, see worker_batches), [48:56] the worker waits for that count to
+#: grow (worker to parent: a batch handed out then writes it a wake-up)
 HEADER_BYTES = 64
 _HINT = struct.Struct("<q")
-#: one free slot index on the free pipe; -1 tells the worker to stop
+#: one free slot index on the free pipe; -1 tells the worker to stop, -2
+#: wakes it to look at the viewed count again (slot_ring.WAKE)
 SLOT_INDEX = struct.Struct("<i")
 
 
@@ -153,12 +155,19 @@ class SlotArea:
         """The size of the batches the worker may assemble itself (0: it may not)."""
         return _HINT.unpack_from(self.mm, 32)[0]
 
-    def set_viewed(self, slots: int) -> None:
+    def set_viewed(self, slots: int) -> bool:
+        """Publish the viewed count; whether the worker waits for it (see
+        :meth:`set_waiting`)."""
         _HINT.pack_into(self.mm, 40, slots)
+        return _HINT.unpack_from(self.mm, 48)[0] != 0
 
     def viewed(self) -> int:
         """How many of the worker's slots batches handed out view now."""
         return _HINT.unpack_from(self.mm, 40)[0]
+
+    def set_waiting(self, waiting: bool) -> None:
+        """The worker waits (or no longer) for the viewed count to grow."""
+        _HINT.pack_into(self.mm, 48, int(waiting))
 
     def set_stop(self) -> None:
         _HINT.pack_into(self.mm, 8, 1)
