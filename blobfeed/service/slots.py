@@ -95,6 +95,8 @@ class _Ring:
         self.slot_bytes = slot_bytes
         self.fd = -1
         self._cond = threading.Condition()
+        #: give_back wakes the sender once this many slots are free (see take)
+        self._want = 1
         self._free = list(range(slots - 1, -1, -1))
         #: per slot, 1 while it is in _free (its membership at a glance)
         self._is_free = bytearray(b"\x01") * slots
@@ -103,11 +105,17 @@ class _Ring:
     def close_fd(self) -> None:
         """Nothing to close (see :class:`SlotArea`)."""
 
-    def take(self, timeout: float) -> int | None:
-        """A free slot, waiting up to ``timeout``; None if none came (or closed)."""
+    def take(self, timeout: float, want: int = 1) -> int | None:
+        """A free slot, waiting up to ``timeout`` for ``want`` of them to be
+        free (then one is taken; after ``timeout``, one if any is); None if
+        none came (or closed)."""
         with self._cond:
-            if not self._free and not self._closed:
-                self._cond.wait(timeout)
+            if len(self._free) < want and not self._closed:
+                self._want = want
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._want = 1
             if self._closed or not self._free:
                 return None
             slot = self._free.pop()
@@ -141,7 +149,8 @@ class _Ring:
                     is_free[slot] = 1
                     self._free.append(slot)
             finally:
-                self._cond.notify()
+                if len(self._free) >= self._want:
+                    self._cond.notify()
 
     def close(self) -> None:
         """Wake the sender."""

@@ -98,3 +98,40 @@ def test_a_batch_laid_out_as_the_last_is_still_checked_for_its_slot(tmp_path: An
                         net.run(timeout=10)
         finally:
             fake.close()
+
+
+def test_a_consumer_with_every_slot_in_use_gets_its_freed_slots_refilled_together() -> None:
+    """A consumer slower than the service has every slot in use (its queue
+    full); it frees one per batch its run() returns.  The service sent one
+    record per freed slot: a batch, a record and a wake-up on both sides
+    each.  Now, while the consumer still has half its slots' batches to
+    return, the service waits for a quarter of the slots (at most 0.1 s)
+    and sends those batches in one record."""
+    import json
+    import os
+    import time
+
+    from .test_service import _records, hand_hello
+
+    server = _serve(feeds.CALLS, slots=16, num_consumers=1)
+    try:
+        s, fds = hand_hello(server.address, index=0)
+        for fd in fds:
+            os.close(fd)
+        s.settimeout(10)
+        records = _records(s)
+        held = []
+        while len(held) < 16:
+            record = next(records)
+            if record["t"] == "batches":
+                held += record["items"]
+        assert len(held) == 16  # every slot in use: nothing more until one is freed
+        for g, slot, *_ in held[:4]:
+            # the consumer's pace: one returned every 10 ms (well within the 0.1 s bound)
+            s.send(json.dumps({"t": "ack", "g": g, "slots": [slot], "waited": 0.0}).encode())
+            time.sleep(0.01)
+        record = next(records)
+        assert record["t"] == "batches" and len(record["items"]) == 4, record
+        s.close()
+    finally:
+        server.stop()
