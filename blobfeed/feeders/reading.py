@@ -389,32 +389,41 @@ class BatchReader:
             hook = self.before_wait
             if hook is not None:
                 self.waiting = True  # before the hook: see Attachment._on_free
-                hook()
-            while True:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    cs.timeouts += 1
-                    raise DequeueTimeout(
-                        f"source {self.source.name!r}, net {feed.net_name!r}: "
-                        f"no batch within {limit:.3g} s{self.source.starved_hint()}"
-                        f"{self.source.sibling_hint(feed._input)}"
-                    ) from None
                 try:
-                    return self._wait_get(min(remaining, enqueuer.SLOW_INPUT_WARN_S))
-                except DequeueTimeout:
-                    waited = time.perf_counter() - t0
-                    if waited >= enqueuer.SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
-                        logger.warning(
-                            "data input is slow: net %r has waited %.0f s for source %r "
-                            "(internal queue %d chunks, %d fetchers alive)%s",
-                            feed.net_name, waited, self.source.name,
-                            self.source.queue_depth(), self.source.workers_alive(),
-                            self.source.sibling_hint(feed._input),
-                        )
+                    hook()
+                    return self._wait_until(deadline, limit, t0)
+                finally:
+                    self.waiting = False
+            return self._wait_until(deadline, limit, t0)
         finally:
-            self.waiting = False
             t1 = cs.last_end = time.perf_counter()
             cs.wait.observe(t1 - t0)
+
+    def _wait_until(self, deadline: float, limit: float, t0: float) -> Batch:
+        """(:meth:`dequeue`.)  Wait for the next batch until ``deadline``."""
+        feed = self._feed
+        cs = self.consume_stats
+        while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                cs.timeouts += 1
+                raise DequeueTimeout(
+                    f"source {self.source.name!r}, net {feed.net_name!r}: "
+                    f"no batch within {limit:.3g} s{self.source.starved_hint()}"
+                    f"{self.source.sibling_hint(feed._input)}"
+                ) from None
+            try:
+                return self._wait_get(min(remaining, enqueuer.SLOW_INPUT_WARN_S))
+            except DequeueTimeout:
+                waited = time.perf_counter() - t0
+                if waited >= enqueuer.SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
+                    logger.warning(
+                        "data input is slow: net %r has waited %.0f s for source %r "
+                        "(internal queue %d chunks, %d fetchers alive)%s",
+                        feed.net_name, waited, self.source.name,
+                        self.source.queue_depth(), self.source.workers_alive(),
+                        self.source.sibling_hint(feed._input),
+                    )
 
     def _wait_get(self, timeout: float) -> Batch:
         """The next batch within ``timeout``: from the enqueuer, or without
