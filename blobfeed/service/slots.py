@@ -241,7 +241,7 @@ class SlotArea(_Ring):
         as one slice of the mapping (a fifth of numpy's view and copyto for
         a small batch), any other through numpy."""
         if a.flags.c_contiguous:
-            self._mm[at:at + a.nbytes] = a  # type: ignore[index]  # its bytes, in order
+            self._mm[at:at + a.nbytes] = a  # type: ignore[call-overload]  # its bytes, in order (a buffer)
         else:
             np.copyto(np.ndarray(a.shape, a.dtype, buffer=self._buf, offset=at), a, casting="no")
 
