@@ -331,6 +331,40 @@ def test_a_reader_without_prefetch_assembles_in_its_own_thread_the_same_stream(b
     assert sorted(got) == sorted([w * 1000 + i for w in (0, 1) for i in range(15)] * 2)
 
 
+def test_a_reader_without_prefetch_reads_ready_batches_without_waiting_and_in_order() -> None:
+    """read_ready(): the next batch if the source's queued chunks complete
+    it now (assembled in the caller's thread, never put on the device queue
+    and taken back), else None at once; the stream is the one read() gives,
+    epoch ends included, and its end comes from read() (the service's
+    senders gather batches for one record this way)."""
+    def stream(use_ready: bool) -> list[Any]:
+        with blobfeed.GlobalCoordinator() as gc:
+            reader = init_reader(["id", "x"], Counting(6, 3), 4, 2, "rr", coordinator=gc,
+                                 deterministic=True, epochs=2, prefetch=False)
+            assert reader.read_ready() is None  # not started: nothing, and no error
+            gc.start()
+            got: list[Any] = []
+            ready = 0
+            while True:
+                b = reader.read_ready() if use_ready else None
+                if b is None:
+                    try:
+                        b = reader.read(WAIT)
+                    except EndOfInput:
+                        break
+                else:
+                    ready += 1
+                got.append(("end", b.epoch) if isinstance(b, EpochEnd) else b.arrays[0].tolist())
+                reader.returned(b)
+            assert reader.lent == 0
+            assert gc.stop(WAIT)
+        if use_ready:
+            assert ready > 0, "read_ready() never had a batch ready"
+        return got
+
+    assert stream(True) == stream(False)
+
+
 def test_a_reader_without_prefetch_times_out_stops_and_ends_bounded() -> None:
     release = threading.Event()
 

@@ -113,6 +113,12 @@ class BatchReader:
         #: samples read() handed out and not yet returned or held: still the
         #: source's (buffered), wherever the consumer keeps them
         self.lent = 0
+        #: called in the consumer's thread when :meth:`dequeue` is about to
+        #: wait for a batch (none is ready), with :attr:`waiting` set already:
+        #: a remote consumer's attachment frees the slots it kept back then
+        self.before_wait: Callable[[], None] | None = None
+        #: the consumer's thread waits in :meth:`dequeue` for a batch now
+        self.waiting = False
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -161,6 +167,43 @@ class BatchReader:
         """
         held = self.take_held()
         item = held if held is not None else self.dequeue(timeout)
+        if type(item) is Batch:
+            self.lent += item.n
+        return item
+
+    def read_ready(self) -> Batch | EpochEnd | None:
+        """:meth:`read` without waiting: the next batch if it is ready now
+        (queued, or assembled in this thread from the chunks the source has
+        queued, in one pass under the feed's lock), else None.  A reader
+        without prefetch settles its stream's end in :meth:`read`, not
+        here: None then, and the caller's next :meth:`read` raises.
+
+        Raises:
+            EndOfInput, FetcherError: as :meth:`read`, for what is settled already.
+        """
+        held = self.take_held()
+        if held is not None:
+            if type(held) is Batch:
+                self.lent += held.n
+            return held
+        feed = self._feed
+        if feed.prefetch or feed.fed_by_caller or feed.rebatcher.big or not feed._started:
+            # the device queue's way: big batches are assembled outside the lock (Feed._drain)
+            return self.read() if self.ready() else None
+        cs = self.consume_stats
+        t0 = time.perf_counter()
+        ok, item = self._device_queue.get_nowait()
+        if not ok:
+            item = self._assemble_here()
+            if item is None:
+                return None
+        # counted as read() counts a batch it did not wait for
+        if cs.last_end:
+            cs.busy += t0 - cs.last_end
+        else:
+            self._first_ask = t0
+        t1 = cs.last_end = time.perf_counter()
+        cs.wait.observe(t1 - t0)
         if type(item) is Batch:
             self.lent += item.n
         return item
@@ -343,30 +386,44 @@ class BatchReader:
                     "returned before Net.run()"
                 )
             deadline = t0 + limit
-            while True:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    cs.timeouts += 1
-                    raise DequeueTimeout(
-                        f"source {self.source.name!r}, net {feed.net_name!r}: "
-                        f"no batch within {limit:.3g} s{self.source.starved_hint()}"
-                        f"{self.source.sibling_hint(feed._input)}"
-                    ) from None
+            hook = self.before_wait
+            if hook is not None:
+                self.waiting = True  # before the hook: see Attachment._on_free
                 try:
-                    return self._wait_get(min(remaining, enqueuer.SLOW_INPUT_WARN_S))
-                except DequeueTimeout:
-                    waited = time.perf_counter() - t0
-                    if waited >= enqueuer.SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
-                        logger.warning(
-                            "data input is slow: net %r has waited %.0f s for source %r "
-                            "(internal queue %d chunks, %d fetchers alive)%s",
-                            feed.net_name, waited, self.source.name,
-                            self.source.queue_depth(), self.source.workers_alive(),
-                            self.source.sibling_hint(feed._input),
-                        )
+                    hook()
+                    return self._wait_until(deadline, limit, t0)
+                finally:
+                    self.waiting = False
+            return self._wait_until(deadline, limit, t0)
         finally:
             t1 = cs.last_end = time.perf_counter()
             cs.wait.observe(t1 - t0)
+
+    def _wait_until(self, deadline: float, limit: float, t0: float) -> Batch:
+        """(:meth:`dequeue`.)  Wait for the next batch until ``deadline``."""
+        feed = self._feed
+        cs = self.consume_stats
+        while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                cs.timeouts += 1
+                raise DequeueTimeout(
+                    f"source {self.source.name!r}, net {feed.net_name!r}: "
+                    f"no batch within {limit:.3g} s{self.source.starved_hint()}"
+                    f"{self.source.sibling_hint(feed._input)}"
+                ) from None
+            try:
+                return self._wait_get(min(remaining, enqueuer.SLOW_INPUT_WARN_S))
+            except DequeueTimeout:
+                waited = time.perf_counter() - t0
+                if waited >= enqueuer.SLOW_INPUT_WARN_S - 1e-3 and deadline - time.perf_counter() > 0:
+                    logger.warning(
+                        "data input is slow: net %r has waited %.0f s for source %r "
+                        "(internal queue %d chunks, %d fetchers alive)%s",
+                        feed.net_name, waited, self.source.name,
+                        self.source.queue_depth(), self.source.workers_alive(),
+                        self.source.sibling_hint(feed._input),
+                    )
 
     def _wait_get(self, timeout: float) -> Batch:
         """The next batch within ``timeout``: from the enqueuer, or without

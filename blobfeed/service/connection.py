@@ -39,7 +39,7 @@ from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, Sha
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
 from .transport import TCP, UNIX, BatchSender
-from .wire import Channel, WireError, check, freed_slots, wire_align
+from .wire import Channel, CheckedRecord, WireError, check, freed_slots, wire_align
 
 __all__ = ["Connection", "HANDSHAKE_S", "Refused"]
 
@@ -237,18 +237,26 @@ class Connection:
         """Act on one of the consumer's records; True when it said bye."""
         kind = record["t"]
         if kind == "ack":
+            # one per batch run() returns: the slots it frees go back to the ring at once
             self._consumer_waited(record["waited"])
-            if record["g"] != -1:
-                self._ack(record["g"])
-            slots = freed_slots(record, self.peer)
-            if not slots:
-                return False
-            if self.area is None or self.ledger is None:
-                raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
-            lent = self._lent
-            for slot in slots:
-                lent.pop(slot, None)
-            self.area.give_back(self.ledger.free(slots), self.peer)
+            ledger = self.ledger
+            assert ledger is not None
+            g = record["g"]
+            back = ledger.ack(g)[1] if g != -1 else []
+            # fast_ack checked the slots already
+            slots = record["slots"] if type(record) is CheckedRecord else freed_slots(record, self.peer)
+            if slots:
+                if self.area is None:
+                    raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
+                lent = self._lent
+                if lent:
+                    for slot in slots:
+                        lent.pop(slot, None)
+                freed = ledger.free(slots)
+                back = back + freed if back else freed
+            if back:
+                assert self.area is not None
+                self.area.give_back(back, self.peer)
         elif kind == "state":
             try:
                 state = self._state(self.source.name if self.source is not None else None)
@@ -284,14 +292,6 @@ class Connection:
             assert self.source is not None
             self.source.counts.run_waited[self.label] += total - self._run_waited
             self._run_waited = total
-
-    def _ack(self, g: int) -> None:
-        """The consumer's run() returned every item up to ``g`` (cumulative)."""
-        assert self.ledger is not None
-        _, back = self.ledger.ack(g)
-        if back:
-            assert self.area is not None
-            self.area.give_back(back, self.peer)
 
     # -- the sender --------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -359,8 +359,13 @@ class Connection:
                 slot = area.take_nowait()
                 if slot is None:
                     delivered[self.label] += sender.flush()  # what the consumer frees depends on what it has
+                    # A consumer with half its slots' batches still to return
+                    # frees slots at its own pace: wait for a quarter of them
+                    # (or POLL_S) and send those together, not a record and a
+                    # wake-up on both sides per slot freed.
+                    want = max(1, area.slots // 4) if 2 * ledger.outstanding() >= area.slots else 1
                     while slot is None and not self.closed.is_set() and self._stopping is None:
-                        slot = area.take(POLL_S)
+                        slot = area.take(POLL_S, want)
                     if slot is None:
                         self._unsent(item)
                         return

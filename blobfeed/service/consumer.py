@@ -11,6 +11,7 @@ behave as with a local source.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -78,6 +79,13 @@ class Attachment(Attached):
         #: weakrefs of batches whose views all died (put by their callbacks:
         #: C code), None to end the outbox thread
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: weakrefs of batches whose views died in the net's own thread while
+        #: it was not waiting for a batch: they go with its next
+        #: acknowledgement (or before its next wait), without waking the
+        #: outbox thread (see _on_free)
+        self._kept: collections.deque[Any] = collections.deque()
+        #: the thread that runs the net (it acknowledges), once known
+        self._net_thread: int | None = None
         try:
             self._send({
                 "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names,
@@ -101,6 +109,7 @@ class Attachment(Attached):
             net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, coordinator
         )
         self.reader = self.inlet.reader
+        self.reader.before_wait = self._before_wait
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
             threading.Thread(target=self._outbox, name=f"blobfeed-attach-out-{source_name}", daemon=True),
@@ -144,6 +153,7 @@ class Attachment(Attached):
         """
         if self._closed:
             return
+        self._net_thread = threading.get_ident()
         try:
             slots = self._freed_slots()
             with self._send_lock:
@@ -223,7 +233,7 @@ class Attachment(Attached):
                     if mapping is not None:
                         raise WireError(f"{self._service} offered slots a second time")
                     mapping = self._mapping = self._carrier.consumer_slots(
-                        self._channel, record, fds, self._most_slots, self._check, self._out.put
+                        self._channel, record, fds, self._most_slots, self._check, self._on_free
                     )
                     continue
                 if record["t"] == "arena":
@@ -309,17 +319,62 @@ class Attachment(Attached):
             self._went_away(text)
             self.inlet.fail(ServiceError(text))
 
+    def _on_free(self, ref: Any) -> None:
+        """The last view of a batch died (``ref``'s callback, in whatever
+        thread dropped it, at any bytecode: no lock, no I/O).
+
+        Died in the net's own thread while it is not waiting for a batch
+        (the common case: ``run()`` replaced the workspace's last batch),
+        the slot is kept for that thread's next acknowledgement, or freed
+        before its next wait (:meth:`_before_wait`): no wake-up of the
+        outbox thread per batch.  Anywhere else (another thread, or the net
+        waits) the outbox thread frees it at once.  Race-free under the
+        interpreter lock: the net's thread sets ``reader.waiting`` before
+        it looks at what was kept, and this reads it after keeping."""
+        if threading.get_ident() == self._net_thread and not self.reader.waiting:
+            self._kept.append(ref)
+        else:
+            self._out.put(ref)
+
+    def _before_wait(self) -> None:
+        """The net's ``run()`` is about to wait for a batch (its thread,
+        ``reader.waiting`` set): the slots kept back go to the service now
+        when it may be short of slots for this consumer (half of them or
+        more lent out, as this end counts them); else with the next
+        acknowledgement."""
+        mapping = self._mapping
+        if not self._kept or mapping is None or self._closed:
+            return
+        if 2 * len(mapping.outstanding) < mapping.slots:
+            return  # the service has half of them or more free: nothing waits on these
+        slots = self._freed_slots()
+        if slots:
+            try:
+                self._send_waited({"t": "ack", "g": -1, "slots": slots})
+            except OSError:
+                pass  # the receiver reports the service's end
+
     def _freed_slots(self) -> list[int]:
         """The slots whose batches died since the last look (without waiting)."""
         get, mapping = self._out.get_nowait, self._mapping
         if mapping is None:
             return []  # no slots, so no batch
         slots: list[int] = []
-        while len(slots) < MAX_ITEMS:
+        kept = self._kept
+        while kept and len(slots) < MAX_ITEMS:
+            try:
+                ref = kept.popleft()
+            except IndexError:
+                break
+            slot = mapping.freed(ref)
+            if slot is not None:
+                slots.append(slot)
+        empty = self._out.empty
+        while len(slots) < MAX_ITEMS and not empty():  # (no exception raised per acknowledgement)
             try:
                 ref = get()
             except queue.Empty:
-                break
+                break  # the outbox thread took it meanwhile
             if ref is None:
                 self._out.put(None)  # for the outbox thread: it ends
                 break

@@ -109,6 +109,10 @@ class Ledger:
         with self.lock:
             return sum(1 for g, _, _, _ in self._inflight if g >= 0)
 
+    def outstanding(self) -> int:
+        """Items sent (or taken) and not acknowledged, at a glance (no lock)."""
+        return len(self._inflight)
+
     def holds_any(self) -> bool:
         """Does the consumer hold anything unacknowledged (or taken for it)?"""
         return bool(self._inflight)

@@ -119,10 +119,13 @@ def _dequeue(source: "ServedSource", reader: "BatchReader", timeout: float) -> A
     """The reader's next batch or epoch end; an :class:`End` when its stream
     ended (None: the data is done) or failed; None when nothing came in time
     (``timeout`` 0: nothing is queued now; never counted as a timeout)."""
-    if timeout <= 0 and not reader.ready():
-        return None
     try:
-        return reader.read(timeout if timeout > 0 else POLL_S)
+        if timeout <= 0:
+            read_ready = getattr(reader, "read_ready", None)  # a BatchReader's; a reader of ready() and read() too
+            if read_ready is not None:
+                return read_ready()
+            return reader.read(POLL_S) if reader.ready() else None
+        return reader.read(timeout)
     except (DequeueTimeout, TimeoutError):
         return None
     except FetcherError as err:

@@ -95,27 +95,41 @@ class _Ring:
         self.slot_bytes = slot_bytes
         self.fd = -1
         self._cond = threading.Condition()
+        #: give_back wakes the sender once this many slots are free (see take)
+        self._want = 1
         self._free = list(range(slots - 1, -1, -1))
+        #: per slot, 1 while it is in _free (its membership at a glance)
+        self._is_free = bytearray(b"\x01") * slots
         self._closed = False
 
     def close_fd(self) -> None:
         """Nothing to close (see :class:`SlotArea`)."""
 
-    def take(self, timeout: float) -> int | None:
-        """A free slot, waiting up to ``timeout``; None if none came (or closed)."""
+    def take(self, timeout: float, want: int = 1) -> int | None:
+        """A free slot, waiting up to ``timeout`` for ``want`` of them to be
+        free (then one is taken; after ``timeout``, one if any is); None if
+        none came (or closed)."""
         with self._cond:
-            if not self._free and not self._closed:
-                self._cond.wait(timeout)
+            if len(self._free) < want and not self._closed:
+                self._want = want
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._want = 1
             if self._closed or not self._free:
                 return None
-            return self._free.pop()
+            slot = self._free.pop()
+            self._is_free[slot] = 0
+            return slot
 
     def take_nowait(self) -> int | None:
         """A free slot if there is one now, else None."""
         with self._cond:
             if self._closed or not self._free:
                 return None
-            return self._free.pop()
+            slot = self._free.pop()
+            self._is_free[slot] = 0
+            return slot
 
     def give_back(self, slots: list[int], peer: str) -> None:
         """The consumer freed ``slots`` (one ``ack``'s).
@@ -128,12 +142,15 @@ class _Ring:
             return
         with self._cond:
             try:
+                is_free = self._is_free
                 for slot in slots:
-                    if not 0 <= slot < self.slots or slot in self._free:
+                    if not 0 <= slot < self.slots or is_free[slot]:
                         raise WireError(f"{peer} freed slot {slot}, which it does not hold")
+                    is_free[slot] = 1
                     self._free.append(slot)
             finally:
-                self._cond.notify()
+                if len(self._free) >= self._want:
+                    self._cond.notify()
 
     def close(self) -> None:
         """Wake the sender."""
@@ -198,15 +215,14 @@ class SlotArea(_Ring):
         off = 0
         for a in arrays:
             if a.nbytes:
-                dst = np.ndarray(a.shape, a.dtype, buffer=self._buf, offset=base + off)
-                np.copyto(dst, a, casting="no")
+                self._copy(base + off, a)
             meta.append([dtype_to_wire(a.dtype), list(a.shape), off])
             off += wire_align(a.nbytes)
         return meta
 
     def write_encoded(self, slot: int, arrays: Sequence[np.ndarray]) -> tuple[list[list[Any]], str]:
         """:meth:`write`, with the meta's JSON text (the same for every batch of a layout)."""
-        key = tuple([(a.dtype.str, a.shape) for a in arrays])
+        key = tuple([(a.dtype, a.shape) for a in arrays])  # (dtype.str is made anew per call)
         known = self._layouts.get(key)
         if known is None:
             meta = self.write(slot, arrays)
@@ -217,9 +233,17 @@ class SlotArea(_Ring):
         base = slot * self.slot_bytes
         for a, (_, _, off) in zip(arrays, known[0]):
             if a.nbytes:
-                dst = np.ndarray(a.shape, a.dtype, buffer=self._buf, offset=base + off)
-                np.copyto(dst, a, casting="no")
+                self._copy(base + off, a)
         return known
+
+    def _copy(self, at: int, a: np.ndarray) -> None:
+        """``a``'s bytes into the slots at byte ``at``: a contiguous array
+        as one slice of the mapping (a fifth of numpy's view and copyto for
+        a small batch), any other through numpy."""
+        if a.flags.c_contiguous:
+            self._mm[at:at + a.nbytes] = a  # type: ignore[call-overload]  # its bytes, in order (a buffer)
+        else:
+            np.copyto(np.ndarray(a.shape, a.dtype, buffer=self._buf, offset=at), a, casting="no")
 
     def read(self, slot: int, meta: list[list[Any]]) -> tuple[np.ndarray, ...]:
         """Views of the arrays written into ``slot`` (for re-dealing them)."""
@@ -241,6 +265,17 @@ class SlotArea(_Ring):
             self._mm.close()
         except BufferError:
             pass
+
+
+def _int_numbers(meta: list[Any]) -> bool:
+    """Every offset and dimension of ``meta`` (equal to a checked one) is an int."""
+    for m in meta:
+        if type(m[2]) is not int:
+            return False
+        for d in m[1]:
+            if type(d) is not int:
+                return False
+    return True
 
 
 class ConsumerMapping:
@@ -271,6 +306,10 @@ class ConsumerMapping:
         self.outstanding: dict[int, tuple[Any, int]] = {}
         #: (dtype text, shape, offset) -> what _check_array found of it
         self._checked: dict[tuple[Any, ...], tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        #: the last batch's (meta, n, arena or not) and the (shape, dtype, offset)
+        #: of its arrays, all checked: the next batch of that layout (most
+        #: are) is checked by comparing its meta with that one
+        self._last: tuple[Any, int, bool, list[tuple[tuple[int, ...], np.dtype, int]]] | None = None
 
     def add_arena(self, fds: list[int], slots: int, slot_bytes: int, peer: str) -> None:
         """Map the source's arena (an ``arena`` record: once, one descriptor,
@@ -294,6 +333,12 @@ class ConsumerMapping:
         the record came off a socket)."""
         if not 0 <= slot < self.slots:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
+        last = self._last
+        if last is not None and type(meta) is list and n == last[1] and type(n) is int and (
+            arena_slot is None) is last[2] and meta == last[0] and _int_numbers(meta):
+            # the last batch's layout, checked then (equal lists, and ints
+            # where 1.0 or True would compare equal too)
+            return self._viewed(slot, arena_slot, last[3], peer)
         if not isinstance(meta, list) or not meta or len(meta) > 1024:
             raise WireError(f"{peer}: a batch's arrays must be a non-empty list")
         check = self._check
@@ -313,6 +358,7 @@ class ConsumerMapping:
                 raise WireError(f"{peer}: batch in arena slot {arena_slot}, of {slots}")
             root = np.frombuffer(mm, np.uint8, count=size, offset=arena_slot * size)
         out = []
+        layout = []
         checked = self._checked
         for i, m in enumerate(meta):
             # a source's batches have a handful of layouts: each is checked once
@@ -331,13 +377,32 @@ class ConsumerMapping:
                 raise WireError(f"{peer}: array {i}: bad shape {list(shape)!r} for {n} samples")
             # one constructor, not a slice, a view and a reshape; its base is `root`
             out.append(np.ndarray(shape, dt, root, off))
+            layout.append((shape, dt, off))
         if check is not None:
             check.arrays(n, [(a.dtype, a.shape) for a in out], peer)
+        self._last = (meta, n, arena_slot is None, layout)
         # every view's base is `root` (numpy collapses view chains): the slot
         # is free once `root` dies, which is when the last view died
         ref = weakref.ref(root, self._on_free)
         self.outstanding[id(ref)] = (ref, slot)
         return tuple(out)
+
+    def _viewed(
+        self, slot: int, arena_slot: int | None, layout: list[tuple[tuple[int, ...], np.dtype, int]], peer: str,
+    ) -> tuple[np.ndarray, ...]:
+        """:meth:`views` of a batch laid out as the last one (checked then)."""
+        if arena_slot is None:
+            size = self.slot_bytes
+            root = np.frombuffer(self._mm, np.uint8, count=size, offset=slot * size)
+        else:
+            mm, slots, size = self._arena  # type: ignore[misc]  # the last batch was in it
+            if not 0 <= arena_slot < slots:
+                raise WireError(f"{peer}: batch in arena slot {arena_slot}, of {slots}")
+            root = np.frombuffer(mm, np.uint8, count=size, offset=arena_slot * size)
+        out = tuple([np.ndarray(shape, dt, root, off) for shape, dt, off in layout])
+        ref = weakref.ref(root, self._on_free)
+        self.outstanding[id(ref)] = (ref, slot)
+        return out
 
     def _check_array(self, m: Any, n: int, where: str, size: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
         """``[dtype, shape, offset]`` checked to fit a slot: (dtype, shape, offset, bytes), remembered."""
