@@ -168,3 +168,134 @@ def test_a_sample_that_does_not_stack_fails_the_source_naming_it_on_processes() 
         _run(wide(26, bad=9), 2)
     text = str(err.value).splitlines()[0]
     assert "blob 'x'" in text and "dataset[9]" in text and "per-sample shape (2049,)" in text, text
+
+
+# --------------------------------------------------------------------------- the child's loop, by hand
+class Child:
+    """A worker process's loop (``child._work``) in a thread of this
+    process, with this test as its parent: units down its units pipe,
+    slots back on its free pipe, its messages read off its out pipe."""
+
+    def __init__(self, dataset: Any, slots: int = 2) -> None:
+        import os
+        import pickle
+        import threading
+
+        from blobfeed.feeders import child
+        from blobfeed.feeders.transport import SlotArea
+        from blobfeed.worker_info import WorkerInfo
+
+        self.area, fd = SlotArea.create("test-unit-slots", slots, 1 << 20)
+        os.close(fd)
+        self.free_r, self.free_w = os.pipe()
+        self.units_r, self.units_w = os.pipe()
+        self.out_r, out_w = os.pipe()
+        # the reader's sentinel: a process's end in the backend, never ready here
+        self.sentinel_r, self.sentinel_w = os.pipe()
+        reader = _reader(dataset)
+        payload = pickle.dumps((reader, None))
+        info = WorkerInfo(0, 0, 1, "train", 0, np.random.default_rng(0))
+        self.messages: list[Any] = []
+
+        def work() -> None:
+            try:
+                child._work(info, payload, "raise", self.area, self.free_r, out_w, os.getppid(), 1, 0, self.units_r)
+            finally:
+                os.close(out_w)
+
+        def receive() -> None:
+            from blobfeed.feeders.transport import MessageReader
+
+            reader = MessageReader(self.out_r, self.sentinel_r)
+            while (data := reader.recv()) is not None:
+                self.messages.extend(pickle.loads(data))
+
+        self.worker = threading.Thread(target=work, daemon=True)
+        self.receiver = threading.Thread(target=receive, daemon=True)
+        self.worker.start()
+        self.receiver.start()
+
+    def unit(self, u: int, lo: int, hi: int) -> None:
+        import os
+
+        from blobfeed.feeders.indexed import UNIT_RECORD
+
+        os.write(self.units_w, UNIT_RECORD.pack(u, lo, hi))
+
+    def give(self, index: int) -> None:
+        import os
+
+        from blobfeed.feeders.transport import SLOT_INDEX
+
+        os.write(self.free_w, SLOT_INDEX.pack(index))
+
+    def results(self) -> list[Any]:
+        from blobfeed.feeders.messages import Result
+
+        return [m for m in self.messages if type(m) is Result]
+
+    def close(self) -> None:
+        import os
+
+        self.area.set_stop()
+        for fd in (self.free_w, self.units_w):
+            os.close(fd)
+        self.worker.join(WAIT)
+        self.receiver.join(WAIT)
+        for fd in (self.free_r, self.units_r, self.out_r, self.sentinel_r, self.sentinel_w):
+            os.close(fd)
+        self.area.mm.close()
+        assert not self.worker.is_alive() and not self.receiver.is_alive()
+
+
+def test_a_stop_while_a_reader_waits_for_a_slot_ends_the_worker() -> None:
+    """Found by review: the stop (-1 on the free pipe) reached the slot the
+    reader waited for, which then stacked elsewhere; the worker's own wait
+    for a slot after it never saw the stop and blocked until a slot came
+    back (a user keeping batches: never; a stop then killed the worker)."""
+    from .helpers import wait_until
+
+    c = Child(wide(64), slots=2)
+    try:
+        for u in range(3):
+            c.unit(u, 4 * u, 4 * u + 4)  # 32 KiB units: each one a slot
+        wait_until(lambda: len(c.results()) == 2, "both slots sent")
+        c.area.set_stop()
+        c.give(-1)  # what the parent's stop writes
+        c.worker.join(WAIT)
+        assert not c.worker.is_alive(), "the worker waits for a slot after the stop"
+        assert len(c.results()) == 2
+    finally:
+        c.close()
+
+
+def test_waiting_for_a_slot_is_not_counted_as_the_fetch_s_time() -> None:
+    """Found by review: the wait for a free slot (every slot the parent's)
+    happens inside the reader's call, and counted as fetch time: a full
+    ring read as a slow fetcher (the fetch metric, bottleneck, autotune)."""
+    import time
+
+    from .helpers import wait_until
+
+    c = Child(wide(64), slots=2)
+    try:
+        for u in range(3):
+            c.unit(u, 4 * u, 4 * u + 4)
+        wait_until(lambda: len(c.results()) == 2, "both slots sent")
+        time.sleep(0.3)  # the wait under test: the third unit has no slot for this long
+        c.give(0)
+        wait_until(lambda: len(c.results()) == 3, "the third unit")
+        third = c.results()[2]
+        assert third.state == 2 and third.seconds < 0.15, third.seconds
+    finally:
+        c.close()
+
+
+def test_object_and_foreign_byte_order_dtypes_never_go_into_a_slot() -> None:
+    """Found by review: a structured dtype with an object field passed the
+    reader's check (its kind is 'V'); numpy wrote object pointers into
+    shared memory and the worker crashed."""
+    area = Area()
+    for dtype in (np.dtype([("v", np.float64, (64,)), ("o", object)]), np.dtype(">f8")):
+        assert area.slots()([((8, 64), dtype)]) is None, dtype
+    assert area.free == [0, 1, 2], "no slot taken"

@@ -171,13 +171,19 @@ def _work(
     perf = time.perf_counter
     slots, slot_bytes = area.slots, area.slot_bytes
     free = list(range(slots))
+    # the parent said stop (or is gone): every later take_slot says so too,
+    # also after one that a reader turned into a fallback (unit_slots)
+    ended = False
 
     def send(events: list[Any]) -> None:
         send_message(out, dumps(events))
 
     def take_slot(inside: int = slots) -> int:
         """A free slot, once fewer than ``inside`` slots are out and not
-        viewed by batches handed out (blocking)."""
+        viewed by batches handed out (blocking); -1: stop."""
+        nonlocal ended
+        if ended:
+            return -1
         while not free or slots - len(free) - area.viewed() >= inside:
             if free:
                 # Waiting for the parent to hand a batch out (the viewed
@@ -195,11 +201,13 @@ def _work(
                     area.set_waiting(False)
             data = os.read(free_r, SLOT_INDEX.size * slots)
             if not data:
-                return -1  # the parent closed its end
+                ended = True  # the parent closed its end
+                return -1
             for (i,) in SLOT_INDEX.iter_unpack(data):
                 if i == WAKE:
                     continue
                 if i < 0:
+                    ended = True
                     return -1
                 free.append(i)
         return free.pop()
@@ -273,6 +281,8 @@ def _work(
 
     try:
         for event in events:
+            if unit_slots is not None and (waited := unit_slots.pop_waited()) and type(event) is Result:
+                event = event._replace(seconds=max(0.0, event.seconds - waited))
             if type(event) is not Result:
                 if unit_slots is not None:
                     unit_slots.drop()

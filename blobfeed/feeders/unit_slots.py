@@ -16,6 +16,7 @@ after taking one (a sample that does not stack, an error) gives it back.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -48,6 +49,9 @@ class UnitSlots:
         self._before_take = before_take
         self._min_bytes = min_bytes
         self._held: tuple[list[np.ndarray], Arrays] | None = None
+        #: seconds spent waiting for a slot (and sending what was pending)
+        #: since the last pop_waited: not the fetch's own time
+        self._waited = 0.0
 
     def __call__(self, layout: Layout) -> list[np.ndarray] | None:
         """Arrays of ``layout``'s shapes and dtypes in a free slot, to be
@@ -55,12 +59,31 @@ class UnitSlots:
         self.drop()
         if not self._min_bytes <= layout_nbytes(layout) <= self._slot_bytes:
             return None
-        self._before_take()
-        slot = self._take_slot()
+        # only plain numbers go into shared memory (messages.plain_arrays'
+        # rule): numpy would write object pointers into the slot, and drop
+        # references to whatever bytes lay there before
+        if any(dtype.hasobject or not dtype.isnative for _, dtype in layout):
+            return None
+        t0 = time.perf_counter()
+        try:
+            self._before_take()
+            slot = self._take_slot()
+        finally:
+            self._waited += time.perf_counter() - t0
         if slot < 0:
             return None
-        self._held = place_arrays(layout, self._buf, self._offset(slot), slot, False)
+        try:
+            self._held = place_arrays(layout, self._buf, self._offset(slot), slot, False)
+        except BaseException:
+            self._give_back(slot)
+            raise
         return self._held[0]
+
+    def pop_waited(self) -> float:
+        """Seconds waited for slots since the last call (the child takes
+        them off the fetch's time: a full ring is not a slow fetcher)."""
+        waited, self._waited = self._waited, 0.0
+        return waited
 
     def claim(self, arrays: Sequence[np.ndarray], as_tuple: bool) -> Arrays | None:
         """Where ``arrays`` lie when they are the held slot's arrays (the
