@@ -847,12 +847,14 @@ def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runne
     return out
 
 
-#: the tests that read w1_family_run: one test process takes them all (its
-#: fixture, a minute of real runs on a busy machine, then runs once)
+#: the tests that read w1_family_run: one test process takes them all, and
+#: the fixture (most of a minute of real runs) lives for its session: a
+#: module's fixture is set up again each time the process comes back to
+#: the module, and test processes interleave modules
 W1_FAMILY = pytest.mark.xdist_group("w1-family")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def w1_family_run() -> subprocess.CompletedProcess[str]:
     """One tiny real run of W1, its ordered modes, its process workers
     (W1p) and the random-access sources W1i and W2i (W2i without W2), which
