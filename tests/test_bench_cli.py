@@ -847,10 +847,10 @@ def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runne
     return out
 
 
-#: the tests that read w1_family_run: one test process takes them all, and
-#: the fixture (most of a minute of real runs) lives for its session: a
-#: module's fixture is set up again each time the process comes back to
-#: the module, and test processes interleave modules
+#: the tests that read w1_family_run: one test process takes them all
+#: (``--dist loadgroup``), and the fixture (most of a minute of real runs)
+#: lives for its session: a module's fixture is set up again each time the
+#: process comes back to the module, and test processes interleave modules
 W1_FAMILY = pytest.mark.xdist_group("w1-family")
 
 
