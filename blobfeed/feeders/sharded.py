@@ -30,6 +30,7 @@ import numpy as np
 
 from .chunks import Stamped
 from .indexed import IndexedReadError, RandomAccessSource, ReadUnit, UnitReader, _short, blob_arrays, safe_repr
+from .messages import plain_arrays
 
 __all__ = ["ShardedReader", "ShardedSource"]
 
@@ -402,10 +403,9 @@ class ShardedReader(UnitReader):
 
     def _slot_for(self, layout: list[tuple[tuple[int, ...], np.dtype]], arrays: list[np.ndarray]) -> list[np.ndarray] | None:
         """Arrays of ``layout`` in the worker process's slot (see
-        ``UnitReader.into``), when there is one and every array is plain."""
-        if self.into is None or not all(
-            type(a) is np.ndarray and not a.dtype.hasobject and a.dtype.isnative for a in arrays
-        ):
+        ``UnitReader.into``), when there is one and every array is plain
+        (what a slot may hold: messages.plain_arrays)."""
+        if self.into is None or plain_arrays(arrays) is None:
             return None
         return self.into(layout)
 
