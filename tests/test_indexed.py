@@ -818,7 +818,7 @@ def test_an_error_reading_a_unit_taken_again_surfaces_at_its_place_in_the_lane()
     the units before it, instead of waiting behind the later ones."""
     from blobfeed.feeders.chunks import Chunk
     from blobfeed.feeders.dealing.indexed import IndexedDealer
-    from blobfeed.feeders.indexed import UnitDispenser
+    from blobfeed.feeders.read_units import UnitDispenser
 
     failures: list[BaseException] = []
     units = UnitDispenser(SRC, 20, 2, 1)
@@ -1189,7 +1189,7 @@ class Counted(Items):
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_the_default_read_size_makes_units_of_about_64_kib_and_keeps_the_stream(workers: int) -> None:
-    from blobfeed.feeders.indexed import MAX_UNIT_BATCHES, UNIT_BYTES
+    from blobfeed.feeders.read_units import MAX_UNIT_BATCHES, UNIT_BYTES
 
     n, bs = 7000, 32
     per_sample = 8 + 3 * 4  # int64 id, 3 float32
@@ -1218,7 +1218,7 @@ def test_the_default_read_size_is_the_batch_without_getitems() -> None:
 
 
 def test_the_default_read_size_stays_the_batch_for_large_samples() -> None:
-    from blobfeed.feeders.indexed import UNIT_BYTES, UnitDispenser
+    from blobfeed.feeders.read_units import UNIT_BYTES, UnitDispenser
 
     for sample_bytes, bs, want in [(UNIT_BYTES, 4, 4), (UNIT_BYTES // 8, 16, 16), (UNIT_BYTES // 8, 4, 8),
                                    (UNIT_BYTES // 64, 4, 64), (20, 4, 64), (1, 1, 16), (32, 32, 512)]:

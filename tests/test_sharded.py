@@ -378,7 +378,7 @@ class ListUnits:
     """Hands a reader the given read units, then None (a dispenser's ``take``)."""
 
     def __init__(self, units: Sequence[tuple[int, int, int]]) -> None:
-        from blobfeed.feeders.indexed import ReadUnit
+        from blobfeed.feeders.read_units import ReadUnit
 
         self.left = [ReadUnit(*u) for u in units]
 

@@ -218,7 +218,7 @@ class Child:
     def unit(self, u: int, lo: int, hi: int) -> None:
         import os
 
-        from blobfeed.feeders.indexed import UNIT_RECORD
+        from blobfeed.feeders.read_units import UNIT_RECORD
 
         os.write(self.units_w, UNIT_RECORD.pack(u, lo, hi))
 

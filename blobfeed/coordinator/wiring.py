@@ -24,7 +24,8 @@ from ..feeders import (
     ThreadBackend,
 )
 from ..feeders.dealing import Direct, EqualRounds, IndexedDealer
-from ..feeders.indexed import RandomAccessSource, UnitDispenser, UnitReader, is_random_access
+from ..feeders.indexed import RandomAccessSource, UnitReader, is_random_access
+from ..feeders.read_units import UnitDispenser
 from ..feeders.sharded import ShardedReader
 from ..feeders.transport import mem_available
 from ..metrics import ExternalLogger

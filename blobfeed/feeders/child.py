@@ -259,7 +259,7 @@ def _work(
 
     unit_slots: UnitSlots | None = None
     if units_fd is not None:
-        from .indexed import PipeUnits
+        from .read_units import PipeUnits
 
         # a random-access source's units come down a pipe; what is pending
         # goes out before waiting for the next one (the parent hands out

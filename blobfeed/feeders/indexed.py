@@ -8,7 +8,7 @@ global shuffle, not a buffer.  The positions of the whole run are numbered
 globally, ``g = e * n + p`` (position *p* of epoch *e*'s order).  They are
 handed to the workers as *read units*: ``read_size`` consecutive positions
 (fewer at an epoch's end), numbered 0, 1, 2, ... in stream order.  A worker
-takes the next unit when it is free (:class:`UnitDispenser`), reads its
+takes the next unit when it is free (:class:`~blobfeed.feeders.read_units.UnitDispenser`), reads its
 samples (``__getitems__`` when the dataset has it, else ``__getitem__`` per
 index) and returns them as one chunk stamped with the unit's number; the
 dealer (:mod:`.dealing.indexed`) puts the units back in order and cuts the
@@ -18,41 +18,19 @@ the batch size only, whatever the workers and nets.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import operator
-import os
-import select
-import struct
-import threading
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .chunks import Stamped
+from .read_units import ReadUnit
 
-__all__ = [
-    "IndexedReadError", "PipeUnits", "RandomAccessSource", "ReadUnit", "UnitDispenser", "UnitReader",
-    "is_random_access",
-]
+__all__ = ["IndexedReadError", "RandomAccessSource", "UnitReader", "is_random_access"]
 
 logger = logging.getLogger("blobfeed.feeders")
-
-#: names of worker process (or actor) incarnations with a dispenser: unique per program
-HOLDERS = itertools.count(1)
-#: a unit whose reading process died this many times fails the source
-MAX_TRIES = 3
-#: a unit as it travels to a worker process: (unit, g_lo, g_hi); unit -1 ends
-UNIT_RECORD = struct.Struct("<qqq")
-#: ``read_size=None`` with ``__getitems__``: the units after the first hold
-#: whole batches of at least this many bytes of samples (or one batch, when
-#: larger) ...
-UNIT_BYTES = 64 * 1024
-#: ... but at most this many batches: a unit is read by one worker, in one
-#: call, and a dataset whose reads are slow per index (I/O) must still spread
-#: over the workers
-MAX_UNIT_BATCHES = 16
 
 
 def is_random_access(obj: Any) -> bool:
@@ -85,9 +63,9 @@ class RandomAccessSource:
         read_size: consecutive positions of the order a worker reads at
             once (one read unit); None: the batch size, and when the dataset
             has ``__getitems__``, the units after the first hold whole
-            batches of at least :data:`UNIT_BYTES` of samples (as many bytes
+            batches of at least :data:`~blobfeed.feeders.read_units.UNIT_BYTES` of samples (as many bytes
             as the first unit's samples take), at most
-            :data:`MAX_UNIT_BATCHES`.  The stream does not depend on it.
+            :data:`~blobfeed.feeders.read_units.MAX_UNIT_BATCHES`.  The stream does not depend on it.
         window: a worker may not take a unit more than this many units past
             the oldest one the stream still waits for; None: ``4 x`` the
             worker count, at least 8.
@@ -152,357 +130,9 @@ def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng((seed, epoch)).permutation(n).astype(np.int64)
 
 
-class ReadUnit(NamedTuple):
-    """``hi - lo`` consecutive global positions, read as one chunk."""
-
-    unit: int
-    lo: int
-    hi: int
-
-
-def merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint, non-empty ``[lo, hi)`` ranges covering ``ranges``."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
-class UnitDispenser:
-    """Hands out the read units of a random-access source, in stream order,
-    to whichever worker asks; knows who holds each unit until the stream
-    has consumed it.  Thread-safe.
-
-    Args:
-        source: the source's name.
-        n: the dataset's length.
-        read_size: positions per unit (with ``auto``, the first unit's: the batch size).
-        epochs: passes over the data (None: endless).
-        unit_end: ``unit_end(g, read_size)``: where the unit that starts at
-            global position ``g`` ends (a sharded source's units never cross
-            a shard); None: ``read_size`` positions, never across an epoch.
-        auto: the units after the first hold ``read_size x k`` positions,
-            ``k`` the fewest batches of at least :data:`UNIT_BYTES` (at most
-            :data:`MAX_UNIT_BATCHES`) once :meth:`sized` says how many bytes
-            a sample takes; no worker takes a unit past the first before
-            that (the units' bounds do not depend on timing).
-    """
-
-    def __init__(
-        self, source: str, n: int, read_size: int, epochs: int | None,
-        unit_end: Callable[[int, int], int] | None = None, auto: bool = False,
-    ) -> None:
-        self.source = source
-        self.n = n
-        #: the first unit's size (the batch's, when auto)
-        self.base = read_size
-        self.auto = auto
-        self.read_size = read_size
-        self.epochs = epochs
-        self.unit_end = unit_end
-        self.window = 8
-        self._cond = threading.Condition(threading.Lock())
-        #: the first global position of the stream, and ranges left out of it
-        #: (a resume: what nets had returned already)
-        self.start = 0
-        self.skip: list[tuple[int, int]] = []
-        self._reset()
-        self.closed = False
-        #: called (outside the lock) when a worker took a unit to read again:
-        #: the dealer lets it in past a full lane when it is the oldest
-        self.on_redo_taken: Callable[[], None] | None = None
-
-    def _reset(self) -> None:
-        self.read_size = self.base
-        #: the units' size is known (auto: once the first unit's samples were seen)
-        self._sized = not self.auto
-        #: units made so far (unit -> ReadUnit), until consumed
-        self._units: dict[int, ReadUnit] = {}
-        self._made = 0  # units made
-        self._cursor = self.start  # the next global position to put in a unit
-        self._skip_i = 0
-        #: the next unit to give a worker; the oldest the stream waits for
-        self._next = 0
-        self.oldest = 0
-        #: unit -> worker id holding it (until consumed)
-        self._owner: dict[int, int] = {}
-        #: per holder (a worker process's incarnation): units it took and
-        #: has not delivered, in the order it took them
-        self._held: dict[int, list[int]] = {}
-        #: holders whose process died: they take nothing more
-        self._retired: set[int] = set()
-        #: holder -> the worker id it reads for
-        self._wid_of: dict[int, int] = {}
-        #: units to read again (their reader died), smallest first: per
-        #: worker id, for the process that replaces the dead one (its lane
-        #: holds only units its incarnations read, in order) ...
-        self._redo_of: dict[int, list[int]] = {}
-        #: ... and those of worker ids that are stopped or not replaced, for
-        #: any worker
-        self._redo: list[int] = []
-        #: unit -> how many readers of it died
-        self._tries: dict[int, int] = {}
-        #: workers told to take no more units (set_num_workers)
-        self._stopped: set[int] = set()
-        #: worker id -> the unit whose read failed in its process (delivered(holder, None))
-        self._failed: dict[int, int] = {}
-
-    def restart(self, start: int, skip: Sequence[tuple[int, int]]) -> None:
-        """A resume: the stream starts at global position ``start`` and leaves
-        out ``skip`` (before any unit was handed out)."""
-        with self._cond:
-            self.start = start
-            self.skip = merge_ranges([(max(lo, start), hi) for lo, hi in skip if hi > start])
-            self._reset()
-
-    def sized(self, sample_bytes: int) -> None:
-        """``auto``: a sample takes ``sample_bytes``; the units after the
-        first are sized from it (once)."""
-        with self._cond:
-            if self._sized:
-                return
-            self._sized = True
-            per_batch = max(1, sample_bytes * self.base)
-            self.read_size = self.base * min(MAX_UNIT_BATCHES, max(1, -(-UNIT_BYTES // per_batch)))
-            self._cond.notify_all()
-
-    def _fresh_waits(self) -> bool:
-        """The next unit of the stream may not be handed out yet: it is past
-        the window, or past the first before the units are sized."""
-        return self._next >= self.oldest + self.window or (not self._sized and self._next >= 1)
-
-    @property
-    def end(self) -> int | None:
-        """The global position where the data ends (None: endless)."""
-        return None if self.epochs is None else self.epochs * self.n
-
-    def _make(self) -> bool:
-        """Make the next unit (under the lock); False at the end of the data."""
-        end = self.end
-        g = self._cursor
-        skip = self.skip
-        while self._skip_i < len(skip) and skip[self._skip_i][1] <= g:
-            self._skip_i += 1
-        if self._skip_i < len(skip) and skip[self._skip_i][0] <= g:
-            g = skip[self._skip_i][1]
-            self._skip_i += 1
-        if end is not None and g >= end:
-            self._cursor = g
-            return False
-        if self.unit_end is None:
-            hi = min(g + self.read_size, (g // self.n + 1) * self.n)  # never across an epoch
-        else:
-            hi = self.unit_end(g, self.read_size)
-        if self._skip_i < len(skip):
-            hi = min(hi, skip[self._skip_i][0])
-        self._units[self._made] = ReadUnit(self._made, g, hi)
-        self._made += 1
-        self._cursor = hi
-        return True
-
-    def unit(self, u: int) -> ReadUnit | None:
-        """Unit ``u`` (made if it is not yet), or None past the end of the data."""
-        with self._cond:
-            return self._unit(u)
-
-    def _unit(self, u: int) -> ReadUnit | None:
-        while self._made <= u:
-            if not self._make():
-                return None
-        return self._units.get(u)
-
-    def position_of(self, u: int) -> int:
-        """The global position where unit ``u`` starts (the end of the data,
-        or of what was made, past it)."""
-        with self._cond:
-            r = self._unit(u)
-            return r.lo if r is not None else self._cursor
-
-    def start_of(self, u: int) -> int:
-        """:meth:`position_of`, without the lock when unit ``u`` was made
-        and not consumed (a dict read is atomic)."""
-        r = self._units.get(u)
-        return r.lo if r is not None else self.position_of(u)
-
-    def holds(self, worker_id: int) -> bool:
-        """Does ``worker_id`` hold a unit the stream has not consumed?"""
-        with self._cond:
-            return worker_id in self._owner.values()
-
-    def owner(self, u: int) -> int | None:
-        """The worker that holds unit ``u``, None while nobody took it."""
-        return self._owner.get(u)  # a dict read: atomic, no lock (called per chunk under the dealer's)
-
-    def take(self, worker_id: int, ahead: int | None = None, holder: int | None = None) -> ReadUnit | None:
-        """The next unit for ``worker_id``: a unit to read again first (its
-        reader died: one of this worker id's own, else one of a worker id
-        that is stopped or not replaced), else the next one of the stream,
-        waiting while that would be more than ``window`` units past the
-        oldest one the stream waits for.  ``holder`` (a worker process's
-        incarnation) is told of each unit it takes, until :meth:`delivered`;
-        with ``ahead``, it waits while it holds that many.  None: the data
-        ended, the source stopped, or the holder was retired."""
-        with self._cond:
-            held = self._held.setdefault(holder, []) if holder is not None else None
-            if holder is not None and holder not in self._retired:
-                self._wid_of[holder] = worker_id
-            own = self._redo_of.get(worker_id)
-            while not self.closed and holder not in self._retired and worker_id not in self._stopped and (
-                (not self._redo and not own and self._fresh_waits())
-                or (ahead is not None and held is not None and len(held) >= ahead)
-            ):
-                self._cond.wait()
-                own = self._redo_of.get(worker_id)
-            if self.closed or holder in self._retired or worker_id in self._stopped:
-                return None
-            r: ReadUnit | None
-            again = bool(own or self._redo)
-            if own:
-                r = self._units[heapq.heappop(own)]
-            elif self._redo:
-                r = self._units[heapq.heappop(self._redo)]
-            else:
-                r = self._unit(self._next)
-                if r is None:
-                    return None
-                self._next += 1
-            self._owner[r.unit] = worker_id
-            if held is not None:
-                held.append(r.unit)
-        if again and self.on_redo_taken is not None:
-            self.on_redo_taken()
-        return r
-
-    def active(self, worker_ids: Sequence[int]) -> list[int]:
-        """Of ``worker_ids``, those not told to stop (:meth:`stop_workers`)."""
-        with self._cond:
-            return [w for w in worker_ids if w not in self._stopped]
-
-    def stop_workers(self, worker_ids: Sequence[int]) -> None:
-        """These workers take no more units (they end once they delivered
-        what they hold): the source runs on fewer workers."""
-        with self._cond:
-            self._stopped.update(worker_ids)
-            for w in worker_ids:
-                self._release(w)
-            self._cond.notify_all()
-
-    def release(self, worker_id: int) -> None:
-        """``worker_id``'s dead process is not replaced: the units it held
-        are read again by whichever worker asks first."""
-        with self._cond:
-            self._release(worker_id)
-            self._cond.notify_all()
-
-    def _release(self, worker_id: int) -> None:
-        for u in self._redo_of.pop(worker_id, []):
-            heapq.heappush(self._redo, u)
-
-    def delivered(self, holder: int, unit: int | None) -> bool:
-        """A worker process delivered ``unit`` (None: it failed on the oldest
-        unit it held).  False: ``holder`` does not hold it (it was retired
-        and the unit handed to another reader): drop what it read."""
-        with self._cond:
-            held = self._held.get(holder)
-            if not held:
-                return False
-            if unit is None:
-                u = held.pop(0)
-                wid = self._owner.get(u)
-                if wid is not None:
-                    self._failed[wid] = u
-            elif unit in held:
-                held.remove(unit)
-            else:
-                return False
-            self._cond.notify_all()
-            return True
-
-    def failed_unit(self, worker_id: int, read: Sequence[int]) -> int | None:
-        """The unit whose read failed in ``worker_id``: the one its process
-        said, else the oldest it holds that is not in ``read`` (a thread
-        reads one unit at a time); None when it holds none."""
-        with self._cond:
-            u = self._failed.pop(worker_id, None)
-            if u is not None:
-                return u
-            done = set(read)
-            mine = [v for v, w in self._owner.items() if w == worker_id and v not in done]
-            return min(mine) if mine else None
-
-    def retired(self, holder: int) -> bool:
-        """Was ``holder`` retired (its process died)?"""
-        with self._cond:
-            return holder in self._retired
-
-    def retire(self, holder: int) -> list[tuple[int, int]]:
-        """A worker process died: the units it held are read again, by the
-        process that replaces it (the same worker id), or by whoever asks
-        first when that worker id is stopped (or, see :meth:`release`, not
-        replaced).  Returns those of them whose readers died
-        :data:`MAX_TRIES` times, ``(unit, tries)`` (the source must fail)."""
-        with self._cond:
-            self._retired.add(holder)
-            wid = self._wid_of.pop(holder, None)
-            redo = self._redo if wid is None or wid in self._stopped else self._redo_of.setdefault(wid, [])
-            poison = []
-            for u in self._held.pop(holder, []):
-                tries = self._tries[u] = self._tries.get(u, 0) + 1
-                self._owner.pop(u, None)
-                heapq.heappush(redo, u)
-                if tries >= MAX_TRIES:
-                    poison.append((u, tries))
-            self._cond.notify_all()
-            return poison
-
-    def consumed(self, u: int) -> None:
-        """The stream took unit ``u`` (the oldest it waited for)."""
-        with self._cond:
-            self._owner.pop(u, None)
-            self._units.pop(u, None)
-            self._tries.pop(u, None)
-            self.oldest = u + 1
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """The source stopped: every waiting ``take`` returns None."""
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
-
-
 class IndexedReadError(Exception):
     """Reading a random-access source failed: names the source, the index and
     (when the sample is at fault) the blob."""
-
-
-class PipeUnits:
-    """A worker process's end of its units: records the parent writes
-    (:data:`UNIT_RECORD`); a unit < 0 or the pipe's end: no more.
-
-    ``before_wait`` is called when no unit is there yet, before waiting for
-    one: the worker sends the results it holds back (the parent gives it
-    more units only once they arrive)."""
-
-    def __init__(self, fd: int, before_wait: Callable[[], None] | None = None) -> None:
-        self.fd = fd
-        self.before_wait = before_wait
-
-    def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
-        size = UNIT_RECORD.size
-        if self.before_wait is not None and not select.select([self.fd], [], [], 0)[0]:
-            self.before_wait()
-        data = b""
-        while len(data) < size:
-            part = os.read(self.fd, size - len(data))
-            if not part:
-                return None
-            data += part
-        unit, lo, hi = UNIT_RECORD.unpack(data)
-        return None if unit < 0 else ReadUnit(unit, lo, hi)
 
 
 class UnitReader:

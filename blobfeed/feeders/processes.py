@@ -42,7 +42,7 @@ from ..errors import BlobfeedError, FetcherError
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
 from .chunks import GrantPin
-from .indexed import HOLDERS, UNIT_RECORD
+from .read_units import HOLDERS, UNIT_RECORD, ReadUnit
 from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
@@ -141,8 +141,7 @@ class _Worker:
         #: the exit code once known (negative: the signal that killed it)
         self.exitcode: int | None = None
         out_r, out_w = os.pipe()
-        #: a random-access source: the pipe its read units go down, and the
-        #: thread that feeds it (see _feed_units)
+        #: a random-access source: the pipe its read units go down (see attach_units)
         self.units = group.plan.units
         #: this incarnation's name with the dispenser (a replacement has its own)
         self.holder = next(HOLDERS)
@@ -150,6 +149,7 @@ class _Worker:
         units_r = -1
         if self.units is not None:
             units_r, self.units_w = os.pipe()
+            os.set_blocking(self.units_w, False)  # written under the dispenser's lock: see _send_unit
         info = w.info
         self.process = group.ctx.Process(
             target=child_main,
@@ -193,47 +193,50 @@ class _Worker:
             name=f"blobfeed-recv-{group.source}-{w.worker_id}",
             daemon=True,
         )
-        self.feeder: threading.Thread | None = None
-        if self.units is not None:
-            self.feeder = threading.Thread(
-                target=thread_main,
-                args=(f"blobfeed-units-{group.source}-{w.worker_id}", self._feed_units, group.plan.on_thread_exit),
-                name=f"blobfeed-units-{group.source}-{w.worker_id}",
-                daemon=True,
-            )
 
     #: read units a worker process holds at most (being read, or waiting in its pipe)
     UNITS_AHEAD = 2
 
-    def _feed_units(self) -> None:
-        """Give the child its read units, :data:`UNITS_AHEAD` at most that it
-        has not delivered, until there are none left or the source stops;
-        then the pipe's end tells it so."""
-        units = self.units
-        wid = self.plan.worker_id
+    def attach_units(self) -> None:
+        """Have the dispenser push the child its read units down its pipe,
+        :data:`UNITS_AHEAD` at most that it has not delivered, from the
+        threads that free them (no thread of its own: a thread woken per
+        unit cost two to five context switches a unit); the pipe's end
+        tells the child there are no more."""
+        if self.units is not None:
+            self.units.attach(self.plan.worker_id, self.holder, self.UNITS_AHEAD, self._send_unit, self._unit_failed)
+
+    def _send_unit(self, r: ReadUnit | None) -> None:
+        """A unit down the child's pipe; None: close it (the dispenser calls
+        this under its lock, so it never blocks: the pipe is non-blocking
+        and holds far more than :data:`UNITS_AHEAD` records)."""
         fd = self.units_w
-        r = None
-        try:
-            while True:
-                r = units.take(wid, self.UNITS_AHEAD, self.holder)
-                if r is None:
-                    return
-                os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
-        except OSError:
-            pass  # the child is gone: its receiver says why
-        except Exception as exc:
-            # the child would end as done while it holds the unit: the
-            # stream would wait for it for ever.  The source fails instead.
-            logger.exception("source %r, worker %d: sending read unit %s failed", self.group.source, wid, r)
-            failure = FetcherError(
-                f"source {self.group.source!r}, worker {wid}: blobfeed could not send read unit "
-                f"{r.unit if r is not None else '?'} (positions {r.lo if r is not None else '?'} to "
-                f"{r.hi if r is not None else '?'}) to its worker process: {exc!r}"
-            )
-            failure.__cause__ = exc
-            self.plan.intake.source.fail(failure)
-        finally:
+        if fd < 0:
+            return
+        if r is None:
+            self.units_w = -1
             os.close(fd)
+            return
+        os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
+
+    def _unit_failed(self, r: ReadUnit | None, exc: BaseException) -> None:
+        """Sending unit ``r`` raised: the dispenser detached this child."""
+        fd, self.units_w = self.units_w, -1  # detached: no send comes any more
+        if fd >= 0:
+            os.close(fd)
+        if isinstance(exc, (BrokenPipeError, ConnectionError)):
+            return  # the child is gone: its receiver says why
+        # the child would end as done while it holds the unit: the stream
+        # would wait for it for ever.  The source fails instead.
+        wid = self.plan.worker_id
+        logger.error("source %r, worker %d: sending read unit %s failed", self.group.source, wid, r, exc_info=exc)
+        failure = FetcherError(
+            f"source {self.group.source!r}, worker {wid}: blobfeed could not send read unit "
+            f"{r.unit if r is not None else '?'} (positions {r.lo if r is not None else '?'} to "
+            f"{r.hi if r is not None else '?'}) to its worker process: {exc!r}"
+        )
+        failure.__cause__ = exc
+        self.plan.intake.source.fail(failure)
 
     # -- slots --------------------------------------------------------------
     def _slot_result(self, event: Result, message_bytes: int) -> bool:
@@ -489,6 +492,11 @@ class _Worker:
             if self._closed:
                 return
             self._closed = True
+        if self.units is not None:
+            self.units.detach(self.holder)  # closes the units' pipe, if it was attached
+        if self.units_w >= 0:  # never attached
+            os.close(self.units_w)
+            self.units_w = -1
         self.ring.close()
         os.close(self.reader.fd)
         if self._own_sentinel:
@@ -604,8 +612,7 @@ class _ProcessGroup:
         self.returner = self._thread("slots", self._return_slots)
         for wk in self.workers:
             wk.thread.start()
-            if wk.feeder is not None:
-                wk.feeder.start()
+            wk.attach_units()
         self.watcher = self._thread("watch", self._watch)
 
     #: a worker id is replaced at most this many times in a row (its processes
@@ -639,8 +646,7 @@ class _ProcessGroup:
             self.workers = self.workers + [wk]  # a new list: others iterate the old one
             self._new_workers.append(wk)
             wk.thread.start()
-            if wk.feeder is not None:
-                wk.feeder.start()
+            wk.attach_units()
         self._wake(b"a")  # the watcher watches it too
         return True
 
@@ -741,8 +747,6 @@ class _ProcessGroup:
             # slot back any more
             for wk in ended:
                 wk.thread.join()
-                if wk.feeder is not None:
-                    wk.feeder.join()
             self._reap(ended)
             self._returned.put(None)
             self.returner.join()
@@ -758,7 +762,7 @@ class _ProcessGroup:
         returns the others."""
         left = []
         for wk in ended:
-            if wk.thread.is_alive() or wk.feeder is not None and wk.feeder.is_alive() or wk.poll() is None:
+            if wk.thread.is_alive() or wk.poll() is None:
                 left.append(wk)
                 continue
             with self._replace_lock:
@@ -815,10 +819,6 @@ class _ProcessGroup:
                     stuck.append(wk.name)
                 if wk.thread.is_alive():
                     stuck.append(wk.thread.name)
-                if wk.feeder is not None:
-                    wk.feeder.join(left())
-                    if wk.feeder.is_alive():
-                        stuck.append(wk.feeder.name)
             if not any(wk.running() for wk in self.workers):
                 self._wake(b"x")
                 self.watcher.join(left())
@@ -862,7 +862,6 @@ class _ProcessGroup:
             return []
         out = [wk.name for wk in self.workers if wk.running()]
         out += [wk.thread.name for wk in self.workers if wk.thread.is_alive()]
-        out += [wk.feeder.name for wk in self.workers if wk.feeder is not None and wk.feeder.is_alive()]
         if self.watcher.is_alive():
             out.append(self.watcher.name)
         if self.returner.is_alive():

@@ -83,7 +83,8 @@ from ..errors import FetcherError
 from ..worker_info import WorkerInfo
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
 from .chunks import GrantPin
-from .indexed import HOLDERS, ReadUnit, UnitReader
+from .indexed import UnitReader
+from .read_units import HOLDERS, ReadUnit
 from .ray_pins import _PinTracker
 from .messages import (
     Arrays, EpochDone, Exhausted, Raised, Result, arrays_nbytes, plain_arrays, read_arrays, sendable, write_arrays,

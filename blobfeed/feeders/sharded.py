@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .chunks import Stamped
-from .indexed import IndexedReadError, RandomAccessSource, ReadUnit, UnitReader, _short, blob_arrays, safe_repr
+from .indexed import IndexedReadError, RandomAccessSource, UnitReader, _short, blob_arrays, safe_repr
+from .read_units import ReadUnit
 from .messages import plain_arrays
 
 __all__ = ["ShardedReader", "ShardedSource"]

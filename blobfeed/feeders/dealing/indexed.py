@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from ..chunks import Chunk, EpochEnd
 from ...errors import FetcherError
-from ..indexed import UnitDispenser, merge_ranges
+from ..read_units import UnitDispenser, merge_ranges
 from .base import DropCounter
 from .lanes import LaneDealer, _Failed
 from .positions import Positions
