@@ -113,6 +113,8 @@ def _peer_results() -> dict[str, dict[str, Any]]:
         "W2i/blobfeed": _result(batches_per_s=470.0),
         "W7/blobfeed": _result(batches_per_s=200.0, pss_mb=2100.0),
         "W7/sequential": _result(batches_per_s=220.0, pss_mb=2100.0),
+        # the work alone, no pipeline: 2.5 x the best peer; blobfeed 0.67 x it
+        "W7/work2": {k: v for k, v in _result(batches_per_s=300.0, pss_mb=2000.0).items() if k != "samples_lost"},
         **{f"W7/{p}": {k: v for k, v in _result(batches_per_s=120.0 if p == "grainmap2" else 60.0 + 5 * i,
                                                 pss_mb=2000.0).items() if k != "samples_lost"}
            for i, p in enumerate(workloads.W7_PEERS)},
@@ -408,7 +410,8 @@ def test_a_peer_target_uses_the_best_peer_that_ran_and_names_the_missing() -> No
          r"  W7 batches/s shuffled vs its own sequential read >= 0\.8: measured 0\.50"),
         (("W7/torchmap4", "batches_per_s", 160.0),
          r"  W7 batches/s vs torch's and grain's map-style loaders at their best worker count >= 1\.5: "
-         r"measured 1\.25 \(best: torchmap4\)"),
+         r"measured 1\.25 \(best: torchmap4; work2, the work alone with no pipeline: 1\.88 x torchmap4, "
+         r"blobfeed 0\.67 x it\)"),
     ],
 )
 def test_a_missed_new_target_exits_1(
@@ -1344,13 +1347,15 @@ def test_the_random_access_targets_met_in_the_table_and_the_json(
     assert re.search(r"^W2i batches/s vs W2 >= 0\.9 +0\.94  ok$", out, re.M), out
     assert re.search(r"^W7 batches/s shuffled vs its own sequential read >= 0\.8 +0\.91  ok$", out, re.M), out
     assert re.search(r"^W7 batches/s vs torch's and grain's map-style loaders at their best worker count >= 1\.5 "
-                     r"+1\.67  ok  \[best: grainmap2\]$", out, re.M), out
+                     r"+1\.67  ok  \[best: grainmap2; work2, the work alone with no pipeline: 2\.50 x grainmap2, "
+                     r"blobfeed 0\.67 x it\]$", out, re.M), out
     assert re.search(r"^W7 samples lost == 0 \(sequential\) +0  ok$", out, re.M), out
     # every runner of the sweep is a row, and has its legend line
     for p in workloads.W7_PEERS:
         assert re.search(rf"^W7/{p} ", out, re.M), out
         assert re.search(rf"^  {p} +\S", out, re.M), out
     assert re.search(r"^  sequential +blobfeed on W7's source with shuffle=False", out, re.M), out
+    assert re.search(r"^  work2 +W7's work alone, no pipeline", out, re.M), out
     saved = json.loads(out_json.read_text())
     rows = {(t["workload"], t["target"]): t for t in saved["targets"]}
     assert rows[("W1i", "batches/s vs W1 >= 0.9")]["ratio"] == pytest.approx(280 / 300)
@@ -1358,7 +1363,7 @@ def test_the_random_access_targets_met_in_the_table_and_the_json(
                                   ("W2i", "blobfeed"): [_result(batches_per_s=470.0)]})
     assert summarized["W2i/blobfeed"]["base_ratio"] == pytest.approx(0.94)  # in --json too
     assert rows[("W7", "batches/s vs torch's and grain's map-style loaders at their best worker count >= 1.5")][
-        "detail"] == "best: grainmap2"
+        "detail"] == "best: grainmap2; work2, the work alone with no pipeline: 2.50 x grainmap2, blobfeed 0.67 x it"
 
 
 def test_the_random_access_targets_without_their_peers_or_their_base(
@@ -1370,7 +1375,8 @@ def test_the_random_access_targets_without_their_peers_or_their_base(
     no_grain = {k: v for k, v in results.items() if "/grainmap" not in k}
     row = _row(report.evaluate(_report(no_grain)), "W7", target)
     assert row["ok"] is True and row["ratio"] == pytest.approx(200 / 75)
-    assert row["detail"] == "best: torchmap4; not run: grainmap0, grainmap1, grainmap2, grainmap4"
+    assert row["detail"] == ("best: torchmap4; not run: grainmap0, grainmap1, grainmap2, grainmap4; work2, the work "
+                             "alone with no pipeline: 4.00 x torchmap4, blobfeed 0.67 x it")
     # neither installed: not evaluated (peer missing), not a failure
     neither = {k: v for k, v in results.items() if "map" not in k.split("/")[1]}
     row = _row(report.evaluate(_report(neither)), "W7", target)
@@ -1401,16 +1407,17 @@ def test_the_plan_and_the_estimate_of_the_random_access_workloads() -> None:
     assert not {"W1i", "W2i", "W7"} & set(DEFAULT)
     assert "W7" in cli.parse_workloads("all")  # opt-in, like S1: not in the default run, in all
     assert runner._plan(["W1i", "W2i", "W7"], {"PIL"}) == [
-        ("W1i", "blobfeed"), ("W2i", "blobfeed"), ("W7", "blobfeed"), ("W7", "sequential"),
+        ("W1i", "blobfeed"), ("W2i", "blobfeed"), ("W7", "blobfeed"), ("W7", "sequential"), ("W7", "work2"),
     ]
     full = runner._plan(["W7"], {"PIL", "torch", "grain"})
-    assert full == [("W7", "blobfeed"), ("W7", "sequential"), *(("W7", p) for p in workloads.W7_PEERS)]
-    assert [p for _, p in runner._plan(["W7"], {"PIL", "torch"})][2:] == [f"torchmap{k}" for k in (0, 1, 2, 4)]
+    assert full == [("W7", "blobfeed"), ("W7", "sequential"), ("W7", "work2"), *(("W7", p) for p in workloads.W7_PEERS)]
+    assert [p for _, p in runner._plan(["W7"], {"PIL", "torch"})][3:] == [f"torchmap{k}" for k in (0, 1, 2, 4)]
     one = runner.CHILD_OVERHEAD_S + runner.WARMUP_S + 3.0
     assert runner.measurement_seconds("W1i", "blobfeed", 3.0) == pytest.approx(one)  # threads, as W1
     assert runner.measurement_seconds("W7", "blobfeed", 3.0) == pytest.approx(
         one + runner.PROCESSES_EXTRA_S + runner.W7_EXTRA_S)
     assert runner.measurement_seconds("W7", "sequential", 3.0) == runner.measurement_seconds("W7", "blobfeed", 3.0)
+    assert runner.measurement_seconds("W7", "work2", 3.0) == pytest.approx(one + runner.WORK2_EXTRA_S)
     assert runner.measurement_seconds("W7", "torchmap4", 3.0) == pytest.approx(
         one + runner.TORCH_EXTRA_S + runner.TORCH_MAP_EXTRA_S + 4 * runner.TORCH_MAP_WORKER_S)
     assert runner.measurement_seconds("W7", "grainmap0", 3.0) == pytest.approx(
@@ -1420,7 +1427,7 @@ def test_the_plan_and_the_estimate_of_the_random_access_workloads() -> None:
     assert runner.estimate_seconds(["W1i", "W2i", "W7"], 3.0, 1, {"PIL", "torch", "grain"}) == pytest.approx(
         runner.estimate_seconds(["W1i", "W2i", "W7"], 3.0, 1, {"PIL"}) + sweep)
     assert runner.estimate_seconds(["W7"], 3.0, 2, {"PIL"}) == pytest.approx(
-        2 * 2 * runner.measurement_seconds("W7", "blobfeed", 3.0))
+        2 * (2 * runner.measurement_seconds("W7", "blobfeed", 3.0) + runner.measurement_seconds("W7", "work2", 3.0)))
 
 
 def test_w1i_and_w2i_read_w1s_and_w2s_arrays_by_index() -> None:
@@ -1511,6 +1518,19 @@ def test_w7s_runner_checks_the_global_shuffle_on_process_workers(small_w7: workl
     got = library.run_indexed(small_w7, 0.2, shuffle=shuffle)
     assert got["samples_lost"] == 0, got
     assert got["batches_per_s"] > 0 and got["samples_checked"] > got["dataset_length"] == 64  # past an epoch
+
+
+@pytest.mark.timeout(120)
+def test_w7s_work_alone_reads_on_two_processes_and_leaves_none(small_w7: workloads.Workload) -> None:
+    import multiprocessing
+
+    from blobfeed.apps.bench import peers
+
+    got = peers.RUNNERS["work2"](small_w7, 0.2)
+    assert got["batches_per_s"] > 0 and got["workers"] == 2 and "samples_lost" not in got
+    # 64 records of 64 KiB, their sizes and indexes per batch: the meter counted W7's batches
+    assert got["gb_per_s"] == pytest.approx(got["batches_per_s"] * 64 * (65536 + 16) / 1e9, rel=1e-6)
+    assert not multiprocessing.active_children()
 
 
 class _OneOutOfPlace(workloads.IndexedArrays):

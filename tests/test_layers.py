@@ -81,7 +81,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.apps.bench.report": 14.3, "blobfeed.apps.bench.library": 14.3, "blobfeed.apps.bench.peers.base": 14.3,
     "blobfeed.apps.bench.service": 14.3,
     **{f"blobfeed.apps.bench.peers.{peer}": 14.4 for peer in (
-        "caffe2", "copy_bound", "grain_dataset", "model_alone", "mp_pool", "ray_data", "torch_dataloader")},
+        "caffe2", "copy_bound", "grain_dataset", "model_alone", "mp_pool", "ray_data", "torch_dataloader", "work_bound")},
     "blobfeed.apps.bench.peers": 14.5, "blobfeed.apps.bench.runner": 14.6, "blobfeed.apps.bench.cli": 14.7,
     "blobfeed.apps.bench.__main__": 14.8, "blobfeed.apps.serve": 14.8, "blobfeed.apps.top": 14.8, "blobfeed.apps.cli": 14.9,
 }

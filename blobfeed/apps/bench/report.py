@@ -41,6 +41,11 @@ PEER_TARGETS = [
     ("W7", "batches/s vs torch's and grain's map-style loaders at their best worker count", W7_PEERS, 1.5),
 ]
 
+#: (workload, runner): the work alone, with no pipeline, that the workload's
+#: peer row is also set against in its detail (what any loader of that
+#: layout can reach on this machine; see peers/work_bound.py)
+PEER_CEILINGS = {"W7": "work2"}
+
 #: W2p's memory target compares blobfeed's PSS with grain's (its process peers)
 GRAIN_PEERS = ("grain2", "grain2b")
 
@@ -256,6 +261,11 @@ def evaluate(report: dict[str, Any]) -> list[dict[str, Any]]:
         ratio = a["batches_per_s"] / res[f"{wl}/{best}"]["batches_per_s"]
         detail = (f"best: {best}" + (f"; not run: {', '.join(missing)}" if missing else "")
                   + (f"; measurement failed: {', '.join(broken)}" if broken else ""))
+        ceiling = res.get(f"{wl}/{PEER_CEILINGS.get(wl)}")
+        if ceiling is not None:
+            detail += (f"; {PEER_CEILINGS[wl]}, the work alone with no pipeline: "
+                       f"{ceiling['batches_per_s'] / res[f'{wl}/{best}']['batches_per_s']:.2f} x {best}, "
+                       f"blobfeed {a['batches_per_s'] / ceiling['batches_per_s']:.2f} x it")
         rows.append(_row(wl, target, ratio, ratio >= threshold, detail))
     for wl, threshold in MODE_TARGETS:
         if f"{wl}/blobfeed" not in res:
@@ -498,6 +508,9 @@ RUNNER_LEGEND = {
                 "W7: a RandomAccessSource over the map-style dataset (W7: shuffle=True, 2 worker processes), its "
                 "lost column the delivered indexes that are not the source's order",
     "sequential": "blobfeed on W7's source with shuffle=False (its own sequential read), 2 worker processes",
+    "work2": "W7's work alone, no pipeline: the dataset's __getitems__ and one np.stack into rotating shared "
+             "memory per batch, in 2 processes at once, nothing handed on (what any loader that reads on two "
+             "processes and shares each batch by one copy can reach here)",
     **{f"torchmap{k}": f"torch DataLoader over W7's dataset, shuffle=True, num_workers={k} "
                        f"({'in this process' if not k else 'forked, persistent'}), __getitems__ per batch"
        for k in W7_PEER_WORKERS},
