@@ -98,6 +98,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = [i for i in items if not _uses_ray(i)] + ray_tests
 
 
+class _XdistGroupIds:
+    """pytest-xdist (3.8) puts a test in its ``xdist_group`` by appending
+    ``@group`` to ``Item._nodeid`` in the test process, and its
+    ``loadgroup`` scheduler reads the group off the test ids that process
+    sends.  pytest 9 keeps a test's id in ``Item._id`` and no longer reads
+    ``_nodeid``, so the groups never reached the scheduler: the Ray tests
+    started a cluster in both test processes, and the bench's real runs ran
+    twice.  In a test process of ``--dist loadgroup`` this names the group
+    in the id pytest 9 reads, as xdist does on pytest < 9 (there it is
+    left to xdist)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if not hasattr(self.config, "workerinput") or not self.config.getvalue("loadgroup"):
+            return
+        try:
+            from _pytest.nodeid import coerce_node_id
+        except ImportError:  # pytest < 9: xdist's own way works
+            return
+        for item in items:
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                            for m in item.iter_markers("xdist_group")})
+            if names and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")  # type: ignore[attr-defined]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_XdistGroupIds(config), "blobfeed-xdist-group-ids")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
     """The one local Ray cluster (see :data:`RAY_NODES`), this process

@@ -860,11 +860,10 @@ def test_a_served_sharded_source_resumes_with_another_num_consumers(tmp_path: An
 # ---------------------------------------------------------------------------------------------
 # 6. Ray: the random-access path of RayBackend runs a sharded source as it is
 # ---------------------------------------------------------------------------------------------
-def test_a_sharded_source_on_ray_gives_the_stream_of_threads(request: Any) -> None:
-    pytest.importorskip("ray")
+def test_a_sharded_source_on_ray_gives_the_stream_of_threads(ray_cluster: Any) -> None:
+    # the session's cluster as a parameter: the test joins the Ray group (tests/conftest.py)
     from . import test_ray as rt
 
-    request.getfixturevalue("ray_cluster")
     with Pipeline(Shards(), 2, 3, backend=rt.backend(), block=3) as p:
         got = p.lockstep()
     assert_stream(got, reference(4, 2, block=3), "ray, 3 actors, 2 nets, shuffle_block=3")
