@@ -7,13 +7,15 @@ first, one end each, and a failed send is reported outside the lock."""
 
 from __future__ import annotations
 
+import struct
 import threading
 import numpy as np
 import pytest
 
 import blobfeed
 from blobfeed import Net, RandomAccessSource, init_data_input_workers
-from blobfeed.feeders.read_units import ReadUnit, UnitDispenser
+from blobfeed.feeders import processes
+from blobfeed.feeders.read_units import UNIT_RECORD, ReadUnit, UnitDispenser
 
 
 class Holder:
@@ -94,6 +96,25 @@ def test_a_retired_holder_ends_and_its_replacement_reads_its_units_first() -> No
     assert new.units() == [0, 1, 2]
 
 
+def test_a_full_holder_is_not_ended_at_the_data_end_and_reads_a_dead_worker_s_unit() -> None:
+    # A holds units 0 and 1 (full) when B, delivering, finds the data ended.
+    # B's worker is then stopped and its process dies holding unit 3: A, at
+    # its next delivery, reads it (a pulling thread of A's would have).
+    d = dispenser(n=16, read_size=4)
+    a, b = Holder(d), Holder(d)
+    d.attach(0, 1, 2, a.send, a.failed)
+    d.attach(1, 2, 2, b.send, b.failed)
+    assert (a.units(), b.units()) == ([0, 1], [2, 3])
+    assert d.delivered(2, 2)
+    assert (a.ends, b.ends) == (0, 1)
+    d.stop_workers([1])
+    d.retire(2)
+    assert d.delivered(1, 0)
+    assert a.units() == [0, 1, 3] and a.ends == 0
+    assert d.delivered(1, 1) and d.delivered(1, 3)
+    assert a.ends == 1
+
+
 def test_the_data_end_and_a_close_end_each_holder_once() -> None:
     d = dispenser(n=8, read_size=4)
     a, b = Holder(d), Holder(d)
@@ -125,6 +146,7 @@ def test_a_send_that_raises_detaches_the_holder_and_is_reported_outside_the_lock
     bad, good = Holder(d, raises=exc), Holder(d)
     d.attach(0, 1, 2, bad.send, bad.failed)
     assert [(r.unit if r else None, e, free) for r, e, free in bad.failures] == [(0, exc, True)]
+    assert bad.ends == 1, "ended (its pipe closed) by the dispenser, under its lock"
     d.attach(1, 2, 2, good.send, good.failed)
     assert good.units() == [1, 2]
     assert d.delivered(2, 1)
@@ -168,3 +190,46 @@ def test_worker_processes_are_fed_with_no_thread_per_process() -> None:
     assert got == np.random.default_rng((3, 0)).permutation(96).tolist()
     assert not [t for t in threads if t.startswith("blobfeed-units")], sorted(threads)
     assert [t for t in threads if t.startswith("blobfeed-recv-")], sorted(threads)
+
+
+class _PacksUpToUnit0:
+    """UNIT_RECORD in the parent, failing from unit 1 on (not a broken pipe)."""
+
+    size = UNIT_RECORD.size
+
+    def pack(self, unit: int, lo: int, hi: int) -> bytes:
+        if unit >= 1:
+            raise struct.error(f"cannot pack unit {unit}")
+        return UNIT_RECORD.pack(unit, lo, hi)
+
+
+def test_a_unit_that_cannot_be_sent_while_the_stream_takes_one_fails_the_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # window=1: unit 1 is pushed when the stream takes unit 0, in the thread
+    # that holds the dealer's and the feed's locks; failing the source there
+    # took them again (a deadlock: run() never returned, whatever its timeout)
+    monkeypatch.setattr(processes, "UNIT_RECORD", _PacksUpToUnit0())
+    net = Net(None, name="fail")
+    gc = blobfeed.GlobalCoordinator()
+    source = RandomAccessSource(Arrays(), shuffle=False, read_size=8, window=1)
+    init_data_input_workers(net, ["x", "i"], source, 8, num_worker_threads=1, coordinator=gc,
+                            backend="processes", epochs=1)
+    outcome: list[BaseException | str] = []
+
+    def consume() -> None:
+        try:
+            for _ in range(20):
+                net.run(timeout=10)
+            outcome.append("no error")
+        except BaseException as exc:  # what run() raised: the test's to judge
+            outcome.append(exc)
+
+    gc.start()
+    t = threading.Thread(target=consume, name="test-consume", daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "run() hung: the source was failed under the locks it takes"
+    assert gc.stop(timeout=10)
+    assert len(outcome) == 1 and isinstance(outcome[0], blobfeed.FetcherError), outcome
+    assert "could not send read unit 1" in str(outcome[0]) and "cannot pack unit 1" in str(outcome[0])

@@ -220,10 +220,10 @@ class _Worker:
         os.write(fd, UNIT_RECORD.pack(r.unit, r.lo, r.hi))
 
     def _unit_failed(self, r: ReadUnit | None, exc: BaseException) -> None:
-        """Sending unit ``r`` raised: the dispenser detached this child."""
-        fd, self.units_w = self.units_w, -1  # detached: no send comes any more
-        if fd >= 0:
-            os.close(fd)
+        """Sending unit ``r`` raised: the dispenser detached this child and
+        closed its pipe.  Called where a unit was freed, maybe under the
+        dealer's lock and a feed's (the stream taking a unit): failing the
+        source takes those locks, so a thread of the group's does it."""
         if isinstance(exc, (BrokenPipeError, ConnectionError)):
             return  # the child is gone: its receiver says why
         # the child would end as done while it holds the unit: the stream
@@ -236,7 +236,7 @@ class _Worker:
             f"{r.hi if r is not None else '?'}) to its worker process: {exc!r}"
         )
         failure.__cause__ = exc
-        self.plan.intake.source.fail(failure)
+        self.group.fail_soon(self.plan.intake.source, failure)
 
     # -- slots --------------------------------------------------------------
     def _slot_result(self, event: Result, message_bytes: int) -> bool:
@@ -493,7 +493,9 @@ class _Worker:
                 return
             self._closed = True
         if self.units is not None:
-            self.units.detach(self.holder)  # closes the units' pipe, if it was attached
+            # closes the units' pipe if attached; once attached, only the
+            # dispenser closes it (under its lock), so this cannot race it
+            self.units.detach(self.holder)
         if self.units_w >= 0:  # never attached
             os.close(self.units_w)
             self.units_w = -1
@@ -587,6 +589,8 @@ class _ProcessGroup:
         self._replace_lock = threading.Lock()
         self._joining = False
         self._new_workers: list[_Worker] = []
+        #: threads failing the source for a unit that could not be sent (see fail_soon)
+        self._failers: list[threading.Thread] = []
         self._deaths: dict[int, int] = {}
         self._released = False
         self._wake_r, self._wake_w = os.pipe()
@@ -649,6 +653,13 @@ class _ProcessGroup:
             wk.attach_units()
         self._wake(b"a")  # the watcher watches it too
         return True
+
+    def fail_soon(self, source: Any, failure: BaseException) -> None:
+        """Fail ``source`` from a thread of its own: the caller may hold
+        locks that failing it takes (joined by :meth:`join`)."""
+        t = threading.Thread(target=source.fail, args=(failure,), name=f"blobfeed-fail-{self.source}", daemon=True)
+        self._failers.append(t)
+        t.start()
 
     def _wake(self, what: bytes) -> None:
         """A byte to the watcher, unless it ended (its pipe is closed then)."""
@@ -812,6 +823,10 @@ class _ProcessGroup:
                 for wk in self.workers:
                     wk.kill()
             stuck = []
+            for t in self._failers:
+                t.join(left())
+                if t.is_alive():
+                    stuck.append(t.name)
             for wk in list(self.workers):
                 wk.wait_exit(left())
                 wk.thread.join(left())

@@ -297,8 +297,11 @@ class UnitDispenser:
         (a record written to a pipe with room for ``ahead``); ``send(None)``
         once, when it gets no more (the data ended, the source stopped, the
         holder was retired or its worker stopped) or is detached.  A
-        ``send`` that raises detaches it: ``failed(r, exc)`` is then called
-        outside the lock (the unit stays the holder's, as one it took)."""
+        ``send`` that raises detaches and ends it: ``failed(r, exc)`` is then
+        called outside this lock (the unit stays the holder's, as one it
+        took), but maybe inside its caller's: ``consumed`` runs under the
+        dealer's lock and a feed's, so ``failed`` must not take those (it
+        must not fail the source in its own thread)."""
         with self._cond:
             self._held.setdefault(holder, [])
             if holder not in self._retired:
@@ -313,11 +316,6 @@ class UnitDispenser:
             entry = self._pushed.pop(holder, None)
             if entry is not None:
                 self._push_end(entry)
-
-    def _pump(self) -> None:
-        with self._cond:
-            pushed = self._changed()
-        self._after(pushed)
 
     def _changed(self) -> _Pushed:
         """The state changed (under the lock): wake the threads waiting in
@@ -346,22 +344,31 @@ class UnitDispenser:
                 break
             holder, entry, held = pick
             r, again = self._take(entry[0], held)
-            if r is None:  # past the data's end: no holder gets more
-                for holder, entry in list(self._pushed.items()):
-                    if not self._redo_of.get(entry[0]):
-                        del self._pushed[holder]
-                        self._push_end(entry)
-                break
+            if r is None:
+                # past the data's end: this holder gets no more.  The others
+                # end when they are picked, as a thread of each that pulled
+                # would have: one that is full now may still take a unit
+                # read again (a death) after its next delivery.
+                del self._pushed[holder]
+                self._push_end(entry)
+                continue
             again_any = again_any or again
             try:
                 entry[2](r)
             except Exception as exc:
+                # detached and ended here, under the lock (its end closes its
+                # pipe: no other thread may close it meanwhile); the unit
+                # stays its own, and a death hands it to another
                 del self._pushed[holder]
+                self._push_end(entry)
                 failures.append((entry[3], r, exc))
         return failures, again_any
 
     def _after(self, pushed: _Pushed) -> None:
-        """What :meth:`_changed` left to do outside the lock: the callbacks."""
+        """What :meth:`_changed` left to do outside the lock: the callbacks.
+        (``on_redo_taken`` takes the dealer's lock: a unit read again is
+        never pushed by ``consumed`` or ``sized``, which run under it, as
+        they free no holder's room.)"""
         failures, again = pushed
         for failed, r, exc in failures:
             failed(r, exc)
