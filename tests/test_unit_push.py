@@ -115,6 +115,26 @@ def test_a_full_holder_is_not_ended_at_the_data_end_and_reads_a_dead_worker_s_un
     assert a.ends == 1
 
 
+def test_a_stopped_worker_s_dead_process_leaves_its_units_to_its_replacement() -> None:
+    # B found the data's end; A's worker is then stopped (set_num_workers)
+    # and its process dies holding units 0 and 1.  Every other holder has
+    # ended: the process that replaces A reads them, then ends.
+    d = dispenser(n=16, read_size=4)
+    a, b = Holder(d), Holder(d)
+    d.attach(0, 1, 2, a.send, a.failed)
+    d.attach(1, 2, 2, b.send, b.failed)
+    assert d.delivered(2, 2)
+    d.stop_workers([0])
+    assert (a.ends, b.ends) == (1, 1)
+    d.retire(1)
+    again = Holder(d)
+    d.attach(0, 3, 2, again.send, again.failed)
+    # its two units, then its pipe's end (nothing more for a stopped worker)
+    assert again.units() == [0, 1] and again.ends == 1
+    assert d.delivered(3, 0) and d.delivered(3, 1)
+    assert not d._redo and d.owner(0) == 0 and d.owner(1) == 0
+
+
 def test_the_data_end_and_a_close_end_each_holder_once() -> None:
     d = dispenser(n=8, read_size=4)
     a, b = Holder(d), Holder(d)

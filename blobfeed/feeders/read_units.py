@@ -257,8 +257,13 @@ class UnitDispenser:
 
     def _ended(self, worker_id: int, holder: int | None) -> bool:
         """``worker_id`` (as ``holder``) takes no unit any more: the source
-        stopped, the holder was retired, or the worker was told to stop."""
-        return self.closed or holder in self._retired or worker_id in self._stopped
+        stopped, the holder was retired, or the worker was told to stop and
+        no unit waits to be read again (a stopped worker's process that dies
+        leaves its units to any worker: the one that replaces it, when every
+        other has ended, reads them before it ends)."""
+        return self.closed or holder in self._retired or (
+            worker_id in self._stopped and not self._redo and not self._redo_of.get(worker_id)
+        )
 
     def _waits(self, worker_id: int, held: list[int] | None, ahead: int | None) -> bool:
         """No unit for ``worker_id`` now: none to read again and the next of
