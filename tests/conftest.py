@@ -87,14 +87,17 @@ def _uses_ray(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The Ray tests run last, in their order: the one cluster is started
-    once, at the first of them, and no other test of this process runs while
-    it is up (its processes, threads and sockets would be in the way of the
-    leak checks).  With pytest-xdist they are one group (``--dist
-    loadgroup``): one worker runs them all, on one cluster."""
+    """The Ray tests run last in each test process, in their order: its
+    cluster is started once, at the first of them, and no other test of the
+    process runs while it is up (its processes, threads and sockets would be
+    in the way of the leak checks).  They are not one xdist group: run in
+    one process, on one cluster, they took most of the suite's time in that
+    process while the other one had finished (CI: 353 s against 318 s split
+    over both), and a Ray test of the contract then timed out waiting for
+    its first batch on the cluster that had run every other Ray test
+    (tests/contract/test_stop_and_accounts.py, ray-det-shuffle); split, each
+    process starts a cluster of its own."""
     ray_tests = [i for i in items if _uses_ray(i)]
-    for item in ray_tests:
-        item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = [i for i in items if not _uses_ray(i)] + ray_tests
 
 
@@ -103,9 +106,9 @@ class _XdistGroupIds:
     ``@group`` to ``Item._nodeid`` in the test process, and its
     ``loadgroup`` scheduler reads the group off the test ids that process
     sends.  pytest 9 keeps a test's id in ``Item._id`` and no longer reads
-    ``_nodeid``, so the groups never reached the scheduler: the Ray tests
-    started a cluster in both test processes, and the bench's real runs ran
-    twice.  In a test process of ``--dist loadgroup`` this names the group
+    ``_nodeid``, so the groups never reached the scheduler: the bench's
+    real runs (one group, tests/test_bench_cli.py) ran in both test
+    processes, twice.  In a test process of ``--dist loadgroup`` this names the group
     in the id pytest 9 reads, as xdist does on pytest < 9 (there it is
     left to xdist)."""
 
