@@ -24,6 +24,7 @@ not.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -657,9 +658,7 @@ class _ProcessGroup:
     def fail_soon(self, source: Any, failure: BaseException) -> None:
         """Fail ``source`` from a thread of its own: the caller may hold
         locks that failing it takes (joined by :meth:`join`)."""
-        t = threading.Thread(target=source.fail, args=(failure,), name=f"blobfeed-fail-{self.source}", daemon=True)
-        self._failers.append(t)
-        t.start()
+        self._failers.append(self._thread("fail", functools.partial(source.fail, failure)))
 
     def _wake(self, what: bytes) -> None:
         """A byte to the watcher, unless it ended (its pipe is closed then)."""

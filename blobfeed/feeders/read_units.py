@@ -17,7 +17,7 @@ import os
 import select
 import struct
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 __all__ = ["PipeUnits", "ReadUnit", "UnitDispenser", "merge_ranges"]
 
@@ -58,9 +58,20 @@ def merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+class _Pushee(NamedTuple):
+    """A worker process fed by push (:meth:`UnitDispenser.attach`)."""
+
+    worker_id: int
+    ahead: int
+    send: Callable[[ReadUnit | None], None]
+    failed: Callable[[ReadUnit | None, BaseException], None]
+
+
+#: a send that raised: its holder's ``failed``, the unit, the error
+_Failure = tuple[Callable[[ReadUnit | None, BaseException], None], ReadUnit | None, BaseException]
 #: what :meth:`UnitDispenser._changed` leaves to do outside its lock: the
-#: failed sends (their callback, unit, error), and whether a unit read again went out
-_Pushed = tuple[list[tuple[Callable[[ReadUnit | None, BaseException], None], ReadUnit | None, BaseException]], bool]
+#: failed sends, and whether a unit read again went out
+_Pushed = tuple[list[_Failure], bool]
 
 
 class UnitDispenser:
@@ -106,8 +117,8 @@ class UnitDispenser:
         #: called (outside the lock) when a worker took a unit to read again:
         #: the dealer lets it in past a full lane when it is the oldest
         self.on_redo_taken: Callable[[], None] | None = None
-        #: holder -> (worker_id, ahead, send, failed): worker processes fed by push (:meth:`attach`)
-        self._pushed: dict[int, tuple[int, int, Callable[[ReadUnit | None], None], Callable[..., None]]] = {}
+        #: holder -> the worker process it is, fed by push (:meth:`attach`)
+        self._pushed: dict[int, _Pushee] = {}
 
     def _reset(self) -> None:
         self.read_size = self.base
@@ -311,7 +322,7 @@ class UnitDispenser:
             self._held.setdefault(holder, [])
             if holder not in self._retired:
                 self._wid_of[holder] = worker_id
-            self._pushed[holder] = (worker_id, ahead, send, failed)
+            self._pushed[holder] = _Pushee(worker_id, ahead, send, failed)
             pushed = self._changed()
         self._after(pushed)
 
@@ -325,30 +336,30 @@ class UnitDispenser:
     def _changed(self) -> _Pushed:
         """The state changed (under the lock): wake the threads waiting in
         :meth:`take`, and push what it now allows to the attached holders,
-        one unit each in turn (so no holder starves the others of the
-        window).  What it returns goes to :meth:`_after`, outside the lock."""
+        each unit to the one that holds fewest (so no holder starves the
+        others of the window).  What it returns goes to :meth:`_after`,
+        outside the lock."""
         self._cond.notify_all()
-        failures: list[tuple[Callable[[ReadUnit | None, BaseException], None], ReadUnit | None, BaseException]] = []
+        failures: list[_Failure] = []
         if not self._pushed:
             return failures, False
         again_any = False
         while True:
             # the holder that can take a unit and holds the fewest (the most
             # idle process; the first attached on a tie) takes the next one
-            pick: tuple[int, tuple[Any, ...], list[int]] | None = None
+            pick: tuple[int, _Pushee, list[int]] | None = None
             for holder, entry in list(self._pushed.items()):
-                worker_id, ahead = entry[0], entry[1]
-                if self._ended(worker_id, holder):
+                if self._ended(entry.worker_id, holder):
                     del self._pushed[holder]
                     self._push_end(entry)
                     continue
                 held = self._held.setdefault(holder, [])
-                if not self._waits(worker_id, held, ahead) and (pick is None or len(held) < len(pick[2])):
+                if not self._waits(entry.worker_id, held, entry.ahead) and (pick is None or len(held) < len(pick[2])):
                     pick = (holder, entry, held)
             if pick is None:
                 break
             holder, entry, held = pick
-            r, again = self._take(entry[0], held)
+            r, again = self._take(entry.worker_id, held)
             if r is None:
                 # past the data's end: this holder gets no more.  The others
                 # end when they are picked, as a thread of each that pulled
@@ -359,14 +370,14 @@ class UnitDispenser:
                 continue
             again_any = again_any or again
             try:
-                entry[2](r)
+                entry.send(r)
             except Exception as exc:
                 # detached and ended here, under the lock (its end closes its
                 # pipe: no other thread may close it meanwhile); the unit
                 # stays its own, and a death hands it to another
                 del self._pushed[holder]
                 self._push_end(entry)
-                failures.append((entry[3], r, exc))
+                failures.append((entry.failed, r, exc))
         return failures, again_any
 
     def _after(self, pushed: _Pushed) -> None:
@@ -380,9 +391,9 @@ class UnitDispenser:
         if again and self.on_redo_taken is not None:
             self.on_redo_taken()
 
-    def _push_end(self, entry: tuple[Any, ...]) -> None:
+    def _push_end(self, entry: _Pushee) -> None:
         try:
-            entry[2](None)
+            entry.send(None)
         except Exception:  # closing a pipe whose reader is gone, say: nothing more to tell it
             logger.debug("source %r: ending a worker's units failed", self.source, exc_info=True)
 

@@ -34,12 +34,15 @@ def _stacked_layout(dataset: Any, batch: int) -> list[tuple[tuple[int, ...], np.
     return [((batch, *np.shape(col[0])), np.asarray(col[0]).dtype) for col in zip(*samples)]
 
 
-def _read(make_dataset: Callable[[], Any], batch: int, k: int, stop: Any, counts: Any) -> None:
+def _read(make_dataset: Callable[[], Any], batch: int, k: int, stop: Any, counts: Any, layouts: Any) -> None:
     """One process: batches of its own shuffled order, each stacked into
-    the next of its slots; ``counts[k]`` is how many it finished."""
+    the next of its slots; ``counts[k]`` is how many it finished.  Its
+    batch's layout goes on ``layouts`` first (the parent's meter counts
+    arrays of it: the parent never maps the 2 GB file)."""
     dataset = make_dataset()
     n = len(dataset)
     layout = _stacked_layout(dataset, batch)
+    layouts.put([(shape, dtype.str) for shape, dtype in layout])
     sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in layout]
     slot_bytes = sum(sizes)
     area = mmap.mmap(-1, slot_bytes * SLOTS)  # shared and anonymous, as a worker's slots
@@ -72,11 +75,8 @@ def run_work2(wl: Workload, seconds: float) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     counts = ctx.RawArray("q", WORK_PROCESSES)
-    # arrays of one batch's shapes: what the meter counts for each batch
-    dataset = wl.dataset()
-    one = [np.zeros(shape, dtype) for shape, dtype in _stacked_layout(dataset, wl.batch)]
-    del dataset
-    procs = [ctx.Process(target=_read, args=(wl.dataset, wl.batch, k, stop, counts), daemon=True,
+    layouts = ctx.Queue()
+    procs = [ctx.Process(target=_read, args=(wl.dataset, wl.batch, k, stop, counts, layouts), daemon=True,
                          name=f"work2-{k}") for k in range(WORK_PROCESSES)]
     for p in procs:
         p.start()
@@ -85,12 +85,15 @@ def run_work2(wl: Workload, seconds: float) -> dict[str, Any]:
         m.begin()
         seen = 0
         going = True
+        one: list[np.ndarray] | None = None  # arrays of one batch's layout: what the meter counts per batch
         while going:
             dead = [p for p in procs if not p.is_alive()]
             if dead:
                 raise RuntimeError(f"work2: process {dead[0].name} exited with code {dead[0].exitcode}")
             total = sum(counts)
-            while seen < total and going:
+            if total and one is None:  # a process put its layout before its first batch
+                one = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in layouts.get(timeout=30)]
+            while seen < total and going and one is not None:
                 going = m.tick(one)
                 seen += 1
             if going:
