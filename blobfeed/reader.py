@@ -13,6 +13,11 @@ or a test reads a source the same way:
   whole batches (a remote consumer's end of a served source), read through
   its :class:`Inlet`'s reader.
 
+A batch a reader hands out may lie in shared memory another process can
+map (a worker process's slots): :data:`REGIONS` says where
+(``REGIONS.locate(batch.arrays)``), so a consumer in another process can be
+handed that memory once and then each batch as a reference into it.
+
 A reader's enqueuer thread belongs to the coordinator: ``start()`` starts
 it, ``stop()`` / ``stop_coordinator(name)`` stop and join it with its source.
 """
@@ -20,5 +25,6 @@ it, ``stop()`` / ``stop_coordinator(name)`` stop and join it with its source.
 from .coordinator import init_reader
 from .feeders.chunks import Batch, EpochEnd
 from .feeders.reading import BatchReader, Inlet, SourceInfo
+from .shared_regions import REGIONS, SharedRegion
 
-__all__ = ["Batch", "BatchReader", "EpochEnd", "Inlet", "SourceInfo", "init_reader"]
+__all__ = ["REGIONS", "Batch", "BatchReader", "EpochEnd", "Inlet", "SharedRegion", "SourceInfo", "init_reader"]

@@ -25,6 +25,8 @@ LAYERS: dict[str, int] = {
     # the byte limit that follows need (max_buffered_bytes="auto"): reads the hub's sums
     # (types only), sets the limit of the queue it is handed
     "blobfeed.buffers": 0.65,
+    # shared memory another process may map (worker slots, the service's arena): where a batch lies
+    "blobfeed.shared_regions": 0.7,
     "blobfeed.queues": 1,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,

@@ -40,11 +40,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import BlobfeedError, FetcherError
+from ..shared_regions import REGIONS, SharedRegion
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, runs_user_code, thread_main
 from .child import child_main
 from .chunks import GrantPin
 from .read_units import HOLDERS, UNIT_RECORD, ReadUnit
-from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
+from .starting import (
+    MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd, preload_forkserver,
+)
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
 from .slot_ring import SlotRing as _SlotRing
@@ -121,7 +124,10 @@ class _Worker:
         self.group = group
         self.name = f"blobfeed-fetch-{group.source}-{w.worker_id}"
         backend = group.backend
-        self.area, area_fd = SlotArea.create(self.name, backend.slots, backend.slot_bytes)
+        self.area, self._area_fd = SlotArea.create(self.name, backend.slots, backend.slot_bytes)
+        area_fd = self._area_fd
+        #: the area as a region other processes may map, once the child mapped it (see _share)
+        self._region: SharedRegion | None = None
         free_r, free_w = os.pipe()
         os.set_blocking(free_w, False)
         self.ring = _SlotRing(backend.slots, free_w, self.area.set_viewed)
@@ -171,13 +177,14 @@ class _Worker:
         except BaseException:
             self.ring.close()
             os.close(out_r)
+            os.close(area_fd)
             if self.units_w >= 0:
                 os.close(self.units_w)
                 self.units_w = -1
             raise
         finally:
-            # the child has its copies now (or never will): ours go
-            os.close(area_fd)
+            # the child has its copies now (or never will): ours go, but
+            # for the area's (see _share)
             os.close(free_r)
             os.close(out_w)
             if units_r >= 0:
@@ -247,6 +254,8 @@ class _Worker:
         area = self.area
         packed: Arrays = event.raw
         slot = packed.where
+        if self._region is None:
+            self._share()
         used = packed_nbytes(packed)
         root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
         root.flags.writeable = False
@@ -275,6 +284,17 @@ class _Worker:
             return bool(deliver(intake, event._replace(raw=tuple(copied) if packed.as_tuple else copied),
                                 None, used + message_bytes))
         return bool(deliver(intake, event._replace(raw=arrays), GrantPin(self.ring, slot), used + message_bytes))
+
+    def _share(self) -> None:
+        """Register the area as a shared region (see blobfeed.shared_regions):
+        the child mapped it (it wrote a slot), so it can be sealed against
+        new writable mappings, and a consumer in another process may be
+        handed its descriptor to read the batches where they lie."""
+        with self._lock:
+            if self._closed or self._region is not None:
+                return
+            self._region = self.area.shared_region(self.name, self._area_fd)
+            REGIONS.add(self._region)
 
     def _whole(self) -> int:
         """The size of the batches the child may assemble itself, 0: none
@@ -508,6 +528,11 @@ class _Worker:
             with self._proc_lock:
                 self._proc_closed = True
                 self.process.close()  # its sentinel descriptor
+        with self._lock:
+            region, self._region = self._region, None
+        if region is not None:
+            REGIONS.remove(region)  # before its descriptor closes: see RegionIndex.dup_fd
+        os.close(self._area_fd)
         area, self.area = self.area, None  # type: ignore[assignment]
         try:
             area.mm.close()
@@ -546,28 +571,6 @@ def _describe(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-#: what the forkserver imports once, so that a worker starts as a plain fork
-#: of it (milliseconds) rather than importing numpy and blobfeed (~0.2 s)
-_PRELOAD = "blobfeed.feeders.child"
-
-
-def _preload_forkserver(ctx: Any) -> None:
-    """Add blobfeed's child module to what the forkserver preloads, keeping
-    what the program asked for; a no-op once the forkserver runs.  (The
-    forkserver stays single-threaded: importing numpy starts no thread.)"""
-    try:
-        from multiprocessing import forkserver
-
-        server: Any = forkserver._forkserver
-        if server._forkserver_pid is not None:
-            return  # running: its modules are set
-        preload = list(server._preload_modules)
-    except AttributeError:  # another CPython: leave it as it is
-        return
-    if _PRELOAD not in preload:
-        ctx.set_forkserver_preload(preload + [_PRELOAD])
-
-
 class _ProcessGroup:
     """The workers of one ``init_data_input_workers`` call, and three kinds of
     helper threads: a receiver per worker, one watcher of the children's
@@ -582,7 +585,7 @@ class _ProcessGroup:
         #: what each worker process imports first (named if it fails there)
         self.main_module = _main_module()
         if backend.start_method == "forkserver":
-            _preload_forkserver(self.ctx)
+            preload_forkserver(self.ctx)
         self.stopping = False
         self._join_lock = threading.Lock()
         #: replacements of dead workers (a random-access source); per

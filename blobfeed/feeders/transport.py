@@ -11,6 +11,7 @@ the index back (over a pipe of 4-byte records) once nothing views it.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import pickle
@@ -19,6 +20,9 @@ import struct
 import traceback
 from typing import Any
 
+import numpy as np
+
+from ..shared_regions import SharedRegion
 
 __all__ = [
     "HEADER_BYTES", "MessageReader", "SlotArea", "mem_available", "pack_exception", "send_message",
@@ -33,6 +37,8 @@ __all__ = [
 #: worker, see worker_batches), [48:56] the worker waits for that count to
 #: grow (worker to parent: a batch handed out then writes it a wake-up)
 HEADER_BYTES = 64
+#: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 _HINT = struct.Struct("<q")
 #: one free slot index on the free pipe; -1 tells the worker to stop, and
 #: WAKE wakes it to look at the viewed count again
@@ -132,14 +138,32 @@ class SlotArea:
 
     @classmethod
     def create(cls, name: str, slots: int, slot_bytes: int) -> tuple["SlotArea", int]:
-        """A new area, and its descriptor (for the worker; close it once the worker has it)."""
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        """A new area, and its descriptor (the parent's to keep: the worker
+        gets it, and so may a consumer in another process that reads the
+        worker's batches where they lie, see :meth:`shared_region`).  Its
+        size is sealed: nobody holding the descriptor can shrink it under
+        the mappings."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, HEADER_BYTES + slots * slot_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             return cls(fd, slots, slot_bytes), fd
         except BaseException:
             os.close(fd)
             raise
+
+    def shared_region(self, name: str, fd: int) -> SharedRegion:
+        """The area as a region another process may map (``fd``: its
+        descriptor, see :mod:`blobfeed.shared_regions`), sealed against
+        new writable mappings first (the parent's and the worker's, made
+        before, stay writable): call once the worker mapped it.  A kernel
+        before 5.1 has no such seal: then only the size is sealed."""
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except OSError:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+        base = np.frombuffer(self.mm, np.uint8, count=1).__array_interface__["data"][0]
+        return SharedRegion(name, fd, base, HEADER_BYTES, self.slots, self.slot_bytes)
 
     def offset(self, slot: int) -> int:
         return HEADER_BYTES + slot * self.slot_bytes

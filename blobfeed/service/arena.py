@@ -22,18 +22,18 @@ those slots stay out of circulation until its process has exited (a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import select
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from ..queues import drained
+from ..reader import REGIONS, SharedRegion
 from .slots import sealed_memfd
 
 __all__ = ["SourceArena", "consumer_pidfd"]
@@ -65,7 +65,6 @@ class SourceArena:
         self.slots = 0
         self.slot_bytes = 0
         self._mm: Any = None
-        self._base = 0
         self._free: list[int] = []
         #: weak references to slots' roots that died (put by their callbacks: C code)
         self._returned: "queue.SimpleQueue[weakref.ref[np.ndarray]]" = queue.SimpleQueue()
@@ -75,8 +74,8 @@ class SourceArena:
         #: batches], kept until it exits (one pidfd per process, however
         #: often it attached)
         self._parked: dict[int, list[Any]] = {}
-        #: (dtype, shape, offset) of each array -> the batch entry's JSON for them
-        self._layouts: dict[tuple[Any, ...], str] = {}
+        #: the arena as a shared region, once made
+        self.region: SharedRegion | None = None
         self._closed = False
         self._failed = False
 
@@ -119,7 +118,10 @@ class SourceArena:
             return False
         self.slots, self.slot_bytes = slots, slot_bytes
         self._free = list(range(slots - 1, -1, -1))
-        self._base = np.frombuffer(self._mm, np.uint8, count=1).__array_interface__["data"][0]
+        base = np.frombuffer(self._mm, np.uint8, count=1).__array_interface__["data"][0]
+        # where senders find its batches (REGIONS.locate)
+        self.region = SharedRegion(f"blobfeed-{self.name}-batches", self.fd, base, 0, slots, slot_bytes)
+        REGIONS.add(self.region)
         return True
 
     def _collect(self) -> None:
@@ -127,35 +129,6 @@ class SourceArena:
             entry = self._out.pop(id(ref), None)
             if entry is not None:
                 self._free.append(entry[1])
-
-    # -- the senders' side ---------------------------------------------------------------
-    def locate(self, arrays: Sequence[np.ndarray]) -> tuple[int, str] | None:
-        """Where ``arrays`` lie when they are one batch assembled in a slot
-        here: (the slot, their ``[dtype, shape, offset]`` list as JSON);
-        else None."""
-        base, size = self._base, self.slot_bytes
-        if not size or not arrays:
-            return None
-        slot = -1
-        key = []
-        for a in arrays:
-            addr = a.__array_interface__["data"][0]
-            rel = addr - base
-            if not 0 <= rel < self.slots * size or not a.flags.c_contiguous:
-                return None
-            s, off = divmod(rel, size)
-            if slot < 0:
-                slot = s
-            if s != slot or off + a.nbytes > size:
-                return None
-            key.append((a.dtype.str, a.shape, off))
-        k = tuple(key)
-        text = self._layouts.get(k)
-        if text is None:
-            if len(self._layouts) >= 64:
-                self._layouts.clear()
-            text = self._layouts[k] = json.dumps([[d, list(s), o] for d, s, o in key], separators=(",", ":"))
-        return slot, text
 
     def park(self, pid: int, pidfd: int, lent: list[Any]) -> None:
         """A consumer left while it may still view ``lent`` (batches of this
@@ -199,6 +172,8 @@ class SourceArena:
         for pidfd, _ in parked.values():
             if pidfd >= 0:
                 os.close(pidfd)
+        if self.region is not None:
+            REGIONS.remove(self.region)  # before its descriptor closes
         if fd >= 0:
             os.close(fd)
         if self._mm is not None:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..reader import EpochEnd
+from ..reader import REGIONS, EpochEnd, SharedRegion
 from .arena import consumer_pidfd
 from .admission import Refused, admit
 from .ledger import Ledger
@@ -103,10 +103,13 @@ class Connection:
         #: per slot of the consumer's, the batch of the source's arena it
         #: stands for, until the consumer says its views died
         self._lent: dict[int, Any] = {}
-        #: the consumer's process, once it was sent the arena (see _send_arena)
+        #: the consumer's process, once it was sent a shared region (see _send_region)
         self._peer_pid = 0
         self._pidfd = -1
-        self._arena_sent = False
+        #: the shared regions the consumer was handed and not told to retire, by id
+        self._regions_sent: set[int] = set()
+        #: REGIONS.version when they were last checked against it
+        self._regions_version = REGIONS.version
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
         self._run_waited = 0.0
 
@@ -317,8 +320,9 @@ class Connection:
         counts = source.counts
         delivered = counts.delivered
         sender = self.carrier.sender(self.channel, ledger)
-        # a batch assembled in the source's arena goes as a reference to it (shared memory only)
-        arena = source.arena if sender.shared_memory else None
+        # a batch that lies in shared memory (a worker process's slot, the
+        # source's arena) goes as a reference to it (Unix socket only)
+        shared = sender.shared_memory
         try:
             while not self.closed.is_set() and not self._ended and self._stopping is None:
                 if pending is None:
@@ -350,6 +354,10 @@ class Connection:
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
                     continue
+                if shared and REGIONS.version != self._regions_version:
+                    # regions went (a worker replaced): what was sent of them goes first
+                    delivered[self.label] += sender.flush()
+                    self._retire_regions()
                 if area is None:
                     try:
                         area = self._offer_slots(item.batch, sender)  # before its first batch, sized by it
@@ -374,22 +382,31 @@ class Connection:
                 # (kept until the acknowledgement), never a reuse
                 ledger.hold(slot)
                 g = ledger.number()
-                located = None if arena is None else arena.locate(item.batch.arrays)
+                located = REGIONS.locate(item.batch.arrays) if shared else None
+                region_fd = -1
+                if located is not None and located[0].id not in self._regions_sent:
+                    got_fd = REGIONS.dup_fd(located[0])
+                    if got_fd is None:
+                        located = None  # the region went meanwhile: copied as any batch
+                    else:
+                        region_fd = got_fd
                 if located is None:
                     item, meta, text = sender.write(area, slot, item)
                     ledger.record(g, item, slot, meta)
                 else:
-                    # assembled in the source's arena: the consumer reads it
-                    # there; its slot only stands for it (the flow control)
-                    a_slot, text = located
+                    # the consumer reads it where it lies; its slot only
+                    # stands for it (the flow control), and the batch's
+                    # arrays, kept until that slot is free, keep the
+                    # region's slot taken
+                    region, r_slot, text = located
                     meta = None
                     self._lent[slot] = (g, item.batch.arrays)
-                    text = f"{text},{a_slot}"  # the entry's fifth element: the arena slot
+                    text = f"{text},{r_slot},{region.id}"  # the entry's region slot and region
                     # recorded first: should the consumer be gone, the
                     # batch is unacknowledged (dealt again), not lost
                     ledger.record(g, item, slot, meta)
-                    if not self._arena_sent:
-                        self._send_arena()
+                    if region_fd >= 0:
+                        self._send_region(region, region_fd)
                 delivered[self.label] += sender.send_batch(
                     g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes
                 )
@@ -409,17 +426,31 @@ class Connection:
             logger.exception("service: sender of %s failed", self.peer)
             self.close()
 
-    def _send_arena(self) -> None:
-        """Hand the consumer the source's arena (before the first batch in it),
-        and keep a handle on its process: slots it leaves holding stay taken
-        until that process is gone (see :meth:`.SourceArena.park`)."""
-        assert self.source is not None
-        arena = self.source.arena
-        pid = struct.unpack("3i", self.channel.sock.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-        self._peer_pid, self._pidfd = pid, consumer_pidfd(pid)
-        self.channel.send({"t": "arena", "slots": arena.slots, "slot_bytes": arena.slot_bytes}, fds=[arena.fd])
-        self._arena_sent = True
+    def _send_region(self, region: SharedRegion, fd: int) -> None:
+        """Hand the consumer a shared region (before the first batch in it;
+        ``fd`` is a duplicate of its descriptor, closed here), and keep a
+        handle on its process: slots it leaves holding stay taken until
+        that process is gone (see :meth:`.SourceArena.park`)."""
+        try:
+            if not self._peer_pid:
+                pid = struct.unpack("3i", self.channel.sock.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+                self._peer_pid, self._pidfd = pid, consumer_pidfd(pid)
+            self.channel.send({"t": "arena", "id": region.id, "offset": region.offset, "slots": region.slots,
+                               "slot_bytes": region.slot_bytes}, fds=[fd])
+            self._regions_sent.add(region.id)
+        finally:
+            os.close(fd)
+
+    def _retire_regions(self) -> None:
+        """Tell the consumer to let go of the regions it was handed that are
+        gone from the index (their owner closed them); batches of them it
+        still views keep their mapping until they die."""
+        self._regions_version = REGIONS.version  # before: a removal after it is seen next time
+        live = REGIONS.live(list(self._regions_sent))
+        for gone in self._regions_sent - live:
+            self._regions_sent.discard(gone)
+            self.channel.send({"t": "retire", "id": gone})
 
     def _unsent(self, item: Item) -> None:
         """An item taken for the consumer that never reached it: it counts as unacknowledged."""

@@ -227,8 +227,8 @@ class Attachment(Attached):
                 raise ServiceError(f"{self._service} closed the connection (it stopped or died)")
             record, fds = got
             try:
-                record = check(record, ("batches", "batch", "epoch_end", "end", "state_is", "arena", "slots"),
-                               self._service)
+                record = check(record, ("batches", "batch", "epoch_end", "end", "state_is", "arena", "retire",
+                                        "slots"), self._service)
                 if record["t"] == "slots":
                     if mapping is not None:
                         raise WireError(f"{self._service} offered slots a second time")
@@ -239,7 +239,13 @@ class Attachment(Attached):
                 if record["t"] == "arena":
                     if not self._carrier.shared_memory or not isinstance(mapping, ConsumerMapping):
                         raise WireError(f"{self._service} sent an arena over TCP or before its slots")
-                    mapping.add_arena(fds, record["slots"], record["slot_bytes"], self._service)
+                    mapping.add_arena(fds, record["id"], record["offset"], record["slots"], record["slot_bytes"],
+                                      self._service)
+                    continue
+                if record["t"] == "retire":
+                    if not isinstance(mapping, ConsumerMapping):
+                        raise WireError(f"{self._service} retired an arena over TCP or before its slots")
+                    mapping.retire(record["id"], self._service)
                     continue
                 if fds:
                     raise WireError(f"{self._service} sent descriptors with a {record['t']!r} record")

@@ -35,9 +35,13 @@ __all__ = [
     "ConsumerMapping", "SlotArea", "StreamBuffers", "StreamSlots", "batch_nbytes", "check_sealed", "sealed_memfd",
 ]
 
-#: the largest arena a consumer maps (see arena.py): slots, and bytes of address space
+#: the largest shared region a consumer maps (a source's arena, a worker
+#: process's slots): slots, and bytes of address space (all regions at once)
 MAX_ARENA_SLOTS = 4096
 MAX_ARENA_BYTES = 1 << 40
+#: shared regions a consumer maps at once, and the largest header one may have
+MAX_REGIONS = 256
+MAX_REGION_HEADER = 1 << 20
 
 #: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module): no new
 #: writable mapping and no write(), while the mappings made before stay writable
@@ -300,8 +304,9 @@ class ConsumerMapping:
             raise WireError(f"the service's shared memory holds {size} bytes, not {slots} x {slot_bytes}")
         self._mm = mmap.mmap(fd, slots * slot_bytes, prot=mmap.PROT_READ)
         self._on_free = on_free
-        #: the source's arena, once the service handed it over: (mapping, slots, slot_bytes)
-        self._arena: tuple[mmap.mmap, int, int] | None = None
+        #: the shared regions the service handed over, by id: (mapping, slots, slot_bytes, header)
+        self._regions: dict[int, tuple[mmap.mmap, int, int, int]] = {}
+        self._region_bytes = 0
         #: id(weakref) -> (weakref, slot): the refs must live to fire
         self.outstanding: dict[int, tuple[Any, int]] = {}
         #: (dtype text, shape, offset) -> what _check_array found of it
@@ -309,36 +314,70 @@ class ConsumerMapping:
         #: the last batch's (meta, n, arena or not) and the (shape, dtype, offset)
         #: of its arrays, all checked: the next batch of that layout (most
         #: are) is checked by comparing its meta with that one
-        self._last: tuple[Any, int, bool, list[tuple[tuple[int, ...], np.dtype, int]]] | None = None
+        self._last: tuple[Any, int, int | None, list[tuple[tuple[int, ...], np.dtype, int]]] | None = None
 
-    def add_arena(self, fds: list[int], slots: int, slot_bytes: int, peer: str) -> None:
-        """Map the source's arena (an ``arena`` record: once, one descriptor,
-        sizes checked; the caller closes ``fds``)."""
-        if self._arena is not None:
-            raise WireError(f"{peer} sent a second arena")
+    def add_arena(self, fds: list[int], region: int, offset: int, slots: int, slot_bytes: int, peer: str) -> None:
+        """Map a shared region (an ``arena`` record: one descriptor, a new
+        id, sizes checked against the file and the bounds; the caller
+        closes ``fds``)."""
         if len(fds) != 1:
             raise WireError(f"{peer} sent an arena with {len(fds)} descriptors, not 1")
-        if not (0 < slots <= MAX_ARENA_SLOTS and 64 <= slot_bytes and slots * slot_bytes <= MAX_ARENA_BYTES):
-            raise WireError(f"{peer} offered an arena of {slots} slots of {slot_bytes} bytes")
+        if region in self._regions:
+            raise WireError(f"{peer} sent arena {region} a second time")
+        if len(self._regions) >= MAX_REGIONS:
+            raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once")
+        if not (
+            0 < slots <= MAX_ARENA_SLOTS and 64 <= slot_bytes and 0 <= offset <= MAX_REGION_HEADER
+            and offset % 64 == 0 and self._region_bytes + offset + slots * slot_bytes <= MAX_ARENA_BYTES
+        ):
+            raise WireError(f"{peer} offered an arena of {slots} slots of {slot_bytes} bytes after {offset}")
         check_sealed(fds[0], peer, "an arena")
-        size = os.fstat(fds[0]).st_size
-        if size < slots * slot_bytes:
-            raise WireError(f"{peer}'s arena holds {size} bytes, not {slots} x {slot_bytes}")
-        self._arena = (mmap.mmap(fds[0], slots * slot_bytes, prot=mmap.PROT_READ), slots, slot_bytes)
+        size = offset + slots * slot_bytes
+        have = os.fstat(fds[0]).st_size
+        if have < size:
+            raise WireError(f"{peer}'s arena {region} holds {have} bytes, not {offset} + {slots} x {slot_bytes}")
+        self._regions[region] = (mmap.mmap(fds[0], size, prot=mmap.PROT_READ), slots, slot_bytes, offset)
+        self._region_bytes += size
 
-    def views(self, slot: int, n: int, meta: Any, peer: str, arena_slot: int | None = None) -> tuple[np.ndarray, ...]:
+    def retire(self, region: int, peer: str) -> None:
+        """Let go of a shared region (a ``retire`` record): unmapped once the
+        last batch that views it died."""
+        entry = self._regions.pop(region, None)
+        if entry is None:
+            raise WireError(f"{peer} retired arena {region}, which it never sent")
+        self._region_bytes -= entry[3] + entry[1] * entry[2]
+        if self._last is not None and self._last[2] == region:
+            self._last = None
+        try:
+            entry[0].close()
+        except BufferError:
+            pass  # viewed: unmapped with the last view
+
+    def _region_root(self, region: int, region_slot: int, peer: str) -> tuple[np.ndarray, int]:
+        """A fresh array over a region's slot, and the slot's size."""
+        entry = self._regions.get(region)
+        if entry is None:
+            raise WireError(f"{peer}: a batch in arena {region}, which it never sent (or retired)")
+        mm, slots, size, offset = entry
+        if not 0 <= region_slot < slots:
+            raise WireError(f"{peer}: batch in slot {region_slot} of arena {region}, of {slots}")
+        return np.frombuffer(mm, np.uint8, count=size, offset=offset + region_slot * size), size
+
+    def views(self, slot: int, n: int, meta: Any, peer: str, arena_slot: int | None = None,
+              region: int = -1) -> tuple[np.ndarray, ...]:
         """The arrays of a ``batch`` record, checked to lie inside ``slot``
-        (or, with ``arena_slot``, inside that slot of the source's arena,
-        ``slot`` standing for it) and to hold ``n`` samples each (untrusted:
-        the record came off a socket)."""
+        (or, with ``arena_slot``, inside that slot of the shared region
+        ``region``, ``slot`` standing for it) and to hold ``n`` samples each
+        (untrusted: the record came off a socket)."""
         if not 0 <= slot < self.slots:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
+        where = None if arena_slot is None else region
         last = self._last
         if last is not None and type(meta) is list and n == last[1] and type(n) is int and (
-            arena_slot is None) is last[2] and meta == last[0] and _int_numbers(meta):
+            where == last[2]) and meta == last[0] and _int_numbers(meta):
             # the last batch's layout, checked then (equal lists, and ints
-            # where 1.0 or True would compare equal too)
-            return self._viewed(slot, arena_slot, last[3], peer)
+            # where 1.0 or True would compare equal too), in the same region
+            return self._viewed(slot, arena_slot, region, last[3], peer)
         if not isinstance(meta, list) or not meta or len(meta) > 1024:
             raise WireError(f"{peer}: a batch's arrays must be a non-empty list")
         check = self._check
@@ -351,12 +390,7 @@ class ConsumerMapping:
             size = self.slot_bytes
             root = np.frombuffer(self._mm, np.uint8, count=size, offset=slot * size)
         else:
-            if self._arena is None:
-                raise WireError(f"{peer}: a batch in an arena it never sent")
-            mm, slots, size = self._arena
-            if not 0 <= arena_slot < slots:
-                raise WireError(f"{peer}: batch in arena slot {arena_slot}, of {slots}")
-            root = np.frombuffer(mm, np.uint8, count=size, offset=arena_slot * size)
+            root, size = self._region_root(region, arena_slot, peer)
         out = []
         layout = []
         checked = self._checked
@@ -380,7 +414,7 @@ class ConsumerMapping:
             layout.append((shape, dt, off))
         if check is not None:
             check.arrays(n, [(a.dtype, a.shape) for a in out], peer)
-        self._last = (meta, n, arena_slot is None, layout)
+        self._last = (meta, n, where, layout)
         # every view's base is `root` (numpy collapses view chains): the slot
         # is free once `root` dies, which is when the last view died
         ref = weakref.ref(root, self._on_free)
@@ -388,17 +422,16 @@ class ConsumerMapping:
         return tuple(out)
 
     def _viewed(
-        self, slot: int, arena_slot: int | None, layout: list[tuple[tuple[int, ...], np.dtype, int]], peer: str,
+        self, slot: int, arena_slot: int | None, region: int, layout: list[tuple[tuple[int, ...], np.dtype, int]],
+        peer: str,
     ) -> tuple[np.ndarray, ...]:
-        """:meth:`views` of a batch laid out as the last one (checked then)."""
+        """:meth:`views` of a batch laid out as the last one (checked then,
+        against a slot of the same size: the same region's)."""
         if arena_slot is None:
             size = self.slot_bytes
             root = np.frombuffer(self._mm, np.uint8, count=size, offset=slot * size)
         else:
-            mm, slots, size = self._arena  # type: ignore[misc]  # the last batch was in it
-            if not 0 <= arena_slot < slots:
-                raise WireError(f"{peer}: batch in arena slot {arena_slot}, of {slots}")
-            root = np.frombuffer(mm, np.uint8, count=size, offset=arena_slot * size)
+            root, _ = self._region_root(region, arena_slot, peer)
         out = tuple([np.ndarray(shape, dt, root, off) for shape, dt, off in layout])
         ref = weakref.ref(root, self._on_free)
         self.outstanding[id(ref)] = (ref, slot)
@@ -425,10 +458,11 @@ class ConsumerMapping:
     def close(self) -> None:
         """Unmap now if no batch views the slots any more (else the last
         view unmaps them when it dies)."""
-        for mm in (self._mm, self._arena[0] if self._arena is not None else None):
+        maps = [self._mm] + [entry[0] for entry in self._regions.values()]
+        self._regions = {}
+        for mm in maps:
             try:
-                if mm is not None:
-                    mm.close()
+                mm.close()
             except BufferError:
                 pass
 
@@ -477,7 +511,8 @@ class StreamBuffers:
         self._held: set[int] = set()
         self._lock = threading.Lock()
 
-    def views(self, slot: int, n: int, meta: Any, peer: str, arena_slot: int | None = None) -> tuple[np.ndarray, ...]:
+    def views(self, slot: int, n: int, meta: Any, peer: str, arena_slot: int | None = None,
+              region: int = -1) -> tuple[np.ndarray, ...]:
         """Read the payload of a ``batch`` record into ``slot``'s buffer; its arrays, read-only.
 
         Raises:

@@ -32,14 +32,17 @@ __all__ = [
     "wire_align",
 ]
 
-#: the version a consumer and a service must share (5: the slots are
+#: the version a consumer and a service must share (6: a batch may lie in
+#: any of several shared regions (a worker process's slots, the source's
+#: arena), each handed over once in an ``arena`` record with its id and
+#: header, and let go of in a ``retire`` record; 5: the slots are
 #: offered in a ``slots`` record before the consumer's first batch, sized by
 #: it, no longer with the ``welcome``; 4: ``ack`` and ``bye``
 #: carry the seconds the consumer's run() has waited so far; 3: a batch may
 #: lie in the source's arena, handed over once in an ``arena`` record; 2:
 #: ``batches`` carry several batches, ``ack`` is cumulative and frees
 #: slots; 1 had one record per batch, per acknowledgement and per freed slot)
-PROTOCOL = 5
+PROTOCOL = 6
 #: the alignment of each array of a batch in a slot (shared memory) and in
 #: a TCP frame's payload: array i starts at the end of array i-1 rounded up
 #: to a multiple of this, the first at 0.  Part of protocol :data:`PROTOCOL`:
@@ -288,10 +291,15 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "refused": {"error": str, "kind": str},
     "batch": {"g": int, "slot": int, "n": int, "arrays": list},
     # several batches (Unix socket): each [g, slot, n, arrays] as in "batch",
-    # or [g, slot, n, arrays, arena slot] for a batch in the source's arena
+    # or [g, slot, n, arrays, region slot, region id] for a batch that lies
+    # in a shared region ("arena")
     "batches": {"items": list},
-    # the source's arena (its descriptor alongside): slots of slot_bytes
-    "arena": {"slots": int, "slot_bytes": int},
+    # a shared region (its descriptor alongside): a header of offset bytes,
+    # then slots of slot_bytes; id: how batch entries name it
+    "arena": {"id": int, "offset": int, "slots": int, "slot_bytes": int},
+    # the region id holds no more batches sent from now: let go of it once
+    # the batches of it still viewed are gone
+    "retire": {"id": int},
     "epoch_end": {"g": int, "epoch": int, "dropped": int},
     "end": {"error": (str, type(None)), "kind": str},
     "state_is": {"state": (dict, type(None)), "error": (str, type(None))},
@@ -309,20 +317,21 @@ def freed_slots(record: dict[str, Any], peer: str) -> list[int]:
 
 def batch_items(record: dict[str, Any], peer: str) -> list[list[Any]]:
     """The entries of a ``batches`` record: 1 to :data:`MAX_ITEMS` lists
-    ``[g, slot, n, arrays]`` of three ints and a list, and for a batch in
-    the source's arena a fifth int, its arena slot (their values are the
-    slots' to check)."""
+    ``[g, slot, n, arrays]`` of three ints and a list, and for a batch that
+    lies in a shared region two more ints, its slot there and the region's
+    id (their values are the slots' and regions' to check)."""
     items = record["items"]
     if not 0 < len(items) <= MAX_ITEMS:
         raise WireError(f"{peer} sent a 'batches' record of {len(items)} batches (1 to {MAX_ITEMS})")
     for entry in items:
         if not (
-            type(entry) is list and 4 <= len(entry) <= 5 and type(entry[0]) is int and 0 <= entry[0] < 2**62
-            and type(entry[1]) is int and type(entry[2]) is int and type(entry[3]) is list
-            and (len(entry) == 4 or type(entry[4]) is int)
+            type(entry) is list and (len(entry) == 4 or len(entry) == 6) and type(entry[0]) is int
+            and 0 <= entry[0] < 2**62 and type(entry[1]) is int and type(entry[2]) is int and type(entry[3]) is list
+            and (len(entry) == 4 or (type(entry[4]) is int and type(entry[5]) is int))
         ):
             raise WireError(
-                f"{peer} sent a 'batches' entry that is not [g, slot, n, arrays(, arena slot)]: {str(entry)[:60]}"
+                f"{peer} sent a 'batches' entry that is not [g, slot, n, arrays(, region slot, region id)]: "
+                f"{str(entry)[:60]}"
             )
     return items
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import blobfeed
+from blobfeed.reader import REGIONS
 from blobfeed.service import FeedServer
 from blobfeed.service.arena import SourceArena, consumer_pidfd
 from blobfeed.service.slots import ConsumerMapping, StreamBuffers, sealed_memfd
@@ -183,12 +184,15 @@ def test_locate_says_where_a_batch_lies_only_when_it_is_one_slot_of_the_arena() 
         assert s0 is not None and s1 is not None
         ids = s0[:64].view(np.int64)
         x = s0[64:64 + 8 * 12].view(np.float32).reshape(8, 3)
-        slot, text = arena.locate([ids, x])
-        assert slot * arena.slot_bytes == s0.__array_interface__["data"][0] - arena._base
+        located = REGIONS.locate([ids, x])
+        assert located is not None
+        region, slot, text = located
+        assert region is arena.region
+        assert slot * arena.slot_bytes == s0.__array_interface__["data"][0] - region.base
         assert text == '[["<i8",[8],0],["<f4",[8,3],64]]'
-        assert arena.locate([ids, s1[:96].view(np.float32).reshape(8, 3)]) is None  # two slots
-        assert arena.locate([ids, np.zeros((8, 3), np.float32)]) is None  # not in the arena
-        assert arena.locate([x[:, :2]]) is None  # not contiguous
+        assert REGIONS.locate([ids, s1[:96].view(np.float32).reshape(8, 3)]) is None  # two slots
+        assert REGIONS.locate([ids, np.zeros((8, 3), np.float32)]) is None  # not in the arena
+        assert REGIONS.locate([x[:, :2]]) is None  # not contiguous
         del ids, x, s0, s1
     finally:
         arena.close()
@@ -239,7 +243,7 @@ def _consumer_mapping() -> ConsumerMapping:
     (0, 4096, 8192, 1, "an arena of 0 slots"),
     (4097, 4096, 8192, 1, "an arena of 4097 slots"),
     (2, 1 << 40, 8192, 1, "an arena of 2 slots of 1099511627776 bytes"),
-    (4, 4096, 8192, 1, "arena holds 8192 bytes, not 4 x 4096"),
+    (4, 4096, 8192, 1, "arena 1 holds 8192 bytes, not 0 + 4 x 4096"),
 ])
 def test_an_arena_that_does_not_add_up_is_refused(slots: int, slot_bytes: int, size: int, nfds: int,
                                                    expected: str) -> None:
@@ -248,7 +252,7 @@ def test_an_arena_that_does_not_add_up_is_refused(slots: int, slot_bytes: int, s
     fds = [fd] + [os.dup(fd) for _ in range(nfds - 1)]
     try:
         with pytest.raises(WireError, match=re.escape(expected)):
-            m.add_arena(fds, slots, slot_bytes, "svc")
+            m.add_arena(fds, 1, 0, slots, slot_bytes, "svc")
     finally:
         for f in fds:
             os.close(f)
@@ -261,19 +265,21 @@ def test_arena_batches_are_checked_like_slot_batches() -> None:
     fd, mm = sealed_memfd("arena-test", 2 * 4096)
     meta = [["<i8", [8], 0], ["<f4", [8, 3], 64]]
     try:
-        with pytest.raises(WireError, match="an arena it never sent"):
-            m.views(0, 8, meta, "svc", 0)
-        m.add_arena([fd], 2, 4096, "svc")
-        with pytest.raises(WireError, match="a second arena"):
-            m.add_arena([fd], 2, 4096, "svc")
-        ids, x = m.views(0, 8, meta, "svc", 1)
+        with pytest.raises(WireError, match="in arena 7, which it never sent"):
+            m.views(0, 8, meta, "svc", 0, 7)
+        m.add_arena([fd], 7, 0, 2, 4096, "svc")
+        with pytest.raises(WireError, match="sent arena 7 a second time"):
+            m.add_arena([fd], 7, 0, 2, 4096, "svc")
+        with pytest.raises(WireError, match="in arena 8, which it never sent"):
+            m.views(0, 8, meta, "svc", 0, 8)
+        ids, x = m.views(0, 8, meta, "svc", 1, 7)
         assert ids.shape == (8,) and x.shape == (8, 3) and not x.flags.writeable
-        with pytest.raises(WireError, match="arena slot 2, of 2"):
-            m.views(0, 8, meta, "svc", 2)
+        with pytest.raises(WireError, match="slot 2 of arena 7, of 2"):
+            m.views(0, 8, meta, "svc", 2, 7)
         with pytest.raises(WireError, match="do not fit a slot of 4096"):
-            m.views(1, 8, [["<i8", [8], 4090]], "svc", 0)
+            m.views(1, 8, [["<i8", [8], 4090]], "svc", 0, 7)
         # a layout checked against the arena's larger slots is checked again against a slot's
-        m.views(1, 8, [["<i8", [8], 2048]], "svc", 0)
+        m.views(1, 8, [["<i8", [8], 2048]], "svc", 0, 7)
         with pytest.raises(WireError, match="do not fit a slot of 1024"):
             m.views(1, 8, [["<i8", [8], 2048]], "svc")
         del ids, x
@@ -402,7 +408,7 @@ def test_a_consumer_refuses_shared_memory_that_can_shrink() -> None:
             ConsumerMapping(fd, 2, 4096, lambda ref: None)
         m = _consumer_mapping()
         with pytest.raises(WireError, match="an arena that can shrink"):
-            m.add_arena([fd], 2, 4096, "svc")
+            m.add_arena([fd], 1, 0, 2, 4096, "svc")
         m.close()
     finally:
         os.close(fd)
