@@ -1538,3 +1538,49 @@ def test_batches_a_worker_assembled_that_the_user_keeps_never_stall_it_nor_chang
         assert (b.arrays[1] == (b.arrays[0] % 251).astype(np.uint8)[:, None]).all()
     expected = [w * 100_000 + k * 10 + i for w in (0, 1) for k in range(calls) for i in range(1 + k % 7)]
     assert sorted(ids.tolist()) == sorted(expected)
+
+
+def test_a_retired_worker_s_memory_is_unmapped_once_the_last_batch_viewing_it_dies(
+    gc: blobfeed.GlobalCoordinator,
+) -> None:
+    """Found with the served path's references into worker memory: a
+    worker retired while a batch viewed its slots kept its whole area mapped
+    after that batch died too (its slot ring, which outlives it, held the
+    area through the header writer)."""
+    from blobfeed.reader import REGIONS
+
+    from .service.feeds import WholeBatches
+
+    net = blobfeed.Net(None)
+    init_data_input_workers(net, ["id", "x"], WholeBatches(8, calls=10**6), 8, num_worker_threads=2,
+                            backend=blobfeed.ProcessBackend(slots=4, slot_bytes=1 << 20), coordinator=gc,
+                            input_source_name="retired")
+    gc.start()
+
+    def mapped(worker: int) -> bool:
+        with open("/proc/self/maps") as f:
+            return f"memfd:blobfeed-fetch-retired-{worker} " in f.read()
+
+    kept = None
+    for _ in range(200):
+        out = net.run(timeout=WAIT)
+        if out["id"][0] >= 100_000:  # worker 1's: kept past its retirement
+            kept = out
+            break
+    assert kept is not None, "no batch of worker 1 in 200"
+    gc.set_num_workers("retired", 1)
+
+    def worker_1_closed() -> bool:
+        net.run(timeout=WAIT)
+        return not any(r.name == "blobfeed-fetch-retired-1" for r in REGIONS._table[1])
+
+    wait_until(worker_1_closed, "worker 1 to end and be closed")
+    assert mapped(1)  # `kept` views it
+    del kept, out
+
+    def unmapped() -> bool:
+        net.run(timeout=WAIT)  # the net's workspace lets go of its last batch of worker 1
+        return not mapped(1)
+
+    wait_until(unmapped, "worker 1's memory to be unmapped")
+    assert mapped(0)

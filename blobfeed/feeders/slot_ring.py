@@ -116,3 +116,7 @@ class SlotRing:
             if not self._closed:
                 self._closed = True
                 os.close(self._free_w)
+            # The ring outlives its worker (the finalizer of every chunk
+            # that views a slot holds it); the header writer holds the
+            # worker's area, whose mapping must go with the last view.
+            self._tell_viewed = None

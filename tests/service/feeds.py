@@ -98,3 +98,22 @@ class EpochSizes:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.e, self.c = state["e"], state["c"]
+
+
+class WholeBatches:
+    """``calls`` calls per epoch of exactly ``rows`` samples of BIG_ROW
+    floats (each a whole batch of that size: it lies in one slot of the
+    worker process that wrote it); ids unique per worker and call."""
+
+    def __init__(self, rows: int, calls: int = CALLS) -> None:
+        self.rows = rows
+        self.calls = calls
+        self.c = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[np.ndarray]:
+        if self.c >= self.calls:
+            self.c = 0
+            raise StopIteration
+        ids = worker_id * 100_000 + self.c * self.rows + np.arange(self.rows, dtype=np.int64)
+        self.c += 1
+        return [ids, np.repeat(ids.astype(np.float32)[:, None], BIG_ROW, axis=1)]

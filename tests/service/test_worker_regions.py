@@ -1,0 +1,155 @@
+"""Batches read where a worker process wrote them: a served source's batch
+that lies whole in a worker's slot goes to a Unix-socket consumer as a
+reference into that worker's memory (protocol 6), never copied by the
+service."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed.reader import REGIONS
+from blobfeed.service import FeedServer
+from blobfeed.service.slots import MAX_REGIONS, ConsumerMapping, sealed_memfd
+from blobfeed.service.wire import WireError
+
+from . import feeds
+from .test_arena import _mappings
+from .test_service import batches, consumer, finish, wait_for
+
+BATCH = 32  # rows of 64 KiB: 2 MiB batches, one per fetch_fun call
+BACKEND = blobfeed.ProcessBackend(slots=8, slot_bytes=3 << 20)
+
+
+def whole_served(calls: int = feeds.CALLS, workers: int = 2, **kw) -> FeedServer:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.WholeBatches(BATCH, calls), BATCH, workers,
+                        backend=BACKEND, **kw)
+    return server.start()
+
+
+def _worker_maps(worker: int, perms: str) -> list[tuple[int, int, str]]:
+    return [m for m in _mappings(f"blobfeed-fetch-train-{worker}") if m[2].startswith(perms)]
+
+
+def _inodes(worker: int) -> set[str]:
+    """The memfd inodes of this process's mappings of worker ``worker``'s
+    memory (a stopped server's may linger until a collection: told apart)."""
+    with open("/proc/self/maps") as f:
+        return {line.split()[4] for line in f if f"memfd:blobfeed-fetch-train-{worker} " in line}
+
+
+def test_a_batch_in_a_worker_process_s_slot_reaches_the_consumer_where_it_lies() -> None:
+    """Before protocol 6 the service copied it into the consumer's slots."""
+    with whole_served(epochs=None) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            for _ in range(6):
+                out = net.run(timeout=20)
+                addr = out["x"].__array_interface__["data"][0]
+                w = int(out["id"][0]) // 100_000
+                # the consumer's read-only mapping of that worker's memory
+                assert any(lo <= addr < hi for lo, hi, _ in _worker_maps(w, "r-")), (w, hex(addr))
+                assert not out["x"].flags.writeable
+                assert (out["x"] == out["id"][:, None].astype(np.float32)).all()
+                del out
+
+
+def test_worker_batches_reach_consumer_processes_exactly_once_with_their_bytes(tmp_path: Path) -> None:
+    with whole_served(deterministic=True, num_consumers=2) as server:
+        outs = [tmp_path / f"c{i}.jsonl" for i in range(2)]
+        procs = [consumer(server.address, outs[i], "--index", str(i), "--batch-size", str(BATCH), "--check-rows")
+                 for i in range(2)]
+        assert finish(procs) == [0, 0]
+    got = sorted(i for o in outs for b in batches(o) for i in b)
+    want = sorted(w * 100_000 + i for w in range(2) for i in range(feeds.CALLS * BATCH))
+    assert got == want
+
+
+def test_a_consumer_cannot_map_a_worker_s_memory_writable_nor_resize_it() -> None:
+    """A consumer gets the descriptor of a worker's memory: it must not be
+    able to change what other consumers (or the worker's header) read, nor
+    truncate it under the service (SIGBUS)."""
+    with whole_served(epochs=None) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            out = net.run(timeout=20)
+            located = REGIONS.locate([np.frombuffer(out["x"], np.uint8)])  # the consumer's mapping: not a region
+            assert located is None
+            regions = [r for r in REGIONS._table[1] if r.name.startswith("blobfeed-fetch-train-")]
+            assert regions
+            fd = REGIONS.dup_fd(regions[0])
+            assert fd is not None
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(fd, regions[0].size)  # shared and writable
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, 4096)
+                ro = mmap.mmap(fd, regions[0].size, prot=mmap.PROT_READ)
+                ro.close()
+            finally:
+                os.close(fd)
+            del out
+
+
+def test_a_retired_worker_s_memory_is_let_go_by_the_consumer() -> None:
+    """Fewer workers: the one that ends takes its memory with it; the
+    consumer is told to let go of it, and unmaps it once it returned the
+    batches that viewed it."""
+    stale = _inodes(1)
+    with whole_served(calls=10**6) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+
+            def take_until(pred, what: str) -> None:
+                def step() -> bool:
+                    out = net.run(timeout=20)
+                    del out
+                    return pred()
+                wait_for(step, 30, what)
+
+            take_until(lambda: _worker_maps(1, "r-") and _worker_maps(0, "r-"), "both workers' memory mapped")
+            before = _inodes(1) - stale
+            server.coordinator.set_num_workers("train", 1)
+            take_until(lambda: not _worker_maps(1, "r-"), "the consumer to let go of worker 1's memory")
+            assert _worker_maps(0, "r-")
+            # the service's own mapping goes with the last batch that views it
+            take_until(lambda: not before & _inodes(1), "the service to unmap worker 1's memory")
+
+
+def test_the_consumer_bounds_and_checks_the_regions_it_maps() -> None:
+    m = ConsumerMapping(*_slots(), on_free=lambda ref: None)
+    fd, mm = sealed_memfd("region-test", 64 + 2 * 4096)
+    try:
+        with pytest.raises(WireError, match="retired arena 3, which it never sent"):
+            m.retire(3, "svc")
+        with pytest.raises(WireError, match="after 32"):
+            m.add_arena([fd], 3, 32, 2, 4096, "svc")  # a header that misaligns every slot
+        m.add_arena([fd], 3, 64, 2, 4096, "svc")
+        mm[64 + 4096:64 + 4096 + 8] = np.int64(7).tobytes()
+        (ids,) = m.views(0, 1, [["<i8", [1], 0]], "svc", 1, 3)
+        assert ids.tolist() == [7]
+        m.retire(3, "svc")
+        with pytest.raises(WireError, match="in arena 3, which it never sent"):
+            m.views(0, 1, [["<i8", [1], 0]], "svc", 1, 3)
+        assert ids.tolist() == [7]  # a view taken before stays readable
+        del ids
+        for i in range(MAX_REGIONS):
+            m.add_arena([fd], 100 + i, 0, 1, 4096, "svc")
+        with pytest.raises(WireError, match=f"more than {MAX_REGIONS} arenas"):
+            m.add_arena([fd], 99, 0, 1, 4096, "svc")
+    finally:
+        os.close(fd)
+        m.close()
+        mm.close()
+
+
+def _slots() -> tuple[int, int, int]:
+    fd, mm = sealed_memfd("slots-test", 2 * 4096)
+    mm.close()
+    return fd, 2, 4096
