@@ -25,11 +25,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..arguments import check_index, check_timeout
-from ..coordinator import GlobalCoordinator
+from ..coordinator import GlobalCoordinator, resolve_backend
 from ..errors import BlobfeedError
 from ..reader import init_reader
 from .connection import Connection, Refused
-from .served import ServedSource, SourceTerms
+from .served import ARENA_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms, worker_slots
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 from .transport import TCP, carrier_for
 from .wire import MAX_SLOTS
@@ -237,6 +237,11 @@ class FeedServer:
                 First come, a consumer holds at most its share of them
                 unacknowledged (``SharedOutlet.share``).
             timeout: the workers' timeout, as for init_data_input_workers.
+            backend: as for init_data_input_workers; ``"processes"`` gives
+                each worker process slots enough for the batches the
+                consumers hold (they read them in the worker's memory:
+                ``served.worker_slots``, at least 8).  A ``ProcessBackend``
+                you pass keeps its own ``slots``.
 
         The other arguments are those of ``init_data_input_workers``.
 
@@ -272,6 +277,11 @@ class FeedServer:
                 seed = saved[0]
             elif type(saved) is int:  # a random-access source's state: one seed
                 seed = saved
+        if backend == "processes" and type(num_worker_threads) is int and num_worker_threads > 0:
+            # a batch a consumer holds keeps its worker's slot (it reads it
+            # there): the slots are sized for the consumers, not for one net
+            backend = resolve_backend(backend)
+            backend.slots = worker_slots(num_consumers or ARENA_CONSUMERS, num_worker_threads, slots or SLOTS_MIN)
         wiring = dict(
             max_buffered_batches=max_buffered_batches, timeout=timeout,
             drop_last=drop_last, on_error=on_error, seed=seed, backend=backend,

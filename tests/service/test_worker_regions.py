@@ -153,3 +153,23 @@ def _slots() -> tuple[int, int, int]:
     fd, mm = sealed_memfd("slots-test", 2 * 4096)
     mm.close()
     return fd, 2, 4096
+
+
+def test_process_workers_get_slots_for_the_batches_their_consumers_hold() -> None:
+    from blobfeed.service.served import worker_slots
+
+    # a worker lends all its slots but a quarter (at least 2)
+    assert worker_slots(4, 2, 3) == 8  # S1: 6 lent per worker
+    assert worker_slots(8, 2, 3) == 15  # S8: 12
+    assert worker_slots(1, 4, 3) == 8
+    assert worker_slots(1000, 1, 64) == 64
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.WholeBatches(BATCH, 10**6), BATCH, 2, backend="processes",
+                        num_consumers=8)
+    with server.start():
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address, consumer_index=0):
+            out = net.run(timeout=20)
+            del out
+            regions = [r for r in REGIONS._table[1] if r.name.startswith("blobfeed-fetch-train-")]
+            assert regions and {r.slots for r in regions} == {15}
