@@ -1584,3 +1584,25 @@ def test_a_retired_worker_s_memory_is_unmapped_once_the_last_batch_viewing_it_di
 
     wait_until(unmapped, "worker 1's memory to be unmapped")
     assert mapped(0)
+
+
+def test_a_worker_area_is_not_shared_where_new_writable_mappings_cannot_be_sealed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: before Linux 5.1 (no F_SEAL_FUTURE_WRITE) a worker's
+    area was still handed to consumers, who could map it writable and
+    change its header (stop flags, counts) and other consumers' batches."""
+    from blobfeed.feeders import transport
+
+    area, fd = transport.SlotArea.create("seal-test", 2, 4096)
+    try:
+        monkeypatch.setattr(transport, "F_SEAL_FUTURE_WRITE", 1 << 20)  # a seal this kernel refuses
+        assert area.shared_region("seal-test", fd) is None
+        monkeypatch.undo()
+        region = area.shared_region("seal-test", fd)
+        assert region is not None and (region.offset, region.slots, region.slot_bytes) == (64, 2, 4096)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, region.size)
+    finally:
+        area.mm.close()
+        os.close(fd)

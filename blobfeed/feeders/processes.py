@@ -128,6 +128,7 @@ class _Worker:
         area_fd = self._area_fd
         #: the area as a region other processes may map, once the child mapped it (see _share)
         self._region: SharedRegion | None = None
+        self._shared = False
         free_r, free_w = os.pipe()
         os.set_blocking(free_w, False)
         self.ring = _SlotRing(backend.slots, free_w, self.area.set_viewed)
@@ -254,7 +255,7 @@ class _Worker:
         area = self.area
         packed: Arrays = event.raw
         slot = packed.where
-        if self._region is None:
+        if not self._shared:
             self._share()
         used = packed_nbytes(packed)
         root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
@@ -291,10 +292,12 @@ class _Worker:
         new writable mappings, and a consumer in another process may be
         handed its descriptor to read the batches where they lie."""
         with self._lock:
-            if self._closed or self._region is not None:
+            if self._closed or self._shared:
                 return
+            self._shared = True
             self._region = self.area.shared_region(self.name, self._area_fd)
-            REGIONS.add(self._region)
+            if self._region is not None:
+                REGIONS.add(self._region)
 
     def _whole(self) -> int:
         """The size of the batches the child may assemble itself, 0: none

@@ -152,16 +152,18 @@ class SlotArea:
             os.close(fd)
             raise
 
-    def shared_region(self, name: str, fd: int) -> SharedRegion:
+    def shared_region(self, name: str, fd: int) -> SharedRegion | None:
         """The area as a region another process may map (``fd``: its
         descriptor, see :mod:`blobfeed.shared_regions`), sealed against
         new writable mappings first (the parent's and the worker's, made
-        before, stay writable): call once the worker mapped it.  A kernel
-        before 5.1 has no such seal: then only the size is sealed."""
+        before, stay writable): call once the worker mapped it.  None on a
+        kernel without that seal (before 5.1): another process could map
+        it writable and change the worker's header and batches, so it is
+        not shared (its batches are copied)."""
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
         except OSError:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+            return None
         base = np.frombuffer(self.mm, np.uint8, count=1).__array_interface__["data"][0]
         return SharedRegion(name, fd, base, HEADER_BYTES, self.slots, self.slot_bytes)
 

@@ -151,6 +151,19 @@ class SourceArena:
                     os.close(pidfd)  # the process's first one serves
             parked[1].extend(lent)
 
+    def parked(self) -> int:
+        """Batches kept for consumers that left and whose process may live."""
+        with self._lock:
+            return sum(len(lent) for _, lent in self._parked.values())
+
+    def reap(self) -> None:
+        """Let go of what consumers that exited since had kept (the service's
+        monitor calls this often: batches of worker slots never come through
+        :meth:`take`, which reaps too)."""
+        with self._lock:
+            if self._parked:
+                self._reap()
+
     def _reap(self) -> None:
         """Let go of what consumers that exited since had kept (under the lock)."""
         poller = select.poll()  # not select(): descriptors may pass 1023

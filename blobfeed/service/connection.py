@@ -36,6 +36,7 @@ from .arena import consumer_pidfd
 from .admission import Refused, admit
 from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
+from . import slots as slot_memory
 from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
 from .transport import TCP, UNIX, BatchSender
@@ -251,11 +252,11 @@ class Connection:
             if slots:
                 if self.area is None:
                     raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
+                freed = ledger.free(slots)  # checks them first: a refused free lets go of nothing
                 lent = self._lent
                 if lent:
                     for slot in slots:
                         lent.pop(slot, None)
-                freed = ledger.free(slots)
                 back = back + freed if back else freed
             if back:
                 assert self.area is not None
@@ -325,6 +326,10 @@ class Connection:
         shared = sender.shared_memory
         try:
             while not self.closed.is_set() and not self._ended and self._stopping is None:
+                if shared and REGIONS.version != self._regions_version:
+                    # regions went (a worker replaced): what was sent of them goes first
+                    delivered[self.label] += sender.flush()
+                    self._retire_regions()
                 if pending is None:
                     if sender.pending():
                         # batches kept for one record: sent once no other is ready at once
@@ -354,10 +359,6 @@ class Connection:
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
                     continue
-                if shared and REGIONS.version != self._regions_version:
-                    # regions went (a worker replaced): what was sent of them goes first
-                    delivered[self.label] += sender.flush()
-                    self._retire_regions()
                 if area is None:
                     try:
                         area = self._offer_slots(item.batch, sender)  # before its first batch, sized by it
@@ -385,7 +386,8 @@ class Connection:
                 located = REGIONS.locate(item.batch.arrays) if shared else None
                 region_fd = -1
                 if located is not None and located[0].id not in self._regions_sent:
-                    got_fd = REGIONS.dup_fd(located[0])
+                    # as many regions as the consumer maps at once, past that copied
+                    got_fd = REGIONS.dup_fd(located[0]) if len(self._regions_sent) < slot_memory.MAX_REGIONS else None
                     if got_fd is None:
                         located = None  # the region went meanwhile: copied as any batch
                     else:

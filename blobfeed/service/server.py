@@ -463,6 +463,7 @@ class FeedServer:
         while not self._stopping.wait(0.1):
             for s in self.sources.values():
                 s.check_grace()
+                s.arena.reap()  # batches consumers that exited had kept
                 failure = s.failure
                 if failure is not None and self.stop_reason is None:
                     self.stop_reason = f"source {s.name!r} failed: {failure}"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,76 @@ def test_worker_batches_reach_consumer_processes_exactly_once_with_their_bytes(t
     got = sorted(i for o in outs for b in batches(o) for i in b)
     want = sorted(w * 100_000 + i for w in range(2) for i in range(feeds.CALLS * BATCH))
     assert got == want
+
+
+def test_worker_batches_a_killed_consumer_held_come_back_once_its_process_is_gone(tmp_path: Path) -> None:
+    """Found by review: batches of a worker's slots a consumer left holding
+    were parked until its process exited, but only the arena's take() looked
+    (never called when every batch is a worker's): they stayed parked, each
+    keeping its worker's slot, until the source closed."""
+    with whole_served(calls=10**6) as server:
+        out = tmp_path / "dies.jsonl"
+        # it dies holding the batches in its slots (run() returned them, it never freed them)
+        p = consumer(server.address, out, "--batch-size", str(BATCH), "--die-after", "3")
+        assert finish([p]) == [-9]
+        source = server.sources["train"]
+        wait_for(lambda: source.connected == 0, 10, "the consumer's end seen")
+        wait_for(lambda: not source.arena.parked(), 10, "the dead consumer's batches to come back")
+
+
+def test_a_refused_free_keeps_the_batches_the_consumer_was_handed() -> None:
+    """Found by review: an ``ack`` whose freed slots the service refused
+    (one it does not hold) had already let go of the batches behind the
+    slots listed before it: their worker slots went back to the worker
+    while the consumer, handed them by run(), could still view them.  They
+    are kept (parked with the process) as any batch a leaving consumer
+    holds."""
+    import json
+
+    from .test_service import hand_hello
+
+    with whole_served(calls=10**6) as server:
+        s, fds = hand_hello(server.address, batch_size=BATCH)
+        try:
+            entry = None
+            while entry is None:
+                data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+                fds += [int.from_bytes(d[k:k + 4], sys.byteorder)
+                        for _l, _k, d in ancdata for k in range(0, len(d) - len(d) % 4, 4)]
+                record = json.loads(data)
+                if record["t"] == "batches":
+                    entry = record["items"][0]
+            assert len(entry) == 6  # [g, slot, n, arrays, region slot, region id]: in a worker's memory
+            g, slot = entry[0], entry[1]
+            # run() returned it (g), and the consumer frees its slot along with one it never held
+            s.send(json.dumps({"t": "ack", "g": g, "slots": [slot, 10**6], "waited": 0.0}).encode())
+            wait_for(lambda: server.sources["train"].connected == 0, 10, "the service to drop the consumer")
+            assert server.sources["train"].arena.parked() >= 1  # kept while this process may view it
+        finally:
+            s.close()
+            for fd in fds:
+                os.close(fd)
+
+
+def test_a_consumer_is_never_handed_more_regions_than_it_maps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: with more worker processes than a consumer maps
+    regions (MAX_REGIONS), every consumer failed; past the bound batches
+    are copied into its slots instead."""
+    from blobfeed.service import slots
+
+    monkeypatch.setattr(slots, "MAX_REGIONS", 1)  # both ends read it: 2 workers are one too many
+    with whole_served(calls=3) as server:
+        net = blobfeed.Net(None)
+        got = []
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            while True:
+                try:
+                    out = net.run(timeout=20)
+                except blobfeed.EndOfInput:
+                    break
+                got.extend(out["id"].tolist())
+                del out
+    assert sorted(got) == sorted(w * 100_000 + i for w in range(2) for i in range(3 * BATCH))
 
 
 def test_a_consumer_cannot_map_a_worker_s_memory_writable_nor_resize_it() -> None:
