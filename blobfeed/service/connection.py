@@ -101,8 +101,9 @@ class Connection:
         self._stop_told = False
         self._sender_done = False
         self._tell_lock = threading.Lock()
-        #: per slot of the consumer's, the batch of the source's arena it
-        #: stands for, until the consumer says its views died
+        #: per slot of the consumer's, the batch in shared memory (a worker's
+        #: slot, the source's arena) it stands for, until the consumer says
+        #: its views died: (its number, its arrays, which keep that memory's slot taken)
         self._lent: dict[int, Any] = {}
         #: the consumer's process, once it was sent a shared region (see _send_region)
         self._peer_pid = 0
