@@ -360,7 +360,10 @@ class SharedOutlet:
             return None
         s = self._s
         self._s += 1
-        self._items[s] = batch
+        # only its size, for the position: its arrays (a worker's slot,
+        # maybe) go with the consumer's acknowledgement, not with the
+        # oldest batch any consumer still holds
+        self._items[s] = batch if type(batch) is EpochEnd else Batch((), batch.n)
         if type(batch) is EpochEnd:
             # told to each consumer once no other holds a batch of this epoch;
             # the stream moves past it at once (a resume's skip included)
@@ -394,8 +397,7 @@ class SharedOutlet:
         self._acked.add(s)
         while self.prefix in self._acked:
             self._acked.discard(self.prefix)
-            batch = self._items.pop(self.prefix)
-            self.feed.returned(batch if type(batch) is EpochEnd else Batch((), batch.n))
+            self.feed.returned(self._items.pop(self.prefix))
             self.prefix += 1
 
     def left(self, conn: Any, unacked: list[Item]) -> None:
