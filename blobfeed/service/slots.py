@@ -311,10 +311,12 @@ class ConsumerMapping:
         self.outstanding: dict[int, tuple[Any, int]] = {}
         #: (dtype text, shape, offset) -> what _check_array found of it
         self._checked: dict[tuple[Any, ...], tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        #: the last batch's (meta, n, arena or not) and the (shape, dtype, offset)
-        #: of its arrays, all checked: the next batch of that layout (most
-        #: are) is checked by comparing its meta with that one
-        self._last: tuple[Any, int, int | None, list[tuple[tuple[int, ...], np.dtype, int]]] | None = None
+        #: per place (None: the consumer's slots; else a region's id), the
+        #: last batch's (meta, n) there and the (shape, dtype, offset) of its
+        #: arrays, all checked: the next batch of that layout in the same
+        #: place (most are) is checked by comparing its meta with that one
+        #: (per place: batches of two workers alternate between their regions)
+        self._last: dict[int | None, tuple[Any, int, list[tuple[tuple[int, ...], np.dtype, int]]]] = {}
 
     def add_arena(self, fds: list[int], region: int, offset: int, slots: int, slot_bytes: int, peer: str) -> None:
         """Map a shared region (an ``arena`` record: one descriptor, a new
@@ -347,8 +349,7 @@ class ConsumerMapping:
         if entry is None:
             raise WireError(f"{peer} retired arena {region}, which it never sent")
         self._region_bytes -= entry[3] + entry[1] * entry[2]
-        if self._last is not None and self._last[2] == region:
-            self._last = None
+        self._last.pop(region, None)
         try:
             entry[0].close()
         except BufferError:
@@ -373,12 +374,12 @@ class ConsumerMapping:
         if not 0 <= slot < self.slots:
             raise WireError(f"{peer}: batch in slot {slot}, of {self.slots}")
         where = None if arena_slot is None else region
-        last = self._last
+        last = self._last.get(where)
         if last is not None and type(meta) is list and n == last[1] and type(n) is int and (
-            where == last[2]) and meta == last[0] and _int_numbers(meta):
-            # the last batch's layout, checked then (equal lists, and ints
-            # where 1.0 or True would compare equal too), in the same region
-            return self._viewed(slot, arena_slot, region, last[3], peer)
+            meta == last[0]) and _int_numbers(meta):
+            # the last batch's layout there, checked then (equal lists, and
+            # ints where 1.0 or True would compare equal too)
+            return self._viewed(slot, arena_slot, region, last[2], peer)
         if not isinstance(meta, list) or not meta or len(meta) > 1024:
             raise WireError(f"{peer}: a batch's arrays must be a non-empty list")
         check = self._check
@@ -415,7 +416,9 @@ class ConsumerMapping:
             layout.append((shape, dt, off))
         if check is not None:
             check.arrays(n, [(a.dtype, a.shape) for a in out], peer)
-        self._last = (meta, n, where, layout)
+        if where not in self._last and len(self._last) >= MAX_REGIONS + 1:
+            self._last.clear()  # (ids are the service's: bounded like the regions)
+        self._last[where] = (meta, n, layout)
         # every view's base is `root` (numpy collapses view chains): the slot
         # is free once `root` dies, which is when the last view died
         ref = weakref.ref(root, self._on_free)

@@ -69,6 +69,11 @@ MAX_SAMPLE_BYTES = 1 << 30
 _KINDS = frozenset("biufc?")
 
 
+#: room for the descriptors a record may carry; a record cut short (the flags)
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+
+
 def wire_align(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN` (an array's bytes in a slot or frame)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -136,14 +141,12 @@ class Channel:
                 with a string ``t`` (descriptors that came with it are closed).
             OSError: the socket failed.
         """
-        data, ancdata, flags, _ = self.sock.recvmsg(
-            MAX_RECORD + 1, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-        )
-        fds = _fds_of(ancdata)
+        data, ancdata, flags, _ = self.sock.recvmsg(MAX_RECORD + 1, _ANCILLARY)
+        fds = _fds_of(ancdata) if ancdata else []
         if not data and not fds:
             return None
         try:
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_RECORD:
+            if flags & _TRUNCATED or len(data) > MAX_RECORD:
                 raise WireError(f"{self.peer} sent a record over {MAX_RECORD} bytes (or too many descriptors)")
             record = decode_record(data, self.peer)
         except WireError:
@@ -222,7 +225,7 @@ def decode_record(data: bytes, peer: str) -> dict[str, Any]:
     if not _shallow(data):
         raise WireError(f"{peer} sent a record nested deeper than {MAX_DEPTH} lists and objects (or unbalanced)")
     try:
-        record = json.loads(data)
+        record = json.loads(data.decode())  # (bytes would have their encoding guessed first)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise WireError(f"{peer} sent a record that is not JSON: {data[:40]!r}") from None
     if not isinstance(record, dict) or not isinstance(record.get("t"), str):
