@@ -71,11 +71,19 @@ class BlobsQueue(Generic[T]):
         self._not_full = threading.Condition(self._lock)
         # wait_for_item / wait_for_room take nothing, so they must not share
         # get's and put's notify(): one of them could swallow the wake-up a
-        # blocked get() or put() needed.  Woken with notify_all, only when
-        # someone waits there.
+        # blocked get() or put() needed.  Woken only when someone waits
+        # there: all of them while one waits without a timeout (an enqueuer
+        # thread); else one per item (the readers that pump, such as the
+        # feeding service's senders, all of which wait with a timeout): a
+        # wake-up per item for every waiter cost S1's four senders nine
+        # context switches a batch.  One woken that does not take the item
+        # (its deadline passed, its net closed) leaves it to the others'
+        # next look, at most their timeout later.
         self._item_watch = threading.Condition(self._lock)
         self._room_watch = threading.Condition(self._lock)
         self._item_watchers = 0
+        #: of those, the ones waiting without a timeout
+        self._item_watchers_unbounded = 0
         self._room_watchers = 0
         self._closed = False
         self._error: BaseException | None = None
@@ -150,7 +158,7 @@ class BlobsQueue(Generic[T]):
                     self._sizes.append(0)
                 self._not_empty.notify()
                 if self._item_watchers:
-                    self._item_watch.notify_all()
+                    self._wake_item_watchers()
                 return True
         except RuntimeError as err:
             raise self._interrupted(err, self._not_full) from None
@@ -181,8 +189,15 @@ class BlobsQueue(Generic[T]):
             self._bytes += nbytes
             self._not_empty.notify()
             if self._item_watchers:
-                self._item_watch.notify_all()
+                self._wake_item_watchers()
             return True
+
+    def _wake_item_watchers(self) -> None:
+        """(Under the lock; someone waits for an item.)  See ``__init__``."""
+        if self._item_watchers_unbounded:
+            self._item_watch.notify_all()
+        else:
+            self._item_watch.notify()
 
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Wait until a ``put`` would not block (the low-water mark was reached).
@@ -221,10 +236,13 @@ class BlobsQueue(Generic[T]):
                 if not self._items and not self._closed:
                     self._empty += 1
                 self._item_watchers += 1
+                unbounded = timeout is None
+                self._item_watchers_unbounded += unbounded
                 try:
                     return self._item_watch.wait_for(self._item_or_closed, timeout)
                 finally:
                     self._item_watchers -= 1
+                    self._item_watchers_unbounded -= unbounded
         except RuntimeError as err:
             raise self._interrupted(err, self._item_watch) from None
         return False  # never reached: mypy cannot see that the with block returns
@@ -303,7 +321,10 @@ class BlobsQueue(Generic[T]):
             if self._error is not None:
                 raise self._error.with_traceback(None)
             if self._items:
-                return True, self._pop()
+                item = self._pop()
+                if self._items and self._item_watchers:
+                    self._wake_item_watchers()  # more left than the one woken per item took
+                return True, item
             if self._closed:
                 self._raise_drained()
             return False, None

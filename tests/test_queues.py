@@ -533,3 +533,84 @@ def test_ctrl_c_between_a_wait_releasing_the_lock_and_waiting_is_a_keyboard_inte
         assert q.get(timeout=1) == 0
     q.put(2, timeout=1)
     assert q.get(timeout=1) == 2
+
+
+# -- waiting for an item without taking it ----------------------------------------------
+class _CountingCondition(threading.Condition):
+    """A condition that counts how its waiters are woken."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def notify(self, n: int = 1) -> None:
+        self.calls["notify"] += 1
+        super().notify(n)
+
+    def notify_all(self) -> None:
+        self.calls["notify_all"] += 1
+        super().notify_all()
+
+
+def _watchers(q: BlobsQueue[Any], timeouts: list[float | None], taken: list[Any]) -> list[threading.Thread]:
+    """Threads that wait for an item (each with its timeout), then take one if any is there."""
+
+    def watch(timeout: float | None) -> None:
+        if q.wait_for_item(timeout):
+            try:
+                ok, item = q.get_nowait()
+            except EndOfInput:
+                return  # woken by the close
+            if ok:
+                taken.append(item)
+
+    threads = [threading.Thread(target=watch, args=(t,), daemon=True) for t in timeouts]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while q._item_watchers < len(timeouts):
+        assert time.monotonic() < deadline, "the watchers never waited"
+        time.sleep(0.001)
+    return threads
+
+
+def test_an_item_wakes_one_of_the_watchers_that_wait_with_a_timeout() -> None:
+    """Readers that pump (the feeding service's senders) all wait for the
+    shared queue's next chunk with a timeout: each chunk woke all of them,
+    nine context switches a batch for S1's four senders.  One is woken per
+    item; the one that takes it wakes the next if more are left."""
+    q: BlobsQueue[int] = BlobsQueue(8)
+    q._item_watch = cond = _CountingCondition(q._lock)
+    taken: list[int] = []
+    threads = _watchers(q, [10.0, 10.0, 10.0], taken)
+    q.put(1)
+    q.put(2)
+    deadline = time.monotonic() + 10
+    while len(taken) < 2:
+        assert time.monotonic() < deadline, f"took {taken}"
+        time.sleep(0.001)
+    assert sorted(taken) == [1, 2]
+    assert cond.calls["notify_all"] == 0 and cond.calls["notify"] >= 2
+    q.close()  # the third wakes: the queue is closed
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive()
+
+
+def test_an_item_wakes_every_watcher_while_one_waits_without_a_timeout() -> None:
+    """An enqueuer thread waits for ever: were it woken alone and did not
+    take the item (its net closed), the item would wait for good."""
+    q: BlobsQueue[int] = BlobsQueue(8)
+    q._item_watch = cond = _CountingCondition(q._lock)
+    taken: list[int] = []
+    threads = _watchers(q, [None, 10.0, 10.0], taken)
+    q.put(1)
+    deadline = time.monotonic() + 10
+    while not taken:
+        assert time.monotonic() < deadline, "nobody took the item"
+        time.sleep(0.001)
+    assert taken == [1] and cond.calls["notify_all"] == 1
+    q.close()  # (the others looked, found it gone and wait again: the close ends them)
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive()
