@@ -74,7 +74,9 @@ class BlobsQueue(Generic[T]):
         # blocked get() or put() needed.  Woken only when someone waits
         # there: all of them while one waits without a timeout (an enqueuer
         # thread); else one per item (the readers that pump, such as the
-        # feeding service's senders, all of which wait with a timeout): a
+        # feeding service's senders, all of which wait with a timeout; a
+        # watcher sleeps only on an empty queue, so each item put has its
+        # own wake-up): a
         # wake-up per item for every waiter cost S1's four senders nine
         # context switches a batch.  One woken that does not take the item
         # (its deadline passed, its net closed) leaves it to the others'
@@ -321,10 +323,7 @@ class BlobsQueue(Generic[T]):
             if self._error is not None:
                 raise self._error.with_traceback(None)
             if self._items:
-                item = self._pop()
-                if self._items and self._item_watchers:
-                    self._wake_item_watchers()  # more left than the one woken per item took
-                return True, item
+                return True, self._pop()
             if self._closed:
                 self._raise_drained()
             return False, None

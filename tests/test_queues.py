@@ -578,7 +578,7 @@ def test_an_item_wakes_one_of_the_watchers_that_wait_with_a_timeout() -> None:
     """Readers that pump (the feeding service's senders) all wait for the
     shared queue's next chunk with a timeout: each chunk woke all of them,
     nine context switches a batch for S1's four senders.  One is woken per
-    item; the one that takes it wakes the next if more are left."""
+    item."""
     q: BlobsQueue[int] = BlobsQueue(8)
     q._item_watch = cond = _CountingCondition(q._lock)
     taken: list[int] = []

@@ -51,6 +51,7 @@ from .starting import (
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
 from .slot_ring import SlotRing as _SlotRing
+from .slot_ring import lendable
 from .transport import FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
 from .worker_loop import deliver
 
@@ -93,6 +94,16 @@ class ProcessBackend:
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
         self.start_method = start_method
+
+    def slots_to_lend(self, batches: int) -> int:
+        """Slots per worker (at least ``slots``, at most 64) for ``batches`` of
+        each worker's to be lent at once as views of its slots (held by a
+        consumer that reads them there); past what a worker lends, a batch
+        is copied out of its slot."""
+        n = self.slots
+        while lendable(n) < batches and n < 64:
+            n += 1
+        return n
 
     def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:
         _exit_if_importing_main()

@@ -10,7 +10,14 @@ from typing import Callable
 
 from .transport import SLOT_INDEX, WAKE
 
-__all__ = ["SlotRing"]
+__all__ = ["SlotRing", "lendable"]
+
+
+def lendable(slots: int) -> int:
+    """How many of a worker's ``slots`` batches handed out may view at once
+    (see :meth:`SlotRing.grant_view`): all but a quarter, and two stay
+    unviewed (a batch straddling two chunks needs both)."""
+    return slots - max(2, slots // 4)
 
 
 class SlotRing:
@@ -77,9 +84,7 @@ class SlotRing:
             viewed = self._viewed
             if slot in viewed:
                 return True
-            # two stay unviewed: a batch straddling two chunks needs both
-            bound = self.slots - max(2, self.slots // 4)
-            if len(viewed) >= bound and not (self.slots == 2 and not viewed and self._held == 1):
+            if len(viewed) >= lendable(self.slots) and not (self.slots == 2 and not viewed and self._held == 1):
                 return False
             viewed.add(slot)
             if self._tell_viewed is not None and self._tell_viewed(len(viewed)):

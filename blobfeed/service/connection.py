@@ -36,8 +36,7 @@ from .arena import consumer_pidfd
 from .admission import Refused, admit
 from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
-from . import slots as slot_memory
-from .slots import SlotArea, StreamSlots, batch_nbytes
+from .slots import MAX_REGIONS, SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
 from .transport import TCP, UNIX, BatchSender
 from .wire import Channel, CheckedRecord, WireError, check, freed_slots, wire_align
@@ -388,7 +387,7 @@ class Connection:
                 region_fd = -1
                 if located is not None and located[0].id not in self._regions_sent:
                     # as many regions as the consumer maps at once, past that copied
-                    got_fd = REGIONS.dup_fd(located[0]) if len(self._regions_sent) < slot_memory.MAX_REGIONS else None
+                    got_fd = REGIONS.dup_fd(located[0]) if len(self._regions_sent) < MAX_REGIONS else None
                     if got_fd is None:
                         located = None  # the region went meanwhile: copied as any batch
                     else:

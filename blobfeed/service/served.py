@@ -64,22 +64,6 @@ SHARE_MIN = 4
 ARENA_PER_NET = 2
 
 
-def worker_slots(consumers: int, workers: int, per_consumer: int) -> int:
-    """Slots per worker process (``backend="processes"``) for a source served
-    to ``consumers`` consumers that each hold up to ``per_consumer`` batches:
-    enough that every batch they hold can be lent from the slot its worker
-    wrote it in.  A worker lends all its slots but a quarter (at least 2);
-    past that a batch is copied out of its slot, one copy more per batch
-    (S8, 8 consumers on 2 workers of 8 slots: 0.68x S1's batches/s; of 16:
-    1.02x).  At least the backend's default 8, at most 64; a slot's memory
-    is touched only once used."""
-    need = -(-consumers * per_consumer // max(1, workers))
-    slots = 8
-    while slots - max(2, slots // 4) < need and slots < 64:
-        slots += 1
-    return slots
-
-
 def default_slots(slot_bytes: int | None) -> int:
     """Slots per consumer for batches of ``slot_bytes`` (None: not known yet)."""
     if not slot_bytes:

@@ -326,9 +326,8 @@ class ConsumerMapping:
             raise WireError(f"{peer} sent an arena with {len(fds)} descriptors, not 1")
         if region in self._regions:
             raise WireError(f"{peer} sent arena {region} a second time")
-        most = MAX_REGIONS  # (read here: the service's sender reads it too)
-        if len(self._regions) >= most:
-            raise WireError(f"{peer} sent more than {most} arenas at once")
+        if len(self._regions) >= MAX_REGIONS:
+            raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once")
         if not (
             0 < slots <= MAX_ARENA_SLOTS and 64 <= slot_bytes and 0 <= offset <= MAX_REGION_HEADER
             and offset % 64 == 0 and self._region_bytes + offset + slots * slot_bytes <= MAX_ARENA_BYTES

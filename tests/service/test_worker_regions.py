@@ -126,9 +126,11 @@ def test_a_consumer_is_never_handed_more_regions_than_it_maps(monkeypatch: pytes
     """Found by review: with more worker processes than a consumer maps
     regions (MAX_REGIONS), every consumer failed; past the bound batches
     are copied into its slots instead."""
-    from blobfeed.service import slots
+    from blobfeed.service import connection, slots
 
-    monkeypatch.setattr(slots, "MAX_REGIONS", 1)  # both ends read it: 2 workers are one too many
+    # 2 workers are one too many
+    monkeypatch.setattr(slots, "MAX_REGIONS", 1)  # the consumer's bound
+    monkeypatch.setattr(connection, "MAX_REGIONS", 1)  # the service's
     with whole_served(calls=3) as server:
         net = blobfeed.Net(None)
         got = []
@@ -257,13 +259,12 @@ def _slots() -> tuple[int, int, int]:
 
 
 def test_process_workers_get_slots_for_the_batches_their_consumers_hold() -> None:
-    from blobfeed.service.served import worker_slots
-
     # a worker lends all its slots but a quarter (at least 2)
-    assert worker_slots(4, 2, 3) == 8  # S1: 6 lent per worker
-    assert worker_slots(8, 2, 3) == 15  # S8: 12
-    assert worker_slots(1, 4, 3) == 8
-    assert worker_slots(1000, 1, 64) == 64
+    backend = blobfeed.ProcessBackend()
+    assert backend.slots_to_lend(6) == 8  # S1: 4 consumers x 3 slots on 2 workers
+    assert backend.slots_to_lend(12) == 15  # S8: 8 consumers
+    assert backend.slots_to_lend(1) == 8  # never fewer than it has
+    assert backend.slots_to_lend(10**6) == 64
     server = FeedServer()
     server.serve_source("train", ["id", "x"], feeds.WholeBatches(BATCH, 10**6), BATCH, 2, backend="processes",
                         num_consumers=8)
