@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -349,6 +350,12 @@ def test_a_bundle_the_receiver_cannot_take_fails_the_source_at_once(
     err, _ = until_error(net, time.monotonic() + WAIT)
     assert isinstance(err, FetcherError) and "cannot take" in str(err), err
     assert "worker" in str(err)
+    # the error the caller keeps (and its cause, with its traceback) keeps
+    # none of the stream's objects alive
+    assert gc.stop(timeout=WAIT)
+    del net
+    assert_nothing_left()
+    assert "a bundle this receiver cannot take" in "".join(traceback.format_exception(err.__cause__))
 
 
 def test_a_worker_init_fun_error_is_fatal(gc: blobfeed.GlobalCoordinator) -> None:

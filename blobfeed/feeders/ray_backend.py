@@ -75,6 +75,7 @@ import queue
 import socket
 import threading
 import time
+import traceback
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -572,6 +573,10 @@ class _Worker:
             # source fails now, rather than its consumer waiting for a timeout
             # behind a dead receiver.  The actor is killed below.
             logger.exception("source %r, worker %d: the receiver failed", self.group.source, self.plan.worker_id)
+            # The caller keeps the error; its traceback's frames (this
+            # thread's, the stream's generator in them) must not keep the
+            # stream's objects alive with it.  The traceback still prints.
+            traceback.clear_frames(exc.__traceback__)
             failure = FetcherError(
                 f"source {self.group.source!r}, worker {self.plan.worker_id}: blobfeed cannot take "
                 f"its results: {exc!r}"
