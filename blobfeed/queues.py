@@ -6,7 +6,7 @@ import collections
 import queue
 import sys
 import threading
-from typing import Generic, Iterator, TypeVar
+from typing import Generic, Iterator, NoReturn, TypeVar
 
 from .errors import DequeueTimeout, EndOfInput
 
@@ -247,7 +247,6 @@ class BlobsQueue(Generic[T]):
                     self._item_watchers_unbounded -= unbounded
         except RuntimeError as err:
             raise self._interrupted(err, self._item_watch) from None
-        return False  # never reached: mypy cannot see that the with block returns
 
     def get(self, timeout: float | None = None) -> T:
         """Dequeue the oldest batch, waiting for one.
@@ -305,7 +304,7 @@ class BlobsQueue(Generic[T]):
                 self._room_watch.notify_all()
         return item
 
-    def _raise_drained(self) -> None:
+    def _raise_drained(self) -> NoReturn:
         if self._final is not None:
             raise self._final.with_traceback(None)
         raise EndOfInput(f"queue {self.name!r} is closed and drained")
