@@ -151,7 +151,7 @@ def _plain(arr: Any, where: str) -> np.ndarray:
 
 
 #: ONNX tensor element types and the numpy dtype a chunk must have for them.
-_ONNX_DTYPES = {
+_ONNX_DTYPES: dict[str, np.dtype] = {
     "tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
     "tensor(float16)": np.dtype(np.float16), "tensor(bool)": np.dtype(np.bool_),
     "tensor(int8)": np.dtype(np.int8), "tensor(int16)": np.dtype(np.int16),
