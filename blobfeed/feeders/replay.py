@@ -11,14 +11,24 @@ the worker (thread, process or actor), so the wrapper pickles with the
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, TypeGuard
 
 from .chunks import Stamped, StoppedWithState
 
 __all__ = ["Replayed", "is_stateful"]
 
 
-def is_stateful(fetch_fun: Any) -> bool:
+class _Stateful(Protocol):
+    """A ``fetch_fun`` that saves and restores its own position."""
+
+    def __call__(self, worker_id: int, batch_size: int) -> Any: ...
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def is_stateful(fetch_fun: Any) -> TypeGuard[_Stateful]:
     """True when ``fetch_fun`` can save and restore its own position."""
     return callable(getattr(fetch_fun, "state_dict", None)) and callable(getattr(fetch_fun, "load_state_dict", None))
 
@@ -35,19 +45,24 @@ class Replayed:
 
     def __init__(self, fetch_fun: Callable[[int, int], Any], start: dict[int, tuple[int, Any]]) -> None:
         self.fetch_fun = fetch_fun
-        self.stateful = is_stateful(fetch_fun)
+        #: fetch_fun when it is stateful (the one each worker copies), else None
+        self._stateful_fun: _Stateful | None = fetch_fun if is_stateful(fetch_fun) else None
+        self.stateful = self._stateful_fun is not None
         self.start = dict(start)
-        self._own: dict[int, Any] = {}
+        self._own: dict[int, _Stateful] = {}
 
     def __call__(self, worker_id: int, batch_size: int) -> Any:
         begin = self.start.pop(worker_id, None)
-        fetch = self._own.get(worker_id) if self.stateful else self.fetch_fun
-        if fetch is None:
-            fetch = self._own[worker_id] = copy.deepcopy(self.fetch_fun)
+        own: _Stateful | None = None  # this worker's copy of a stateful fetch_fun
+        if self._stateful_fun is not None:
+            own = self._own.get(worker_id)
+            if own is None:
+                own = self._own[worker_id] = copy.deepcopy(self._stateful_fun)
+        fetch = self.fetch_fun if own is None else own
         if begin is not None:
             calls, state = begin
-            if self.stateful and state is not None:
-                fetch.load_state_dict(state)  # type: ignore[attr-defined]
+            if own is not None and state is not None:
+                own.load_state_dict(state)
             else:
                 for _ in range(calls):
                     try:
@@ -59,10 +74,10 @@ class Replayed:
         try:
             raw = fetch(worker_id, batch_size)
         except StopIteration:
-            if self.stateful:
+            if own is not None:
                 # where the next epoch resumes from: the state after the end
-                raise StoppedWithState(fetch.state_dict()) from None  # type: ignore[attr-defined]
+                raise StoppedWithState(own.state_dict()) from None
             raise
-        if self.stateful:
-            return Stamped(raw, fetch.state_dict())  # type: ignore[attr-defined]
+        if own is not None:
+            return Stamped(raw, own.state_dict())
         return raw
