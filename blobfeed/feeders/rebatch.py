@@ -7,7 +7,7 @@ import math
 import mmap
 import queue
 import weakref
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -102,8 +102,10 @@ class BufferPool:
         mem = free.pop() if free else np.frombuffer(mmap.mmap(-1, total), np.uint8)
         # `root`'s base is a memoryview, not an array, so numpy stops there:
         # every view below keeps `root` (not `mem`) alive, and its weak
-        # reference says when the last of them died.
-        root = np.frombuffer(memoryview(mem), np.uint8)
+        # reference says when the last of them died.  (``mem.data`` is
+        # ``memoryview(mem)``; numpy's stubs type an array as a buffer only
+        # from Python 3.12 on.)
+        root = np.frombuffer(mem.data, np.uint8)
         ref = weakref.ref(root, self._returned.put)
         self._out[id(ref)] = (ref, total, mem)
         return self._views(root, layout, offsets)
@@ -135,6 +137,12 @@ class BufferPool:
         self._calls = 0
 
 
+class _SetFlags(Protocol):
+    """An array's ``setflags`` as numpy takes it: ``write`` positionally."""
+
+    def setflags(self, write: bool | None = None, align: bool | None = None, uic: bool | None = None, /) -> None: ...
+
+
 def _read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
     """The one rule for what a batch hands out (docs/CONTRACT.md, "What
     run() returns"): every array is read-only, a view of a chunk or a copy
@@ -144,7 +152,9 @@ def _read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
     sizes.  ``arrays`` are blobfeed's own views or copies, never a fetcher's
     array objects, whose flags stay the user's.  No copy: some 60 ns an
     array (``setflags(False)``: the keyword form costs twice that)."""
-    for a in arrays:
+    # numpy's stubs make setflags' arguments keyword-only; numpy takes them
+    # positionally.  One cast a call, not one an array.
+    for a in cast("tuple[_SetFlags, ...]", arrays):
         a.setflags(False)  # write=False
     return arrays
 
