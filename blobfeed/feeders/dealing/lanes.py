@@ -613,7 +613,7 @@ class LaneDealer:
                 )
             lane.popleft()
             turns.lane_ended(wid, head is _ENDED)
-            if head is not _ENDED and head.state is not None:
+            if isinstance(head, _NextEpoch) and head.state is not None:
                 # the position's state once the next epoch starts (its calls at 0)
                 self._next_states[self._lane_of[wid]] = head.state
             turns.passed()
