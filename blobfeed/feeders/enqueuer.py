@@ -442,6 +442,9 @@ class Feed:
                         if lagging is not None:
                             break
                 if cut is None:
+                    # staged above, or left by the last pass and not taken
+                    # since: never None here (the net takes it under this lock)
+                    assert self._staged is not None
                     if dq.put(self._staged, timeout=0):
                         self._staged = None
                         continue
