@@ -46,7 +46,7 @@ from .child import child_main
 from .chunks import GrantPin
 from .read_units import HOLDERS, UNIT_RECORD, ReadUnit
 from .starting import (
-    MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd, preload_forkserver,
+    MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd, preload_forkserver, process_context,
 )
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
@@ -595,7 +595,7 @@ class _ProcessGroup:
         self.plan = plan
         payload_fd = _payload_fd(payload)
         self.source = plan.source
-        self.ctx = multiprocessing.get_context(backend.start_method)
+        self.ctx = process_context(backend.start_method)
         #: what each worker process imports first (named if it fails there)
         self.main_module = _main_module()
         if backend.start_method == "forkserver":

@@ -9,11 +9,14 @@ import multiprocessing
 import os
 import pickle
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .backends import FetchFun, WorkerInitFun
 
-__all__ = ["MAIN_REENTRY_EXIT", "preload_forkserver"]
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+
+__all__ = ["MAIN_REENTRY_EXIT", "preload_forkserver", "process_context"]
 
 logger = logging.getLogger("blobfeed.feeders.processes")
 
@@ -103,6 +106,15 @@ def _payload(fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> byte
 #: what the forkserver imports once, so that a worker starts as a plain fork
 #: of it (milliseconds) rather than importing numpy and blobfeed (~0.2 s)
 _PRELOAD = "blobfeed.feeders.child"
+
+
+def process_context(start_method: str) -> ForkServerContext | SpawnContext:
+    """The multiprocessing context of ``start_method``, ``"forkserver"`` or
+    ``"spawn"``.  Each is asked for by name: ``get_context`` of a plain
+    ``str`` is typed a ``BaseContext``, which has no ``Process``."""
+    if start_method == "spawn":
+        return multiprocessing.get_context("spawn")
+    return multiprocessing.get_context("forkserver")
 
 
 def preload_forkserver(ctx: Any) -> None:
