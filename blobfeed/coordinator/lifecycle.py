@@ -34,7 +34,7 @@ from ..metrics import register_collector
 from ..net import Net
 from ..stats import MetricsHub
 from . import checkpoint, elastic
-from .groups import InletCoordinator, ReaderCoordinator, WorkerCoordinator, _on_host
+from .groups import DataInputCoordinator, InletCoordinator, ReaderCoordinator, WorkerCoordinator, _on_host
 from .monitor import monitor_loop
 from .registry import Registry
 
@@ -728,14 +728,14 @@ class GlobalCoordinator:
         namescope, name, net, batch_size = _reset_arguments(args, kwargs)
         batch_size = check_index("batch_size", batch_size)
         with self._lock:
+            # only init_data_input_workers' groups feed a net (a reader's has none)
             found = [
                 c for c in self._known.named(name)
-                if c.source is not None and c.net is net and not c.source.stopped
+                if isinstance(c, DataInputCoordinator) and c.net is net and not c.source.stopped
             ]
         if not found:
             raise ValueError(f"net {net.name!r} is not fed from source {name!r}")
         source = found[0].source
-        assert source is not None
         if source.dealer.batch_size is not None:
             raise ValueError(
                 f"source {name!r} is re-batched once for all its nets (deterministic, shuffle_buffer "
