@@ -627,6 +627,8 @@ def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec
     assert source.random_access is not None
     n, seed, shuffle, read_size = source.random_access
     dealer = source.dealer
+    # a random-access source's (its dealing says so, checked before) is made by _random_access_source
+    assert isinstance(dealer, IndexedDealer)
     had_shards, shards = source.sharded, reader.fingerprint if isinstance(reader, ShardedReader) else None
     if (had_shards is None) != (shards is None):
         raise ValueError(
@@ -646,7 +648,7 @@ def _same_random_access(name: str, source: InputSource, reader: UnitReader, spec
     for what, had, asked in ((length, n, reader.n), ("shuffle", shuffle, reader.shuffle),
                              ("seed", seed, reader.seed),
                              ("read_size", read_size, _read_size(spec, dealer.batch_size)),
-                             ("window", dealer.window, spec.window)):  # type: ignore[attr-defined]
+                             ("window", dealer.window, spec.window)):
         if had != asked:
             raise ValueError(
                 f"source {name!r} reads a {kind} with {what}={had!r}; this call "
