@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -120,6 +121,60 @@ def test_a_frame_claiming_more_than_ever_arrives_is_the_worker_ending_not_a_memo
         end_w = -1
         assert reader.recv() is None
     finally:
+        for fd in (data_r, data_w, end_r, end_w):
+            if fd >= 0:
+                os.close(fd)
+
+
+def test_the_reader_takes_messages_whole_however_the_pipe_cuts_them() -> None:
+    """The parent reads a worker's pipe as whole messages:
+    messages that came in one write, one cut over several writes, one
+    longer than the pipe holds after short ones, and a last one cut short
+    by the worker's end, each as it was sent (the last: the stream's end)."""
+    from blobfeed.feeders.transport import MessageReader
+
+    def frame(body: bytes) -> bytes:
+        return struct.pack("<Q", len(body)) + body
+
+    data_r, data_w = os.pipe()
+    end_r, end_w = os.pipe()
+    long_body = bytes(range(256)) * 800  # 200 KiB: more than a pipe holds
+    got: list[bytes] = []
+    writer: threading.Thread | None = None
+
+    def message() -> bytes:
+        m = reader.recv()
+        assert m is not None, "the stream ended early"
+        return bytes(m)
+
+    try:
+        reader = MessageReader(data_r, end_r)
+        os.write(data_w, frame(b"a") + frame(b"") + frame(b"bcd"))
+        assert [message() for _ in range(3)] == [b"a", b"", b"bcd"]
+        split = frame(b"0123456789")
+        os.write(data_w, split[:3])
+        os.write(data_w, split[3:11])
+        os.write(data_w, split[11:] + frame(b"x")[:5])
+        assert message() == b"0123456789"
+        stream = frame(b"x")[5:] + frame(long_body) + frame(b"after")
+
+        def write_all() -> None:
+            with open(data_w, "wb", closefd=False) as f:
+                f.write(stream)
+
+        writer = threading.Thread(target=write_all)  # longer than the pipe's buffer
+        writer.start()
+        for _ in range(3):
+            got.append(message())
+        writer.join(WAIT)
+        assert got[0] == b"x" and got[1] == long_body and got[2] == b"after"
+        os.write(data_w, frame(b"cut short")[:-2])
+        os.close(end_w)  # the worker process ended
+        end_w = -1
+        assert reader.recv() is None
+    finally:
+        if writer is not None:
+            writer.join(WAIT)
         for fd in (data_r, data_w, end_r, end_w):
             if fd >= 0:
                 os.close(fd)
