@@ -536,7 +536,7 @@ def test_the_service_workloads_are_opt_in_and_named_like_the_others() -> None:
     assert cli.build_parser().parse_args(["--workload", "S1"]).workloads == "S1"  # argparse takes the prefix
     assert runner._plan(service_wls, {"PIL"}) == [
         ("S1", "service"), ("S1", "pipes"), ("S1", "copy"), ("S1", "copy2"), ("S2", "service"), ("S2", "pipes"),
-        ("attach", "service"),
+        ("S2", "bare"), ("attach", "service"),
     ]
     with_ray = runner._plan(service_wls, {"PIL", "ray", "ray.data"})
     assert [p for p in with_ray if p[1] == "raysplit"] == [("S1", "raysplit"), ("S2", "raysplit")]
@@ -940,6 +940,8 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
         assert float(cells[key]["batches/s"]) > 0 and int(cells[key]["PSS MB"]) > 0, cells[key]
         assert cells[key]["lost"] == "0", cells[key]
     assert float(cells["S1/copy"]["GB/s"]) > 0 and float(cells["S1/copy2"]["GB/s"]) > 0
+    # the transport alone: its consumers took batches, and it counts no samples
+    assert float(cells["S2/bare"]["batches/s"]) > 0 and cells["S2/bare"]["lost"] == "-", cells["S2/bare"]
     assert cells["attach/service"]["batches/s"] == "-" and float(cells["attach/service"]["first ms"]) > 0
     # the hand-offs: every process's CPU and context switches in the window, per batch
     top = lines.index(next(line for line in lines if line.startswith("per batch taken")))
@@ -952,11 +954,11 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     # the busiest step is sure to show; a step under 0.05 us a batch is left out
     assert {role for k, role in steps} <= {"sender", "receiver", "intake", "fetchers", "slot returner",
                                            "worker processes", "other threads"}, steps
-    for k in ("S1/service", "S2/service"):
+    for k in ("S1/service", "S2/service", "S2/bare"):
         assert float(steps[(k, "sender")]) > 0, (k, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
              for line in rows if not line[KEY:].startswith("  ")}
-    assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service")
+    assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service", "S2/bare")
                           for who in ("service", "consumer", "service + consumer")} | {
         ("S1/pipes", "consumer"), ("S2/pipes", "consumer")}, costs
     for (key, who), (ctx, cpu) in costs.items():

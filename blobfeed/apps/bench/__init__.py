@@ -35,7 +35,10 @@ each consumer a process of its own.  S1 (W2's chunks and batch) and S2
 a user would run an image loader; threads for S2, W1's fetcher being
 trivial) dealing to 4 consumer processes by index; ``pipes`` is 4 consumer
 processes with a pipeline each (2 workers: processes for S1, threads for
-S2); ``copy`` (S1) the copy bound; ``raysplit`` Ray Data's
+S2); ``bare`` (S2) the service's transport alone, written plainly (a
+sender and a receiver thread per consumer, one record of bytes made in
+advance per batch, each acknowledged; no fetching, no guarantees);
+``copy`` (S1) the copy bound; ``raysplit`` Ray Data's
 ``streaming_split(4)`` to 4 Ray actors, where ``ray[data]`` is installed.
 S8 is S1's service with 8 consumer processes, set against S1's.  The window
 is timed from outside the consumers and the PSS is the whole process
@@ -73,7 +76,7 @@ Runners:
   blocks of the workload's chunks, ``iter_batches`` re-batches them to the
   exact batch (see ``peers.ray_data``); its PSS column is the whole cluster's.
   ``raysplit`` (S1, S2): the same through ``streaming_split(4)``.
-* ``service``, ``pipes`` (S1, S2, S8, attach): see above.
+* ``service``, ``pipes`` (S1, S2, S8, attach), ``bare`` (S2): see above.
 
 Exit status: 0 when every evaluated target is met; 1 when any is missed,
 including blobfeed losing a sample in any repetition (the missed targets are

@@ -535,6 +535,10 @@ RUNNER_LEGEND = {
     "service": "one feeding service (FeedServer, 2 workers) in the measuring process, dealing by index to the "
                "consumer processes",
     "pipes": "one independent pipeline (2 workers) in each consumer process",
+    "bare": "S2's service written plainly, with nothing of blobfeed: a sender and a receiver thread per consumer "
+            "process in the measuring process, one record of the batch's bytes (made in advance: no fetching, no "
+            "re-batching, no ledger) per batch over a Unix socket, each acknowledged, 16 in flight: what the "
+            "transport alone costs in one Python process",
     "ray": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
     "ray1": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
     "ray2": "blobfeed's fetchers as Ray actors: 2 simulated nodes of 2 actors",

@@ -134,6 +134,9 @@ SERVICE_CONSUMER_S = 0.5
 #: attach: the service's start, the cycle that ends past the window (a
 #: consumer process's start, about 0.5 s) and the drain of the rest
 ATTACH_EXTRA_S = 2.9
+#: bare: 4 consumer processes that import nothing of blobfeed's pipeline
+#: (their start, until each has had a batch), and their end
+BARE_EXTRA_S = 1.2
 #: raysplit: a local cluster, 4 actors, until each has had a block, and
 #: ``ray.shutdown()`` (one measurement of 2 s took 11.3 s, of S1 and of S2)
 RAYSPLIT_EXTRA_S = 8.5
@@ -208,6 +211,8 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
         one += RAYSPLIT_EXTRA_S
     elif r == "service" and wl.consumers == 1:  # attach: no warm-up, cycles for the window
         one += ATTACH_EXTRA_S - WARMUP_S
+    elif r == "bare":
+        one += BARE_EXTRA_S
     elif r in ("service", "pipes"):
         one += SERVICE_EXTRA_S[(r, wl.backend if r == "service" else wl.pipes_backend)]
         one += SERVICE_CONSUMER_S * max(0, wl.consumers - SERVICE_CONSUMERS)

@@ -10,6 +10,10 @@ against independent pipelines, each consumer a process of its own.
 * ``pipes`` (S1, S2): 4 consumer processes, each with its own pipeline
   (``init_data_input_workers`` with 2 workers: processes for S1, threads
   for S2): what each rank runs without the service.
+* ``bare`` (S2): the service's shape with nothing of blobfeed in it (a
+  sender and a receiver thread per consumer, one record per batch of
+  bytes made in advance, each acknowledged): what the transport alone
+  costs in one Python process, beside what the service's guarantees add.
 * ``attach`` (workload attach): the service of S1, running; consumer
   processes attach to it one after another, and each times
   ``attach_source(...)`` to the first batch ``net.run()`` returns.
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +61,12 @@ CONSUMER_TIMEOUT_S = 60.0
 ATTACH_CYCLES_MIN = 3
 #: the usage group of the measuring process, where the service runs
 SERVICE_GROUP = "service"
+#: bare: batches a consumer may have unacknowledged, the digits of a
+#: batch's number at the head of its record, the longest record, the end
+BARE_WINDOW = 16
+BARE_NUMBER = 12
+BARE_MAX_RECORD = 1 << 20
+BARE_END = b"end"
 
 #: A consumer process's ``__main__``: the current directory off ``sys.path``
 #: first (see ``runner.CHILD_MAIN``: run from the folder holding the clone,
@@ -152,8 +163,29 @@ def _attach_consumer(wl: Workload, a: argparse.Namespace, counts: Tally) -> dict
     return {"delivered": n, "batches": 1, "attach_ms": (t2 - t0) * 1e3, "connect_ms": (t1 - t0) * 1e3}
 
 
+def _bare_consumer(wl: Workload, a: argparse.Namespace, counts: Tally) -> dict[str, Any]:
+    """The bare consumer: each record that comes is a batch, counted and
+    acknowledged at once, until the measuring process says ``end``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(CONSUMER_TIMEOUT_S)
+    sock.connect(a.address)
+    batches = 0
+    try:
+        while True:
+            data = sock.recv(BARE_MAX_RECORD)
+            if not data or data == BARE_END:
+                break
+            # an acknowledgement of the form and length the service's consumer sends
+            sock.send(b'{"t":"ack","g":%s,"slots":[%d],"waited":0.0}' % (data[:BARE_NUMBER], batches % BARE_WINDOW))
+            batches += 1
+            counts.add(a.index, 1)
+    finally:
+        sock.close()
+    return {"delivered": batches * wl.batch, "batches": batches}
+
+
 CONSUMERS: dict[str, Callable[[Workload, argparse.Namespace, Tally], dict[str, Any]]] = {
-    "service": _serve_consumer, "pipe": _pipe_consumer, "attach": _attach_consumer,
+    "service": _serve_consumer, "pipe": _pipe_consumer, "attach": _attach_consumer, "bare": _bare_consumer,
 }
 
 
@@ -390,10 +422,107 @@ def run_attach(wl: Workload, seconds: float) -> dict[str, Any]:
         fetched.close()
 
 
+def _bare_batch(wl: Workload) -> bytes:
+    """One batch's bytes (its arrays end to end), made once in advance."""
+    fetch = wl.fetcher(None)
+    rows: list[list[Any]] = [[] for _ in wl.blobs]
+    have = 0
+    while have < wl.batch:
+        chunk = fetch.chunk(have)
+        for k, a in enumerate(chunk):
+            rows[k].append(a)
+        have += len(chunk[0])
+    import numpy as np
+
+    return b"".join(np.concatenate(r)[:wl.batch].tobytes() for r in rows)
+
+
+def _bare_send(sock: socket.socket, batch: bytes, window: threading.Semaphore, stop: threading.Event) -> None:
+    g = 0
+    try:
+        while not stop.is_set():
+            if window.acquire(timeout=0.1):
+                sock.send(b"%0*d" % (BARE_NUMBER, g) + batch)
+                g += 1
+    except OSError:
+        pass  # the consumer is gone: results() says why
+
+
+def _bare_receive(sock: socket.socket, window: threading.Semaphore) -> None:
+    try:
+        while sock.recv(BARE_MAX_RECORD):
+            window.release()
+    except OSError:
+        pass
+
+
+def run_bare(wl: Workload, seconds: float) -> dict[str, Any]:
+    """S2's service written plainly, with nothing of blobfeed in it: this
+    process keeps a sender and a receiver thread for each of the
+    ``wl.consumers`` consumer processes, on a Unix ``SOCK_SEQPACKET``
+    socket as the service's; the sender sends one record per batch (the
+    batch's bytes, made once in advance: no fetching, no re-batching, no
+    ledger, no slots), at most :data:`BARE_WINDOW` unacknowledged (a
+    semaphore); the consumer acknowledges each as it comes.  What a
+    one-process Python service that acknowledges each batch costs when it
+    does nothing else, written as one would first write it: the yardstick
+    for how much of the service's per-batch cost is its guarantees."""
+    counts = Tally()
+    consumers = _Consumers()
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    socks: list[socket.socket] = []
+    batch = _bare_batch(wl)
+    with tempfile.TemporaryDirectory(prefix="blobfeed-bare-") as where:
+        address = os.path.join(where, "sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(address)
+            listener.listen(wl.consumers)
+            listener.settimeout(CONSUMER_TIMEOUT_S)
+            t_start = time.perf_counter()
+            for k in range(wl.consumers):
+                consumers.start("bare", wl.id, str(k), counts.path, "--address", address)
+            for k in range(wl.consumers):
+                sock, _ = listener.accept()
+                socks.append(sock)
+                window = threading.Semaphore(BARE_WINDOW)
+                # named as the service's, so that the per-step rows compare
+                threads += [
+                    threading.Thread(target=_bare_send, args=(sock, batch, window, stop),
+                                     name=f"blobfeed-service-send-bare-{k}", daemon=True),
+                    threading.Thread(target=_bare_receive, args=(sock, window),
+                                     name=f"blobfeed-service-recv-bare-{k}", daemon=True),
+                ]
+            for t in threads:
+                t.start()
+            out = _window_result(wl, counts, consumers, seconds, t_start, service=True)
+            stop.set()
+            for t in threads[::2]:
+                t.join(CONSUMER_TIMEOUT_S)
+            for sock in socks:
+                sock.send(BARE_END)
+            consumers.results()
+            for t in threads:
+                t.join(CONSUMER_TIMEOUT_S)
+            out.update(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            return out
+        finally:
+            stop.set()
+            for sock in socks:
+                sock.close()
+            listener.close()
+            for t in threads:
+                t.join(CONSUMER_TIMEOUT_S)
+            consumers.kill()
+            counts.close()
+
+
 #: the service's runners, by the name the workloads give them
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "service": lambda wl, s: (run_attach if wl.id == "attach" else run_service)(wl, s),
     "pipes": run_pipes,
+    "bare": run_bare,
 }
 #: they need no optional package
 NEEDS: dict[str, str] = {}

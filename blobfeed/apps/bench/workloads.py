@@ -685,7 +685,7 @@ WORKLOADS = {
     "S1": Workload("S1", 64, ("data", "label"), W2Fetch, ("service", "pipes", "copy", "copy2", "raysplit"),
                    "W2 from one service to 4 consumer processes", backend="processes", consumers=SERVICE_CONSUMERS,
                    pipes_backend="processes", backend_why=S1_BACKEND_WHY),
-    "S2": Workload("S2", 32, ("data", "label"), W1Fetch, ("service", "pipes", "raysplit"),
+    "S2": Workload("S2", 32, ("data", "label"), W1Fetch, ("service", "pipes", "bare", "raysplit"),
                    "W1 from one service to 4 consumer processes", backend="threads", consumers=SERVICE_CONSUMERS,
                    pipes_backend="threads", backend_why=S2_BACKEND_WHY),
     "S8": Workload("S8", 64, ("data", "label"), W2Fetch, ("service",),
