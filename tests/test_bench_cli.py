@@ -1702,3 +1702,29 @@ def test_a_slow_workloads_reach_time_is_read_over_enough_batches() -> None:
     s[8][1] += 32 * 6  # six batches at once, at 2 s
     t = autobench.time_to(s, 32, 9.5)
     assert t is not None and t > 20.0, t
+
+
+def test_the_bare_runner_fails_cleanly_leaving_no_thread_or_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """S2's ``bare`` runner whose window fails (a consumer died, say): the
+    error comes out at once; its threads (a receiver blocked in ``recv``
+    included) and its consumer processes are gone."""
+    started: list[subprocess.Popen[bytes]] = []
+    real_start = service._Consumers.start
+
+    def start(self: Any, *args: str) -> None:
+        real_start(self, *args)
+        started.append(self.procs[-1][0])
+
+    def failing_window(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise RuntimeError("the window failed")
+
+    monkeypatch.setattr(service._Consumers, "start", start)
+    monkeypatch.setattr(service, "_window_result", failing_window)
+    before = set(threading.enumerate())
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="the window failed"):
+        service.run_bare(workloads.WORKLOADS["S2"], 1.0)
+    assert time.monotonic() - t0 < 30.0
+    assert len(started) == workloads.WORKLOADS["S2"].consumers
+    assert all(p.poll() is not None for p in started), [p.pid for p in started]
+    assert set(threading.enumerate()) <= before, set(threading.enumerate()) - before

@@ -510,11 +510,16 @@ def run_bare(wl: Workload, seconds: float) -> dict[str, Any]:
         finally:
             stop.set()
             for sock in socks:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a receiver blocked in recv (close would not)
+                except OSError:
+                    pass
                 sock.close()
             listener.close()
-            for t in threads:
-                t.join(CONSUMER_TIMEOUT_S)
             consumers.kill()
+            for t in threads:
+                if t.ident is not None:  # started (a failed accept leaves some unstarted)
+                    t.join(CONSUMER_TIMEOUT_S)
             counts.close()
 
 
