@@ -7,7 +7,7 @@ import math
 import mmap
 import queue
 import weakref
-from typing import Any, Callable, NamedTuple, Protocol, Sequence, cast
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -137,12 +137,6 @@ class BufferPool:
         self._calls = 0
 
 
-class _SetFlags(Protocol):
-    """An array's ``setflags`` as numpy takes it: ``write`` positionally."""
-
-    def setflags(self, write: bool | None = None, align: bool | None = None, uic: bool | None = None, /) -> None: ...
-
-
 def _read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
     """The one rule for what a batch hands out (docs/CONTRACT.md, "What
     run() returns"): every array is read-only, a view of a chunk or a copy
@@ -152,10 +146,10 @@ def _read_only(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
     sizes.  ``arrays`` are blobfeed's own views or copies, never a fetcher's
     array objects, whose flags stay the user's.  No copy: some 60 ns an
     array (``setflags(False)``: the keyword form costs twice that)."""
-    # numpy's stubs make setflags' arguments keyword-only; numpy takes them
-    # positionally.  One cast a call, not one an array.
-    for a in cast("tuple[_SetFlags, ...]", arrays):
-        a.setflags(False)  # write=False
+    for a in arrays:
+        # numpy's stubs make setflags' arguments keyword-only; numpy takes
+        # them positionally (a typing.cast here would be a call per batch)
+        a.setflags(False)  # type: ignore[call-arg]  # write=False
     return arrays
 
 
