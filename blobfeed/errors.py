@@ -22,6 +22,8 @@ the program should change (a ``fetch_fun`` returning ``None``): issued with
 
 from __future__ import annotations
 
+import traceback
+
 __all__ = [
     "BlobfeedError",
     "BlobfeedWarning",
@@ -86,3 +88,23 @@ class ChunkError(FetcherError, ValueError):
 class ServiceError(FetcherError):
     """The feeding service a consumer attached to (``attach_source``)
     stopped, died or broke the protocol; the message names the service."""
+
+
+def release_frames(err: BaseException) -> BaseException:
+    """``err``, with the local variables of its traceback's finished frames
+    cleared, and those of the exceptions it was raised from (its cause and
+    context, in turn).
+
+    For an error blobfeed hands to a caller who may keep it (a source's
+    failure, a service's error): the frames of its traceback would keep
+    alive whatever they held (a Ray stream, an object reference, a batch)
+    for as long as the error lives.  The tracebacks still print; frames
+    still running are left as they are.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    return err

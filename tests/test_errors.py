@@ -432,3 +432,40 @@ def test_caffe2_module_name() -> None:
     assert data_workers.GlobalCoordinator is blobfeed.GlobalCoordinator
     assert data_workers.get_worker_ids(3) == [0, 1, 2]
     assert set(data_workers.__all__) <= set(dir(data_workers))
+
+
+def test_release_frames_lets_go_of_what_a_kept_error_s_frames_held() -> None:
+    """An error blobfeed hands out and the caller keeps: what the frames of
+    its traceback held (and of the error it was raised from) is freed,
+    and the traceback still names where it came from."""
+    import traceback
+    import weakref
+
+    from blobfeed.errors import release_frames
+
+    class Held:
+        pass
+
+    def inner(obj: Held) -> None:
+        raise KeyError("inner")
+
+    refs: list[weakref.ref[Held]] = []
+
+    def outer() -> None:
+        held = Held()
+        refs.append(weakref.ref(held))
+        try:
+            inner(held)
+        except KeyError as err:
+            raise blobfeed.FetcherError("outer") from err
+
+    try:
+        outer()
+    except blobfeed.FetcherError as err:
+        kept = err
+    ref = refs[0]
+    assert ref() is not None  # the traceback's frames hold it
+    assert release_frames(kept) is kept
+    assert ref() is None
+    text = "".join(traceback.format_exception(kept))
+    assert "in outer" in text and "in inner" in text and "KeyError: 'inner'" in text

@@ -75,12 +75,11 @@ import queue
 import socket
 import threading
 import time
-import traceback
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import FetcherError
+from ..errors import FetcherError, release_frames
 from ..worker_info import WorkerInfo
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
 from .chunks import GrantPin
@@ -575,8 +574,8 @@ class _Worker:
             logger.exception("source %r, worker %d: the receiver failed", self.group.source, self.plan.worker_id)
             # The caller keeps the error; its traceback's frames (this
             # thread's, the stream's generator in them) must not keep the
-            # stream's objects alive with it.  The traceback still prints.
-            traceback.clear_frames(exc.__traceback__)
+            # stream's objects alive with it.
+            release_frames(exc)
             failure = FetcherError(
                 f"source {self.group.source!r}, worker {self.plan.worker_id}: blobfeed cannot take "
                 f"its results: {exc!r}"

@@ -52,7 +52,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from ..errors import ServiceError
+from ..errors import ServiceError, release_frames
 from ..reader import EpochEnd
 from .admission import Refused, admit
 from .ledger import Ledger
@@ -599,10 +599,21 @@ class RayService:
         self._final: dict[str, Any] | None = None
         self._stopped = False
 
-    def _get(self, ref: Any, timeout: float, *, raised: bool = False) -> Any:
-        """A call's result, waited for in bounded steps.  ``raised``: an
+    def _get(self, call: Callable[[], Any], timeout: float, *, raised: bool = False) -> Any:
+        """The result of the call ``call()`` makes (it returns the call's
+        ``ObjectRef``), waited for in bounded steps.  ``raised``: an
         exception the method raised is raised as Ray raises it (an instance
         of its class too); else every Ray error is a ServiceError."""
+        try:
+            return self._wait_for(call(), timeout, raised)
+        except BaseException as err:
+            # The caller keeps the error; the frames of its traceback, and of
+            # Ray's error it was raised from, must not keep the call's object
+            # alive with it (made in call(), the reference lives only there)
+            release_frames(err)
+            raise
+
+    def _wait_for(self, ref: Any, timeout: float, raised: bool) -> Any:
         ray = _ray()
         deadline = time.monotonic() + timeout
         while True:
@@ -630,14 +641,14 @@ class RayService:
                 raise ValueError(f"service at {self.address} stopped without a state: "
                                  f"{None if self._final is None else self._final['error']}")
             return self._final["state"]
-        reply = self._get(_control(self.actor, "state").remote(None, -1), timeout)
+        reply = self._get(lambda: _control(self.actor, "state").remote(None, -1), timeout)
         if reply["error"] is not None:
             raise ValueError(reply["error"])
         return reply["state"]
 
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
         """Per source: batches delivered, acknowledged, re-dealt (per consumer), consumers attached."""
-        return self._get(_control(self.actor, "stats").remote(), timeout)
+        return self._get(lambda: _control(self.actor, "stats").remote(), timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the service is asked to stop, or every source ended
@@ -649,7 +660,7 @@ class RayService:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            if self._get(_control(self.actor, "wait").remote(step), step + 30.0):
+            if self._get(lambda: _control(self.actor, "wait").remote(step), step + 30.0):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -665,9 +676,9 @@ class RayService:
         ray = _ray()
         self._stopped = True
         try:
-            self._final = self._get(_control(self.actor, "stop").remote(reason), timeout)
+            self._final = self._get(lambda: _control(self.actor, "stop").remote(reason), timeout)
         except ServiceError as err:
-            logger.warning("%s", err)
+            logger.warning("%s", str(err))  # the text: a kept log record keeps no error alive
             self._final = {"clean": False, "state": None, "error": str(err)}
         ray.kill(self.actor, no_restart=True)
         self._wait_gone(timeout)
@@ -782,7 +793,7 @@ def serve_on_ray(
         raise ValueError(f"cannot serve at {address}: {err}") from err
     handle = RayService(address, _actor=actor)
     try:
-        info = handle._get(_control(actor, "ready").remote(), start_timeout, raised=True)
+        info = handle._get(lambda: _control(actor, "ready").remote(), start_timeout, raised=True)
     except BaseException:
         ray.kill(actor, no_restart=True)
         raise

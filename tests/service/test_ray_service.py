@@ -23,6 +23,7 @@ import functools
 import os
 import signal
 import time
+import traceback
 from typing import Any
 
 import pytest
@@ -275,6 +276,20 @@ def test_consumers_learn_within_a_second_that_the_service_actor_died(cluster: An
         assert e["end"] == "ServiceError", e
         assert service.address in e["error"] and "died" in e["error"]
         assert e["t"] - killed_at < 1.0, e["t"] - killed_at
+    # the error a call to the dead service raises, kept by the caller (its
+    # traceback with it), keeps no object of the call alive
+    del waiting, ends, cs
+    before = _references_held()
+    with pytest.raises(blobfeed.ServiceError, match="died") as info:
+        service.stats(timeout=WAIT)
+    assert not set(_references_held()) - set(before), _references_held()
+    assert "_get" in "".join(traceback.format_tb(info.value.__traceback__))  # the traceback still says where
+
+
+def _references_held() -> dict[bytes, Any]:
+    """The objects this process holds references to."""
+    core = ray._private.worker.global_worker.core_worker
+    return {k: v for k, v in core.get_all_reference_counts().items() if v.get("local") or v.get("submitted")}
 
 
 def test_bad_attach_arguments_are_a_value_error_and_an_unknown_name_a_service_error(cluster: Any) -> None:
