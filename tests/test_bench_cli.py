@@ -1728,3 +1728,15 @@ def test_the_bare_runner_fails_cleanly_leaving_no_thread_or_process(monkeypatch:
     assert len(started) == workloads.WORKLOADS["S2"].consumers
     assert all(p.poll() is not None for p in started), [p.pid for p in started]
     assert set(threading.enumerate()) <= before, set(threading.enumerate()) - before
+
+
+def test_a_bare_consumer_that_dies_at_its_start_is_an_error_with_its_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer process of the ``bare`` runner that exits before it
+    connects: the runner says so at once, with the process's exit code and
+    stderr, instead of waiting for connections that never come."""
+    monkeypatch.setattr(service, "consumer_command", lambda *args: [
+        sys.executable, "-c", "import sys; sys.stderr.write('no such thing\\n'); sys.exit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 3.*no such thing"):
+        service.run_bare(workloads.WORKLOADS["S2"], 1.0)
+    assert time.monotonic() - t0 < 10.0

@@ -134,7 +134,7 @@ SERVICE_CONSUMER_S = 0.5
 #: attach: the service's start, the cycle that ends past the window (a
 #: consumer process's start, about 0.5 s) and the drain of the rest
 ATTACH_EXTRA_S = 2.9
-#: bare: 4 consumer processes that import nothing of blobfeed's pipeline
+#: bare: 4 consumer processes (the bench's modules, no pipeline)
 #: (their start, until each has had a batch), and their end
 BARE_EXTRA_S = 1.2
 #: raysplit: a local cluster, 4 actors, until each has had a block, and

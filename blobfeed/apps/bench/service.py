@@ -62,10 +62,13 @@ ATTACH_CYCLES_MIN = 3
 #: the usage group of the measuring process, where the service runs
 SERVICE_GROUP = "service"
 #: bare: batches a consumer may have unacknowledged, the digits of a
-#: batch's number at the head of its record, the longest record, the end
+#: batch's number at the head of its record, the end; a receive takes at
+#: most a record of the service's (wire.MAX_RECORD + 1, as its recvmsg:
+#: Python allocates the whole buffer at each call, so a bigger one would
+#: cost bare what the service never pays)
 BARE_WINDOW = 16
 BARE_NUMBER = 12
-BARE_MAX_RECORD = 1 << 20
+BARE_RECV = (64 << 10) + 1
 BARE_END = b"end"
 
 #: A consumer process's ``__main__``: the current directory off ``sys.path``
@@ -172,7 +175,7 @@ def _bare_consumer(wl: Workload, a: argparse.Namespace, counts: Tally) -> dict[s
     batches = 0
     try:
         while True:
-            data = sock.recv(BARE_MAX_RECORD)
+            data = sock.recv(BARE_RECV)
             if not data or data == BARE_END:
                 break
             # an acknowledgement of the form and length the service's consumer sends
@@ -450,7 +453,7 @@ def _bare_send(sock: socket.socket, batch: bytes, window: threading.Semaphore, s
 
 def _bare_receive(sock: socket.socket, window: threading.Semaphore) -> None:
     try:
-        while sock.recv(BARE_MAX_RECORD):
+        while sock.recv(BARE_RECV):
             window.release()
     except OSError:
         pass
@@ -467,24 +470,34 @@ def run_bare(wl: Workload, seconds: float) -> dict[str, Any]:
     one-process Python service that acknowledges each batch costs when it
     does nothing else, written as one would first write it: the yardstick
     for how much of the service's per-batch cost is its guarantees."""
-    counts = Tally()
-    consumers = _Consumers()
+    batch = _bare_batch(wl)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     socks: list[socket.socket] = []
-    batch = _bare_batch(wl)
     with tempfile.TemporaryDirectory(prefix="blobfeed-bare-") as where:
         address = os.path.join(where, "sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        counts = Tally()
+        consumers = _Consumers()
         try:
             listener.bind(address)
             listener.listen(wl.consumers)
-            listener.settimeout(CONSUMER_TIMEOUT_S)
+            listener.settimeout(0.2)
             t_start = time.perf_counter()
             for k in range(wl.consumers):
                 consumers.start("bare", wl.id, str(k), counts.path, "--address", address)
-            for k in range(wl.consumers):
-                sock, _ = listener.accept()
+            deadline = time.monotonic() + CONSUMER_TIMEOUT_S
+            while len(socks) < wl.consumers:
+                try:
+                    sock, _ = listener.accept()
+                except TimeoutError:
+                    consumers.check()  # one that died at its start: its exit code and stderr
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"bare: {wl.consumers - len(socks)} consumers did not connect "
+                                           f"within {CONSUMER_TIMEOUT_S:g} s") from None
+                    continue
+                sock.settimeout(None)
+                k = len(socks)
                 socks.append(sock)
                 window = threading.Semaphore(BARE_WINDOW)
                 # named as the service's, so that the per-step rows compare
@@ -501,7 +514,10 @@ def run_bare(wl: Workload, seconds: float) -> dict[str, Any]:
             for t in threads[::2]:
                 t.join(CONSUMER_TIMEOUT_S)
             for sock in socks:
-                sock.send(BARE_END)
+                try:
+                    sock.send(BARE_END)
+                except OSError:
+                    pass  # that consumer is gone: results() says how
             consumers.results()
             for t in threads:
                 t.join(CONSUMER_TIMEOUT_S)
