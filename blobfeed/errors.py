@@ -90,21 +90,34 @@ class ServiceError(FetcherError):
     stopped, died or broke the protocol; the message names the service."""
 
 
-def release_frames(err: BaseException) -> BaseException:
+def release_frames(err: BaseException, keep: BaseException | None = None) -> BaseException:
     """``err``, with the local variables of its traceback's finished frames
-    cleared, and those of the exceptions it was raised from (its cause and
-    context, in turn).
+    cleared, and those of the exceptions it was raised from (its causes and
+    contexts, all of them).
 
     For an error blobfeed hands to a caller who may keep it (a source's
     failure, a service's error): the frames of its traceback would keep
     alive whatever they held (a Ray stream, an object reference, a batch)
     for as long as the error lives.  The tracebacks still print; frames
     still running are left as they are.
+
+    ``keep``: the exception the caller was handling when it called in
+    (``sys.exc_info()[1]`` on the way in): it and what it chains are the
+    caller's, and are not touched (clearing a suspended generator's frame
+    would close the generator).
     """
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        e = e.__cause__ or e.__context__
+    done: set[int] = set()
+    todo: list[BaseException | None] = [keep]
+    while todo:  # the caller's, first: marked done, never cleared
+        e = todo.pop()
+        if e is not None and id(e) not in done:
+            done.add(id(e))
+            todo += [e.__cause__, e.__context__]
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is not None and id(e) not in done:
+            done.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            todo += [e.__cause__, e.__context__]
     return err

@@ -469,3 +469,51 @@ def test_release_frames_lets_go_of_what_a_kept_error_s_frames_held() -> None:
     assert ref() is None
     text = "".join(traceback.format_exception(kept))
     assert "in outer" in text and "in inner" in text and "KeyError: 'inner'" in text
+
+
+def test_release_frames_leaves_the_callers_own_exception_alone() -> None:
+    """blobfeed raises its error while the caller handles an exception of
+    its own (the error's context): that exception's frames are the
+    caller's, left as they are (``keep``), and a generator suspended in
+    them is not closed."""
+    import weakref
+
+    from blobfeed.errors import release_frames
+
+    class Held:
+        pass
+
+    refs: list[weakref.ref[Held]] = []
+
+    def user() -> None:
+        precious = Held()
+        refs.append(weakref.ref(precious))
+        raise KeyError("the caller's")
+
+    def fetches() -> Any:
+        for i in range(4):
+            try:
+                if i == 1:
+                    raise ValueError("a bad record")
+            except ValueError as e:
+                yield e  # handed out, the generator goes on
+                continue
+            yield i
+
+    got, kept = [], []
+    gen = fetches()
+    for x in gen:
+        try:
+            if isinstance(x, Exception):
+                raise x
+            if x == 2:
+                user()
+            got.append(x)
+        except (KeyError, ValueError) as outer:
+            try:
+                raise blobfeed.ServiceError("blobfeed's")  # its context: the caller's exception
+            except blobfeed.ServiceError as err:
+                kept.append(release_frames(err, keep=outer))
+    assert got == [0, 3], got  # the generator ran on after the error it handed out
+    assert refs[0]() is not None  # the caller's frame keeps its variables
+    assert all(isinstance(e.__context__, (KeyError, ValueError)) for e in kept)

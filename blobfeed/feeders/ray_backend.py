@@ -572,9 +572,12 @@ class _Worker:
             # source fails now, rather than its consumer waiting for a timeout
             # behind a dead receiver.  The actor is killed below.
             logger.exception("source %r, worker %d: the receiver failed", self.group.source, self.plan.worker_id)
-            # The caller keeps the error; its traceback's frames (this
-            # thread's, the stream's generator in them) must not keep the
-            # stream's objects alive with it.
+            # The caller keeps the error; its traceback's frames (the
+            # stream's generator in them) must not keep the stream's objects
+            # alive with it, nor this running frame this worker (so it goes
+            # from the traceback: it starts at the frame that failed).
+            if exc.__traceback__ is not None:
+                exc.__traceback__ = exc.__traceback__.tb_next
             release_frames(exc)
             failure = FetcherError(
                 f"source {self.group.source!r}, worker {self.plan.worker_id}: blobfeed cannot take "

@@ -47,6 +47,7 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -604,13 +605,14 @@ class RayService:
         ``ObjectRef``), waited for in bounded steps.  ``raised``: an
         exception the method raised is raised as Ray raises it (an instance
         of its class too); else every Ray error is a ServiceError."""
+        outer = sys.exc_info()[1]  # the caller's: its frames stay as they are
         try:
             return self._wait_for(call(), timeout, raised)
         except BaseException as err:
             # The caller keeps the error; the frames of its traceback, and of
             # Ray's error it was raised from, must not keep the call's object
             # alive with it (made in call(), the reference lives only there)
-            release_frames(err)
+            release_frames(err, keep=outer)
             raise
 
     def _wait_for(self, ref: Any, timeout: float, raised: bool) -> Any:
