@@ -1606,3 +1606,12 @@ def test_a_worker_area_is_not_shared_where_new_writable_mappings_cannot_be_seale
     finally:
         area.mm.close()
         os.close(fd)
+
+
+def test_an_unknown_start_method_is_refused_not_taken_for_forkserver() -> None:
+    from blobfeed.feeders.starting import process_context
+
+    assert process_context("spawn").get_start_method() == "spawn"
+    assert process_context("forkserver").get_start_method() == "forkserver"
+    with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
+        process_context("fork")

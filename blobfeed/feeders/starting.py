@@ -114,7 +114,9 @@ def process_context(start_method: str) -> ForkServerContext | SpawnContext:
     ``str`` is typed a ``BaseContext``, which has no ``Process``."""
     if start_method == "spawn":
         return multiprocessing.get_context("spawn")
-    return multiprocessing.get_context("forkserver")
+    if start_method == "forkserver":
+        return multiprocessing.get_context("forkserver")
+    raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
 
 
 def preload_forkserver(ctx: Any) -> None:
