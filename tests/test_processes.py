@@ -1615,3 +1615,61 @@ def test_an_unknown_start_method_is_refused_not_taken_for_forkserver() -> None:
     assert process_context("forkserver").get_start_method() == "forkserver"
     with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
         process_context("fork")
+
+
+def test_a_worker_s_exit_status_is_read_once_whoever_else_polls_the_process(
+    gc: blobfeed.GlobalCoordinator, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """multiprocessing polls every child it knows itself: in
+    ``active_children()`` and in every ``Process.start()`` (another
+    source's worker starting).  A forkserver child's exit status can be
+    read once: the poller that lost the race read EOF and multiprocessing
+    made it 255, so a worker that had finished was reported dead ("exited
+    with code 255": CI, tests/contract/test_det_resume.py).  The read is
+    slowed here, and polled from this thread while the workers end."""
+    from multiprocessing import forkserver
+
+    read = forkserver.read_signed
+
+    def slow_read(fd: int) -> int:
+        time.sleep(0.05)  # the window in which another poller may read too
+        return read(fd)
+
+    monkeypatch.setattr(forkserver, "read_signed", slow_read)
+    from blobfeed.feeders import processes
+
+    codes: list[int] = []
+    real_poll = processes._Worker.poll
+
+    def poll(self: Any) -> int | None:
+        code = real_poll(self)
+        if code is not None:
+            codes.append(code)
+        return code
+
+    monkeypatch.setattr(processes._Worker, "poll", poll)
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], Plan([[4] * 3] * 4), 4, num_worker_threads=4,
+                            backend=ProcessBackend(start_method="forkserver"), coordinator=gc)
+    done = threading.Event()
+
+    def poll_children() -> None:
+        while not done.is_set():
+            multiprocessing.active_children()
+
+    poller = threading.Thread(target=poll_children, daemon=True)
+    gc.start()
+    poller.start()
+    try:
+        n = 0
+        while True:
+            try:
+                n += len(net.run(timeout=WAIT)["ids"])
+            except EndOfInput:
+                break
+        assert n == 4 * 3 * 4
+        assert gc.stop(timeout=WAIT)
+        assert codes and set(codes) == {0}, codes  # every worker returned; none read as 255
+    finally:
+        done.set()
+        poller.join(WAIT)

@@ -45,9 +45,8 @@ from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPl
 from .child import child_main
 from .chunks import GrantPin
 from .read_units import HOLDERS, UNIT_RECORD, ReadUnit
-from .starting import (
-    MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd, preload_forkserver, process_context,
-)
+from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
+from .starting import preload_forkserver, process_context, serialize_polls
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
 from .rebatch import BufferPool
 from .slot_ring import SlotRing as _SlotRing
@@ -152,10 +151,10 @@ class _Worker:
         self._death_reported = False
         #: set once its death was reported (and it was replaced, or not)
         self.death_handled = threading.Event()
-        # multiprocessing.Process is not thread-safe: two threads polling
-        # one forkserver child race to read its exit status (the loser sees
-        # EOF and makes it 255).  Every poll, kill and close goes through here.
-        self._proc_lock = threading.Lock()
+        # two threads polling one forkserver child race to read its exit
+        # status (the loser sees EOF and makes it 255): every poll, kill and
+        # close takes this, multiprocessing's own polls too (serialize_polls)
+        self._proc_lock = threading.RLock()
         self._proc_closed = False
         #: the exit code once known (negative: the signal that killed it)
         self.exitcode: int | None = None
@@ -186,6 +185,7 @@ class _Worker:
             self.area.set_hint(group.plan.batch_size_hint())
             self.area.set_whole(self._whole())
             self.process.start()
+            serialize_polls(self.process, self._proc_lock)
         except BaseException:
             self.ring.close()
             os.close(out_r)

@@ -16,7 +16,7 @@ from .backends import FetchFun, WorkerInitFun
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
 
-__all__ = ["MAIN_REENTRY_EXIT", "preload_forkserver", "process_context"]
+__all__ = ["MAIN_REENTRY_EXIT", "preload_forkserver", "process_context", "serialize_polls"]
 
 logger = logging.getLogger("blobfeed.feeders.processes")
 
@@ -117,6 +117,30 @@ def process_context(start_method: str) -> ForkServerContext | SpawnContext:
     if start_method == "forkserver":
         return multiprocessing.get_context("forkserver")
     raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+
+
+def serialize_polls(process: Any, lock: Any) -> None:
+    """Make every poll of started ``process`` take ``lock`` (a re-entrant
+    lock its owner also polls it under).
+
+    multiprocessing polls the children it knows by itself, in
+    ``active_children()`` and in every ``Process.start()`` (another worker
+    starting, in any thread).  A forkserver child's exit status is read
+    once from the forkserver's pipe: of two polls at once, the loser reads
+    EOF and multiprocessing makes it 255, so a worker that returned was
+    reported dead with "code 255" (spawn children: the loser's waitpid
+    fails and it says "running").
+    """
+    popen: Any = getattr(process, "_popen", None)
+    poll = getattr(popen, "poll", None)
+    if poll is None:  # another CPython: left as it is
+        return
+
+    def locked_poll(*args: Any) -> Any:
+        with lock:
+            return poll(*args)
+
+    popen.poll = locked_poll
 
 
 def preload_forkserver(ctx: Any) -> None:
