@@ -669,7 +669,7 @@ def test_batch_columns_and_drop_last() -> None:
 # ---------------------------------------------------------------------------------------------
 # 7. Any stop, any layout before and after (hypothesis, bounded)
 # ---------------------------------------------------------------------------------------------
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
@@ -1299,8 +1299,15 @@ class EveryHalfSecond(threading.Thread):
                 self.killed.append(pid)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Each example is a run of about 3 s plus its replacements (2-6 s a run).
+# The two explicit ones are the distinct cases, each value of each argument
+# once: a single worker (every kill leaves no lane: nothing flows until it is
+# replaced) with two nets, and four workers (a kill while the other lanes
+# flow and are full) with one net.  Four were drawn at random (18-23 s).
+@settings(phases=[Phase.explicit], deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workers=st.integers(1, 4), nets=st.integers(1, 2), seed=st.integers(0, 2**16))
+@example(workers=1, nets=2, seed=11)
+@example(workers=4, nets=1, seed=29)
 def test_a_worker_process_sigkilled_every_half_second_loses_and_repeats_nothing(
     workers: int, nets: int, seed: int
 ) -> None:
