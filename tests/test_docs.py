@@ -504,7 +504,10 @@ def test_no_test_reason_cites_a_line_number() -> None:
     cited = re.compile(r"\b[\w/]+\.py:\d+")
     bad = []
     for path in sorted((REPO / "tests").rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        if not re.search(r"\breason\s*=", text):
+            continue  # no keyword argument named reason: nothing to parse (most files)
+        tree = ast.parse(text)
         for node in ast.walk(tree):
             if isinstance(node, ast.keyword) and node.arg == "reason":
                 try:
