@@ -933,14 +933,14 @@ def test_a_measurement_child_runs_from_the_folder_that_holds_the_clone(
 
 @pytest.mark.timeout(300)
 def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
-    """S1, S2, S8 and attach for real, at 0.5 s a measurement: consumer
+    """S1, S2, S8 and attach for real, at 0.3 s a measurement: consumer
     processes, a service, four pipelines each; what they report (the rows,
     the per-batch costs read from /proc), not their speed.  Ray Data's peer
     is left out (this test reads none of its rows; starting Ray twice was
     a third of the test's time): the bench run as if ``ray[data]`` were
     not installed, as on a machine without it."""
     proc = subprocess.run(
-        [*_bench_without("ray.data"), "--workloads", "S1,S2,S8,attach", "--seconds", "0.5",
+        [*_bench_without("ray.data"), "--workloads", "S1,S2,S8,attach", "--seconds", "0.3",
          "--repeats", "1"],
         capture_output=True, text=True, timeout=280, cwd=ROOT,
     )
