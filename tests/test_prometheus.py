@@ -27,7 +27,10 @@ import pytest
 import blobfeed
 from blobfeed.metrics import start_http_server
 
-pytestmark = pytest.mark.prometheus
+#: one test process takes both tests (``--dist loadgroup``): the module's
+#: server (most of its 5-6 s is Prometheus's target discovery, which hands
+#: a new target on after 5 s) is then started once, not once in each process
+pytestmark = [pytest.mark.prometheus, pytest.mark.xdist_group("prometheus")]
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana_dashboard.json"
 #: Upper bound for Prometheus to start, scrape and answer (it takes a few seconds).
