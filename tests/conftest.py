@@ -1,8 +1,9 @@
 """Shared fixtures: an isolated coordinator per test, a thread-leak check,
-and one local Ray cluster for every Ray test of the session."""
+and one local Ray cluster for every Ray test, in one test process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -62,7 +63,7 @@ def gc() -> Iterator[blobfeed.GlobalCoordinator]:
 
 
 
-#: the session's Ray cluster (``ray.cluster_utils.Cluster``): a head with no
+#: the Ray cluster (``ray.cluster_utils.Cluster``): a head with no
 #: CPUs, so every actor runs on a worker node, and two worker nodes of 2 CPUs.
 #: The first carries the resource ``spot`` (tests/test_ray.py places actors
 #: by it and adds a second such node) and ``a``, the second ``b``
@@ -86,19 +87,26 @@ def _uses_ray(item: pytest.Item) -> bool:
     return callspec is not None and callspec.params.get("backend_name") == "ray"
 
 
+#: the xdist group of every Ray test (``--dist loadgroup``): one test process runs them all
+RAY_GROUP = "ray"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The Ray tests run last in each test process, in their order: its
-    cluster is started once, at the first of them, and no other test of the
-    process runs while it is up (its processes, threads and sockets would be
-    in the way of the leak checks).  They are not one xdist group: run in
-    one process, on one cluster, they took most of the suite's time in that
+    """The Ray tests run first, in their order, as one xdist group: one test
+    process takes them all, on one cluster, started at the first of them and
+    shut down after the last (:func:`pytest_runtest_teardown`), before any
+    other test of that process runs (the cluster's processes, threads and
+    sockets would be in the way of the leak checks); the other process runs
+    the other tests meanwhile, and both share what is left after.  Each
+    process started a cluster of its own before (10-27 s each), and ran its
+    Ray tests last, beside the other process's cluster.  As the last group
+    of the order the Ray tests took most of the suite's time in their
     process while the other one had finished (CI: 353 s against 318 s split
-    over both), and a Ray test of the contract then timed out waiting for
-    its first batch on the cluster that had run every other Ray test
-    (tests/contract/test_stop_and_accounts.py, ray-det-shuffle); split, each
-    process starts a cluster of its own."""
+    over both): first, nothing waits for them."""
     ray_tests = [i for i in items if _uses_ray(i)]
-    items[:] = [i for i in items if not _uses_ray(i)] + ray_tests
+    for item in ray_tests:
+        item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+    items[:] = ray_tests + [i for i in items if not _uses_ray(i)]
 
 
 class _XdistGroupIds:
@@ -134,38 +142,92 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_XdistGroupIds(config), "blobfeed-xdist-group-ids")
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Any]:
-    """The one local Ray cluster (see :data:`RAY_NODES`), this process
-    connected to it, what Ray starts lazily (worker processes, their
-    imports) paid here, once, with a generous bound, not inside a test's
-    waits.  Shut down at the end of the session.  In CI (``CI=true``) a
-    missing ``ray`` is a failure, not a skip."""
-    if os.environ.get("CI") == "true":
-        import ray  # CI installs the extra: its absence is a failure
-    else:
-        ray = pytest.importorskip("ray")
-    from .helpers import local_ray_cluster
+class _RayCluster:
+    """The test process's one local Ray cluster (see :data:`RAY_NODES`),
+    this process connected to it, what Ray starts lazily (worker processes,
+    their imports) paid at its start, once, with a generous bound, not
+    inside a test's waits.  Started for the first test that asks for it;
+    shut down after the last Ray test of the process
+    (:func:`pytest_runtest_teardown`), or at the end of the session."""
 
-    with local_ray_cluster(list(RAY_NODES), namespace=RAY_NAMESPACE) as cluster:
+    def __init__(self) -> None:
+        self.cluster: Any = None
+        self._stack: contextlib.ExitStack | None = None
+        self._failed: BaseException | None = None
 
-        @ray.remote(num_cpus=0.25)
-        class Warm:
-            def ready(self) -> int:
-                import tests.contract.fetchers  # noqa: F401  (what the actors import: blobfeed with it)
+    def get(self) -> Any:
+        if self._failed is not None:  # as a session fixture's error: once, then the same for each test
+            raise RuntimeError("the Ray cluster failed to start (at an earlier test)") from self._failed
+        if self.cluster is None:
+            try:
+                self._start()
+            except BaseException as exc:
+                self._failed = exc
+                raise
+        return self.cluster
+
+    def _start(self) -> None:
+        import ray
+
+        from .helpers import local_ray_cluster
+
+        stack = contextlib.ExitStack()
+        try:
+            cluster = stack.enter_context(local_ray_cluster(list(RAY_NODES), namespace=RAY_NAMESPACE))
+
+            @ray.remote(num_cpus=0.25)
+            class Warm:
+                def ready(self) -> int:
+                    import tests.contract.fetchers  # noqa: F401  (what the actors import: blobfeed with it)
+
+                    return os.getpid()
+
+            @ray.remote(num_cpus=0.25)
+            def warm_task() -> int:
+                import blobfeed  # noqa: F401  (what every consumer task imports)
 
                 return os.getpid()
 
-        @ray.remote(num_cpus=0.25)
-        def warm_task() -> int:
-            import blobfeed  # noqa: F401  (what every consumer task imports)
+            # actors and tasks (whose worker processes Ray keeps for the next tasks), two of each on each node
+            warm = [Warm.options(resources={node: 0.01}).remote() for node in "abab"]
+            ray.get([w.ready.remote() for w in warm] + [warm_task.options(resources={node: 0.01}).remote()
+                                                        for node in "abab"], timeout=RAY_START_S)
+            for w in warm:
+                ray.kill(w)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack, self.cluster = stack, cluster
 
-            return os.getpid()
+    def close(self) -> None:
+        stack, self._stack, self.cluster = self._stack, None, None
+        if stack is not None:
+            stack.close()
 
-        # actors and tasks (whose worker processes Ray keeps for the next tasks), two of each on each node
-        warm = [Warm.options(resources={node: 0.01}).remote() for node in "abab"]
-        ray.get([w.ready.remote() for w in warm] + [warm_task.options(resources={node: 0.01}).remote()
-                                                    for node in "abab"], timeout=RAY_START_S)
-        for w in warm:
-            ray.kill(w)
-        yield cluster
+
+_RAY = _RayCluster()
+
+
+@pytest.fixture
+def ray_cluster() -> Any:
+    """The process's one local Ray cluster (:class:`_RayCluster`), up from
+    the first Ray test to the last.  In CI (``CI=true``) a missing ``ray``
+    is a failure, not a skip."""
+    if os.environ.get("CI") == "true":
+        import ray  # noqa: F401  (CI installs the extra: its absence is a failure)
+    else:
+        pytest.importorskip("ray")
+    return _RAY.get()
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last Ray test of this process (the next test, if any, is
+    not one; its own fixtures torn down), the cluster is shut down."""
+    yield
+    if _RAY.cluster is not None and (nextitem is None or not _uses_ray(nextitem)):
+        _RAY.close()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _RAY.close()

@@ -1,6 +1,6 @@
 """Fixtures of the contract suite: the backend a test runs on.  The Ray
-cases run on the session's one local Ray cluster (``ray_cluster`` in
-tests/conftest.py), after every other test."""
+cases run on the one local Ray cluster (``ray_cluster`` in
+tests/conftest.py), with every other Ray test, in one test process, first."""
 
 from __future__ import annotations
 
