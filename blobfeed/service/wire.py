@@ -133,15 +133,17 @@ class Channel:
             raise WireError(f"record of {len(data)} bytes to {self.peer} is over {MAX_RECORD}")
         self.sock.sendall(data)
 
-    def recv(self) -> tuple[dict[str, Any], list[int]] | None:
+    def recv(self, flags: int = 0) -> tuple[dict[str, Any], list[int]] | None:
         """The next record and the descriptors that came with it; None at EOF.
+        ``flags``: ``socket.MSG_DONTWAIT`` raises ``BlockingIOError`` rather
+        than wait when no record is there.
 
         Raises:
             WireError: a record that is too long, not JSON, or not an object
                 with a string ``t`` (descriptors that came with it are closed).
             OSError: the socket failed.
         """
-        data, ancdata, flags, _ = self.sock.recvmsg(MAX_RECORD + 1, _ANCILLARY)
+        data, ancdata, flags, _ = self.sock.recvmsg(MAX_RECORD + 1, _ANCILLARY, flags)
         fds = _fds_of(ancdata) if ancdata else []
         if not data and not fds:
             return None
