@@ -141,14 +141,15 @@ class Connection:
             # the sender waits for slots), so a consumer that acknowledges
             # every batch wakes it a few hundred times a second, not once a
             # batch.  Over TCP a frame may come in pieces: one record a read.
-            burst = self.carrier is UNIX
+            burst = isinstance(self.channel, Channel)
+            channel = self.channel
             wait = 0  # recv's flags: block for the first record of a burst
             # Until the consumer's end or its bye, even once the service closed
             # the connection (a stop): what it sent before is still read, so
             # an acknowledgement on its way counts before the state is saved.
             while True:
                 try:
-                    got = self.channel.recv(wait) if wait else self.channel.recv()
+                    got = channel.recv(wait) if wait and isinstance(channel, Channel) else channel.recv()
                 except BlockingIOError:
                     self._take_merged()
                     if not self._starved and not self.closed.is_set():
