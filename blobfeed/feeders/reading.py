@@ -573,6 +573,37 @@ class Inlet:
         self._numbers.append(number)
         return self._queue.put(batch)
 
+    def put_many(self, batches: list[tuple[Sequence[Any], int, int]]) -> bool:
+        """:meth:`put` of each ``(arrays, n, number)`` in order, with one
+        wake-up of the reader for them all.  False once the inlet is stopped
+        or failed (what went in before stays)."""
+        feed = self._feed
+        if self._source.halted:
+            return False
+        t0 = time.perf_counter()
+        writable = feed.rebatcher.writable
+        place = feed._place
+        out = []
+        samples = 0
+        for arrays, n, number in batches:
+            if writable:
+                arrays = tuple([_writable_copy(a) for a in arrays])
+            else:
+                for a in arrays:
+                    if a.flags.writeable:
+                        arrays = _read_only(tuple([a.view() for a in arrays]))
+                        break
+                else:
+                    arrays = tuple(arrays)
+            out.append(Batch(place(arrays), n))
+            samples += n
+        stats = feed.stats
+        stats.enqueue.observe(time.perf_counter() - t0)
+        stats.batches += len(out)
+        stats.samples += samples
+        self._numbers.extend([number for _, _, number in batches])
+        return self._queue.put_many(out)
+
     def end_epoch(self, epoch: int, dropped: int, number: int) -> bool:
         """Queue the end of ``epoch`` (``dropped`` batches of it were
         dropped upstream), numbered ``number``.  False once stopped."""

@@ -256,11 +256,14 @@ class Attachment(Attached):
             if kind in ("batches", "batch") and mapping is None:
                 raise WireError(f"{self._service} sent a batch before it offered slots")
             if kind == "batches":
+                views = mapping.views  # type: ignore[union-attr]
+                batches = []
                 for entry in batch_items(record, self._service):
                     g, slot, n, meta = entry[:4]
-                    arrays = mapping.views(slot, n, meta, self._service, *entry[4:])  # type: ignore[union-attr]
-                    if not inlet.put(arrays, n, g):
-                        return
+                    batches.append((views(slot, n, meta, self._service, *entry[4:]), n, g))
+                if not inlet.put_many(batches):
+                    return
+                del batches  # (its views must die with the net's hold of them: their slots are freed then)
             elif kind == "batch":
                 n = record["n"]
                 arrays = mapping.views(record["slot"], n, record["arrays"], self._service)  # type: ignore[union-attr]
