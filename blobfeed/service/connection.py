@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -32,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..reader import REGIONS, EpochEnd, SharedRegion
+from .ackstream import AckStream
 from .arena import consumer_pidfd
 from .admission import Refused, admit
 from .ledger import Ledger
@@ -125,6 +127,8 @@ class Connection:
         self._nudge = threading.Event()
         #: the acknowledgements of the burst being read, as one (see _merge_ack)
         self._merged: list[Any] | None = None
+        #: where the consumer writes its acknowledgements, if it gave one (Unix socket, protocol 7)
+        self._acks: AckStream | None = None
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -135,6 +139,9 @@ class Connection:
                     return
             finally:
                 self.on_handshake_done()
+            if self._acks is not None:
+                self._receive_bursts(self._acks)
+                return
             resets = 0
             # On the Unix socket, records are read in bursts: once none is
             # left, the receiver naps ACK_NAP_S before it looks again (unless
@@ -207,6 +214,62 @@ class Connection:
                 logger.exception("service: %s failed", self.peer)
             self._leave()
 
+    def _receive_bursts(self, acks: AckStream) -> None:
+        """:meth:`serve`'s loop for a consumer with an acknowledgement stream:
+        whatever is there on either socket, the stream first (what the
+        consumer acknowledged before it sent a record came before it);
+        then, unless the sender waits for slots, a nap of ACK_NAP_S."""
+        channel = self.channel
+        assert isinstance(channel, Channel)
+        poller = select.poll()
+        poller.register(channel.sock, select.POLLIN)
+        poller.register(acks.fileno(), select.POLLIN)
+        resets = 0
+        while True:
+            poller.poll()
+            self._take_acks(acks, poller)
+            while True:
+                try:
+                    got = channel.recv(socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except ConnectionResetError:
+                    # see serve(): read on past one reset
+                    resets += 1
+                    if resets > 1:
+                        raise
+                    continue
+                if got is None:
+                    self._take_acks(acks, poller)  # what it sent before it went
+                    return
+                record, fds = got
+                for fd in fds:
+                    os.close(fd)  # a consumer never sends descriptors
+                if fds:
+                    raise WireError(f"{self.peer} sent descriptors")
+                record = check(record, ("state", "bye"), self.peer)
+                self._take_acks(acks, poller)
+                if self._handle(record):
+                    return
+            if not self._starved and not self.closed.is_set():
+                self._nudge.wait(ACK_NAP_S)
+                self._nudge.clear()
+
+    def _take_acks(self, acks: AckStream, poller: Any) -> None:
+        """Count what arrived on the acknowledgement stream (see :meth:`_merge_ack`)."""
+        if not acks.open:
+            return
+        records, error = acks.read()
+        for record in records:
+            merged = self._merge_ack(record)
+            if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
+                self._take_merged()
+        self._take_merged()
+        if not acks.open:
+            poller.unregister(acks.fileno())
+        if error is not None:
+            raise error
+
     def _handshake(self) -> bool:
         try:
             got = self.channel.recv_within(HANDSHAKE_S)  # the whole hello, however it trickles in
@@ -217,16 +280,32 @@ class Connection:
         if got is None:
             return False
         record, fds = got
-        for fd in fds:
-            os.close(fd)
-        hello = check(record, ("hello",), self.peer)
+        try:
+            hello = check(record, ("hello",), self.peer)
+        except WireError:
+            for fd in fds:
+                os.close(fd)
+            raise
         self.channel.sock.settimeout(None)
         try:
-            source, outlet = admit(hello, self._sources, self)
-        except Refused as err:
+            # checked before the admission, which claims an outlet
+            if len(fds) > 1:
+                for fd in fds:
+                    os.close(fd)
+                raise WireError(f"{self.peer} sent {len(fds)} descriptors with its hello (at most 1: the stream "
+                                "of its acknowledgements)")
+            acks = AckStream.adopt(fds[0], self.peer) if fds else None
+            try:
+                source, outlet = admit(hello, self._sources, self)
+            except Refused:
+                if acks is not None:
+                    acks.close()
+                raise
+        except (Refused, WireError) as err:
             logger.warning("service: %s refused: %s", self.peer, str(err))
             self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
             return False
+        self._acks = acks
         self.source, self.outlet = source, outlet
         self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
         self.peer = f"consumer {self.label} of source {source.name!r} (pid {hello['pid']})"
@@ -598,6 +677,8 @@ class Connection:
     def close(self) -> None:
         self.closed.set()
         self._nudge.set()
+        if self._acks is not None:
+            self._acks.shut()  # the consumer's next acknowledgement fails: run() returns no batch uncounted
         try:
             self.channel.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -641,6 +722,8 @@ class Connection:
             os.close(pidfd)
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
+        if self._acks is not None:
+            self._acks.close()
         self.channel.close()
 
 

@@ -32,7 +32,9 @@ __all__ = [
     "wire_align",
 ]
 
-#: the version a consumer and a service must share (6: a batch may lie in
+#: the version a consumer and a service must share (7: on a Unix socket
+#: the ``hello`` may carry a stream socket on which the consumer writes its
+#: ``ack`` records, a JSON line each (see .ackstream); 6: a batch may lie in
 #: any of several shared regions (a worker process's slots, the source's
 #: arena), each handed over once in an ``arena`` record with its id and
 #: header, and let go of in a ``retire`` record; 5: the slots are
@@ -42,7 +44,7 @@ __all__ = [
 #: lie in the source's arena, handed over once in an ``arena`` record; 2:
 #: ``batches`` carry several batches, ``ack`` is cumulative and frees
 #: slots; 1 had one record per batch, per acknowledgement and per freed slot)
-PROTOCOL = 6
+PROTOCOL = 7
 #: the alignment of each array of a batch in a slot (shared memory) and in
 #: a TCP frame's payload: array i starts at the end of array i-1 rounded up
 #: to a multiple of this, the first at 0.  Part of protocol :data:`PROTOCOL`:
