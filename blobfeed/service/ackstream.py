@@ -24,15 +24,18 @@ one off the connection's socket.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from typing import Any
 
-from .wire import MAX_RECORD, WireError, check, decode_record
+from .wire import ACK_FORM, MAX_RECORD, WireError, check, decode_record, freed_slots
 
 __all__ = ["AckStream"]
 
 #: bytes read at once: a burst's acknowledgements (about 60 bytes each)
 READ_BYTES = 1 << 16
+#: one line of the form blobfeed's consumer writes (any other goes the general way)
+_LINE = re.compile(ACK_FORM.pattern + rb"\n")
 
 
 class AckStream:
@@ -73,9 +76,10 @@ class AckStream:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def read(self) -> tuple[list[dict[str, Any]], WireError | None]:
+    def read(self) -> tuple[list[tuple[int, list[int], float]], WireError | None]:
         """The ``ack`` records that arrived since the last read, in order,
-        each checked (without waiting; none if none), and the error that
+        each checked, as ``(g, slots, waited)`` (without waiting; none if
+        none), and the error that
         ends the stream if one came after them: a line over
         :data:`~.wire.MAX_RECORD` bytes, or one that is not a well-formed
         ``ack`` (those before it are returned: they count).  ``open`` is
@@ -103,15 +107,33 @@ class AckStream:
                 break  # read to its end for now: the next comes with the next wake-up
         if not chunks:
             return [], None
-        lines = b"".join(chunks).split(b"\n")
-        self._tail = lines.pop()
+        data = b"".join(chunks)
+        end = data.rfind(b"\n") + 1
+        self._tail = data[end:]
         peer = self.peer
-        out = []
+        out: list[tuple[int, list[int], float]] = []
+        match = _LINE.match
+        at = 0
         try:
-            for line in lines:
+            while at < end:
+                m = match(data, at)
+                if m is not None:
+                    # the form blobfeed's consumer writes: its fields are checked by the pattern
+                    g, slots, waited = m.groups()
+                    w = float(waited)
+                    if not w < 2**62:
+                        raise WireError(f"{peer} sent an 'ack' record whose 'waited' is not a number of seconds "
+                                        f"(finite, >= 0): {waited[:24]!r}")
+                    out.append((int(g), [int(x) for x in slots.split(b",")] if slots else [], w))
+                    at = m.end()
+                    continue
+                stop = data.index(b"\n", at)
+                line = data[at:stop]
+                at = stop + 1
                 if len(line) > MAX_RECORD:
                     raise WireError(f"{peer} sent an acknowledgement line of over {MAX_RECORD} bytes")
-                out.append(check(decode_record(line, peer), ("ack",), peer))
+                record = check(decode_record(line, peer), ("ack",), peer)
+                out.append((record["g"], freed_slots(record, peer), record["waited"]))
             if len(self._tail) > MAX_RECORD:
                 raise WireError(f"{peer} sent an acknowledgement line of over {MAX_RECORD} bytes")
             if self._tail and not self.open:

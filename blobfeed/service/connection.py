@@ -224,11 +224,14 @@ class Connection:
         poller = select.poll()
         poller.register(channel.sock, select.POLLIN)
         poller.register(acks.fileno(), select.POLLIN)
+        main = channel.sock.fileno()
         resets = 0
         while True:
-            poller.poll()
+            ready = poller.poll()
             self._take_acks(acks, poller)
-            while True:
+            # the socket only when it has something (a system call, and the
+            # interpreter lock handed over, saved per burst)
+            while any(fd == main for fd, _ in ready):
                 try:
                     got = channel.recv(socket.MSG_DONTWAIT)
                 except BlockingIOError:
@@ -259,9 +262,10 @@ class Connection:
         """Count what arrived on the acknowledgement stream (see :meth:`_merge_ack`)."""
         if not acks.open:
             return
-        records, error = acks.read()
-        for record in records:
-            merged = self._merge_ack(record)
+        got, error = acks.read()
+        merge = self._merge
+        for g, slots, waited in got:
+            merged = merge(g, slots, waited)
             if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
                 self._take_merged()
         self._take_merged()
@@ -364,13 +368,18 @@ class Connection:
 
     def _merge_ack(self, record: dict[str, Any]) -> list[Any]:
         """``record`` (an ``ack``) added to the burst's others not counted yet
-        (``_merged``): the last item acknowledged, every slot freed, the
+        (see :meth:`_merge`)."""
+        # fast_ack checked the slots already
+        return self._merge(record["g"], record["slots"] if type(record) is CheckedRecord
+                           else freed_slots(record, self.peer), record["waited"])
+
+    def _merge(self, g: int, slots: list[int], waited: float) -> list[Any]:
+        """An acknowledgement (of items up to ``g``, freeing ``slots``, the
+        consumer's wait ``waited``) added to the burst's others not counted
+        yet (``_merged``): the last item acknowledged, every slot freed, the
         last wait, how many.  Each is checked against the one before it as
         :meth:`_take_ack` would (what came before a lie still counts: the
         receiver takes it as it leaves)."""
-        g, waited = record["g"], record["waited"]
-        # fast_ack checked the slots already
-        slots = record["slots"] if type(record) is CheckedRecord else freed_slots(record, self.peer)
         merged = self._merged
         if merged is None:
             merged = self._merged = [g, list(slots), waited, 1]

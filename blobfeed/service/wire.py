@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = [
-    "ALIGN", "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
+    "ACK_FORM", "ALIGN", "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
     "check_slot_offer", "decode_record", "dtype_from_wire", "dtype_to_wire", "freed_slots", "seconds",
     "wire_align",
 ]
@@ -184,7 +184,7 @@ class CheckedRecord(dict[str, Any]):
 #: an ``ack`` exactly as blobfeed's consumer writes it (``consumer.Attachment._ack``):
 #: g of -1 or up to 18 digits, at most MAX_ITEMS slots of up to 9 digits each,
 #: the wait as Python's float repr (no sign, no NaN)
-_ACK = re.compile(
+ACK_FORM = re.compile(
     rb'\{"t":"ack","g":(-1|0|[1-9][0-9]{0,17}),'
     rb'"slots":\[((?:0|[1-9][0-9]{0,8})(?:,(?:0|[1-9][0-9]{0,8})){0,%d})?\],'
     rb'"waited":((?:0|[1-9][0-9]{0,17})(?:\.[0-9]{1,20})?(?:e[-+][0-9]{1,3})?)\}' % (MAX_ITEMS - 1)
@@ -201,7 +201,7 @@ def fast_ack(data: bytes) -> CheckedRecord | None:
     Raises:
         WireError: the form is right but the wait is out of range.
     """
-    m = _ACK.fullmatch(data)
+    m = ACK_FORM.fullmatch(data)
     if m is None:
         return None
     g, slots, waited = m.groups()
