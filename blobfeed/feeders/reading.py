@@ -192,11 +192,9 @@ class BatchReader:
             return self.read() if self.ready() else None
         cs = self.consume_stats
         t0 = time.perf_counter()
-        ok, item = self._device_queue.get_nowait()
-        if not ok:
-            item = self._assemble_here()
-            if item is None:
-                return None
+        item = self._assemble_here()  # (the device queue first, under the feed's lock)
+        if item is None:
+            return None
         # counted as read() counts a batch it did not wait for
         if cs.last_end:
             cs.busy += t0 - cs.last_end
@@ -255,6 +253,8 @@ class BatchReader:
         src.hub.count_dropped(src.name, feed._lost_reason, batch.n)
 
     def take_held(self) -> Batch | None:
+        if self._held is None:
+            return None  # (set only by the consumer's own thread: hold(), so no race with it here)
         with self._feed._lock:
             held, self._held = self._held, None
             return held

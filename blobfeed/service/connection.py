@@ -584,9 +584,9 @@ class Connection:
                     ledger.record(g, item, slot, meta)
                     if region_fd >= 0:
                         self._send_region(region, region_fd)
-                delivered[self.label] += sender.send_batch(
-                    g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes
-                )
+                sent = sender.send_batch(g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes)
+                if sent:  # (most batches wait for the record that takes several)
+                    delivered[self.label] += sent
             if isinstance(pending, Item):
                 self._unsent(pending)  # taken just before a stop: dealt again, not lost
             # batches written and not sent (the service stops, or the
