@@ -165,6 +165,42 @@ class BlobsQueue(Generic[T]):
         except RuntimeError as err:
             raise self._interrupted(err, self._not_full) from None
 
+    def put_many(self, items: list[T]) -> bool:
+        """:meth:`put` of each of ``items`` in order, waiting for room as
+        each needs it, with one wake-up of a reader for those that went in
+        together (not one each).  Returns False once the queue is closed
+        (what went in before stays)."""
+        not_full, queued, sizes = self._not_full, self._items, self._sizes
+        new = 0  # queued since readers were last woken
+        try:
+            with not_full:
+                try:
+                    for blobs in items:
+                        if len(queued) >= self._capacity and not self._closed:
+                            if new:
+                                self._wake_readers(new)  # they read what went in meanwhile
+                                new = 0
+                            not_full.wait_for(self._room_or_closed)
+                        if self._closed:
+                            return False
+                        queued.append(blobs)
+                        if sizes is not None:
+                            sizes.append(0)
+                        new += 1
+                    return True
+                finally:
+                    if new:
+                        self._wake_readers(new)
+        except RuntimeError as err:
+            raise self._interrupted(err, not_full) from None
+
+    def _wake_readers(self, n: int) -> None:
+        """(Under the lock.)  ``n`` items went in: wake as many readers."""
+        self._not_empty.notify(n)
+        if self._item_watchers:
+            for _ in range(min(n, self._item_watchers)):
+                self._wake_item_watchers()
+
     def put_sized(self, blobs: T, nbytes: int = 0) -> bool:
         """Queue ``blobs`` of ``nbytes`` bytes, waiting while the queue is full
         in items or would pass its byte bound (an empty queue takes any

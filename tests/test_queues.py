@@ -614,3 +614,36 @@ def test_an_item_wakes_every_watcher_while_one_waits_without_a_timeout() -> None
     for t in threads:
         t.join(timeout=10)
         assert not t.is_alive()
+
+
+def test_put_many_queues_in_order_waits_for_room_and_stops_at_a_close() -> None:
+    """put_many: each item in order, waiting for room as each needs it (a
+    reader drains meanwhile); False once the queue is closed, with what
+    went in before still there to read."""
+    import threading
+
+    q: BlobsQueue[int] = BlobsQueue(3)
+    got: list[int] = []
+
+    def read() -> None:
+        for _ in range(7):
+            got.append(q.get(10))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert q.put_many(list(range(7)))
+    reader.join(10)
+    assert not reader.is_alive() and got == list(range(7))
+    assert q.put_many([7, 8, 9])  # room for all three: no wait
+    full = threading.Event()
+
+    def close_when_blocked() -> None:
+        full.wait(10)
+        q.close()
+
+    closer = threading.Thread(target=close_when_blocked)
+    closer.start()
+    full.set()
+    assert q.put_many([10]) is False  # full: waits, then the close
+    closer.join(10)
+    assert [q.get(1) for _ in range(3)] == [7, 8, 9]

@@ -192,11 +192,9 @@ class BatchReader:
             return self.read() if self.ready() else None
         cs = self.consume_stats
         t0 = time.perf_counter()
-        ok, item = self._device_queue.get_nowait()
-        if not ok:
-            item = self._assemble_here()
-            if item is None:
-                return None
+        item = self._assemble_here()  # (the device queue first, under the feed's lock)
+        if item is None:
+            return None
         # counted as read() counts a batch it did not wait for
         if cs.last_end:
             cs.busy += t0 - cs.last_end
@@ -255,6 +253,8 @@ class BatchReader:
         src.hub.count_dropped(src.name, feed._lost_reason, batch.n)
 
     def take_held(self) -> Batch | None:
+        if self._held is None:
+            return None  # (set only by the consumer's own thread: hold(), so no race with it here)
         with self._feed._lock:
             held, self._held = self._held, None
             return held
@@ -572,6 +572,37 @@ class Inlet:
         stats.samples += n
         self._numbers.append(number)
         return self._queue.put(batch)
+
+    def put_many(self, batches: list[tuple[Sequence[Any], int, int]]) -> bool:
+        """:meth:`put` of each ``(arrays, n, number)`` in order, with one
+        wake-up of the reader for them all.  False once the inlet is stopped
+        or failed (what went in before stays)."""
+        feed = self._feed
+        if self._source.halted:
+            return False
+        t0 = time.perf_counter()
+        writable = feed.rebatcher.writable
+        place = feed._place
+        out = []
+        samples = 0
+        for arrays, n, number in batches:
+            if writable:
+                arrays = tuple([_writable_copy(a) for a in arrays])
+            else:
+                for a in arrays:
+                    if a.flags.writeable:
+                        arrays = _read_only(tuple([a.view() for a in arrays]))
+                        break
+                else:
+                    arrays = tuple(arrays)
+            out.append(Batch(place(arrays), n))
+            samples += n
+        stats = feed.stats
+        stats.enqueue.observe(time.perf_counter() - t0)
+        stats.batches += len(out)
+        stats.samples += samples
+        self._numbers.extend([number for _, _, number in batches])
+        return self._queue.put_many(out)
 
     def end_epoch(self, epoch: int, dropped: int, number: int) -> bool:
         """Queue the end of ``epoch`` (``dropped`` batches of it were

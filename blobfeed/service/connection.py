@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -32,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..reader import REGIONS, EpochEnd, SharedRegion
+from .ackstream import AckStream
 from .arena import consumer_pidfd
 from .admission import Refused, admit
 from .ledger import Ledger
@@ -39,7 +41,7 @@ from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, Sha
 from .slots import MAX_REGIONS, SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
 from .transport import TCP, UNIX, BatchSender
-from .wire import Channel, CheckedRecord, WireError, check, freed_slots, wire_align
+from .wire import MAX_ITEMS, Channel, CheckedRecord, WireError, check, freed_slots, wire_align
 
 __all__ = ["Connection", "HANDSHAKE_S", "Refused"]
 
@@ -48,6 +50,11 @@ logger = logging.getLogger("blobfeed.service")
 #: seconds a peer has from its connection to the end of its hello (the
 #: whole hello, not each read: a hello that trickles in is dropped too)
 HANDSHAKE_S = 5.0
+
+#: seconds the receiver naps between bursts of a consumer's records (Unix
+#: socket): how late an acknowledgement may be counted while the sender has
+#: free slots for that consumer (it never waits for slots meanwhile)
+ACK_NAP_S = 0.002
 
 
 class Connection:
@@ -113,6 +120,15 @@ class Connection:
         self._regions_version = REGIONS.version
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
         self._run_waited = 0.0
+        #: the sender waits for the consumer to free slots: the receiver reads
+        #: each record as it comes rather than in bursts (see serve)
+        self._starved = False
+        #: ends the receiver's nap between bursts (the sender starves, or a close)
+        self._nudge = threading.Event()
+        #: the acknowledgements of the burst being read, as one (see _merge_ack)
+        self._merged: list[Any] | None = None
+        #: where the consumer writes its acknowledgements, if it gave one (Unix socket, protocol 7)
+        self._acks: AckStream | None = None
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -123,13 +139,31 @@ class Connection:
                     return
             finally:
                 self.on_handshake_done()
+            if self._acks is not None:
+                self._receive_bursts(self._acks)
+                return
             resets = 0
+            # On the Unix socket, records are read in bursts: once none is
+            # left, the receiver naps ACK_NAP_S before it looks again (unless
+            # the sender waits for slots), so a consumer that acknowledges
+            # every batch wakes it a few hundred times a second, not once a
+            # batch.  Over TCP a frame may come in pieces: one record a read.
+            burst = isinstance(self.channel, Channel)
+            channel = self.channel
+            wait = 0  # recv's flags: block for the first record of a burst
             # Until the consumer's end or its bye, even once the service closed
             # the connection (a stop): what it sent before is still read, so
             # an acknowledgement on its way counts before the state is saved.
             while True:
                 try:
-                    got = self.channel.recv()
+                    got = channel.recv(wait) if wait and isinstance(channel, Channel) else channel.recv()
+                except BlockingIOError:
+                    self._take_merged()
+                    if not self._starved and not self.closed.is_set():
+                        self._nudge.wait(ACK_NAP_S)
+                        self._nudge.clear()
+                    wait = 0
+                    continue
                 except ConnectionResetError:
                     # A consumer that died with records unread (batches sent
                     # to it) resets the socket, and Linux reports the reset
@@ -146,8 +180,20 @@ class Connection:
                     os.close(fd)  # a consumer never sends descriptors
                 if fds:
                     raise WireError(f"{self.peer} sent descriptors")
-                if self._handle(check(record, ("ack", "state", "bye"), self.peer)):
+                record = check(record, ("ack", "state", "bye"), self.peer)
+                if burst and record["t"] == "ack":
+                    # counted with the burst's others once it ends: one
+                    # settling, one free and one wake-up of the sender for all
+                    merged = self._merge_ack(record)
+                    if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
+                        self._take_merged()
+                    wait = socket.MSG_DONTWAIT
+                    continue
+                self._take_merged()
+                if self._handle(record):
                     return
+                if burst:
+                    wait = socket.MSG_DONTWAIT
         except WireError as err:
             # the text, not the error: a kept log record (a memory handler,
             # pytest's caplog) would keep its traceback's frames, and with them
@@ -159,7 +205,74 @@ class Connection:
         except Exception:
             logger.exception("service: %s failed", self.peer)
         finally:
+            try:
+                # what the consumer acknowledged before it broke the protocol, left or failed counts
+                self._take_merged()
+            except WireError as err:
+                logger.warning("service: %s; connection closed", str(err))
+            except Exception:
+                logger.exception("service: %s failed", self.peer)
             self._leave()
+
+    def _receive_bursts(self, acks: AckStream) -> None:
+        """:meth:`serve`'s loop for a consumer with an acknowledgement stream:
+        whatever is there on either socket, the stream first (what the
+        consumer acknowledged before it sent a record came before it);
+        then, unless the sender waits for slots, a nap of ACK_NAP_S."""
+        channel = self.channel
+        assert isinstance(channel, Channel)
+        poller = select.poll()
+        poller.register(channel.sock, select.POLLIN)
+        poller.register(acks.fileno(), select.POLLIN)
+        main = channel.sock.fileno()
+        resets = 0
+        while True:
+            ready = poller.poll()
+            self._take_acks(acks, poller)
+            # the socket only when it has something (a system call, and the
+            # interpreter lock handed over, saved per burst)
+            while any(fd == main for fd, _ in ready):
+                try:
+                    got = channel.recv(socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except ConnectionResetError:
+                    # see serve(): read on past one reset
+                    resets += 1
+                    if resets > 1:
+                        raise
+                    continue
+                if got is None:
+                    self._take_acks(acks, poller)  # what it sent before it went
+                    return
+                record, fds = got
+                for fd in fds:
+                    os.close(fd)  # a consumer never sends descriptors
+                if fds:
+                    raise WireError(f"{self.peer} sent descriptors")
+                record = check(record, ("state", "bye"), self.peer)
+                self._take_acks(acks, poller)
+                if self._handle(record):
+                    return
+            if not self._starved and not self.closed.is_set():
+                self._nudge.wait(ACK_NAP_S)
+                self._nudge.clear()
+
+    def _take_acks(self, acks: AckStream, poller: Any) -> None:
+        """Count what arrived on the acknowledgement stream (see :meth:`_merge_ack`)."""
+        if not acks.open:
+            return
+        got, error = acks.read()
+        merge = self._merge
+        for g, slots, waited in got:
+            merged = merge(g, slots, waited)
+            if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
+                self._take_merged()
+        self._take_merged()
+        if not acks.open:
+            poller.unregister(acks.fileno())
+        if error is not None:
+            raise error
 
     def _handshake(self) -> bool:
         try:
@@ -171,16 +284,32 @@ class Connection:
         if got is None:
             return False
         record, fds = got
-        for fd in fds:
-            os.close(fd)
-        hello = check(record, ("hello",), self.peer)
+        try:
+            hello = check(record, ("hello",), self.peer)
+        except WireError:
+            for fd in fds:
+                os.close(fd)
+            raise
         self.channel.sock.settimeout(None)
         try:
-            source, outlet = admit(hello, self._sources, self)
-        except Refused as err:
+            # checked before the admission, which claims an outlet
+            if len(fds) > 1:
+                for fd in fds:
+                    os.close(fd)
+                raise WireError(f"{self.peer} sent {len(fds)} descriptors with its hello (at most 1: the stream "
+                                "of its acknowledgements)")
+            acks = AckStream.adopt(fds[0], self.peer) if fds else None
+            try:
+                source, outlet = admit(hello, self._sources, self)
+            except Refused:
+                if acks is not None:
+                    acks.close()
+                raise
+        except (Refused, WireError) as err:
             logger.warning("service: %s refused: %s", self.peer, str(err))
             self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
             return False
+        self._acks = acks
         self.source, self.outlet = source, outlet
         self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
         self.peer = f"consumer {self.label} of source {source.name!r} (pid {hello['pid']})"
@@ -237,30 +366,71 @@ class Connection:
             area.close()  # close() came before there was an area to wake
         return area
 
+    def _merge_ack(self, record: dict[str, Any]) -> list[Any]:
+        """``record`` (an ``ack``) added to the burst's others not counted yet
+        (see :meth:`_merge`)."""
+        # fast_ack checked the slots already
+        return self._merge(record["g"], record["slots"] if type(record) is CheckedRecord
+                           else freed_slots(record, self.peer), record["waited"])
+
+    def _merge(self, g: int, slots: list[int], waited: float) -> list[Any]:
+        """An acknowledgement (of items up to ``g``, freeing ``slots``, the
+        consumer's wait ``waited``) added to the burst's others not counted
+        yet (``_merged``): the last item acknowledged, every slot freed, the
+        last wait, how many.  Each is checked against the one before it as
+        :meth:`_take_ack` would (what came before a lie still counts: the
+        receiver takes it as it leaves)."""
+        merged = self._merged
+        if merged is None:
+            merged = self._merged = [g, list(slots), waited, 1]
+            return merged
+        if g != -1 and g <= merged[0]:
+            raise WireError(f"{self.peer} acknowledged items up to {g} after it acknowledged up to {merged[0]}")
+        if waited < merged[2]:
+            raise WireError(f"{self.peer} said its run() has waited {waited!r} s in all, less than the "
+                            f"{merged[2]!r} s it said before")
+        if g != -1:
+            merged[0] = g
+        merged[2] = waited
+        merged[1] += slots
+        merged[3] += 1
+        return merged
+
+    def _take_merged(self) -> None:
+        """Count the burst's acknowledgements read so far (see :meth:`_merge_ack`)."""
+        merged, self._merged = self._merged, None
+        if merged is not None:
+            self._take_ack(merged[0], merged[1], merged[2])
+
+    def _take_ack(self, g: int, slots: list[int], waited: float) -> None:
+        """The consumer's run() returned every item up to ``g`` (-1: nothing
+        new), its views of ``slots`` died, its run() waited ``waited`` s in
+        all: the items settle, and the slots that may be written again go
+        back to the ring at once."""
+        self._consumer_waited(waited)
+        ledger = self.ledger
+        assert ledger is not None
+        back = ledger.ack(g)[1] if g != -1 else []
+        if slots:
+            if self.area is None:
+                raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
+            freed = ledger.free(slots)  # checks them first: a refused free lets go of nothing
+            lent = self._lent
+            if lent:
+                for slot in slots:
+                    lent.pop(slot, None)
+            back = back + freed if back else freed
+        if back:
+            assert self.area is not None
+            self.area.give_back(back, self.peer)
+
     def _handle(self, record: dict[str, Any]) -> bool:
         """Act on one of the consumer's records; True when it said bye."""
         kind = record["t"]
         if kind == "ack":
             # one per batch run() returns: the slots it frees go back to the ring at once
-            self._consumer_waited(record["waited"])
-            ledger = self.ledger
-            assert ledger is not None
-            g = record["g"]
-            back = ledger.ack(g)[1] if g != -1 else []
-            # fast_ack checked the slots already
-            slots = record["slots"] if type(record) is CheckedRecord else freed_slots(record, self.peer)
-            if slots:
-                if self.area is None:
-                    raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
-                freed = ledger.free(slots)  # checks them first: a refused free lets go of nothing
-                lent = self._lent
-                if lent:
-                    for slot in slots:
-                        lent.pop(slot, None)
-                back = back + freed if back else freed
-            if back:
-                assert self.area is not None
-                self.area.give_back(back, self.peer)
+            self._take_ack(record["g"], record["slots"] if type(record) is CheckedRecord
+                           else freed_slots(record, self.peer), record["waited"])
         elif kind == "state":
             try:
                 state = self._state(self.source.name if self.source is not None else None)
@@ -373,8 +543,13 @@ class Connection:
                     # (or POLL_S) and send those together, not a record and a
                     # wake-up on both sides per slot freed.
                     want = max(1, area.slots // 4) if 2 * ledger.outstanding() >= area.slots else 1
-                    while slot is None and not self.closed.is_set() and self._stopping is None:
-                        slot = area.take(POLL_S, want)
+                    self._starved = True
+                    self._nudge.set()
+                    try:
+                        while slot is None and not self.closed.is_set() and self._stopping is None:
+                            slot = area.take(POLL_S, want)
+                    finally:
+                        self._starved = False
                     if slot is None:
                         self._unsent(item)
                         return
@@ -409,9 +584,9 @@ class Connection:
                     ledger.record(g, item, slot, meta)
                     if region_fd >= 0:
                         self._send_region(region, region_fd)
-                delivered[self.label] += sender.send_batch(
-                    g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes
-                )
+                sent = sender.send_batch(g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes)
+                if sent:  # (most batches wait for the record that takes several)
+                    delivered[self.label] += sent
             if isinstance(pending, Item):
                 self._unsent(pending)  # taken just before a stop: dealt again, not lost
             # batches written and not sent (the service stops, or the
@@ -510,6 +685,9 @@ class Connection:
 
     def close(self) -> None:
         self.closed.set()
+        self._nudge.set()
+        if self._acks is not None:
+            self._acks.shut()  # the consumer's next acknowledgement fails: run() returns no batch uncounted
         try:
             self.channel.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -553,6 +731,8 @@ class Connection:
             os.close(pidfd)
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
+        if self._acks is not None:
+            self._acks.close()
         self.channel.close()
 
 

@@ -12,6 +12,7 @@ behave as with a local source.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import queue
@@ -86,18 +87,27 @@ class Attachment(Attached):
         self._kept: collections.deque[Any] = collections.deque()
         #: the thread that runs the net (it acknowledges), once known
         self._net_thread: int | None = None
+        #: where the acknowledgements go on a Unix socket: a stream of their
+        #: own, whose other end goes with the hello (see .ackstream)
+        self._acks: socket.socket | None = None
         try:
-            self._send({
+            hello = {
                 "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names,
                 "batch_size": batch_size, "index": index, "num": num, "pid": os.getpid(),
-            })
+            }
+            if self._encoded:
+                self._acks, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                with theirs:
+                    self._channel.send(hello, fds=[theirs.fileno()])
+            else:
+                self._send(hello)
             welcome = self._welcome(connect_timeout)
             self._channel.sock.settimeout(None)
         except WireError as err:
-            self._channel.close()
+            self._close_sockets()
             raise ServiceError(f"cannot attach to source {source_name!r}: {err}") from None
         except BaseException:
-            self._channel.close()
+            self._close_sockets()
             raise
         #: the slots, once the service offered them (a "slots" record, before the first batch)
         self._mapping: ConsumerMapping | StreamBuffers | None = None
@@ -121,6 +131,11 @@ class Attachment(Attached):
     def _send(self, record: dict[str, Any]) -> None:
         with self._send_lock:
             self._channel.send(record)
+
+    def _close_sockets(self) -> None:
+        self._channel.close()
+        if self._acks is not None:
+            self._acks.close()
 
     def _welcome(self, timeout: float) -> dict[str, Any]:
         try:
@@ -164,10 +179,10 @@ class Attachment(Attached):
                         f"{self._service} stopped: this batch is not handed out (a resumed service deals it again)"
                     )
                 # the wait read under the lock: the totals go out in the order they were read
-                if self._encoded:
+                if self._acks is not None:
                     listed = ",".join(map(str, slots))
-                    data = ('{"t":"ack","g":%d,"slots":[%s],"waited":%r}' % (g, listed, self._waited())).encode()
-                    self._channel.send_encoded(data)  # type: ignore[union-attr]
+                    self._acks.sendall(
+                        ('{"t":"ack","g":%d,"slots":[%s],"waited":%r}\n' % (g, listed, self._waited())).encode())
                 else:
                     self._channel.send({"t": "ack", "g": g, "slots": slots, "waited": self._waited()})
         except OSError as err:
@@ -202,7 +217,10 @@ class Attachment(Attached):
         (the net's thread and the outbox thread both send acks)."""
         with self._send_lock:
             record["waited"] = self._waited()
-            self._channel.send(record)
+            if record["t"] == "ack" and self._acks is not None:
+                self._acks.sendall(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            else:
+                self._channel.send(record)
 
     # -- threads -----------------------------------------------------------------------
     def _receive(self) -> None:
@@ -256,11 +274,14 @@ class Attachment(Attached):
             if kind in ("batches", "batch") and mapping is None:
                 raise WireError(f"{self._service} sent a batch before it offered slots")
             if kind == "batches":
+                views = mapping.views  # type: ignore[union-attr]
+                batches = []
                 for entry in batch_items(record, self._service):
                     g, slot, n, meta = entry[:4]
-                    arrays = mapping.views(slot, n, meta, self._service, *entry[4:])  # type: ignore[union-attr]
-                    if not inlet.put(arrays, n, g):
-                        return
+                    batches.append((views(slot, n, meta, self._service, *entry[4:]), n, g))
+                if not inlet.put_many(batches):
+                    return
+                del batches  # (its views must die with the net's hold of them: their slots are freed then)
             elif kind == "batch":
                 n = record["n"]
                 arrays = mapping.views(record["slot"], n, record["arrays"], self._service)  # type: ignore[union-attr]
@@ -440,7 +461,7 @@ class Attachment(Attached):
         except OSError:
             pass
         self.inlet.stop()
-        self._channel.close()
+        self._close_sockets()
         self._out.put(None)
         deadline = time.monotonic() + timeout
         for t in self._threads:

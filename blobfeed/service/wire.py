@@ -27,12 +27,14 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = [
-    "ALIGN", "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
+    "ACK_FORM", "ALIGN", "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
     "check_slot_offer", "decode_record", "dtype_from_wire", "dtype_to_wire", "freed_slots", "seconds",
     "wire_align",
 ]
 
-#: the version a consumer and a service must share (6: a batch may lie in
+#: the version a consumer and a service must share (7: on a Unix socket
+#: the ``hello`` may carry a stream socket on which the consumer writes its
+#: ``ack`` records, a JSON line each (see .ackstream); 6: a batch may lie in
 #: any of several shared regions (a worker process's slots, the source's
 #: arena), each handed over once in an ``arena`` record with its id and
 #: header, and let go of in a ``retire`` record; 5: the slots are
@@ -42,7 +44,7 @@ __all__ = [
 #: lie in the source's arena, handed over once in an ``arena`` record; 2:
 #: ``batches`` carry several batches, ``ack`` is cumulative and frees
 #: slots; 1 had one record per batch, per acknowledgement and per freed slot)
-PROTOCOL = 6
+PROTOCOL = 7
 #: the alignment of each array of a batch in a slot (shared memory) and in
 #: a TCP frame's payload: array i starts at the end of array i-1 rounded up
 #: to a multiple of this, the first at 0.  Part of protocol :data:`PROTOCOL`:
@@ -133,15 +135,17 @@ class Channel:
             raise WireError(f"record of {len(data)} bytes to {self.peer} is over {MAX_RECORD}")
         self.sock.sendall(data)
 
-    def recv(self) -> tuple[dict[str, Any], list[int]] | None:
+    def recv(self, flags: int = 0) -> tuple[dict[str, Any], list[int]] | None:
         """The next record and the descriptors that came with it; None at EOF.
+        ``flags``: ``socket.MSG_DONTWAIT`` raises ``BlockingIOError`` rather
+        than wait when no record is there.
 
         Raises:
             WireError: a record that is too long, not JSON, or not an object
                 with a string ``t`` (descriptors that came with it are closed).
             OSError: the socket failed.
         """
-        data, ancdata, flags, _ = self.sock.recvmsg(MAX_RECORD + 1, _ANCILLARY)
+        data, ancdata, flags, _ = self.sock.recvmsg(MAX_RECORD + 1, _ANCILLARY, flags)
         fds = _fds_of(ancdata) if ancdata else []
         if not data and not fds:
             return None
@@ -180,7 +184,7 @@ class CheckedRecord(dict[str, Any]):
 #: an ``ack`` exactly as blobfeed's consumer writes it (``consumer.Attachment._ack``):
 #: g of -1 or up to 18 digits, at most MAX_ITEMS slots of up to 9 digits each,
 #: the wait as Python's float repr (no sign, no NaN)
-_ACK = re.compile(
+ACK_FORM = re.compile(
     rb'\{"t":"ack","g":(-1|0|[1-9][0-9]{0,17}),'
     rb'"slots":\[((?:0|[1-9][0-9]{0,8})(?:,(?:0|[1-9][0-9]{0,8})){0,%d})?\],'
     rb'"waited":((?:0|[1-9][0-9]{0,17})(?:\.[0-9]{1,20})?(?:e[-+][0-9]{1,3})?)\}' % (MAX_ITEMS - 1)
@@ -197,7 +201,7 @@ def fast_ack(data: bytes) -> CheckedRecord | None:
     Raises:
         WireError: the form is right but the wait is out of range.
     """
-    m = _ACK.fullmatch(data)
+    m = ACK_FORM.fullmatch(data)
     if m is None:
         return None
     g, slots, waited = m.groups()

@@ -135,3 +135,89 @@ def test_a_consumer_with_every_slot_in_use_gets_its_freed_slots_refilled_togethe
         s.close()
     finally:
         server.stop()
+
+
+def _held_batches(server: FeedServer, count: int) -> tuple[Any, list[list[Any]]]:
+    """A hand-made consumer of index 0 and the first ``count`` batch entries it was sent."""
+    import os
+
+    from .test_service import _records, hand_hello
+
+    s, fds = hand_hello(server.address, index=0)
+    for fd in fds:
+        os.close(fd)
+    s.settimeout(10)
+    records = _records(s)
+    held: list[list[Any]] = []
+    while len(held) < count:
+        record = next(records)
+        if record["t"] == "batches":
+            held += record["items"]
+    return s, held
+
+
+def _ack(g: int, slots: list[int], waited: float = 0.0) -> bytes:
+    return b'{"t":"ack","g":%d,"slots":[%s],"waited":%r}' % (g, ",".join(map(str, slots)).encode(), waited)
+
+
+def test_acknowledgements_that_arrive_together_count_together_each_checked(caplog: Any) -> None:
+    """The service's receiver reads a consumer's records in bursts and counts
+    a burst's acknowledgements at once (one settling, one wake-up of the
+    sender): every one of them counts, with its wait and its freed slot,
+    and one that goes back behind the one before it still breaks the
+    protocol (the ones before it count)."""
+    import json
+    import logging
+
+    import pytest
+
+    from tests.helpers import wait_until
+
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    server = _serve(feeds.CALLS, slots=16, num_consumers=1)
+    try:
+        s, held = _held_batches(server, 16)
+        counts = server.sources["train"].counts
+        for g, slot, *_ in held[:8]:  # sent back to back: read in one burst or a few
+            s.send(_ack(g, [slot], 0.1 * g))
+        wait_until(lambda: counts.acknowledged["0"] == 8, "the 8 acknowledgements counted", 10)
+        assert counts.run_waited["0"] == pytest.approx(0.1 * held[7][0])
+        # their 8 slots came back: 8 more batches come
+        more: list[Any] = []
+        while len(more) < 8:
+            data = s.recv(1 << 16)
+            assert data, "the service closed the connection"
+            record = json.loads(data)
+            if record["t"] == "batches":
+                more += record["items"]
+        assert [e[0] for e in more] == [e[0] + 8 for e in held[8:16]]
+        # two at once, the second behind the first: the first counts, the second is a lie
+        s.send(_ack(held[9][0], [], 1.0))
+        s.send(_ack(held[8][0], [], 1.0))
+        wait_until(lambda: server.sources["train"].connected == 0, "the liar disconnected", 10)
+        assert counts.acknowledged["0"] == 10
+        s.close()
+    finally:
+        server.stop()
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(f"acknowledged items up to {held[8][0]}" in m and "connection closed" in m for m in warned), warned
+
+
+def test_acknowledgements_before_a_broken_record_count() -> None:
+    """A consumer whose acknowledgements are followed by a record that breaks
+    the protocol is disconnected; what it acknowledged before counts (its
+    run() returned those batches), and only the rest is dealt again."""
+    from tests.helpers import wait_until
+
+    server = _serve(feeds.CALLS, slots=16, num_consumers=1)
+    try:
+        s, held = _held_batches(server, 16)
+        source = server.sources["train"]
+        s.send(_ack(held[0][0], [held[0][1]]))
+        s.send(_ack(held[1][0], [held[1][1]]))
+        s.send(b"not a record")
+        wait_until(lambda: source.connected == 0, "the consumer disconnected", 10)
+        assert source.counts.acknowledged["0"] == 2
+        s.close()
+    finally:
+        server.stop()

@@ -383,7 +383,7 @@ def test_a_stranger_sending_garbage_is_refused_and_the_service_keeps_serving(cap
         # a valid hello, then an acknowledgement of something never sent
         net = blobfeed.Net(None)
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address) as att:
-            att._send({"t": "ack", "g": 12345, "slots": [], "waited": 0.0})
+            att._send_waited({"t": "ack", "g": 12345, "slots": []})  # where its acknowledgements go
             with pytest.raises(blobfeed.ServiceError):
                 for _ in range(10_000):
                     net.run(timeout=10)
@@ -600,24 +600,25 @@ def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> N
 
 
 def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
-    """Protocol 6 changed the records (a batch may lie in any of several
+    """Protocol 7 changed the records (on a Unix socket the hello may carry a
+    stream for the consumer's acknowledgements; 6: a batch may lie in any of several
     shared regions, each named by an id; 5: the slots are offered before the
     first batch, sized by it; 4: acks carry the consumer's wait; 3: batches
     in the source's arena; 2: batches together, cumulative acks carrying
     the freed slots): a peer of an older protocol is told so, not fed."""
     from blobfeed.service.wire import PROTOCOL
 
-    assert PROTOCOL == 6
+    assert PROTOCOL == 7
     with served(2) as server:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(10)
         s.connect(server.address)
-        s.send(json.dumps({"t": "hello", "protocol": 5, "source": "train", "blobs": ["id", "x"],
+        s.send(json.dumps({"t": "hello", "protocol": 6, "source": "train", "blobs": ["id", "x"],
                            "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
         reply = json.loads(s.recv(1 << 16))
         s.close()
     assert reply["t"] == "refused"
-    assert "protocol 5 (this service speaks 6): upgrade blobfeed on one side" in reply["error"]
+    assert "protocol 6 (this service speaks 7): upgrade blobfeed on one side" in reply["error"]
 
 
 def hand_hello(address: str, index: int | None = None, batch_size: int = 8) -> tuple[socket.socket, list[int]]:
@@ -879,7 +880,11 @@ class FakeUnixService:
         conn, _ = self.sock.accept()
         with conn:
             conn.settimeout(10)
-            conn.recv(1 << 16)  # its hello
+            # its hello, and the stream its acknowledgements go to: kept open
+            # (read or not) as a service keeps it, so that they can be sent
+            _, ancdata, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+            kept = [socket.socket(fileno=int.from_bytes(d[k:k + 4], sys.byteorder))
+                    for _l, _k, d in ancdata for k in range(0, len(d) - len(d) % 4, 4)]
             conn.send(json.dumps({"t": "welcome", "consumer": 0, "slots": self.slots, "epoch": 0,
                                   "service": self.address}).encode())
             conn.sendmsg([json.dumps({"t": "slots", "slots": self.slots, "slot_bytes": self.slot_bytes}).encode()],
@@ -891,6 +896,9 @@ class FakeUnixService:
                     pass
             except OSError:
                 pass
+            finally:
+                for k in kept:
+                    k.close()
 
     def close(self) -> None:
         self.sock.close()

@@ -1,0 +1,175 @@
+"""A consumer's acknowledgements on a stream of their own (Unix socket,
+protocol 7): what the service takes as that stream, and what it does with
+what comes on it (untrusted, like every record)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import pytest
+
+from blobfeed.service import FeedServer
+from blobfeed.service.wire import PROTOCOL
+from tests.helpers import wait_until
+
+from . import feeds
+
+
+def _serve(**kw: Any) -> FeedServer:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(feeds.CALLS), 8, 2, **kw)
+    return server.start()
+
+
+def _hello(address: str, fds: list[int], index: int | None = 0) -> socket.socket:
+    """Say hello (as consumer ``index``) with ``fds``: the socket, before its answer."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(address)
+    hello = {"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"], "batch_size": 8,
+             "index": index, "num": None, "pid": os.getpid()}
+    s.sendmsg([json.dumps(hello).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds))])
+    return s
+
+
+def _records(s: socket.socket) -> Any:
+    while True:
+        data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+        for _l, _k, d in ancdata:
+            for k in range(0, len(d) - len(d) % 4, 4):
+                os.close(int.from_bytes(d[k:k + 4], sys.byteorder))
+        if not data:
+            return
+        yield json.loads(data)
+
+
+@pytest.mark.parametrize("what", ["a pipe", "a datagram socket", "a seqpacket socket", "two streams"])
+def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
+    what: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    mine: list[Any] = []
+    if what == "a pipe":
+        r, w = os.pipe()
+        fds = [r]
+        mine = [r, w]
+        expected = "not a socket"
+    elif what == "two streams":
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+        fds = [p[1].fileno() for p in pairs]
+        mine = [s for p in pairs for s in p]
+        expected = "2 descriptors with its hello"
+    else:
+        kind = socket.SOCK_DGRAM if what == "a datagram socket" else socket.SOCK_SEQPACKET
+        a, b = socket.socketpair(socket.AF_UNIX, kind)
+        fds = [b.fileno()]
+        mine = [a, b]
+        expected = "not a Unix stream socket"
+    server = _serve(num_consumers=1)
+    try:
+        s = _hello(server.address, fds)
+        reply = next(_records(s))
+        s.close()
+        assert reply["t"] == "refused" and expected in reply["error"], reply
+        # the index was not taken: a consumer may have it
+        assert server.sources["train"].outlets[0].holder is None
+    finally:
+        server.stop()
+        for m in mine:
+            m.close() if isinstance(m, socket.socket) else os.close(m)
+    assert any(expected in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
+
+
+def _attached(server: FeedServer, count: int) -> tuple[socket.socket, socket.socket, list[list[Any]]]:
+    """A hand-made consumer of index 0 with an acknowledgement stream, and
+    the first ``count`` batch entries it was sent."""
+    acks, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with theirs:
+        s = _hello(server.address, [theirs.fileno()])
+    records = _records(s)
+    held: list[list[Any]] = []
+    while len(held) < count:
+        record = next(records)
+        assert record["t"] != "refused", record
+        if record["t"] == "batches":
+            held += record["items"]
+    return s, acks, held
+
+
+def _ack(g: int, slots: list[int], waited: float = 0.0) -> bytes:
+    return b'{"t":"ack","g":%d,"slots":[%s],"waited":%r}\n' % (g, ",".join(map(str, slots)).encode(), waited)
+
+
+@pytest.mark.parametrize("garbage, why", [
+    (b"not json\n", "not JSON"),
+    (b'{"t":"bye","waited":0.0}\n', "record of kind 'bye' here"),
+    (b"x" * (70 * 1024), "acknowledgement line of over"),
+    (b'{"t":"ack","g":1,"slots":[],"wait', "in the middle of one"),
+])
+def test_garbage_on_the_acknowledgement_stream_ends_the_connection_after_what_came_before_counts(
+    garbage: bytes, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    server = _serve(num_consumers=1, slots=16)
+    try:
+        s, acks, held = _attached(server, 4)
+        source = server.sources["train"]
+        acks.sendall(_ack(held[0][0], [held[0][1]]) + _ack(held[1][0], [held[1][1]]) + garbage)
+        if why == "in the middle of one":
+            acks.close()  # the line is cut short by the stream's end
+        wait_until(lambda: source.connected == 0, "the consumer disconnected", 10)
+        assert source.counts.acknowledged["0"] == 2
+        s.close()
+        acks.close()
+    finally:
+        server.stop()
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(why in m and "connection closed" in m for m in warned), warned
+
+
+def test_an_acknowledgement_on_the_connection_s_socket_is_refused_once_there_is_a_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One place for a consumer's acknowledgements: two would have no order between them."""
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    server = _serve(num_consumers=1, slots=16)
+    try:
+        s, acks, held = _attached(server, 1)
+        s.send(_ack(held[0][0], [held[0][1]]).rstrip(b"\n"))
+        wait_until(lambda: server.sources["train"].connected == 0, "the consumer disconnected", 10)
+        assert server.sources["train"].counts.acknowledged["0"] == 0
+        s.close()
+        acks.close()
+    finally:
+        server.stop()
+    assert any("record of kind 'ack' here" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stopping_service_shuts_the_stream_so_no_later_acknowledgement_is_taken_for_counted() -> None:
+    """Once the service closed the connection (a stop), a consumer's send on
+    its acknowledgement stream fails: its run() raises rather than return a
+    batch the saved state misses.  What it sent before still counts."""
+    server = _serve(num_consumers=1, slots=16)
+    stopped = False
+    try:
+        s, acks, held = _attached(server, 2)
+        source = server.sources["train"]
+        acks.sendall(_ack(held[0][0], [held[0][1]]))
+        wait_until(lambda: source.counts.acknowledged["0"] == 1, "the first acknowledgement counted", 10)
+        server.stop()
+        stopped = True
+        with pytest.raises(BrokenPipeError):
+            for _ in range(100):  # (the first sends may still find the buffer)
+                acks.sendall(_ack(held[1][0], [held[1][1]]))
+        assert source.counts.acknowledged["0"] == 1
+        s.close()
+        acks.close()
+    finally:
+        if not stopped:
+            server.stop()
