@@ -298,18 +298,13 @@ class Connection:
                     os.close(fd)
                 raise WireError(f"{self.peer} sent {len(fds)} descriptors with its hello (at most 1: the stream "
                                 "of its acknowledgements)")
-            acks = AckStream.adopt(fds[0], self.peer) if fds else None
-            try:
-                source, outlet = admit(hello, self._sources, self)
-            except Refused:
-                if acks is not None:
-                    acks.close()
-                raise
+            # (kept here at once: whatever happens next, leaving closes it)
+            self._acks = AckStream.adopt(fds[0], self.peer) if fds else None
+            source, outlet = admit(hello, self._sources, self)
         except (Refused, WireError) as err:
             logger.warning("service: %s refused: %s", self.peer, str(err))
             self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
             return False
-        self._acks = acks
         self.source, self.outlet = source, outlet
         self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
         self.peer = f"consumer {self.label} of source {source.name!r} (pid {hello['pid']})"

@@ -383,21 +383,26 @@ class Attachment(Attached):
 
     def _freed_slots(self) -> list[int]:
         """The slots whose batches died since the last look (without waiting)."""
-        get, mapping = self._out.get_nowait, self._mapping
+        mapping = self._mapping
         if mapping is None:
             return []  # no slots, so no batch
         slots: list[int] = []
         kept = self._kept
-        while kept and len(slots) < MAX_ITEMS:
-            try:
-                ref = kept.popleft()
-            except IndexError:
-                break
-            slot = mapping.freed(ref)
-            if slot is not None:
-                slots.append(slot)
-        empty = self._out.empty
-        while len(slots) < MAX_ITEMS and not empty():  # (no exception raised per acknowledgement)
+        if kept:
+            freed = mapping.freed
+            while kept and len(slots) < MAX_ITEMS:
+                try:
+                    ref = kept.popleft()
+                except IndexError:
+                    break
+                slot = freed(ref)
+                if slot is not None:
+                    slots.append(slot)
+        out = self._out
+        if out.empty():
+            return slots  # (the usual case: no exception raised, no more calls, per acknowledgement)
+        get, empty = out.get_nowait, out.empty
+        while len(slots) < MAX_ITEMS and not empty():
             try:
                 ref = get()
             except queue.Empty:

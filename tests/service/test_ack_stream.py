@@ -54,6 +54,7 @@ def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
     what: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    before = len(os.listdir("/proc/self/fd"))
     mine: list[Any] = []
     if what == "a pipe":
         r, w = os.pipe()
@@ -84,6 +85,8 @@ def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
         for m in mine:
             m.close() if isinstance(m, socket.socket) else os.close(m)
     assert any(expected in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
+    # what the hello carried was closed: nothing of it is left behind
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) == before, "every descriptor closed", 10)
 
 
 def _attached(server: FeedServer, count: int) -> tuple[socket.socket, socket.socket, list[list[Any]]]:
