@@ -376,6 +376,11 @@ class Connection:
         :meth:`_take_ack` would (what came before a lie still counts: the
         receiver takes it as it leaves)."""
         merged = self._merged
+        if merged is None or g > merged[0]:
+            # the ledger's own check now: a g never sent among good ones
+            # must not take them along when the burst is taken
+            assert self.ledger is not None
+            self.ledger.check_ack(g)
         if merged is None:
             merged = self._merged = [g, list(slots), waited, 1]
             return merged

@@ -118,6 +118,30 @@ class Ledger:
         return bool(self._inflight)
 
     # -- coming back -------------------------------------------------------------------
+    def check_ack(self, g: int) -> None:
+        """Raise what :meth:`ack` would for ``g`` (an ordered ledger), without
+        settling anything: an acknowledgement read together with others is
+        checked as it is read (see ``Connection._merge``), so that a lie
+        among them does not take the ones before it along.  A ``g`` that
+        passes stays good until it is taken: ``sent`` only grows, and the
+        head moves only by the acknowledgements the same thread takes.
+
+        Raises:
+            WireError: ``g`` was never sent, or does not move past the last
+                acknowledgement.
+        """
+        if g == -1:
+            return
+        with self.lock:
+            if self._left:
+                return  # ack() refuses nothing then either: it counts nothing
+            head = self._inflight[0][0] if self._inflight else None
+            if head is None or head < 0 or not head <= g < self._sent:
+                raise WireError(
+                    f"{self.peer} acknowledged items up to {g}; its next unacknowledged item is {head} "
+                    f"and the last sent {self._sent - 1}"
+                )
+
     def ack(self, g: int) -> tuple[bool, list[int]]:
         """The consumer's run() returned every item up to ``g`` (cumulative;
         -1: nothing new).  Settles them with the outlet and counts them.

@@ -176,3 +176,32 @@ def test_a_stopping_service_shuts_the_stream_so_no_later_acknowledgement_is_take
     finally:
         if not stopped:
             server.stop()
+
+
+@pytest.mark.parametrize("lie", ["never sent", "stranger slot"])
+def test_acknowledgements_read_together_with_a_lie_the_ledger_catches_still_count(
+    lie: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burst's acknowledgements are counted as one; a lie among them that
+    only the ledger catches (an item never sent; a slot the consumer does
+    not hold) took the good ones before it along: their batches, which its
+    run() returned, were dealt again.  Each g is now checked against the
+    ledger as it is read."""
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    server = _serve(num_consumers=1, slots=16)
+    try:
+        s, acks, held = _attached(server, 4)
+        source = server.sources["train"]
+        bad = _ack(10**9, []) if lie == "never sent" else _ack(held[2][0], [9999])
+        # one write: the three are read (and merged) together
+        acks.sendall(_ack(held[0][0], [held[0][1]]) + _ack(held[1][0], [held[1][1]]) + bad)
+        wait_until(lambda: source.connected == 0, "the consumer disconnected", 10)
+        # the first two count; the third's g counts too where only its slot lied (as when taken one by one)
+        assert source.counts.acknowledged["0"] == (2 if lie == "never sent" else 3)
+        s.close()
+        acks.close()
+    finally:
+        server.stop()
+    warned = [r.getMessage() for r in caplog.records]
+    why = "acknowledged items up to 1000000000" if lie == "never sent" else "freed slot 9999"
+    assert any(why in m and "connection closed" in m for m in warned), warned
