@@ -32,8 +32,11 @@ from .wire import ACK_FORM, MAX_RECORD, WireError, check, decode_record, freed_s
 
 __all__ = ["AckStream"]
 
-#: bytes read at once: a burst's acknowledgements (about 60 bytes each)
+#: bytes read at once: a burst's acknowledgements (about 60 bytes each),
+#: and reads at most per call: what one call holds is bounded (the rest
+#: stays in the socket for the next), whatever a consumer floods it with
 READ_BYTES = 1 << 16
+READS = 4
 #: one line of the form blobfeed's consumer writes (any other goes the general way)
 _LINE = re.compile(ACK_FORM.pattern + rb"\n")
 
@@ -51,6 +54,8 @@ class AckStream:
         self.peer = peer
         #: False once the consumer closed its end (read to its end)
         self.open = True
+        #: the last read stopped at its bound with more maybe waiting (see read)
+        self.more = False
         self._tail = b""
 
     @classmethod
@@ -71,6 +76,12 @@ class AckStream:
             sock.close()
             raise WireError(f"{peer} sent a {what} socket with its hello, not a Unix stream socket for its "
                             "acknowledgements")
+        try:
+            sock.getpeername()  # (an unconnected or listening one has no peer: nothing would ever come)
+        except OSError as err:
+            sock.close()
+            raise WireError(f"{peer} sent a Unix stream socket for its acknowledgements that is not connected "
+                            f"({err})") from None
         return cls(sock, peer)
 
     def fileno(self) -> int:
@@ -79,12 +90,13 @@ class AckStream:
     def read(self) -> tuple[list[tuple[int, list[int], float]], WireError | None]:
         """The ``ack`` records that arrived since the last read, in order,
         each checked, as ``(g, slots, waited)`` (without waiting; none if
-        none), and the error that
-        ends the stream if one came after them: a line over
-        :data:`~.wire.MAX_RECORD` bytes, or one that is not a well-formed
-        ``ack`` (those before it are returned: they count).  ``open`` is
-        False once the consumer's end is closed and everything it sent was
-        read (or it broke the protocol).
+        none), and the error that ends the stream if one came after them: a
+        line over :data:`~.wire.MAX_RECORD` bytes, or one that is not a
+        well-formed ``ack`` (those before it are returned: they count).  At
+        most :data:`READS` x :data:`READ_BYTES` are read a call; ``more``
+        says the bound stopped it.  ``open`` is False once the consumer's
+        end is closed and everything it sent was read (or it broke the
+        protocol).
 
         Raises:
             OSError: the socket failed.
@@ -92,9 +104,12 @@ class AckStream:
         if not self.open:
             return [], None
         chunks = [self._tail] if self._tail else []
-        while self.open:
+        self.more = True
+        for _ in range(READS):
             try:
-                data = self.sock.recv(READ_BYTES)
+                # never waits, whatever the descriptor's flags (the consumer
+                # holds the other end of it and could clear O_NONBLOCK)
+                data = self.sock.recv(READ_BYTES, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 break
             except ConnectionResetError:
@@ -105,6 +120,14 @@ class AckStream:
             chunks.append(data)
             if len(data) < READ_BYTES:
                 break  # read to its end for now: the next comes with the next wake-up
+        else:
+            return self._lines(chunks)  # READS full reads: more may be there
+        self.more = False
+        return self._lines(chunks)
+
+    def _lines(self, chunks: list[bytes]) -> tuple[list[tuple[int, list[int], float]], WireError | None]:
+        """(:meth:`read`.)  The acknowledgements in what was read, and the
+        error after them if a line was bad."""
         if not chunks:
             return [], None
         data = b"".join(chunks)

@@ -243,7 +243,7 @@ class Connection:
                         raise
                     continue
                 if got is None:
-                    self._take_acks(acks, poller)  # what it sent before it went
+                    self._take_acks(acks, poller, everything=True)  # what it sent before it went
                     return
                 record, fds = got
                 for fd in fds:
@@ -251,28 +251,31 @@ class Connection:
                 if fds:
                     raise WireError(f"{self.peer} sent descriptors")
                 record = check(record, ("state", "bye"), self.peer)
-                self._take_acks(acks, poller)
+                self._take_acks(acks, poller, everything=True)
                 if self._handle(record):
                     return
             if not self._starved and not self.closed.is_set():
                 self._nudge.wait(ACK_NAP_S)
                 self._nudge.clear()
 
-    def _take_acks(self, acks: AckStream, poller: Any) -> None:
-        """Count what arrived on the acknowledgement stream (see :meth:`_merge_ack`)."""
-        if not acks.open:
-            return
-        got, error = acks.read()
-        merge = self._merge
-        for g, slots, waited in got:
-            merged = merge(g, slots, waited)
-            if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
-                self._take_merged()
-        self._take_merged()
-        if not acks.open:
-            poller.unregister(acks.fileno())
-        if error is not None:
-            raise error
+    def _take_acks(self, acks: AckStream, poller: Any, everything: bool = False) -> None:
+        """Count what arrived on the acknowledgement stream (see :meth:`_merge`);
+        ``everything``: all that is there (before a record of the other
+        socket, or at the consumer's end), not one bounded read."""
+        while acks.open:
+            got, error = acks.read()
+            merge = self._merge
+            for g, slots, waited in got:
+                merged = merge(g, slots, waited)
+                if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
+                    self._take_merged()
+            self._take_merged()
+            if not acks.open:
+                poller.unregister(acks.fileno())
+            if error is not None:
+                raise error
+            if not (everything and acks.more):
+                return
 
     def _handshake(self) -> bool:
         try:

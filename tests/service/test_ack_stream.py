@@ -49,7 +49,10 @@ def _records(s: socket.socket) -> Any:
         yield json.loads(data)
 
 
-@pytest.mark.parametrize("what", ["a pipe", "a datagram socket", "a seqpacket socket", "two streams"])
+@pytest.mark.parametrize("what", [
+    "a pipe", "a datagram socket", "a seqpacket socket", "two streams", "an unconnected stream",
+    "a listening stream",
+])
 def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
     what: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -61,6 +64,14 @@ def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
         fds = [r]
         mine = [r, w]
         expected = "not a socket"
+    elif what in ("an unconnected stream", "a listening stream"):
+        lone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if what == "a listening stream":
+            lone.bind(f"\0blobfeed-test-{os.getpid()}")  # (abstract: no file to remove)
+            lone.listen()
+        fds = [lone.fileno()]
+        mine = [lone]
+        expected = "that is not connected"
     elif what == "two streams":
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
         fds = [p[1].fileno() for p in pairs]
@@ -168,8 +179,7 @@ def test_a_stopping_service_shuts_the_stream_so_no_later_acknowledgement_is_take
         server.stop()
         stopped = True
         with pytest.raises(BrokenPipeError):
-            for _ in range(100):  # (the first sends may still find the buffer)
-                acks.sendall(_ack(held[1][0], [held[1][1]]))
+            acks.sendall(_ack(held[1][0], [held[1][1]]))
         assert source.counts.acknowledged["0"] == 1
         s.close()
         acks.close()
@@ -205,3 +215,91 @@ def test_acknowledgements_read_together_with_a_lie_the_ledger_catches_still_coun
     warned = [r.getMessage() for r in caplog.records]
     why = "acknowledged items up to 1000000000" if lie == "never sent" else "freed slot 9999"
     assert any(why in m and "connection closed" in m for m in warned), warned
+
+
+def _stop_server(tmp_path: Any) -> FeedServer:
+    server = FeedServer(state_file=tmp_path / "state.json")
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True, slots=4, num_consumers=1)
+    return server.start()
+
+
+def test_a_stalled_consumer_s_acknowledgement_after_the_save_fails_on_its_stream(tmp_path: Any) -> None:
+    """A consumer that does not answer the stop (stalled) and acknowledges
+    once the service saved its state: the send fails (the stream was shut),
+    so its run() returns no batch the saved state misses."""
+    server = _stop_server(tmp_path)
+    s, acks, held = _attached(server, 1)
+    save = server.save_state
+    after: list[BaseException | None] = []
+
+    def save_then_ack() -> bool:
+        saved = save()
+        try:
+            acks.sendall(_ack(held[0][0], []))
+            after.append(None)
+        except OSError as err:
+            after.append(err)
+        return saved
+
+    server.save_state = save_then_ack  # type: ignore[method-assign]
+    try:
+        server.stop()
+    finally:
+        s.close()
+        acks.close()
+    assert after and isinstance(after[0], BrokenPipeError), after
+    assert sum(server.sources["train"].counts.acknowledged.values()) == 0
+
+
+def test_a_stalled_consumer_s_acknowledgements_before_the_stop_are_in_the_saved_state(tmp_path: Any) -> None:
+    """Acknowledged on the stream, then silent (no bye): the saved state counts them."""
+    server = _stop_server(tmp_path)
+    s, acks, held = _attached(server, 2)
+    acks.sendall(_ack(held[0][0], [held[0][1]]) + _ack(held[1][0], [held[1][1]]))
+    counted_at_save: list[int] = []
+    save = server.save_state
+
+    def save_counting() -> bool:
+        counted_at_save.append(sum(server.sources["train"].counts.acknowledged.values()))
+        return save()
+
+    server.save_state = save_counting  # type: ignore[method-assign]
+    try:
+        server.stop()
+    finally:
+        s.close()
+        acks.close()
+    assert counted_at_save == [2]
+
+
+def test_a_consumer_that_makes_its_stream_blocking_does_not_stall_the_receiver() -> None:
+    """The consumer holds the other end of the stream's descriptor and may
+    clear O_NONBLOCK on it (shared by both ends' copies of the file): after
+    a read of exactly 64 KiB the receiver's next read waited for more, and
+    the consumer's other records (a state request) went unanswered."""
+    import fcntl
+
+    server = _serve(num_consumers=1, slots=16)
+    acks, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s = _hello(server.address, [theirs.fileno()])  # `theirs` kept: the same file as the service's end
+        records = _records(s)
+        while next(records)["t"] != "batches":
+            pass
+        fcntl.fcntl(theirs.fileno(), fcntl.F_SETFL, fcntl.fcntl(theirs.fileno(), fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        line = _ack(-1, [], 0.0)
+        n = 65536 // len(line)
+        first = _ack(-1, [], 0.0)[:-2] + b"0" * (65536 - n * len(line)) + b"}\n"  # the padding in its wait's digits
+        data = first + line * (n - 1)
+        assert len(data) == 65536
+        acks.sendall(data)
+        s.send(json.dumps({"t": "state"}).encode())
+        while True:
+            record = next(records)  # (the socket's 10 s timeout bounds the wait)
+            if record["t"] == "state_is":
+                break
+        s.close()
+    finally:
+        server.stop()
+        acks.close()
+        theirs.close()
