@@ -166,12 +166,17 @@ class Attachment(Attached):
                 be sent: the service cannot count the batch (a resumed
                 service deals it again), so run() must not return it.
         """
-        if self._closed:
-            return
         self._net_thread = threading.get_ident()
         try:
             slots = self._freed_slots()
             with self._send_lock:
+                if self._closed:
+                    # stop() detached (its bye went first): an acknowledgement
+                    # now would come after it, uncounted, and the batch be dealt again
+                    raise ServiceError(
+                        f"{self._service}: detached (stop()): this batch is not handed out (the service deals it "
+                        "again)"
+                    )
                 if self._gone is not None:
                     raise ServiceError(self._gone)
                 if self._stop_heard:

@@ -303,3 +303,27 @@ def test_a_consumer_that_makes_its_stream_blocking_does_not_stall_the_receiver()
         server.stop()
         acks.close()
         theirs.close()
+
+
+def test_a_run_that_races_the_consumer_s_stop_hands_out_no_batch_it_cannot_acknowledge() -> None:
+    """stop() marks the attachment closed, then sends its bye.  A run() in
+    another thread that returned a batch in between sent no acknowledgement
+    (it was skipped once closed) and handed the batch out: the service took
+    it back at the bye and dealt it again.  Now that run() raises."""
+    import blobfeed
+
+    server = _serve(num_consumers=1, slots=16)
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0,
+                                     num_consumers=1, timeout=10)
+        try:
+            net.run(timeout=10)  # attached, batches flowing
+            att._closed = True  # where stop() stands right before its bye (the run() thread does not know)
+            with pytest.raises(blobfeed.ServiceError, match="detached"):
+                net.run(timeout=10)
+        finally:
+            att._closed = False
+            att.stop()
+    finally:
+        server.stop()
