@@ -129,6 +129,8 @@ class Connection:
         self._merged: list[Any] | None = None
         #: where the consumer writes its acknowledgements, if it gave one (Unix socket, protocol 7)
         self._acks: AckStream | None = None
+        #: connection resets read past (see _next_record)
+        self._resets = 0
 
     # -- the receiver ------------------------------------------------------------------
     def serve(self) -> None:
@@ -142,45 +144,26 @@ class Connection:
             if self._acks is not None:
                 self._receive_bursts(self._acks)
                 return
-            resets = 0
             # On the Unix socket, records are read in bursts: once none is
             # left, the receiver naps ACK_NAP_S before it looks again (unless
             # the sender waits for slots), so a consumer that acknowledges
             # every batch wakes it a few hundred times a second, not once a
             # batch.  Over TCP a frame may come in pieces: one record a read.
             burst = isinstance(self.channel, Channel)
-            channel = self.channel
             wait = 0  # recv's flags: block for the first record of a burst
             # Until the consumer's end or its bye, even once the service closed
             # the connection (a stop): what it sent before is still read, so
             # an acknowledgement on its way counts before the state is saved.
             while True:
                 try:
-                    got = channel.recv(wait) if wait and isinstance(channel, Channel) else channel.recv()
+                    record = self._next_record(wait, ("ack", "state", "bye"))
                 except BlockingIOError:
                     self._take_merged()
-                    if not self._starved and not self.closed.is_set():
-                        self._nudge.wait(ACK_NAP_S)
-                        self._nudge.clear()
+                    self._nap()
                     wait = 0
                     continue
-                except ConnectionResetError:
-                    # A consumer that died with records unread (batches sent
-                    # to it) resets the socket, and Linux reports the reset
-                    # before the records it sent last, its acknowledgements:
-                    # read them (a batch run() returned is acknowledged).
-                    resets += 1
-                    if resets > 1:
-                        raise
-                    continue
-                if got is None:
+                if record is None:
                     return
-                record, fds = got
-                for fd in fds:
-                    os.close(fd)  # a consumer never sends descriptors
-                if fds:
-                    raise WireError(f"{self.peer} sent descriptors")
-                record = check(record, ("ack", "state", "bye"), self.peer)
                 if burst and record["t"] == "ack":
                     # counted with the burst's others once it ends: one
                     # settling, one free and one wake-up of the sender for all
@@ -225,7 +208,6 @@ class Connection:
         poller.register(channel.sock, select.POLLIN)
         poller.register(acks.fileno(), select.POLLIN)
         main = channel.sock.fileno()
-        resets = 0
         while True:
             ready = poller.poll()
             self._take_acks(acks, poller)
@@ -233,30 +215,46 @@ class Connection:
             # interpreter lock handed over, saved per burst)
             while any(fd == main for fd, _ in ready):
                 try:
-                    got = channel.recv(socket.MSG_DONTWAIT)
+                    record = self._next_record(socket.MSG_DONTWAIT, ("state", "bye"))
                 except BlockingIOError:
                     break
-                except ConnectionResetError:
-                    # see serve(): read on past one reset
-                    resets += 1
-                    if resets > 1:
-                        raise
-                    continue
-                if got is None:
-                    self._take_acks(acks, poller, everything=True)  # what it sent before it went
+                self._take_acks(acks, poller, everything=True)  # what it sent before this, or before it went
+                if record is None or self._handle(record):
                     return
-                record, fds = got
-                for fd in fds:
-                    os.close(fd)  # a consumer never sends descriptors
-                if fds:
-                    raise WireError(f"{self.peer} sent descriptors")
-                record = check(record, ("state", "bye"), self.peer)
-                self._take_acks(acks, poller, everything=True)
-                if self._handle(record):
-                    return
-            if not self._starved and not self.closed.is_set():
-                self._nudge.wait(ACK_NAP_S)
-                self._nudge.clear()
+            self._nap()
+
+    def _next_record(self, flags: int, kinds: tuple[str, ...]) -> dict[str, Any] | None:
+        """The consumer's next record, checked to be one of ``kinds``; None at
+        its end.  ``flags``: ``socket.MSG_DONTWAIT`` raises
+        ``BlockingIOError`` when none is there (a Unix socket's channel)."""
+        channel = self.channel
+        while True:
+            try:
+                got = channel.recv(flags) if flags and isinstance(channel, Channel) else channel.recv()
+            except ConnectionResetError:
+                # A consumer that died with records unread (batches sent to
+                # it) resets the socket, and Linux reports the reset before
+                # the records it sent last, its acknowledgements: read them
+                # (a batch run() returned is acknowledged).
+                self._resets += 1
+                if self._resets > 1:
+                    raise
+                continue
+            if got is None:
+                return None
+            record, fds = got
+            for fd in fds:
+                os.close(fd)  # a consumer never sends descriptors
+            if fds:
+                raise WireError(f"{self.peer} sent descriptors")
+            return check(record, kinds, self.peer)
+
+    def _nap(self) -> None:
+        """Between bursts: ACK_NAP_S for more records to gather, unless the
+        sender waits for this consumer's slots (or the connection closes)."""
+        if not self._starved and not self.closed.is_set():
+            self._nudge.wait(ACK_NAP_S)
+            self._nudge.clear()
 
     def _take_acks(self, acks: AckStream, poller: Any, everything: bool = False) -> None:
         """Count what arrived on the acknowledgement stream (see :meth:`_merge`);
