@@ -18,6 +18,7 @@ from blobfeed.service.wire import PROTOCOL
 from tests.helpers import wait_until
 
 from . import feeds
+from .test_service import _records
 
 
 def _serve(**kw: Any) -> FeedServer:
@@ -36,17 +37,6 @@ def _hello(address: str, fds: list[int], index: int | None = 0) -> socket.socket
     s.sendmsg([json.dumps(hello).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                              b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds))])
     return s
-
-
-def _records(s: socket.socket) -> Any:
-    while True:
-        data, ancdata, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(16))
-        for _l, _k, d in ancdata:
-            for k in range(0, len(d) - len(d) % 4, 4):
-                os.close(int.from_bytes(d[k:k + 4], sys.byteorder))
-        if not data:
-            return
-        yield json.loads(data)
 
 
 @pytest.mark.parametrize("what", [
