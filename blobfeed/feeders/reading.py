@@ -555,23 +555,7 @@ class Inlet:
         Raises:
             Exception: what the net's placement raised (a device error).
         """
-        feed = self._feed
-        if self._source.halted:
-            return False  # stopped or failed: its net may be released already
-        t0 = time.perf_counter()
-        if feed.rebatcher.writable:
-            arrays = tuple([_writable_copy(a) for a in arrays])
-        elif any(a.flags.writeable for a in arrays):
-            arrays = _read_only(tuple([a.view() for a in arrays]))
-        else:
-            arrays = tuple(arrays)
-        batch = Batch(feed._place(arrays), n)
-        stats = feed.stats
-        stats.enqueue.observe(time.perf_counter() - t0)
-        stats.batches += 1
-        stats.samples += n
-        self._numbers.append(number)
-        return self._queue.put(batch)
+        return self.put_many([(arrays, n, number)])
 
     def put_many(self, batches: list[tuple[Sequence[Any], int, int]]) -> bool:
         """:meth:`put` of each ``(arrays, n, number)`` in order, with one

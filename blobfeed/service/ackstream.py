@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-from typing import Any
 
 from .wire import ACK_FORM, MAX_RECORD, WireError, check, decode_record, freed_slots
 

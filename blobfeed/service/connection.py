@@ -167,9 +167,7 @@ class Connection:
                 if burst and record["t"] == "ack":
                     # counted with the burst's others once it ends: one
                     # settling, one free and one wake-up of the sender for all
-                    merged = self._merge_ack(record)
-                    if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
-                        self._take_merged()
+                    self._merge_ack(record)
                     wait = socket.MSG_DONTWAIT
                     continue
                 self._take_merged()
@@ -264,9 +262,7 @@ class Connection:
             got, error = acks.read()
             merge = self._merge
             for g, slots, waited in got:
-                merged = merge(g, slots, waited)
-                if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
-                    self._take_merged()
+                merge(g, slots, waited)
             self._take_merged()
             if not acks.open:
                 poller.unregister(acks.fileno())
@@ -362,20 +358,21 @@ class Connection:
             area.close()  # close() came before there was an area to wake
         return area
 
-    def _merge_ack(self, record: dict[str, Any]) -> list[Any]:
+    def _merge_ack(self, record: dict[str, Any]) -> None:
         """``record`` (an ``ack``) added to the burst's others not counted yet
         (see :meth:`_merge`)."""
         # fast_ack checked the slots already
-        return self._merge(record["g"], record["slots"] if type(record) is CheckedRecord
-                           else freed_slots(record, self.peer), record["waited"])
+        self._merge(record["g"], record["slots"] if type(record) is CheckedRecord
+                    else freed_slots(record, self.peer), record["waited"])
 
-    def _merge(self, g: int, slots: list[int], waited: float) -> list[Any]:
+    def _merge(self, g: int, slots: list[int], waited: float) -> None:
         """An acknowledgement (of items up to ``g``, freeing ``slots``, the
         consumer's wait ``waited``) added to the burst's others not counted
         yet (``_merged``): the last item acknowledged, every slot freed, the
-        last wait, how many.  Each is checked against the one before it as
-        :meth:`_take_ack` would (what came before a lie still counts: the
-        receiver takes it as it leaves)."""
+        last wait, how many; counted at once past MAX_ITEMS of them or of
+        their slots (what one holds is bounded).  Each is checked against
+        the one before it as :meth:`_take_ack` would (what came before a
+        lie still counts: the receiver takes it as it leaves)."""
         merged = self._merged
         if merged is None or g > merged[0]:
             # the ledger's own check now: a g never sent among good ones
@@ -384,18 +381,19 @@ class Connection:
             self.ledger.check_ack(g)
         if merged is None:
             merged = self._merged = [g, list(slots), waited, 1]
-            return merged
-        if g != -1 and g <= merged[0]:
-            raise WireError(f"{self.peer} acknowledged items up to {g} after it acknowledged up to {merged[0]}")
-        if waited < merged[2]:
-            raise WireError(f"{self.peer} said its run() has waited {waited!r} s in all, less than the "
-                            f"{merged[2]!r} s it said before")
-        if g != -1:
-            merged[0] = g
-        merged[2] = waited
-        merged[1] += slots
-        merged[3] += 1
-        return merged
+        else:
+            if g != -1 and g <= merged[0]:
+                raise WireError(f"{self.peer} acknowledged items up to {g} after it acknowledged up to {merged[0]}")
+            if waited < merged[2]:
+                raise WireError(f"{self.peer} said its run() has waited {waited!r} s in all, less than the "
+                                f"{merged[2]!r} s it said before")
+            if g != -1:
+                merged[0] = g
+            merged[2] = waited
+            merged[1] += slots
+            merged[3] += 1
+        if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
+            self._take_merged()
 
     def _take_merged(self) -> None:
         """Count the burst's acknowledgements read so far (see :meth:`_merge_ack`)."""

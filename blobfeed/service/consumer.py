@@ -66,8 +66,6 @@ class Attachment(Attached):
         except OSError as err:
             raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
         self._send_lock = threading.Lock()
-        #: the Unix socket's channel takes records encoded here (the acknowledgements)
-        self._encoded = hasattr(self._channel, "send_encoded")
         self._closed = False
         #: the service said it stops (set under the send lock): run() returns no more batches
         self._stop_heard = False
@@ -95,7 +93,7 @@ class Attachment(Attached):
                 "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names,
                 "batch_size": batch_size, "index": index, "num": num, "pid": os.getpid(),
             }
-            if self._encoded:
+            if self._carrier.shared_memory:  # a Unix socket (protocol 7)
                 self._acks, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 with theirs:
                     self._channel.send(hello, fds=[theirs.fileno()])

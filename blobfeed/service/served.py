@@ -27,11 +27,12 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DequeueTimeout, EndOfInput, FetcherError
-from ..reader import Batch, BatchReader, EpochEnd
+from ..reader import Batch, EpochEnd
 from .arena import SourceArena
 
 if TYPE_CHECKING:
     from ..coordinator import GlobalCoordinator
+    from ..reader import BatchReader
 
 __all__ = ["End", "IndexOutlet", "Item", "ServedSource", "SharedOutlet", "SourceTerms"]
 
@@ -120,10 +121,7 @@ def _dequeue(source: "ServedSource", reader: "BatchReader", timeout: float) -> A
     (``timeout`` 0: nothing is queued now; never counted as a timeout)."""
     try:
         if timeout <= 0:
-            if type(reader) is BatchReader:
-                return reader.read_ready()
-            # a reader of ready() and read() too
-            read_ready = getattr(reader, "read_ready", None)
+            read_ready = getattr(reader, "read_ready", None)  # a BatchReader's; a reader of ready() and read() too
             if read_ready is not None:
                 return read_ready()
             return reader.read(POLL_S) if reader.ready() else None

@@ -145,12 +145,12 @@ class Channel:
                 with a string ``t`` (descriptors that came with it are closed).
             OSError: the socket failed.
         """
-        data, ancdata, flags, _ = self.sock.recvmsg(MAX_RECORD + 1, _ANCILLARY, flags)
+        data, ancdata, got_flags, _ = self.sock.recvmsg(MAX_RECORD + 1, _ANCILLARY, flags)
         fds = _fds_of(ancdata) if ancdata else []
         if not data and not fds:
             return None
         try:
-            if flags & _TRUNCATED or len(data) > MAX_RECORD:
+            if got_flags & _TRUNCATED or len(data) > MAX_RECORD:
                 raise WireError(f"{self.peer} sent a record over {MAX_RECORD} bytes (or too many descriptors)")
             record = decode_record(data, self.peer)
         except WireError:
