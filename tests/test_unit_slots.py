@@ -118,6 +118,29 @@ def test_a_unit_reader_stacks_into_the_arrays_it_is_given() -> None:
     np.testing.assert_array_equal(out[1], np.repeat(np.array([3, 1, 4, 0], np.float32)[:, None], 3, axis=1))
 
 
+@pytest.mark.parametrize("kind", [np.bool_, np.uint8, np.int32, np.float16, np.float64, np.complex64])
+def test_numpy_scalars_of_any_numeric_type_land_in_the_slot_with_their_values(kind: type) -> None:
+    # numbers are written into their slot array in one assignment (not
+    # stacked one array each): their values and dtype must come out as stacked
+    class Scalars:
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> tuple[Any, Any]:
+            return kind(i % 2 if kind is np.bool_ else i), np.full(3, i, np.float32)
+
+    area = Area()
+    reader = UnitReader("train", RandomAccessSource(Scalars()), 8, SEED, ["v", "x"], [0, 0])
+    reader.into = area.slots()
+    idx = [5, 2, 7, 0]
+    out = reader._stack(0, idx, [Scalars()[i] for i in idx])
+    assert reader.into.claim(out, as_tuple=False) is not None, "both blobs are the slot's arrays"
+    want = np.stack([Scalars()[i][0] for i in idx])
+    assert out[0].dtype == want.dtype == np.dtype(kind)
+    np.testing.assert_array_equal(out[0], want)
+    np.testing.assert_array_equal(out[1][:, 0], np.array(idx, np.float32))
+
+
 def test_a_unit_that_does_not_stack_in_the_slot_names_its_sample_and_gives_the_slot_back() -> None:
     area = Area()
     reader = _reader(Rows(8, bad=4))

@@ -366,9 +366,12 @@ class UnitReader:
         if len(cols) != n:
             return None
         layout: list[tuple[tuple[int, ...], np.dtype]] = []
+        scalars: list[bool] = []
         for ax, col in zip(self.axes, cols):
             types = set(map(type, col))
-            if len(types) == 1 and (t := next(iter(types))) in _SCALARS:
+            scalar = len(types) == 1 and (t := next(iter(types))) in _SCALARS
+            scalars.append(scalar)
+            if scalar:
                 dtype = _SCALARS[t]  # a numeric numpy scalar's type is its dtype: no pass over them
             else:
                 if not all(issubclass(t, _NUMPY) for t in types):
@@ -383,9 +386,14 @@ class UnitReader:
             layout.append((shape[:ax] + (len(col),) + shape[ax:], dtype))
         into = self.into(layout) if self.into is not None else None
         out = []
-        for k, (ax, col, (shape, dtype)) in enumerate(zip(self.axes, cols, layout)):
+        for k, (ax, col, (shape, dtype), scalar) in enumerate(zip(self.axes, cols, layout, scalars)):
             try:
-                if into is not None:
+                if into is not None and scalar:
+                    # numbers of one numpy type: one assignment, where np.stack
+                    # makes an array of each (33 µs against 1.5 µs for 64)
+                    into[k][...] = col
+                    stacked = into[k]
+                elif into is not None:
                     # straight into the worker's slot: no array of our own
                     # (its pages faulted in anew each unit) and no copy after
                     stacked = np.stack(col, axis=ax, out=into[k])

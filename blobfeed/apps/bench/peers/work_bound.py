@@ -1,7 +1,8 @@
 """``work2`` (W7): the work alone, with no pipeline.  Two processes each
 read batches of a shuffled order through the dataset's own
 ``__getitems__`` and stack each batch once into one of 8 rotating slots
-of shared memory, as a blobfeed worker process does; nothing is handed to
+of shared memory (numbers, such as a record's size, in one assignment),
+as a blobfeed worker process does; nothing is handed to
 anyone.  Its batches/s is what any loader that reads on two processes and
 copies each batch once to share it can reach on this machine: the two
 copies of each byte (the dataset's into its own array, then into shared
@@ -60,7 +61,10 @@ def _read(make_dataset: Callable[[], Any], batch: int, k: int, stop: Any, counts
         for lo in range(0, n - batch + 1, batch):
             samples = dataset.__getitems__(order[lo:lo + batch].tolist())
             for col, out in zip(zip(*samples), slots[done % SLOTS]):
-                np.stack(col, out=out)
+                if isinstance(col[0], np.generic):
+                    out[...] = col  # numbers in one assignment, as a blobfeed worker writes them
+                else:
+                    np.stack(col, out=out)
             done += 1
             counts[k] = done
             if stop.is_set():
