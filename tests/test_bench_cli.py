@@ -1754,3 +1754,20 @@ def test_a_bare_consumer_that_dies_at_its_start_is_an_error_with_its_stderr(monk
     with pytest.raises(RuntimeError, match=r"(?s)exited with 3.*no such thing"):
         service.run_bare(workloads.WORKLOADS["S2"], 1.0)
     assert time.monotonic() - t0 < 10.0
+
+
+def test_w7_runners_run_with_glibc_keeping_freed_memory_unless_the_caller_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """W7's children get ``KEEP_FREED_MEMORY`` (torch's loader otherwise runs
+    at one of two speeds from run to run); a value the caller set wins, and
+    another workload's children get the caller's environment unchanged."""
+    printing = [sys.executable, "-c", "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
+                "if k.startswith('MALLOC_')}))"]
+    monkeypatch.setattr(runner, "child_command", lambda *args: printing)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
+    want = dict(workloads.KEEP_FREED_MEMORY)
+    assert runner._child("W7", "torchmap0", 0.05) == {"MALLOC_MMAP_THRESHOLD_": want["MALLOC_MMAP_THRESHOLD_"],
+                                                     "MALLOC_TRIM_THRESHOLD_": "123"}
+    assert runner._child("W1", "blobfeed", 0.05) == {"MALLOC_TRIM_THRESHOLD_": "123"}

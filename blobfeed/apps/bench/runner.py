@@ -341,9 +341,12 @@ def _child(wl_id: str, runner: str, seconds: float, timeout: float | None = None
     """
     limit = child_timeout(seconds) if timeout is None else timeout
     semaphores = _semaphores()
+    env = dict(os.environ)
+    for name, value in WORKLOADS[wl_id].child_env:
+        env.setdefault(name, value)
     proc = subprocess.Popen(
         child_command("--child", wl_id, runner, str(seconds)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=limit)

@@ -614,6 +614,9 @@ class Workload:
     dataset: Callable[[], Any] | None = None
     #: its ``shuffle`` (a global shuffle of each epoch)
     shuffle: bool = False
+    #: environment every runner's child process of this workload gets
+    #: (unless the caller's environment sets the variable already)
+    child_env: tuple[tuple[str, str], ...] = ()
 
     def ideal(self, tally: Tally, batches_per_s: float) -> dict[str, Any]:
         """The ideal from the CPU times the workers recorded in this very
@@ -629,6 +632,14 @@ class Workload:
                 "cpu_per_sample_ms": per_sample * 1e3}
 
 
+#: W7: glibc keeps the memory a process frees (no block over 64 MiB is
+#: mapped on its own, the heap is never trimmed below 1 GiB of free space).
+#: A loader that allocates a fresh 4 MiB batch and frees it (torch's collate,
+#: W7's dataset) otherwise runs at one of two speeds from run to run, as
+#: glibc's moving thresholds hand the block back to the kernel (its pages
+#: faulted in and zeroed again each batch: 700 faults a batch) or keep it
+#: (12); with this every runner reads at its best speed (BENCHMARKS.md, W7).
+KEEP_FREED_MEMORY = (("MALLOC_MMAP_THRESHOLD_", str(64 << 20)), ("MALLOC_TRIM_THRESHOLD_", str(1 << 30)))
 IN_PROCESS_PEERS = ("grain0", "torch0", "torch0it")
 #: W1s and W2s: samples in the shuffle buffer
 SHUFFLE_BUFFER = 10_000
@@ -713,7 +724,7 @@ WORKLOADS = {
     # a global shuffle over a 2 GB memory-mapped record file (written once into the cache folder)
     "W7": Workload("W7", W7_BATCH, ("data", "size", "index"), DatasetOnly, ("blobfeed", "sequential", "work2", *W7_PEERS),
                    "a global shuffle over a 2 GB record file", backend="processes", dataset=w7_dataset,
-                   shuffle=True),
+                   shuffle=True, child_env=KEEP_FREED_MEMORY),
 }
 
 
