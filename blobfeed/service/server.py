@@ -630,6 +630,13 @@ class FeedServer:
             if not isinstance(s["inner"], dict):
                 raise bad(_field(field, "inner"), "expected an object (the source's position, from its "
                           f"state_dict()), got {_kind(s['inner'])}")
+            # serve_source wires the source with it before load_state_dict
+            # checks the rest of the inner state: checked here
+            if "seed" in s["inner"]:
+                seed = s["inner"]["seed"]
+                if not (_seed(seed) or isinstance(seed, list) and seed and all(map(_seed, seed))):
+                    raise bad(_field(_field(field, "inner"), "seed"), "expected an int >= 0 or a non-empty list "
+                              f"of them (the seed the source was wired with), got {_kind(seed)}")
             after = s.get("acked_after", [])
             # 0: the batch at the position was acknowledged in a run before
             # (a resumed run saves what it is still to skip)
@@ -815,6 +822,11 @@ def _read_state_file(path: str) -> str:
         raise ValueError(f"resume: {path!r} is not a service state: {err.strerror or err}") from None
     finally:
         os.close(fd)
+
+
+def _seed(value: object) -> bool:
+    """Is ``value`` a seed a state may hold (an int >= 0, never a bool)?"""
+    return type(value) is int and value >= 0
 
 
 def _field(field: str, key: object) -> str:

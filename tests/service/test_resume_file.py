@@ -189,3 +189,20 @@ def test_acked_after_is_bounded_naming_the_field(tmp_path: Path) -> None:
     assert f"at most {ACKED_AFTER_CAP}" in message and f"{ACKED_AFTER_CAP + 1}" in message, message
     write(tmp_path, minimal(acked_after=list(range(ACKED_AFTER_CAP))))
     FeedServer(state_file=path, resume=True).stop()
+
+
+@pytest.mark.parametrize("seed", [-1, [-1], [3, -1], "x", 1.5, True, [True], [], None, ["7"]])
+def test_a_saved_seed_is_checked_with_the_state_naming_the_file_and_field(tmp_path: Path, seed: Any) -> None:
+    """The seed a resumed source is wired with came from the state before
+    it was checked: -1 surfaced from serve_source as "seed must be >= 0,
+    got -1", naming neither the file nor the field."""
+    path = write(tmp_path, minimal(inner={"seed": seed}))
+    message = refused(path)
+    assert "state['sources']['train']['inner']['seed']" in message, message
+    assert re.search(r"expected an int >= 0 or a non-empty list of them", message), message
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**64, [5], [5, 6]])
+def test_a_good_saved_seed_is_read(tmp_path: Path, seed: Any) -> None:
+    path = write(tmp_path, minimal(inner={"seed": seed}))
+    FeedServer(state_file=path, resume=True).stop()
