@@ -556,7 +556,10 @@ class FeedServer:
         return {"version": STATE_VERSION, "sources": states}
 
     def save_state(self) -> bool:
-        """Write :meth:`state_dict` to ``state_file`` atomically; False if it could not."""
+        """Write :meth:`state_dict` to ``state_file`` atomically; False if it
+        could not, or if a resume would refuse it (over
+        :data:`MAX_STATE_FILE_BYTES` or :data:`MAX_ACKED_AFTER`: a warning
+        says so, and the state saved last stays)."""
         if self.state_file is None:
             return False
         try:
@@ -564,9 +567,26 @@ class FeedServer:
         except (ValueError, RuntimeError) as err:
             logger.warning("service: state not saved: %s", err)
             return False
+        # a state a resume would refuse is not written over the last good one
+        for name, s in state["sources"].items():
+            after = s.get("acked_after", [])
+            if len(after) > MAX_ACKED_AFTER:
+                logger.warning(
+                    "service: state not saved to %s (the last one saved stays): "
+                    "state['sources'][%r]['acked_after'] lists %d batches, more than a resume reads "
+                    "(MAX_ACKED_AFTER, %d)", self.state_file, name, len(after), MAX_ACKED_AFTER,
+                )
+                return False
+        text = json.dumps(state)
+        if len(text) > MAX_STATE_FILE_BYTES:  # ASCII (json.dumps escapes the rest): as many bytes
+            logger.warning(
+                "service: state not saved to %s (the last one saved stays): it is %d bytes, more than "
+                "a resume reads (MAX_STATE_FILE_BYTES, %d)", self.state_file, len(text), MAX_STATE_FILE_BYTES,
+            )
+            return False
         tmp = f"{self.state_file}.tmp"
         with open(tmp, "w") as f:
-            json.dump(state, f)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.state_file)

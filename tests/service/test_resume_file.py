@@ -206,3 +206,38 @@ def test_a_saved_seed_is_checked_with_the_state_naming_the_file_and_field(tmp_pa
 def test_a_good_saved_seed_is_read(tmp_path: Path, seed: Any) -> None:
     path = write(tmp_path, minimal(inner={"seed": seed}))
     FeedServer(state_file=path, resume=True).stop()
+
+
+def test_a_state_a_resume_would_refuse_is_not_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """save_state wrote whatever state_dict() gave: a state over the limits
+    a resume reads was written over the last good one, and the resume
+    then refused it.  Now it is not written (a warning says why), and the
+    file keeps the last state a resume can read."""
+    from . import feeds
+
+    path = tmp_path / "state.json"
+    server = FeedServer(state_file=path)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True)
+    server.start()
+    try:
+        assert server.save_state()
+        good = path.read_bytes()
+        with monkeypatch.context() as m, caplog.at_level("WARNING", logger="blobfeed.service"):
+            m.setattr(server_module, "MAX_STATE_FILE_BYTES", len(good) - 1, raising=False)
+            assert not server.save_state()
+            assert path.read_bytes() == good
+            assert f"{len(good)} bytes" in caplog.text and "MAX_STATE_FILE_BYTES" in caplog.text, caplog.text
+            caplog.clear()
+            m.setattr(server_module, "MAX_STATE_FILE_BYTES", 1 << 28, raising=False)
+            m.setattr(server_module, "MAX_ACKED_AFTER", 2, raising=False)
+            saved = json.loads(good)
+            saved["sources"]["train"]["acked_after"] = [0, 1, 2]
+            m.setattr(server, "state_dict", lambda source=None: saved)
+            assert not server.save_state()
+            assert path.read_bytes() == good
+            assert "state['sources']['train']['acked_after']" in caplog.text and "3" in caplog.text, caplog.text
+    finally:
+        assert server.stop()
+    FeedServer(state_file=path, resume=True).stop()  # the file left is one a resume reads
