@@ -792,7 +792,7 @@ def _file_kind(mode: int) -> str:
     ):
         if test(mode):
             return kind
-    return f"not a regular file (mode {stat.filemode(mode)})"
+    return f"a file of mode {stat.filemode(mode)}"
 
 
 def _read_state_file(path: str) -> str:
