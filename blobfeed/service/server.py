@@ -51,6 +51,16 @@ STOP_JOIN_S = 5.0
 MAX_HANDSHAKES = 64
 #: what wait() and /healthz say once every source ended
 ENDED = "every source ended"
+#: the largest state file a resume reads (256 MiB; a bigger one is refused
+#: before it is read).  The largest state blobfeed allows of one source fits
+#: in about half of it: a random-access source's ``skip`` and ``returned``
+#: lists of at most 2**20 ranges each (checkpoint.MAX_SKIP_ENTRIES; at most
+#: 47 bytes a range as saved: about 99 MB), its nets (at most 2**16, about
+#: 3 MB) and ``acked_after`` (at most MAX_ACKED_AFTER, 15 bytes each: 16 MB)
+MAX_STATE_FILE_BYTES = 256 << 20
+#: the most batches a source's ``acked_after`` lists (acknowledged past its
+#: saved position), as checkpoint.MAX_SKIP_ENTRIES bounds a source's ranges
+MAX_ACKED_AFTER = 1 << 20
 
 _current: list["FeedServer"] = []
 
@@ -546,7 +556,10 @@ class FeedServer:
         return {"version": STATE_VERSION, "sources": states}
 
     def save_state(self) -> bool:
-        """Write :meth:`state_dict` to ``state_file`` atomically; False if it could not."""
+        """Write :meth:`state_dict` to ``state_file`` atomically; False if it
+        could not, or if a resume would refuse it (over
+        :data:`MAX_STATE_FILE_BYTES` or :data:`MAX_ACKED_AFTER`: a warning
+        says so, and the state saved last stays)."""
         if self.state_file is None:
             return False
         try:
@@ -554,9 +567,26 @@ class FeedServer:
         except (ValueError, RuntimeError) as err:
             logger.warning("service: state not saved: %s", err)
             return False
+        # a state a resume would refuse is not written over the last good one
+        for name, s in state["sources"].items():
+            after = s.get("acked_after", [])
+            if len(after) > MAX_ACKED_AFTER:
+                logger.warning(
+                    "service: state not saved to %s (the last one saved stays): "
+                    "state['sources'][%r]['acked_after'] lists %d batches, more than a resume reads "
+                    "(MAX_ACKED_AFTER, %d)", self.state_file, name, len(after), MAX_ACKED_AFTER,
+                )
+                return False
+        text = json.dumps(state)
+        if len(text) > MAX_STATE_FILE_BYTES:  # ASCII (json.dumps escapes the rest): as many bytes
+            logger.warning(
+                "service: state not saved to %s (the last one saved stays): it is %d bytes, more than "
+                "a resume reads (MAX_STATE_FILE_BYTES, %d)", self.state_file, len(text), MAX_STATE_FILE_BYTES,
+            )
+            return False
         tmp = f"{self.state_file}.tmp"
         with open(tmp, "w") as f:
-            json.dump(state, f)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.state_file)
@@ -569,18 +599,21 @@ class FeedServer:
         each source's inner state (which ``load_state_dict`` checks).
 
         Raises:
-            ValueError: no such file, not JSON, or a field of the wrong
-                kind, value or name (the message names it).
+            ValueError: no such file, not a regular file, over
+                :data:`MAX_STATE_FILE_BYTES`, not JSON, or a field of the
+                wrong kind, value or name (the message names it).
         """
+        text = _read_state_file(path)
         try:
-            with open(path) as f:
-                state = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"resume: no state file {path!r}") from None
+            state = json.loads(text)
         except RecursionError:
             raise ValueError(f"resume: {path!r} is not a service state: nested too deeply") from None
-        except (OSError, ValueError) as err:
+        except MemoryError:
+            raise ValueError(f"resume: {path!r}: out of memory reading the state "
+                             f"({len(text)} characters)") from None
+        except ValueError as err:
             raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
+        del text
         where = f"resume: {path!r}"
 
         def bad(field: str, message: str) -> ValueError:
@@ -617,9 +650,19 @@ class FeedServer:
             if not isinstance(s["inner"], dict):
                 raise bad(_field(field, "inner"), "expected an object (the source's position, from its "
                           f"state_dict()), got {_kind(s['inner'])}")
+            # serve_source wires the source with it before load_state_dict
+            # checks the rest of the inner state: checked here
+            if "seed" in s["inner"]:
+                seed = s["inner"]["seed"]
+                if not (_seed(seed) or isinstance(seed, list) and seed and all(map(_seed, seed))):
+                    raise bad(_field(_field(field, "inner"), "seed"), "expected an int >= 0 or a non-empty list "
+                              f"of them (the seed the source was wired with), got {_kind(seed)}")
             after = s.get("acked_after", [])
             # 0: the batch at the position was acknowledged in a run before
             # (a resumed run saves what it is still to skip)
+            if isinstance(after, list) and len(after) > MAX_ACKED_AFTER:
+                raise bad(_field(field, "acked_after"), f"expected a list of at most {MAX_ACKED_AFTER} "
+                          f"batches acknowledged past the position (MAX_ACKED_AFTER), got {len(after)}")
             if not isinstance(after, list) or not all(type(x) is int and 0 <= x < 1 << 40 for x in after):
                 raise bad(_field(field, "acked_after"), "expected a list of ints >= 0 (batches acknowledged "
                           f"past the position), got {_kind(after)}")
@@ -739,6 +782,71 @@ class FeedServer:
 
     def __repr__(self) -> str:
         return f"<FeedServer {sorted(self.sources)} at {self.address}>"
+
+
+def _file_kind(mode: int) -> str:
+    """What a file of ``mode`` is, as a message says it."""
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return f"a file of mode {stat.filemode(mode)}"
+
+
+def _read_state_file(path: str) -> str:
+    """The text of the state file ``path``: a regular file of at most
+    :data:`MAX_STATE_FILE_BYTES` (read as untrusted input: a FIFO does not
+    block, a device is not read, at most the cap and one byte are read
+    whatever its size said, running out of memory is an error naming it).
+
+    Raises:
+        ValueError: naming the file and what was wrong with it.
+    """
+    cap = MAX_STATE_FILE_BYTES
+    try:
+        # O_NONBLOCK: opening a FIFO with no writer returns at once (it is
+        # refused below); a regular file's reads ignore the flag
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ValueError(f"resume: no state file {path!r}") from None
+    except OSError as err:
+        # a socket file cannot be opened (ENXIO): say what it is
+        with contextlib.suppress(OSError):
+            mode = os.stat(path).st_mode
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"resume: {path!r} is {_file_kind(mode)}, not a regular file "
+                                 "(a state file is one, from save_state)") from None
+        raise ValueError(f"resume: {path!r} is not a service state: {err.strerror or err}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"resume: {path!r} is {_file_kind(st.st_mode)}, not a regular file "
+                             "(a state file is one, from save_state)")
+        if st.st_size > cap:
+            raise ValueError(f"resume: {path!r} is {st.st_size} bytes, more than a state file may have "
+                             f"({cap} bytes, MAX_STATE_FILE_BYTES)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(cap + 1)
+        if len(data) > cap:
+            raise ValueError(f"resume: {path!r} holds more than {cap} bytes (MAX_STATE_FILE_BYTES), "
+                             f"though it was {st.st_size} bytes when opened (it grew while read)")
+        return data.decode("utf-8")
+    except MemoryError:
+        raise ValueError(f"resume: {path!r}: out of memory reading the state file "
+                         f"(at most {cap} bytes, MAX_STATE_FILE_BYTES)") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
+    except OSError as err:
+        raise ValueError(f"resume: {path!r} is not a service state: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+
+
+def _seed(value: object) -> bool:
+    """Is ``value`` a seed a state may hold (an int >= 0, never a bool)?"""
+    return type(value) is int and value >= 0
 
 
 def _field(field: str, key: object) -> str:
