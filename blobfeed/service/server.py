@@ -53,10 +53,11 @@ MAX_HANDSHAKES = 64
 ENDED = "every source ended"
 #: the largest state file a resume reads (256 MiB; a bigger one is refused
 #: before it is read).  The largest state blobfeed allows of one source fits
-#: in about half of it: a random-access source's ``skip`` and ``returned``
-#: lists of at most 2**20 ranges each (checkpoint.MAX_SKIP_ENTRIES; at most
-#: 47 bytes a range as saved: about 99 MB), its nets (at most 2**16, about
-#: 3 MB) and ``acked_after`` (at most MAX_ACKED_AFTER, 15 bytes each: 16 MB)
+#: in well under half of it: a random-access source's ``skip`` and
+#: ``returned`` lists of at most 2**20 ranges together
+#: (checkpoint.MAX_SKIP_ENTRIES; at most 47 bytes a range as saved: about
+#: 50 MB), its nets (at most 2**16, about 3 MB) and ``acked_after`` (at most
+#: MAX_ACKED_AFTER, 15 bytes each: 16 MB)
 MAX_STATE_FILE_BYTES = 256 << 20
 #: the most batches a source's ``acked_after`` lists (acknowledged past its
 #: saved position), as checkpoint.MAX_SKIP_ENTRIES bounds a source's ranges
