@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ from .connection import Connection, Refused
 from .served import ARENA_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 from .transport import TCP, carrier_for
+from .state_file import STATE_VERSION, field_name, read_state, savable
 from .wire import MAX_SLOTS
 
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
@@ -40,8 +40,6 @@ logger = logging.getLogger("blobfeed.service")
 #: stops the service's coordinator as a user would (see coordinator.lifecycle.STOPS_AS_A_USER)
 _blobfeed_stops_as_a_user = True
 
-#: the version of a service state (``FeedServer.state_dict``)
-STATE_VERSION = 1
 #: seconds stop() waits for consumers to close after being told
 STOP_DRAIN_S = 1.0
 #: seconds stop() waits, in all, for the connections' threads once closed
@@ -51,17 +49,6 @@ STOP_JOIN_S = 5.0
 MAX_HANDSHAKES = 64
 #: what wait() and /healthz say once every source ended
 ENDED = "every source ended"
-#: the largest state file a resume reads (256 MiB; a bigger one is refused
-#: before it is read).  The largest state blobfeed allows of one source fits
-#: in well under half of it: a random-access source's ``skip`` and
-#: ``returned`` lists of at most 2**20 ranges together
-#: (checkpoint.MAX_SKIP_ENTRIES; at most 47 bytes a range as saved: about
-#: 50 MB), its nets (at most 2**16, about 3 MB) and ``acked_after`` (at most
-#: MAX_ACKED_AFTER, 15 bytes each: 16 MB)
-MAX_STATE_FILE_BYTES = 256 << 20
-#: the most batches a source's ``acked_after`` lists (acknowledged past its
-#: saved position), as checkpoint.MAX_SKIP_ENTRIES bounds a source's ranges
-MAX_ACKED_AFTER = 1 << 20
 
 _current: list["FeedServer"] = []
 
@@ -175,7 +162,7 @@ class FeedServer:
         self._metrics: Any = None
         self.registry.register(_ServiceCollector(self))
         #: the state to resume from, read (and checked) now: its seeds wire the sources
-        self._resume_state = self._read_state(self.state_file) if resume else None  # type: ignore[arg-type]
+        self._resume_state = read_state(self.state_file) if resume else None  # type: ignore[arg-type]
 
     # -- wiring ------------------------------------------------------------------------
     def setup(self, wire: Callable[[], Any]) -> "FeedServer":
@@ -568,22 +555,8 @@ class FeedServer:
         except (ValueError, RuntimeError) as err:
             logger.warning("service: state not saved: %s", err)
             return False
-        # a state a resume would refuse is not written over the last good one
-        for name, s in state["sources"].items():
-            after = s.get("acked_after", [])
-            if len(after) > MAX_ACKED_AFTER:
-                logger.warning(
-                    "service: state not saved to %s (the last one saved stays): "
-                    "state['sources'][%r]['acked_after'] lists %d batches, more than a resume reads "
-                    "(MAX_ACKED_AFTER, %d)", self.state_file, name, len(after), MAX_ACKED_AFTER,
-                )
-                return False
-        text = json.dumps(state)
-        if len(text) > MAX_STATE_FILE_BYTES:  # ASCII (json.dumps escapes the rest): as many bytes
-            logger.warning(
-                "service: state not saved to %s (the last one saved stays): it is %d bytes, more than "
-                "a resume reads (MAX_STATE_FILE_BYTES, %d)", self.state_file, len(text), MAX_STATE_FILE_BYTES,
-            )
+        text = savable(state, self.state_file)
+        if text is None:
             return False
         tmp = f"{self.state_file}.tmp"
         with open(tmp, "w") as f:
@@ -593,81 +566,6 @@ class FeedServer:
         os.replace(tmp, self.state_file)
         logger.info("service: state saved to %s", self.state_file)
         return True
-
-    @staticmethod
-    def _read_state(path: str) -> dict[str, Any]:
-        """The state in ``path``, its shape checked at every level down to
-        each source's inner state (which ``load_state_dict`` checks).
-
-        Raises:
-            ValueError: no such file, not a regular file, over
-                :data:`MAX_STATE_FILE_BYTES`, not JSON, or a field of the
-                wrong kind, value or name (the message names it).
-        """
-        text = _read_state_file(path)
-        try:
-            state = json.loads(text)
-        except RecursionError:
-            raise ValueError(f"resume: {path!r} is not a service state: nested too deeply") from None
-        except MemoryError:
-            raise ValueError(f"resume: {path!r}: out of memory reading the state "
-                             f"({len(text)} characters)") from None
-        except ValueError as err:
-            raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
-        del text
-        where = f"resume: {path!r}"
-
-        def bad(field: str, message: str) -> ValueError:
-            return ValueError(f"{where}: {field}: {message}")
-
-        def fields(obj: dict[str, Any], field: str, known: tuple[str, ...], required: tuple[str, ...]) -> None:
-            for key in obj:
-                if key not in known:
-                    raise bad(field, f"unknown field {key!r} (expected {', '.join(map(repr, known))})")
-            for key in required:
-                if key not in obj:
-                    raise bad(f"{_field(field, key)}", "missing (the state is damaged, or not from state_dict())")
-
-        if not isinstance(state, dict):
-            raise bad("the state", f"expected an object {{'version': {STATE_VERSION}, 'sources': {{...}}}}, "
-                      f"got {_kind(state)}")
-        fields(state, "the state", ("version", "sources"), ("version", "sources"))
-        if type(state["version"]) is not int or state["version"] != STATE_VERSION:
-            raise bad("state['version']", f"this service reads version {STATE_VERSION}, got {_kind(state['version'])}")
-        sources = state["sources"]
-        if not isinstance(sources, dict):
-            raise bad("state['sources']", f"expected an object (source name: its state), got {_kind(sources)}")
-        for name, s in sources.items():
-            field = _field("state['sources']", name)
-            if not isinstance(s, dict):
-                raise bad(field, "expected an object {'service_version': 1, 'source': NAME, 'inner': {...}}, "
-                          f"got {_kind(s)}")
-            fields(s, field, ("service_version", "source", "inner", "acked_after"), ("inner",))
-            if "service_version" in s and (type(s["service_version"]) is not int or s["service_version"] != 1):
-                raise bad(_field(field, "service_version"), f"expected 1, got {_kind(s['service_version'])}")
-            if "source" in s and s["source"] != name:
-                raise bad(_field(field, "source"), f"expected {name!r} (the name it is saved under), "
-                          f"got {_kind(s['source'])}")
-            if not isinstance(s["inner"], dict):
-                raise bad(_field(field, "inner"), "expected an object (the source's position, from its "
-                          f"state_dict()), got {_kind(s['inner'])}")
-            # serve_source wires the source with it before load_state_dict
-            # checks the rest of the inner state: checked here
-            if "seed" in s["inner"]:
-                seed = s["inner"]["seed"]
-                if not (_seed(seed) or isinstance(seed, list) and seed and all(map(_seed, seed))):
-                    raise bad(_field(_field(field, "inner"), "seed"), "expected an int >= 0 or a non-empty list "
-                              f"of them (the seed the source was wired with), got {_kind(seed)}")
-            after = s.get("acked_after", [])
-            # 0: the batch at the position was acknowledged in a run before
-            # (a resumed run saves what it is still to skip)
-            if isinstance(after, list) and len(after) > MAX_ACKED_AFTER:
-                raise bad(_field(field, "acked_after"), f"expected a list of at most {MAX_ACKED_AFTER} "
-                          f"batches acknowledged past the position (MAX_ACKED_AFTER), got {len(after)}")
-            if not isinstance(after, list) or not all(type(x) is int and 0 <= x < 1 << 40 for x in after):
-                raise bad(_field(field, "acked_after"), "expected a list of ints >= 0 (batches acknowledged "
-                          f"past the position), got {_kind(after)}")
-        return state
 
     def _load(self, path: str) -> None:
         state = self._resume_state
@@ -686,7 +584,7 @@ class FeedServer:
             try:
                 self.coordinator.load_state_dict(name, s["inner"])
             except (ValueError, TypeError) as err:
-                field = _field(_field("state['sources']", name), "inner")
+                field = field_name(field_name("state['sources']", name), "inner")
                 raise ValueError(f"resume: {path!r}: {field} (the source's position): {err}") from None
             served = self.sources[name]
             if served.shared is not None:
@@ -783,84 +681,6 @@ class FeedServer:
 
     def __repr__(self) -> str:
         return f"<FeedServer {sorted(self.sources)} at {self.address}>"
-
-
-def _file_kind(mode: int) -> str:
-    """What a file of ``mode`` is, as a message says it."""
-    for test, kind in (
-        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return kind
-    return f"a file of mode {stat.filemode(mode)}"
-
-
-def _read_state_file(path: str) -> str:
-    """The text of the state file ``path``: a regular file of at most
-    :data:`MAX_STATE_FILE_BYTES` (read as untrusted input: a FIFO does not
-    block, a device is not read, at most the cap and one byte are read
-    whatever its size said, running out of memory is an error naming it).
-
-    Raises:
-        ValueError: naming the file and what was wrong with it.
-    """
-    cap = MAX_STATE_FILE_BYTES
-    try:
-        # O_NONBLOCK: opening a FIFO with no writer returns at once (it is
-        # refused below); a regular file's reads ignore the flag
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ValueError(f"resume: no state file {path!r}") from None
-    except OSError as err:
-        # a socket file cannot be opened (ENXIO): say what it is
-        with contextlib.suppress(OSError):
-            mode = os.stat(path).st_mode
-            if not stat.S_ISREG(mode):
-                raise ValueError(f"resume: {path!r} is {_file_kind(mode)}, not a regular file "
-                                 "(a state file is one, from save_state)") from None
-        raise ValueError(f"resume: {path!r} is not a service state: {err.strerror or err}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"resume: {path!r} is {_file_kind(st.st_mode)}, not a regular file "
-                             "(a state file is one, from save_state)")
-        if st.st_size > cap:
-            raise ValueError(f"resume: {path!r} is {st.st_size} bytes, more than a state file may have "
-                             f"({cap} bytes, MAX_STATE_FILE_BYTES)")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(cap + 1)
-        if len(data) > cap:
-            raise ValueError(f"resume: {path!r} holds more than {cap} bytes (MAX_STATE_FILE_BYTES), "
-                             f"though it was {st.st_size} bytes when opened (it grew while read)")
-        return data.decode("utf-8")
-    except MemoryError:
-        raise ValueError(f"resume: {path!r}: out of memory reading the state file "
-                         f"(at most {cap} bytes, MAX_STATE_FILE_BYTES)") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
-    except OSError as err:
-        raise ValueError(f"resume: {path!r} is not a service state: {err.strerror or err}") from None
-    finally:
-        os.close(fd)
-
-
-def _seed(value: object) -> bool:
-    """Is ``value`` a seed a state may hold (an int >= 0, never a bool)?"""
-    return type(value) is int and value >= 0
-
-
-def _field(field: str, key: object) -> str:
-    """``field[key]``, as a message names a field of a state."""
-    return f"{field}[{key!r}]"
-
-
-def _kind(value: object) -> str:
-    """What a message says a state held: its JSON kind, and the value if short."""
-    kinds = {dict: "an object", list: "a list", str: "a str", bool: "a bool", int: "an int", float: "a number"}
-    kind = kinds.get(type(value), "null" if value is None else type(value).__name__)
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return kind if value is None or len(text) > 60 else f"{kind} {text}"
 
 
 def _alive(path: str) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from blobfeed.service import FeedServer
-from blobfeed.service import server as server_module
+from blobfeed.service import state_file as server_module
 
 #: the documented limits (docs/SERVICE.md)
 STATE_FILE_CAP = 256 << 20
@@ -29,7 +29,7 @@ ACKED_AFTER_CAP = 1 << 20
 
 
 def minimal(**source: Any) -> dict[str, Any]:
-    """A state of the right shape for _read_state: one source, ``source`` its fields."""
+    """A state of the right shape for read_state: one source, ``source`` its fields."""
     return {"version": 1, "sources": {"train": {"inner": {}, **source}}}
 
 
@@ -124,7 +124,7 @@ def test_a_file_over_the_cap_is_refused_naming_its_size_and_the_limit(
 ) -> None:
     """A well-shaped 210 MB file was read whole (819 MB resident); the cap
     is lowered here so that the test writes 5000 bytes, not 256 MiB."""
-    monkeypatch.setattr(server_module, "MAX_STATE_FILE_BYTES", 4096, raising=False)
+    monkeypatch.setattr(server_module, "MAX_STATE_FILE_BYTES", 4096)
     state = minimal()
     path = write(tmp_path, state, pad=5000 - len(json.dumps(state)))
     assert path.stat().st_size == 5000
@@ -148,7 +148,7 @@ def test_a_file_past_the_real_cap_is_refused_before_it_is_read(tmp_path: Path) -
 def test_a_file_that_grows_while_it_is_read_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """At most the cap and one byte are read, whatever fstat said: a file
     that grows after fstat (here: fstat says it is small) is refused."""
-    monkeypatch.setattr(server_module, "MAX_STATE_FILE_BYTES", 4096, raising=False)
+    monkeypatch.setattr(server_module, "MAX_STATE_FILE_BYTES", 4096)
     state = minimal()
     path = write(tmp_path, state, pad=5000 - len(json.dumps(state)))
     real_fstat = os.fstat
@@ -225,13 +225,13 @@ def test_a_state_a_resume_would_refuse_is_not_saved(
         assert server.save_state()
         good = path.read_bytes()
         with monkeypatch.context() as m, caplog.at_level("WARNING", logger="blobfeed.service"):
-            m.setattr(server_module, "MAX_STATE_FILE_BYTES", len(good) - 1, raising=False)
+            m.setattr(server_module, "MAX_STATE_FILE_BYTES", len(good) - 1)
             assert not server.save_state()
             assert path.read_bytes() == good
             assert f"{len(good)} bytes" in caplog.text and "MAX_STATE_FILE_BYTES" in caplog.text, caplog.text
             caplog.clear()
-            m.setattr(server_module, "MAX_STATE_FILE_BYTES", 1 << 28, raising=False)
-            m.setattr(server_module, "MAX_ACKED_AFTER", 2, raising=False)
+            m.setattr(server_module, "MAX_STATE_FILE_BYTES", 1 << 28)
+            m.setattr(server_module, "MAX_ACKED_AFTER", 2)
             saved = json.loads(good)
             saved["sources"]["train"]["acked_after"] = [0, 1, 2]
             m.setattr(server, "state_dict", lambda source=None: saved)
