@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..worker_info import WorkerInfo
-from .messages import Note, Raised, Result, arrays_nbytes, plain_arrays, sendable, write_arrays
+from .messages import Note, Raised, Result, arrays_nbytes, plain_arrays, unsendable, write_arrays
 from .transport import SLOT_INDEX, WAKE, FdHandle, SlotArea, pack_exception, send_message
 from .unit_slots import UnitSlots
 from .worker_batches import BatchFiller
@@ -247,15 +247,29 @@ def _work(
         nonlocal pending, pending_bytes
         if not pending:
             return
-        try:
-            data = dumps(pending)
-        except Exception:
-            # one unpicklable result: send the others, and a stand-in the
-            # parent's validator refuses with a clear message
-            data = dumps([ev._replace(raw=sendable(ev.raw, dumps)) for ev in pending])
-        send_message(out, data)
-        pending = []
+        events, pending = pending, []
         pending_bytes = 0
+        try:
+            data = dumps(events)
+        except Exception:
+            # An unpicklable result (MemoryError too: one that claims more
+            # than there is): each result goes on its own, pickled once, so
+            # the others still arrive; each bad one as a stand-in that the
+            # parent's validator refuses, naming the pickling's error (and
+            # a random-access source's read unit, its state)
+            for ev in events:
+                try:
+                    data = dumps([ev])
+                except Exception as exc:
+                    unit = ev.state if units_fd is not None and type(ev.state) is int else None
+                    bad = ev._replace(raw=unsendable(ev.raw, exc, unit))
+                    try:
+                        data = dumps([bad])
+                    except Exception:  # the stateful fetcher's state was the unpicklable part
+                        data = dumps([bad._replace(state=None)])
+                send_message(out, data)
+            return
+        send_message(out, data)
 
     unit_slots: UnitSlots | None = None
     if units_fd is not None:

@@ -9,7 +9,13 @@ import numpy as np
 
 from ..errors import ChunkError
 
-__all__ = ["Stamped", "Batch", "Chunk", "EpochEnd", "GrantPin", "ChunkValidator", "ModelInput", "Pin", "check_model_inputs", "guess_samples"]
+__all__ = [
+    "Stamped", "Batch", "Chunk", "EpochEnd", "GrantPin", "ChunkValidator", "ModelInput", "Pin", "Unsendable",
+    "check_model_inputs", "guess_samples",
+]
+
+#: at most this many characters of the pickling error an Unsendable carries
+UNSENDABLE_CAUSE_CHARS = 500
 
 
 class Pin:
@@ -88,6 +94,39 @@ class EpochEnd(NamedTuple):
     arrays: tuple[Any, ...] = ()
     #: the net's batches of the epoch dropped right before it (``drop_last``)
     dropped: int = 0
+
+
+class Unsendable:
+    """Stands in for a result a worker could not pickle to send it to the
+    parent (``messages.sendable``): ``type_name`` the result's type,
+    ``cause`` the pickling error's repr (at most
+    :data:`UNSENDABLE_CAUSE_CHARS`), ``unit`` the read unit it was (a
+    random-access source), else None.  The parent's validator refuses it,
+    saying so."""
+
+    __slots__ = ("type_name", "cause", "unit")
+
+    def __init__(self, type_name: str, cause: str = "", unit: int | None = None) -> None:
+        self.type_name = type_name
+        self.cause = cause[:UNSENDABLE_CAUSE_CHARS]
+        self.unit = unit
+
+    def __getstate__(self) -> tuple[str, str, int | None]:
+        return self.type_name, self.cause, self.unit
+
+    def __setstate__(self, state: tuple[str, str, int | None]) -> None:
+        self.type_name, self.cause, self.unit = state
+
+    def __repr__(self) -> str:
+        return f"<unpicklable {self.type_name}>"
+
+    def problem(self) -> str:
+        """What the validator says of it (after the source and worker)."""
+        unit = "" if self.unit is None else f" (read unit {self.unit})"
+        return (
+            f"the worker's result{unit}, a {self.type_name}, could not be sent to the parent: "
+            f"pickling it raised {self.cause or 'an error'}"
+        )
 
 
 def _bad_chunk(where: str, detail: str, kind: type[Exception] = ValueError) -> ChunkError:
@@ -241,6 +280,10 @@ class ChunkValidator:
             return "none"
         where = f"source {self.source!r}, worker {worker_id}"
         if not isinstance(raw, (list, tuple)):
+            if type(raw) is Unsendable:
+                # the fetcher's result was fine as far as it goes: our own
+                # pickling of it (to the parent) failed
+                raise _bad_chunk(where, raw.problem())
             hint = ""
             if not isinstance(raw, np.ndarray) and callable(getattr(raw, "numpy", None)):
                 hint = f" ({_not_an_array(raw)}, in a list: [tensor.numpy()])"

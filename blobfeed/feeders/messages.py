@@ -30,10 +30,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from .chunks import Unsendable
+
 __all__ = [
     "ALIGN", "Arrays", "EpochDone", "Exhausted", "Note", "Raised", "Result", "Unsendable", "align",
     "arrays_nbytes", "layout_nbytes", "packed_nbytes", "place_arrays", "plain_arrays", "read_arrays", "sendable",
-    "write_arrays",
+    "unsendable", "write_arrays",
 ]
 
 #: every array in a shared buffer starts at a multiple of this
@@ -170,21 +172,21 @@ def packed_nbytes(packed: Arrays) -> int:
     return max((off + math.prod(shape) * np.dtype(dt).itemsize for dt, shape, off in packed.meta), default=0)
 
 
-class Unsendable:
-    """Stands in for a result that could not be pickled: the receiving
-    side's validator refuses it, naming its type."""
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = type_name
-
-    def __repr__(self) -> str:
-        return f"<unpicklable {self.type_name}>"
+def unsendable(raw: Any, exc: BaseException, unit: int | None = None) -> Unsendable:
+    """The stand-in for ``raw``, which pickling refused with ``exc``."""
+    try:
+        cause = repr(exc)
+    except Exception:  # a broken __repr__ of the error: its type at least
+        cause = type(exc).__name__
+    return Unsendable(f"{type(raw).__module__}.{type(raw).__qualname__}", cause, unit)
 
 
 def sendable(raw: Any, dumps: Callable[[Any], Any]) -> Any:
-    """``raw`` if ``dumps`` (the transport's pickler) takes it, else an :class:`Unsendable`."""
+    """``raw`` if ``dumps`` (the transport's pickler) takes it, else an
+    :class:`Unsendable` carrying the pickling error (MemoryError included:
+    a result too big to pickle is this result's fault, not the worker's)."""
     try:
         dumps(raw)
         return raw
-    except Exception:
-        return Unsendable(f"{type(raw).__module__}.{type(raw).__qualname__}")
+    except Exception as exc:
+        return unsendable(raw, exc)
