@@ -679,6 +679,80 @@ def test_a_bad_read_shard_fails_the_source_at_its_place_naming_the_shard(how: st
     assert got == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
 
 
+class Reused(Shards):
+    """Shard 4 (ids 15..23) read the ``readinto`` way: every chunk of
+    ``step`` samples written into the same two arrays (the other shards as
+    Shards reads them: ids as adjacent slices of one array, which is fine)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        if k != 4:
+            yield from super().__call__(k, offset)
+            return
+        ids = np.zeros(self.step, np.int64)
+        x = np.zeros((self.step, 3), np.float32)
+        for o in range(offset, self.sizes[k], self.step):
+            n = min(self.step, self.sizes[k] - o)
+            ids[:n] = np.arange(o, o + n) + self.starts[k]
+            x[:n] = ids[:n, None]
+            yield ids[:n], x[:n]
+
+
+REUSE = r"source 'train': shard 4, the chunk read_shard gave at sample {}, blob 'ids': read_shard yielded an " \
+        r"array that shares memory with one it yielded before and blobfeed still holds \(it overwrote its " \
+        r"buffer\?\): yield a new array each time \(or \.copy\(\)\)"
+
+
+# parts: the unit's earlier chunk; rest: the part of a chunk read past the
+# last unit; lent: the last unit, handed on as the chunk's own arrays
+@pytest.mark.parametrize("case,read_size,step,at,backend", [
+    ("parts", 4, 1, 1, "threads"), ("rest", 3, 4, 4, "threads"), ("lent", 2, 2, 2, "threads"),
+    ("parts", 4, 1, 1, "processes"), ("lent", 2, 2, 2, "processes"),
+])
+def test_a_read_shard_reusing_its_buffer_fails_naming_shard_and_sample(
+    case: str, read_size: int, step: int, at: int, backend: str,
+) -> None:
+    """It corrupted the stream silently (blobfeed kept the chunk's arrays
+    while the reader overwrote them with the next one)."""
+    with Pipeline(Reused(step), 1, 1, bs=5, epochs=1, shuffle=False, read_size=read_size, backend=backend) as p:
+        got = []
+        with pytest.raises(FetcherError, match=REUSE.format(at)):
+            while (event := p.next_event(0)) is not None:
+                got.append(event)
+    # the batches before shard 4 (ids 0..14) came first, uncorrupted (next_event checks x)
+    assert got == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12, 13, 14)]
+
+
+class InMemory(Shards):
+    """Every chunk a view of one array in memory (adjacent slices, the same
+    ones again in the next epoch): memory shared with no chunk blobfeed
+    holds unless it is the same samples."""
+
+    def __init__(self, sizes: Sequence[int], step: int) -> None:
+        super().__init__(sizes)
+        self.step = step
+        self.ids = np.arange(sum(sizes), dtype=np.int64)
+        self.x = np.repeat(self.ids.astype(np.float32)[:, None], 3, axis=1)
+
+    def __call__(self, k: int, offset: int) -> Iterator[Any]:
+        start, end = int(self.starts[k]), int(self.starts[k]) + self.sizes[k]
+        for i in range(start + offset, end, self.step):
+            yield self.ids[i:min(i + self.step, end)], self.x[i:min(i + self.step, end)]
+
+
+@pytest.mark.parametrize("sizes,read_size,step", [([2], 2, 2), ([6], 2, 2), ([6], 3, 2), (SIZES, 4, 1), (SIZES, 2, 3)])
+def test_chunks_that_are_views_of_one_array_are_not_taken_for_a_reused_buffer(
+    sizes: list[int], read_size: int, step: int,
+) -> None:
+    with Pipeline(InMemory(sizes, step), 1, 1, bs=2, epochs=2, shuffle=False, read_size=read_size,
+                  sizes=sizes) as p:
+        (got,) = p.lockstep()
+    assert got == reference(2, 2, shuffle=False, sizes=sizes)
+
+
 class Empties(Shards):
     """Shard 3 gives chunks of no sample forever from sample 1 on (``at="middle"``) or after its last one (``"end"``)."""
 

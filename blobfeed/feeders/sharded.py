@@ -257,6 +257,11 @@ class ShardedReader(UnitReader):
         self._perm: Any = None
         #: worker id -> its open shard (threads share one reader)
         self._open: dict[int, _Open] = {}
+        #: per worker: its last unit (arrays, shard, first sample, end) when
+        #: its arrays are the chunk's own (not copied): blobfeed holds them
+        #: on, and a read_shard that overwrites its buffer would change them
+        #: (see _Held)
+        self._lent: dict[int, tuple[list[np.ndarray], int, int, int]] = {}
 
     @property
     def fingerprint(self) -> tuple[int, str, int]:
@@ -275,6 +280,7 @@ class ShardedReader(UnitReader):
         state["_order"] = None
         state["_perm"] = None
         state["_open"] = {}
+        state["_lent"] = {}
         return state
 
     # -- the order ----------------------------------------------------------------
@@ -389,7 +395,12 @@ class ShardedReader(UnitReader):
                 for dst, a in zip(into, arrays):
                     np.copyto(dst, a, casting="no")
                 return Stamped(into, r.unit)
-            return Stamped([_own(a) for a in arrays], r.unit)
+            out = [_own(a) for a in arrays]
+            for o, a in zip(out, arrays):
+                if o is a:  # handed on as read: the next chunks must not overwrite it
+                    self._lent[worker_id] = (out, k, lo, hi)
+                    break
+            return Stamped(out, r.unit)
         size = int(self.sizes[k])
         read_lo, read_hi = lo // b * b, min(-(-hi // b) * b, size)
         arrays = self._take(worker_id, k, read_lo, read_hi)
@@ -411,6 +422,7 @@ class ShardedReader(UnitReader):
         return self.into(layout)
 
     def _close(self, worker_id: int) -> None:
+        self._lent.pop(worker_id, None)
         was = self._open.pop(worker_id, None)
         if was is not None:
             was.close()
@@ -436,7 +448,7 @@ class ShardedReader(UnitReader):
                 raise IndexedReadError(f"source {self.source!r}: read_shard({k}, {lo}) raised {safe_repr(exc)}") from exc
             cur = _Open(k, lo, lo, it, None, 0)
         try:
-            out, rest, extra = self._read_from(cur, k, lo, hi)
+            out, rest, extra = self._read_from(cur, k, lo, hi, self._lent.pop(worker_id, None))
         except BaseException:
             cur.close()  # a failed read leaves no file open behind it
             raise
@@ -446,15 +458,21 @@ class ShardedReader(UnitReader):
             cur.close()
         return out
 
-    def _read_from(self, cur: _Open, k: int, lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray] | None, int]:
+    def _read_from(
+        self, cur: _Open, k: int, lo: int, hi: int, lent: tuple[list[np.ndarray], int, int, int] | None = None,
+    ) -> tuple[list[np.ndarray], list[np.ndarray] | None, int]:
         """Samples ``lo .. hi-1`` of shard ``k`` from ``cur``: the unit's
         arrays, what was read past it and how many samples that is.  At the
-        shard's end, checks that nothing follows."""
+        shard's end, checks that nothing follows.  ``lent``: the worker's
+        last unit, handed on as the chunk's own arrays, with its shard and
+        samples: no new chunk may share memory with it (unless it reads
+        those samples again), nor with the unit's earlier chunks."""
         size = int(self.sizes[k])
         want = hi - lo
         parts: list[list[np.ndarray]] = []
         have = 0
         empty = 0  # chunks of no sample in a row
+        held = None  # made at the first chunk read (a unit read from what was left reads none)
         if cur.rest is not None:
             parts.append(cur.rest)
             have = cur.count
@@ -473,6 +491,22 @@ class ShardedReader(UnitReader):
                     f"{k} at sample {at}"
                 ) from exc
             arrays, count = self._chunk(k, at, chunk)
+            if held is None:
+                held = _Held()
+                # the last unit's memory may come again only for the same
+                # samples (a new epoch reading that shard from an array in memory)
+                if lent is not None and (lent[1] != k or lent[3] <= lo):
+                    held.take(lent[0])
+                if cur.rest is not None:
+                    held.take(cur.rest)
+            j = held.take(arrays)
+            if j >= 0:
+                raise IndexedReadError(
+                    f"source {self.source!r}: shard {k}, the chunk read_shard gave at sample {at}, blob "
+                    f"{self.blob_names[j]!r}: read_shard yielded an array that shares memory with one it yielded "
+                    "before and blobfeed still holds (it overwrote its buffer?): yield a new array each time "
+                    "(or .copy())"
+                )
             if count:
                 parts.append(arrays)
                 have += count
@@ -568,6 +602,114 @@ class ShardedReader(UnitReader):
                     f"{where}, blob {b!r}: {a.shape[ax]} samples; the blob(s) before it have {count}"
                 )
         return arrays, count or 0
+
+
+class _Held:
+    """The arrays a unit's read holds (chunks read for it, what the last
+    unit left, the last unit itself when handed on as read), to tell a new
+    chunk that shares memory with one of them: a read_shard that writes
+    every chunk into the same buffer (``readinto``) would change them.
+
+    Cheap: arrays are grouped by the object owning their memory (the root
+    of their ``base`` chain); a new array whose owner holds nothing here
+    (a reader making new arrays) costs a dict look-up.  One whose owner
+    does (the same buffer again, or slices of one large array) is compared
+    with that owner's held arrays (``np.may_share_memory``: bounds only,
+    then ``np.shares_memory`` to rule out interleaved strides); past
+    :data:`HELD_SCAN` of them, first against their span, by byte bounds
+    (slices of one array, read on, lie beside it)."""
+
+    __slots__ = ("by_owner",)
+
+    def __init__(self) -> None:
+        #: id(owner) -> [owner (kept: its id stays its), held arrays, span (lo, hi) or None]
+        self.by_owner: dict[int, list[Any]] = {}
+
+    def take(self, arrays: Sequence[np.ndarray]) -> int:
+        """Holds ``arrays`` (one chunk's), unless one of them shares memory
+        with an array held before: then its position, else -1."""
+        by_owner = self.by_owner
+        new = []
+        for j, a in enumerate(arrays):
+            if not a.nbytes:
+                continue
+            owner = _owner(a)
+            entry = by_owner.get(id(owner))
+            bounds = None
+            if entry is not None:
+                bounds = _overlaps(a, entry)
+                if bounds is True:
+                    return j
+            new.append((a, owner, bounds))
+        # held once the whole chunk passed: its own arrays may share memory
+        for a, owner, bounds in new:
+            entry = by_owner.get(id(owner))
+            if entry is None:
+                by_owner[id(owner)] = [owner, [a], None]
+                continue
+            entry[1].append(a)
+            if entry[2] is not None:
+                lo, hi = bounds or _bounds(a)
+                entry[2] = (min(entry[2][0], lo), max(entry[2][1], hi))
+        return -1
+
+
+#: an owner's held arrays a new array is compared with one by one; past
+#: this many, against their span first
+HELD_SCAN = 4
+
+
+def _overlaps(a: np.ndarray, entry: list[Any]) -> bool | tuple[int, int] | None:
+    """True when ``a`` shares memory with an array of ``entry`` (an
+    owner's), else its byte bounds if they were needed, else None."""
+    held = entry[1]
+    bounds = None
+    if len(held) > HELD_SCAN:
+        if entry[2] is None:
+            spans = [_bounds(b) for b in held]
+            entry[2] = (min(s[0] for s in spans), max(s[1] for s in spans))
+        bounds = lo, hi = _bounds(a)
+        if hi <= entry[2][0] or lo >= entry[2][1]:
+            return bounds  # beside all of them (the next slice of a large array)
+    for b in reversed(held):
+        if np.may_share_memory(a, b) and _shares(a, b):
+            return True
+    return bounds
+
+
+def _owner(a: np.ndarray) -> Any:
+    """The object owning ``a``'s memory: the first array of its base chain
+    that owns its data, or the buffer (a memoryview's object) under it."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    base = a.base
+    if base is None:
+        return a
+    if type(base) is memoryview and base.obj is not None:
+        return base.obj
+    return base
+
+
+def _bounds(a: np.ndarray) -> tuple[int, int]:
+    """The bytes ``a`` spans: ``[lo, hi)`` addresses (``a`` not empty)."""
+    lo = hi = a.__array_interface__["data"][0]
+    if a.flags.c_contiguous:
+        return lo, lo + a.nbytes
+    for n, stride in zip(a.shape, a.strides):
+        if stride < 0:
+            lo += (n - 1) * stride
+        else:
+            hi += (n - 1) * stride
+    return lo, hi + a.itemsize
+
+
+def _shares(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` share a byte (bounds overlapping: strides
+    may interleave); too hard to tell in a bounded time: not proven, False."""
+    try:
+        return bool(np.shares_memory(a, b, max_work=100_000))
+    except np.exceptions.TooHardError:
+        return False
 
 
 def _slice(a: np.ndarray, ax: int, lo: int, hi: int) -> np.ndarray:
