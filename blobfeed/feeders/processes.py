@@ -440,25 +440,30 @@ class _Worker:
 
     def _report_death(self) -> None:
         code = self.exitcode
-        if self.units is not None and self.area.started() and code is not None and code != 0:
-            # a random-access source's worker: the units it held are read
-            # again, by a new process in its place
+        started = self.area.started()
+        if self.units is not None and code is not None and (code < 0 if not started else code != 0):
+            # a random-access source's worker: the units it held (those
+            # already written down its pipe too) are read again, by a new
+            # process in its place.  Before it started, only a signal: a
+            # kill may land on a process still starting (a replacement, one
+            # set_num_workers added), where an exit code is its start-up
+            # failing, which another process would repeat
             intake = self.plan.intake
             poison = self.units.retire(self.holder)
             if poison:
                 unit, tries = poison[0]
                 intake.died(
-                    f"worker process pid {self.pid} {_describe(code)}; the processes reading read unit "
-                    f"{unit} died {tries} times (a sample that kills its reader?)"
+                    f"worker process pid {self.pid} {_describe(code)}; the processes reading "
+                    f"{self.units.name_of(unit)} died {tries} times (a sample that kills its reader?)"
                 )
                 return
             if self.group.replace(self, code):
                 intake.stats.deaths[intake.backend] += 1  # counted as any death (died() counts its own)
                 return
             self.units.release(self.plan.worker_id)  # not replaced: any worker reads them
-        code = self.exitcode
-        if self.area.started() or code is None or code < 0:
-            self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}")
+        if started or code is None or code < 0:
+            self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}",
+                                  when="" if started else " while starting")
             return
         # Ended with a code before blobfeed's code ran in it: in
         # multiprocessing's start-up, which imports the main module.
