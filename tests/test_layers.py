@@ -62,7 +62,7 @@ LAYERS: dict[str, int] = {
     # the reader seam: the one way in to a source besides the public names
     "blobfeed.reader": 11.02,
     # the feeding service: a source served to nets in other processes
-    "blobfeed.service.wire": 11.1, "blobfeed.service.ackstream": 11.12, "blobfeed.service.tcp": 11.15,
+    "blobfeed.service.wire": 11.1, "blobfeed.service.ackstream": 11.12, "blobfeed.service.state_file": 11.12, "blobfeed.service.tcp": 11.15,
     "blobfeed.service.slots": 11.2,
     "blobfeed.service.arena": 11.22,
     "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,

@@ -4,6 +4,7 @@ loaded (a state is user input: a file on disk)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NoReturn, Sequence
 
 from ..feeders import READABLE_VERSIONS, InputSource
@@ -80,6 +81,22 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
     }
 
 
+logger = logging.getLogger("blobfeed.coordinator")
+
+
+def _source_name(check: Any, name: str, state: dict[str, Any]) -> None:
+    """The state's ``source``, when it has one: a str; another name than the
+    source's is only logged (a renamed source resumes; its layout fields
+    are what say whether it is the same stream)."""
+    if "source" not in state:
+        return
+    saved = state["source"]
+    if not isinstance(saved, str):
+        check.fail(["source"], f"expected the source's name (a str), got {saved!r}")
+    if saved != name:
+        logger.warning("source %r: loading a state saved by source %r", name, saved)
+
+
 #: the fields of a random-access source's state that its stream depends on
 _RA_LAYOUT = ("length", "batch_size", "seed", "shuffle", "equal", "axes")
 #: and those of a sharded source (checked first: another shard count says more than another length)
@@ -91,6 +108,11 @@ MAX_SKIP_ENTRIES = 1 << 20
 #: about one epoch per net: each is a piece it is handed on load, so an
 #: untrusted state may not ask for more)
 MAX_UNTOLD_EPOCHS = 1 << 16
+#: a net is at most this many of its own batches ahead of the slowest net's
+#: next batch (a faster net is ahead by what the slower nets' queues hold:
+#: a few batches each; a state that says more is damaged, and would have the
+#: net drop that many batches read again, or its state_dict walk them)
+MAX_LEAD = 1 << 16
 #: global positions of a random-access source stay below this (2**62: a
 #: read unit's record says them as signed 64-bit ints, with room to spare)
 MAX_POSITION = 1 << 62
@@ -110,6 +132,22 @@ def _net_entry(check: Any, j: int, entry: Any, k: int, sizes: tuple[int, ...]) -
     return nxt
 
 
+def _leads(check: Any, next_batches: Sequence[int], batches: int) -> list[int]:
+    """How many of its own batches each net is past the position's next
+    batch ``batches`` (the nets are dealt in turn); a lead over
+    :data:`MAX_LEAD` is refused naming the net's entry."""
+    k = len(next_batches)
+    leads = []
+    for j, nxt in enumerate(next_batches):
+        first = batches + ((j - batches) % k)  # net j's first batch at or past the position
+        lead = max(0, (nxt - first + k - 1) // k)
+        if lead > MAX_LEAD:
+            check.fail(["nets", j, 1], f"expected at most {MAX_LEAD} of net {j}'s batches ahead of the "
+                       f"slowest net (its next batch is {min(next_batches)}), got {nxt}: {lead} ahead")
+        leads.append(lead)
+    return leads
+
+
 def _told_near(check: Any, j: int, told: int, epoch: int) -> None:
     """Net ``j`` was told of the end of epochs up to ``told``: within
     MAX_UNTOLD_EPOCHS of the position's ``epoch`` (each epoch end between
@@ -126,10 +164,15 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
     check = _Checker(name)
     version = check.get(state, ["version"])
     if version != INDEXED_STATE_VERSION or type(version) is not int:
+        if type(version) is int and version not in READABLE_VERSIONS:
+            cause = "an unknown version: from a newer blobfeed, or damaged"
+        else:
+            cause = "a state of a fetch_fun source cannot resume a random-access one"
         raise ValueError(
             f"source {name!r}: state has version {version!r}; a random-access source reads version "
-            f"{INDEXED_STATE_VERSION} (a state of a fetch_fun source cannot resume a random-access one)"
+            f"{INDEXED_STATE_VERSION} ({cause})"
         )
+    _source_name(check, name, state)
     wired = random_access_layout(source)
     kind = wired["kind"]
     if state.get("kind") != kind:
@@ -156,11 +199,13 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
         check.fail(["position", "epoch"], f"epoch {epoch} of {n} samples ends past sample 2**62, "
                    "further than blobfeed counts")
     check.integer(check.get(position, ["position", "offset"]), ["position", "offset"], 0, n + 1)
+    counts = {}
     for key in ("skip", "returned"):
         entries = check.get(state, [key])
         if not isinstance(entries, list) or len(entries) > MAX_SKIP_ENTRIES:
             check.fail([key], f"expected a list of at most {MAX_SKIP_ENTRIES} [epoch, offset, count], "
                        f"got {type(entries).__name__}{f' of {len(entries)}' if isinstance(entries, list) else ''}")
+        counts[key] = 0
         for i, entry in enumerate(entries):
             if not isinstance(entry, list) or len(entry) != 3:
                 check.fail([key, i], f"expected [epoch, offset, count], got {entry!r}")
@@ -169,7 +214,13 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
                 check.fail([key, i, 0], f"epoch {e} of {n} samples ends past sample 2**62, "
                            "further than blobfeed counts")
             off = check.integer(entry[1], [key, i, 1], 0, n)
-            check.integer(entry[2], [key, i, 2], 1, n - off + 1)
+            counts[key] += check.integer(entry[2], [key, i, 2], 1, n - off + 1)
+    # a resume with another number of nets leaves both out of its stream, and
+    # its own state says them all as "skip": together under the bound, so that
+    # blobfeed reads back what it writes
+    if len(state["skip"]) + len(state["returned"]) > MAX_SKIP_ENTRIES:
+        raise ValueError(f"source {name!r}: state['skip'] and state['returned']: at most {MAX_SKIP_ENTRIES} "
+                         f"entries together, got {len(state['skip']) + len(state['returned'])}")
     nets = check.get(state, ["nets"])
     if not isinstance(nets, list) or not nets or len(nets) > 1 << 16:
         check.fail(["nets"], f"expected a list of [net name, next batch, epoch], got {nets!r}")
@@ -184,6 +235,14 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
     if not low - k < batches <= low:
         check.fail(["position", "batches"], f"expected {low} (the next batch of the slowest net, "
                    f"in {next_batches}), got {batches}")
+    # every batch a faster net returned past the position is in "returned",
+    # and holds a sample at least: a net said further ahead would drop
+    # batches nobody read (the same nets), or be dealt them again (others)
+    ahead = sum(_leads(check, next_batches, batches))
+    if ahead > counts["returned"]:
+        check.fail(["returned"], f"the nets are {ahead} batches ahead of the position in all (their next "
+                   f"batches {next_batches}, the position's {batches}), but it holds {counts['returned']} "
+                   "samples: each batch a net returned past the position is there")
 
 
 #: what a state must hold (``seed``, ``shuffle_buffer``, ``drop_last``, ``equal`` came later: see _LAYOUT)
@@ -274,8 +333,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
             f"source {name!r}: state has version {version!r}; this blobfeed reads "
             f"versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
-    if "source" in state and not isinstance(state["source"], str):
-        check.fail(["source"], f"expected the source's name (a str), got {state['source']!r}")
+    _source_name(check, name, state)
     feeds = source.feeds
     k = len(feeds)
     nets = state["nets"]
@@ -330,13 +388,16 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
             # a net may be epochs ahead of the position (the slowest net's),
             # and a shuffled source's position stays at its start.
             if k == 1 and not source.dealing.shuffle_buffer:
-                check.integer(entry[2], ["nets", j, 2], 0, epoch + 1)
+                told = check.integer(entry[2], ["nets", j, 2], 0, epoch + 1)
+                # each epoch between told and the position is a piece the net is handed on load
+                _told_near(check, j, told, epoch)
             elif epochs is not None:
                 check.integer(entry[2], ["nets", j, 2], 0, epochs)
             else:
                 _told_near(check, j, check.integer(entry[2], ["nets", j, 2], 0), epoch)
         next_batches.append(nxt)
     low = min(next_batches)
+    _leads(check, next_batches, low)
     if source.dealing.shuffle_buffer:
         # a shuffled source resumes from its start, dropping what each net had
         start = {"batches": 0, "epoch": 0, "rr": 0, "offset": 0}

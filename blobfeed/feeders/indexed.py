@@ -412,7 +412,7 @@ _PLAIN = {tuple, list}
 _NUMPY = (np.ndarray, np.generic)
 _MISSING = object()
 #: numpy scalar types whose dtype their type says (not str, bytes, void, datetime: their size or unit varies)
-_SCALARS = {t: np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+_SCALARS: dict[type, np.dtype] = {t: np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                                      np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
                                      np.complex128, np.longlong, np.ulonglong, np.longdouble, np.clongdouble)}
 _DTYPE = operator.attrgetter("dtype")

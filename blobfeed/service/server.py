@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ from .connection import Connection, Refused
 from .served import ARENA_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 from .transport import TCP, carrier_for
+from .state_file import STATE_VERSION, field_name, read_state, savable
 from .wire import MAX_SLOTS
 
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
@@ -40,8 +40,6 @@ logger = logging.getLogger("blobfeed.service")
 #: stops the service's coordinator as a user would (see coordinator.lifecycle.STOPS_AS_A_USER)
 _blobfeed_stops_as_a_user = True
 
-#: the version of a service state (``FeedServer.state_dict``)
-STATE_VERSION = 1
 #: seconds stop() waits for consumers to close after being told
 STOP_DRAIN_S = 1.0
 #: seconds stop() waits, in all, for the connections' threads once closed
@@ -164,7 +162,7 @@ class FeedServer:
         self._metrics: Any = None
         self.registry.register(_ServiceCollector(self))
         #: the state to resume from, read (and checked) now: its seeds wire the sources
-        self._resume_state = self._read_state(self.state_file) if resume else None  # type: ignore[arg-type]
+        self._resume_state = read_state(self.state_file) if resume else None  # type: ignore[arg-type]
 
     # -- wiring ------------------------------------------------------------------------
     def setup(self, wire: Callable[[], Any]) -> "FeedServer":
@@ -546,7 +544,10 @@ class FeedServer:
         return {"version": STATE_VERSION, "sources": states}
 
     def save_state(self) -> bool:
-        """Write :meth:`state_dict` to ``state_file`` atomically; False if it could not."""
+        """Write :meth:`state_dict` to ``state_file`` atomically; False if it
+        could not, or if a resume would refuse it (over
+        :data:`MAX_STATE_FILE_BYTES` or :data:`MAX_ACKED_AFTER`: a warning
+        says so, and the state saved last stays)."""
         if self.state_file is None:
             return False
         try:
@@ -554,76 +555,17 @@ class FeedServer:
         except (ValueError, RuntimeError) as err:
             logger.warning("service: state not saved: %s", err)
             return False
+        text = savable(state, self.state_file)
+        if text is None:
+            return False
         tmp = f"{self.state_file}.tmp"
         with open(tmp, "w") as f:
-            json.dump(state, f)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.state_file)
         logger.info("service: state saved to %s", self.state_file)
         return True
-
-    @staticmethod
-    def _read_state(path: str) -> dict[str, Any]:
-        """The state in ``path``, its shape checked at every level down to
-        each source's inner state (which ``load_state_dict`` checks).
-
-        Raises:
-            ValueError: no such file, not JSON, or a field of the wrong
-                kind, value or name (the message names it).
-        """
-        try:
-            with open(path) as f:
-                state = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"resume: no state file {path!r}") from None
-        except RecursionError:
-            raise ValueError(f"resume: {path!r} is not a service state: nested too deeply") from None
-        except (OSError, ValueError) as err:
-            raise ValueError(f"resume: {path!r} is not a service state: {err}") from None
-        where = f"resume: {path!r}"
-
-        def bad(field: str, message: str) -> ValueError:
-            return ValueError(f"{where}: {field}: {message}")
-
-        def fields(obj: dict[str, Any], field: str, known: tuple[str, ...], required: tuple[str, ...]) -> None:
-            for key in obj:
-                if key not in known:
-                    raise bad(field, f"unknown field {key!r} (expected {', '.join(map(repr, known))})")
-            for key in required:
-                if key not in obj:
-                    raise bad(f"{_field(field, key)}", "missing (the state is damaged, or not from state_dict())")
-
-        if not isinstance(state, dict):
-            raise bad("the state", f"expected an object {{'version': {STATE_VERSION}, 'sources': {{...}}}}, "
-                      f"got {_kind(state)}")
-        fields(state, "the state", ("version", "sources"), ("version", "sources"))
-        if type(state["version"]) is not int or state["version"] != STATE_VERSION:
-            raise bad("state['version']", f"this service reads version {STATE_VERSION}, got {_kind(state['version'])}")
-        sources = state["sources"]
-        if not isinstance(sources, dict):
-            raise bad("state['sources']", f"expected an object (source name: its state), got {_kind(sources)}")
-        for name, s in sources.items():
-            field = _field("state['sources']", name)
-            if not isinstance(s, dict):
-                raise bad(field, "expected an object {'service_version': 1, 'source': NAME, 'inner': {...}}, "
-                          f"got {_kind(s)}")
-            fields(s, field, ("service_version", "source", "inner", "acked_after"), ("inner",))
-            if "service_version" in s and (type(s["service_version"]) is not int or s["service_version"] != 1):
-                raise bad(_field(field, "service_version"), f"expected 1, got {_kind(s['service_version'])}")
-            if "source" in s and s["source"] != name:
-                raise bad(_field(field, "source"), f"expected {name!r} (the name it is saved under), "
-                          f"got {_kind(s['source'])}")
-            if not isinstance(s["inner"], dict):
-                raise bad(_field(field, "inner"), "expected an object (the source's position, from its "
-                          f"state_dict()), got {_kind(s['inner'])}")
-            after = s.get("acked_after", [])
-            # 0: the batch at the position was acknowledged in a run before
-            # (a resumed run saves what it is still to skip)
-            if not isinstance(after, list) or not all(type(x) is int and 0 <= x < 1 << 40 for x in after):
-                raise bad(_field(field, "acked_after"), "expected a list of ints >= 0 (batches acknowledged "
-                          f"past the position), got {_kind(after)}")
-        return state
 
     def _load(self, path: str) -> None:
         state = self._resume_state
@@ -642,7 +584,7 @@ class FeedServer:
             try:
                 self.coordinator.load_state_dict(name, s["inner"])
             except (ValueError, TypeError) as err:
-                field = _field(_field("state['sources']", name), "inner")
+                field = field_name(field_name("state['sources']", name), "inner")
                 raise ValueError(f"resume: {path!r}: {field} (the source's position): {err}") from None
             served = self.sources[name]
             if served.shared is not None:
@@ -739,19 +681,6 @@ class FeedServer:
 
     def __repr__(self) -> str:
         return f"<FeedServer {sorted(self.sources)} at {self.address}>"
-
-
-def _field(field: str, key: object) -> str:
-    """``field[key]``, as a message names a field of a state."""
-    return f"{field}[{key!r}]"
-
-
-def _kind(value: object) -> str:
-    """What a message says a state held: its JSON kind, and the value if short."""
-    kinds = {dict: "an object", list: "a list", str: "a str", bool: "a bool", int: "an int", float: "a number"}
-    kind = kinds.get(type(value), "null" if value is None else type(value).__name__)
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return kind if value is None or len(text) > 60 else f"{kind} {text}"
 
 
 def _alive(path: str) -> str | None:

@@ -148,6 +148,10 @@ class IndexedDealer(LaneDealer):
             turns=self._unit_turns, stage=UnitCut(), rounds=rounds, max_bytes=max_bytes,
         )
         self._epoch = self._unit_turns.epoch
+        #: global ranges a loaded state said the faster nets had returned past
+        #: its position (a resume with the same nets re-reads and drops them):
+        #: a state saved before the stream dealt them again must still say so
+        self._loaded_returned: list[tuple[int, int]] = []
 
     # -- workers -----------------------------------------------------------------
     # hooks of LaneDealer.put: a lane stays sorted by unit (a worker process
@@ -293,13 +297,17 @@ class IndexedDealer(LaneDealer):
         kept = self._positions.kept
         k = len(nets_at)
         returned: list[tuple[int, int]] = []
-        for j, (_, nxt, _) in enumerate(nets_at):
-            b = batches + ((j - batches) % k)
-            while b < nxt:
-                lo, hi = kept.get(b), kept.get(b + 1)
-                if lo is not None and hi is not None:
-                    returned.append((lo[1], hi[1]))
-                b += k
+        # net j's batches past the position that it returned, from what this
+        # run dealt (the keys of `kept`: never a loop as long as a number)
+        ahead = {j: nxt for j, (_, nxt, _) in enumerate(nets_at) if nxt > batches}
+        for b in sorted(list(kept)):  # list(): a C-level copy, atomic under the GIL
+            if b < batches or b % k not in ahead or b >= ahead[b % k]:
+                continue
+            lo, hi = kept.get(b), kept.get(b + 1)
+            if lo is not None and hi is not None:
+                returned.append((lo[1], hi[1]))
+        # and what the loaded state said they had, not yet dealt again
+        returned += [(max(lo, g), hi) for lo, hi in self._loaded_returned if hi > g]
         epoch, offset = divmod(g, self.units.n)
         if epoch and not offset:
             # the end of an epoch: said as such (the end of the data is in
@@ -342,11 +350,13 @@ class IndexedDealer(LaneDealer):
             self._offset = self._prefix = 0
             if same:
                 # the faster nets' batches are read again and dropped (skip_until)
+                self._loaded_returned = ranges("returned")
                 self.units.restart(g, ranges("skip"))
                 self._batch = pos["batches"]
                 for box, (_, nxt, told) in zip(self.outboxes, state["nets"]):
                     self._place(box, nxt, told)
             else:
+                self._loaded_returned = []
                 self.units.restart(g, ranges("skip") + ranges("returned"))
                 self._batch = 0
                 told = min(entry[2] for entry in state["nets"])
