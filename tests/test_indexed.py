@@ -1338,7 +1338,7 @@ class EveryHalfSecond(threading.Thread):
                 self.killed.append(pid)
 
 
-# Each example is a run of about 3 s plus its replacements (2-6 s a run).
+# Each example is a run of about 2 s plus its replacements (2-5 s a run).
 # The two explicit ones are the distinct cases, each value of each argument
 # once: a single worker (every kill leaves no lane: nothing flows until it is
 # replaced) with two nets, and four workers (a kill while the other lanes
@@ -1353,11 +1353,13 @@ def test_a_worker_process_sigkilled_every_half_second_loses_and_repeats_nothing(
     import shutil
     import tempfile
 
-    n, bs, epochs = 96, 4, 4
+    n, bs, epochs = 64, 4, 4
     marks = tempfile.mkdtemp(prefix="blobfeed-kills-")
     killer = EveryHalfSecond(marks, seed, limit=6)
     try:
-        # 192 units of 2, about 3 s whatever the worker count
+        # 128 units of 2, about 2 s of reads whatever the worker count: a kill
+        # every 0.5 s from the first process's fourth unit on, each replacement
+        # killable after four units of its own (was 192 units, 3 s)
         with Pipeline(ReadLog(n, marks, delay=0.015 * workers), nets, workers, bs=bs, epochs=epochs, seed=seed,
                       read_size=2, backend="processes") as p:
             p.start()
