@@ -218,11 +218,9 @@ class _Worker:
     UNITS_AHEAD = 2
 
     def attach_units(self) -> None:
-        """Have the dispenser push the child its read units down its pipe,
-        :data:`UNITS_AHEAD` at most that it has not delivered, from the
-        threads that free them (no thread of its own: a thread woken per
-        unit cost two to five context switches a unit); the pipe's end
-        tells the child there are no more."""
+        """The dispenser pushes the child its units down its pipe
+        (:data:`UNITS_AHEAD` undelivered at most) from the threads that free
+        them (a thread per process cost 2-5 context switches a unit)."""
         if self.units is not None:
             self.units.attach(self.plan.worker_id, self.holder, self.UNITS_AHEAD, self._send_unit, self._unit_failed)
 
@@ -442,12 +440,9 @@ class _Worker:
         code = self.exitcode
         started = self.area.started()
         if self.units is not None and code is not None and (code < 0 if not started else code != 0):
-            # a random-access source's worker: the units it held (those
-            # already written down its pipe too) are read again, by a new
-            # process in its place.  Before it started, only a signal: a
-            # kill may land on a process still starting (a replacement, one
-            # set_num_workers added), where an exit code is its start-up
-            # failing, which another process would repeat
+            # a random-access source's worker: its units (those in its pipe
+            # too) are read again by a new process.  Before its start only a
+            # kill (an exit code is a start-up failing, as the next one would)
             intake = self.plan.intake
             poison = self.units.retire(self.holder)
             if poison:
