@@ -96,8 +96,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     process takes them all, on one cluster, started at the first of them and
     shut down after the last (:func:`pytest_runtest_teardown`), before any
     other test of that process runs (the cluster's processes, threads and
-    sockets would be in the way of the leak checks); the other process runs
-    the other tests meanwhile, and both share what is left after.  Each
+    sockets would be in the way of the leak checks); the other processes
+    (pyproject's ``-n 3``: two) run the other tests meanwhile, and all share
+    what is left after.  Each
     process started a cluster of its own before (10-27 s each), and ran its
     Ray tests last, beside the other process's cluster.  As the last group
     of the order the Ray tests took most of the suite's time in their

@@ -517,18 +517,20 @@ def test_a_stateful_fetcher_saved_at_an_epoch_boundary_resumes_into_the_next_epo
         gc.stop(timeout=WAIT)
 
 
+def wire_endless(gc: blobfeed.GlobalCoordinator, nets: int = 2) -> list[Net]:
+    """``nets`` nets of one endless source (``epochs=None``)."""
+    out = [Net(name=f"n{j}") for j in range(nets)]
+    for net in out:
+        init_data_input_workers(net, ["ids"], make_fetch(), 4, num_worker_threads=2, input_source_name=SRC,
+                                coordinator=gc, seed=11, deterministic=True, epochs=None, timeout=WAIT)
+    return out
+
+
 def test_an_endless_state_far_from_its_nets_told_epochs_is_refused() -> None:
     """An untrusted state of an endless source (epochs=None) whose position
     is epochs away from the epoch ends its nets were told of: each epoch
     between them is a piece a net is handed on load, so it could make the
     load allocate without bound; it is refused naming the field."""
-    def wire_endless(gc: blobfeed.GlobalCoordinator) -> list[Net]:
-        nets = [Net(name=f"n{j}") for j in range(2)]
-        for net in nets:
-            init_data_input_workers(net, ["ids"], make_fetch(), 4, num_worker_threads=2, input_source_name=SRC,
-                                    coordinator=gc, seed=11, deterministic=True, epochs=None, timeout=WAIT)
-        return nets
-
     gc = blobfeed.GlobalCoordinator()
     try:
         nets = wire_endless(gc)

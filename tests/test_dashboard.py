@@ -55,9 +55,24 @@ def _datasources(node: Any) -> Iterator[dict[str, Any]]:
             yield from _datasources(value)
 
 
-@pytest.fixture
-def exported(gc: blobfeed.GlobalCoordinator) -> dict[str, str]:
-    """{sample name: family type} from a live pipeline's registry (after a short run)."""
+#: the tests that read ``exported``: one test process takes both
+#: (``--dist loadgroup``), so the pipeline runs once (a second's wait for its
+#: first verdict) for the two
+EXPORTED = pytest.mark.xdist_group("dashboard-exported")
+
+
+@pytest.fixture(scope="module")
+def exported() -> dict[str, str]:
+    """{sample name: family type} from a live pipeline's registry (after a
+    short run); the pipeline is stopped once its names are read."""
+    gc = blobfeed.GlobalCoordinator(log_interval=0.05)
+    try:
+        return _exported(gc)
+    finally:
+        assert gc.stop(timeout=5.0), "a thread outlived stop()"
+
+
+def _exported(gc: blobfeed.GlobalCoordinator) -> dict[str, str]:
     rng = np.random.default_rng(0)
 
     def fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
@@ -134,12 +149,14 @@ def test_graphs_the_key_signals(dashboard: dict[str, Any]) -> None:
     assert re.search(r"by \([^)]*\bkind\b", exprs), "fetch errors should be split by kind"
 
 
+@EXPORTED
 def test_every_metric_in_the_dashboard_is_exported(dashboard: dict[str, Any], exported: dict[str, str]) -> None:
     referenced = {name for expr in _queries(dashboard) for name in METRIC.findall(expr)}
     unknown = sorted(referenced - set(exported))
     assert not unknown, f"the dashboard queries series blobfeed does not export: {unknown}"
 
 
+@EXPORTED
 def test_rates_and_quantiles_fit_the_metric_types(dashboard: dict[str, Any], exported: dict[str, str]) -> None:
     for expr in _queries(dashboard):
         for name in re.findall(r"\b(?:rate|irate|increase)\((blobfeed_[a-z0-9_]+)", expr):

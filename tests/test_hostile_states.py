@@ -15,26 +15,34 @@ from typing import Any
 import pytest
 
 import blobfeed
-from blobfeed import Net, init_data_input_workers
 from blobfeed.coordinator import checkpoint
 
-from .test_coordinator_state import make_fetch, refused, saved
+from .test_coordinator_state import SRC as FETCH_SRC
+from .test_coordinator_state import refused, saved, wire_endless
 from .test_indexed import SRC, WAIT, Items, Pipeline, batches_of
 
 
-def _apart(n: int = 20, nets: int = 2) -> dict[str, Any]:
-    """A random-access state saved with net 0 two batches ahead of net 1."""
+def _apart(n: int = 20, nets: int = 2) -> tuple[dict[str, Any], list[tuple[int, ...]]]:
+    """A random-access state saved with net 0 two batches ahead of net 1,
+    and the batches the nets had."""
     with Pipeline(Items(n), nets, 2, bs=2, epochs=1, read_size=2) as p:
         p.start()
         first = [[p.next_event(0) for _ in range(3)], [p.next_event(1)]]
         state = p.state()
-    state["_delivered"] = [b for ev in first for b in batches_of([e for e in ev if e is not None])]
-    return state
+    return state, [b for ev in first for b in batches_of([e for e in ev if e is not None])]
+
+
+def _refused(state: dict[str, Any], match: str, nets: int = 2) -> None:
+    """Loading ``state`` into a pipeline of ``nets`` nets over _apart's data is refused, quickly."""
+    with Pipeline(Items(20), nets, 2, bs=2, epochs=1, read_size=2) as p:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=match):
+            p.gc.load_state_dict(SRC, state)
+        assert time.monotonic() - t0 < 5.0
 
 
 def test_a_resume_saved_again_before_its_stream_moved_keeps_what_the_faster_nets_returned() -> None:
-    s1 = _apart()
-    delivered = s1.pop("_delivered")
+    s1, delivered = _apart()
     assert s1["returned"], "net 0's two batches past the position are in the state"
     with Pipeline(Items(20), 2, 1, bs=2, epochs=1, read_size=2) as p:
         p.gc.load_state_dict(SRC, s1)
@@ -50,24 +58,15 @@ def test_a_resume_saved_again_before_its_stream_moved_keeps_what_the_faster_nets
 
 
 def test_a_random_access_net_said_far_ahead_is_refused_naming_it() -> None:
-    state = _apart()
-    state.pop("_delivered")
-    k = len(state["nets"])
-    state["nets"][0][1] += k * 10**12  # still one of net 0's batches
-    with Pipeline(Items(20), 2, 2, bs=2, epochs=1, read_size=2) as p:
-        t0 = time.monotonic()
-        with pytest.raises(ValueError, match=r"state\['nets'\]\[0\]\[1\]: .*ahead"):
-            p.gc.load_state_dict(SRC, state)
-        assert time.monotonic() - t0 < 5.0
+    state, _ = _apart()
+    state["nets"][0][1] += len(state["nets"]) * 10**12  # still one of net 0's batches
+    _refused(state, r"state\['nets'\]\[0\]\[1\]: .*ahead")
 
 
 def test_a_random_access_net_ahead_by_more_than_returned_holds_is_refused() -> None:
-    state = _apart()
-    state.pop("_delivered")
+    state, _ = _apart()
     state["returned"] = []  # net 0 is two batches ahead, yet returned nothing past the position
-    with Pipeline(Items(20), 3, 2, bs=2, epochs=1, read_size=2) as p:
-        with pytest.raises(ValueError, match=r"state\['returned'\]: .*ahead"):
-            p.gc.load_state_dict(SRC, state)
+    _refused(state, r"state\['returned'\]: .*ahead", nets=3)
 
 
 def test_a_fetch_fun_net_said_far_ahead_is_refused_naming_it() -> None:
@@ -77,27 +76,21 @@ def test_a_fetch_fun_net_said_far_ahead_is_refused_naming_it() -> None:
 
 
 def test_an_endless_one_net_state_whose_position_is_epochs_past_its_net_is_refused() -> None:
-    def wire(gc: blobfeed.GlobalCoordinator) -> Net:
-        net = Net(name="n0")
-        init_data_input_workers(net, ["ids"], make_fetch(), 4, num_worker_threads=2, input_source_name=SRC,
-                                coordinator=gc, seed=11, deterministic=True, epochs=None, timeout=WAIT)
-        return net
-
     gc = blobfeed.GlobalCoordinator()
     try:
-        net = wire(gc)
+        (net,) = wire_endless(gc, nets=1)
         gc.start()
         net.run(timeout=WAIT)
-        state = json.loads(json.dumps(gc.state_dict(SRC)))
+        state = json.loads(json.dumps(gc.state_dict(FETCH_SRC)))
     finally:
         assert gc.stop(timeout=WAIT)
     state["position"]["epoch"] = 10**9  # one EpochEnd per epoch between told and here, before
     gc = blobfeed.GlobalCoordinator()
     try:
-        wire(gc)
+        wire_endless(gc, nets=1)
         t0 = time.monotonic()
         with pytest.raises(ValueError, match=r"state\['nets'\]\[0\]\[2\]: .*epoch"):
-            gc.load_state_dict(SRC, state)
+            gc.load_state_dict(FETCH_SRC, state)
         assert time.monotonic() - t0 < 5.0
     finally:
         assert gc.stop(timeout=WAIT)
@@ -109,8 +102,7 @@ def test_skip_and_returned_together_stay_under_the_bound_a_resaved_state_must_me
     # an elastic resume writes both lists into "skip": each under the bound
     # alone could make a state blobfeed itself refuses on the next load
     monkeypatch.setattr(checkpoint, "MAX_SKIP_ENTRIES", 3)
-    state = _apart(n=40)
-    state.pop("_delivered")
+    state, _ = _apart(n=40)
     state["skip"] = [[0, 30, 1], [0, 32, 1]]
     state["returned"] = [[0, 34, 1], [0, 36, 1]]
     with Pipeline(Items(40), 2, 2, bs=2, epochs=1, read_size=2) as p:
@@ -119,23 +111,17 @@ def test_skip_and_returned_together_stay_under_the_bound_a_resaved_state_must_me
 
 
 def test_a_random_access_state_of_an_unknown_version_says_so() -> None:
-    state = _apart()
-    state.pop("_delivered")
+    state, _ = _apart()
     state["version"] = 99
-    with Pipeline(Items(20), 2, 2, bs=2, epochs=1, read_size=2) as p:
-        with pytest.raises(ValueError, match=r"version 99.*(newer|unknown)"):
-            p.gc.load_state_dict(SRC, state)
+    _refused(state, r"version 99.*(newer|unknown)")
 
 
 def test_a_random_access_state_s_source_name_is_checked_and_another_one_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    state = _apart()
-    state.pop("_delivered")
+    state, _ = _apart()
     state["source"] = 7
-    with Pipeline(Items(20), 2, 2, bs=2, epochs=1, read_size=2) as p:
-        with pytest.raises(ValueError, match=r"state\['source'\]: expected the source's name \(a str\), got 7"):
-            p.gc.load_state_dict(SRC, state)
+    _refused(state, r"state\['source'\]: expected the source's name \(a str\), got 7")
     state["source"] = "eval"
     with Pipeline(Items(20), 2, 2, bs=2, epochs=1, read_size=2) as p, caplog.at_level("WARNING", "blobfeed"):
         p.gc.load_state_dict(SRC, state)

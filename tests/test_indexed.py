@@ -554,11 +554,50 @@ def test_a_killed_worker_process_is_replaced_and_its_units_read_again(tmp_path: 
     assert_stream(got, want, f"{nets} nets, a worker killed at the sample of position 13")
 
 
+def test_a_worker_process_killed_while_starting_is_replaced_too(tmp_path: Any, monkeypatch: Any) -> None:
+    """A kill may land on a process still starting (a replacement, one
+    set_num_workers added: about 0.2 s here).  Every worker process is made
+    to look as if it had not started yet when it dies (the flag its code
+    sets first): killed by a signal, it is replaced, as after its start,
+    and the stream stays exact; it failed the source before."""
+    from blobfeed.feeders.transport import SlotArea
+
+    monkeypatch.setattr(SlotArea, "started", lambda self: False)
+    n, bs = 40, 4
+    want = reference(n, bs, 2)
+    with Pipeline(Killer(n, at=int(np.random.default_rng((SEED, 0)).permutation(n)[13]), marks=str(tmp_path)),
+                  1, 2, bs=bs, backend="processes") as p:
+        got = p.lockstep()
+    assert len(list(tmp_path.iterdir())) == 1, "one worker process was killed"
+    assert_stream(got, want, "a worker killed before its start (as the parent saw it)")
+
+
+class ExitsAtStart(Items):
+    """Unpickled in a worker process (its payload, once it started), it exits with code 3."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import os
+
+        os._exit(3)
+
+
+def test_a_worker_process_that_exits_with_a_code_before_it_started_fails_the_source(monkeypatch: Any) -> None:
+    # an exit code before the start is the start-up failing (importing the
+    # main module, say): another process would fail the same way
+    from blobfeed.feeders.transport import SlotArea
+
+    monkeypatch.setattr(SlotArea, "started", lambda self: False)
+    with Pipeline(ExitsAtStart(8), 1, 1, bs=2, backend="processes") as p:
+        with pytest.raises(FetcherError, match=r"died .*exited with code 3|died .*code 3"):
+            p.next_event(0)
+
+
 def test_a_unit_that_kills_every_reader_fails_the_source_after_three_tries(tmp_path: Any) -> None:
     with Pipeline(Killer(20, at=9, marks=str(tmp_path), times=None), 1, 2, bs=2, epochs=1, shuffle=False,
                   read_size=2, backend="processes") as p:
         got = []
-        with pytest.raises(FetcherError, match=r"read unit 4 died 3 times"):
+        # unshuffled, read unit 4 holds positions 8 and 9: dataset indexes 8 and 9
+        with pytest.raises(FetcherError, match=r"read unit 4 \(indexes \[8, 9\]\) died 3 times"):
             while True:
                 got.append(p.next_event(0))
     assert got == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -1299,7 +1338,7 @@ class EveryHalfSecond(threading.Thread):
                 self.killed.append(pid)
 
 
-# Each example is a run of about 3 s plus its replacements (2-6 s a run).
+# Each example is a run of about 2 s plus its replacements (2-5 s a run).
 # The two explicit ones are the distinct cases, each value of each argument
 # once: a single worker (every kill leaves no lane: nothing flows until it is
 # replaced) with two nets, and four workers (a kill while the other lanes
@@ -1314,11 +1353,13 @@ def test_a_worker_process_sigkilled_every_half_second_loses_and_repeats_nothing(
     import shutil
     import tempfile
 
-    n, bs, epochs = 96, 4, 4
+    n, bs, epochs = 64, 4, 4
     marks = tempfile.mkdtemp(prefix="blobfeed-kills-")
     killer = EveryHalfSecond(marks, seed, limit=6)
     try:
-        # 192 units of 2, about 3 s whatever the worker count
+        # 128 units of 2, about 2 s of reads whatever the worker count: a kill
+        # every 0.5 s from the first process's fourth unit on, each replacement
+        # killable after four units of its own (was 192 units, 3 s)
         with Pipeline(ReadLog(n, marks, delay=0.015 * workers), nets, workers, bs=bs, epochs=epochs, seed=seed,
                       read_size=2, backend="processes") as p:
             p.start()

@@ -31,10 +31,19 @@ def _sleeper(w: int, b: int) -> list[np.ndarray]:
     return [np.zeros((8, 2), np.float32)]
 
 
-@pytest.fixture
-def pipeline(gc: blobfeed.GlobalCoordinator) -> Iterator[str]:
+#: the tests that read ``pipeline``: one test process takes them all
+#: (``--dist loadgroup``), so the module's one pipeline serves the five
+#: (each waited a second for its own first verdict)
+PIPELINE = pytest.mark.xdist_group("top-pipeline")
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> Iterator[str]:
     """A running pipeline (one I/O-bound worker, a consumer in a loop) serving
-    /metrics on a loopback port, judged once; yields the /metrics URL."""
+    /metrics on a loopback port, judged once; yields the /metrics URL.  The
+    tests only read it (one scrape, two, a terminal's frames): one for the
+    module, stopped after its last test (its threads end with stop())."""
+    gc = blobfeed.GlobalCoordinator(log_interval=0.05)
     net = Net(name="n")
     init_data_input_workers(net, ["x"], _sleeper, 8, num_worker_threads=1, coordinator=gc)
     stop = threading.Event()
@@ -55,9 +64,10 @@ def pipeline(gc: blobfeed.GlobalCoordinator) -> Iterator[str]:
             yield server.url
         finally:
             stop.set()
-            gc.stop()
+            stopped = gc.stop(timeout=30)
             consumer.join(timeout=30)
             assert not consumer.is_alive()
+            assert stopped, "a thread outlived stop()"
 
 
 def _run(*args: str, timeout: float = RUN_BOUND_S) -> subprocess.CompletedProcess[str]:
@@ -66,6 +76,7 @@ def _run(*args: str, timeout: float = RUN_BOUND_S) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=timeout)
 
 
+@PIPELINE
 def test_once_in_a_subprocess_shows_the_source_the_net_and_the_verdict(pipeline: str) -> None:
     proc = _run(pipeline, "--once")
     assert proc.returncode == 0, proc.stderr
@@ -86,6 +97,7 @@ def test_once_in_a_subprocess_shows_the_source_the_net_and_the_verdict(pipeline:
     assert f"train/n: {top.STAGE_ADVICE[cells[-1]]}" in out
 
 
+@PIPELINE
 def test_two_scrapes_give_rates(pipeline: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["top", pipeline, "--iterations", "2", "--interval", "0.5"]) == 0
     out = capsys.readouterr().out
@@ -171,6 +183,7 @@ def test_addresses() -> None:
             top.normalise_address(bad)
 
 
+@PIPELINE
 @pytest.mark.parametrize("quit_by", ["q", "SIGINT", "SIGTERM"])
 def test_on_a_terminal_it_redraws_in_place_and_restores_the_terminal(pipeline: str, quit_by: str) -> None:
     import pty

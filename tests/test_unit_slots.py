@@ -322,3 +322,26 @@ def test_object_and_foreign_byte_order_dtypes_never_go_into_a_slot() -> None:
     for dtype in (np.dtype([("v", np.float64, (64,)), ("o", object)]), np.dtype(">f8")):
         assert area.slots()([((8, 64), dtype)]) is None, dtype
     assert area.free == [0, 1, 2], "no slot taken"
+
+
+class Claims(Rows):
+    """Samples whose blob 'x' is a broadcast view claiming ``2**40`` floats
+    (4 TiB; 4 bytes held): stacking a unit of them cannot be allocated."""
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        return np.int64(i), np.broadcast_to(np.float32(i), (1 << 40,))
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_a_unit_too_big_for_memory_is_an_error_naming_it_and_what_its_samples_claim(backend: str) -> None:
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "x"], RandomAccessSource(Claims(8), read_size=2), 2,
+                            num_worker_threads=1, coordinator=gc, epochs=1, backend=backend)
+    gc.start()
+    try:
+        with pytest.raises(FetcherError, match=r"read unit 0 \(indexes \[0, 1\]\): its 2 samples stacked do not fit "
+                                               r"in memory \(MemoryError\): .*'x' float32 \(1099511627776,\)"):
+            net.run(timeout=WAIT)
+    finally:
+        assert gc.stop(timeout=10.0)

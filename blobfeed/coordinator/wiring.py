@@ -599,6 +599,7 @@ def _random_access_source(
     units = UnitDispenser(name, reader.n, spec.read_size or batch_size, dealing.epochs, unit_end=reader.unit_end,
                           auto=_read_size(spec, batch_size) is None)
     reader.units = units
+    units.describe = lambda r: reader.span(reader.indexes(r))
     hub = gc._hub
 
     def dealer(src: InputSource) -> IndexedDealer:

@@ -313,7 +313,10 @@ class UnitReader:
         dtype and shape of the unit's first one (the dealer checks the
         units against each other, in stream order: see
         :meth:`layout_mismatch`)."""
-        fast = self._stack_plain(samples)
+        try:
+            fast = self._stack_plain(samples)
+        except MemoryError:
+            raise self._too_big(unit, idx, samples) from None
         if fast is not None:
             return fast
         # anything else (a dict, a tensor, a number, a bad sample): sample
@@ -342,6 +345,8 @@ class UnitReader:
                 )
             try:
                 out.append(np.stack(arrays, axis=ax))
+            except MemoryError:
+                raise self._too_big(unit, idx, samples) from None
             except Exception as exc:  # dtypes that do not stack, say
                 raise IndexedReadError(
                     f"source {self.source!r}: blob {self.blob_names[k]!r}: the samples of indexes "
@@ -349,6 +354,22 @@ class UnitReader:
                 ) from exc
         return out
 
+
+    def _too_big(self, unit: int, idx: list[int], samples: Sequence[Any]) -> IndexedReadError:
+        """The error for a unit whose stacked samples did not fit in memory:
+        what each blob of its first sample claims (a view, a broadcast array,
+        may claim far more than it holds), times the unit's samples."""
+        claims = []
+        try:
+            for name, a in zip(self.blob_names, self._blobs(idx[0], samples[0])):
+                claims.append(f"{name!r} {a.dtype} {a.shape} ({a.nbytes * len(idx)} bytes for the unit)")
+        except Exception:  # a sample that is not one array per blob: the count alone
+            pass
+        return IndexedReadError(
+            f"source {self.source!r}: read unit {unit} ({self.span(idx)}): its {len(idx)} samples stacked do not "
+            f"fit in memory (MemoryError){': ' + ', '.join(claims) if claims else ''}; per sample, as "
+            f"{self.where(idx[0])}"
+        )
 
     def _stack_plain(self, samples: Sequence[Any]) -> list[np.ndarray] | None:
         """The common case without a Python step per sample and blob: every

@@ -218,11 +218,9 @@ class _Worker:
     UNITS_AHEAD = 2
 
     def attach_units(self) -> None:
-        """Have the dispenser push the child its read units down its pipe,
-        :data:`UNITS_AHEAD` at most that it has not delivered, from the
-        threads that free them (no thread of its own: a thread woken per
-        unit cost two to five context switches a unit); the pipe's end
-        tells the child there are no more."""
+        """The dispenser pushes the child its units down its pipe
+        (:data:`UNITS_AHEAD` undelivered at most) from the threads that free
+        them (a thread per process cost 2-5 context switches a unit)."""
         if self.units is not None:
             self.units.attach(self.plan.worker_id, self.holder, self.UNITS_AHEAD, self._send_unit, self._unit_failed)
 
@@ -440,25 +438,27 @@ class _Worker:
 
     def _report_death(self) -> None:
         code = self.exitcode
-        if self.units is not None and self.area.started() and code is not None and code != 0:
-            # a random-access source's worker: the units it held are read
-            # again, by a new process in its place
+        started = self.area.started()
+        if self.units is not None and code is not None and (code < 0 if not started else code != 0):
+            # a random-access source's worker: its units (those in its pipe
+            # too) are read again by a new process.  Before its start only a
+            # kill (an exit code is a start-up failing, as the next one would)
             intake = self.plan.intake
             poison = self.units.retire(self.holder)
             if poison:
                 unit, tries = poison[0]
                 intake.died(
-                    f"worker process pid {self.pid} {_describe(code)}; the processes reading read unit "
-                    f"{unit} died {tries} times (a sample that kills its reader?)"
+                    f"worker process pid {self.pid} {_describe(code)}; the processes reading "
+                    f"{self.units.name_of(unit)} died {tries} times (a sample that kills its reader?)"
                 )
                 return
             if self.group.replace(self, code):
                 intake.stats.deaths[intake.backend] += 1  # counted as any death (died() counts its own)
                 return
             self.units.release(self.plan.worker_id)  # not replaced: any worker reads them
-        code = self.exitcode
-        if self.area.started() or code is None or code < 0:
-            self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}")
+        if started or code is None or code < 0:
+            self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}",
+                                  when="" if started else " while starting")
             return
         # Ended with a code before blobfeed's code ran in it: in
         # multiprocessing's start-up, which imports the main module.

@@ -545,8 +545,8 @@ class _Worker:
                     # a random-access source: the units it held are read again
                     poison = self.units.retire(self.holder)
                     if poison:
-                        intake.died(f"{self.describe()} died: {_reason(err)}; the actors reading read unit "
-                                    f"{poison[0][0]} died {poison[0][1]} times")
+                        intake.died(f"{self.describe()} died: {_reason(err)}; the actors reading "
+                                    f"{self.units.name_of(poison[0][0])} died {poison[0][1]} times")
                         return
                 if self.restarts_left > 0:
                     self.restarts_left -= 1

@@ -119,6 +119,8 @@ class UnitDispenser:
         self.on_redo_taken: Callable[[], None] | None = None
         #: holder -> the worker process it is, fed by push (:meth:`attach`)
         self._pushed: dict[int, _Pushee] = {}
+        #: how an error names the samples of a unit ("indexes [3, 9, ...]"); None: by its number only
+        self.describe: Callable[[ReadUnit], str] | None = None
 
     def _reset(self) -> None:
         self.read_size = self.base
@@ -234,6 +236,18 @@ class UnitDispenser:
         and not consumed (a dict read is atomic)."""
         r = self._units.get(u)
         return r.lo if r is not None else self.position_of(u)
+
+    def name_of(self, u: int) -> str:
+        """How an error names unit ``u``: its number, and its samples where
+        :attr:`describe` says them."""
+        r = self._units.get(u)  # a dict read: atomic
+        if r is None or self.describe is None:
+            return f"read unit {u}"
+        try:
+            return f"read unit {u} ({self.describe(r)})"
+        except Exception:  # an error message must not fail: the number alone
+            logger.debug("source %r: naming read unit %d failed", self.source, u, exc_info=True)
+            return f"read unit {u}"
 
     def holds(self, worker_id: int) -> bool:
         """Does ``worker_id`` hold a unit the stream has not consumed?"""
