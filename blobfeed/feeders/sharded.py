@@ -649,7 +649,7 @@ class _Held:
                 continue
             entry[1].append(a)
             if entry[2] is not None:
-                lo, hi = bounds or _bounds(a)
+                lo, hi = bounds if isinstance(bounds, tuple) else _bounds(a)
                 entry[2] = (min(entry[2][0], lo), max(entry[2][1], hi))
         return -1
 
@@ -707,7 +707,7 @@ def _shares(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether ``a`` and ``b`` share a byte (bounds overlapping: strides
     may interleave); too hard to tell in a bounded time: not proven, False."""
     try:
-        return bool(np.shares_memory(a, b, max_work=100_000))
+        return bool(np.shares_memory(a, b, max_work=100_000))  # type: ignore[arg-type]  # numpy's stub lists -1 and 0 only
     except np.exceptions.TooHardError:
         return False
 
