@@ -33,6 +33,8 @@ from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_i
 __all__ = ["Attachment", "attach_source"]
 
 logger = logging.getLogger("blobfeed.service")
+#: the number of the reply that answers any state request (the service went away)
+_ANY_REQUEST = 1 << 62
 
 #: the environment variable :func:`attach_source` reads the address from
 ADDRESS_ENV = "BLOBFEED_SERVICE"
@@ -74,7 +76,15 @@ class Attachment(Attached):
         #: send would still succeed (TCP accepts a write after the peer closed)
         self._gone: str | None = None
         self._stopped = threading.Event()
-        self._state_replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        #: (the number of the request it answers, the reply): the service
+        #: answers a connection's requests in order, so reply k is request k's
+        self._state_replies: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
+        #: state requests sent, and replies heard (under _state_lock): a reply
+        #: nobody asked for is a lie of the service's, refused (it could make
+        #: state_dict() return it, and a flood of them would pile up here)
+        self._state_asked = 0
+        self._state_heard = 0
+        self._state_lock = threading.Lock()
         #: weakrefs of batches whose views all died (put by their callbacks:
         #: C code), None to end the outbox thread
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -239,7 +249,8 @@ class Attachment(Attached):
             logger.error("receiver of %s failed: %r", self._service, exc)
             self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
         finally:
-            self._state_replies.put({"t": "state_is", "state": None, "error": f"{self._service} is gone"})
+            self._state_replies.put((_ANY_REQUEST, {"t": "state_is", "state": None,
+                                                    "error": f"{self._service} is gone"}))
 
     def _receive_records(self, inlet: Inlet, mapping: ConsumerMapping | StreamBuffers | None) -> None:
         while True:
@@ -291,10 +302,13 @@ class Attachment(Attached):
                 if not inlet.put(arrays, n, record["g"]):
                     return
             elif kind == "epoch_end":
+                if min(record["epoch"], record["dropped"], record["g"]) < 0:
+                    raise WireError(f"{self._service} sent an 'epoch_end' record with a negative number: "
+                                    f"epoch {record['epoch']}, dropped {record['dropped']}, g {record['g']}")
                 if not inlet.end_epoch(record["epoch"], record["dropped"], record["g"]):
                     return
             elif kind == "state_is":
-                self._state_replies.put(record)
+                self._state_reply(record)
             else:  # end
                 if self._ended(record):
                     self._after_the_end()
@@ -335,7 +349,7 @@ class Attachment(Attached):
                     os.close(fd)
                 record = check(record, ("end", "state_is"), self._service)
                 if record["t"] == "state_is":
-                    self._state_replies.put(record)
+                    self._state_reply(record)
                     continue
                 self._heard_stop()
                 why = f"stopped ({record['error']})"
@@ -438,6 +452,16 @@ class Attachment(Attached):
                 pass  # the receiver reports the service's end
 
     # -- the user's side ---------------------------------------------------------------
+    def _state_reply(self, record: dict[str, Any]) -> None:
+        """A ``state_is`` record: the answer to the oldest request not
+        answered yet; refused when none is outstanding."""
+        with self._state_lock:
+            if self._state_heard >= self._state_asked:
+                raise WireError(f"{self._service} sent a 'state_is' record nobody asked for")
+            self._state_heard += 1
+            number = self._state_heard
+        self._state_replies.put((number, record))
+
     def state_dict(self, timeout: float = 10.0) -> dict[str, Any]:
         """The service's state (every source's position, as of what its
         consumers acknowledged), asked of the service.
@@ -446,14 +470,24 @@ class Attachment(Attached):
             ValueError: the service's source is not resumable.
             ServiceError: the service is gone or did not answer in ``timeout``.
         """
+        with self._state_lock:
+            self._state_asked += 1
+            mine = self._state_asked
         try:
             self._send({"t": "state"})
         except OSError as err:
             raise ServiceError(f"{self._service} is gone: {err}") from err
-        try:
-            reply = self._state_replies.get(timeout=timeout)
-        except queue.Empty:
-            raise ServiceError(f"{self._service} did not answer for its state within {timeout} s") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                number, reply = self._state_replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise ServiceError(f"{self._service} did not answer for its state within {timeout} s") from None
+            if number >= mine:
+                break
+            # the late answer to an earlier call that gave up waiting: not this one's
+        if number == _ANY_REQUEST:
+            self._state_replies.put((number, reply))  # the service is gone: for every later call too
         if reply["error"] is not None:
             raise ValueError(reply["error"])
         return reply["state"]

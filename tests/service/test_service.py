@@ -892,13 +892,16 @@ class FakeUnixService:
             for r in self.records:
                 conn.send(r)
             try:
-                while conn.recv(1 << 16):
-                    pass
+                while (data := conn.recv(1 << 16)):
+                    self.heard(conn, data)
             except OSError:
                 pass
             finally:
                 for k in kept:
                     k.close()
+
+    def heard(self, conn: socket.socket, data: bytes) -> None:
+        """A record the consumer sent on the connection (ignored here)."""
 
     def close(self) -> None:
         self.sock.close()

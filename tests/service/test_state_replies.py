@@ -1,0 +1,83 @@
+"""A consumer's ``state_dict()`` against what the service answers: a
+``state_is`` nobody asked for is refused (it could be handed to a later
+call, and a flood of them piled up in the consumer), and the late answer to
+a call that gave up waiting is not the next call's (a review of the
+consumer against a hostile service found both)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+import blobfeed
+
+from .test_service import FakeUnixService
+
+
+def _state_is(state: dict) -> bytes:
+    return json.dumps({"t": "state_is", "state": state, "error": None}).encode()
+
+
+def test_a_state_is_nobody_asked_for_fails_the_attachment(tmp_path: Path) -> None:
+    fake = FakeUnixService(tmp_path / "fake.sock", [_state_is({"forged": True})])
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+            with pytest.raises(blobfeed.ServiceError, match="'state_is' record nobody asked for"):
+                net.run(timeout=10)
+    finally:
+        fake.close()
+
+
+class SlowFirstAnswer(FakeUnixService):
+    """Answers each 'state' request with {"answer": k}, the first one only
+    after ``late`` is set (once its asker gave up)."""
+
+    def __init__(self, path: Path) -> None:
+        self.late = threading.Event()
+        self.asked = 0
+        super().__init__(path, [])
+
+    def heard(self, conn: socket.socket, data: bytes) -> None:
+        if json.loads(data).get("t") != "state":
+            return
+        self.asked += 1
+        if self.asked == 1:
+            assert self.late.wait(10)
+        conn.send(_state_is({"answer": self.asked}))
+
+
+def test_the_late_answer_to_a_call_that_gave_up_is_not_the_next_call_s(tmp_path: Path) -> None:
+    fake = SlowFirstAnswer(tmp_path / "fake.sock")
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10) as att:
+            with pytest.raises(blobfeed.ServiceError, match="did not answer for its state"):
+                att.state_dict(timeout=0.3)
+            fake.late.set()
+            assert att.state_dict(timeout=10) == {"answer": 2}
+    finally:
+        fake.late.set()
+        fake.close()
+
+
+@pytest.mark.parametrize("record, match", [
+    ({"t": "epoch_end", "g": -7, "epoch": -5, "dropped": 0}, r"'epoch_end' record with a negative number: epoch -5"),
+    ({"t": "batches", "items": [[0, 0, 8, [["f8,(", [8], 0], ["<f4", [8, 3], 64]]]]}, r"unknown dtype 'f8,\('"),
+])
+def test_an_impossible_epoch_end_or_dtype_is_a_service_error_naming_it(
+    tmp_path: Path, record: dict, match: str
+) -> None:
+    fake = FakeUnixService(tmp_path / "fake.sock", [json.dumps(record).encode()])
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
+            with pytest.raises(blobfeed.ServiceError, match=match) as info:
+                net.run(timeout=10)
+            assert "the receiver failed" not in str(info.value)
+    finally:
+        fake.close()
