@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     shut down after the last (:func:`pytest_runtest_teardown`), before any
     other test of that process runs (the cluster's processes, threads and
     sockets would be in the way of the leak checks); the other processes
-    (pyproject's ``-n 3``: two) run the other tests meanwhile, and all share
+    (pyproject's ``-n 2``: the other one) runs the other tests meanwhile, and all share
     what is left after.  Each
     process started a cluster of its own before (10-27 s each), and ran its
     Ray tests last, beside the other process's cluster.  As the last group
