@@ -231,14 +231,19 @@ def test_a_stalled_consumer_s_acknowledgement_after_the_save_fails_on_its_stream
             after.append(err)
         return saved
 
-    server.save_state = save_then_ack  # type: ignore[method-assign]
+    _stop_saving_with(server, save_then_ack, s, acks)
+    assert after and isinstance(after[0], BrokenPipeError), after
+    assert sum(server.sources["train"].counts.acknowledged.values()) == 0
+
+
+def _stop_saving_with(server: Any, save: Any, *socks: socket.socket) -> None:
+    """Stop ``server`` with ``save`` as its save_state; ``socks`` closed after."""
+    server.save_state = save
     try:
         server.stop()
     finally:
-        s.close()
-        acks.close()
-    assert after and isinstance(after[0], BrokenPipeError), after
-    assert sum(server.sources["train"].counts.acknowledged.values()) == 0
+        for sock in socks:
+            sock.close()
 
 
 def test_a_stalled_consumer_s_acknowledgements_before_the_stop_are_in_the_saved_state(tmp_path: Any) -> None:
@@ -253,12 +258,7 @@ def test_a_stalled_consumer_s_acknowledgements_before_the_stop_are_in_the_saved_
         counted_at_save.append(sum(server.sources["train"].counts.acknowledged.values()))
         return save()
 
-    server.save_state = save_counting  # type: ignore[method-assign]
-    try:
-        server.stop()
-    finally:
-        s.close()
-        acks.close()
+    _stop_saving_with(server, save_counting, s, acks)
     assert counted_at_save == [2]
 
 

@@ -910,6 +910,23 @@ class FakeUnixService:
         self.mm.close()
 
 
+def fake_service_error(tmp_path: Path, records: list[bytes], match: str, runs: int = 1,
+                       **fake: Any) -> blobfeed.ServiceError:
+    """A consumer (blobs id and x, batch_size 8) attached to a
+    FakeUnixService sending ``records``: within ``runs`` calls of run(),
+    a ServiceError matching ``match``, returned."""
+    service = FakeUnixService(tmp_path / "fake.sock", records, **fake)
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, timeout=10):
+            with pytest.raises(blobfeed.ServiceError, match=match) as info:
+                for _ in range(runs):
+                    net.run(timeout=10)
+        return info.value
+    finally:
+        service.close()
+
+
 def batches_record(*entries: list[Any]) -> bytes:
     return json.dumps({"t": "batches", "items": list(entries)}).encode()
 
@@ -931,29 +948,15 @@ def test_a_unix_consumer_checks_a_batch_s_blobs_rows_and_layout_as_tcp_does(
     """A Unix-socket consumer handed out a batch missing a blob, with a blob
     too many, or of 9 rows for batch_size=8 (TCP refused all three): every
     carrier now makes the one check (blobfeed.service.wire.BatchCheck)."""
-    fake = FakeUnixService(tmp_path / "fake.sock", records)
-    net = blobfeed.Net(None)
-    try:
-        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
-            with pytest.raises(blobfeed.ServiceError, match=re.escape(expected)) as info:
-                for _ in range(3):
-                    net.run(timeout=10)
-            assert fake.address in str(info.value)
-    finally:
-        fake.close()
+    err = fake_service_error(tmp_path, records, re.escape(expected), runs=3)
+    assert str(tmp_path / "fake.sock") in str(err)
 
 
 def test_unix_slots_offered_over_the_consumer_s_limits_are_a_service_error(tmp_path: Path) -> None:
     """As over TCP: no more slots than the welcome said, no slot over 1 GiB
     per sample of the consumer's batch_size; the memory is not mapped."""
-    fake = FakeUnixService(tmp_path / "fake.sock", [batches_record([0, 0, 8, [ID8, X8]])], slot_bytes=(8 << 30) + 4096)
-    net = blobfeed.Net(None)
-    try:
-        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
-            with pytest.raises(blobfeed.ServiceError, match="offered slots of 8589938688 bytes"):
-                net.run(timeout=10)
-    finally:
-        fake.close()
+    fake_service_error(tmp_path, [batches_record([0, 0, 8, [ID8, X8]])], "offered slots of 8589938688 bytes",
+                       slot_bytes=(8 << 30) + 4096)
 
 
 # -- a slot freed before its batch is acknowledged (issue 24, item 6) ----------------------

@@ -15,7 +15,7 @@ import pytest
 
 import blobfeed
 
-from .test_service import FakeUnixService
+from .test_service import FakeUnixService, fake_service_error
 
 
 def _state_is(state: dict) -> bytes:
@@ -23,14 +23,7 @@ def _state_is(state: dict) -> bytes:
 
 
 def test_a_state_is_nobody_asked_for_fails_the_attachment(tmp_path: Path) -> None:
-    fake = FakeUnixService(tmp_path / "fake.sock", [_state_is({"forged": True})])
-    net = blobfeed.Net(None)
-    try:
-        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
-            with pytest.raises(blobfeed.ServiceError, match="'state_is' record nobody asked for"):
-                net.run(timeout=10)
-    finally:
-        fake.close()
+    fake_service_error(tmp_path, [_state_is({"forged": True})], "'state_is' record nobody asked for")
 
 
 class SlowFirstAnswer(FakeUnixService):
@@ -72,12 +65,5 @@ def test_the_late_answer_to_a_call_that_gave_up_is_not_the_next_call_s(tmp_path:
 def test_an_impossible_epoch_end_or_dtype_is_a_service_error_naming_it(
     tmp_path: Path, record: dict, match: str
 ) -> None:
-    fake = FakeUnixService(tmp_path / "fake.sock", [json.dumps(record).encode()])
-    net = blobfeed.Net(None)
-    try:
-        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10):
-            with pytest.raises(blobfeed.ServiceError, match=match) as info:
-                net.run(timeout=10)
-            assert "the receiver failed" not in str(info.value)
-    finally:
-        fake.close()
+    err = fake_service_error(tmp_path, [json.dumps(record).encode()], match)
+    assert "the receiver failed" not in str(err)
