@@ -148,7 +148,11 @@ def test_a_slow_consumer_is_model_bound(gc: blobfeed.GlobalCoordinator, caplog: 
     assert v.stage == "model", v
     assert "input is not the limit" in v.advice
     assert v.net_wait < 0.1, v
-    assert v.queue_fill is not None and v.queue_fill > 0.8, v
+    # Full but for the moments after the consumer takes a batch; a loaded CI
+    # machine (two test processes and their children on 2 cores) measured a
+    # mean of 0.75, a quiet one 0.93-1.0.  An input-bound pipeline's queue
+    # is near empty: half full is the line between the two.
+    assert v.queue_fill is not None and v.queue_fill > 0.5, v
 
 
 _BIG = np.ones((1000, 1024), np.float32)  # 4 MB a chunk

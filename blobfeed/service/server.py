@@ -44,6 +44,8 @@ _blobfeed_stops_as_a_user = True
 STOP_DRAIN_S = 1.0
 #: seconds stop() waits, in all, for the connections' threads once closed
 STOP_JOIN_S = 5.0
+#: how long a stop() waits for another one under way (that one's own waits are bounded well within)
+STOP_WAIT_S = 60.0
 #: connections in their handshake at once (each has HANDSHAKE_S for its
 #: hello); the next one is accepted when one of them is done
 MAX_HANDSHAKES = 64
@@ -157,6 +159,9 @@ class FeedServer:
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._stopped = False
+        #: set once the first stop() ended; ``_stop_clean`` is what it returned
+        self._stop_done = threading.Event()
+        self._stop_clean = False
         self._started = False
         self.stop_reason: str | None = None
         self._metrics: Any = None
@@ -616,13 +621,27 @@ class FeedServer:
     def stop(self, reason: str | None = None) -> bool:
         """Stop serving: save the state (``state_file``), tell every consumer,
         stop the workers, remove the socket (its file, for a Unix socket).  Idempotent.  Returns True when
-        every thread ended."""
+        every thread ended.  A stop() called while another is under way (a
+        signal handler's and the main thread's) waits for it, at most
+        :data:`STOP_WAIT_S`, and returns what it returns."""
         with self._lock:
-            if self._stopped:
-                return True
+            first = not self._stopped
             self._stopped = True
             self._stopping.set()
             conns = list(self._connections)
+        if not first:
+            if not self._stop_done.wait(STOP_WAIT_S):
+                logger.warning("service: stop() waited %.3g s for the stop under way; it has not ended", STOP_WAIT_S)
+                return False
+            return self._stop_clean
+        try:
+            self._stop_clean = self._stop(conns, reason)
+        finally:
+            self._stop_done.set()
+        return self._stop_clean
+
+    def _stop(self, conns: list[Connection], reason: str | None) -> bool:
+        """(:meth:`stop`, once.)"""
         why = reason or self.stop_reason or "stopped"
         if self._sock is not None:
             with contextlib.suppress(OSError):

@@ -524,8 +524,41 @@ def test_a_batch_run_took_as_the_service_stops_is_not_returned_unless_the_state_
             net.run(timeout=10)
     finally:
         att.stop()
-        server.stop()
+        server.stop()  # waits for the stop the patched returned() began
     assert sum(server.sources["train"].counts.acknowledged.values()) == len(got) == 3
+
+
+def test_a_second_stop_waits_for_the_first_to_finish(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """stop() says True once every thread ended; a stop() called while
+    another was under way returned True at once, before the first had even
+    saved the state (CI: a test read the acknowledged counts after it, and
+    found them empty)."""
+    server = FeedServer(state_file=tmp_path / "state.json")
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    server.start()
+    saving, release = threading.Event(), threading.Event()
+    save = server.save_state
+
+    def slow_save() -> bool:
+        saving.set()
+        assert release.wait(10)
+        return save()
+
+    monkeypatch.setattr(server, "save_state", slow_save)
+    first = threading.Thread(target=server.stop)
+    first.start()
+    second: list[bool] = []
+    waiter = threading.Thread(target=lambda: second.append(server.stop()))
+    try:
+        assert saving.wait(10), "the first stop() never reached its save"
+        waiter.start()
+        waiter.join(0.3)
+        assert not second, "a second stop() returned while the first was still saving"
+    finally:
+        release.set()
+        first.join(10)
+    waiter.join(10)
+    assert second == [True]
 
 
 def test_an_acknowledgement_sent_just_before_the_consumer_died_with_batches_unread_counts(tmp_path: Path) -> None:
