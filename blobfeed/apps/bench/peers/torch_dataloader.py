@@ -75,10 +75,18 @@ def run_torch_map(wl: Workload, seconds: float, workers: int) -> dict[str, Any]:
     stacks the samples into tensors (in the workers).  Worker processes
     start with ``fork`` (torch's default on Linux) and are kept from one
     epoch to the next (``persistent_workers=True``, what one sets for
-    more than one epoch)."""
+    more than one epoch).  Without workers, torch runs with one intra-op
+    thread, as it does in its workers (docs/BENCHMARKS.md, "torch's loader
+    with one thread")."""
     import torch
     import torch.utils.data as tud
 
+    if workers == 0:
+        # default_collate's stack of 4 MiB per blob ran on torch's intra-op
+        # pool (a thread per core): on 2 cores the training loop ran at one of
+        # two speeds (about 540 or 1 300 batches/s on W7, from one run to the
+        # next); with one thread, at about 1 450 every time
+        torch.set_num_threads(1)
     assert wl.dataset is not None
     dataset = wl.dataset()
     gen = torch.Generator()
