@@ -1436,16 +1436,19 @@ def test_the_plan_and_the_estimate_of_the_random_access_workloads() -> None:
     assert "W7" in cli.parse_workloads("all")  # opt-in, like S1: not in the default run, in all
     assert runner._plan(["W1i", "W2i", "W7"], {"PIL"}) == [
         ("W1i", "blobfeed"), ("W2i", "blobfeed"), ("W7", "blobfeed"), ("W7", "sequential"), ("W7", "work2"),
+        ("W7", "hand2"),
     ]
     full = runner._plan(["W7"], {"PIL", "torch", "grain"})
-    assert full == [("W7", "blobfeed"), ("W7", "sequential"), ("W7", "work2"), *(("W7", p) for p in workloads.W7_PEERS)]
-    assert [p for _, p in runner._plan(["W7"], {"PIL", "torch"})][3:] == [f"torchmap{k}" for k in (0, 1, 2, 4)]
+    assert full == [("W7", "blobfeed"), ("W7", "sequential"), ("W7", "work2"), ("W7", "hand2"),
+                    *(("W7", p) for p in workloads.W7_PEERS)]
+    assert [p for _, p in runner._plan(["W7"], {"PIL", "torch"})][4:] == [f"torchmap{k}" for k in (0, 1, 2, 4)]
     one = runner.CHILD_OVERHEAD_S + runner.WARMUP_S + 3.0
     assert runner.measurement_seconds("W1i", "blobfeed", 3.0) == pytest.approx(one)  # threads, as W1
     assert runner.measurement_seconds("W7", "blobfeed", 3.0) == pytest.approx(
         one + runner.PROCESSES_EXTRA_S + runner.W7_EXTRA_S)
     assert runner.measurement_seconds("W7", "sequential", 3.0) == runner.measurement_seconds("W7", "blobfeed", 3.0)
     assert runner.measurement_seconds("W7", "work2", 3.0) == pytest.approx(one + runner.WORK2_EXTRA_S)
+    assert runner.measurement_seconds("W7", "hand2", 3.0) == runner.measurement_seconds("W7", "work2", 3.0)
     assert runner.measurement_seconds("W7", "torchmap4", 3.0) == pytest.approx(
         one + runner.TORCH_EXTRA_S + runner.TORCH_MAP_EXTRA_S + 4 * runner.TORCH_MAP_WORKER_S)
     assert runner.measurement_seconds("W7", "grainmap0", 3.0) == pytest.approx(
@@ -1455,7 +1458,7 @@ def test_the_plan_and_the_estimate_of_the_random_access_workloads() -> None:
     assert runner.estimate_seconds(["W1i", "W2i", "W7"], 3.0, 1, {"PIL", "torch", "grain"}) == pytest.approx(
         runner.estimate_seconds(["W1i", "W2i", "W7"], 3.0, 1, {"PIL"}) + sweep)
     assert runner.estimate_seconds(["W7"], 3.0, 2, {"PIL"}) == pytest.approx(
-        2 * (2 * runner.measurement_seconds("W7", "blobfeed", 3.0) + runner.measurement_seconds("W7", "work2", 3.0)))
+        2 * (2 * runner.measurement_seconds("W7", "blobfeed", 3.0) + 2 * runner.measurement_seconds("W7", "work2", 3.0)))
 
 
 def test_w1i_and_w2i_read_w1s_and_w2s_arrays_by_index() -> None:
@@ -1549,16 +1552,20 @@ def test_w7s_runner_checks_the_global_shuffle_on_process_workers(small_w7: workl
 
 
 @pytest.mark.timeout(120)
-def test_w7s_work_alone_reads_on_two_processes_and_leaves_none(small_w7: workloads.Workload) -> None:
+@pytest.mark.parametrize("name", ["work2", "hand2"])
+def test_w7s_work_alone_reads_on_two_processes_and_leaves_none(small_w7: workloads.Workload, name: str) -> None:
     import multiprocessing
 
     from blobfeed.apps.bench import peers
 
-    got = peers.RUNNERS["work2"](small_w7, 0.2)
+    peers.RUNNERS[name](small_w7, 0.2)  # what a first run starts for good (multiprocessing's resource tracker)
+    fds = len(os.listdir("/proc/self/fd"))
+    got = peers.RUNNERS[name](small_w7, 0.2)
     assert got["batches_per_s"] > 0 and got["workers"] == 2 and "samples_lost" not in got
     # 64 records of 64 KiB, their sizes and indexes per batch: the meter counted W7's batches
     assert got["gb_per_s"] == pytest.approx(got["batches_per_s"] * 64 * (65536 + 16) / 1e9, rel=1e-6)
     assert not multiprocessing.active_children()
+    assert len(os.listdir("/proc/self/fd")) == fds  # its pipes, queue and shared memory closed
 
 
 class _OneOutOfPlace(workloads.IndexedArrays):

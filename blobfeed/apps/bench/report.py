@@ -511,6 +511,9 @@ RUNNER_LEGEND = {
     "work2": "W7's work alone, no pipeline: the dataset's __getitems__ and one np.stack into rotating shared "
              "memory per batch, in 2 processes at once, nothing handed on (what any loader that reads on two "
              "processes and shares each batch by one copy can reach here)",
+    "hand2": "work2 with each batch handed to this process and no more: the slot's number down a pipe, the "
+             "batch's views made here and dropped, the slot sent back (what handing batches over costs a lean "
+             "Python pipeline: no order, no resume, no metrics, one thread)",
     **{f"torchmap{k}": f"torch DataLoader over W7's dataset, shuffle=True, num_workers={k} "
                        f"({'in this process' if not k else 'forked, persistent'}), __getitems__ per batch"
        for k in W7_PEER_WORKERS},

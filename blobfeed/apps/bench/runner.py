@@ -102,8 +102,8 @@ SHUFFLE_DRAIN_S = {"W1s": 0.1, "W2s": 0.5}
 #: torchmap0/1/2/4 5.1, 3.6, 4.0, 4.4; grainmap0/1/2/4 1.2, 1.9, 3.0, 6.0),
 #: and taken at about half, the load (4-5) of the other overheads here.
 W7_EXTRA_S = 0.4
-#: W7's work2: two spawned processes (an interpreter, numpy, the bench's
-#: workloads module and the dataset's index each) and their first batches
+#: W7's work2 (and hand2): two spawned processes (an interpreter, numpy, the
+#: bench's workloads module and the dataset's index each) and their first batches
 WORK2_EXTRA_S = 0.8
 TORCH_MAP_EXTRA_S = 0.6
 TORCH_MAP_WORKER_S = 0.15
@@ -189,7 +189,7 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
         one += 2 * W5_SLICE_S * max(4, int(seconds / W5_SLICE_S / 2)) + W5_EXTRA_S
     elif r == "caffe2":
         one += CAFFE2_EXTRA_S
-    elif r == "work2":
+    elif r in ("work2", "hand2"):
         one += WORK2_EXTRA_S
     elif r in ("copy", "copy2"):
         one += COPY_SETUP_S * (2 if r == "copy2" else 1)

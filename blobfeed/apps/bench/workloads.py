@@ -722,7 +722,7 @@ WORKLOADS = {
     "W2i": Workload("W2i", 64, ("data", "label"), W2Fetch, ("blobfeed",), "W2's arrays as a random-access source",
                     base="W2", dataset=w2_dataset),
     # a global shuffle over a 2 GB memory-mapped record file (written once into the cache folder)
-    "W7": Workload("W7", W7_BATCH, ("data", "size", "index"), DatasetOnly, ("blobfeed", "sequential", "work2", *W7_PEERS),
+    "W7": Workload("W7", W7_BATCH, ("data", "size", "index"), DatasetOnly, ("blobfeed", "sequential", "work2", "hand2", *W7_PEERS),
                    "a global shuffle over a 2 GB record file", backend="processes", dataset=w7_dataset,
                    shuffle=True, child_env=KEEP_FREED_MEMORY),
 }

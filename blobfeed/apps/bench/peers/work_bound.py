@@ -9,12 +9,22 @@ copies of each byte (the dataset's into its own array, then into shared
 memory) and the memory bus they share set it, not the loader.  Torch's
 in-process loader does the same two copies (its collate stacks into a
 fresh tensor) in one process; so ``work2`` over the best peer is the
-most any two-process loader can be ahead of it here."""
+most any two-process loader can be ahead of it here.
+
+``hand2``: the same two processes, each batch then handed to the
+measuring process as a pipeline would, and no more: the slot's number
+down a pipe; the measuring process (the training loop) makes the batch's
+views over the shared memory, drops them and sends the slot back.  What
+``work2`` loses with it is what handing batches over costs a lean Python
+pipeline (no order, no resume, no metrics, one thread)."""
 
 from __future__ import annotations
 
 import mmap
 import multiprocessing
+import os
+import select
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +37,8 @@ from ..workloads import ORDERED_SEED, Workload
 WORK_PROCESSES = 2
 #: slots each process rotates through (a blobfeed worker process's ring)
 SLOTS = 8
+#: a slot's number on hand2's pipes
+_SLOT = struct.Struct("<i")
 
 
 def _stacked_layout(dataset: Any, batch: int) -> list[tuple[tuple[int, ...], np.dtype]]:
@@ -109,12 +121,123 @@ def run_work2(wl: Workload, seconds: float) -> dict[str, Any]:
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
+        layouts.close()
+    return m.result(workers=WORK_PROCESSES)  # reads no stream: no samples_lost ("-")
+
+
+def _slot_views(area: Any, at: int, layout: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+    """A batch's arrays over ``area`` from byte ``at``, laid out as ``layout``."""
+    views = []
+    for shape, dtype in layout:
+        count = int(np.prod(shape))
+        views.append(np.frombuffer(area, dtype, count=count, offset=at).reshape(shape))
+        at += count * dtype.itemsize
+    return views
+
+
+def _hand(make_dataset: Callable[[], Any], batch: int, k: int, stop: Any, area: Any, slot_bytes: int,
+          layout: list[tuple[tuple[int, ...], str]], out: Any, free: Any) -> None:
+    """One of hand2's processes: :func:`_read`'s work into its slots of the
+    shared ``area``, each slot's number written to ``out`` once stacked,
+    and taken again when it comes back on ``free``."""
+    dataset = make_dataset()
+    n = len(dataset)
+    shapes = [(shape, np.dtype(dt)) for shape, dt in layout]
+    slots = [_slot_views(area, (k * SLOTS + s) * slot_bytes, shapes) for s in range(SLOTS)]
+    out_fd, free_fd = out.fileno(), free.fileno()
+    poller = select.poll()
+    poller.register(free_fd, select.POLLIN)
+    idle = list(range(SLOTS))
+    rng = np.random.default_rng((ORDERED_SEED, k))
+    while not stop.is_set():
+        order = rng.permutation(n)
+        for lo in range(0, n - batch + 1, batch):
+            while not idle and not stop.is_set():
+                if poller.poll(100):  # bounded: the stop is looked at between waits
+                    data = os.read(free_fd, 4 * SLOTS)
+                    if not data:
+                        return  # the measuring process is gone
+                    idle += [s for (s,) in _SLOT.iter_unpack(data)]
+            if stop.is_set():
+                return
+            s = idle.pop()
+            samples = dataset.__getitems__(order[lo:lo + batch].tolist())
+            for col, dst in zip(zip(*samples), slots[s]):
+                if isinstance(col[0], np.generic):
+                    dst[...] = col
+                else:
+                    np.stack(col, out=dst)
+            os.write(out_fd, _SLOT.pack(s))
+
+
+def run_hand2(wl: Workload, seconds: float) -> dict[str, Any]:
+    """W7's work on :data:`WORK_PROCESSES` spawned processes, each batch
+    handed to this process through a pipe and its slot given back (see the
+    module's docstring); the meter counts each batch as this process takes it."""
+    assert wl.dataset is not None, f"{wl.id} has no dataset"
+    layout = _stacked_layout(wl.dataset(), wl.batch)  # (one batch read here, for the slots' size)
+    slot_bytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in layout)
+    slot_bytes += -slot_bytes % 64
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    area = ctx.RawArray("b", WORK_PROCESSES * SLOTS * slot_bytes)
+    wire = [(shape, dtype.str) for shape, dtype in layout]
+    procs, outs, frees = [], [], []
+    for k in range(WORK_PROCESSES):
+        out_r, out_w = ctx.Pipe(duplex=False)
+        free_r, free_w = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=_hand, args=(wl.dataset, wl.batch, k, stop, area, slot_bytes, wire, out_w,
+                                                     free_r), daemon=True, name=f"hand2-{k}"))
+        outs.append((out_r, out_w))
+        frees.append((free_r, free_w))
+    for p in procs:
+        p.start()
+    for (_, out_w), (free_r, _) in zip(outs, frees):
+        out_w.close()  # the children's ends
+        free_r.close()
+    by_fd = {out_r.fileno(): (k, frees[k][1].fileno()) for k, (out_r, _) in enumerate(outs)}
+    poller = select.poll()
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    try:
+        m = Meter(seconds)
+        m.begin()
+        going = True
+        while going:
+            ready = poller.poll(1000)
+            if not ready:
+                dead = [p for p in procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"hand2: process {dead[0].name} exited with code {dead[0].exitcode}")
+                continue
+            for fd, _ in ready:
+                k, back = by_fd[fd]
+                data = os.read(fd, 4 * SLOTS)
+                if not data:
+                    raise RuntimeError(f"hand2: process {procs[k].name} exited with code {procs[k].exitcode}")
+                for (s,) in _SLOT.iter_unpack(data):
+                    views = _slot_views(area, (k * SLOTS + s) * slot_bytes, layout)
+                    going = m.tick(views) and going
+                    del views  # the training step's use of the batch ends here
+                    os.write(back, _SLOT.pack(s))
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10.0)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        for out_r, _ in outs:
+            out_r.close()
+        for _, free_w in frees:
+            free_w.close()
     return m.result(workers=WORK_PROCESSES)  # reads no stream: no samples_lost ("-")
 
 
 #: this peer's runners, by the name the workloads give them
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
     "work2": run_work2,
+    "hand2": run_hand2,
 }
 #: it needs no optional package
 NEEDS: dict[str, str] = {}
