@@ -115,14 +115,19 @@ def run_work2(wl: Workload, seconds: float) -> dict[str, Any]:
             if going:
                 stop.wait(0.001)  # nothing sets it here: a bounded pause between polls
     finally:
-        stop.set()
-        for p in procs:
-            p.join(10.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
+        _end(stop, procs)
         layouts.close()
     return m.result(workers=WORK_PROCESSES)  # reads no stream: no samples_lost ("-")
+
+
+def _end(stop: Any, procs: list[Any]) -> None:
+    """Stop the processes: told, then killed if they do not end in time."""
+    stop.set()
+    for p in procs:
+        p.join(10.0)
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
 
 
 def _slot_views(area: Any, at: int, layout: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
@@ -221,12 +226,7 @@ def run_hand2(wl: Workload, seconds: float) -> dict[str, Any]:
                     del views  # the training step's use of the batch ends here
                     os.write(back, _SLOT.pack(s))
     finally:
-        stop.set()
-        for p in procs:
-            p.join(10.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
+        _end(stop, procs)
         for out_r, _ in outs:
             out_r.close()
         for _, free_w in frees:
