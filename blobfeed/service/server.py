@@ -162,6 +162,8 @@ class FeedServer:
         #: set once the first stop() ended; ``_stop_clean`` is what it returned
         self._stop_done = threading.Event()
         self._stop_clean = False
+        #: the thread the first stop() runs in
+        self._stop_thread: int | None = None
         self._started = False
         self.stop_reason: str | None = None
         self._metrics: Any = None
@@ -623,13 +625,19 @@ class FeedServer:
         stop the workers, remove the socket (its file, for a Unix socket).  Idempotent.  Returns True when
         every thread ended.  A stop() called while another is under way (a
         signal handler's and the main thread's) waits for it, at most
-        :data:`STOP_WAIT_S`, and returns what it returns."""
+        :data:`STOP_WAIT_S`, and returns what it returns; called from inside
+        it (a signal handler that runs in the thread that is stopping), it
+        returns False at once: that stop goes on when the handler returns."""
         with self._lock:
             first = not self._stopped
             self._stopped = True
             self._stopping.set()
             conns = list(self._connections)
+            if first:
+                self._stop_thread = threading.get_ident()
         if not first:
+            if self._stop_thread == threading.get_ident() and not self._stop_done.is_set():
+                return False  # waiting would wait for ourselves
             if not self._stop_done.wait(STOP_WAIT_S):
                 logger.warning("service: stop() waited %.3g s for the stop under way; it has not ended", STOP_WAIT_S)
                 return False

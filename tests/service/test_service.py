@@ -561,6 +561,27 @@ def test_a_second_stop_waits_for_the_first_to_finish(monkeypatch: pytest.MonkeyP
     assert second == [True]
 
 
+def test_a_stop_called_from_inside_a_stop_returns_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A signal handler that calls stop() runs in whatever thread the signal
+    lands in, maybe the one that is stopping already: it must not wait for
+    itself (60 s)."""
+    server = FeedServer(state_file=tmp_path / "state.json")
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    server.start()
+    inner: list[tuple[bool, float]] = []
+    save = server.save_state
+
+    def save_and_stop_again() -> bool:
+        t0 = time.monotonic()
+        inner.append((server.stop(), time.monotonic() - t0))
+        return save()
+
+    monkeypatch.setattr(server, "save_state", save_and_stop_again)
+    assert server.stop()
+    assert len(inner) == 1 and inner[0][0] is False and inner[0][1] < 1.0, inner
+    assert server.stop()  # and once it ended, what it returned
+
+
 def test_an_acknowledgement_sent_just_before_the_consumer_died_with_batches_unread_counts(tmp_path: Path) -> None:
     """A consumer killed with batches unread in its socket resets the
     connection, and Linux reports the reset before the records it sent last:
