@@ -50,8 +50,6 @@ MAGIC = b"BFD1"
 _IOV = 512
 #: seconds without traffic before the kernel probes a silent peer, between probes, probes
 _KEEPALIVE = (10, 5, 3)
-#: seconds ``send(wait=False)`` waits for another send to finish
-NO_WAIT_S = 0.5
 
 
 def parse_tcp(address: str) -> tuple[str, int]:
@@ -200,8 +198,8 @@ class StreamChannel:
         aligned offset (the slot layout; padding is zeros).
 
         ``wait=False``: a record that cannot go out at once raises instead
-        of blocking: ``TimeoutError`` if another send holds the connection
-        for over :data:`NO_WAIT_S`, ``BlockingIOError`` if the socket's
+        of blocking: ``TimeoutError`` if another send holds the connection,
+        ``BlockingIOError`` if the socket's
         buffer is full (a peer that does not read); nothing was sent then.
         Only part of it fitting raises ``ConnectionError``: the frame is
         cut, the connection must be closed.
@@ -228,7 +226,10 @@ class StreamChannel:
                 size = wire_align(size)
         head = memoryview(PREFIX.pack(MAGIC, len(data), size) + data)
         if not wait:
-            if not self._send_lock.acquire(timeout=NO_WAIT_S):
+            # not a moment's wait: stop() tells every consumer in turn, and a
+            # wait per consumer whose sender is stuck adds up (0.5 s each
+            # was 16 s for 30); the sender tells it after its frame instead
+            if not self._send_lock.acquire(blocking=False):
                 raise TimeoutError(f"the connection to {self.peer} is busy sending (it does not read?)")
             try:
                 frame = head.tobytes() + b"".join(p.tobytes() for p in parts)
