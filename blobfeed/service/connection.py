@@ -315,10 +315,12 @@ class Connection:
         # epoch ends or the end may come, and neither needs a slot.
         self._welcome()
         logger.info("service: %s attached", self.peer)
-        self.sender = threading.Thread(
-            target=self._send_loop, name=f"blobfeed-service-send-{self.number}", daemon=True
-        )
-        self.sender.start()
+        sender = threading.Thread(target=self._send_loop, name=f"blobfeed-service-send-{self.number}", daemon=True)
+        # published once started: a sender that could not start (out of
+        # threads) is no thread to tell, wait for or join; the receiver
+        # reports the error and leaves, handing back what was taken
+        sender.start()
+        self.sender = sender
         return True
 
     def _welcome(self) -> None:

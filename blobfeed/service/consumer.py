@@ -114,6 +114,11 @@ class Attachment(Attached):
         except WireError as err:
             self._close_sockets()
             raise ServiceError(f"cannot attach to source {source_name!r}: {err}") from None
+        except ConnectionError as err:  # it dropped the connection at once (it could not take it)
+            self._close_sockets()
+            raise ServiceError(
+                f"{self._service} closed the connection while attaching source {source_name!r} ({err})"
+            ) from err
         except BaseException:
             self._close_sockets()
             raise

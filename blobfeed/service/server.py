@@ -446,7 +446,18 @@ class FeedServer:
                 self._connections.add(conn)
             t = threading.Thread(target=self._serve, args=(conn,), name=f"blobfeed-service-recv-{conn.number}", daemon=True)
             conn.receiver = t
-            t.start()
+            try:
+                t.start()
+            except RuntimeError as err:
+                # no thread to be had (the process's limit): this connection
+                # goes, the service and its other consumers stay
+                logger.warning("service: %s closed: its thread could not start (%s)", conn.peer, err)
+                with self._lock:
+                    self._connections.discard(conn)
+                conn.receiver = None
+                conn.close()
+                conn_sock.close()
+                handshakes.release()
 
     def source_for(self, name: str) -> ServedSource:
         """The source a consumer asks for by ``name``.
@@ -679,7 +690,7 @@ class FeedServer:
         clean = True
         deadline = time.monotonic() + STOP_JOIN_S
         for conn in conns:
-            if conn.receiver is not None:
+            if conn.receiver is not None and conn.receiver.ident is not None:  # (one that never started: nothing to join)
                 conn.receiver.join(timeout=max(0.0, deadline - time.monotonic()))
                 clean = clean and not conn.receiver.is_alive()
         if self._started and self.state_file is not None:

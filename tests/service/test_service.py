@@ -561,6 +561,46 @@ def test_a_second_stop_waits_for_the_first_to_finish(monkeypatch: pytest.MonkeyP
     assert second == [True]
 
 
+@pytest.mark.parametrize("role", ["recv", "send"])
+def test_a_thread_that_cannot_start_closes_one_connection_not_the_service(
+    monkeypatch: pytest.MonkeyPatch, role: str,
+) -> None:
+    """Out of threads (a container's pids.max), the accept thread died of
+    the receiver's failed start ("can't start new thread"): no consumer
+    could attach any more, and stop() raised joining the thread that never
+    started, before it saved the state.  A sender that cannot start failed
+    the same way, from the receiver.  Now only that connection goes."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    server.start()
+    start = threading.Thread.start
+    failed: list[str] = []
+
+    def start_or_fail(self: threading.Thread) -> None:
+        if self.name.startswith(f"blobfeed-service-{role}-") and not failed:
+            failed.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_fail)
+    try:
+        with pytest.raises(blobfeed.ServiceError):
+            # refused at its attach (no receiver), or at its first run() (no sender)
+            first_net = blobfeed.Net(None)
+            first = blobfeed.attach_source(first_net, ["id", "x"], 8, "train", server.address, timeout=10)
+            try:
+                first_net.run(timeout=10)
+            finally:
+                first.stop()
+        assert failed
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=10):
+            assert net.run(timeout=10)["id"].shape == (8,)
+    finally:
+        monkeypatch.setattr(threading.Thread, "start", start)
+        assert server.stop()
+
+
 def test_a_stop_called_from_inside_a_stop_returns_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A signal handler that calls stop() runs in whatever thread the signal
     lands in, maybe the one that is stopping already: it must not wait for
