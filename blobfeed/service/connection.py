@@ -308,6 +308,8 @@ class Connection:
         if self.tcp_peer is not None:
             self.peer += f" from {self.tcp_peer}"
         self.channel.peer = self.peer
+        if self._acks is not None:
+            self._acks.peer = self.peer
         self.ledger = Ledger(outlet, source.counts, self.label)
         self.ledger.peer = self.peer
         # Welcomed at once: its slots are made and offered (a "slots" record)

@@ -134,7 +134,8 @@ def test_garbage_on_the_acknowledgement_stream_ends_the_connection_after_what_ca
     finally:
         server.stop()
     warned = [r.getMessage() for r in caplog.records]
-    assert any(why in m and "connection closed" in m for m in warned), warned
+    # named as the consumer it attached as (it was "connection 0", its name before the hello)
+    assert any(why in m and "connection closed" in m and "consumer 0 of source 'train'" in m for m in warned), warned
 
 
 def test_an_acknowledgement_on_the_connection_s_socket_is_refused_once_there_is_a_stream(
