@@ -21,6 +21,7 @@ carrier it has.
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -98,19 +99,35 @@ class Carrier:
         return f"<{self.name} carrier>"
 
 
+#: seconds between tries to connect to a Unix socket whose listen backlog is full
+BACKLOG_RETRY_S = 0.05
+
+
 class _Unix(Carrier):
     name = "unix"
     shared_memory = True
 
     def connect(self, address: str, timeout: float, peer: str) -> Channel:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(address)
-        except OSError:
-            sock.close()
-            raise
-        return Channel(sock, peer)
+        """Connect within ``timeout`` s.  A Unix socket whose listen backlog
+        is full refuses at once (EAGAIN), whatever the timeout: tried again
+        every :data:`BACKLOG_RETRY_S` until then (the service is there, busy)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            try:
+                sock.connect(address)
+                return Channel(sock, peer)
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"its listen backlog stayed full for {timeout:g} s (too many connections "
+                                       "at once: it is busy)") from None
+                # nothing tells of room in another's backlog: a bounded pause between tries
+                time.sleep(min(BACKLOG_RETRY_S, max(0.0, deadline - time.monotonic())))
+            except OSError:
+                sock.close()
+                raise
 
     def channel(self, sock: socket.socket, peer: str) -> Channel:
         return Channel(sock, peer)

@@ -741,6 +741,42 @@ def test_at_most_so_many_connections_are_in_their_handshake_at_once(
                 s.close()
 
 
+def test_a_full_listen_backlog_is_waited_out_within_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Unix socket a connect() to a service whose listen backlog is full
+    fails at once (EAGAIN), whatever the socket's timeout: attach_source
+    said "no service" in 0.3 s although connect_timeout was 30 (a review
+    filled the backlog with silent peers).  It tries again until then."""
+    from blobfeed.service import server as server_mod
+
+    monkeypatch.setattr(server_mod, "MAX_HANDSHAKES", 1)
+    with served(None) as server:
+        silent: list[socket.socket] = []
+        try:
+            for _ in range(1000):  # until the backlog is full (64, and one in its handshake)
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.setblocking(False)
+                try:
+                    s.connect(str(server.address))
+                except BlockingIOError:
+                    s.close()
+                    break
+                silent.append(s)
+            else:
+                pytest.fail("the listen backlog never filled")
+            # the busy spell ends a moment after the consumer started to attach
+            ends = threading.Timer(1.0, lambda: [s.close() for s in silent])
+            ends.start()
+            net = blobfeed.Net(None)
+            t0 = time.monotonic()
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, connect_timeout=20):
+                assert net.run(timeout=20)["id"].shape == (8,)
+            assert time.monotonic() - t0 >= 0.5  # it did wait for room
+            ends.join(5)
+        finally:
+            for s in silent:
+                s.close()
+
+
 def test_the_wire_layout_is_the_service_s_own_not_the_process_backend_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """The slot and TCP frame layout is part of the service's protocol: a
     change to the process backend's alignment (feeders.messages.ALIGN) must
