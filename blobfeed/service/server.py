@@ -162,6 +162,9 @@ class FeedServer:
         #: set once the first stop() ended; ``_stop_clean`` is what it returned
         self._stop_done = threading.Event()
         self._stop_clean = False
+        #: one save at a time; the last one failed to write (a full disk, say)
+        self._save_lock = threading.Lock()
+        self._save_failed = False
         #: the thread the first stop() runs in
         self._stop_thread: int | None = None
         self._started = False
@@ -478,28 +481,38 @@ class FeedServer:
                 self._connections.discard(conn)
 
     def _monitor_loop(self) -> None:
-        last_log = last_save = time.monotonic()
+        # its one thread enforces the grace periods and saves the state: a
+        # round that fails is logged, and the next one comes
+        last = [time.monotonic()] * 2
         delivered = {n: 0 for n in self.sources}
         while not self._stopping.wait(0.1):
-            for s in self.sources.values():
-                s.check_grace()
-                s.arena.reap()  # batches consumers that exited had kept
-                failure = s.failure
-                if failure is not None and self.stop_reason is None:
-                    self.stop_reason = f"source {s.name!r} failed: {failure}"
-            now = time.monotonic()
-            if now - last_log >= self._log_interval:
-                for name, s in self.sources.items():
-                    total = sum(s.counts.acknowledged.values())
-                    logger.info(
-                        "service: source %r: %.1f batches/s over the last %.0f s, %d consumers attached",
-                        name, (total - delivered[name]) / (now - last_log), now - last_log, s.connected,
-                    )
-                    delivered[name] = total
-                last_log = now
-            if self.state_file is not None and now - last_save >= self._save_every:
-                last_save = now
-                self.save_state()
+            try:
+                self._monitor_round(last, delivered)
+            except Exception:
+                logger.exception("service: a round of the monitor failed")
+
+    def _monitor_round(self, last: list[float], delivered: dict[str, int]) -> None:
+        """(:meth:`_monitor_loop`.)  ``last``: when it last logged and saved."""
+        last_log, last_save = last
+        for s in self.sources.values():
+            s.check_grace()
+            s.arena.reap()  # batches consumers that exited had kept
+            failure = s.failure
+            if failure is not None and self.stop_reason is None:
+                self.stop_reason = f"source {s.name!r} failed: {failure}"
+        now = time.monotonic()
+        if now - last_log >= self._log_interval:
+            for name, s in self.sources.items():
+                total = sum(s.counts.acknowledged.values())
+                logger.info(
+                    "service: source %r: %.1f batches/s over the last %.0f s, %d consumers attached",
+                    name, (total - delivered[name]) / (now - last_log), now - last_log, s.connected,
+                )
+                delivered[name] = total
+            last[0] = now
+        if self.state_file is not None and now - last_save >= self._save_every:
+            last[1] = now
+            self.save_state()
 
     @property
     def metrics_url(self) -> str | None:
@@ -576,12 +589,32 @@ class FeedServer:
         text = savable(state, self.state_file)
         if text is None:
             return False
-        tmp = f"{self.state_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_file)
+        # One save at a time (the monitor's periodic one, stop()'s, the
+        # user's): a state taken earlier must not replace a later one.  A
+        # temporary file of its own (O_EXCL: no planted name or link is
+        # written through), in the state file's directory (one rename).
+        with self._save_lock:
+            folder, name = os.path.split(os.path.abspath(self.state_file))
+            tmp = None
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.state_file)
+                tmp = None
+            except OSError as err:
+                # a full disk, a read-only directory: the state saved last stays
+                logger.warning("service: state not saved to %s: %s (the state saved last stays)",
+                               self.state_file, err.strerror or err)
+                self._save_failed = True
+                return False
+            finally:
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+        self._save_failed = False
         logger.info("service: state saved to %s", self.state_file)
         return True
 
@@ -695,6 +728,7 @@ class FeedServer:
                 clean = clean and not conn.receiver.is_alive()
         if self._started and self.state_file is not None:
             self.save_state()
+            clean = clean and not self._save_failed  # (the warning said why; the state saved last stays)
         clean = self.coordinator.stop() and clean
         for s in self.sources.values():
             s.drop_held()  # what waited to be dealt again maps old slots

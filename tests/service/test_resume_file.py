@@ -241,3 +241,83 @@ def test_a_state_a_resume_would_refuse_is_not_saved(
     finally:
         assert server.stop()
     FeedServer(state_file=path, resume=True).stop()  # the file left is one a resume reads
+
+
+def _serving_deterministic(path: Path, **kw: Any) -> FeedServer:
+    from . import feeds
+
+    server = FeedServer(state_file=path, **kw)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, deterministic=True)
+    server.start()
+    return server
+
+
+def test_a_state_that_cannot_be_written_is_a_warning_and_the_stop_cleans_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A save that failed (a full disk, a read-only directory) raised out of
+    save_state: from stop() it skipped everything after the save (the
+    coordinator's stop, the threads' joins, the socket's removal), and from
+    the monitor thread it ended that thread (no periodic save, no grace
+    period enforced after it; a review found both).  Now it is a warning
+    naming the file and the cause; the state saved last stays, and stop()
+    says False but cleans up."""
+    path = tmp_path / "state.json"
+    server = _serving_deterministic(path)
+    assert server.save_state()
+    good = path.read_bytes()
+    address = str(server.address)
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # the disk is full
+    with caplog.at_level("WARNING", logger="blobfeed.service"):
+        assert server.save_state() is False
+        assert "state not saved to" in caplog.text and str(path) in caplog.text, caplog.text
+        assert "No space left on device" in caplog.text
+        assert server.stop() is False  # its state could not be saved
+    assert path.read_bytes() == good
+    assert os.listdir(tmp_path) == ["state.json"]  # no temporary file left
+    assert not os.path.exists(address)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("blobfeed-")]
+
+
+def test_two_saves_at_once_both_write_a_whole_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save wrote through one temporary name: a save during another
+    (the monitor's periodic one and stop()'s, or the user's) found the file
+    renamed away under it and raised."""
+    path = tmp_path / "state.json"
+    server = _serving_deterministic(path)
+    inside, go = threading.Barrier(2, timeout=10), threading.Event()
+    fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        try:
+            inside.wait()  # both saves between their write and their rename
+        except threading.BrokenBarrierError:
+            pass
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    got: list[Any] = []
+
+    def save() -> None:
+        try:
+            got.append(server.save_state())
+        except Exception as exc:  # the defect: one of them raised
+            got.append(exc)
+
+    savers = [threading.Thread(target=save) for _ in range(2)]
+    try:
+        for t in savers:
+            t.start()
+        for t in savers:
+            t.join(20)
+        assert got == [True, True], got
+        json.loads(path.read_text())
+    finally:
+        monkeypatch.setattr(os, "fsync", fsync)
+        go.set()
+        assert server.stop()
+    assert not [p for p in os.listdir(tmp_path) if p != "state.json"]
