@@ -165,6 +165,8 @@ class FeedServer:
         #: one save at a time; the last one failed to write (a full disk, say)
         self._save_lock = threading.Lock()
         self._save_failed = False
+        #: (device, inode, change time) of the socket file this service made
+        self._socket_file: tuple[int, int, int] | None = None
         #: the thread the first stop() runs in
         self._stop_thread: int | None = None
         self._started = False
@@ -411,6 +413,10 @@ class FeedServer:
             os.umask(old)
         self._sock = sock
         self.address = path
+        # the file this socket made: a service started on the path after this
+        # one closed its socket (a restart) makes another, never removed here
+        st = os.stat(path)
+        self._socket_file = (st.st_dev, st.st_ino, st.st_ctime_ns)  # (an inode is reused at once)
 
     def _accept_loop(self) -> None:
         sock = self._sock
@@ -739,7 +745,9 @@ class FeedServer:
             self._metrics.close()
         if self.address is not None and self._private_dir is None and not self._tcp:
             with contextlib.suppress(OSError):
-                os.unlink(self.address)
+                st = os.stat(self.address)
+                if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._socket_file:
+                    os.unlink(self.address)
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         logger.info("service: stopped (%s)", why)
