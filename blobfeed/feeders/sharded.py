@@ -28,6 +28,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+try:  # numpy 2 moved these
+    from numpy.exceptions import TooHardError
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # pragma: no cover - numpy 1.x
+    from numpy import TooHardError, byte_bounds  # type: ignore[attr-defined,no-redef]
+
 from .chunks import Stamped
 from .indexed import IndexedReadError, RandomAccessSource, UnitReader, _short, blob_arrays, safe_repr
 from .read_units import ReadUnit
@@ -691,16 +697,9 @@ def _owner(a: np.ndarray) -> Any:
 
 
 def _bounds(a: np.ndarray) -> tuple[int, int]:
-    """The bytes ``a`` spans: ``[lo, hi)`` addresses (``a`` not empty)."""
-    lo = hi = a.__array_interface__["data"][0]
-    if a.flags.c_contiguous:
-        return lo, lo + a.nbytes
-    for n, stride in zip(a.shape, a.strides):
-        if stride < 0:
-            lo += (n - 1) * stride
-        else:
-            hi += (n - 1) * stride
-    return lo, hi + a.itemsize
+    """The bytes ``a`` spans: ``[lo, hi)`` addresses."""
+    lo, hi = byte_bounds(a)
+    return int(lo), int(hi)
 
 
 def _shares(a: np.ndarray, b: np.ndarray) -> bool:
@@ -708,7 +707,7 @@ def _shares(a: np.ndarray, b: np.ndarray) -> bool:
     may interleave); too hard to tell in a bounded time: not proven, False."""
     try:
         return bool(np.shares_memory(a, b, max_work=100_000))  # type: ignore[arg-type]  # numpy's stub lists -1 and 0 only
-    except np.exceptions.TooHardError:
+    except TooHardError:
         return False
 
 
