@@ -22,7 +22,6 @@ import json
 import os
 import re
 import socket
-import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -95,9 +94,10 @@ def dtype_from_wire(text: Any, where: str) -> np.dtype:
     if not isinstance(text, str) or len(text) > 8:
         raise WireError(f"{where}: dtype must be a short string, got {text!r}")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a deprecated spelling ("a") is refused, not warned of
-            dt = np.dtype(text)
+        # (no warnings.catch_warnings here: it changes the filters of every
+        # thread while it lasts; a deprecated spelling that only warns is
+        # held to the kind check below like any other)
+        dt = np.dtype(text)
     except (TypeError, ValueError, SyntaxError, Warning) as err:  # "f8,(" raises SyntaxError
         raise WireError(f"{where}: unknown dtype {text!r}") from err
     if dt.kind not in _KINDS or dt.hasobject or dt.fields is not None or dt.subdtype is not None:
