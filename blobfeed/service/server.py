@@ -169,6 +169,8 @@ class FeedServer:
         self._socket_file: tuple[int, int, int] | None = None
         #: the thread the first stop() runs in
         self._stop_thread: int | None = None
+        #: when the monitor thread last logged the throughput and saved the state
+        self._last_log = self._last_save = 0.0
         self._started = False
         self.stop_reason: str | None = None
         self._metrics: Any = None
@@ -489,17 +491,18 @@ class FeedServer:
     def _monitor_loop(self) -> None:
         # its one thread enforces the grace periods and saves the state: a
         # round that fails is logged, and the next one comes
-        last = [time.monotonic()] * 2
+        self._last_log = self._last_save = time.monotonic()
         delivered = {n: 0 for n in self.sources}
         while not self._stopping.wait(0.1):
             try:
-                self._monitor_round(last, delivered)
+                self._monitor_round(delivered)
             except Exception:
                 logger.exception("service: a round of the monitor failed")
 
-    def _monitor_round(self, last: list[float], delivered: dict[str, int]) -> None:
-        """(:meth:`_monitor_loop`.)  ``last``: when it last logged and saved."""
-        last_log, last_save = last
+    def _monitor_round(self, delivered: dict[str, int]) -> None:
+        """(:meth:`_monitor_loop`, its thread's alone.)  ``delivered``: each
+        source's acknowledged batches at the last throughput line."""
+        last_log = self._last_log
         for s in self.sources.values():
             s.check_grace()
             s.arena.reap()  # batches consumers that exited had kept
@@ -515,9 +518,9 @@ class FeedServer:
                     name, (total - delivered[name]) / (now - last_log), now - last_log, s.connected,
                 )
                 delivered[name] = total
-            last[0] = now
-        if self.state_file is not None and now - last_save >= self._save_every:
-            last[1] = now
+            self._last_log = now
+        if self.state_file is not None and now - self._last_save >= self._save_every:
+            self._last_save = now
             self.save_state()
 
     @property
