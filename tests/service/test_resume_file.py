@@ -289,7 +289,7 @@ def test_two_saves_at_once_both_write_a_whole_state(tmp_path: Path, monkeypatch:
     renamed away under it and raised."""
     path = tmp_path / "state.json"
     server = _serving_deterministic(path)
-    inside, go = threading.Barrier(2, timeout=10), threading.Event()
+    inside = threading.Barrier(2, timeout=10)
     fsync = os.fsync
 
     def slow_fsync(fd: int) -> None:
@@ -318,6 +318,5 @@ def test_two_saves_at_once_both_write_a_whole_state(tmp_path: Path, monkeypatch:
         json.loads(path.read_text())
     finally:
         monkeypatch.setattr(os, "fsync", fsync)
-        go.set()
         assert server.stop()
     assert not [p for p in os.listdir(tmp_path) if p != "state.json"]

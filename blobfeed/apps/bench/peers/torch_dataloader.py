@@ -76,7 +76,7 @@ def run_torch_map(wl: Workload, seconds: float, workers: int) -> dict[str, Any]:
     start with ``fork`` (torch's default on Linux) and are kept from one
     epoch to the next (``persistent_workers=True``, what one sets for
     more than one epoch).  Without workers, torch runs with one intra-op
-    thread, as it does in its workers (docs/BENCHMARKS.md, "torch's loader
+    thread, as it does in its workers (docs/BENCHMARKS.md, "W7 against torch
     with one thread")."""
     import torch
     import torch.utils.data as tud

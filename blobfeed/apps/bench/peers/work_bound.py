@@ -56,27 +56,15 @@ def _read(make_dataset: Callable[[], Any], batch: int, k: int, stop: Any, counts
     n = len(dataset)
     layout = _stacked_layout(dataset, batch)
     layouts.put([(shape, dtype.str) for shape, dtype in layout])
-    sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in layout]
-    slot_bytes = sum(sizes)
+    slot_bytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in layout)
     area = mmap.mmap(-1, slot_bytes * SLOTS)  # shared and anonymous, as a worker's slots
-    slots = []
-    for s in range(SLOTS):
-        views, at = [], s * slot_bytes
-        for (shape, dtype), size in zip(layout, sizes):
-            views.append(np.frombuffer(area, dtype, count=size // dtype.itemsize, offset=at).reshape(shape))
-            at += size
-        slots.append(views)
+    slots = [_slot_views(area, s * slot_bytes, layout) for s in range(SLOTS)]
     rng = np.random.default_rng((ORDERED_SEED, k))
     done = 0
     while not stop.is_set():  # the map goes with the process
         order = rng.permutation(n)
         for lo in range(0, n - batch + 1, batch):
-            samples = dataset.__getitems__(order[lo:lo + batch].tolist())
-            for col, out in zip(zip(*samples), slots[done % SLOTS]):
-                if isinstance(col[0], np.generic):
-                    out[...] = col  # numbers in one assignment, as a blobfeed worker writes them
-                else:
-                    np.stack(col, out=out)
+            _stack(dataset.__getitems__(order[lo:lo + batch].tolist()), slots[done % SLOTS])
             done += 1
             counts[k] = done
             if stop.is_set():
@@ -140,6 +128,15 @@ def _slot_views(area: Any, at: int, layout: list[tuple[tuple[int, ...], np.dtype
     return views
 
 
+def _stack(samples: Any, slot: list[np.ndarray]) -> None:
+    """One batch's samples stacked into a slot's arrays, a column per blob."""
+    for col, out in zip(zip(*samples), slot):
+        if isinstance(col[0], np.generic):
+            out[...] = col  # numbers in one assignment, as a blobfeed worker writes them
+        else:
+            np.stack(col, out=out)
+
+
 def _hand(make_dataset: Callable[[], Any], batch: int, k: int, stop: Any, area: Any, slot_bytes: int,
           layout: list[tuple[tuple[int, ...], str]], out: Any, free: Any) -> None:
     """One of hand2's processes: :func:`_read`'s work into its slots of the
@@ -166,12 +163,7 @@ def _hand(make_dataset: Callable[[], Any], batch: int, k: int, stop: Any, area: 
             if stop.is_set():
                 return
             s = idle.pop()
-            samples = dataset.__getitems__(order[lo:lo + batch].tolist())
-            for col, dst in zip(zip(*samples), slots[s]):
-                if isinstance(col[0], np.generic):
-                    dst[...] = col
-                else:
-                    np.stack(col, out=dst)
+            _stack(dataset.__getitems__(order[lo:lo + batch].tolist()), slots[s])
             os.write(out_fd, _SLOT.pack(s))
 
 
