@@ -1292,18 +1292,24 @@ def test_a_service_that_stops_late_leaves_the_socket_file_of_the_one_that_took_i
     old = FeedServer(path)
     old.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
     old.start()
-    assert old._sock is not None
-    old._sock.shutdown(socket.SHUT_RDWR)  # where its stop() is when the new one starts
-    old._sock.close()
     new = FeedServer(path)
-    new.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
-    new.start()
     try:
+        assert old._sock is not None
+        old._sock.shutdown(socket.SHUT_RDWR)  # where its stop() is when the new one starts
+        old._sock.close()
+        # its socket is gone once its accept thread let go of it
+        for t in old._threads:
+            if t.name.startswith("blobfeed-service-accept"):
+                t.join(10)
+                assert not t.is_alive()
+        new.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+        new.start()
         old.stop()
         assert os.path.exists(path), "the old service removed the new one's socket file"
         net = blobfeed.Net(None)
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", path, timeout=10, connect_timeout=10):
             assert net.run(timeout=10)["id"].shape == (8,)
     finally:
+        old.stop()
         new.stop()
     assert not os.path.exists(path)
