@@ -11,12 +11,8 @@ import functools
 import importlib.metadata
 import logging
 import platform
-import socket
 import sys
-import threading
-from socketserver import ThreadingMixIn
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
@@ -27,6 +23,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from .endpoint import MetricsServer, start_http_server
 from .stats import DEFAULT_BUCKETS, FETCH_ERROR_KINDS, Hist, MetricsHub, SourceTotals
 
 __all__ = [
@@ -276,116 +273,3 @@ class _Collector:
             dq_depth, wait_s, timeouts, alive, workers, ips, delivered, dropped, skipped, buffered, deaths, transport,
             build, first, busy, model_s, bottleneck,
         )
-
-
-class MetricsServer:
-    """A running ``/metrics`` endpoint; ``close()`` stops it.  Context manager."""
-
-    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
-        self._httpd = httpd
-        self._thread = thread
-        self._closed = False
-        self.port: int = httpd.server_address[1]
-        self.addr: str = httpd.server_address[0]
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        """Stop serving and release the port.  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5.0)
-
-    def __enter__(self) -> "MetricsServer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes are not worth a log line each."""
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _ThreadingWSGIServer6(_ThreadingWSGIServer):
-    address_family = socket.AF_INET6
-
-
-#: How often the server loop looks for ``close()``.  socketserver's loop can
-#: only poll; prometheus-client's 0.5 s made every close() take half a second.
-_SHUTDOWN_POLL_S = 0.02
-
-
-def start_http_server(
-    port: int,
-    addr: str = "127.0.0.1",
-    registry: CollectorRegistry | None = None,
-    *,
-    health: Callable[[], tuple[bool, str]] | None = None,
-    ready: Callable[[], tuple[bool, str]] | None = None,
-) -> MetricsServer:
-    """Serve the metrics at ``http://addr:port/metrics`` from a daemon thread.
-
-    Args:
-        port: TCP port; 0 picks a free one (read it back from ``.port``).
-        addr: address to bind.  Loopback by default: name another address
-            explicitly to expose the metrics beyond this machine.
-        registry: what to serve; default prometheus-client's default
-            registry, where ``blobfeed.global_coordinator`` puts its metrics.
-        health: also serve ``/healthz``: 200 with the text while it returns
-            (True, text), 503 otherwise (a feeding service's liveness).
-        ready: likewise ``/readyz`` (a feeding service's readiness).
-
-    Returns:
-        A :class:`MetricsServer` with ``port``, ``url`` and ``close()``.
-
-    Raises:
-        OSError: the address cannot be bound (a busy port, say); the message
-            names the address and port, the ``errno`` is the socket's.
-    """
-    from prometheus_client import make_wsgi_app
-
-    if registry is None:
-        # blobfeed.global_coordinator's registry
-        registry = prometheus_client.REGISTRY
-    server_class = _ThreadingWSGIServer6 if ":" in addr else _ThreadingWSGIServer
-    app = make_wsgi_app(registry)
-    checks = {path: f for path, f in (("/healthz", health), ("/readyz", ready)) if f is not None}
-    if checks:
-        app = _with_health(app, checks)
-    try:
-        httpd = make_server(addr, port, app, server_class, handler_class=_QuietHandler)
-    except OSError as exc:
-        # the socket's own error says "Address already in use", not which address
-        raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
-    thread = threading.Thread(
-        target=httpd.serve_forever,
-        kwargs={"poll_interval": _SHUTDOWN_POLL_S},
-        name=f"blobfeed-metrics-http-{httpd.server_address[1]}",
-        daemon=True,
-    )
-    thread.start()
-    return MetricsServer(httpd, thread)
-
-
-def _with_health(app: Any, checks: dict[str, Callable[[], tuple[bool, str]]]) -> Any:
-    def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
-        check = checks.get(environ.get("PATH_INFO", ""))
-        if check is not None:
-            ok, text = check()
-            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
-            return [text.encode() + b"\n"]
-        return app(environ, start_response)
-
-    return wsgi
