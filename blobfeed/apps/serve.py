@@ -1,8 +1,9 @@
 """``blobfeed serve MODULE:FUNCTION``: run a feeding service until stopped.
 
 FUNCTION (called with no arguments) wires the sources with
-``blobfeed.serve_source(...)``; the service then serves them until SIGTERM
-or SIGINT, or until every source ended, when it stops fetching, saves its
+``blobfeed.serve_source(...)``; the service then serves them until SIGTERM,
+SIGINT or SIGHUP (at any moment, the start-up included: a stop, never a
+kill halfway), or until every source ended, when it stops fetching, saves its
 state (``--state-file``), tells every consumer and exits 0 (1 when a source
 failed meanwhile, or a thread did not end; each failure is named on stderr).  Exit status 2
 for a usage problem: a bad option or target, or a ``--metrics-port`` that is
@@ -88,9 +89,52 @@ def _error_text(err: BaseException) -> str:
     return str(err)
 
 
+#: the signals that stop the service: a supervisor's, Ctrl-C's, a closed terminal's
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _StopRequests:
+    """The stop signals, from the first moment of ``main``: before the
+    server exists they are kept, and handed to it once it does."""
+
+    def __init__(self) -> None:
+        #: the first signal's name, None while none came
+        self.first: str | None = None
+        self._server: FeedServer | None = None
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.first is None:
+            self.first = signal.Signals(signum).name
+        if self._server is not None:
+            self._server.request_stop(self.first)
+
+    def attach(self, server: FeedServer) -> None:
+        self._server = server
+        if self.first is not None:
+            server.request_stop(self.first)
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The handlers come first: a signal at any moment of the start-up (the
+    # target's import, its wiring, the workers' start) is a stop request,
+    # never the default action (a process killed halfway, its socket file
+    # left) nor a KeyboardInterrupt through the user's wiring.  They stay
+    # until main returns: a second signal while the first stop runs must
+    # not find the default handler back.
+    stops = _StopRequests()
+    # SIGHUP ignored at our start is nohup's: the service outlives its terminal
+    caught = [s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
+    old = {s: signal.signal(s, stops.handler) for s in caught}
+    try:
+        return _run(args, stops)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run(args: argparse.Namespace, stops: _StopRequests) -> int:
     try:
         server = FeedServer(
             args.listen, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
@@ -99,6 +143,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
         print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
         return 2
+    stops.attach(server)
     try:
         # the metrics port first: a taken port fails before the target is
         # imported, its sources wired or a worker started
@@ -113,29 +158,30 @@ def main(argv: list[str]) -> int:
         server.stop()
         print(f"blobfeed serve: {err}", file=sys.stderr)
         return 2
+    except BaseException:
+        server.stop()
+        raise
     try:
         server.setup(func)
-        server.start()
+        if stops.first is None:  # (a stop asked for meanwhile starts nothing)
+            server.start()
     except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
         server.stop()
         print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
         return 2
-
-    def on_signal(signum: int, frame: Any) -> None:
-        server.request_stop(signal.Signals(signum).name)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    # one line a consumer's launcher can read for the address
-    print(f"blobfeed serve: listening on {server.address}", flush=True)
-    if metrics_url is not None:
-        print(f"blobfeed serve: metrics on {metrics_url}", flush=True)
+    except BaseException:
+        server.stop()
+        raise
+    if stops.first is None:
+        # one line a consumer's launcher can read for the address
+        print(f"blobfeed serve: listening on {server.address}", flush=True)
+        if metrics_url is not None:
+            print(f"blobfeed serve: metrics on {metrics_url}", flush=True)
     try:
         server.wait()
     finally:
         failed = [f"source {n!r} failed: {s.failure}" for n, s in server.sources.items() if s.failure is not None]
         clean = server.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
     print(f"blobfeed serve: stopped ({server.stop_reason})", flush=True)
     for line in failed:
         print(f"blobfeed serve: {line}", file=sys.stderr)

@@ -653,8 +653,10 @@ class FeedServer:
 
     # -- stopping ----------------------------------------------------------------------
     def request_stop(self, reason: str = "stopped") -> None:
-        """Ask :meth:`wait` to return (safe in a signal handler)."""
-        self.stop_reason = reason
+        """Ask :meth:`wait` to return (safe in a signal handler); the first
+        request's ``reason`` stands (a second signal does not rename a stop)."""
+        if not self._stopping.is_set():
+            self.stop_reason = reason
         self._stopping.set()
 
     def wait(self, timeout: float | None = None) -> bool:
