@@ -52,6 +52,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.child": 7, "blobfeed.feeders.starting": 7, "blobfeed.feeders.slot_ring": 7,
     "blobfeed.feeders.processes": 8, "blobfeed.feeders.ray_backend": 8, "blobfeed.feeders.ray_pins": 7,
     "blobfeed.feeders": 9,
+    # the /metrics endpoint (its HTTP server), re-exported by blobfeed.metrics
+    "blobfeed.endpoint": 9.9,
     "blobfeed.net": 10, "blobfeed.metrics": 10,
     "blobfeed.coordinator.groups": 10.2, "blobfeed.coordinator.registry": 10.3,
     "blobfeed.coordinator.checkpoint": 10.3, "blobfeed.coordinator.elastic": 10.4,
@@ -63,6 +65,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.reader": 11.02,
     # the feeding service: a source served to nets in other processes
     "blobfeed.service.wire": 11.1, "blobfeed.service.ackstream": 11.12, "blobfeed.service.state_file": 11.12, "blobfeed.service.tcp": 11.15,
+    "blobfeed.service.socket_path": 11.12,
     "blobfeed.service.slots": 11.2,
     "blobfeed.service.arena": 11.22,
     "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,

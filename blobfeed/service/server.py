@@ -8,13 +8,11 @@ See docs/SERVICE.md for the guarantees and how they compare.
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import logging
 import os
 import shutil
 import socket
-import stat
 import tempfile
 import threading
 import time
@@ -29,6 +27,7 @@ from ..errors import BlobfeedError
 from ..reader import init_reader
 from .connection import Connection, Refused
 from .served import ARENA_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
+from .socket_path import SocketPath, bind_private
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 from .transport import TCP, carrier_for
 from .state_file import STATE_VERSION, field_name, read_state, savable
@@ -165,8 +164,8 @@ class FeedServer:
         #: one save at a time; the last one failed to write (a full disk, say)
         self._save_lock = threading.Lock()
         self._save_failed = False
-        #: (device, inode, change time) of the socket file this service made
-        self._socket_file: tuple[int, int, int] | None = None
+        #: the Unix socket path it listens at (not its own private directory's), and holds
+        self._path: SocketPath | None = None
         #: the thread the first stop() runs in
         self._stop_thread: int | None = None
         #: when the monitor thread last logged the throughput and saved the state
@@ -388,37 +387,12 @@ class FeedServer:
         if self._listen is None:
             self._private_dir = tempfile.mkdtemp(prefix="blobfeed-")  # mode 0700
             path = os.path.join(self._private_dir, "feed.sock")
+            self._sock = bind_private(self._private_dir, path)
         else:
-            path = self._listen
-            if path.startswith("unix:"):
-                path = path[5:]
-            if os.path.exists(path):
-                if not stat.S_ISSOCK(os.stat(path).st_mode):
-                    raise ValueError(f"listen={path!r} exists and is not a socket")
-                live = _alive(path)
-                if live is not None:
-                    raise ValueError(
-                        f"listen={path!r}: another program has a socket there ({live}, another service "
-                        "or not): stop it, or listen elsewhere"
-                    )
-                os.unlink(path)  # a stale socket of a program that died
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o177)  # the socket file is made 0600
-        try:
-            sock.bind(path)
-            sock.listen(64)
-        except OSError as err:
-            sock.close()
-            # the socket's own error names no path ("No such file or directory")
-            raise OSError(err.errno, f"cannot listen on {path!r}: {err.strerror or err}") from err
-        finally:
-            os.umask(old)
-        self._sock = sock
+            path = self._listen[5:] if self._listen.startswith("unix:") else self._listen
+            self._path = SocketPath(path)
+            self._sock = self._path.take()
         self.address = path
-        # the file this socket made: a service started on the path after this
-        # one closed its socket (a restart) makes another, never removed here
-        st = os.stat(path)
-        self._socket_file = (st.st_dev, st.st_ino, st.st_ctime_ns)  # (an inode is reused at once)
 
     def _accept_loop(self) -> None:
         sock = self._sock
@@ -748,11 +722,8 @@ class FeedServer:
             clean = clean and not t.is_alive()
         if self._metrics is not None:
             self._metrics.close()
-        if self.address is not None and self._private_dir is None and not self._tcp:
-            with contextlib.suppress(OSError):
-                st = os.stat(self.address)
-                if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._socket_file:
-                    os.unlink(self.address)
+        if self._path is not None:
+            self._path.release()  # its file, if still this service's, and its lock
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         logger.info("service: stopped (%s)", why)
@@ -766,54 +737,6 @@ class FeedServer:
 
     def __repr__(self) -> str:
         return f"<FeedServer {sorted(self.sources)} at {self.address}>"
-
-
-def _alive(path: str) -> str | None:
-    """What is live at the socket file ``path`` (a program has it bound,
-    and listening for a connected type), None if it is stale.  Every type
-    is tried: connecting with another type than the socket's fails
-    (EPROTOTYPE) even when it is live."""
-    for kind in ("SOCK_SEQPACKET", "SOCK_STREAM", "SOCK_DGRAM"):
-        s = socket.socket(socket.AF_UNIX, getattr(socket, kind))
-        try:
-            s.settimeout(1.0)
-            s.connect(path)
-            return f"a live {kind} socket"
-        except (TimeoutError, BlockingIOError):
-            return f"a live {kind} socket, its backlog full"
-        except OSError as err:
-            if err.errno in (errno.ECONNREFUSED, errno.EPROTOTYPE):
-                continue  # nobody there, or a socket of another type
-            # cannot tell (no permission, say): never take it over
-            return f"a socket that a {kind} probe could not reach: {err.strerror or err}"
-        finally:
-            s.close()
-    # Refused on every type: nobody listens, but a program may still have it
-    # bound (between bind() and listen(), or bound only to name it): the
-    # kernel lists every bound path.
-    if _bound(path):
-        return "a socket a program has bound (not listening)"
-    return None
-
-
-def _bound(path: str) -> bool:
-    """Whether the kernel lists ``path`` among the bound Unix sockets
-    (/proc/net/unix; a path bound relative to another directory is matched
-    by its tail).  False where that list cannot be read."""
-    absolute = os.path.abspath(path)
-    try:
-        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
-            next(f, None)
-            for line in f:
-                fields = line.split(None, 7)
-                if len(fields) < 8:
-                    continue
-                bound = fields[7].rstrip("\n")
-                if bound == absolute or (not bound.startswith("/") and absolute.endswith("/" + bound)):
-                    return True
-    except OSError:
-        return False
-    return False
 
 
 class _ServiceCollector:

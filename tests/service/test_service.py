@@ -1283,33 +1283,3 @@ def test_a_state_too_big_for_a_record_is_an_error_for_the_asker_not_a_disconnect
         assert server.stop()
 
 
-def test_a_service_that_stops_late_leaves_the_socket_file_of_the_one_that_took_its_place(tmp_path: Path) -> None:
-    """A service stopping (its listening socket closed already, waiting for a
-    worker) and a new one started on its path: the new one takes the stale
-    file over, and the old one's stop then unlinked the new one's socket, so
-    no consumer could reach it (a review found it with a restart)."""
-    path = str(tmp_path / "feed.sock")
-    old = FeedServer(path)
-    old.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
-    old.start()
-    new = FeedServer(path)
-    try:
-        assert old._sock is not None
-        old._sock.shutdown(socket.SHUT_RDWR)  # where its stop() is when the new one starts
-        old._sock.close()
-        # its socket is gone once its accept thread let go of it
-        for t in old._threads:
-            if t.name.startswith("blobfeed-service-accept"):
-                t.join(10)
-                assert not t.is_alive()
-        new.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
-        new.start()
-        old.stop()
-        assert os.path.exists(path), "the old service removed the new one's socket file"
-        net = blobfeed.Net(None)
-        with blobfeed.attach_source(net, ["id", "x"], 8, "train", path, timeout=10, connect_timeout=10):
-            assert net.run(timeout=10)["id"].shape == (8,)
-    finally:
-        old.stop()
-        new.stop()
-    assert not os.path.exists(path)

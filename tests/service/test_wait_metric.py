@@ -46,7 +46,7 @@ class SlowFetch(feeds.Fetch):
 
 def scrape(url: str) -> dict[tuple[str, str, str], float]:
     """The service's ``/metrics`` over HTTP: (family, source, consumer) -> value of its counters."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=10) as r:  # (the URL names /metrics)
         text = r.read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
