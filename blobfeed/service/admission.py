@@ -9,12 +9,22 @@ what did not fit (and, for another protocol, both versions).
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any, Callable
 
 from .served import IndexOutlet, ServedSource, SharedOutlet
-from .wire import PROTOCOL
+from .wire import PROTOCOL, shown
 
-__all__ = ["Refused", "admit"]
+__all__ = ["Refused", "RefusalLog", "admit"]
+
+logger = logging.getLogger("blobfeed.service")
+
+#: consumers refused (or closed in their handshake) logged one by one per window
+REFUSALS_LOGGED = 10
+#: seconds of that window; the refusals past it are told in one line at the next
+REFUSAL_WINDOW_S = 10.0
 
 
 class Refused(Exception):
@@ -43,7 +53,7 @@ def admit(
     blobs = hello["blobs"]
     if blobs != list(t.blob_names):
         raise Refused(
-            f"source {t.name!r} carries blobs {list(t.blob_names)}; the consumer asked for {blobs!r}"
+            f"source {t.name!r} carries blobs {shown(list(t.blob_names), 400)}; the consumer asked for {shown(blobs)}"
         )
     if hello["batch_size"] != t.batch_size:
         raise Refused(
@@ -75,3 +85,55 @@ def admit(
         return source, source.claim(consumer, index)
     except ValueError as err:
         raise Refused(str(err)) from None
+
+
+class RefusalLog:
+    """A service's log of the consumers it refused or closed in their
+    handshake: the first :data:`REFUSALS_LOGGED` of each
+    :data:`REFUSAL_WINDOW_S` one line each, the others counted and told in
+    one line (with the last of them) when the next window opens or the
+    service stops.  Anyone who can connect can be refused as often as it
+    likes: that must not flood the log."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._window = -REFUSAL_WINDOW_S
+        self._logged = 0
+        self._held = 0
+        self._last = ""
+
+    def refused(self, peer: str, why: str) -> None:
+        """Log (or count) one refusal: ``peer`` and ``why`` (bounded text)."""
+        now = time.monotonic()
+        with self._lock:
+            held, last = 0, ""
+            if now - self._window >= REFUSAL_WINDOW_S:  # a new window: tell what the last one held back
+                held, last = self._take_held()
+                self._window, self._logged = now, 0
+            log_it = self._logged < REFUSALS_LOGGED
+            if log_it:
+                self._logged += 1
+            else:
+                self._held += 1
+                self._last = f"{peer}: {why}"
+        if held:
+            self._tell(held, last)
+        if log_it:
+            logger.warning("service: %s refused: %s", peer, why)
+
+    def flush(self) -> None:
+        """Tell the refusals counted and not logged yet (at the service's stop)."""
+        with self._lock:
+            held, last = self._take_held()
+        if held:
+            self._tell(held, last)
+
+    def _take_held(self) -> tuple[int, str]:
+        held, last = self._held, self._last
+        self._held, self._last = 0, ""
+        return held, last
+
+    @staticmethod
+    def _tell(held: int, last: str) -> None:
+        logger.warning("service: %d more consumers refused or closed in their handshake (the most logged one by "
+                       "one: %d per %.0f s); the last: %s", held, REFUSALS_LOGGED, REFUSAL_WINDOW_S, last)

@@ -35,7 +35,7 @@ import numpy as np
 from ..reader import REGIONS, EpochEnd, SharedRegion
 from .ackstream import AckStream
 from .arena import consumer_pidfd
-from .admission import Refused, admit
+from .admission import RefusalLog, Refused, admit
 from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import MAX_REGIONS, SlotArea, StreamSlots, batch_nbytes
@@ -74,8 +74,11 @@ class Connection:
         state: Callable[[str | None], dict[str, Any]],
         service: str,
         tcp_peer: str | None = None,
+        refusals: RefusalLog | None = None,
     ) -> None:
         self.number = number
+        #: where its refusal (or a handshake it did not finish) is logged: the service's, shared
+        self._refusals = refusals if refusals is not None else RefusalLog()
         self.tcp_peer = tcp_peer
         #: how its batches travel
         self.carrier = UNIX if tcp_peer is None else TCP
@@ -275,18 +278,22 @@ class Connection:
         try:
             got = self.channel.recv_within(HANDSHAKE_S)  # the whole hello, however it trickles in
         except (socket.timeout, TimeoutError):
-            logger.warning("service: %s did not finish its hello within %.3g s (said nothing within, or too "
-                           "slowly); closed", self.peer, HANDSHAKE_S)
+            self._refusals.refused(self.peer, f"it did not finish its hello within {HANDSHAKE_S:.3g} s (said "
+                                              "nothing within, or too slowly); closed")
+            return False
+        except WireError as err:
+            self._refusals.refused(self.peer, f"{err}; closed")
             return False
         if got is None:
             return False
         record, fds = got
         try:
             hello = check(record, ("hello",), self.peer)
-        except WireError:
+        except WireError as err:
             for fd in fds:
                 os.close(fd)
-            raise
+            self._refusals.refused(self.peer, f"{err}; closed")
+            return False
         self.channel.sock.settimeout(None)
         try:
             # checked before the admission, which claims an outlet
@@ -299,7 +306,7 @@ class Connection:
             self._acks = AckStream.adopt(fds[0], self.peer) if fds else None
             source, outlet = admit(hello, self._sources, self)
         except (Refused, WireError) as err:
-            logger.warning("service: %s refused: %s", self.peer, str(err))
+            self._refusals.refused(self.peer, str(err))
             self.channel.send({"t": "refused", "error": str(err), "kind": "value"})
             return False
         self.source, self.outlet = source, outlet

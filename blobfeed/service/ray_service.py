@@ -346,7 +346,7 @@ class RayFeedServer(FeedServer):
             self._await_index(hello)
             source, outlet = admit(hello, self.source_for, conn)
         except (WireError, Refused) as err:
-            logger.warning("service: a Ray consumer refused: %s", str(err))
+            self._refusals.refused("a Ray consumer", str(err))
             return {"t": "refused", "error": str(err), "kind": "value"}
         conn.attached(source, outlet, hello["pid"])
         with self._lock:

@@ -25,13 +25,14 @@ from ..arguments import check_index, check_timeout
 from ..coordinator import GlobalCoordinator, resolve_backend
 from ..errors import BlobfeedError
 from ..reader import init_reader
+from .admission import RefusalLog
 from .connection import Connection, Refused
 from .served import ARENA_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
 from .socket_path import SocketPath, bind_private
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 from .transport import TCP, carrier_for
 from .state_file import STATE_VERSION, field_name, read_state, savable
-from .wire import MAX_SLOTS
+from .wire import MAX_SLOTS, shown
 
 __all__ = ["FeedServer", "STATE_VERSION", "current_server", "serve_source", "serving"]
 
@@ -164,6 +165,8 @@ class FeedServer:
         #: one save at a time; the last one failed to write (a full disk, say)
         self._save_lock = threading.Lock()
         self._save_failed = False
+        #: consumers refused, logged a few at a time
+        self._refusals = RefusalLog()
         #: the Unix socket path it listens at (not its own private directory's), and holds
         self._path: SocketPath | None = None
         #: the thread the first stop() runs in
@@ -419,7 +422,8 @@ class FeedServer:
                     handshakes.release()
                     continue
             conn = Connection(
-                conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer
+                conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer,
+                refusals=self._refusals,
             )
             conn.on_handshake_done = handshakes.release
             with self._lock:
@@ -452,7 +456,7 @@ class FeedServer:
         """
         source = self.sources.get(name)
         if source is None:
-            raise Refused(f"this service has no source {name!r}; it serves {sorted(self.sources)}")
+            raise Refused(f"this service has no source {shown(name)}; it serves {shown(sorted(self.sources), 400)}")
         return source
 
     def _serve(self, conn: Connection) -> None:
@@ -726,6 +730,7 @@ class FeedServer:
             self._path.release()  # its file, if still this service's, and its lock
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
+        self._refusals.flush()
         logger.info("service: stopped (%s)", why)
         return clean
 

@@ -356,18 +356,32 @@ def seconds(value: Any, where: str) -> float:
     return float(value)
 
 
+#: the most characters of a value a peer sent that an error message quotes
+SHOWN_CHARS = 120
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters (saying
+    how long it was): what a peer sent is quoted back to it and logged, and
+    a record may hold 64 KiB of it."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def check(record: dict[str, Any], kinds: Sequence[str], peer: str) -> dict[str, Any]:
     """``record`` if it is one of ``kinds`` with exactly the fields that
     kind has, each of its type; else :class:`WireError`."""
     kind = record["t"]
     if kind not in kinds:
-        raise WireError(f"{peer} sent a record of kind {kind!r} here (expected one of {sorted(kinds)})")
+        raise WireError(f"{peer} sent a record of kind {shown(kind)} here (expected one of {sorted(kinds)})")
     if type(record) is CheckedRecord:
         return record
     fields = _FIELDS[kind]
     extra = set(record) - set(fields) - {"t"}
     if extra:
-        raise WireError(f"{peer} sent a {kind!r} record with unknown fields {sorted(extra)}")
+        raise WireError(f"{peer} sent a {kind!r} record with unknown fields {shown(sorted(extra))}")
     for name, typ in fields.items():
         if name not in record:
             raise WireError(f"{peer} sent a {kind!r} record without {name!r}")

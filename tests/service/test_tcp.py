@@ -29,6 +29,7 @@ import pytest
 
 import blobfeed
 from blobfeed.service import FeedServer
+from blobfeed.service import admission as admission_mod
 from blobfeed.service import connection as connection_mod
 from blobfeed.service.tcp import MAGIC, PREFIX, parse_tcp
 from blobfeed.service.wire import PROTOCOL
@@ -235,6 +236,7 @@ def test_a_stranger_on_the_tcp_port_is_refused_and_the_service_keeps_serving(
 ) -> None:
     caplog.set_level(logging.INFO, "blobfeed.service")
     monkeypatch.setattr(connection_mod, "HANDSHAKE_S", 0.5)
+    monkeypatch.setattr(admission_mod, "REFUSALS_LOGGED", 100)  # each one's line, to read what it names
     garbage = [
         (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", "not a blobfeed peer"),
         (os.urandom(4096), "not a blobfeed peer"),

@@ -1,0 +1,91 @@
+"""What a peer sends is quoted back to it and logged in bounded pieces: a
+hostile hello of 60 KiB of names makes neither a 60 KiB log line nor a
+refusal too big to send, and refusals in a flood are logged a few at a
+time, not one line each."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from typing import Any, Iterator
+
+import pytest
+
+from blobfeed.service import FeedServer
+from blobfeed.service.wire import PROTOCOL
+
+from . import feeds
+
+#: the longest log line or refusal text a hostile hello may cause
+MOST = 1000
+BIG = "n" * 60_000
+
+
+@pytest.fixture
+def server() -> Iterator[FeedServer]:
+    s = FeedServer()
+    s.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _hello(**change: Any) -> dict[str, Any]:
+    hello = {"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"], "batch_size": 8,
+             "index": None, "num": None, "pid": os.getpid()}
+    hello.update(change)
+    return hello
+
+
+def _answer(address: str, record: dict[str, Any]) -> dict[str, Any] | None:
+    """Send ``record`` as the first record; the service's answer (None: it closed)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    try:
+        s.connect(address)
+        s.send(json.dumps(record).encode())
+        data = s.recv(1 << 17)
+        return json.loads(data) if data else None
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("what,record,named", [
+    ("a source name", _hello(source=BIG), "no source"),
+    ("blob names", _hello(blobs=[BIG[:100]] * 600), "carries blobs"),
+    ("a record kind", {"t": BIG}, "record of kind"),
+    ("field names", {**_hello(), **{f"f{i:05d}{'x' * 50}": 1 for i in range(1000)}}, "unknown fields"),
+])
+def test_a_hostile_hello_is_refused_and_logged_in_bounded_text(server: FeedServer, caplog: pytest.LogCaptureFixture,
+                                                               what: str, record: dict[str, Any], named: str) -> None:
+    caplog.set_level(logging.INFO, logger="blobfeed")
+    answer = _answer(str(server.address), record)
+    assert answer is None or answer["t"] == "refused", answer
+    if answer is not None:
+        assert named in answer["error"] and len(answer["error"]) <= MOST, (what, len(answer["error"]))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("blobfeed.service")]
+    assert any(named in line for line in lines), (what, [line[:200] for line in lines])
+    longest = max(len(line) for line in lines)
+    assert longest <= MOST, f"{what}: a log line of {longest} characters"
+    # the service goes on serving
+    ok = _answer(str(server.address), _hello())
+    assert ok is not None and ok["t"] == "welcome", ok
+
+
+def test_refusals_in_a_flood_are_logged_a_few_at_a_time(server: FeedServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="blobfeed")
+    for _ in range(200):
+        answer = _answer(str(server.address), _hello(source="nope"))
+        assert answer is not None and answer["t"] == "refused"
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert 1 <= len(refusals) <= 20, f"{len(refusals)} log lines for 200 refusals"
+    # the rest are counted, and told (once) at the latest when the service stops
+    server.stop()
+    told = [r.getMessage() for r in caplog.records if "more consumers refused" in r.getMessage()]
+    held = sum(int(line.split("service: ", 1)[1].split(" ", 1)[0]) for line in told)
+    assert held + len(refusals) - len(told) == 200, told
+    assert all("no source 'nope'" in line for line in told)
