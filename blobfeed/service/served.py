@@ -88,6 +88,12 @@ class Item(NamedTuple):
     batch: Any
 
 
+#: consumers a first-come source serves at once unless told otherwise
+#: (``serve_source(max_consumers=...)``): each holds two threads, a socket
+#: and its slots' memory in the service, and anyone who can attach may
+DEFAULT_MAX_CONSUMERS = 128
+
+
 class SourceTerms(NamedTuple):
     """What a consumer must agree with to attach (checked at ``hello``)."""
 
@@ -99,6 +105,8 @@ class SourceTerms(NamedTuple):
     grace_period: float
     #: None: :func:`default_slots` of the batch size
     slots: int | None
+    #: first come: consumers attached at once, at most (None when dealt by index: the indexes bound it)
+    max_consumers: int | None = None
 
 
 class _Counts:
@@ -472,6 +480,13 @@ class ServedSource:
         """
         with self._lock:
             if self.shared is not None:
+                most = self.terms.max_consumers
+                if most is not None and self.connected >= most:
+                    raise ValueError(
+                        f"source {self.name!r}: {self.connected} consumers are attached, the most it serves at "
+                        f"once (max_consumers={most}): attach once one leaves, or serve it with a larger "
+                        "max_consumers"
+                    )
                 self.shared.join(conn)
                 self.connected += 1
                 return self.shared

@@ -27,7 +27,7 @@ from ..errors import BlobfeedError
 from ..reader import init_reader
 from .admission import RefusalLog
 from .connection import Connection, Refused
-from .served import ARENA_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
+from .served import ARENA_CONSUMERS, DEFAULT_MAX_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
 from .socket_path import SocketPath, bind_private
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 from .transport import TCP, carrier_for
@@ -206,6 +206,7 @@ class FeedServer:
         num_worker_threads: int = 2,
         *,
         num_consumers: int | None = None,
+        max_consumers: int | None = None,
         equal: bool = False,
         grace_period: float = 30.0,
         slots: int | None = None,
@@ -233,6 +234,11 @@ class FeedServer:
                 process; without it each index's net takes chunks as they
                 come (a faster consumer gets more; ``equal=True`` evens the
                 counts).  None: first come, first served.
+            max_consumers: first come (no ``num_consumers``): consumers
+                attached at once, at most; past it an attach is refused
+                naming the bound.  None: :data:`DEFAULT_MAX_CONSUMERS`
+                (128).  Each consumer holds two threads, a socket and its
+                slots' memory here, and anyone who can attach may.
             equal: every consumer gets the same number of batches per epoch
                 (the last incomplete round is dropped and counted; needs
                 ``num_consumers``).  The source's dealer does it, as for
@@ -270,6 +276,15 @@ class FeedServer:
             raise ValueError(f"source {name!r} is served already")
         if num_consumers is not None:
             num_consumers = check_index("num_consumers", num_consumers)
+        if max_consumers is not None:
+            max_consumers = check_index("max_consumers", max_consumers)
+            if num_consumers is not None:
+                raise ValueError(
+                    f"source {name!r}: max_consumers bounds a first-come source; one dealt by index "
+                    f"(num_consumers={num_consumers}) serves that many consumers at most"
+                )
+        elif num_consumers is None:
+            max_consumers = DEFAULT_MAX_CONSUMERS
         if not isinstance(equal, bool):
             raise TypeError(f"equal must be a bool, got {type(equal).__name__}")
         if equal and num_consumers is None:
@@ -320,7 +335,7 @@ class FeedServer:
             )
             for i in range(1, num_consumers or 1)
         ]
-        terms = SourceTerms(name, tuple(names), batch_size, num_consumers, equal, grace_period, slots)
+        terms = SourceTerms(name, tuple(names), batch_size, num_consumers, equal, grace_period, slots, max_consumers)
         self.sources[name] = ServedSource(terms, self.coordinator, readers)
 
     # -- running -----------------------------------------------------------------------

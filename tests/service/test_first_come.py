@@ -549,3 +549,43 @@ def test_the_service_s_scrape_balances_while_a_consumer_holds_batches(tmp_path: 
         holder.kill()
         server.stop()
     assert sorted(i for b in batches(out) for i in b) == feeds.all_ids(2)
+
+
+def test_a_first_come_source_serves_at_most_max_consumers_at_once() -> None:
+    """Anyone who can attach could attach any number of consumers to a
+    first-come source (each two threads, a socket and its slots' memory:
+    286 held 1.5 GB, a review found).  Past ``max_consumers`` an attach is
+    refused naming the bound, and a place that frees up is taken again."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 1, epochs=None, max_consumers=2)
+    server.start()
+    attached: list[Any] = []
+    try:
+        nets = [blobfeed.Net(None, name=f"c{i}") for i in range(3)]
+        for net in nets[:2]:
+            attached.append(blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address))
+        with pytest.raises(ValueError, match=r"2 consumers are attached, the most it serves at once "
+                                             r"\(max_consumers=2\)"):
+            blobfeed.attach_source(nets[2], ["id", "x"], BATCH, "train", server.address)
+        assert len(nets[0].run(timeout=20)["id"]) == BATCH
+        attached[0].stop()
+        wait_for(lambda: server.sources["train"].connected == 1, 10, "the first consumer's place freed")
+        attached.append(blobfeed.attach_source(nets[2], ["id", "x"], BATCH, "train", server.address))
+        assert len(nets[2].run(timeout=20)["id"]) == BATCH
+    finally:
+        for a in attached:
+            a.stop()
+        assert server.stop()
+
+
+def test_max_consumers_is_checked_where_it_is_given() -> None:
+    from blobfeed.service.served import DEFAULT_MAX_CONSUMERS
+
+    server = FeedServer()
+    with pytest.raises(ValueError, match="max_consumers"):
+        server.serve_source("a", ["id", "x"], feeds.Fetch(), BATCH, 1, max_consumers=0)
+    with pytest.raises(ValueError, match="max_consumers bounds a first-come source"):
+        server.serve_source("b", ["id", "x"], feeds.Fetch(), BATCH, 1, num_consumers=2, max_consumers=4)
+    server.serve_source("c", ["id", "x"], feeds.Fetch(), BATCH, 1)
+    assert server.sources["c"].terms.max_consumers == DEFAULT_MAX_CONSUMERS
+    assert server.stop()
