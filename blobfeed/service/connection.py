@@ -55,6 +55,8 @@ HANDSHAKE_S = 5.0
 #: socket): how late an acknowledgement may be counted while the sender has
 #: free slots for that consumer (it never waits for slots meanwhile)
 ACK_NAP_S = 0.002
+#: acknowledgements of nothing (no item, no slot freed) a consumer may send in a row
+MAX_IDLE_ACKS = 64
 
 
 class Connection:
@@ -77,6 +79,8 @@ class Connection:
         refusals: RefusalLog | None = None,
     ) -> None:
         self.number = number
+        #: acknowledgements of nothing in a row (see _count_idle_ack)
+        self._idle_acks = 0
         #: where its refusal (or a handshake it did not finish) is logged: the service's, shared
         self._refusals = refusals if refusals is not None else RefusalLog()
         self.tcp_peer = tcp_peer
@@ -384,6 +388,7 @@ class Connection:
         their slots (what one holds is bounded).  Each is checked against
         the one before it as :meth:`_take_ack` would (what came before a
         lie still counts: the receiver takes it as it leaves)."""
+        self._count_idle_ack(g, slots)
         merged = self._merged
         if merged is None or g > merged[0]:
             # the ledger's own check now: a g never sent among good ones
@@ -405,6 +410,20 @@ class Connection:
             merged[3] += 1
         if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
             self._take_merged()
+
+    def _count_idle_ack(self, g: int, slots: list[int]) -> None:
+        """An ``ack`` of no item that frees no slot (a wait report at most):
+        a consumer of ours never sends one (each acknowledges a batch or
+        frees slots), and a peer that sends them in a loop only costs the
+        service their parsing.  Past :data:`MAX_IDLE_ACKS` in a row, the
+        connection is closed."""
+        if g != -1 or slots:
+            self._idle_acks = 0
+            return
+        self._idle_acks += 1
+        if self._idle_acks > MAX_IDLE_ACKS:
+            raise WireError(f"{self.peer} acknowledged nothing and freed no slot {self._idle_acks} times in a row "
+                            f"(at most {MAX_IDLE_ACKS})")
 
     def _take_merged(self) -> None:
         """Count the burst's acknowledgements read so far (see :meth:`_merge_ack`)."""
@@ -439,8 +458,9 @@ class Connection:
         kind = record["t"]
         if kind == "ack":
             # one per batch run() returns: the slots it frees go back to the ring at once
-            self._take_ack(record["g"], record["slots"] if type(record) is CheckedRecord
-                           else freed_slots(record, self.peer), record["waited"])
+            slots = record["slots"] if type(record) is CheckedRecord else freed_slots(record, self.peer)
+            self._count_idle_ack(record["g"], slots)
+            self._take_ack(record["g"], slots, record["waited"])
         elif kind == "state":
             try:
                 state = self._state(self.source.name if self.source is not None else None)

@@ -263,13 +263,19 @@ def test_a_stalled_consumer_s_acknowledgements_before_the_stop_are_in_the_saved_
     assert counted_at_save == [2]
 
 
-def test_a_consumer_that_makes_its_stream_blocking_does_not_stall_the_receiver() -> None:
+def test_a_consumer_that_makes_its_stream_blocking_does_not_stall_the_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The consumer holds the other end of the stream's descriptor and may
     clear O_NONBLOCK on it (shared by both ends' copies of the file): after
     a read of exactly 64 KiB the receiver's next read waited for more, and
     the consumer's other records (a state request) went unanswered."""
     import fcntl
 
+    from blobfeed.service import connection
+
+    # 64 KiB of acknowledgements of nothing are the filler here, not the lie under test
+    monkeypatch.setattr(connection, "MAX_IDLE_ACKS", 1 << 20)
     server = _serve(num_consumers=1, slots=16)
     acks, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -89,3 +89,43 @@ def test_refusals_in_a_flood_are_logged_a_few_at_a_time(server: FeedServer, capl
     held = sum(int(line.split("service: ", 1)[1].split(" ", 1)[0]) for line in told)
     assert held + len(refusals) == 200, told
     assert all("no source 'nope'" in line for line in told)
+
+
+def test_an_acknowledgement_of_nothing_closes_the_consumer(server: FeedServer,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """An ``ack`` that acknowledges nothing (``g`` -1) and frees no slot is
+    never sent by a consumer of ours: a peer that sent them in a loop only
+    made the service's receiver parse them, for ever (a review measured the
+    CPU it takes).  Past 64 in a row the connection is closed, naming it;
+    the others go on."""
+    from .test_service import hand_hello
+
+    caplog.set_level(logging.INFO, logger="blobfeed.service")
+    s, fds = hand_hello(str(server.address))
+    try:
+        for fd in fds:
+            os.close(fd)
+        nothing = json.dumps({"t": "ack", "g": -1, "slots": [], "waited": 0.0}).encode()
+        s.settimeout(10)
+        try:
+            for _ in range(1000):
+                s.send(nothing)
+        except OSError:
+            pass  # closed on us meanwhile
+        closed = False
+        try:
+            while True:
+                data = s.recv(1 << 17)
+                if not data:
+                    closed = True
+                    break
+        except ConnectionResetError:
+            closed = True
+        assert closed
+        assert any("acknowledged nothing and freed no slot 65 times in a row" in r.getMessage()
+                   for r in caplog.records), \
+            [r.getMessage()[:200] for r in caplog.records]
+        ok = _answer(str(server.address), _hello())
+        assert ok is not None and ok["t"] == "welcome", ok
+    finally:
+        s.close()
