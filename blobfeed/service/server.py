@@ -28,7 +28,7 @@ from ..reader import init_reader
 from .admission import RefusalLog
 from .connection import Connection, Refused
 from .served import ARENA_CONSUMERS, DEFAULT_MAX_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
-from .socket_path import SocketPath, bind_private
+from .socket_path import SocketPath, bind_in_own_directory
 from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
 from .transport import TCP, carrier_for
 from .state_file import STATE_VERSION, field_name, read_state, savable
@@ -174,6 +174,9 @@ class FeedServer:
         #: when the monitor thread last logged the throughput and saved the state
         self._last_log = self._last_save = 0.0
         self._started = False
+        #: start() went through: it served (only then does a stop save its state,
+        #: never a fresh one over the file of the service a refused start found there)
+        self._serving = False
         self.stop_reason: str | None = None
         self._metrics: Any = None
         self.registry.register(_ServiceCollector(self))
@@ -362,6 +365,7 @@ class FeedServer:
         except BaseException:
             self.stop()
             raise
+        self._serving = True
         logger.info("service: serving %s at %s", sorted(self.sources), self.address)
         return self
 
@@ -405,11 +409,11 @@ class FeedServer:
         if self._listen is None:
             self._private_dir = tempfile.mkdtemp(prefix="blobfeed-")  # mode 0700
             path = os.path.join(self._private_dir, "feed.sock")
-            self._sock = bind_private(self._private_dir, path)
+            self._sock = bind_in_own_directory(path)
         else:
             path = self._listen[5:] if self._listen.startswith("unix:") else self._listen
             self._path = SocketPath(path)
-            self._sock = self._path.take()
+            self._sock = self._path.take(self._stopping)
         self.address = path
 
     def _accept_loop(self) -> None:
@@ -646,9 +650,10 @@ class FeedServer:
 
     # -- stopping ----------------------------------------------------------------------
     def request_stop(self, reason: str = "stopped") -> None:
-        """Ask :meth:`wait` to return (safe in a signal handler); the first
-        request's ``reason`` stands (a second signal does not rename a stop)."""
-        if not self._stopping.is_set():
+        """Ask :meth:`wait` to return (safe in a signal handler).  ``reason``
+        becomes :attr:`stop_reason` unless a stop was requested already (a
+        second signal does not rename it) or every source ended."""
+        if not self._stopping.is_set() and self.stop_reason != ENDED:
             self.stop_reason = reason
         self._stopping.set()
 
@@ -730,7 +735,7 @@ class FeedServer:
             if conn.receiver is not None and conn.receiver.ident is not None:  # (one that never started: nothing to join)
                 conn.receiver.join(timeout=max(0.0, deadline - time.monotonic()))
                 clean = clean and not conn.receiver.is_alive()
-        if self._started and self.state_file is not None:
+        if self._serving and self.state_file is not None:
             self.save_state()
             clean = clean and not self._save_failed  # (the warning said why; the state saved last stays)
         clean = self.coordinator.stop() and clean

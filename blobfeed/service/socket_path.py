@@ -25,9 +25,10 @@ import os
 import socket
 import stat
 import tempfile
+import threading
 import time
 
-__all__ = ["SocketPath", "bind_private"]
+__all__ = ["SocketPath", "bind_in_own_directory", "bind_private"]
 
 #: backlog of the listening socket
 BACKLOG = 64
@@ -37,11 +38,24 @@ LOCK_TRIES = 5
 LOCK_WAIT_S = 30.0
 #: how often that wait looks again (flock has no timeout)
 LOCK_POLL_S = 0.05
+#: seconds a held lock with no socket file beside it is given (the holder
+#: removes its file just before it lets go) before the start is refused
+NO_FILE_S = 1.0
+#: the longest path a Unix socket may have (sun_path, with its terminating NUL)
+MAX_PATH_BYTES = 107
+#: what a lock file this code made says (one without it, another program's, is never removed)
+LOCK_MARK = b"blobfeed service lock\n"
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
     # (an inode number is reused at once: the change time tells two files apart)
     return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _file(st: os.stat_result) -> tuple[int, int]:
+    """A lock file's identity: its inode is not reused while our descriptor
+    keeps it (and writing the mark changes its change time)."""
+    return st.st_dev, st.st_ino
 
 
 class SocketPath:
@@ -51,20 +65,24 @@ class SocketPath:
         self.path = path
         self.lock_path = path + ".lock"
         self._lock_fd = -1
-        self._lock_file: tuple[int, int, int] | None = None
+        self._lock_file: tuple[int, int] | None = None
         #: the socket file this service made (removed at release if still there)
         self._socket_file: tuple[int, int, int] | None = None
 
-    def take(self) -> socket.socket:
-        """Take the path and listen there.
+    def take(self, stop: threading.Event | None = None) -> socket.socket:
+        """Take the path and listen there; a wait for a service that stops
+        on it ends early once ``stop`` is set.
 
         Raises:
-            ValueError: another service holds the path, or a file that is no
-                socket or a live socket of another program is there.
+            ValueError: a path no socket can have (empty, a directory, too
+                long to connect to), another service holds the path, or a
+                file that is no socket or a live socket of another program
+                is there.
             OSError: the path cannot be locked or bound (a missing
                 directory, say); the message names the path.
         """
-        self._lock()
+        _check_path(self.path)
+        self._lock(stop)
         try:
             if os.path.lexists(self.path):
                 if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
@@ -94,7 +112,7 @@ class SocketPath:
             self._socket_file = None
         self._unlock()
 
-    def _lock(self) -> None:
+    def _lock(self, stop: threading.Event | None) -> None:
         for _ in range(LOCK_TRIES):
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -105,13 +123,16 @@ class SocketPath:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise ValueError(f"listen={self.path!r}: {self.lock_path!r} is not a regular file")
-                self._wait_for_lock(fd)
+                if not self._wait_for_lock(fd, st, stop):
+                    os.close(fd)
+                    continue  # the file waited on was replaced: lock the one there now
                 try:
                     now = os.stat(self.lock_path, follow_symlinks=False)
                 except FileNotFoundError:
                     now = None
-                if now is not None and _identity(now) == _identity(st):
-                    self._lock_fd, self._lock_file = fd, _identity(st)
+                if now is not None and _file(now) == _file(st):
+                    _mark(fd)
+                    self._lock_fd, self._lock_file = fd, _file(st)
                     return
                 # its holder removed it as it let go: ours is a file nobody else will lock
             except BaseException:
@@ -121,37 +142,113 @@ class SocketPath:
         raise ValueError(f"listen={self.path!r}: its lock {self.lock_path!r} kept changing under us: another "
                          "program is starting and stopping services there")
 
-    def _wait_for_lock(self, fd: int) -> None:
-        """Lock ``fd``.  Another service holds it: one that listens is
-        refused at once; one that no longer does is stopping (saving its
-        state, say: a restart with ``--resume`` must read what it saves), so
-        its end is waited for, at most :data:`LOCK_WAIT_S`."""
+    def _wait_for_lock(self, fd: int, st: os.stat_result, stop: threading.Event | None) -> bool:
+        """Lock ``fd`` (the lock file as ``st`` found it).  Another service
+        holds it: one that listens is refused at once; one that no longer
+        does is stopping (saving its state, say: a restart with ``--resume``
+        must read what it saves), so its end is waited for, at most
+        :data:`LOCK_WAIT_S`, or until ``stop`` is set.  False when the lock
+        file was replaced meanwhile (its holder let go and removed it)."""
         deadline = time.monotonic() + LOCK_WAIT_S
+        no_file_since: float | None = None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                return True
             except BlockingIOError:
                 pass
-            live = _alive(self.path) if os.path.lexists(self.path) else None
-            if live is not None or time.monotonic() >= deadline:
-                raise ValueError(
-                    f"listen={self.path!r}: another blobfeed service holds this path (its lock "
-                    f"{self.lock_path!r}), " + ("and listens there" if live is not None else
-                                                f"stopping for more than {LOCK_WAIT_S:g} s")
-                    + ": stop it, or listen elsewhere"
-                )
+            try:
+                if _file(os.stat(self.lock_path, follow_symlinks=False)) != _file(st):
+                    return False
+            except FileNotFoundError:
+                return False
+            now = time.monotonic()
+            there = os.path.lexists(self.path)
+            live = _alive(self.path) if there else None
+            if live is not None:
+                raise ValueError(f"listen={self.path!r}: another blobfeed service holds this path (its lock "
+                                 f"{self.lock_path!r}) and listens there: stop it, or listen elsewhere")
+            if not there:
+                no_file_since = now if no_file_since is None else no_file_since
+                if now - no_file_since >= NO_FILE_S:
+                    raise ValueError(
+                        f"listen={self.path!r}: another blobfeed service holds this path (its lock "
+                        f"{self.lock_path!r}), and its socket file is gone (removed under it by another "
+                        "program?): stop that service, or listen elsewhere"
+                    )
+            else:
+                no_file_since = None
+            if now >= deadline:
+                raise ValueError(f"listen={self.path!r}: another blobfeed service holds this path (its lock "
+                                 f"{self.lock_path!r}), stopping for more than {LOCK_WAIT_S:g} s: stop it, or "
+                                 "listen elsewhere")
+            if stop is not None and stop.is_set():
+                raise ValueError(f"listen={self.path!r}: a stop was requested while waiting for the service "
+                                 "that holds this path to let go")
             time.sleep(LOCK_POLL_S)
 
     def _unlock(self) -> None:
         fd, self._lock_fd = self._lock_fd, -1
         if fd < 0:
             return
-        # removed while still held: whoever opened it meanwhile sees it gone once it gets the lock, and retries
+        # removed while still held: whoever opened it meanwhile sees it gone
+        # once it gets the lock, and retries; never another program's file
         with contextlib.suppress(OSError):
-            if _identity(os.stat(self.lock_path, follow_symlinks=False)) == self._lock_file:
+            if _file(os.stat(self.lock_path, follow_symlinks=False)) == self._lock_file and _marked(fd):
                 os.unlink(self.lock_path)
+        # the lock is the open file's, which a process this one forked may
+        # share: let go of it here, not when the last copy closes
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _check_path(path: str) -> None:
+    """A path a Unix socket may be bound at and connected to."""
+    if not path or path.endswith("/") or os.path.isdir(path):
+        raise ValueError(f"listen={path!r}: a Unix socket needs a file's path (not empty, not a directory)")
+    if len(os.fsencode(path)) > MAX_PATH_BYTES:
+        raise ValueError(f"listen={path!r}: {len(os.fsencode(path))} bytes, longer than a Unix socket's path may "
+                         f"be ({MAX_PATH_BYTES}): choose a shorter one")
+
+
+def _mark(fd: int) -> None:
+    """Say in the lock file that this code made it (an empty file is ours: a
+    crashed service's, or one we just made)."""
+    with contextlib.suppress(OSError):
+        if os.fstat(fd).st_size == 0:
+            os.pwrite(fd, LOCK_MARK, 0)
+
+
+def _marked(fd: int) -> bool:
+    try:
+        return os.pread(fd, len(LOCK_MARK) + 1, 0) == LOCK_MARK
+    except OSError:
+        return False
+
+
+def bind_in_own_directory(path: str) -> socket.socket:
+    """A listening socket at ``path``, in a directory only this process's
+    user may enter (mode 0700, made by the service): bound in place, mode
+    0600.
+
+    Raises:
+        ValueError: ``path`` is too long for a Unix socket.
+        OSError: it cannot be made (the message names ``path``).
+    """
+    _check_path(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(BACKLOG)
+        return sock
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot listen on {path!r}: {err.strerror or err}") from err
+    except BaseException:
+        sock.close()
+        raise
 
 
 def bind_private(directory: str, path: str) -> socket.socket:
@@ -166,8 +263,18 @@ def bind_private(directory: str, path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     private = None
     try:
-        private = tempfile.mkdtemp(prefix=".blobfeed-bind-", dir=directory)  # mode 0700
+        private = tempfile.mkdtemp(prefix=".bf", dir=directory)  # mode 0700
         made = os.path.join(private, "s")
+        if len(os.fsencode(made)) > MAX_PATH_BYTES:
+            # the path fits, its private twin does not: bound in place, and
+            # its mode set at once (connecting takes write permission,
+            # which the usual umask gives nobody else meanwhile)
+            os.rmdir(private)
+            private = None
+            sock.bind(path)
+            os.chmod(path, 0o600)
+            sock.listen(BACKLOG)
+            return sock
         sock.bind(made)
         os.chmod(made, 0o600)
         sock.listen(BACKLOG)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import time
 import os
 import socket
 import stat
@@ -18,6 +20,24 @@ from blobfeed.service import FeedServer, socket_path
 from . import feeds
 
 WAIT = 5.0
+
+
+@pytest.fixture
+def waiting_for_path(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once a start waits for the service holding its path to let go."""
+    waiting = threading.Event()
+    real = time.sleep
+
+    class Clock:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waiting.set()
+            real(seconds)
+
+    monkeypatch.setattr(socket_path, "time", Clock)
+    return waiting
 
 
 def _server(path: Path | str) -> FeedServer:
@@ -78,7 +98,8 @@ def test_two_services_started_at_once_on_a_stale_path_never_both_listen(tmp_path
     assert not path.exists() and not Path(str(path) + ".lock").exists(), "the stop left a file behind"
 
 
-def test_a_service_restarted_while_the_last_one_stops_waits_for_it(tmp_path: Path) -> None:
+def test_a_service_restarted_while_the_last_one_stops_waits_for_it(tmp_path: Path,
+                                                                  waiting_for_path: threading.Event) -> None:
     """The old service no longer listens but still stops (saving the state a
     restart resumes from): the new one waits for it rather than taking
     the path from under it, then serves there; the old one's stop removes
@@ -103,7 +124,8 @@ def test_a_service_restarted_while_the_last_one_stops_waits_for_it(tmp_path: Pat
         old._sock.shutdown(socket.SHUT_RDWR)  # where its stop() is when the new one starts
         old._sock.close()
         t.start()
-        assert not started.wait(0.3), "the new service took the path of one still stopping"
+        assert waiting_for_path.wait(WAIT), "the new service did not wait for the one still stopping"
+        assert not started.is_set(), "the new service took the path of one still stopping"
         old.stop()
         t.join(WAIT * 3)
         assert not failed, failed
@@ -165,3 +187,160 @@ def test_a_lock_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="its lock"):
         _server(path).start()
     assert not target.exists(), "a file was made where the planted link points"
+
+
+def test_a_refused_start_leaves_the_running_service_s_state_file_alone(tmp_path: Path) -> None:
+    """A second service started with the same path and state file was
+    refused, and its stop then saved its fresh state (position 0, a new
+    seed) over the running one's: a resume after a crash of the first
+    would have started the data over (found by review)."""
+    path, state = tmp_path / "feed.sock", tmp_path / "state.json"
+    first = FeedServer(listen=path, state_file=state)
+    first.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None, deterministic=True)
+    first.start()
+    try:
+        _one_batch(str(path))
+        assert first.save_state()
+        saved = state.read_bytes()
+        second = FeedServer(listen=path, state_file=state)
+        second.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None, deterministic=True)
+        with pytest.raises(ValueError, match="another blobfeed service holds this path"):
+            second.start()
+        assert second.stop()
+        assert state.read_bytes() == saved, "the refused service wrote its state over the running one's"
+    finally:
+        first.stop()
+
+
+def test_a_stop_requested_while_waiting_for_the_path_ends_the_wait(tmp_path: Path,
+                                                                   waiting_for_path: threading.Event) -> None:
+    """SIGTERM to a ``blobfeed serve`` waiting for the service that stops on
+    its path was ignored for the whole wait (30 s), found by review."""
+    path = str(tmp_path / "feed.sock")
+    old = _server(path)
+    old.start()
+    new = _server(path)
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            new.start()
+        except BaseException as err:  # (asserted below)
+            outcome.append(err)
+
+    t = threading.Thread(target=start)
+    try:
+        assert old._sock is not None
+        old._sock.shutdown(socket.SHUT_RDWR)  # it stops: no longer listening, the path still held
+        old._sock.close()
+        t.start()
+        assert waiting_for_path.wait(WAIT), "the new service did not wait for the path"
+        new.request_stop("SIGTERM")
+        t.join(WAIT)
+        assert not t.is_alive(), "the wait went on after the stop was requested"
+        assert outcome and "a stop was requested" in str(outcome[0]), outcome
+    finally:
+        old.stop()
+        new.stop()
+        t.join(WAIT)
+
+
+def test_paths_no_socket_can_have_are_refused_naming_why(tmp_path: Path) -> None:
+    for path, why in [
+        ("", "not empty, not a directory"), (str(tmp_path) + "/", "not empty, not a directory"),
+        (str(tmp_path), "not empty, not a directory"), ("unix:", "not empty, not a directory"),
+        (str(tmp_path / ("x" * 120)), "longer than a Unix socket's path may be (107)"),
+    ]:
+        server = FeedServer(listen=path) if path != "" else None
+        if server is None:
+            with pytest.raises(ValueError, match=re.escape(why)):
+                socket_path.SocketPath("").take()
+            continue
+        server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None)
+        with pytest.raises(ValueError, match=re.escape(why)):
+            server.start()
+        assert server.stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a refused path left a file"
+
+
+def test_a_path_that_fits_is_served_however_long_its_directory(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket was bound under a private twin of its path, about 25
+    bytes longer: paths of 83 to 107 bytes (a long TMPDIR, say) failed."""
+    deep = tmp_path / ("d" * max(1, 100 - len(str(tmp_path)) - len("/feed.sock") - 1))
+    deep.mkdir()
+    path = str(deep / "feed.sock")
+    assert 98 <= len(path) <= 107, len(path)
+    # and the default: a private directory (blobfeed-XXXXXXXX, 17 bytes) in a TMPDIR of ~75 bytes
+    tmpdir = tmp_path / ("t" * max(1, 75 - len(str(tmp_path)) - 1))
+    tmpdir.mkdir()
+    for server in (_server(path), FeedServer()):
+        if not server.sources:
+            monkeypatch.setattr("tempfile.tempdir", str(tmpdir))
+            server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None)
+        server.start()
+        try:
+            assert server.address is not None and stat.S_IMODE(os.stat(server.address).st_mode) == 0o600
+            assert len(server.address) > 95, server.address
+            _one_batch(server.address)
+        finally:
+            server.stop()
+
+
+def test_another_program_s_lock_file_is_never_removed(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    theirs = Path(str(path) + ".lock")
+    theirs.write_text("pid 1234\n")
+    server = _server(path)
+    server.start()
+    server.stop()
+    assert theirs.read_text() == "pid 1234\n"
+    theirs.unlink()
+    server = _server(path)
+    server.start()
+    assert theirs.exists()
+    server.stop()
+    assert not theirs.exists() and not path.exists(), "the service's own lock file was left"
+
+
+def test_a_lock_shared_with_a_forked_child_is_let_go_at_release(tmp_path: Path) -> None:
+    """A process the service's code forked shares the lock's open file: the
+    lock lasted until that child exited, and a restart waited for it."""
+    path = str(tmp_path / "feed.sock")
+    held = socket_path.SocketPath(path)
+    sock = held.take()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds its copies until told, at most 10 s
+        try:
+            os.close(w)
+            import select
+            select.select([r], [], [], 10)
+        finally:
+            os._exit(0)
+    os.close(r)
+    try:
+        sock.close()
+        held.release()
+        again = socket_path.SocketPath(path)
+        t0 = time.monotonic()
+        again.take().close()
+        assert time.monotonic() - t0 < 2.0, "the restart waited for the forked child"
+        again.release()
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_a_service_whose_socket_file_was_removed_is_not_waited_for(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket_path, "NO_FILE_S", 0.2)
+    path = tmp_path / "feed.sock"
+    first = _server(path)
+    first.start()
+    try:
+        path.unlink()  # a tmp cleaner, an rm
+        with pytest.raises(ValueError, match="its socket file is gone"):
+            _server(path).start()
+    finally:
+        first.stop()
