@@ -4,7 +4,7 @@ Whoever can reach the port is a client, and not necessarily a scraper: a
 port scanner, a health checker that connects and waits, a browser, a
 client that resets.  So the endpoint serves a bounded number of clients at
 once (:data:`MAX_CLIENTS`, the others refused and logged), gives each
-:data:`REQUEST_TIMEOUT_S` to send its request and take the answer, answers
+:data:`REQUEST_TIMEOUT_S` in all to send its request and take the answer, answers
 only its own paths, logs what goes wrong with a client rather than
 printing it, and on ``close()`` cuts every client off and joins its
 thread: nothing of it outlives ``close()``.
@@ -27,8 +27,8 @@ __all__ = ["MetricsServer", "start_http_server"]
 
 logger = logging.getLogger("blobfeed.metrics")
 
-#: seconds a client has for each read and write of its request and answer
-#: (a scrape takes milliseconds); one that sends nothing is dropped after it
+#: seconds a client has to send its request and take the answer, in all
+#: (a scrape takes milliseconds; each read and write has as long)
 REQUEST_TIMEOUT_S = 10.0
 #: clients served at once, a thread each; a connection past them is closed
 #: at once (a scraper retries at its next interval)
@@ -76,11 +76,31 @@ class MetricsServer:
         self.close()
 
 
+class _LogStream:
+    """Where wsgiref writes what fails while it serves a request (a
+    traceback, a bad status): to the log, never to the process's stderr."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self._parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        text, self._parts = "".join(self._parts).rstrip(), []
+        if text:
+            logger.warning("metrics endpoint: %s", text)
+
+
 class _Handler(WSGIRequestHandler):
     def setup(self) -> None:
         super().setup()
         # the module's value when the client came (a test, or an operator, may change it)
         self.connection.settimeout(REQUEST_TIMEOUT_S)
+
+    def get_stderr(self) -> Any:
+        return _LogStream()
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not worth a log line each."""
@@ -97,7 +117,8 @@ class _Server(WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._clients_lock = threading.Lock()
-        self._clients: dict[socket.socket, threading.Thread] = {}
+        #: each client's socket: its thread, and when it came (monotonic)
+        self._clients: dict[socket.socket, tuple[threading.Thread, float]] = {}
         self._closing = False
         self._refused = 0
         self._refusal_logged = -REFUSAL_LOG_S
@@ -111,7 +132,7 @@ class _Server(WSGIServer):
                     target=self._serve_client, args=(request, client_address),
                     name=f"blobfeed-metrics-client-{self.server_address[1]}", daemon=True,
                 )
-                self._clients[request] = thread
+                self._clients[request] = (thread, time.monotonic())
         if full:
             self._refuse(request, client_address)
             return
@@ -147,6 +168,20 @@ class _Server(WSGIServer):
                 self._clients.pop(request, None)
             self.shutdown_request(request)
 
+    def service_actions(self) -> None:
+        """(The serving loop's, every poll.)  Cut off the clients that have
+        been served for longer than :data:`REQUEST_TIMEOUT_S` in all: a
+        client that sends or reads a byte at a time resets each read's and
+        write's timeout, and held its thread for ever."""
+        now = time.monotonic()
+        with self._clients_lock:
+            late = [sock for sock, (_, came) in self._clients.items() if now - came > REQUEST_TIMEOUT_S]
+        for sock in late:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # it ended meanwhile
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """What went wrong with one client: logged (socketserver prints a
         traceback to stderr); a client that reset or went quiet is routine."""
@@ -162,13 +197,17 @@ class _Server(WSGIServer):
         with self._clients_lock:
             self._closing = True
             clients = list(self._clients.items())
+            refused, self._refused = self._refused, 0
+        if refused:
+            logger.warning("metrics endpoint %s:%d: refused %d more connection(s) (%d clients at once already) "
+                           "before it closed", self.server_address[0], self.server_address[1], refused, MAX_CLIENTS)
         for sock, _ in clients:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # the client went meanwhile
         deadline = time.monotonic() + timeout
-        for _, thread in clients:
+        for _, (thread, _came) in clients:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 logger.warning("metrics endpoint: a client's thread did not end within %.0f s of close()", timeout)
@@ -198,7 +237,7 @@ def start_http_server(
     probes given and an index at ``/`` answer; any other path is 404 (a
     probe pointed at a path this endpoint does not serve fails, rather than
     passing on a page of metrics).  At most :data:`MAX_CLIENTS` clients are
-    served at once, each with :data:`REQUEST_TIMEOUT_S` per read and write.
+    served at once, each for at most :data:`REQUEST_TIMEOUT_S` in all.
 
     Args:
         port: TCP port; 0 picks a free one (read it back from ``.port``).

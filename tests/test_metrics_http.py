@@ -9,6 +9,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Iterator
@@ -81,20 +82,80 @@ def test_a_flood_of_idle_clients_holds_a_bounded_number_of_threads_and_scrapes_g
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(endpoint, "MAX_CLIENTS", 4)
-    monkeypatch.setattr(endpoint, "REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(endpoint, "REQUEST_TIMEOUT_S", 60.0)  # (none of the four is dropped for its time here)
     caplog.set_level(logging.WARNING, logger="blobfeed.metrics")
     with start_http_server(0, registry=registry) as server:
         for _ in range(12):
             connect_idle(server.port, idle)
         wait_until(lambda: len(client_threads(server.port)) == 4, "the first four clients served")
-        # the others are refused at once: their connection closes
-        refused = sum(1 for s in idle[4:] if s.recv(1) == b"")
-        assert refused == 8
-        assert len(client_threads(server.port)) <= 4
+        # the others are refused at once: their connection closes; the four stay open
+        assert [s.recv(1) for s in idle[4:]] == [b""] * 8
+        for s in idle[:4]:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+        assert len(client_threads(server.port)) == 4
         assert any("clients at once" in r.getMessage() for r in caplog.records), "the refusals were not logged"
-        # once the idle ones time out, a scrape is served
-        wait_until(lambda: client_threads(server.port) == [], "the idle clients dropped")
+        # once the idle ones go, a scrape is served
+        for s in idle[:4]:
+            s.close()
+        wait_until(lambda: client_threads(server.port) == [], "the idle clients' threads to end")
         assert "blobfeed_probe_total" in scrape(server.url)
+    told = sum(int(m.split("refused ", 1)[1].split(" ", 1)[0]) for m in (r.getMessage() for r in caplog.records)
+               if "refused" in m)
+    assert told == 8, "refusals counted and never told"
+
+
+def test_a_client_that_trickles_is_cut_off_after_the_request_timeout_in_all(
+    registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A byte every little while reset each read's timeout: two such clients
+    held the endpoint's two places for ever and every scrape failed (found
+    by review)."""
+    monkeypatch.setattr(endpoint, "MAX_CLIENTS", 2)
+    monkeypatch.setattr(endpoint, "REQUEST_TIMEOUT_S", 0.5)
+    with start_http_server(0, registry=registry) as server:
+        slow = [socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) for _ in range(2)]
+        try:
+            for s in slow:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            cut = [False, False]
+            t0 = time.monotonic()
+            while not all(cut):
+                assert time.monotonic() - t0 < WAIT, "a trickling client was never cut off"
+                for i, s in enumerate(slow):
+                    if cut[i]:
+                        continue
+                    try:
+                        s.sendall(b"X-Slow: 1\r\n")  # one header line at a time, never the end
+                        s.setblocking(False)
+                        cut[i] = s.recv(1) == b""
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        cut[i] = True
+                time.sleep(0.05)  # the client's own pace (what makes it slow), not a wait for the server
+            wait_until(lambda: client_threads(server.port) == [], "the slow clients' threads to end")
+            assert "blobfeed_probe_total" in scrape(server.url)
+        finally:
+            for s in slow:
+                s.close()
+
+
+def test_a_failing_probe_is_logged_not_printed(registry: CollectorRegistry, capfd: pytest.CaptureFixture[str],
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> tuple[bool, str]:
+        raise RuntimeError("the probe broke")
+
+    caplog.set_level(logging.WARNING, logger="blobfeed.metrics")
+    with start_http_server(0, registry=registry, health=broken) as server:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            scrape(f"http://127.0.0.1:{server.port}/healthz")
+        assert err.value.code == 500
+        assert "blobfeed_probe_total" in scrape(server.url)
+    _, printed = capfd.readouterr()
+    assert "Traceback" not in printed and "the probe broke" not in printed, printed
+    assert any("the probe broke" in r.getMessage() for r in caplog.records), "the failure was not logged"
 
 
 def test_a_client_that_resets_prints_nothing(registry: CollectorRegistry, capfd: pytest.CaptureFixture[str],
