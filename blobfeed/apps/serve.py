@@ -13,6 +13,7 @@ taken (bound first, before the target is imported, so that it fails at once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -95,16 +96,28 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 class _StopRequests:
     """The stop signals, from the first moment of ``main``: before the
-    server exists they are kept, and handed to it once it does."""
+    server exists they are kept, and handed to it once it does.  A second
+    signal while the start-up still runs (a wiring function that hangs,
+    say) is the signal's default action: the process ends at once."""
 
     def __init__(self) -> None:
         #: the first signal's name, None while none came
         self.first: str | None = None
+        #: the start-up runs (until the service serves, or gives up)
+        self.starting = True
         self._server: FeedServer | None = None
 
     def handler(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.first is not None and self.starting:
+            _tell(f"blobfeed serve: a second {name} during start-up: ending at once")
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.first is None:
-            self.first = signal.Signals(signum).name
+            self.first = name
+            if self.starting:
+                _tell(f"blobfeed serve: {name}: stopping once the start-up ends (another signal ends it at once)")
         if self._server is not None:
             self._server.request_stop(self.first)
 
@@ -112,6 +125,26 @@ class _StopRequests:
         self._server = server
         if self.first is not None:
             server.request_stop(self.first)
+
+
+def _tell(line: str) -> None:
+    """A line to stderr from a signal handler: one write(2), never print()
+    or logging (the interrupted code may be inside either, holding its lock)."""
+    with contextlib.suppress(OSError):
+        os.write(2, line.encode(errors="replace") + b"\n")
+
+
+def _say(line: str, stream: Any = None) -> None:
+    """A status line.  The reader may be gone (a launcher that read the
+    address and closed the pipe, a closed terminal): the service goes on
+    and stops as it would, silent from then on."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(line, file=stream, flush=True)
+    except (BrokenPipeError, OSError):
+        with contextlib.suppress(OSError, ValueError):
+            # (as Python's docs advise: nothing more goes to the dead pipe, not even at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def main(argv: list[str]) -> int:
@@ -141,48 +174,63 @@ def _run(args: argparse.Namespace, stops: _StopRequests) -> int:
             state_file=args.state_file, resume=args.resume, save_every=args.save_every,
         )
     except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
-        print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
+        _say(f"blobfeed serve: {_error_text(err)}", sys.stderr)
         return 2
     stops.attach(server)
+    try:
+        started = _start(args, server, stops)
+    finally:
+        stops.starting = False
+    if started is not None:
+        return started
+    try:
+        server.wait()
+    finally:
+        failed = [f"source {n!r} failed: {s.failure}" for n, s in server.sources.items() if s.failure is not None]
+        clean = server.stop()
+    _say(f"blobfeed serve: stopped ({server.stop_reason})")
+    for line in failed:
+        _say(f"blobfeed serve: {line}", sys.stderr)
+    return 0 if clean and not failed else 1
+
+
+def _start(args: argparse.Namespace, server: FeedServer, stops: _StopRequests) -> int | None:
+    """The start-up: the metrics port, the target, its wiring, the workers.
+    None once the service serves (or a stop came meanwhile: it then stops
+    as after serving); else the exit status, the server stopped."""
     try:
         # the metrics port first: a taken port fails before the target is
         # imported, its sources wired or a worker started
         metrics_url = server.serve_metrics()
     except OSError as err:
+        server.stop()
         hint = "; choose another --metrics-port, or 0 for any free port" if args.metrics_port else ""
-        print(f"blobfeed serve: {_error_text(err)}{hint}", file=sys.stderr)
+        _say(f"blobfeed serve: {_error_text(err)}{hint}", sys.stderr)
         return 2
     try:
-        func = load_target(args.target)
-    except (ValueError, ImportError) as err:
-        server.stop()
-        print(f"blobfeed serve: {err}", file=sys.stderr)
-        return 2
-    except BaseException:
-        server.stop()
-        raise
-    try:
-        server.setup(func)
-        if stops.first is None:  # (a stop asked for meanwhile starts nothing)
+        # (a stop asked for meanwhile imports, wires and starts nothing)
+        if stops.first is None:
+            func = load_target(args.target)
+        if stops.first is None:
+            server.setup(func)
+        if stops.first is None:
             server.start()
-    except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
+    except (ValueError, TypeError, ImportError, OSError, blobfeed.BlobfeedError) as err:
         server.stop()
-        print(f"blobfeed serve: {_error_text(err)}", file=sys.stderr)
+        _say(f"blobfeed serve: {_error_text(err)}", sys.stderr)
+        return 2
+    except SystemExit as exc:
+        # the target's own sys.exit(): its start-up failed, whatever the code
+        server.stop()
+        _say(f"blobfeed serve: {args.target} exited during start-up (sys.exit({exc.code!r})); not serving",
+             sys.stderr)
         return 2
     except BaseException:
         server.stop()
         raise
     if stops.first is None:
         # one line a consumer's launcher can read for the address
-        print(f"blobfeed serve: listening on {server.address}", flush=True)
+        _say(f"blobfeed serve: listening on {server.address}")
         if metrics_url is not None:
-            print(f"blobfeed serve: metrics on {metrics_url}", flush=True)
-    try:
-        server.wait()
-    finally:
-        failed = [f"source {n!r} failed: {s.failure}" for n, s in server.sources.items() if s.failure is not None]
-        clean = server.stop()
-    print(f"blobfeed serve: stopped ({server.stop_reason})", flush=True)
-    for line in failed:
-        print(f"blobfeed serve: {line}", file=sys.stderr)
-    return 0 if clean and not failed else 1
+            _say(f"blobfeed serve: metrics on {metrics_url}")
+    return None

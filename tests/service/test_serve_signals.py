@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_until
+
 from .test_service import ENV, ROOT
 
 WIRE = """
@@ -68,19 +70,52 @@ def test_a_signal_during_start_up_stops_the_service_cleanly(tmp_path: Path, sig:
 
 
 def test_a_second_signal_while_stopping_does_not_cut_the_stop_short(tmp_path: Path) -> None:
-    """SIGINT, then SIGTERM while the first stop runs: one stop, to its end,
-    with its status and its line (the second signal used to find the
-    default handler back, and kill the process with -15)."""
-    p, sock, gate = _serve(tmp_path)
+    """SIGINT, then SIGTERM while the first stop runs (held by a consumer
+    that never answers its "stopped", up to the stop's 1 s): one stop, to
+    its end, with its status and its line.  A second signal must not find
+    the default handler back and kill the process (-15)."""
+    import json
+    import os
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from blobfeed.service.wire import PROTOCOL
+
+    (tmp_path / "slow_wire.py").write_text(WIRE)
+    sock, gate = tmp_path / "feed.sock", tmp_path / "gate"
+    gate.touch()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "slow_wire.py:wire"),
+         "--listen", str(sock), "--metrics-port", "0"],
+        env={**ENV, "GATE": str(gate)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         assert p.stdout is not None
         assert p.stdout.readline().strip() == "wiring"
-        gate.touch()
         assert "listening on" in p.stdout.readline()
+        health = p.stdout.readline().split("metrics on ", 1)[1].strip().replace("/metrics", "/healthz")
+        silent.settimeout(10)
+        silent.connect(str(sock))
+        silent.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["x"],
+                                "batch_size": 4, "index": None, "num": None, "pid": os.getpid()}).encode())
+        assert json.loads(silent.recv(1 << 16))["t"] == "welcome"
         p.send_signal(signal.SIGINT)
-        p.send_signal(signal.SIGTERM)
+
+        def stopping() -> bool:
+            try:
+                urllib.request.urlopen(health, timeout=5)
+            except urllib.error.HTTPError as err:
+                return err.code == 503 and err.read().strip() == b"stopping"
+            except OSError:
+                return False
+            return False
+        wait_until(stopping, "the first stop under way", timeout=10)
+        p.send_signal(signal.SIGTERM)  # while the stop waits for the silent consumer
         out, err = p.communicate(timeout=30)
     finally:
+        silent.close()
         p.kill()
         p.wait(10)
     assert p.returncode == 0, (p.returncode, out, err)
@@ -112,3 +147,65 @@ def test_under_nohup_a_hangup_does_not_stop_the_service(tmp_path: Path) -> None:
         p.wait(10)
     assert p.returncode == 0, (p.returncode, out, err)
     assert "blobfeed serve: stopped (SIGTERM)" in out, out
+
+
+def test_a_second_signal_during_a_start_up_that_hangs_ends_the_process(tmp_path: Path) -> None:
+    """The wiring function never returns: the first SIGTERM only asks for a
+    stop, which it never reaches; the second is the default action (it was
+    ignored, and only SIGKILL ended the process: found by review)."""
+    p, sock, gate = _serve(tmp_path)  # the gate is never opened: the wiring waits its 20 s
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "wiring"
+        p.send_signal(signal.SIGTERM)
+        assert p.stderr is not None
+        heard = ""
+        while "stopping once the start-up ends" not in heard:  # (bounded: the wiring gives up after 20 s)
+            heard = p.stderr.readline()
+            assert heard, "the process ended without saying it heard the first signal"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=10)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert p.returncode == -signal.SIGTERM, (p.returncode, out, err)
+    assert "a second SIGTERM during start-up: ending at once" in err, err
+
+
+def test_a_launcher_that_closes_the_pipe_after_the_address_gets_a_clean_stop(tmp_path: Path) -> None:
+    """The documented use: read the "listening on" line, close the pipe.  The
+    stop was clean but its "stopped" line raised BrokenPipeError: a
+    traceback and exit 1 (found by review)."""
+    p, sock, gate = _serve(tmp_path)
+    gate.touch()
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "wiring"
+        assert "listening on" in p.stdout.readline()
+        p.stdout.close()
+        p.send_signal(signal.SIGTERM)
+        assert p.stderr is not None
+        err = p.stderr.read()
+        p.wait(30)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert p.returncode == 0, (p.returncode, err)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert not sock.exists()
+
+
+@pytest.mark.parametrize("code,named", [("'config FOO missing'", "config FOO missing"), ("0", "sys.exit(0)")])
+def test_a_wiring_function_that_exits_is_a_failed_start(tmp_path: Path, code: str, named: str) -> None:
+    """``sys.exit(...)`` in the wiring: exit 2 naming it (its message was
+    swallowed, and ``sys.exit(0)`` exited 0 with no "stopped" line: a
+    supervisor saw success for a service that never served)."""
+    (tmp_path / "exits.py").write_text(f"import sys\ndef wire():\n    sys.exit({code})\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "exits.py:wire"),
+         "--listen", str(tmp_path / "feed.sock")],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "exited during start-up" in p.stderr and named in p.stderr, p.stderr
+    assert not (tmp_path / "feed.sock").exists() and not (tmp_path / "feed.sock.lock").exists()
