@@ -203,7 +203,6 @@ def _start(args: argparse.Namespace, server: FeedServer, stops: _StopRequests) -
         # imported, its sources wired or a worker started
         metrics_url = server.serve_metrics()
     except OSError as err:
-        server.stop()
         hint = "; choose another --metrics-port, or 0 for any free port" if args.metrics_port else ""
         _say(f"blobfeed serve: {_error_text(err)}{hint}", sys.stderr)
         return 2

@@ -704,6 +704,8 @@ class FeedServer:
     def _stop(self, conns: list[Connection], reason: str | None) -> bool:
         """(:meth:`stop`, once.)"""
         why = reason or self.stop_reason or "stopped"
+        if self._serving:
+            logger.info("service: stopping (%s): telling %d consumers", why, len(conns))
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
