@@ -144,7 +144,11 @@ def _say(line: str, stream: Any = None) -> None:
     except (BrokenPipeError, OSError):
         with contextlib.suppress(OSError, ValueError):
             # (as Python's docs advise: nothing more goes to the dead pipe, not even at exit)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, stream.fileno())
+            finally:
+                os.close(null)
 
 
 def main(argv: list[str]) -> int:
@@ -215,8 +219,16 @@ def _start(args: argparse.Namespace, server: FeedServer, stops: _StopRequests) -
         if stops.first is None:
             server.start()
     except (ValueError, TypeError, ImportError, OSError, blobfeed.BlobfeedError) as err:
+        if stops.first is not None:
+            return None  # a stop came meanwhile and ended the start (a wait for the path, say): it stops as asked
         server.stop()
         _say(f"blobfeed serve: {_error_text(err)}", sys.stderr)
+        return 2
+    except Exception as err:
+        # the wiring function's own failure: named, with its traceback, as a failed start
+        server.stop()
+        logger.error("blobfeed serve: %s failed during start-up", args.target, exc_info=True)
+        _say(f"blobfeed serve: {args.target} failed during start-up: {err!r}; not serving", sys.stderr)
         return 2
     except SystemExit as exc:
         # the target's own sys.exit(): its start-up failed, whatever the code

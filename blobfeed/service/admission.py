@@ -90,9 +90,9 @@ def admit(
 class RefusalLog:
     """A service's log of the consumers it refused or closed in their
     handshake: the first :data:`REFUSALS_LOGGED` of each
-    :data:`REFUSAL_WINDOW_S` one line each, the others counted and told in
-    one line (with the last of them) when the next window opens or the
-    service stops.  Anyone who can connect can be refused as often as it
+    :data:`REFUSAL_WINDOW_S` window one line each, the others counted and
+    told in one line (with the last of them) once that window is over, or
+    when the service stops.  Anyone who can connect can be refused as often as it
     likes: that must not flood the log."""
 
     def __init__(self) -> None:
@@ -120,6 +120,16 @@ class RefusalLog:
             self._tell(held, last)
         if log_it:
             logger.warning("service: %s refused: %s", peer, why)
+
+    def flush_due(self) -> None:
+        """Tell what a window held back once it is over (the service's
+        monitor calls this every round: the next refusal may never come)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._held or now - self._window < REFUSAL_WINDOW_S:
+                return
+            held, last = self._take_held()
+        self._tell(held, last)
 
     def flush(self) -> None:
         """Tell the refusals counted and not logged yet (at the service's stop)."""

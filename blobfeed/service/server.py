@@ -158,6 +158,8 @@ class FeedServer:
             parse_tcp(self._listen)  # a malformed address fails here, not at start()
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
+        #: request_stop()'s reason: a plain attribute, set in a signal handler
+        self._stop_asked: str | None = None
         self._stopped = False
         #: set once the first stop() ended; ``_stop_clean`` is what it returned
         self._stop_done = threading.Event()
@@ -356,8 +358,8 @@ class FeedServer:
         if self._resume_state is not None:
             self._load(self.state_file)  # type: ignore[arg-type]
         self._started = True
-        self._bind()
         try:
+            self._bind()
             self.serve_metrics()
             self.coordinator.start()
             self._thread("accept", self._accept_loop)
@@ -409,11 +411,16 @@ class FeedServer:
         if self._listen is None:
             self._private_dir = tempfile.mkdtemp(prefix="blobfeed-")  # mode 0700
             path = os.path.join(self._private_dir, "feed.sock")
-            self._sock = bind_in_own_directory(path)
+            try:
+                self._sock = bind_in_own_directory(path)
+            except ValueError as err:
+                raise ValueError(f"the default address is in a new directory of TMPDIR ({tempfile.gettempdir()!r}): "
+                                 f"{err}; set TMPDIR to a shorter directory, or pass listen=PATH "
+                                 "(--listen)") from None
         else:
             path = self._listen[5:] if self._listen.startswith("unix:") else self._listen
             self._path = SocketPath(path)
-            self._sock = self._path.take(self._stopping)
+            self._sock = self._path.take(self._stop_requested)
         self.address = path
 
     def _accept_loop(self) -> None:
@@ -423,7 +430,7 @@ class FeedServer:
         # connect and say nothing (or trickle) cannot each hold a thread and a
         # descriptor; the others wait in the listen backlog meanwhile
         handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
-        while not self._stopping.is_set():
+        while not self._stop_requested():
             if not handshakes.acquire(timeout=0.1):
                 continue
             try:
@@ -500,6 +507,7 @@ class FeedServer:
         """(:meth:`_monitor_loop`, its thread's alone.)  ``delivered``: each
         source's acknowledged batches at the last throughput line."""
         last_log = self._last_log
+        self._refusals.flush_due()
         for s in self.sources.values():
             s.check_grace()
             s.arena.reap()  # batches consumers that exited had kept
@@ -533,7 +541,7 @@ class FeedServer:
         False once stopping, or a source failed (a consumer index that did
         not come back, or a fetcher error), naming it and why.
         """
-        if self._stopping.is_set():
+        if self._stop_requested():
             return False, "stopping"
         if not self._started:
             return False, "starting"
@@ -650,12 +658,22 @@ class FeedServer:
 
     # -- stopping ----------------------------------------------------------------------
     def request_stop(self, reason: str = "stopped") -> None:
-        """Ask :meth:`wait` to return (safe in a signal handler).  ``reason``
-        becomes :attr:`stop_reason` unless a stop was requested already (a
-        second signal does not rename it) or every source ended."""
-        if not self._stopping.is_set() and self.stop_reason != ENDED:
-            self.stop_reason = reason
-        self._stopping.set()
+        """Ask :meth:`wait` to return.  ``reason`` becomes :attr:`stop_reason`
+        unless a stop was requested already (a second signal does not rename
+        it) or every source ended.
+
+        Safe in a signal handler: it only sets attributes.  A lock taken here
+        could be the one the interrupted code holds (an Event's, inside
+        :meth:`wait`): the process would hang for good.  :meth:`wait`, the
+        accept loop and a start waiting for its path look every 0.1 s."""
+        if self._stop_asked is None:
+            if not self._stopping.is_set() and self.stop_reason != ENDED:
+                self.stop_reason = reason
+            self._stop_asked = reason
+
+    def _stop_requested(self) -> bool:
+        """A stop was asked for (:meth:`request_stop`) or is under way."""
+        return self._stop_asked is not None or self._stopping.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until a stop is requested, or every source ended (its data dealt
@@ -663,7 +681,7 @@ class FeedServer:
         so (``stop_reason`` then says "every source ended").  A source that
         failed has not ended: the service stays up, its health failing."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._stopping.is_set():
+        while not self._stop_requested():
             if self._all_ended():
                 if self.stop_reason is None:
                     self.stop_reason = ENDED

@@ -25,10 +25,10 @@ import os
 import socket
 import stat
 import tempfile
-import threading
 import time
+from typing import Callable
 
-__all__ = ["SocketPath", "bind_in_own_directory", "bind_private"]
+__all__ = ["SocketPath", "StopRequested", "bind_in_own_directory", "bind_private"]
 
 #: backlog of the listening socket
 BACKLOG = 64
@@ -45,6 +45,11 @@ NO_FILE_S = 1.0
 MAX_PATH_BYTES = 107
 #: what a lock file this code made says (one without it, another program's, is never removed)
 LOCK_MARK = b"blobfeed service lock\n"
+
+
+class StopRequested(ValueError):
+    """A stop was requested while the start waited for the path: not a
+    refusal of the path, and not the caller's mistake."""
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
@@ -69,9 +74,9 @@ class SocketPath:
         #: the socket file this service made (removed at release if still there)
         self._socket_file: tuple[int, int, int] | None = None
 
-    def take(self, stop: threading.Event | None = None) -> socket.socket:
+    def take(self, stop: Callable[[], bool] | None = None) -> socket.socket:
         """Take the path and listen there; a wait for a service that stops
-        on it ends early once ``stop`` is set.
+        on it ends early once ``stop()`` is true (a stop was requested).
 
         Raises:
             ValueError: a path no socket can have (empty, a directory, too
@@ -112,7 +117,7 @@ class SocketPath:
             self._socket_file = None
         self._unlock()
 
-    def _lock(self, stop: threading.Event | None) -> None:
+    def _lock(self, stop: Callable[[], bool] | None) -> None:
         for _ in range(LOCK_TRIES):
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -142,12 +147,13 @@ class SocketPath:
         raise ValueError(f"listen={self.path!r}: its lock {self.lock_path!r} kept changing under us: another "
                          "program is starting and stopping services there")
 
-    def _wait_for_lock(self, fd: int, st: os.stat_result, stop: threading.Event | None) -> bool:
+    def _wait_for_lock(self, fd: int, st: os.stat_result, stop: Callable[[], bool] | None) -> bool:
         """Lock ``fd`` (the lock file as ``st`` found it).  Another service
         holds it: one that listens is refused at once; one that no longer
         does is stopping (saving its state, say: a restart with ``--resume``
         must read what it saves), so its end is waited for, at most
-        :data:`LOCK_WAIT_S`, or until ``stop`` is set.  False when the lock
+        :data:`LOCK_WAIT_S`, or until ``stop()`` says a stop was requested
+        (:class:`StopRequested`).  False when the lock
         file was replaced meanwhile (its holder let go and removed it)."""
         deadline = time.monotonic() + LOCK_WAIT_S
         no_file_since: float | None = None
@@ -164,7 +170,9 @@ class SocketPath:
                 return False
             now = time.monotonic()
             there = os.path.lexists(self.path)
-            live = _alive(self.path) if there else None
+            # (only a connect says it listens: the kernel lists a stopping
+            # service's accepted connections under its path as bound)
+            live = _alive(self.path, bound_too=False) if there else None
             if live is not None:
                 raise ValueError(f"listen={self.path!r}: another blobfeed service holds this path (its lock "
                                  f"{self.lock_path!r}) and listens there: stop it, or listen elsewhere")
@@ -182,9 +190,9 @@ class SocketPath:
                 raise ValueError(f"listen={self.path!r}: another blobfeed service holds this path (its lock "
                                  f"{self.lock_path!r}), stopping for more than {LOCK_WAIT_S:g} s: stop it, or "
                                  "listen elsewhere")
-            if stop is not None and stop.is_set():
-                raise ValueError(f"listen={self.path!r}: a stop was requested while waiting for the service "
-                                 "that holds this path to let go")
+            if stop is not None and stop():
+                raise StopRequested(f"listen={self.path!r}: a stop was requested while waiting for the service "
+                                    "that holds this path to let go")
             time.sleep(LOCK_POLL_S)
 
     def _unlock(self) -> None:
@@ -295,11 +303,11 @@ def bind_private(directory: str, path: str) -> socket.socket:
                 os.rmdir(private)
 
 
-def _alive(path: str) -> str | None:
+def _alive(path: str, bound_too: bool = True) -> str | None:
     """What is live at the socket file ``path`` (a program has it bound,
-    and listening for a connected type), None if it is stale.  Every type
-    is tried: connecting with another type than the socket's fails
-    (EPROTOTYPE) even when it is live."""
+    and listening for a connected type; with ``bound_too``, or only bound),
+    None if it is stale.  Every type is tried: connecting with another type
+    than the socket's fails (EPROTOTYPE) even when it is live."""
     for kind in ("SOCK_SEQPACKET", "SOCK_STREAM", "SOCK_DGRAM"):
         s = socket.socket(socket.AF_UNIX, getattr(socket, kind))
         try:
@@ -318,7 +326,7 @@ def _alive(path: str) -> str | None:
     # Refused on every type: nobody listens, but a program may still have it
     # bound (between bind() and listen(), or bound only to name it): the
     # kernel lists every bound path.
-    if _bound(path):
+    if bound_too and _bound(path):
         return "a socket a program has bound (not listening)"
     return None
 

@@ -65,8 +65,8 @@ def test_two_services_started_at_once_on_a_stale_path_never_both_listen(tmp_path
     both_looked = threading.Barrier(2, timeout=1.0)
     real_alive = socket_path._alive
 
-    def alive(p: str) -> Any:
-        found = real_alive(p)
+    def alive(p: str, bound_too: bool = True) -> Any:
+        found = real_alive(p, bound_too)
         with contextlib.suppress(threading.BrokenBarrierError):
             both_looked.wait()  # (only one looks once the path is locked: then this waits 1 s)
         return found
@@ -307,6 +307,8 @@ def test_a_lock_shared_with_a_forked_child_is_let_go_at_release(tmp_path: Path) 
     """A process the service's code forked shares the lock's open file: the
     lock lasted until that child exited, and a restart waited for it."""
     path = str(tmp_path / "feed.sock")
+    # another program's lock file: never removed, so the restart locks the very file the child shares
+    Path(path + ".lock").write_text("pid 1234\n")
     held = socket_path.SocketPath(path)
     sock = held.take()
     r, w = os.pipe()
@@ -344,3 +346,17 @@ def test_a_service_whose_socket_file_was_removed_is_not_waited_for(tmp_path: Pat
             _server(path).start()
     finally:
         first.stop()
+
+
+def test_the_default_address_under_a_long_tmpdir_names_tmpdir_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    deep = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    deep.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(deep))
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None)
+    with pytest.raises(ValueError, match="the default address is in a new directory of TMPDIR"):
+        server.start()
+    assert list(deep.iterdir()) == [], "the failed start left its private directory"
+    assert server.stop()

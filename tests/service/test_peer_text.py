@@ -129,3 +129,31 @@ def test_an_acknowledgement_of_nothing_closes_the_consumer(server: FeedServer,
         assert ok is not None and ok["t"] == "welcome", ok
     finally:
         s.close()
+
+
+def test_refusals_held_back_are_told_once_their_window_is_over(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The count of the refusals past the first 10 waited for the next
+    refusal, which might never come (found by review)."""
+    from blobfeed.service import admission
+
+    now = [1000.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return now[0]
+
+    monkeypatch.setattr(admission, "time", Clock)
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    refusals = admission.RefusalLog()
+    for i in range(15):
+        refusals.refused(f"connection {i}", "no source 'x'")
+    refusals.flush_due()
+    assert len(caplog.records) == 10, "told before its window was over"
+    now[0] += admission.REFUSAL_WINDOW_S
+    refusals.flush_due()
+    told = [r.getMessage() for r in caplog.records[10:]]
+    assert len(told) == 1 and "5 more consumers refused" in told[0] and "connection 14" in told[0], told
+    refusals.flush()
+    assert len(caplog.records) == 11, "told twice"

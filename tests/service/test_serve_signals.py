@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_until
+
 from .test_service import ENV, ROOT
 
 WIRE = """
@@ -199,3 +201,90 @@ def test_a_wiring_function_that_exits_is_a_failed_start(tmp_path: Path, code: st
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
     assert "exited during start-up" in p.stderr and named in p.stderr, p.stderr
     assert not (tmp_path / "feed.sock").exists() and not (tmp_path / "feed.sock.lock").exists()
+
+
+def test_a_signal_while_the_start_waits_for_the_path_is_a_clean_stop(tmp_path: Path) -> None:
+    """A service still stopping holds the path: the new one waits for it.
+    A SIGTERM then ended the start with exit 2 and an error, as if the path
+    were refused (found by review); it is a stop like any other."""
+    import fcntl
+    import os
+    import socket
+
+    sock = tmp_path / "feed.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dead.bind(str(sock))  # the stopping service's file, no longer listening
+    dead.close()
+    lock = open(str(sock) + ".lock", "a+")
+    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # held, as by the service that stops
+    (tmp_path / "slow_wire.py").write_text(WIRE)
+    gate = tmp_path / "gate"
+    gate.touch()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "slow_wire.py:wire"),
+         "--listen", str(sock)],
+        env={**ENV, "GATE": str(gate)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "wiring"
+
+        def has_the_lock_open() -> bool:
+            try:
+                fds = os.listdir(f"/proc/{p.pid}/fd")
+            except OSError:
+                return False
+            for fd in fds:
+                try:
+                    if os.readlink(f"/proc/{p.pid}/fd/{fd}") == str(sock) + ".lock":
+                        return True
+                except OSError:
+                    continue
+            return False
+        wait_until(has_the_lock_open, "the start to wait on the path's lock", timeout=20)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+        p.wait(10)
+        lock.close()
+    assert p.returncode == 0, (p.returncode, out, err)
+    assert "blobfeed serve: stopped (SIGTERM)" in out, (out, err)
+    assert "listening on" not in out
+
+
+def test_a_wiring_function_that_raises_is_a_failed_start_named(tmp_path: Path) -> None:
+    (tmp_path / "raises.py").write_text("def wire():\n    raise KeyError('the config has no TRAIN')\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "raises.py:wire"),
+         "--listen", str(tmp_path / "feed.sock")],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "failed during start-up" in p.stderr and "the config has no TRAIN" in p.stderr, p.stderr
+    assert not (tmp_path / "feed.sock").exists() and not (tmp_path / "feed.sock.lock").exists()
+
+
+def test_request_stop_takes_no_lock_a_signal_could_land_inside() -> None:
+    """request_stop() in a signal handler set an Event: its lock is the one
+    the interrupted thread holds for a moment in every Event.wait(), and a
+    signal landing there hung the process for good (a review's timer signal
+    every 0.2 ms hung it after 439 signals).  Run in a child, bounded."""
+    script = """
+import signal, threading
+from blobfeed.service import FeedServer
+server = FeedServer()
+calls = [0]
+def handler(signum, frame):
+    calls[0] += 1
+    server.request_stop("SIGALRM")
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+while calls[0] < 5000:
+    server._stopping.wait(0)  # what wait() does between its looks, in the main thread
+signal.setitimer(signal.ITIMER_REAL, 0)
+assert server.stop_reason == "SIGALRM"
+print("ok", calls[0])
+"""
+    p = subprocess.run([sys.executable, "-c", script], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("ok"), (p.returncode, p.stdout, p.stderr)
