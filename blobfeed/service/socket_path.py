@@ -245,18 +245,7 @@ def bind_in_own_directory(path: str) -> socket.socket:
         OSError: it cannot be made (the message names ``path``).
     """
     _check_path(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        sock.bind(path)
-        os.chmod(path, 0o600)
-        sock.listen(BACKLOG)
-        return sock
-    except OSError as err:
-        sock.close()
-        raise OSError(err.errno, f"cannot listen on {path!r}: {err.strerror or err}") from err
-    except BaseException:
-        sock.close()
-        raise
+    return _listen_at(path, path)
 
 
 def bind_private(directory: str, path: str) -> socket.socket:
@@ -268,25 +257,39 @@ def bind_private(directory: str, path: str) -> socket.socket:
         OSError: it cannot be made (the message names ``path``); EEXIST
             when a file appeared at ``path`` meanwhile.
     """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    private = None
     try:
         private = tempfile.mkdtemp(prefix=".bf", dir=directory)  # mode 0700
-        made = os.path.join(private, "s")
+    except OSError as err:
+        raise OSError(err.errno, f"cannot listen on {path!r}: {err.strerror or err}") from err
+    made = os.path.join(private, "s")
+    try:
         if len(os.fsencode(made)) > MAX_PATH_BYTES:
             # the path fits, its private twin does not: bound in place, and
             # its mode set at once (connecting takes write permission,
             # which the usual umask gives nobody else meanwhile)
+            return _listen_at(path, path)
+        sock = _listen_at(made, path)
+        try:
+            os.link(made, path)
+        except OSError as err:
+            sock.close()
+            raise OSError(err.errno, f"cannot listen on {path!r}: {err.strerror or err}") from err
+        return sock
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(made)
+        with contextlib.suppress(OSError):
             os.rmdir(private)
-            private = None
-            sock.bind(path)
-            os.chmod(path, 0o600)
-            sock.listen(BACKLOG)
-            return sock
-        sock.bind(made)
-        os.chmod(made, 0o600)
+
+
+def _listen_at(at: str, path: str) -> socket.socket:
+    """A ``SOCK_SEQPACKET`` socket bound at ``at``, mode 0600, listening;
+    an error names ``path`` (the address the caller asked for)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(at)
+        os.chmod(at, 0o600)
         sock.listen(BACKLOG)
-        os.link(made, path)
         return sock
     except OSError as err:
         sock.close()
@@ -295,12 +298,6 @@ def bind_private(directory: str, path: str) -> socket.socket:
     except BaseException:
         sock.close()
         raise
-    finally:
-        if private is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(private, "s"))
-            with contextlib.suppress(OSError):
-                os.rmdir(private)
 
 
 def _alive(path: str, bound_too: bool = True) -> str | None:

@@ -10,7 +10,7 @@ import socket
 import stat
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -44,6 +44,46 @@ def _server(path: Path | str) -> FeedServer:
     server = FeedServer(listen=path)
     server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None)
     return server
+
+
+def _stopping(server: FeedServer) -> None:
+    """Put ``server`` where its stop() is when a new service starts: no
+    longer listening, its path still held."""
+    assert server._sock is not None
+    server._sock.shutdown(socket.SHUT_RDWR)
+    server._sock.close()
+
+
+@contextlib.contextmanager
+def _restart_while_stopping(path: str, waiting: threading.Event) -> Iterator[tuple[FeedServer, FeedServer,
+                                                                                  threading.Thread, list[Any]]]:
+    """A service on ``path`` where its stop() is (no longer listening, the
+    path still held), and a new one's start() on it in a thread, waiting
+    for the path: (old, new, that thread, what came of the start once it
+    ended: "started", or the exception).  Both stopped after."""
+    old = _server(path)
+    old.start()
+    new = _server(path)
+    outcome: list[Any] = []
+
+    def start() -> None:
+        try:
+            new.start()
+            outcome.append("started")
+        except BaseException as err:  # (the test asserts it)
+            outcome.append(err)
+
+    t = threading.Thread(target=start)
+    try:
+        _stopping(old)
+        t.start()
+        assert waiting.wait(WAIT), "the new service did not wait for the one still stopping"
+        yield old, new, t, outcome
+    finally:
+        old.stop()
+        new.stop()
+        if t.ident is not None:
+            t.join(WAIT)
 
 
 def _one_batch(path: str) -> None:
@@ -105,37 +145,13 @@ def test_a_service_restarted_while_the_last_one_stops_waits_for_it(tmp_path: Pat
     the path from under it, then serves there; the old one's stop removes
     none of the new one's files."""
     path = str(tmp_path / "feed.sock")
-    old = _server(path)
-    old.start()
-    new = _server(path)
-    started = threading.Event()
-    failed: list[BaseException] = []
-
-    def start_new() -> None:
-        try:
-            new.start()
-            started.set()
-        except BaseException as err:  # (reported below)
-            failed.append(err)
-
-    t = threading.Thread(target=start_new)
-    try:
-        assert old._sock is not None
-        old._sock.shutdown(socket.SHUT_RDWR)  # where its stop() is when the new one starts
-        old._sock.close()
-        t.start()
-        assert waiting_for_path.wait(WAIT), "the new service did not wait for the one still stopping"
-        assert not started.is_set(), "the new service took the path of one still stopping"
+    with _restart_while_stopping(path, waiting_for_path) as (old, new, t, outcome):
+        assert outcome == [], "the new service took the path of one still stopping"
         old.stop()
         t.join(WAIT * 3)
-        assert not failed, failed
-        assert started.is_set()
+        assert outcome == ["started"], outcome
         assert os.path.exists(path), "the old service removed the new one's socket file"
         _one_batch(path)
-    finally:
-        old.stop()
-        new.stop()
-        t.join(WAIT)
     assert not os.path.exists(path)
 
 
@@ -216,33 +232,11 @@ def test_a_stop_requested_while_waiting_for_the_path_ends_the_wait(tmp_path: Pat
                                                                    waiting_for_path: threading.Event) -> None:
     """SIGTERM to a ``blobfeed serve`` waiting for the service that stops on
     its path was ignored for the whole wait (30 s), found by review."""
-    path = str(tmp_path / "feed.sock")
-    old = _server(path)
-    old.start()
-    new = _server(path)
-    outcome: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            new.start()
-        except BaseException as err:  # (asserted below)
-            outcome.append(err)
-
-    t = threading.Thread(target=start)
-    try:
-        assert old._sock is not None
-        old._sock.shutdown(socket.SHUT_RDWR)  # it stops: no longer listening, the path still held
-        old._sock.close()
-        t.start()
-        assert waiting_for_path.wait(WAIT), "the new service did not wait for the path"
+    with _restart_while_stopping(str(tmp_path / "feed.sock"), waiting_for_path) as (old, new, t, outcome):
         new.request_stop("SIGTERM")
         t.join(WAIT)
         assert not t.is_alive(), "the wait went on after the stop was requested"
         assert outcome and "a stop was requested" in str(outcome[0]), outcome
-    finally:
-        old.stop()
-        new.stop()
-        t.join(WAIT)
 
 
 def test_paths_no_socket_can_have_are_refused_naming_why(tmp_path: Path) -> None:
