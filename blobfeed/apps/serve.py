@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 import blobfeed
-from blobfeed.service import FeedServer
+from blobfeed.service import FeedServer, StopRequested
 
 from .argtypes import port, positive_float
 
@@ -211,16 +211,12 @@ def _start(args: argparse.Namespace, server: FeedServer, stops: _StopRequests) -
         _say(f"blobfeed serve: {_error_text(err)}{hint}", sys.stderr)
         return 2
     try:
-        # (a stop asked for meanwhile imports, wires and starts nothing)
+        # (a stop asked for meanwhile imports and wires nothing)
         if stops.first is None:
             func = load_target(args.target)
         if stops.first is None:
             server.setup(func)
-        if stops.first is None:
-            server.start()
     except (ValueError, TypeError, ImportError, OSError, blobfeed.BlobfeedError) as err:
-        if stops.first is not None:
-            return None  # a stop came meanwhile and ended the start (a wait for the path, say): it stops as asked
         server.stop()
         _say(f"blobfeed serve: {_error_text(err)}", sys.stderr)
         return 2
@@ -235,6 +231,18 @@ def _start(args: argparse.Namespace, server: FeedServer, stops: _StopRequests) -
         server.stop()
         _say(f"blobfeed serve: {args.target} exited during start-up (sys.exit({exc.code!r})); not serving",
              sys.stderr)
+        return 2
+    except BaseException:
+        server.stop()
+        raise
+    try:
+        if stops.first is None:
+            server.start()
+    except StopRequested:
+        return None  # a stop came while the start waited for its path: it stops as asked
+    except (ValueError, TypeError, OSError, blobfeed.BlobfeedError) as err:
+        server.stop()
+        _say(f"blobfeed serve: {_error_text(err)}", sys.stderr)
         return 2
     except BaseException:
         server.stop()

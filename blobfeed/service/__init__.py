@@ -10,5 +10,6 @@ The wire format is JSON records and shared memory (:mod:`.wire`,
 
 from .consumer import Attachment, attach_source
 from .server import FeedServer, current_server, serve_source, serving
+from .socket_path import StopRequested
 
-__all__ = ["Attachment", "FeedServer", "attach_source", "current_server", "serve_source", "serving"]
+__all__ = ["Attachment", "FeedServer", "StopRequested", "attach_source", "current_server", "serve_source", "serving"]

@@ -340,7 +340,7 @@ class RayFeedServer(FeedServer):
             if type(record) is not dict or type(record.get("t")) is not str:
                 raise WireError(f"a Ray consumer's hello is a {type(record).__name__}, not a record")
             hello = check(record, ("hello",), "a Ray consumer")
-            if self._stopping.is_set():
+            if self._stop_requested():
                 raise Refused(f"service at {self.ray_address} is stopping")
             conn = _RayConsumer(self, next(self._numbers))
             self._await_index(hello)
@@ -350,7 +350,7 @@ class RayFeedServer(FeedServer):
             return {"t": "refused", "error": str(err), "kind": "value"}
         conn.attached(source, outlet, hello["pid"])
         with self._lock:
-            stopping = self._stopping.is_set()
+            stopping = self._stop_requested()
             if not stopping:
                 self._connections.add(conn)  # type: ignore[arg-type]  # FeedServer.stop tells and closes it
                 self._by_cid[conn.cid] = conn
@@ -379,7 +379,7 @@ class RayFeedServer(FeedServer):
         # calls a dead consumer sent just before it died arrive within
         # milliseconds; one heard this much later came from a live one
         alive_after = time.monotonic() + ALIVE_AFTER_S
-        while not holder.gone.is_set() and not self._stopping.is_set():
+        while not holder.gone.is_set() and not self._stop_requested():
             now = time.monotonic()
             if holder.heard > alive_after or now > holder.heard + self.lease + 1.0:
                 return

@@ -348,11 +348,16 @@ class FeedServer:
         """Start the workers and listen.  Returns self.
 
         Raises:
-            ValueError: no source, or ``resume`` with a state that does not fit.
+            ValueError: no source, or ``resume`` with a state that does not fit;
+                the path is refused (see docs/SERVICE.md, "The socket path").
+            StopRequested: (a ValueError) :meth:`request_stop` came while it
+                waited for its path's last service to let go.
             OSError: the socket or the metrics port cannot be bound.
         """
         if self._started:
             raise ValueError("the server started already")
+        if self._stopped:
+            raise ValueError("the server was stopped before it started: a FeedServer serves once, make another")
         if not self.sources:
             raise ValueError("no source to serve: call serve_source() first")
         if self._resume_state is not None:
@@ -453,7 +458,7 @@ class FeedServer:
             )
             conn.on_handshake_done = handshakes.release
             with self._lock:
-                if self._stopping.is_set():
+                if self._stop_requested():
                     conn.tell_stopped(f"service at {self.address} is stopping")
                     conn_sock.close()
                     handshakes.release()

@@ -100,7 +100,11 @@ class SocketPath:
                     )
                 os.unlink(self.path)  # a stale socket of a program that died
             sock = bind_private(os.path.dirname(self.path) or ".", self.path)
-            self._socket_file = _identity(os.stat(self.path))
+            try:
+                self._socket_file = _identity(os.stat(self.path))
+            except BaseException:
+                sock.close()
+                raise
             return sock
         except BaseException:
             self._unlock()

@@ -354,3 +354,41 @@ def test_the_default_address_under_a_long_tmpdir_names_tmpdir_and_leaves_nothing
         server.start()
     assert list(deep.iterdir()) == [], "the failed start left its private directory"
     assert server.stop()
+
+
+def test_a_consumer_that_comes_after_request_stop_is_not_served() -> None:
+    """The accept loop checked the stop under way, not the stop asked for: a
+    consumer attaching between request_stop() and stop() was welcomed and
+    served while /healthz said "stopping" (found by review)."""
+    import json
+
+    from blobfeed.service.wire import PROTOCOL
+
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None)
+    server.start()
+    try:
+        server.request_stop("test")
+        assert server.health() == (False, "stopping")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(WAIT)
+        try:
+            s.connect(str(server.address))
+            s.send(json.dumps({"t": "hello", "protocol": PROTOCOL, "source": "train", "blobs": ["id", "x"],
+                               "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
+            answer = s.recv(1 << 16)
+        except OSError:
+            answer = b""  # closed on us (a reset): not served either
+        finally:
+            s.close()
+        assert not answer or json.loads(answer)["t"] != "welcome", answer
+    finally:
+        assert server.stop()
+
+
+def test_a_server_stopped_before_it_started_does_not_start(tmp_path: Path) -> None:
+    server = _server(tmp_path / "feed.sock")
+    assert server.stop()
+    with pytest.raises(ValueError, match="stopped before it started"):
+        server.start()
+    assert list(tmp_path.iterdir()) == []

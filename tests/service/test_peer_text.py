@@ -16,6 +16,8 @@ import pytest
 from blobfeed.service import FeedServer
 from blobfeed.service.wire import PROTOCOL
 
+from tests.helpers import wait_until
+
 from . import feeds
 
 #: the longest log line or refusal text a hostile hello may cause
@@ -157,3 +159,23 @@ def test_refusals_held_back_are_told_once_their_window_is_over(monkeypatch: pyte
     assert len(told) == 1 and "5 more consumers refused" in told[0] and "connection 14" in told[0], told
     refusals.flush()
     assert len(caplog.records) == 11, "told twice"
+
+
+def test_the_service_tells_what_its_refusal_log_held_back_without_a_stop(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The monitor tells the held-back count once its window is over: the
+    next refusal (or the stop) may be days away."""
+    from blobfeed.service import admission
+
+    monkeypatch.setattr(admission, "REFUSAL_WINDOW_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 1, epochs=None)
+    server.start()
+    try:
+        for _ in range(15):
+            assert _answer(str(server.address), _hello(source="nope"))["t"] == "refused"  # type: ignore[index]
+        wait_until(lambda: any("more consumers refused" in r.getMessage() for r in caplog.records),
+                   "the held-back refusals told while the service runs", timeout=10)
+    finally:
+        server.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,16 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
         env={**ENV, "GATE": str(gate)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     return p, sock, gate
+
+
+def _serve_module(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    """``blobfeed serve`` of a wiring module made of ``source`` (its ``wire``), to its end."""
+    (tmp_path / "wiring.py").write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "wiring.py:wire"),
+         "--listen", str(tmp_path / "feed.sock")],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
@@ -192,12 +203,7 @@ def test_a_wiring_function_that_exits_is_a_failed_start(tmp_path: Path, code: st
     """``sys.exit(...)`` in the wiring: exit 2 naming it (its message was
     swallowed, and ``sys.exit(0)`` exited 0 with no "stopped" line: a
     supervisor saw success for a service that never served)."""
-    (tmp_path / "exits.py").write_text(f"import sys\ndef wire():\n    sys.exit({code})\n")
-    p = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "exits.py:wire"),
-         "--listen", str(tmp_path / "feed.sock")],
-        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    p = _serve_module(tmp_path, f"import sys\ndef wire():\n    sys.exit({code})\n")
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
     assert "exited during start-up" in p.stderr and named in p.stderr, p.stderr
     assert not (tmp_path / "feed.sock").exists() and not (tmp_path / "feed.sock.lock").exists()
@@ -242,8 +248,11 @@ def test_a_signal_while_the_start_waits_for_the_path_is_a_clean_stop(tmp_path: P
                     continue
             return False
         wait_until(has_the_lock_open, "the start to wait on the path's lock", timeout=20)
+        t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=30)
+        took = time.monotonic() - t0
+        assert sock.exists() and Path(str(sock) + ".lock").exists(), "it took the files of the service it waited for"
     finally:
         p.kill()
         p.wait(10)
@@ -251,15 +260,12 @@ def test_a_signal_while_the_start_waits_for_the_path_is_a_clean_stop(tmp_path: P
     assert p.returncode == 0, (p.returncode, out, err)
     assert "blobfeed serve: stopped (SIGTERM)" in out, (out, err)
     assert "listening on" not in out
+    # the wait ended at the signal, not at its own 30 s bound
+    assert took < 10 and "stopping for more than" not in err, (took, err)
 
 
 def test_a_wiring_function_that_raises_is_a_failed_start_named(tmp_path: Path) -> None:
-    (tmp_path / "raises.py").write_text("def wire():\n    raise KeyError('the config has no TRAIN')\n")
-    p = subprocess.run(
-        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "raises.py:wire"),
-         "--listen", str(tmp_path / "feed.sock")],
-        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    p = _serve_module(tmp_path, "def wire():\n    raise KeyError('the config has no TRAIN')\n")
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
     assert "failed during start-up" in p.stderr and "the config has no TRAIN" in p.stderr, p.stderr
     assert not (tmp_path / "feed.sock").exists() and not (tmp_path / "feed.sock.lock").exists()
@@ -288,3 +294,13 @@ print("ok", calls[0])
 """
     p = subprocess.run([sys.executable, "-c", script], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.startswith("ok"), (p.returncode, p.stdout, p.stderr)
+
+
+def test_a_wiring_error_after_a_signal_is_still_named(tmp_path: Path) -> None:
+    """A stop signal came first, then the wiring failed: the failure is the
+    news (it exited 0 with "stopped (SIGTERM)" and the error nowhere: found
+    by review)."""
+    p = _serve_module(tmp_path, "import os, signal\ndef wire():\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+                                "    raise ValueError('the config names no TRAIN dir')\n")
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "the config names no TRAIN dir" in p.stderr, p.stderr
