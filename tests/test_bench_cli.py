@@ -975,11 +975,12 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
         ("S1/pipes", "consumer"), ("S2/pipes", "consumer")}, costs
     for (key, who), (ctx, cpu) in costs.items():
         assert cpu > 0, (key, who, ctx, cpu)  # every batch costs CPU somewhere
-        # the service's threads wait for acks and for batches; a served
-        # consumer may take a tiny window's batches without one switch (its
-        # hot path waits on nothing when the next batch is there: S2 read
-        # 0.0 on a fresh clone)
-        assert ctx > 0 if "consumer" not in who or key.endswith("/pipes") else ctx >= 0, (key, who, ctx, cpu)
+        # the service's threads wait for acks and for batches; a consumer
+        # (served, or a pipeline of its own) may take a tiny window's batches
+        # with under 0.05 switches a batch, printed 0.0 (its hot path waits on
+        # nothing when the next batch is there: S2's service read 0.0 on a
+        # fresh clone, and S2's pipes on a faster machine)
+        assert ctx > 0 if "consumer" not in who else ctx >= 0, (key, who, ctx, cpu)
     for line in [r"S1 batches/s vs four independent process pipelines >= 1\.2 ",
                  r"S1 total PSS vs four independent process pipelines <= 0\.5 ",
                  r"S1 GB/s vs the copy bound >= 0\.6 ", r"S2 batches/s vs four independent thread pipelines >= 0\.3 ",

@@ -197,7 +197,9 @@ def test_worker_processes_are_fed_with_no_thread_per_process() -> None:
     gc.start()
     try:
         got = []
-        threads = set()
+        # (from the start: on a fast machine every unit may be read, and the
+        # receivers ended, before the first run() returns)
+        threads = {t.name for t in threading.enumerate()}
         while True:
             try:
                 out = net.run(timeout=30)
