@@ -161,8 +161,10 @@ def main(argv: list[str]) -> int:
     # until main returns: a second signal while the first stop runs must
     # not find the default handler back.
     stops = _StopRequests()
-    # SIGHUP ignored at our start is nohup's: the service outlives its terminal
-    caught = [s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
+    # A stop signal ignored at our start stays ignored, as Python does for
+    # SIGINT: SIGHUP under nohup (the service outlives its terminal), SIGINT
+    # in a background job of a shell (a Ctrl-C meant for the foreground)
+    caught = [s for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN]
     old = {s: signal.signal(s, stops.handler) for s in caught}
     try:
         return _run(args, stops)

@@ -304,3 +304,35 @@ def test_a_wiring_error_after_a_signal_is_still_named(tmp_path: Path) -> None:
                                 "    raise ValueError('the config names no TRAIN dir')\n")
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
     assert "the config names no TRAIN dir" in p.stderr, p.stderr
+
+
+def test_a_stop_signal_ignored_at_start_stays_ignored(tmp_path: Path) -> None:
+    """A background job of a shell starts with SIGINT ignored (a Ctrl-C is
+    for the foreground job), as ``nohup`` ignores SIGHUP: Python keeps
+    such a SIGINT ignored, and so does the service.  SIGTERM stops it."""
+    (tmp_path / "slow_wire.py").write_text(WIRE)
+    gate = tmp_path / "gate"
+    gate.touch()
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "slow_wire.py:wire"),
+         "--listen", str(tmp_path / "feed.sock")],
+        env={**ENV, "GATE": str(gate)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=ignore_sigint,
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "wiring"
+        assert "listening on" in p.stdout.readline()
+        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert p.returncode == 0, (p.returncode, out, err)
+    assert "blobfeed serve: stopped (SIGTERM)" in out, out
+    assert not (tmp_path / "feed.sock").exists()
