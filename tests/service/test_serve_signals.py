@@ -127,31 +127,6 @@ def test_a_second_signal_while_stopping_does_not_cut_the_stop_short(tmp_path: Pa
     assert not sock.exists()
 
 
-def test_under_nohup_a_hangup_does_not_stop_the_service(tmp_path: Path) -> None:
-    """SIGHUP ignored when the service starts (``nohup``) stays ignored: the
-    service outlives its terminal, and stops at a SIGTERM as ever."""
-    (tmp_path / "slow_wire.py").write_text(WIRE)
-    gate = tmp_path / "gate"
-    gate.touch()
-    p = subprocess.Popen(
-        ["nohup", sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "slow_wire.py:wire"),
-         "--listen", str(tmp_path / "feed.sock")],
-        env={**ENV, "GATE": str(gate)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert p.stdout is not None
-        assert p.stdout.readline().strip() == "wiring"
-        assert "listening on" in p.stdout.readline()
-        p.send_signal(signal.SIGHUP)
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=30)
-    finally:
-        p.kill()
-        p.wait(10)
-    assert p.returncode == 0, (p.returncode, out, err)
-    assert "blobfeed serve: stopped (SIGTERM)" in out, out
-
-
 def test_a_second_signal_during_a_start_up_that_hangs_ends_the_process(tmp_path: Path) -> None:
     """The wiring function never returns: the first SIGTERM only asks for a
     stop, which it never reaches; the second is the default action (it was
@@ -306,28 +281,27 @@ def test_a_wiring_error_after_a_signal_is_still_named(tmp_path: Path) -> None:
     assert "the config names no TRAIN dir" in p.stderr, p.stderr
 
 
-def test_a_stop_signal_ignored_at_start_stays_ignored(tmp_path: Path) -> None:
-    """A background job of a shell starts with SIGINT ignored (a Ctrl-C is
-    for the foreground job), as ``nohup`` ignores SIGHUP: Python keeps
-    such a SIGINT ignored, and so does the service.  SIGTERM stops it."""
+@pytest.mark.parametrize("ignored", [signal.SIGHUP, signal.SIGINT])
+def test_a_stop_signal_ignored_at_start_stays_ignored(tmp_path: Path, ignored: signal.Signals) -> None:
+    """A signal ignored when the service starts stays ignored, as Python
+    keeps SIGINT: SIGHUP under ``nohup`` (the service outlives its
+    terminal), SIGINT in a shell's background job (a Ctrl-C is for the
+    foreground job; it was caught whatever its disposition).  SIGTERM
+    stops it as ever."""
     (tmp_path / "slow_wire.py").write_text(WIRE)
     gate = tmp_path / "gate"
     gate.touch()
-
-    def ignore_sigint() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
     p = subprocess.Popen(
         [sys.executable, "-m", "blobfeed.apps.cli", "serve", str(tmp_path / "slow_wire.py:wire"),
          "--listen", str(tmp_path / "feed.sock")],
         env={**ENV, "GATE": str(gate)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=ignore_sigint,
+        preexec_fn=lambda: signal.signal(ignored, signal.SIG_IGN),  # what nohup, or a shell's &, does
     )
     try:
         assert p.stdout is not None
         assert p.stdout.readline().strip() == "wiring"
         assert "listening on" in p.stdout.readline()
-        p.send_signal(signal.SIGINT)
+        p.send_signal(ignored)
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=30)
     finally:
