@@ -23,6 +23,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import prometheus_client
 from prometheus_client import CollectorRegistry
 
+from .log_throttle import LogThrottle
+
 __all__ = ["MetricsServer", "start_http_server"]
 
 logger = logging.getLogger("blobfeed.metrics")
@@ -120,9 +122,13 @@ class _Server(WSGIServer):
         #: each client's socket: its thread, and when it came (monotonic)
         self._clients: dict[socket.socket, tuple[threading.Thread, float]] = {}
         self._closing = False
-        self._refused = 0
-        self._refusal_logged = -REFUSAL_LOG_S
         super().__init__(*args, **kwargs)
+        where = f"{str(self.server_address[0])}:{self.server_address[1]}".replace("%", "%%")  # (an IPv6 scope)
+        self._refusals = LogThrottle(
+            logger, 1, REFUSAL_LOG_S,
+            f"metrics endpoint {where}: refused %d more connection(s) ({MAX_CLIENTS} clients at once already), "
+            "the last: %s",
+        )
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._clients_lock:
@@ -146,17 +152,9 @@ class _Server(WSGIServer):
 
     def _refuse(self, request: Any, client_address: Any) -> None:
         self.shutdown_request(request)
-        now = time.monotonic()
-        with self._clients_lock:
-            self._refused += 1
-            if now - self._refusal_logged < REFUSAL_LOG_S:
-                return
-            refused, self._refused, self._refusal_logged = self._refused, 0, now
-        logger.warning(
-            "metrics endpoint %s:%d: %d clients at once already (the most it serves); refused %d "
-            "connection(s), the last from %s", self.server_address[0], self.server_address[1], MAX_CLIENTS,
-            refused, _peer(client_address),
-        )
+        self._refusals.event("metrics endpoint %s:%d: %d clients at once already (the most it serves); refused "
+                             "a connection from %s", self.server_address[0], self.server_address[1], MAX_CLIENTS,
+                             _peer(client_address))
 
     def _serve_client(self, request: Any, client_address: Any) -> None:
         try:
@@ -172,7 +170,9 @@ class _Server(WSGIServer):
         """(The serving loop's, every poll.)  Cut off the clients that have
         been served for longer than :data:`REQUEST_TIMEOUT_S` in all: a
         client that sends or reads a byte at a time resets each read's and
-        write's timeout, and held its thread for ever."""
+        write's timeout, and held its thread for ever.  And tell the
+        refusals a window held back once it is over."""
+        self._refusals.flush_due()
         now = time.monotonic()
         with self._clients_lock:
             late = [sock for sock, (_, came) in self._clients.items() if now - came > REQUEST_TIMEOUT_S]
@@ -197,10 +197,7 @@ class _Server(WSGIServer):
         with self._clients_lock:
             self._closing = True
             clients = list(self._clients.items())
-            refused, self._refused = self._refused, 0
-        if refused:
-            logger.warning("metrics endpoint %s:%d: refused %d more connection(s) (%d clients at once already) "
-                           "before it closed", self.server_address[0], self.server_address[1], refused, MAX_CLIENTS)
+        self._refusals.flush()
         for sock, _ in clients:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

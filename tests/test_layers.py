@@ -28,6 +28,8 @@ LAYERS: dict[str, int] = {
     # shared memory another process may map (worker slots, the service's arena): where a batch lies
     "blobfeed.shared_regions": 0.7,
     "blobfeed.queues": 1,
+    # warnings a stranger can cause: a few per window, the rest counted (the endpoint's, the service's)
+    "blobfeed.log_throttle": 0.8,
     "blobfeed.feeders.chunks": 2,
     "blobfeed.feeders.rebatch": 3,
     "blobfeed.feeders.shuffle": 3.05,
@@ -99,10 +101,10 @@ PUBLIC = {"blobfeed", "blobfeed.metrics", "blobfeed.ray", "blobfeed.service"} | 
 SERVICE = {m for m in LAYERS if m == "blobfeed.service" or m.startswith("blobfeed.service.")}
 #: what the feeding service may import of the core: modules whose names are
 #: public (the errors, Net, the coordinator, the metrics), the argument
-#: checks every layer shares, and the reader seam
+#: checks and the log throttle every layer shares, and the reader seam
 SERVICE_MAY = {
     "blobfeed.errors", "blobfeed.arguments", "blobfeed.net", "blobfeed.coordinator", "blobfeed.metrics",
-    "blobfeed.queues", "blobfeed.reader",
+    "blobfeed.queues", "blobfeed.reader", "blobfeed.log_throttle",
 }
 #: the service's imports of the core's insides still to go, each with the
 #: step of issue 25 that removes it; a new one fails the test

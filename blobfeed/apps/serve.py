@@ -141,7 +141,7 @@ def _say(line: str, stream: Any = None) -> None:
     stream = sys.stdout if stream is None else stream
     try:
         print(line, file=stream, flush=True)
-    except (BrokenPipeError, OSError):
+    except OSError:  # BrokenPipeError, or EIO from a closed terminal
         with contextlib.suppress(OSError, ValueError):
             # (as Python's docs advise: nothing more goes to the dead pipe, not even at exit)
             null = os.open(os.devnull, os.O_WRONLY)

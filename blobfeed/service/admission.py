@@ -10,10 +10,9 @@ what did not fit (and, for another protocol, both versions).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any, Callable
 
+from ..log_throttle import LogThrottle
 from .served import IndexOutlet, ServedSource, SharedOutlet
 from .wire import PROTOCOL, shown
 
@@ -87,63 +86,21 @@ def admit(
         raise Refused(str(err)) from None
 
 
-class RefusalLog:
+class RefusalLog(LogThrottle):
     """A service's log of the consumers it refused or closed in their
     handshake: the first :data:`REFUSALS_LOGGED` of each
     :data:`REFUSAL_WINDOW_S` window one line each, the others counted and
     told in one line (with the last of them) once that window is over, or
-    when the service stops.  Anyone who can connect can be refused as often as it
-    likes: that must not flood the log."""
+    when the service stops.  Anyone who can connect can be refused as often
+    as it likes: that must not flood the log."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._window = -REFUSAL_WINDOW_S
-        self._logged = 0
-        self._held = 0
-        self._last = ""
+        super().__init__(
+            logger, REFUSALS_LOGGED, REFUSAL_WINDOW_S,
+            f"service: %d more consumers refused or closed in their handshake (the most logged one by one: "
+            f"{REFUSALS_LOGGED} per {REFUSAL_WINDOW_S:.0f} s); the last: %s",
+        )
 
     def refused(self, peer: str, why: str) -> None:
         """Log (or count) one refusal: ``peer`` and ``why`` (bounded text)."""
-        now = time.monotonic()
-        with self._lock:
-            held, last = 0, ""
-            if now - self._window >= REFUSAL_WINDOW_S:  # a new window: tell what the last one held back
-                held, last = self._take_held()
-                self._window, self._logged = now, 0
-            log_it = self._logged < REFUSALS_LOGGED
-            if log_it:
-                self._logged += 1
-            else:
-                self._held += 1
-                self._last = f"{peer}: {why}"
-        if held:
-            self._tell(held, last)
-        if log_it:
-            logger.warning("service: %s refused: %s", peer, why)
-
-    def flush_due(self) -> None:
-        """Tell what a window held back once it is over (the service's
-        monitor calls this every round: the next refusal may never come)."""
-        now = time.monotonic()
-        with self._lock:
-            if not self._held or now - self._window < REFUSAL_WINDOW_S:
-                return
-            held, last = self._take_held()
-        self._tell(held, last)
-
-    def flush(self) -> None:
-        """Tell the refusals counted and not logged yet (at the service's stop)."""
-        with self._lock:
-            held, last = self._take_held()
-        if held:
-            self._tell(held, last)
-
-    def _take_held(self) -> tuple[int, str]:
-        held, last = self._held, self._last
-        self._held, self._last = 0, ""
-        return held, last
-
-    @staticmethod
-    def _tell(held: int, last: str) -> None:
-        logger.warning("service: %d more consumers refused or closed in their handshake (the most logged one by "
-                       "one: %d per %.0f s); the last: %s", held, REFUSALS_LOGGED, REFUSAL_WINDOW_S, last)
+        self.event("service: %s refused: %s", peer, why)

@@ -388,7 +388,10 @@ class Connection:
         their slots (what one holds is bounded).  Each is checked against
         the one before it as :meth:`_take_ack` would (what came before a
         lie still counts: the receiver takes it as it leaves)."""
-        self._count_idle_ack(g, slots)
+        if g == -1 and not slots:
+            self._count_idle_ack()
+        else:
+            self._idle_acks = 0
         merged = self._merged
         if merged is None or g > merged[0]:
             # the ledger's own check now: a g never sent among good ones
@@ -411,15 +414,13 @@ class Connection:
         if merged[3] >= MAX_ITEMS or len(merged[1]) >= MAX_ITEMS:
             self._take_merged()
 
-    def _count_idle_ack(self, g: int, slots: list[int]) -> None:
-        """An ``ack`` of no item that frees no slot (a wait report at most):
+    def _count_idle_ack(self) -> None:
+        """An ``ack`` of no item that frees no slot (a wait report at most;
+        the callers reset the count at any other, inline: once an ack):
         a consumer of ours never sends one (each acknowledges a batch or
         frees slots), and a peer that sends them in a loop only costs the
         service their parsing.  Past :data:`MAX_IDLE_ACKS` in a row, the
         connection is closed."""
-        if g != -1 or slots:
-            self._idle_acks = 0
-            return
         self._idle_acks += 1
         if self._idle_acks > MAX_IDLE_ACKS:
             raise WireError(f"{self.peer} acknowledged nothing and freed no slot {self._idle_acks} times in a row "
@@ -459,7 +460,10 @@ class Connection:
         if kind == "ack":
             # one per batch run() returns: the slots it frees go back to the ring at once
             slots = record["slots"] if type(record) is CheckedRecord else freed_slots(record, self.peer)
-            self._count_idle_ack(record["g"], slots)
+            if record["g"] == -1 and not slots:
+                self._count_idle_ack()
+            else:
+                self._idle_acks = 0
             self._take_ack(record["g"], slots, record["waited"])
         elif kind == "state":
             try:
