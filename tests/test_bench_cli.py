@@ -966,8 +966,12 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     # the busiest step is sure to show; a step under 0.05 us a batch is left out
     assert {role for k, role in steps} <= {"sender", "receiver", "intake", "fetchers", "slot returner",
                                            "worker processes", "other threads"}, steps
+    # which step is the busiest depends on the machine (S1's sender read 0
+    # in a fresh clone's CI, where its worker processes led): each service
+    # row shows at least one step, and a step shown has cost something
     for k in ("S1/service", "S2/service", "S2/bare"):
-        assert float(steps[(k, "sender")]) > 0, (k, steps)
+        shown = [float(cpu) for (key, _), cpu in steps.items() if key == k]
+        assert shown and max(shown) > 0, (k, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
              for line in rows if not line[KEY:].startswith("  ")}
     assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service", "S2/bare")
