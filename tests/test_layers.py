@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.rebatch": 3,
     "blobfeed.feeders.shuffle": 3.05,
     # random-access sources: read units (the dispenser, the reader), and the dealer that orders them
-    "blobfeed.feeders.read_units": 3.07, "blobfeed.feeders.indexed": 3.08, "blobfeed.feeders.dealing.indexed": 3.3,
+    "blobfeed.feeders.pulling": 3.06, "blobfeed.feeders.read_units": 3.07, "blobfeed.feeders.indexed": 3.08, "blobfeed.feeders.dealing.indexed": 3.3,
     # sharded sources: a random-access source with its own reader
     "blobfeed.feeders.sharded": 3.09,
     "blobfeed.feeders.dealing.base": 3.1, "blobfeed.feeders.dealing.turns": 3.1,

@@ -30,6 +30,7 @@ from ..feeders import (
     thread_main,
 )
 from ..feeders.indexed import UnitReader
+from ..feeders.dealing import IndexedDealer
 from ..metrics import ExternalLogger
 from ..net import Net
 from ..stats import FetchStats, MetricsHub
@@ -407,9 +408,11 @@ class DataInputCoordinator(WorkerCoordinator):
         workers = self._plans(worker_ids, first, num_workers)
         fetch_fun = self._launched
         if isinstance(fetch_fun, UnitReader):
+            dealer = self.source.dealer
             return LaunchPlan(
                 self.name, fetch_fun, self._worker_init_fun, workers,
                 self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
+                pulled_by=dealer.use_puller if isinstance(dealer, IndexedDealer) else None,
             )
         return LaunchPlan(
             self.name, fetch_fun, self._worker_init_fun, workers,
@@ -480,9 +483,11 @@ class DataInputCoordinator(WorkerCoordinator):
         if isinstance(fetch_fun, UnitReader):
             # a random-access source: the workers take read units, whatever
             # the epoch (the dealer knows where epochs end)
+            dealer = self.source.dealer
             return backend.launch(LaunchPlan(
                 self.name, fetch_fun, self._worker_init_fun, workers,
                 self._batch_size_hint, self._gc._thread_ended, units=fetch_fun.units,
+                pulled_by=dealer.use_puller if isinstance(dealer, IndexedDealer) else None,
             ))
         start = {wid: self.source.resume_at.get(wid, (0, None)) for wid in self.worker_ids}
         for w in workers:

@@ -70,6 +70,10 @@ class LaunchPlan(NamedTuple):
     #: (``set_num_workers``, ``num_worker_threads="auto"``): its workers can
     #: be told one by one to stop (:meth:`WorkerGroup.retire`)
     elastic: bool = False
+    #: worker processes: the dealer's puller, through which the thread that
+    #: waits for chunks receives their messages (see blobfeed.feeders.pulling),
+    #: asked for at the group's start; None from it: receiver threads
+    pulled_by: Callable[[], Any] | None = None
 
 
 class WorkerGroup(Protocol):

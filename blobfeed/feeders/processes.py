@@ -12,7 +12,7 @@ For each worker the parent keeps:
 and per group one watcher thread that waits on every child's sentinel, so a
 child that dies is an error within milliseconds, not at the next poll, and
 one returner thread that gives a slot back to its worker once no array views
-it any more (see :meth:`_ProcessGroup.watch_slot` for why not a finalizer).
+it any more (see :meth:`~.slot_ring.SlotReturns.watch` for why not a finalizer).
 
 Children are started by a ``forkserver`` (never a plain fork of this
 multi-threaded process) that has numpy and blobfeed loaded already, ignore
@@ -30,11 +30,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import queue
-import signal
 import threading
 import time
-import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -46,9 +43,11 @@ from .child import child_main
 from .chunks import GrantPin
 from .read_units import HOLDERS, UNIT_RECORD, ReadUnit
 from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
-from .starting import preload_forkserver, process_context, serialize_polls
+from .starting import describe_exit, exit_fd, preload_forkserver, process_context, serialize_polls
 from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
+from .pulling import ENDED, Puller
 from .rebatch import BufferPool
+from .slot_ring import SlotReturns
 from .slot_ring import SlotRing as _SlotRing
 from .slot_ring import lendable
 from .transport import FdHandle, MessageReader, SlotArea, mem_available, unpack_exception
@@ -202,11 +201,17 @@ class _Worker:
             if units_r >= 0:
                 os.close(units_r)
         self.pid: int = self.process.pid or 0
-        #: ready when the worker process itself has ended (see _exit_fd)
-        self.sentinel, self._own_sentinel = _exit_fd(self.process)
+        #: ready when the worker process itself has ended (see starting.exit_fd)
+        self.sentinel, self._own_sentinel = exit_fd(self.process)
         #: the child's messages, until the child ended (not until the pipe's
         #: EOF: a process fetch_fun forked may hold its write end for ever)
         self.reader = MessageReader(out_r, self.sentinel)
+        self.pipe_fd = out_r
+        #: what the group's puller last got from this worker, acted on first
+        #: by the receiver thread once it takes over (see blobfeed.feeders.pulling)
+        self._pending: Any = True
+        #: the group's puller reads its messages (its thread starts at the hand-over)
+        self.pulled = False
         self.thread = threading.Thread(
             target=thread_main,
             args=(f"blobfeed-recv-{group.source}-{w.worker_id}", self._receive, group.plan.on_thread_exit),
@@ -271,8 +276,8 @@ class _Worker:
         root.flags.writeable = False
         # Every view's base is `root`, so the slot returns to the child when
         # the last view of it dies: the group's returner thread hears of it
-        # (see _ProcessGroup._return_slots).
-        self.group.watch_slot(root, self.ring, slot)
+        # (see slot_ring.SlotReturns).
+        self.group.returns.watch(root, self.ring, slot)
         arrays = read_arrays(root, packed)
         del root
         # Whether to copy the chunk out goes by its rows; a malformed chunk
@@ -315,7 +320,24 @@ class _Worker:
         intake = self.plan.intake
         return intake.source.whole_batch_size() if intake.on_error == "raise" else 0
 
-    # -- the receiver thread ----------------------------------------------------
+    # -- receiving: the group's puller, then the receiver thread -----------------
+    def receive_one(self) -> Any:
+        """One message, handed to the intake (in the puller's thread): True
+        to go on, False (drain), None (done), ENDED (no message will come)."""
+        data = self.reader.recv()
+        if data is None:
+            return ENDED
+        area = self.area
+        area.set_hint(self.group.plan.batch_size_hint())
+        area.set_whole(self._whole())
+        return self._handle(data)
+
+    def hand_over(self, pending: Any) -> None:
+        """The receiver thread takes over from the puller, acting on
+        ``pending`` (what the puller last got) first."""
+        self._pending = pending
+        self.thread.start()
+
     def _receive(self) -> None:
         intake = self.plan.intake
         area = self.area
@@ -324,9 +346,23 @@ class _Worker:
         recv = self.reader.recv
         handle = self._handle
         exhausted = False
-        intake.started()
+        if not self.pulled:
+            intake.started()  # (a pulled worker's was counted as it was added)
+        go, self._pending = self._pending, None
         try:
             while True:
+                if isinstance(go, Exception):
+                    raise go  # the puller could not take its message
+                if go is ENDED:
+                    break
+                if go is None:
+                    self.done = exhausted = True
+                    return
+                if not go:
+                    # the source stopped or failed: so does the child, by
+                    # itself (as threads do), while we drain what it sends
+                    self._drain()
+                    return
                 data = recv()
                 if data is None:
                     break  # the child ended: its sentinel tells how
@@ -338,14 +374,6 @@ class _Worker:
                 # could take every slot and stall the child.
                 go = handle(data)
                 del data
-                if go is None:
-                    self.done = exhausted = True
-                    return
-                if not go:
-                    # the source stopped or failed: so does the child, by
-                    # itself (as threads do), while we drain what it sends
-                    self._drain()
-                    return
             # ended without "done": the child ended; the watcher may have said so already
             self.wait_exit(1.0)
             self.report_death()
@@ -448,7 +476,7 @@ class _Worker:
             if poison:
                 unit, tries = poison[0]
                 intake.died(
-                    f"worker process pid {self.pid} {_describe(code)}; the processes reading "
+                    f"worker process pid {self.pid} {describe_exit(code)}; the processes reading "
                     f"{self.units.name_of(unit)} died {tries} times (a sample that kills its reader?)"
                 )
                 return
@@ -457,7 +485,7 @@ class _Worker:
                 return
             self.units.release(self.plan.worker_id)  # not replaced: any worker reads them
         if started or code is None or code < 0:
-            self.plan.intake.died(f"worker process pid {self.pid} {_describe(code)}",
+            self.plan.intake.died(f"worker process pid {self.pid} {describe_exit(code)}",
                                   when="" if started else " while starting")
             return
         # Ended with a code before blobfeed's code ran in it: in
@@ -465,7 +493,7 @@ class _Worker:
         main = self.group.main_module
         if main is None:
             self.plan.intake.died(
-                f"worker process pid {self.pid} {_describe(code)} before blobfeed's worker code ran "
+                f"worker process pid {self.pid} {describe_exit(code)} before blobfeed's worker code ran "
                 "(its traceback is on stderr)", when=" while starting",
             )
             return
@@ -477,7 +505,7 @@ class _Worker:
             )
         else:
             detail = (
-                f"worker process pid {self.pid} {_describe(code)} before blobfeed's worker code "
+                f"worker process pid {self.pid} {describe_exit(code)} before blobfeed's worker code "
                 "ran (its traceback is on stderr); code the module runs at import runs in every "
                 "worker process: guard the pipeline with if __name__ == '__main__':"
             )
@@ -554,37 +582,6 @@ class _Worker:
             pass  # viewed: unmapped (and its descriptor closed) with the last view
 
 
-def _exit_fd(process: Any) -> tuple[int, bool]:
-    """A descriptor that becomes readable when ``process`` itself ends, and
-    whether it is ours to close.
-
-    A pidfd where the kernel has them: ready at the process's exit whatever
-    its own children hold.  multiprocessing's sentinel is not that under
-    ``spawn``: it is a pipe whose write end the child holds, and a helper
-    the child forks inherits it, so it would never be ready while the
-    helper lives.  (Under ``forkserver`` the forkserver writes the exit
-    status to it, which is as good.)
-    """
-    try:
-        return os.pidfd_open(process.pid), True
-    except (AttributeError, OSError):  # not Linux >= 5.3
-        return process.sentinel, False
-
-
-def _describe(code: int | None) -> str:
-    if code is None:
-        return "is still running but closed its pipe"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} ({-code})"
-    if code == 0:
-        return "exited (code 0) without finishing: os._exit() or sys.exit() inside fetch_fun?"
-    return f"exited with code {code}"
-
-
 class _ProcessGroup:
     """The workers of one ``init_data_input_workers`` call, and three kinds of
     helper threads: a receiver per worker, one watcher of the children's
@@ -615,11 +612,11 @@ class _ProcessGroup:
         #: the watcher ended: every process ended and none can be replaced
         #: any more; the wake pipe is closed (under _replace_lock)
         self._watch_ended = False
-        #: weak references to the chunks viewing slots, by id, with their
-        #: slots; their callback puts them on `_returned`
-        self._outstanding: dict[int, tuple[weakref.ref[np.ndarray], _SlotRing, int]] = {}
-        self._returned: queue.SimpleQueue[weakref.ref[np.ndarray] | None] = queue.SimpleQueue()
+        #: the slots the chunks handed out view, given back as they die
+        self.returns = SlotReturns()
         self.workers: list[_Worker] = []
+        #: the reader's thread receives the workers' messages (see blobfeed.feeders.pulling)
+        self.puller: Puller | None = None
         try:
             for w in plan.workers:
                 self.workers.append(_Worker(self, w, payload_fd))
@@ -631,11 +628,28 @@ class _ProcessGroup:
             # replacement of a dead worker gets the dataset pickled again:
             # it may be big, and is not kept in RAM for the run for that)
             os.close(payload_fd)
-        self.returner = self._thread("slots", self._return_slots)
+        self.returner = self._thread("slots", self.returns.run)
+        if plan.pulled_by is not None:
+            self.puller = plan.pulled_by()
         for wk in self.workers:
-            wk.thread.start()
+            self._receive_from(wk)
             wk.attach_units()
         self.watcher = self._thread("watch", self._watch)
+
+    def _receive_from(self, wk: "_Worker") -> None:
+        """Read ``wk``'s messages: pulled, or by its own receiver thread."""
+        if self.puller is not None and not self.stopping:
+            wk.pulled = True
+            wk.plan.intake.started()
+            if self.puller.add(wk):
+                return
+        wk.thread.start()
+
+    def _hand_over_all(self) -> None:
+        """Every worker pulled is read by its own thread from now on."""
+        if self.puller is not None:
+            for wk in self.workers:
+                self.puller.hand_over(wk)
 
     #: a worker id is replaced at most this many times in a row (its processes
     #: dying without delivering a unit in between): the next death fails the source
@@ -654,7 +668,7 @@ class _ProcessGroup:
                 return False
             logger.warning(
                 "source %r, worker %d: worker process pid %d %s; a new process takes its place and the "
-                "read units it held are read again", self.source, wid, dead.pid, _describe(code),
+                "read units it held are read again", self.source, wid, dead.pid, describe_exit(code),
             )
             try:
                 payload_fd = _payload_fd(_payload(self.plan.fetch_fun, self.plan.worker_init_fun))
@@ -667,7 +681,7 @@ class _ProcessGroup:
                 return False
             self.workers = self.workers + [wk]  # a new list: others iterate the old one
             self._new_workers.append(wk)
-            wk.thread.start()
+            self._receive_from(wk)
             wk.attach_units()
         self._wake(b"a")  # the watcher watches it too
         return True
@@ -693,30 +707,6 @@ class _ProcessGroup:
         t = threading.Thread(target=thread_main, args=(name, body, self.plan.on_thread_exit), name=name, daemon=True)
         t.start()
         return t
-
-    # -- slots coming back ---------------------------------------------------------
-    def watch_slot(self, root: np.ndarray, ring: _SlotRing, slot: int) -> None:
-        """Give ``slot`` back to its worker once ``root`` (which every view of
-        the chunk in it keeps alive) dies."""
-        # The last view dies wherever the user drops a batch: often the main
-        # thread, where Ctrl-C raises KeyboardInterrupt at any Python
-        # bytecode.  A Python finalizer would have it swallowed ("Exception
-        # ignored") and the slot lost with it.  So the callback is C code
-        # (SimpleQueue.put: no bytecode, nothing to interrupt), and the slot
-        # goes back from the returner thread, where no signal lands.
-        ref = weakref.ref(root, self._returned.put)
-        self._outstanding[id(ref)] = (ref, ring, slot)
-
-    def _return_slots(self) -> None:
-        get = self._returned.get
-        outstanding = self._outstanding
-        while True:
-            ref = get()
-            if ref is None:
-                return
-            entry = outstanding.pop(id(ref), None)
-            if entry is not None:
-                entry[1].release(entry[2])
 
     def _abort_start(self) -> None:
         self.stopping = True
@@ -759,6 +749,8 @@ class _ProcessGroup:
                     ready = [r for r in ready if r != self._wake_r]
                 for s in ready:
                     wk = waiting.pop(s)  # type: ignore[arg-type]
+                    if self.puller is not None:
+                        self.puller.hand_over(wk)  # its thread reads what is left
                     wk.wait_exit(1.0)
                     # Not a return of child_main (a signal, a crash, os._exit)?
                     # Then say so now, without waiting for the receiver, which
@@ -775,9 +767,9 @@ class _ProcessGroup:
             for wk in ended:
                 wk.thread.join()
             self._reap(ended)
-            self._returned.put(None)
+            self.returns.end()
             self.returner.join()
-            self._outstanding.clear()  # batches the user keeps: their slots need no return
+            self.returns.clear()  # batches the user keeps: their slots need no return
         finally:
             with self._replace_lock:
                 self._watch_ended = True
@@ -799,6 +791,7 @@ class _ProcessGroup:
 
     def request_stop(self) -> None:
         self.stopping = True
+        self._hand_over_all()  # the receiver threads drain the children as they stop
         for wk in self.workers:
             area = wk.area
             if area is not None:
@@ -828,6 +821,7 @@ class _ProcessGroup:
 
         with self._replace_lock:
             self._joining = True
+        self._hand_over_all()  # every worker's thread runs (and is joined below)
         with self._join_lock:
             if self._released:
                 return []
@@ -856,7 +850,7 @@ class _ProcessGroup:
                 if self.watcher.is_alive():
                     stuck.append(self.watcher.name)
                 if not any(wk.thread.is_alive() for wk in self.workers):
-                    self._returned.put(None)  # no worker needs a slot any more
+                    self.returns.end()  # no worker needs a slot any more
                 self.returner.join(left())
                 if self.returner.is_alive():
                     stuck.append(self.returner.name)
@@ -868,7 +862,7 @@ class _ProcessGroup:
                 logger.error(
                     "source %r: blobfeed's own thread(s) %s did not end (worker processes: %s); "
                     "this is a bug in blobfeed", self.source, ", ".join(ours),
-                    ", ".join(f"pid {wk.pid} {_describe(wk.poll())}" for wk in self.workers),
+                    ", ".join(f"pid {wk.pid} {describe_exit(wk.poll())}" for wk in self.workers),
                 )
             return stuck
 
@@ -886,7 +880,7 @@ class _ProcessGroup:
         for wk in self.workers:
             wk.group = None  # type: ignore[assignment]
         # batches the user keeps may outlive us: their slots need no return
-        self._outstanding.clear()
+        self.returns.clear()
 
     def alive(self) -> list[str]:
         if self._released:

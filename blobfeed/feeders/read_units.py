@@ -114,6 +114,8 @@ class UnitDispenser:
         self.skip: list[tuple[int, int]] = []
         self._reset()
         self.closed = False
+        #: threads waiting in take() (a worker thread's; none with push alone)
+        self._takers = 0
         #: called (outside the lock) when a worker took a unit to read again:
         #: the dealer lets it in past a full lane when it is the oldest
         self.on_redo_taken: Callable[[], None] | None = None
@@ -218,6 +220,12 @@ class UnitDispenser:
         with self._cond:
             return self._unit(u)
 
+    def peek(self, u: int) -> ReadUnit | None:
+        """:meth:`unit`, without the lock when unit ``u`` was made and not
+        consumed (a dict read is atomic; the stream asks this per batch)."""
+        r = self._units.get(u)
+        return r if r is not None else self.unit(u)
+
     def _unit(self, u: int) -> ReadUnit | None:
         while self._made <= u:
             if not self._make():
@@ -272,7 +280,11 @@ class UnitDispenser:
             if holder is not None and holder not in self._retired:
                 self._wid_of[holder] = worker_id
             while not self._ended(worker_id, holder) and self._waits(worker_id, held, ahead):
-                self._cond.wait()
+                self._takers += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._takers -= 1
             if self._ended(worker_id, holder):
                 return None
             r, again = self._take(worker_id, held)
@@ -353,21 +365,34 @@ class UnitDispenser:
         each unit to the one that holds fewest (so no holder starves the
         others of the window).  What it returns goes to :meth:`_after`,
         outside the lock."""
-        self._cond.notify_all()
+        if self._takers:
+            self._cond.notify_all()
         failures: list[_Failure] = []
         if not self._pushed:
             return failures, False
         again_any = False
+        held_of = self._held
         while True:
             # the holder that can take a unit and holds the fewest (the most
-            # idle process; the first attached on a tie) takes the next one
+            # idle process; the first attached on a tie) takes the next one.
+            # (Run twice a unit, for every holder: the common case, no unit
+            # to read again and nobody ended, is tested without a call.)
+            plain = not self.closed and not self._redo and not self._redo_of and not self._stopped
+            fresh = not self._fresh_waits()
             pick: tuple[int, _Pushee, list[int]] | None = None
             for holder, entry in list(self._pushed.items()):
+                if plain and holder not in self._retired:
+                    held = held_of.get(holder)
+                    if held is None:
+                        held = held_of[holder] = []
+                    if fresh and len(held) < entry.ahead and (pick is None or len(held) < len(pick[2])):
+                        pick = (holder, entry, held)
+                    continue
                 if self._ended(entry.worker_id, holder):
                     del self._pushed[holder]
                     self._push_end(entry)
                     continue
-                held = self._held.setdefault(holder, [])
+                held = held_of.setdefault(holder, [])
                 if not self._waits(entry.worker_id, held, entry.ahead) and (pick is None or len(held) < len(pick[2])):
                     pick = (holder, entry, held)
             if pick is None:

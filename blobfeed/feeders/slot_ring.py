@@ -5,12 +5,16 @@ out of its slot, and the pipe that gives free slots back to the child."""
 from __future__ import annotations
 
 import os
+import queue
 import threading
+import weakref
 from typing import Callable
+
+import numpy as np
 
 from .transport import SLOT_INDEX, WAKE
 
-__all__ = ["SlotRing", "lendable"]
+__all__ = ["SlotReturns", "SlotRing", "lendable"]
 
 
 def lendable(slots: int) -> int:
@@ -125,3 +129,46 @@ class SlotRing:
             # that views a slot holds it); the header writer holds the
             # worker's area, whose mapping must go with the last view.
             self._tell_viewed = None
+
+
+class SlotReturns:
+    """The slots batches handed out view, given back to their workers as the
+    batches die: :meth:`run` is the body of a worker group's returner thread."""
+
+    def __init__(self) -> None:
+        #: weak references to the chunks viewing slots, by id, with their
+        #: slots; their callback puts them on `_returned`
+        self._outstanding: dict[int, tuple[weakref.ref[np.ndarray], SlotRing, int]] = {}
+        self._returned: queue.SimpleQueue[weakref.ref[np.ndarray] | None] = queue.SimpleQueue()
+
+    def watch(self, root: np.ndarray, ring: SlotRing, slot: int) -> None:
+        """Give ``slot`` back to its worker once ``root`` (which every view of
+        the chunk in it keeps alive) dies."""
+        # The last view dies wherever the user drops a batch: often the main
+        # thread, where Ctrl-C raises KeyboardInterrupt at any Python
+        # bytecode.  A Python finalizer would have it swallowed ("Exception
+        # ignored") and the slot lost with it.  So the callback is C code
+        # (SimpleQueue.put: no bytecode, nothing to interrupt), and the slot
+        # goes back from the returner thread, where no signal lands.
+        ref = weakref.ref(root, self._returned.put)
+        self._outstanding[id(ref)] = (ref, ring, slot)
+
+    def run(self) -> None:
+        """Give back each slot as its chunk dies, until :meth:`end`."""
+        get = self._returned.get
+        outstanding = self._outstanding
+        while True:
+            ref = get()
+            if ref is None:
+                return
+            entry = outstanding.pop(id(ref), None)
+            if entry is not None:
+                entry[1].release(entry[2])
+
+    def end(self) -> None:
+        """:meth:`run` returns (no worker needs a slot back any more)."""
+        self._returned.put(None)
+
+    def clear(self) -> None:
+        """Forget the slots still viewed: batches the user keeps outlive the workers."""
+        self._outstanding.clear()

@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -16,7 +17,7 @@ from .backends import FetchFun, WorkerInitFun
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
 
-__all__ = ["MAIN_REENTRY_EXIT", "preload_forkserver", "process_context", "serialize_polls"]
+__all__ = ["MAIN_REENTRY_EXIT", "describe_exit", "exit_fd", "preload_forkserver", "process_context", "serialize_polls"]
 
 logger = logging.getLogger("blobfeed.feeders.processes")
 
@@ -158,3 +159,35 @@ def preload_forkserver(ctx: Any) -> None:
         return
     if _PRELOAD not in preload:
         ctx.set_forkserver_preload(preload + [_PRELOAD])
+
+
+def exit_fd(process: Any) -> tuple[int, bool]:
+    """A descriptor that becomes readable when ``process`` itself ends, and
+    whether it is ours to close.
+
+    A pidfd where the kernel has them: ready at the process's exit whatever
+    its own children hold.  multiprocessing's sentinel is not that under
+    ``spawn``: it is a pipe whose write end the child holds, and a helper
+    the child forks inherits it, so it would never be ready while the
+    helper lives.  (Under ``forkserver`` the forkserver writes the exit
+    status to it, which is as good.)
+    """
+    try:
+        return os.pidfd_open(process.pid), True
+    except (AttributeError, OSError):  # not Linux >= 5.3
+        return process.sentinel, False
+
+
+def describe_exit(code: int | None) -> str:
+    """How a worker process ended, for an error message (``code``: its exit code, None: running)."""
+    if code is None:
+        return "is still running but closed its pipe"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} ({-code})"
+    if code == 0:
+        return "exited (code 0) without finishing: os._exit() or sys.exit() inside fetch_fun?"
+    return f"exited with code {code}"

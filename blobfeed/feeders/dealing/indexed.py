@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from ..chunks import Chunk, EpochEnd
 from ...errors import FetcherError
+from ..pulling import Puller
 from ..read_units import UnitDispenser, merge_ranges
 from .base import DropCounter
 from .lanes import LaneDealer, _Failed
@@ -84,11 +85,11 @@ class UnitTurns(Turns):
 
     def all_ended(self) -> bool:
         """The stream's epoch has no unit left."""
-        r = self.units.unit(self.next)
+        r = self.units.peek(self.next)
         return r is None or r.lo // self.units.n > self.epoch
 
     def all_done(self) -> bool:
-        if self.units.unit(self.next) is not None:
+        if self.units.peek(self.next) is not None:
             return False
         end = self.units.end
         return end is None or self.epoch + 1 >= end // self.units.n
@@ -163,7 +164,11 @@ class IndexedDealer(LaneDealer):
     def _may_wait(self, worker_id: int, chunk: Chunk) -> bool:
         """Never wait with the oldest unit the stream waits for, nor while
         this worker holds it (it reads it next: a unit to read again, taken
-        after later ones)."""
+        after later ones); never while the net's thread receives the chunks
+        (it would wait for itself: the dispenser's window bounds the lanes
+        then, see :meth:`use_puller`)."""
+        if self._puller is not None:
+            return False
         units = self.units
         oldest = units.oldest
         return chunk.state != oldest and units.owner(oldest) != worker_id
@@ -181,6 +186,19 @@ class IndexedDealer(LaneDealer):
         # sizes has one entry per chunk: the failed reads before i are not
         return i, (i if end == len(sizes) else sum(1 for k in range(i) if type(lane[k]) is Chunk))
 
+    def use_puller(self) -> Puller | None:
+        """Asked by every group of worker processes at its start: the
+        :class:`~blobfeed.feeders.pulling.Puller` through which the thread
+        that waits for chunks here receives its workers' messages itself,
+        rather than a receiver thread each.  Given when one net with an
+        enqueuer reads this stream (that enqueuer is the only thread that
+        waits here); None: receiver threads.  The lanes then never make a
+        put wait: the dispenser's window bounds the units handed out and
+        not yet dealt."""
+        with self._lock:
+            if self._puller is None and not self._closed and len(self.outboxes) == 1 and self.outboxes[0].prefetch:
+                self._puller = Puller(self.source)
+            return self._puller
     def _wake_workers(self) -> None:
         """A worker took a unit to read again: if it is the oldest, that
         worker's chunks no longer wait for room (see :meth:`put`)."""
@@ -223,7 +241,8 @@ class IndexedDealer(LaneDealer):
     def _consumed(self, wid: int, chunk: Chunk, lane: Any) -> None:
         super()._consumed(wid, chunk, lane)
         # a worker may wait with the unit the stream now waits for
-        self._room.notify_all()
+        if self._room_waiters:
+            self._room.notify_all()
 
     # -- the stream --------------------------------------------------------------
     def _advance(self) -> Any:

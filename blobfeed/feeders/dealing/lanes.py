@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 
 from ...errors import EndOfInput, FetcherError
 from ..chunks import Chunk, EpochEnd
+from ..pulling import POLL_S
 from .base import DealerStats, DropCounter
 from .positions import READABLE_VERSIONS, STATE_VERSION, Position, as_dict
 from .rounds import Direct
@@ -141,6 +142,8 @@ class NetOutbox:
         self.epoch = 0
         #: ends of epochs before this one are not dealt (a resume: it had them)
         self.marks_from = 0
+        #: its net's feed has an enqueuer (the thread that waits in wait_for_item)
+        self.prefetch = True
 
     def get_nowait(self) -> tuple[bool, Chunk | None]:
         return self._dealer.take(self)
@@ -247,6 +250,9 @@ class LaneDealer:
         self._lock = threading.Lock()
         self._items = threading.Condition(self._lock)  # nets wait here
         self._room = threading.Condition(self._lock)  # workers wait here
+        #: workers waiting in put() for room (a notify of nobody is skipped:
+        #: the stream frees room once a chunk)
+        self._room_waiters = 0
         self._lanes: dict[int, collections.deque[Any]] = {}
         #: chunks in all lanes, and their samples (kept, not counted: the
         #: depth is read per batch)
@@ -288,6 +294,9 @@ class LaneDealer:
         self._started = False
         self._lanes_closed = False
         self._close_reason: BaseException = EndOfInput(f"source {source!r}: stopped")
+        #: receives the workers' chunks in the thread that waits for them
+        #: (:mod:`blobfeed.feeders.pulling`; see IndexedDealer.use_puller)
+        self._puller: Any = None
 
     @property
     def strict(self) -> bool:
@@ -348,6 +357,7 @@ class LaneDealer:
                     "wire every net before start()"
                 )
             box = NetOutbox(self, len(self.outboxes))
+            box.prefetch = prefetch
             self.outboxes.append(box)
             if not prefetch and self._outbox_asked is None and not self._bare:
                 self._bare = True
@@ -376,7 +386,11 @@ class LaneDealer:
                 len(lane) >= self.lane_capacity
                 or (sizes and self._lane_bytes[worker_id] + nbytes > self.lane_bytes)
             ) and self._may_wait(worker_id, chunk):
-                self._room.wait()
+                self._room_waiters += 1
+                try:
+                    self._room.wait()
+                finally:
+                    self._room_waiters -= 1
             if self._lanes_closed:
                 return False
             if self._outbox_sizing and nbytes and chunk.n:
@@ -449,6 +463,14 @@ class LaneDealer:
         it or could not be dealt before it) are dropped and the outboxes
         (what comes before) are still handed out.  Returns the samples
         discarded.  Idempotent."""
+        try:
+            return self._close(reason, in_order)
+        finally:
+            if self._puller is not None and not in_order:
+                # (outside our lock: the puller holds its own while it puts here)
+                self._puller.release()  # nothing is pulled any more; a pull waiting now returns
+
+    def _close(self, reason: BaseException | None, in_order: bool) -> int:
         with self._lock:
             self._lanes_closed = True
             lost = self._lane_samples()
@@ -541,12 +563,25 @@ class LaneDealer:
         return False, None
 
     def wait_for(self, box: NetOutbox, timeout: float | None) -> bool:
+        def ready() -> bool:
+            return (bool(box.pieces) or self._closed or self._error is not None or self._eof
+                    or self._can_advance())
+
+        puller = self._puller
+        if puller is not None:
+            with self._lock:
+                if ready():
+                    return True
+            # the chunks come in this thread (False: nothing to pull now)
+            if puller.pull(timeout):
+                with self._lock:
+                    return ready()
+            if not puller.closed:
+                # between a worker handed over and its replacement added:
+                # the next pull must not wait for a notify that never comes
+                timeout = POLL_S if timeout is None else min(timeout, POLL_S)
         with self._lock:
-            return self._items.wait_for(
-                lambda: bool(box.pieces) or self._closed or self._error is not None or self._eof
-                or self._can_advance(),
-                timeout,
-            )
+            return self._items.wait_for(ready, timeout)
 
     def stalled_by(self, box: NetOutbox) -> tuple[int, int] | None:
         """Why ``box``'s net has nothing while the stream is held up by a
@@ -677,7 +712,7 @@ class LaneDealer:
         # A worker blocked on its full lane sleeps until the lane is half
         # empty, then refills it in a burst: one wake-up (a GIL hand-off) per
         # half lane instead of one per chunk, as the internal queue does.
-        if len(lane) <= self._lane_low and left <= self._lane_bytes_low:
+        if self._room_waiters and len(lane) <= self._lane_low and left <= self._lane_bytes_low:
             self._room.notify_all()
 
     def _end(self) -> Any:
