@@ -8,7 +8,6 @@ started then, as before."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from typing import Any
@@ -22,41 +21,10 @@ from blobfeed.reader import init_reader
 from blobfeed.feeders import processes
 
 from .helpers import wait_until
+from .test_indexed import Items, Killer
 
 SRC = "train"
 WAIT = 30.0
-
-
-class Items:
-    """A map-style dataset: sample i is (i, [i, i, i]).  Module level: it pickles."""
-
-    def __init__(self, n: int, delay: float = 0.0) -> None:
-        self.n = n
-        self.delay = delay
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
-        if self.delay:
-            time.sleep(self.delay)
-        return np.int64(i), np.full(3, i, np.float32)
-
-
-class Killer(Items):
-    """Reading index ``at`` SIGKILLs the process that reads it, once
-    (a file under ``marks`` says it did)."""
-
-    def __init__(self, n: int, at: int, marks: str) -> None:
-        super().__init__(n)
-        self.at = at
-        self.marks = marks
-
-    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
-        if i == self.at and not os.listdir(self.marks):
-            open(os.path.join(self.marks, str(os.getpid())), "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().__getitem__(i)
 
 
 def order(n: int, seed: int, epochs: int) -> list[int]:
@@ -139,7 +107,7 @@ def test_receiver_threads_where_the_enqueuer_cannot_receive(how: str) -> None:
 def test_a_worker_killed_while_pulled_is_replaced_and_nothing_is_lost(tmp_path: Any) -> None:
     """The dead worker's thread reads what it left and reports the death;
     its replacement is pulled like it."""
-    gc, nets = pipeline(n=304, dataset=Killer(304, at=int(order(304, 5, 1)[100]), marks=str(tmp_path)))
+    gc, nets = pipeline(n=304, dataset=Killer(304, at=int(order(304, 5, 1)[100]), marks=str(tmp_path), times=1))
     gc.start()
     try:
         got = ids(nets, 60)  # past the epoch's end: 38 batches an epoch
