@@ -7,7 +7,10 @@ started then, as before."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -18,7 +21,7 @@ import pytest
 import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, RandomAccessSource, init_data_input_workers
 from blobfeed.reader import init_reader
-from blobfeed.feeders import processes
+from blobfeed.feeders import enqueuer, processes, pulling
 
 from .helpers import wait_until
 from .test_indexed import Items, Killer
@@ -174,3 +177,147 @@ def test_a_message_the_enqueuer_cannot_take_fails_the_source_with_its_cause(
                 nets[0].run(timeout=WAIT)
     finally:
         gc.stop(timeout=10)
+
+
+class Big:
+    """Samples of 8 MiB: a unit of 8 does not fit a 1 MiB slot, so it
+    travels pickled down the pipe, a message of 64 MiB."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        return np.int64(i), np.full(2 << 20, i, np.float32)
+
+
+def _reading_mid_message() -> int | None:
+    """The pid of a worker whose message a thread is reading, half read."""
+    for frame in list(sys._current_frames().values()):
+        mid = False
+        while frame is not None:
+            local = frame.f_locals
+            if frame.f_code.co_name == "_read" and local.get("pos", 0) > 0 and local.get("n", 0) > 1 << 20:
+                mid = True
+            if mid and type(local.get("self")).__name__ == "_Worker":
+                return int(local["self"].pid)
+            frame = frame.f_back
+    return None
+
+
+def test_stop_ends_a_worker_stopped_in_the_middle_of_a_message() -> None:
+    """A worker process stopped (SIGSTOP: a debugger, a frozen cgroup) with
+    its message half read: stop() kills it and returns, as with receiver
+    threads; the read must not hold what the stop needs (rev44)."""
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(None, name="n0")
+    init_data_input_workers(net, ["i", "x"], RandomAccessSource(Big(), shuffle=False, read_size=8), 8,
+                            input_source_name=SRC, num_worker_threads=1, coordinator=gc,
+                            backend=blobfeed.ProcessBackend(slot_bytes=1 << 20))
+    gc.start()
+    reading = threading.Event()
+
+    def consume() -> None:
+        try:
+            while not reading.is_set():
+                net.run(timeout=30)
+        except Exception:  # stopped under it: what matters is stop() below
+            pass
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    pid = None
+    try:
+        deadline = time.monotonic() + 30
+        while pid is None:
+            assert time.monotonic() < deadline, "no message was ever caught half read"
+            pid = _reading_mid_message()
+        os.kill(pid, signal.SIGSTOP)
+        reading.set()
+        result: list[Any] = []
+        stopper = threading.Thread(target=lambda: result.append(gc.stop(timeout=5)), daemon=True)
+        stopper.start()
+        stopper.join(20)
+        assert not stopper.is_alive(), "stop() did not return with a worker stopped mid-message"
+        assert result == [True]
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        gc.stop(timeout=10)
+        consumer.join(10)
+
+
+class _Member:
+    pipe_fd = -1
+    sentinel = -1
+
+    def hand_over(self, pending: Any) -> None:
+        pass
+
+
+def test_a_wake_up_never_lands_in_a_descriptor_opened_after_the_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wake-up byte is written under the puller's lock, and release()
+    closes the pipe under it: a descriptor that reuses the pipe's number
+    never gets it (rev44: a thread switch between reading the number and
+    writing put it in a replacement worker's units pipe).  The switch is
+    forced by a write that waits."""
+    puller = pulling.Puller(SRC)
+    member = _Member()
+    puller.add(member)
+    in_write, go = threading.Event(), threading.Event()
+    real_write = os.write
+
+    def slow_write(fd: int, data: bytes) -> int:
+        if threading.current_thread().name == "hander":
+            in_write.set()
+            go.wait(5)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(pulling.os, "write", slow_write)
+    hander = threading.Thread(target=puller.hand_over, args=(member,), name="hander")
+    hander.start()
+    releaser = threading.Thread(target=puller.release)
+    r = w = -1
+    try:
+        assert in_write.wait(5)
+        releaser.start()
+        releaser.join(0.3)  # (before the fix, the pipe was closed under the write here)
+        r, w = os.pipe()  # what the program opens meanwhile
+        os.set_blocking(r, False)
+    finally:
+        go.set()
+        hander.join(5)
+        releaser.join(5)
+    try:
+        with pytest.raises(BlockingIOError):
+            os.read(r, 10)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("slow", ["net", "workers"])
+def test_lagging_behind_is_told_when_the_workers_are_behind_not_when_the_net_is(
+    slow: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Received by the enqueuer, the results wait in the pipes until the net
+    needs them, so the lanes look empty either way: "data loading lagging
+    behind" goes by whether the enqueuer's reads waited for a worker (rev44:
+    a net slower than its workers was told the data lagged)."""
+    monkeypatch.setattr(enqueuer, "LAGGING_WARN_S", 0.5)  # once a minute, in the library
+    gc, nets = pipeline(n=100000, delay=0.01 if slow == "workers" else 0.0)
+    caplog.set_level(logging.WARNING, logger="blobfeed")
+    gc.start()
+    try:
+        ids(nets, 1)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            ids(nets, 1)
+            if slow == "net":
+                time.sleep(0.02)  # the net's own step: the workers run ahead meanwhile
+    finally:
+        assert gc.stop(timeout=10)
+    told = [r for r in caplog.records if "lagging behind" in r.getMessage()]
+    assert bool(told) == (slow == "workers"), [r.getMessage() for r in told]

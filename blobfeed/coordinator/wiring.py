@@ -270,7 +270,11 @@ def init_data_input_workers(
             ``max_buffered_batches``: a fetcher waits while its chunk would
             pass it, but a chunk always enters an empty queue (with
             ``deterministic``, ``shuffle_buffer`` or ``epochs``: each worker's
-            equal share, and an empty lane).  The first call for a source sets it.
+            equal share, and an empty lane).  A random-access source on
+            worker processes read by one net with prefetch is bounded by
+            its read units instead (its enqueuer reads the workers' results
+            as it needs them: docs/BACKENDS.md).  The first call for a
+            source sets it.
         equal: every net on the source gets the same number of batches per
             epoch, so a data-parallel step never waits for a net that ran
             out first.  The batches are dealt in turn (batch *i* to the

@@ -212,6 +212,8 @@ class _Worker:
         self._pending: Any = True
         #: the group's puller reads its messages (its thread starts at the hand-over)
         self.pulled = False
+        #: its receiver thread was started (at once, or at the hand-over)
+        self.handed = threading.Event()
         self.thread = threading.Thread(
             target=thread_main,
             args=(f"blobfeed-recv-{group.source}-{w.worker_id}", self._receive, group.plan.on_thread_exit),
@@ -322,21 +324,23 @@ class _Worker:
 
     # -- receiving: the group's puller, then the receiver thread -----------------
     def receive_one(self) -> Any:
-        """One message, handed to the intake (in the puller's thread): True
-        to go on, False (drain), None (done), ENDED (no message will come)."""
+        """One message to the intake, in the puller's thread (see pulling.Pullable)."""
         data = self.reader.recv()
         if data is None:
             return ENDED
-        area = self.area
-        area.set_hint(self.group.plan.batch_size_hint())
-        area.set_whole(self._whole())
+        self.area.set_hint(self.group.plan.batch_size_hint())
+        self.area.set_whole(self._whole())
         return self._handle(data)
 
     def hand_over(self, pending: Any) -> None:
-        """The receiver thread takes over from the puller, acting on
-        ``pending`` (what the puller last got) first."""
+        """Start the receiver thread, acting on ``pending`` first (see pulling.Pullable)."""
         self._pending = pending
         self.thread.start()
+        self.handed.set()
+
+    def await_hand_over(self, timeout: float | None) -> bool:
+        """Wait until its thread started (a read in progress puts a hand-over off)."""
+        return self.handed.wait(timeout)
 
     def _receive(self) -> None:
         intake = self.plan.intake
@@ -643,7 +647,7 @@ class _ProcessGroup:
             wk.plan.intake.started()
             if self.puller.add(wk):
                 return
-        wk.thread.start()
+        wk.hand_over(True)
 
     def _hand_over_all(self) -> None:
         """Every worker pulled is read by its own thread from now on."""
@@ -765,6 +769,7 @@ class _ProcessGroup:
             # still be handing their last results over), nothing needs a
             # slot back any more
             for wk in ended:
+                wk.await_hand_over(None)  # (its process ended: a read in progress ends too)
                 wk.thread.join()
             self._reap(ended)
             self.returns.end()
@@ -781,7 +786,7 @@ class _ProcessGroup:
         returns the others."""
         left = []
         for wk in ended:
-            if wk.thread.is_alive() or wk.poll() is None:
+            if not wk.handed.is_set() or wk.thread.is_alive() or wk.poll() is None:
                 left.append(wk)
                 continue
             with self._replace_lock:
@@ -839,17 +844,18 @@ class _ProcessGroup:
                     stuck.append(t.name)
             for wk in list(self.workers):
                 wk.wait_exit(left())
-                wk.thread.join(left())
+                if wk.await_hand_over(left()):
+                    wk.thread.join(left())
                 if wk.running():
                     stuck.append(wk.name)
-                if wk.thread.is_alive():
+                if wk.thread.is_alive() or not wk.handed.is_set():
                     stuck.append(wk.thread.name)
             if not any(wk.running() for wk in self.workers):
                 self._wake(b"x")
                 self.watcher.join(left())
                 if self.watcher.is_alive():
                     stuck.append(self.watcher.name)
-                if not any(wk.thread.is_alive() for wk in self.workers):
+                if not any(wk.thread.is_alive() or not wk.handed.is_set() for wk in self.workers):
                     self.returns.end()  # no worker needs a slot any more
                 self.returner.join(left())
                 if self.returner.is_alive():

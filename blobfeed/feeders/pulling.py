@@ -16,10 +16,16 @@ worker that ends, dies, is retired or is told to stop is *handed over* to
 its own receiver thread, started then, which reads what is left and
 reports the end exactly as it always did.  So every ending keeps one path.
 
-A worker is pulled or handed over, never both: messages are read under the
-puller's lock, and a hand-over takes it.  The wait itself is outside the
-lock, on a snapshot of the members, with a wake-up pipe that every change
-(a hand-over, a member added, the stream's close) writes to.
+A worker is pulled or handed over, never both.  The puller marks the
+worker it reads (under its lock) and reads outside the lock: a message cut
+short by a worker that stopped (a debugger, a frozen cgroup) must not hold
+up a stop, which releases the puller, or the watcher, which hands a dead
+worker over.  A hand-over asked for the worker being read is done by the
+puller once that read ends (the stop's kill ends it at the latest), and
+the group waits for it before joining the worker's thread.  The wait
+itself is outside the lock too, on a snapshot of the members, with a
+wake-up pipe that every change (a hand-over, a member added, the stream's
+close) writes to, under the lock (the pipe is closed under it).
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ class Pullable(Protocol):
         """Start the worker's receiver thread, which acts on ``pending``
         (what :meth:`receive_one` last returned, True for nothing) first."""
 
+    def await_hand_over(self, timeout: float | None) -> bool:
+        """Wait until :meth:`hand_over` was called (or the worker was never
+        pulled); False if it was not within ``timeout``."""
+
 
 class Puller:
     """The worker processes of one group whose messages the reader's thread
@@ -77,6 +87,12 @@ class Puller:
         #: one thread pulls at a time; another waits on the dealer instead
         self._pulling = threading.Lock()
         self._members: list[Pullable] = []
+        #: the member whose message is being read now (outside the lock)
+        self._reading: Pullable | None = None
+        #: its hand-over was asked for meanwhile: (pending) to use once the read ends
+        self._deferred: list[Any] = []
+        #: the members' pipes, for :meth:`waiting` (a tuple: replaced, never changed)
+        self._pipes: tuple[int, ...] = ()
         self._version = 0
         self._snapshot: tuple[int, Any, dict[int, Pullable]] = (-1, None, {})
         self._wake_r, self._wake_w = os.pipe()
@@ -84,6 +100,22 @@ class Puller:
         os.set_blocking(self._wake_w, False)
         #: every member was handed over for good (a stop): nothing more is pulled
         self.closed = False
+        #: pulls, and those that found no message ready and waited (read by
+        #: the "lagging behind" check: see starved_share)
+        self.pulls = 0
+        self.waits = 0
+        self._seen = (0, 0)
+
+    def starved_share(self) -> float | None:
+        """Of the pulls since the last call, the share that found no worker
+        message ready and waited for one (None: none since).  What the
+        internal queue's depth says of a stream read from the workers'
+        pipes only as it needs them: whether the workers are behind."""
+        pulls, waits = self.pulls, self.waits
+        seen, self._seen = self._seen, (pulls, waits)
+        if pulls == seen[0]:
+            return None
+        return (waits - seen[1]) / (pulls - seen[0])
 
     @property
     def members(self) -> int:
@@ -96,34 +128,34 @@ class Puller:
             if self.closed:
                 return False
             self._members.append(wk)
-            self._version += 1
-        self.wake()
+            self._changed()
         return True
 
     def hand_over(self, wk: Pullable, pending: Any = True) -> None:
         """``wk``'s receiver thread takes over (see :meth:`Pullable.hand_over`);
-        nothing if it was handed over already."""
+        nothing if it was handed over already.  The worker being read is
+        handed over by the puller once its read ends."""
         with self._lock:
             if wk not in self._members:
                 return
+            if wk is self._reading:
+                self._deferred = [pending]
+                return
             self._members.remove(wk)
-            self._version += 1
+            self._changed()
             wk.hand_over(pending)
-        self.wake()
 
     def close(self) -> None:
         """Hand every member over, for good (a stop, or the stream no longer
-        pulled): idempotent.  The wake-up pipe stays until :meth:`release`."""
+        pulled): idempotent; the worker being read, once its read ends.
+        The wake-up pipe stays until :meth:`release`."""
         with self._lock:
             self.closed = True
-            members, self._members = self._members, []
-            self._version += 1
-            for wk in members:
-                wk.hand_over(True)
-        self.wake()
+            for wk in list(self._members):
+                self.hand_over(wk)
 
     def release(self) -> None:
-        """Close the wake-up pipe (the group's end, after every thread ended)."""
+        """:meth:`close`, and the wake-up pipe closed (the stream's end)."""
         with self._lock:
             self.close()
             if self._wake_w >= 0:
@@ -131,15 +163,28 @@ class Puller:
                 os.close(self._wake_w)
                 self._wake_r = self._wake_w = -1
 
-    def wake(self) -> None:
-        """Wake a pull waiting now (never blocks)."""
-        fd = self._wake_w
-        if fd < 0:
-            return
+    def _changed(self) -> None:
+        """The members changed (under the lock): a pull waiting now on the
+        old ones wakes and takes the new ones."""
+        self._version += 1
+        self._pipes = tuple(wk.pipe_fd for wk in self._members)
+        if self._wake_w >= 0:  # (written under the lock: release closes it under it)
+            try:
+                os.write(self._wake_w, b"w")
+            except OSError:
+                pass  # full: a wake-up is pending anyway
+
+    def waiting(self) -> int:
+        """Members with a message waiting in their pipe now (what the
+        internal queue's depth counts of a stream received here: the
+        results wait in the pipes, not in the lanes).  Never blocks."""
+        pipes = self._pipes
+        if not pipes:
+            return 0
         try:
-            os.write(fd, b"w")
-        except (BlockingIOError, OSError):
-            pass  # full (a wake-up is pending anyway) or closed meanwhile
+            return len(select.select(pipes, [], [], 0)[0])
+        except (OSError, ValueError):
+            return 0  # a pipe closed meanwhile (its worker handed over and ended)
 
     def pull(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` s (None: :data:`POLL_S`) for messages of
@@ -163,7 +208,11 @@ class Puller:
                             by_fd[fd] = wk
                     self._snapshot = (self._version, poller, by_fd)
             wait = POLL_S if timeout is None else max(0.0, min(timeout, POLL_S))
-            ready = poller.poll(int(wait * 1000))
+            self.pulls += 1
+            ready = poller.poll(0)
+            if not ready and wait > 0:
+                self.waits += 1  # nothing was ready: the stream waits for its workers
+                ready = poller.poll(int(wait * 1000))
             if ready:
                 self._take(ready, by_fd)
             return True
@@ -171,12 +220,12 @@ class Puller:
             self._pulling.release()
 
     def _take(self, ready: list[tuple[int, int]], by_fd: dict[int, Pullable]) -> None:
-        with self._lock:
-            for fd, _ in ready:
+        for fd, _ in ready:
+            with self._lock:
                 if fd == self._wake_r:
                     try:
                         os.read(fd, 4096)
-                    except (BlockingIOError, OSError):
+                    except OSError:
                         pass
                     continue
                 wk = by_fd.get(fd)
@@ -186,11 +235,18 @@ class Puller:
                     # its process ended: its thread reads what is left and says how
                     self.hand_over(wk)
                     continue
-                try:
-                    go = wk.receive_one()
-                except Exception as exc:
-                    # its thread fails the source, as it would for a message it cannot take
-                    self.hand_over(wk, exc)
-                    continue
-                if go is not True:
-                    self.hand_over(wk, go)
+                self._reading = wk
+            go: Any = True
+            try:
+                go = wk.receive_one()  # (outside the lock: see the module docstring)
+            except Exception as exc:
+                # its thread fails the source, as it would for a message it cannot take
+                go = exc
+            finally:
+                with self._lock:
+                    self._reading = None
+                    deferred, self._deferred = self._deferred, []
+                    if go is True and deferred:
+                        go = deferred[0]
+                    if go is not True or deferred:
+                        self.hand_over(wk, go)

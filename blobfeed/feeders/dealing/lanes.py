@@ -154,6 +154,13 @@ class NetOutbox:
     def qsize(self) -> int:
         return self._dealer.queued()
 
+    def starved_share(self) -> float | None:
+        """A stream received by this net's enqueuer (see pulling): the share
+        of its reads since the last call that waited for the workers; None
+        for any other stream, or no read since."""
+        puller = self._dealer._puller
+        return puller.starved_share() if puller is not None else None
+
     def returned(self) -> None:
         """``Net.run()`` returned this net's next batch (its position moves on).
 
@@ -513,8 +520,11 @@ class LaneDealer:
     def queued(self) -> int:
         """Chunks waiting in the lanes (what ``capacity`` bounds; pieces
         already dealt to a net and rows in the shuffle buffer are held, not
-        waiting)."""
-        return self._lane_chunks
+        waiting); a stream received by its enqueuer counts one more for
+        each worker process with a message waiting in its pipe (its
+        results wait there, not in the lanes)."""
+        puller = self._puller
+        return self._lane_chunks + (puller.waiting() if puller is not None else 0)
 
     def queued_bytes(self) -> int:
         """Bytes of the chunks waiting in the lanes (what ``max_bytes`` bounds)."""
