@@ -181,10 +181,11 @@ class Puller:
         pipes = self._pipes
         if not pipes:
             return 0
-        try:
-            return len(select.select(pipes, [], [], 0)[0])
-        except (OSError, ValueError):
-            return 0  # a pipe closed meanwhile (its worker handed over and ended)
+        poller = select.poll()  # (not select(): a descriptor past 1023 is out of its range)
+        for fd in pipes:
+            poller.register(fd, select.POLLIN)
+        # a pipe closed meanwhile (its worker handed over and ended) reads POLLNVAL: not counted
+        return sum(1 for _, events in poller.poll(0) if events & select.POLLIN)
 
     def pull(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` s (None: :data:`POLL_S`) for messages of
