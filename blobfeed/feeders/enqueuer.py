@@ -505,14 +505,14 @@ class Feed:
         if now - src.lagging_warned_at < LAGGING_WARN_S:
             return None
         depth = self._input.qsize()
-        # A stream this enqueuer reads from the workers' pipes as it needs
-        # them (feeders/pulling) has its results there, not queued: lagging
-        # when most of its reads since the last check waited for a worker.
-        starved = getattr(self._input, "starved_share", None)
-        share = starved() if starved is not None else None
-        if share is not None and share <= 0.5:
-            src.lagging_warned_at = now  # (looked: the next look in a minute)
-            return None
+        if getattr(self._input, "pulled", False):
+            # A stream this enqueuer reads from the workers' pipes as it
+            # needs them (feeders/pulling) has its results there, not
+            # queued: lagging when it spent most of the last minute waiting
+            # for a worker (the first look starts the count).
+            src.lagging_warned_at = now
+            share = self._input.starved_share()  # type: ignore[attr-defined]
+            return depth if share is not None and share > 0.5 else None
         if depth < 2:
             src.lagging_warned_at = now
             return depth

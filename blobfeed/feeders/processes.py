@@ -210,10 +210,8 @@ class _Worker:
         #: what the group's puller last got from this worker, acted on first
         #: by the receiver thread once it takes over (see blobfeed.feeders.pulling)
         self._pending: Any = True
-        #: the group's puller reads its messages (its thread starts at the hand-over)
-        self.pulled = False
-        #: its receiver thread was started (at once, or at the hand-over)
-        self.handed = threading.Event()
+        #: the group's puller reads its messages; its thread starts at the hand-over (``handed``)
+        self.pulled, self.handed = False, threading.Event()
         self.thread = threading.Thread(
             target=thread_main,
             args=(f"blobfeed-recv-{group.source}-{w.worker_id}", self._receive, group.plan.on_thread_exit),
@@ -335,8 +333,10 @@ class _Worker:
     def hand_over(self, pending: Any) -> None:
         """Start the receiver thread, acting on ``pending`` first (see pulling.Pullable)."""
         self._pending = pending
-        self.thread.start()
-        self.handed.set()
+        try:
+            self.thread.start()
+        finally:
+            self.handed.set()  # (a thread that could not start: nobody waits for its hand-over)
 
     def await_hand_over(self, timeout: float | None) -> bool:
         """Wait until its thread started (a read in progress puts a hand-over off)."""
@@ -769,8 +769,8 @@ class _ProcessGroup:
             # still be handing their last results over), nothing needs a
             # slot back any more
             for wk in ended:
-                wk.await_hand_over(None)  # (its process ended: a read in progress ends too)
-                wk.thread.join()
+                if wk.await_hand_over(None) and wk.thread.ident is not None:  # (a read in progress ends with it)
+                    wk.thread.join()
             self._reap(ended)
             self.returns.end()
             self.returner.join()
@@ -844,7 +844,7 @@ class _ProcessGroup:
                     stuck.append(t.name)
             for wk in list(self.workers):
                 wk.wait_exit(left())
-                if wk.await_hand_over(left()):
+                if wk.await_hand_over(left()) and wk.thread.ident is not None:
                     wk.thread.join(left())
                 if wk.running():
                     stuck.append(wk.name)

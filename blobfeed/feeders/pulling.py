@@ -34,6 +34,7 @@ import logging
 import os
 import select
 import threading
+import time
 from typing import Any, Protocol
 
 __all__ = ["ENDED", "POLL_S", "Puller", "Pullable"]
@@ -100,22 +101,23 @@ class Puller:
         os.set_blocking(self._wake_w, False)
         #: every member was handed over for good (a stop): nothing more is pulled
         self.closed = False
-        #: pulls, and those that found no message ready and waited (read by
-        #: the "lagging behind" check: see starved_share)
-        self.pulls = 0
-        self.waits = 0
-        self._seen = (0, 0)
+        #: seconds the pulls waited for a worker's message (read by the
+        #: "lagging behind" check: see starved_share)
+        self.waited = 0.0
+        self._since: tuple[float, float] | None = None
 
     def starved_share(self) -> float | None:
-        """Of the pulls since the last call, the share that found no worker
-        message ready and waited for one (None: none since).  What the
+        """The share of the time since the last call that the pulls spent
+        waiting for a worker's message (None at the first call, which
+        starts the count: the workers' start-up is not a lag).  What the
         internal queue's depth says of a stream read from the workers'
-        pipes only as it needs them: whether the workers are behind."""
-        pulls, waits = self.pulls, self.waits
-        seen, self._seen = self._seen, (pulls, waits)
-        if pulls == seen[0]:
+        pipes only as it needs them: whether the workers are behind.
+        Called by the pulling thread alone."""
+        now, waited = time.perf_counter(), self.waited
+        since, self._since = self._since, (now, waited)
+        if since is None or now <= since[0]:
             return None
-        return (waits - seen[1]) / (pulls - seen[0])
+        return (waited - since[1]) / (now - since[0])
 
     @property
     def members(self) -> int:
@@ -209,11 +211,12 @@ class Puller:
                             by_fd[fd] = wk
                     self._snapshot = (self._version, poller, by_fd)
             wait = POLL_S if timeout is None else max(0.0, min(timeout, POLL_S))
-            self.pulls += 1
             ready = poller.poll(0)
             if not ready and wait > 0:
-                self.waits += 1  # nothing was ready: the stream waits for its workers
+                # nothing was ready: the stream waits for its workers (timed)
+                t0 = time.perf_counter()
                 ready = poller.poll(int(wait * 1000))
+                self.waited += time.perf_counter() - t0
             if ready:
                 self._take(ready, by_fd)
             return True

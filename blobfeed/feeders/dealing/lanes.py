@@ -154,10 +154,14 @@ class NetOutbox:
     def qsize(self) -> int:
         return self._dealer.queued()
 
+    @property
+    def pulled(self) -> bool:
+        """This net's enqueuer receives the stream's chunks (see pulling)."""
+        return self._dealer._puller is not None
+
     def starved_share(self) -> float | None:
-        """A stream received by this net's enqueuer (see pulling): the share
-        of its reads since the last call that waited for the workers; None
-        for any other stream, or no read since."""
+        """A pulled stream: the share of the time since the last call that
+        its enqueuer waited for the workers (None at the first call)."""
         puller = self._dealer._puller
         return puller.starved_share() if puller is not None else None
 
