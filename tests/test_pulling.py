@@ -308,6 +308,14 @@ def test_lagging_behind_is_told_when_the_workers_are_behind_not_when_the_net_is(
     a net slower than its workers was told the data lagged)."""
     monkeypatch.setattr(enqueuer, "LAGGING_WARN_S", 0.5)  # once a minute, in the library
     gc, nets = pipeline(n=100000, delay=0.01 if slow == "workers" else 0.0)
+    told = lagging_told(gc, nets, caplog, step=0.02 if slow == "net" else 0.0)
+    assert bool(told) == (slow == "workers"), told
+
+
+def lagging_told(gc: blobfeed.GlobalCoordinator, nets: list[Any], caplog: pytest.LogCaptureFixture,
+                 step: float) -> list[str]:
+    """Read for 3 s after the first batch, the net taking ``step`` s a batch
+    (the workers run ahead meanwhile); the "lagging behind" warnings told."""
     caplog.set_level(logging.WARNING, logger="blobfeed")
     gc.start()
     try:
@@ -315,12 +323,11 @@ def test_lagging_behind_is_told_when_the_workers_are_behind_not_when_the_net_is(
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             ids(nets, 1)
-            if slow == "net":
-                time.sleep(0.02)  # the net's own step: the workers run ahead meanwhile
+            if step:
+                time.sleep(step)
     finally:
         assert gc.stop(timeout=10)
-    told = [r for r in caplog.records if "lagging behind" in r.getMessage()]
-    assert bool(told) == (slow == "workers"), [r.getMessage() for r in told]
+    return [r.getMessage() for r in caplog.records if "lagging behind" in r.getMessage()]
 
 
 class SlowStart(Items):
@@ -345,15 +352,5 @@ def test_the_workers_start_up_is_not_a_lag(monkeypatch: pytest.MonkeyPatch, capl
     lagging (rev45: a slow start was told as lagging at the first look)."""
     monkeypatch.setattr(enqueuer, "LAGGING_WARN_S", 1.0)
     gc, nets = pipeline(n=100000, workers=1, dataset=SlowStart(100000, start=1.5))
-    caplog.set_level(logging.WARNING, logger="blobfeed")
-    gc.start()
-    try:
-        ids(nets, 1)
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
-            ids(nets, 1)
-            time.sleep(0.02)  # the net is the slow step once the worker runs
-    finally:
-        assert gc.stop(timeout=10)
-    told = [r.getMessage() for r in caplog.records if "lagging behind" in r.getMessage()]
+    told = lagging_told(gc, nets, caplog, step=0.02)  # the net is the slow step once the worker runs
     assert not told, told
