@@ -30,7 +30,6 @@ close) writes to, under the lock (the pipe is closed under it).
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import threading
@@ -38,8 +37,6 @@ import time
 from typing import Any, Protocol
 
 __all__ = ["ENDED", "POLL_S", "Puller", "Pullable"]
-
-logger = logging.getLogger("blobfeed.feeders")
 
 #: the longest a pull waits before the enqueuer looks at its stream again
 #: (a close of the stream wakes it at once; this bounds what nothing wakes)
@@ -53,6 +50,8 @@ class _Ended:
 
 #: what :meth:`Pullable.receive_one` returns once the worker's messages ended
 ENDED: Any = _Ended()
+#: no hand-over was asked for the worker being read
+_NOT_ASKED: Any = object()
 
 
 class Pullable(Protocol):
@@ -72,10 +71,6 @@ class Pullable(Protocol):
         """Start the worker's receiver thread, which acts on ``pending``
         (what :meth:`receive_one` last returned, True for nothing) first."""
 
-    def await_hand_over(self, timeout: float | None) -> bool:
-        """Wait until :meth:`hand_over` was called (or the worker was never
-        pulled); False if it was not within ``timeout``."""
-
 
 class Puller:
     """The worker processes of one group whose messages the reader's thread
@@ -90,8 +85,9 @@ class Puller:
         self._members: list[Pullable] = []
         #: the member whose message is being read now (outside the lock)
         self._reading: Pullable | None = None
-        #: its hand-over was asked for meanwhile: (pending) to use once the read ends
-        self._deferred: list[Any] = []
+        #: its hand-over was asked for meanwhile: the pending to use once the
+        #: read ends (None is a pending: the worker is done)
+        self._deferred: Any = _NOT_ASKED
         #: the members' pipes, for :meth:`waiting` (a tuple: replaced, never changed)
         self._pipes: tuple[int, ...] = ()
         self._version = 0
@@ -119,11 +115,6 @@ class Puller:
             return None
         return (waited - since[1]) / (now - since[0])
 
-    @property
-    def members(self) -> int:
-        """Workers pulled now."""
-        return len(self._members)
-
     def add(self, wk: Pullable) -> bool:
         """Pull ``wk`` from now on; False once closed (start its thread instead)."""
         with self._lock:
@@ -141,7 +132,7 @@ class Puller:
             if wk not in self._members:
                 return
             if wk is self._reading:
-                self._deferred = [pending]
+                self._deferred = pending
                 return
             self._members.remove(wk)
             self._changed()
@@ -249,8 +240,8 @@ class Puller:
             finally:
                 with self._lock:
                     self._reading = None
-                    deferred, self._deferred = self._deferred, []
-                    if go is True and deferred:
-                        go = deferred[0]
-                    if go is not True or deferred:
+                    deferred, self._deferred = self._deferred, _NOT_ASKED
+                    if go is True and deferred is not _NOT_ASKED:
+                        go = deferred
+                    if go is not True or deferred is not _NOT_ASKED:
                         self.hand_over(wk, go)

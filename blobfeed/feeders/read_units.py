@@ -371,28 +371,16 @@ class UnitDispenser:
         if not self._pushed:
             return failures, False
         again_any = False
-        held_of = self._held
         while True:
             # the holder that can take a unit and holds the fewest (the most
-            # idle process; the first attached on a tie) takes the next one.
-            # (Run twice a unit, for every holder: the common case, no unit
-            # to read again and nobody ended, is tested without a call.)
-            plain = not self.closed and not self._redo and not self._redo_of and not self._stopped
-            fresh = not self._fresh_waits()
+            # idle process; the first attached on a tie) takes the next one
             pick: tuple[int, _Pushee, list[int]] | None = None
             for holder, entry in list(self._pushed.items()):
-                if plain and holder not in self._retired:
-                    held = held_of.get(holder)
-                    if held is None:
-                        held = held_of[holder] = []
-                    if fresh and len(held) < entry.ahead and (pick is None or len(held) < len(pick[2])):
-                        pick = (holder, entry, held)
-                    continue
                 if self._ended(entry.worker_id, holder):
                     del self._pushed[holder]
                     self._push_end(entry)
                     continue
-                held = held_of.setdefault(holder, [])
+                held = self._held.setdefault(holder, [])
                 if not self._waits(entry.worker_id, held, entry.ahead) and (pick is None or len(held) < len(pick[2])):
                     pick = (holder, entry, held)
             if pick is None:

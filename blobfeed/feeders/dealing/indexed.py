@@ -199,6 +199,7 @@ class IndexedDealer(LaneDealer):
             if self._puller is None and not self._closed and len(self.outboxes) == 1 and self.outboxes[0].prefetch:
                 self._puller = Puller(self.source)
             return self._puller
+
     def _wake_workers(self) -> None:
         """A worker took a unit to read again: if it is the oldest, that
         worker's chunks no longer wait for room (see :meth:`put`)."""
