@@ -651,9 +651,8 @@ class _ProcessGroup:
 
     def _hand_over_all(self) -> None:
         """Every worker pulled is read by its own thread from now on."""
-        if self.puller is not None:
-            for wk in self.workers:
-                self.puller.hand_over(wk)
+        for wk in self.workers if self.puller is not None else ():
+            self.puller.hand_over(wk)  # type: ignore[union-attr]
 
     #: a worker id is replaced at most this many times in a row (its processes
     #: dying without delivering a unit in between): the next death fails the source
@@ -753,12 +752,13 @@ class _ProcessGroup:
                     ready = [r for r in ready if r != self._wake_r]
                 for s in ready:
                     wk = waiting.pop(s)  # type: ignore[arg-type]
-                    if self.puller is not None:
-                        self.puller.hand_over(wk)  # its thread reads what is left
+                    if wk.pulled:  # its thread reads what it sent, then reports (puts never wait)
+                        self.puller.hand_over(wk)  # type: ignore[union-attr]
+                        if wk.await_hand_over(10.0) and wk.thread.ident is not None:
+                            wk.thread.join(10.0)
                     wk.wait_exit(1.0)
-                    # Not a return of child_main (a signal, a crash, os._exit)?
-                    # Then say so now, without waiting for the receiver, which
-                    # may be blocked on a full queue with messages to read.
+                    # Not a return of child_main (a signal, a crash, os._exit)? Then say so now,
+                    # without waiting for a receiver that may be blocked on a full queue.
                     wk.report_death()
                     if wk._death_reported:
                         # its receiver may be reporting it: replaced before we go on
