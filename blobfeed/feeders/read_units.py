@@ -72,6 +72,8 @@ _Failure = tuple[Callable[[ReadUnit | None, BaseException], None], ReadUnit | No
 #: what :meth:`UnitDispenser._changed` leaves to do outside its lock: the
 #: failed sends, and whether a unit read again went out
 _Pushed = tuple[list[_Failure], bool]
+#: nothing was pushed, nothing to do after (never appended to)
+_NOTHING_PUSHED: _Pushed = ((), False)  # type: ignore[assignment]
 
 
 class UnitDispenser:
@@ -107,7 +109,11 @@ class UnitDispenser:
         self.epochs = epochs
         self.unit_end = unit_end
         self.window = 8
-        self._cond = threading.Condition(threading.Lock())
+        #: the dispenser's lock, entered directly (a Condition's ``with`` is
+        #: two Python calls: the hot paths run twice a unit) ...
+        self._mutex = threading.Lock()
+        #: ... and the condition over it that thread workers wait on in take()
+        self._cond = threading.Condition(self._mutex)
         #: the first global position of the stream, and ranges left out of it
         #: (a resume: what nets had returned already)
         self.start = 0
@@ -162,7 +168,7 @@ class UnitDispenser:
     def restart(self, start: int, skip: Sequence[tuple[int, int]]) -> None:
         """A resume: the stream starts at global position ``start`` and leaves
         out ``skip`` (before any unit was handed out)."""
-        with self._cond:
+        with self._mutex:
             self.start = start
             self.skip = merge_ranges([(max(lo, start), hi) for lo, hi in skip if hi > start])
             self._reset()
@@ -172,7 +178,7 @@ class UnitDispenser:
     def sized(self, sample_bytes: int) -> None:
         """``auto``: a sample takes ``sample_bytes``; the units after the
         first are sized from it (once)."""
-        with self._cond:
+        with self._mutex:
             if self._sized:
                 return
             self._sized = True
@@ -217,7 +223,7 @@ class UnitDispenser:
 
     def unit(self, u: int) -> ReadUnit | None:
         """Unit ``u`` (made if it is not yet), or None past the end of the data."""
-        with self._cond:
+        with self._mutex:
             return self._unit(u)
 
     def peek(self, u: int) -> ReadUnit | None:
@@ -235,7 +241,7 @@ class UnitDispenser:
     def position_of(self, u: int) -> int:
         """The global position where unit ``u`` starts (the end of the data,
         or of what was made, past it)."""
-        with self._cond:
+        with self._mutex:
             r = self._unit(u)
             return r.lo if r is not None else self._cursor
 
@@ -259,7 +265,7 @@ class UnitDispenser:
 
     def holds(self, worker_id: int) -> bool:
         """Does ``worker_id`` hold a unit the stream has not consumed?"""
-        with self._cond:
+        with self._mutex:
             return worker_id in self._owner.values()
 
     def owner(self, u: int) -> int | None:
@@ -275,7 +281,7 @@ class UnitDispenser:
         incarnation) is told of each unit it takes, until :meth:`delivered`;
         with ``ahead``, it waits while it holds that many.  None: the data
         ended, the source stopped, or the holder was retired."""
-        with self._cond:
+        with self._mutex:
             held = self._held.setdefault(holder, []) if holder is not None else None
             if holder is not None and holder not in self._retired:
                 self._wid_of[holder] = worker_id
@@ -344,7 +350,7 @@ class UnitDispenser:
         took), but maybe inside its caller's: ``consumed`` runs under the
         dealer's lock and a feed's, so ``failed`` must not take those (it
         must not fail the source in its own thread)."""
-        with self._cond:
+        with self._mutex:
             self._held.setdefault(holder, [])
             if holder not in self._retired:
                 self._wid_of[holder] = worker_id
@@ -354,34 +360,49 @@ class UnitDispenser:
 
     def detach(self, holder: int) -> None:
         """``holder`` gets no more units: its ``send(None)``, unless it had it."""
-        with self._cond:
+        with self._mutex:
             entry = self._pushed.pop(holder, None)
             if entry is not None:
                 self._push_end(entry)
 
-    def _changed(self) -> _Pushed:
+    def _changed(self, settled: bool = False) -> _Pushed:
         """The state changed (under the lock): wake the threads waiting in
         :meth:`take`, and push what it now allows to the attached holders,
         each unit to the one that holds fewest (so no holder starves the
         others of the window).  What it returns goes to :meth:`_after`,
-        outside the lock."""
+        outside the lock.
+
+        ``settled``: the change ended no holder (a delivery, the stream
+        taking a unit: twice a unit, on the reader's thread).  Every other
+        change makes the whole pass, which ends the holders that take
+        nothing more, so after a settled one only fresh units can go out,
+        to holders with room, and the pass skips the rest: unless a unit
+        waits to be read again, or a worker is stopped (a stopped worker's
+        holder ends once no unit is left to read again, which a thread's
+        :meth:`take` can bring about)."""
         if self._takers:
             self._cond.notify_all()
-        failures: list[_Failure] = []
         if not self._pushed:
-            return failures, False
+            return _NOTHING_PUSHED
+        fresh_only = settled and not self._redo and not self._stopped and not any(self._redo_of.values())
+        failures: list[_Failure] = []
         again_any = False
-        while True:
+        while not (fresh_only and self._fresh_waits()):
             # the holder that can take a unit and holds the fewest (the most
             # idle process; the first attached on a tie) takes the next one
             pick: tuple[int, _Pushee, list[int]] | None = None
             for holder, entry in list(self._pushed.items()):
-                if self._ended(entry.worker_id, holder):
+                held = self._held.setdefault(holder, [])
+                if fresh_only:
+                    if len(held) >= entry.ahead:
+                        continue
+                elif self._ended(entry.worker_id, holder):
                     del self._pushed[holder]
                     self._push_end(entry)
                     continue
-                held = self._held.setdefault(holder, [])
-                if not self._waits(entry.worker_id, held, entry.ahead) and (pick is None or len(held) < len(pick[2])):
+                elif self._waits(entry.worker_id, held, entry.ahead):
+                    continue
+                if pick is None or len(held) < len(pick[2]):
                     pick = (holder, entry, held)
             if pick is None:
                 break
@@ -405,7 +426,7 @@ class UnitDispenser:
                 del self._pushed[holder]
                 self._push_end(entry)
                 failures.append((entry.failed, r, exc))
-        return failures, again_any
+        return (failures, again_any) if failures or again_any else _NOTHING_PUSHED
 
     def _after(self, pushed: _Pushed) -> None:
         """What :meth:`_changed` left to do outside the lock: the callbacks.
@@ -426,13 +447,13 @@ class UnitDispenser:
 
     def active(self, worker_ids: Sequence[int]) -> list[int]:
         """Of ``worker_ids``, those not told to stop (:meth:`stop_workers`)."""
-        with self._cond:
+        with self._mutex:
             return [w for w in worker_ids if w not in self._stopped]
 
     def stop_workers(self, worker_ids: Sequence[int]) -> None:
         """These workers take no more units (they end once they delivered
         what they hold): the source runs on fewer workers."""
-        with self._cond:
+        with self._mutex:
             self._stopped.update(worker_ids)
             for w in worker_ids:
                 self._release(w)
@@ -442,7 +463,7 @@ class UnitDispenser:
     def release(self, worker_id: int) -> None:
         """``worker_id``'s dead process is not replaced: the units it held
         are read again by whichever worker asks first."""
-        with self._cond:
+        with self._mutex:
             self._release(worker_id)
             pushed = self._changed()
         self._after(pushed)
@@ -455,7 +476,7 @@ class UnitDispenser:
         """A worker process delivered ``unit`` (None: it failed on the oldest
         unit it held).  False: ``holder`` does not hold it (it was retired
         and the unit handed to another reader): drop what it read."""
-        with self._cond:
+        with self._mutex:
             held = self._held.get(holder)
             if not held:
                 return False
@@ -468,7 +489,7 @@ class UnitDispenser:
                 held.remove(unit)
             else:
                 return False
-            pushed = self._changed()
+            pushed = self._changed(settled=unit is not None)
         self._after(pushed)
         return True
 
@@ -476,7 +497,7 @@ class UnitDispenser:
         """The unit whose read failed in ``worker_id``: the one its process
         said, else the oldest it holds that is not in ``read`` (a thread
         reads one unit at a time); None when it holds none."""
-        with self._cond:
+        with self._mutex:
             u = self._failed.pop(worker_id, None)
             if u is not None:
                 return u
@@ -486,7 +507,7 @@ class UnitDispenser:
 
     def retired(self, holder: int) -> bool:
         """Was ``holder`` retired (its process died)?"""
-        with self._cond:
+        with self._mutex:
             return holder in self._retired
 
     def retire(self, holder: int) -> list[tuple[int, int]]:
@@ -495,7 +516,7 @@ class UnitDispenser:
         first when that worker id is stopped (or, see :meth:`release`, not
         replaced).  Returns those of them whose readers died
         :data:`MAX_TRIES` times, ``(unit, tries)`` (the source must fail)."""
-        with self._cond:
+        with self._mutex:
             self._retired.add(holder)
             wid = self._wid_of.pop(holder, None)
             redo = self._redo if wid is None or wid in self._stopped else self._redo_of.setdefault(wid, [])
@@ -512,17 +533,17 @@ class UnitDispenser:
 
     def consumed(self, u: int) -> None:
         """The stream took unit ``u`` (the oldest it waited for)."""
-        with self._cond:
+        with self._mutex:
             self._owner.pop(u, None)
             self._units.pop(u, None)
             self._tries.pop(u, None)
             self.oldest = u + 1
-            pushed = self._changed()
+            pushed = self._changed(settled=True)
         self._after(pushed)
 
     def close(self) -> None:
         """The source stopped: every waiting ``take`` returns None."""
-        with self._cond:
+        with self._mutex:
             self.closed = True
             pushed = self._changed()
         self._after(pushed)
@@ -534,19 +555,29 @@ class PipeUnits:
 
     ``before_wait`` is called when no unit is there yet, before waiting for
     one: the worker sends the results it holds back (the parent gives it
-    more units only once they arrive)."""
+    more units only once they arrive).  The pipe is read without blocking
+    (the worker process's own end: the parent never reads it), so a unit
+    already there costs one read, not a poll and a read."""
 
     def __init__(self, fd: int, before_wait: Callable[[], None] | None = None) -> None:
         self.fd = fd
         self.before_wait = before_wait
+        os.set_blocking(fd, False)
 
     def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
         size = UNIT_RECORD.size
-        if self.before_wait is not None and not select.select([self.fd], [], [], 0)[0]:
-            self.before_wait()
         data = b""
+        told = False
         while len(data) < size:
-            part = os.read(self.fd, size - len(data))
+            try:
+                part = os.read(self.fd, size - len(data))
+            except BlockingIOError:
+                if not told and self.before_wait is not None:
+                    told = True
+                    self.before_wait()
+                    continue  # (what it sent may have freed a unit meanwhile)
+                select.select([self.fd], [], [])
+                continue
             if not part:
                 return None
             data += part

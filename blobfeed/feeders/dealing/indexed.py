@@ -52,6 +52,11 @@ class UnitTurns(Turns):
         self.next = 0
         #: the epoch the stream is in
         self.epoch = 0
+        #: called with the lane whose head is unit ``next`` the first time
+        #: :meth:`turn` finds it there (the dealer checks its layout), and
+        #: the unit it was called for last
+        self.on_head: Callable[[Any], None] | None = None
+        self.checked = -1
 
     def _head_ok(self, lanes: Any) -> int | None:
         u = self.next
@@ -71,7 +76,11 @@ class UnitTurns(Turns):
     def turn(self, lanes: Any) -> int | None:
         if self.all_ended():
             return None
-        return self._head_ok(lanes)
+        wid = self._head_ok(lanes)
+        if wid is not None and self.checked != self.next and self.on_head is not None:
+            self.checked = self.next
+            self.on_head(lanes[wid])
+        return wid
 
     def ready(self, lanes: Any) -> bool:
         return not self.all_ended() and self._head_ok(lanes) is not None
@@ -137,13 +146,14 @@ class IndexedDealer(LaneDealer):
         self._reader = reader
         #: the per-sample layout of the stream's first sample, and its index
         self._layout: tuple[list[tuple[Any, tuple[int, ...]]], int] | None = None
-        self._layout_checked = -1
         #: the dispenser's window (None: by the worker count, at start)
         self.window = window
         if window is not None:
             dispenser.window = window
         dispenser.on_redo_taken = self._wake_workers
         self._unit_turns = UnitTurns(dispenser)
+        if reader is not None:
+            self._unit_turns.on_head = self._head_reached
         super().__init__(
             source, batch_size, axes, capacity, outbox_samples, on_error, on_dropped=on_dropped,
             turns=self._unit_turns, stage=UnitCut(), rounds=rounds, max_bytes=max_bytes,
@@ -246,18 +256,14 @@ class IndexedDealer(LaneDealer):
             self._room.notify_all()
 
     # -- the stream --------------------------------------------------------------
-    def _advance(self) -> Any:
-        t = self._unit_turns
-        if self._reader is not None and self._layout_checked != t.next and not self._eof and not t.all_ended():
-            wid = t._head_ok(self._lanes)
-            if wid is not None:
-                self._layout_checked = t.next
-                lane = self._lanes[wid]
-                if type(lane[0]) is Chunk:
-                    bad = self._check_layout(lane[0])
-                    if bad is not None:
-                        lane[0] = _Failed(bad, t.next)
-        return super()._advance()
+    def _head_reached(self, lane: Any) -> None:
+        """The unit the stream waits for is at the head of ``lane``, seen
+        there for the first time (:attr:`UnitTurns.on_head`): its layout is
+        checked, and a unit that does not fit fails the stream there."""
+        if type(lane[0]) is Chunk:
+            bad = self._check_layout(lane[0])
+            if bad is not None:
+                lane[0] = _Failed(bad, self._unit_turns.next)
 
     def _check_layout(self, chunk: Chunk) -> BaseException | None:
         """The unit the stream reaches against its first sample's layout

@@ -389,7 +389,7 @@ class LaneDealer:
         """Append ``chunk`` (``nbytes`` bytes) to the worker's lane, waiting
         while the lane is full (in chunks, or in bytes unless it holds no
         chunk); False once closed."""
-        with self._room:
+        with self._lock:  # (_room's lock, entered directly: a Condition's `with` is two Python calls)
             lane = self._lanes[worker_id]
             sizes = self._sizes[worker_id]
             # (the hook only when the lane is full: put runs once a chunk)
