@@ -1213,6 +1213,38 @@ def test_plain_samples_stack_the_same_by_the_short_way_and_the_checked_one() -> 
         reader._stack(0, [0, 1], [(plain[0][0], np.int64(0)), (plain[1][0], np.int32(1))])
 
 
+def test_samples_stacked_into_a_workers_slot_are_those_of_the_checked_way() -> None:
+    """Stacked into arrays a worker process gives (its slot: ``into``),
+    along the first axis by one concatenate: the same arrays as the checked
+    way, for samples of one or more dimensions; samples whose first
+    dimensions differ but add up to the unit's (4 + 2 + 6 = 3 x 4) are never
+    laid one after another into it: they go the checked way."""
+    from blobfeed.feeders.indexed import RandomAccessSource, UnitReader
+
+    def reader_into(buffers: list[np.ndarray]) -> UnitReader:
+        r = UnitReader("s", RandomAccessSource([None]), 4, 0, ("x", "y"), (0, 0))
+
+        def into(layout: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+            buffers[:] = [np.full(shape, -1, dtype) for shape, dtype in layout]
+            return list(buffers)
+
+        r.into = into
+        return r
+
+    slow_reader = UnitReader("s", RandomAccessSource([None]), 4, 0, ("x", "y"), (0, 0))
+    slow_reader._stack_plain = lambda samples: None  # type: ignore[method-assign]
+    rng = np.random.default_rng(1)
+    for shape in ((5,), (3, 2), (2, 3, 4)):
+        samples = [(rng.random(shape).astype(np.float32), np.int64(i)) for i in range(4)]
+        buffers: list[np.ndarray] = []
+        fast = reader_into(buffers)._stack_plain(samples)
+        slow = slow_reader._stack(0, [0, 1, 2, 3], samples)
+        assert fast is not None and fast[0] is buffers[0], shape  # into the slot, not a copy of its own
+        assert all(a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(fast, slow))
+    ragged = [(np.arange(n, dtype=np.float32), np.int64(i)) for i, n in enumerate((4, 4, 2, 6))]
+    assert reader_into([])._stack_plain(ragged[1:]) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. The default read size: units of about UNIT_BYTES, the stream unchanged
 # ---------------------------------------------------------------------------------------------
