@@ -226,6 +226,30 @@ def test_lagging_behind_warning_is_rate_limited(gc: blobfeed.GlobalCoordinator, 
     assert not [r for r in caplog.records if "lagging" in r.getMessage()], "not more than once per interval"
 
 
+def test_lagging_behind_is_told_for_batches_assembled_outside_the_lock(
+        gc: blobfeed.GlobalCoordinator, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Big batches (1 MiB and more: cut under the feed's lock, joined
+    outside it) get the "lagging behind" check too: it was made only where
+    small ones are assembled, so a stream of images never heard it."""
+    monkeypatch.setattr(enqueuer, "LAGGING_WARN_S", 0.0)
+    calls = iter(range(6))
+
+    def fetch(worker_id: int, batch_size: int) -> list[np.ndarray]:
+        i = next(calls, None)
+        if i is None:
+            raise StopIteration
+        return [np.full(4, i, np.int64), np.zeros((4, 128 * 1024), np.float32)]  # 2 MiB a batch of 4
+
+    net = Net(name="n")
+    init_data_input_workers(net, ["ids", "feat"], fetch, 4, num_worker_threads=1, coordinator=gc)
+    with caplog.at_level("WARNING", logger="blobfeed"):
+        gc.start()
+        got = drain(net)
+    assert [int(b["ids"][0]) for b in got] == list(range(6))
+    lagging = [r for r in caplog.records if "data loading lagging behind" in r.getMessage()]
+    assert lagging and "source 'train'" in lagging[0].getMessage()
+
+
 def test_loggers_get_a_last_call_when_the_source_ends_by_itself() -> None:
     calls: list[dict[str, Any]] = []
     done = threading.Event()

@@ -17,7 +17,7 @@ from ..queues import BlobsQueue
 from ..stats import AssembleStats, ConsumeStats, MetricsHub
 from .chunks import Batch, EpochEnd, ModelInput
 from .dealing import Reader
-from .rebatch import Rebatcher
+from .rebatch import Cut, Rebatcher
 from .source import InputSource, SourceStopped
 
 __all__ = ["Feed", "FeedGroup"]
@@ -275,6 +275,16 @@ class Feed:
         stats.samples += b.n
         return batch
 
+    def _joined(self, cut: Cut, stats: AssembleStats) -> Batch:
+        """The batch of ``cut`` (see :meth:`Rebatcher.cut`), placed on the device."""
+        t0 = time.perf_counter()
+        b = self.rebatcher.join(cut)
+        batch = Batch(self._place(b.arrays), b.n)
+        stats.enqueue.observe(time.perf_counter() - t0)
+        stats.batches += 1
+        stats.samples += b.n
+        return batch
+
     def _take(self, queue: Any) -> tuple[bool, bool]:
         """The next chunk from ``queue`` into the re-batcher (under the lock);
         an epoch's end is kept aside instead (see ``_boundary``).  Returns
@@ -426,21 +436,27 @@ class Feed:
                     if self.rebatcher.big and (
                         self._boundary is None or self.rebatcher.pending >= self.rebatcher.batch_size
                     ):
-                        # A big batch is copied outside the lock (below), so
-                        # the net's thread never waits a whole copy for it;
-                        # only this thread assembles big batches: in order.
                         cut = self.rebatcher.cut()
                         if cut is None:
                             return True
-                        self._joining = cut.n
+                        if cut.views is not None:
+                            # views of one chunk (or a batch filled as its
+                            # chunks came): nothing to copy, made here
+                            self._staged = self._joined(cut, self.stats)
+                            cut = None
+                        else:
+                            # A big batch is copied outside the lock (below),
+                            # so the net's thread never waits a whole copy
+                            # for it; only this thread assembles big batches:
+                            # in order.
+                            self._joining = cut.n
                     else:
                         self._staged = self._assemble(self.stats)
                         if self._staged is None:
                             return True
-                        # an empty queue is expected while flushing the end
-                        lagging = None if final else self._lagging()
-                        if lagging is not None:
-                            break
+                    # (an empty queue is expected while flushing the end)
+                    if cut is None and not final and (lagging := self._lagging()) is not None:
+                        break
                 if cut is None:
                     # staged above, or left by the last pass and not taken
                     # since: never None here (the net takes it under this lock)
@@ -452,19 +468,16 @@ class Feed:
                         self._lose_all()
                         return False
             if cut is not None:
-                t0 = time.perf_counter()
-                b = self.rebatcher.join(cut)
-                batch = Batch(self._place(b.arrays), b.n)
-                self.stats.enqueue.observe(time.perf_counter() - t0)
-                self.stats.batches += 1
-                self.stats.samples += b.n
+                batch = self._joined(cut, self.stats)
                 with self._lock:
                     self._joining = 0
                     if self._aborted:
-                        self.stats.dropped[self._lost_reason] += b.n
+                        self.stats.dropped[self._lost_reason] += batch.n
                         self._lose_all()  # and what the rebatcher still holds
                         return False
                     self._staged = batch
+                    if not final and (lagging := self._lagging()) is not None:
+                        break
                 continue
             dq.wait_for_room()  # woken when the net has emptied the queue, or it closes
         # never log holding the lock: a slow handler would hold up the net
