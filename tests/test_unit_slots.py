@@ -345,3 +345,27 @@ def test_a_unit_too_big_for_memory_is_an_error_naming_it_and_what_its_samples_cl
             net.run(timeout=WAIT)
     finally:
         assert gc.stop(timeout=10.0)
+
+
+def test_a_layout_cache_reads_what_read_arrays_reads_as_the_layout_changes() -> None:
+    """The parent works out a worker's result layout once while it stays
+    the same: whatever the order of layouts, each result reads as
+    read_arrays and packed_nbytes say (a stale layout would hand out
+    arrays of the last one's shapes)."""
+    from blobfeed.feeders.messages import LayoutCache, packed_nbytes, read_arrays, write_arrays
+
+    buf = bytearray(1 << 16)
+    cache = LayoutCache()
+    rng = np.random.default_rng(0)
+    layouts = [[(np.float32, (4, 3)), (np.int64, (4,))], [(np.uint8, (8, 5))], [(np.float32, (4, 3)), (np.int64, (4,))],
+               [(np.float64, (0, 2)), (np.int16, (2,))], [(np.float32, (4, 3)), (np.int64, (4,))]]
+    for k, layout in enumerate(layouts):
+        arrays = [(rng.random(shape) * 100).astype(dt) for dt, shape in layout]
+        packed = write_arrays(arrays, buf, 0, k, as_tuple=bool(k % 2))
+        root = np.frombuffer(buf, np.uint8, count=packed_nbytes(packed))
+        assert cache.nbytes_of(packed) == packed_nbytes(packed)
+        got, want = cache.read(root, packed), read_arrays(root, packed)
+        assert type(got) is type(want) and len(got) == len(want) == len(arrays)
+        for g, w, a in zip(got, want, arrays):
+            assert g.dtype == w.dtype == a.dtype and g.shape == w.shape == a.shape and np.array_equal(g, a)
+            assert g.base is root or g.size == 0

@@ -34,7 +34,7 @@ from .chunks import Unsendable
 
 __all__ = [
     "ALIGN", "Arrays", "EpochDone", "Exhausted", "Note", "Raised", "Result", "Unsendable", "align",
-    "arrays_nbytes", "layout_nbytes", "packed_nbytes", "place_arrays", "plain_arrays", "read_arrays", "sendable",
+    "LayoutCache", "arrays_nbytes", "layout_nbytes", "packed_nbytes", "place_arrays", "plain_arrays", "read_arrays", "sendable",
     "unsendable", "write_arrays",
 ]
 
@@ -170,6 +170,39 @@ def packed_nbytes(packed: Arrays) -> int:
     """Bytes of the buffer the arrays of ``packed`` span."""
     # math.prod, not np.prod: a fifth of the parent's interpreter time per chunk went to np.prod's dispatch
     return max((off + math.prod(shape) * np.dtype(dt).itemsize for dt, shape, off in packed.meta), default=0)
+
+
+class LayoutCache:
+    """:func:`packed_nbytes` and :func:`read_arrays` for one worker's
+    results, whose layout (the dtypes, shapes and offsets of a result's
+    arrays) is mostly the same from one to the next: each array's size is
+    worked out once per layout, not once per result (the parent's thread
+    does this for every batch).  Not thread-safe: its worker's reader's."""
+
+    __slots__ = ("_meta", "_spans", "nbytes")
+
+    def __init__(self) -> None:
+        self._meta: Any = None
+        self._spans: list[tuple[Any, tuple[int, ...], int, int]] = []
+        #: :func:`packed_nbytes` of the last result given to :meth:`nbytes_of`
+        self.nbytes = 0
+
+    def nbytes_of(self, packed: Arrays) -> int:
+        """:func:`packed_nbytes` of ``packed``, which :meth:`read` reads next."""
+        meta = packed.meta
+        if meta != self._meta:
+            self._spans = [(dt, shape, off, math.prod(shape) * np.dtype(dt).itemsize) for dt, shape, off in meta]
+            self.nbytes = max((off + n for _, _, off, n in self._spans), default=0)
+            self._meta = meta
+        return self.nbytes
+
+    def read(self, root: np.ndarray, packed: Arrays) -> list[np.ndarray] | tuple[np.ndarray, ...]:
+        """:func:`read_arrays` of the result last given to :meth:`nbytes_of`."""
+        arrays = []
+        for dt, shape, off, n in self._spans:
+            flat = root[off:off + n] if n else np.empty(0, np.uint8)
+            arrays.append(flat.view(dt).reshape(shape))
+        return tuple(arrays) if packed.as_tuple else arrays
 
 
 def unsendable(raw: Any, exc: BaseException, unit: int | None = None) -> Unsendable:

@@ -44,7 +44,7 @@ from .chunks import GrantPin
 from .read_units import HOLDERS, UNIT_RECORD, ReadUnit
 from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
 from .starting import describe_exit, exit_fd, preload_forkserver, process_context, serialize_polls
-from .messages import Arrays, Note, Raised, Result, packed_nbytes, read_arrays
+from .messages import Arrays, LayoutCache, Note, Raised, Result
 from .pulling import ENDED, Puller
 from .rebatch import BufferPool
 from .slot_ring import SlotReturns
@@ -203,9 +203,9 @@ class _Worker:
         self.pid: int = self.process.pid or 0
         #: ready when the worker process itself has ended (see starting.exit_fd)
         self.sentinel, self._own_sentinel = exit_fd(self.process)
-        #: the child's messages, until the child ended (not until the pipe's
-        #: EOF: a process fetch_fun forked may hold its write end for ever)
-        self.reader = MessageReader(out_r, self.sentinel)
+        #: the child's messages, until the child ended (not until the pipe's EOF: a
+        #: process fetch_fun forked may hold its write end for ever), and their layouts
+        self.reader, self._layouts = MessageReader(out_r, self.sentinel), LayoutCache()
         self.pipe_fd = out_r
         #: what the group's puller last got from this worker, acted on first
         #: by the receiver thread once it takes over (see blobfeed.feeders.pulling)
@@ -271,14 +271,15 @@ class _Worker:
         slot = packed.where
         if not self._shared:
             self._share()
-        used = packed_nbytes(packed)
+        layouts = self._layouts
+        used = layouts.nbytes_of(packed)
         root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
         root.flags.writeable = False
         # Every view's base is `root`, so the slot returns to the child when
         # the last view of it dies: the group's returner thread hears of it
         # (see slot_ring.SlotReturns).
         self.group.returns.watch(root, self.ring, slot)
-        arrays = read_arrays(root, packed)
+        arrays = layouts.read(root, packed)
         del root
         # Whether to copy the chunk out goes by its rows; a malformed chunk
         # (no such axis) is the intake's to report, as views.
@@ -323,12 +324,10 @@ class _Worker:
     # -- receiving: the group's puller, then the receiver thread -----------------
     def receive_one(self) -> Any:
         """One message to the intake, in the puller's thread (see pulling.Pullable)."""
+        # (no hint, nor whole batches, to keep up to date: a pulled worker
+        # reads units, which take no batch size and go out as they are read)
         data = self.reader.recv()
-        if data is None:
-            return ENDED
-        self.area.set_hint(self.group.plan.batch_size_hint())
-        self.area.set_whole(self._whole())
-        return self._handle(data)
+        return ENDED if data is None else self._handle(data)
 
     def hand_over(self, pending: Any) -> None:
         """Start the receiver thread, acting on ``pending`` first (see pulling.Pullable)."""
