@@ -32,6 +32,7 @@ import pytest
 
 import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, RandomAccessSource, init_data_input_workers
+from blobfeed.feeders.processes import _Worker
 
 from .helpers import wait_until
 
@@ -830,14 +831,16 @@ def test_a_dead_workers_units_are_read_again_though_the_other_lanes_are_full(tmp
 
     mark = str(tmp_path / "pid")
     n = 40
-    with Pipeline(HangAtZero(n, mark), 1, 2, bs=2, epochs=1, shuffle=False, read_size=2, window=5,
+    # worker 0 takes UNITS_AHEAD units (0, 2, ...) and hangs at unit 0; worker
+    # 1 the others of the window, and the one past them once it delivered
+    window = 2 * _Worker.UNITS_AHEAD + 1
+    with Pipeline(HangAtZero(n, mark), 1, 2, bs=2, epochs=1, shuffle=False, read_size=2, window=window,
                   backend="processes", **kw) as p:
         p.start()
         wait_until(lambda: os.path.exists(mark), timeout=WAIT, what="worker 0 reads index 0")
         dealer = p.gc._sources[SRC].dealer
-        # worker 1 took the window's units (1-4) and its lane is full: its
-        # receiver waits with one of them
-        wait_until(lambda: dealer.units._next >= 5 and lane_full(p, 1), timeout=WAIT,
+        # worker 1 took the rest of the window's units and its lane is full
+        wait_until(lambda: dealer.units._next >= window and lane_full(p, 1), timeout=WAIT,
                    what="worker 1's lane full")
         os.kill(int(open(mark).read()), signal.SIGKILL)
         got = []
@@ -1333,13 +1336,14 @@ def _live(pid: int) -> bool:
 
 
 #: a process is killed only once it began this many units: a process holds
-#: at most 2 units and delivers them in order, so by its 4th it delivered its
-#: first 2, which include every unit it read again for the process it
-#: replaced.  Each kill thus hits units read 0 times before (a unit's
-#: readers die at most once: MAX_TRIES is never reached) and a process that
-#: delivered (a worker id never dies 4 times in a row without delivering):
-#: the run passes by design, however slow the machine
-KILL_AFTER_READS = 4
+#: at most UNITS_AHEAD units and delivers them in order, so by its
+#: (UNITS_AHEAD + 1)th it delivered its first UNITS_AHEAD, which include
+#: every unit it read again for the process it replaced.  Each kill thus
+#: hits units read 0 times before (a unit's readers die at most once:
+#: MAX_TRIES is never reached) and a process that delivered (a worker id
+#: never dies 4 times in a row without delivering): the run passes by
+#: design, however slow the machine
+KILL_AFTER_READS = 2 * _Worker.UNITS_AHEAD
 
 
 class EveryHalfSecond(threading.Thread):

@@ -874,10 +874,12 @@ class Killer(Shards):
         self.shard, self.at, self.marks = shard, at, marks
 
     def __call__(self, k: int, offset: int) -> Iterator[Any]:
-        for o, c in enumerate(super().__call__(k, offset), offset):
-            if k == self.shard and o == self.at and not os.listdir(self.marks):
+        o = offset  # (the sample the next chunk starts at: a chunk holds 1 + k % 3)
+        for c in super().__call__(k, offset):
+            if k == self.shard and o <= self.at < o + len(c[0]) and not os.listdir(self.marks):
                 open(os.path.join(self.marks, str(os.getpid())), "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
+            o += len(c[0])
             yield c
 
 
