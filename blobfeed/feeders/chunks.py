@@ -255,6 +255,11 @@ class ChunkValidator:
         #: source's dealer does it in stream order, not in arrival order)
         self.per_chunk_only = False
 
+    def _where(self, worker_id: int) -> str:
+        """How errors name where a chunk came from (made only for an error:
+        check runs once a chunk)."""
+        return f"source {self.source!r}, worker {worker_id}"
+
     def check(
         self,
         raw: Any,
@@ -278,36 +283,35 @@ class ChunkValidator:
         names = self.blob_names if blob_names is None else tuple(blob_names)
         if raw is None:
             return "none"
-        where = f"source {self.source!r}, worker {worker_id}"
         if not isinstance(raw, (list, tuple)):
             if type(raw) is Unsendable:
                 # the fetcher's result was fine as far as it goes: our own
                 # pickling of it (to the parent) failed
-                raise _bad_chunk(where, raw.problem())
+                raise _bad_chunk(self._where(worker_id), raw.problem())
             hint = ""
             if not isinstance(raw, np.ndarray) and callable(getattr(raw, "numpy", None)):
                 hint = f" ({_not_an_array(raw)}, in a list: [tensor.numpy()])"
             elif isinstance(raw, np.ndarray) and len(names) == 1:
                 hint = " (one array: return [arr])"
             raise _bad_chunk(
-                where,
+                self._where(worker_id),
                 f"fetch_fun must return a list or tuple of {len(names)} numpy arrays "
                 f"({', '.join(names)}), got {type(raw).__name__}{hint}",
                 TypeError,
             )
         if len(raw) != len(names):
             raise _bad_chunk(
-                where, f"expected {len(names)} arrays ({', '.join(names)}), got {len(raw)}"
+                self._where(worker_id), f"expected {len(names)} arrays ({', '.join(names)}), got {len(raw)}"
             )
         n = -1
         arrays = list(raw)
         for i, arr in enumerate(arrays):
             if type(arr) is not np.ndarray or not arr.dtype.isnative:
-                arr = arrays[i] = _plain(arr, f"{where}, blob {names[i]!r}")
+                arr = arrays[i] = _plain(arr, f"{self._where(worker_id)}, blob {names[i]!r}")
             axis = self.axes[i]
             if arr.ndim <= axis:
                 raise _bad_chunk(
-                    f"{where}, blob {names[i]!r}",
+                    f"{self._where(worker_id)}, blob {names[i]!r}",
                     f"expected an array with a batch axis {axis}, got shape {arr.shape}",
                 )
             k = arr.shape[axis]
@@ -315,13 +319,13 @@ class ChunkValidator:
                 n = k
             elif k != n:
                 raise _bad_chunk(
-                    f"{where}, blob {names[i]!r}",
+                    f"{self._where(worker_id)}, blob {names[i]!r}",
                     f"expected {n} samples (as blob {names[0]!r}), got {k} (shape {arr.shape})",
                 )
         if n == 0:
             return "empty"
         if model_checks:
-            check_model_inputs(Chunk(tuple(arrays), n, worker_id), model_checks, self.axes, where)
+            check_model_inputs(Chunk(tuple(arrays), n, worker_id), model_checks, self.axes, self._where(worker_id))
         if self.per_chunk_only:
             return Chunk(tuple(arrays), n, worker_id, seq, pin)
         expected = self._expected
@@ -339,7 +343,7 @@ class ChunkValidator:
             if arr.dtype != dtype or shape[:ax] + shape[ax + 1 :] != sample_shape:
                 fix = _astype_hint(dtype) if arr.dtype != dtype else ""
                 raise _bad_chunk(
-                    f"{where}, blob {names[i]!r}",
+                    f"{self._where(worker_id)}, blob {names[i]!r}",
                     f"expected dtype {dtype} and per-sample shape {sample_shape} (as earlier "
                     f"chunks), got dtype {arr.dtype} and per-sample shape "
                     f"{shape[:ax] + shape[ax + 1 :]} (array shape {shape}){fix}",

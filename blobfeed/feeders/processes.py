@@ -276,9 +276,8 @@ class _Worker:
         used = layouts.nbytes_of(packed)
         root = np.frombuffer(area.mm, np.uint8, count=used, offset=area.offset(slot))
         root.flags.writeable = False
-        # Every view's base is `root`, so the slot returns to the child when
-        # the last view of it dies: the group's returner thread hears of it
-        # (see slot_ring.SlotReturns).
+        # Every view's base is `root`, so the slot returns to the child when the last
+        # view of it dies: the group's returner thread hears of it (slot_ring.SlotReturns).
         self.group.returns.watch(root, self.ring, slot)
         arrays = layouts.read(root, packed)
         del root
@@ -300,7 +299,8 @@ class _Worker:
                 np.copyto(dst, a, casting="no")
             return bool(deliver(intake, event._replace(raw=tuple(copied) if packed.as_tuple else copied),
                                 None, used + message_bytes))
-        return bool(deliver(intake, event._replace(raw=arrays), GrantPin(self.ring, slot), used + message_bytes))
+        result = Result(event.seconds, arrays, event.state, event.calls)  # (not _replace: twice the calls)
+        return bool(deliver(intake, result, GrantPin(self.ring, slot), used + message_bytes))
 
     def _share(self) -> None:
         """Register the area as a shared region (see blobfeed.shared_regions):
