@@ -17,7 +17,7 @@ from ..queues import BlobsQueue
 from ..stats import AssembleStats, ConsumeStats, MetricsHub
 from .chunks import Batch, EpochEnd, ModelInput
 from .dealing import Reader
-from .rebatch import Cut, Rebatcher
+from .rebatch import Rebatcher
 from .source import InputSource, SourceStopped
 
 __all__ = ["Feed", "FeedGroup"]
@@ -275,16 +275,6 @@ class Feed:
         stats.samples += b.n
         return batch
 
-    def _joined(self, cut: Cut, stats: AssembleStats) -> Batch:
-        """The batch of ``cut`` (see :meth:`Rebatcher.cut`), placed on the device."""
-        t0 = time.perf_counter()
-        b = self.rebatcher.join(cut)
-        batch = Batch(self._place(b.arrays), b.n)
-        stats.enqueue.observe(time.perf_counter() - t0)
-        stats.batches += 1
-        stats.samples += b.n
-        return batch
-
     def _take(self, queue: Any) -> tuple[bool, bool]:
         """The next chunk from ``queue`` into the re-batcher (under the lock);
         an epoch's end is kept aside instead (see ``_boundary``).  Returns
@@ -436,27 +426,21 @@ class Feed:
                     if self.rebatcher.big and (
                         self._boundary is None or self.rebatcher.pending >= self.rebatcher.batch_size
                     ):
+                        # A big batch is assembled outside the lock (below):
+                        # the net's thread never waits for its copy (a view
+                        # copied for Net(writable=True), or placed on a GPU);
+                        # only this thread assembles big batches: in order.
                         cut = self.rebatcher.cut()
                         if cut is None:
                             return True
-                        if cut.views is not None:
-                            # views of one chunk (or a batch filled as its
-                            # chunks came): nothing to copy, made here
-                            self._staged = self._joined(cut, self.stats)
-                            cut = None
-                        else:
-                            # A big batch is copied outside the lock (below),
-                            # so the net's thread never waits a whole copy
-                            # for it; only this thread assembles big batches:
-                            # in order.
-                            self._joining = cut.n
+                        self._joining = cut.n
                     else:
                         self._staged = self._assemble(self.stats)
                         if self._staged is None:
                             return True
-                    # (an empty queue is expected while flushing the end)
-                    if cut is None and not final and (lagging := self._lagging()) is not None:
-                        break
+                        # (an empty queue is expected while flushing the end)
+                        if not final and (lagging := self._lagging()) is not None:
+                            break
                 if cut is None:
                     # staged above, or left by the last pass and not taken
                     # since: never None here (the net takes it under this lock)
@@ -468,11 +452,16 @@ class Feed:
                         self._lose_all()
                         return False
             if cut is not None:
-                batch = self._joined(cut, self.stats)
+                t0 = time.perf_counter()
+                b = self.rebatcher.join(cut)
+                batch = Batch(self._place(b.arrays), b.n)
+                self.stats.enqueue.observe(time.perf_counter() - t0)
+                self.stats.batches += 1
+                self.stats.samples += b.n
                 with self._lock:
                     self._joining = 0
                     if self._aborted:
-                        self.stats.dropped[self._lost_reason] += batch.n
+                        self.stats.dropped[self._lost_reason] += b.n
                         self._lose_all()  # and what the rebatcher still holds
                         return False
                     self._staged = batch
