@@ -1244,6 +1244,10 @@ def test_samples_stacked_into_a_workers_slot_are_those_of_the_checked_way() -> N
         slow = slow_reader._stack(0, [0, 1, 2, 3], samples)
         assert fast is not None and fast[0] is buffers[0], shape  # into the slot, not a copy of its own
         assert all(a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(fast, slow))
+    empty = [(np.zeros((3, 0), np.float32), np.int64(i)) for i in range(4)]  # a zero-length later axis: still in the slot
+    buffers = []
+    fast = reader_into(buffers)._stack_plain(empty)
+    assert fast is not None and fast[0] is buffers[0] and fast[0].shape == (4, 3, 0)
     ragged = [(np.arange(n, dtype=np.float32), np.int64(i)) for i, n in enumerate((4, 4, 2, 6))]
     assert reader_into([])._stack_plain(ragged[1:]) is None
 
@@ -1336,8 +1340,8 @@ def _live(pid: int) -> bool:
 
 
 #: a process is killed only once it began this many units: a process holds
-#: at most UNITS_AHEAD units and delivers them in order, so by its
-#: (UNITS_AHEAD + 1)th it delivered its first UNITS_AHEAD, which include
+#: at most UNITS_AHEAD units and delivers them in order, so to take its
+#: (2 x UNITS_AHEAD)th it delivered its first UNITS_AHEAD, which include
 #: every unit it read again for the process it replaced.  Each kill thus
 #: hits units read 0 times before (a unit's readers die at most once:
 #: MAX_TRIES is never reached) and a process that delivered (a worker id

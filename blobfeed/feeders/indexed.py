@@ -419,7 +419,8 @@ class UnitReader:
                     # (its pages faulted in anew each unit) and no copy after
                     stacked = into[k]
                     first = col[0].shape
-                    if ax == 0 and first and stacked.flags.c_contiguous and len(set(map(_SHAPE, col))) == 1:
+                    if ax == 0 and first and 0 not in first[1:] and stacked.flags.c_contiguous \
+                            and len(set(map(_SHAPE, col))) == 1:
                         # along the first axis the samples lie one after the
                         # other: one concatenate into the slot's array seen
                         # flat along it, where np.stack makes a view of each

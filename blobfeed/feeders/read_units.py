@@ -572,6 +572,8 @@ class PipeUnits:
             try:
                 part = os.read(self.fd, size - len(data))
             except BlockingIOError:
+                part = None
+            if part is None:  # (outside the except: an error of before_wait is its own)
                 if not told and self.before_wait is not None:
                     told = True
                     self.before_wait()
