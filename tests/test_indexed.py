@@ -605,6 +605,46 @@ def test_a_unit_that_kills_every_reader_fails_the_source_after_three_tries(tmp_p
     assert len(list(tmp_path.iterdir())) == 3
 
 
+class KillsAt(Items):
+    """Reading index ``i`` SIGKILLs its reader the first ``times[i]`` times
+    (counted in files ``i-pid`` under ``marks``)."""
+
+    def __init__(self, n: int, times: dict[int, int], marks: str) -> None:
+        super().__init__(n)
+        self.times = times
+        self.marks = marks
+
+    def __getitem__(self, i: int) -> tuple[Any, np.ndarray]:
+        if i in self.times:
+            import os
+            import signal
+
+            done = sum(1 for f in os.listdir(self.marks) if f.startswith(f"{i}-"))
+            if done < self.times[i]:
+                open(os.path.join(self.marks, f"{i}-{os.getpid()}"), "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def test_a_death_counts_a_try_only_against_the_unit_its_process_was_reading(tmp_path: Any) -> None:
+    # One worker, units of two, unshuffled: read unit 4 is indexes 8 and 9,
+    # unit 5 is 10 and 11, and a process holds two units.  The first process
+    # dies reading unit 4 (holding 5, unread); the next two read unit 4 and
+    # die reading unit 5 (holding 4's result, not yet sent).  Unit 4 was
+    # read to its end twice: its tries are one, not three, and the fourth
+    # process reads the rest.  (A death counted a try against every unit
+    # its process held: unit 4 reached three and failed the source.)
+    n, bs = 20, 2
+    with Pipeline(KillsAt(n, {8: 1, 10: 2}, str(tmp_path)), 1, 1, bs=bs, epochs=1, shuffle=False,
+                  read_size=2, backend="processes") as p:
+        got = p.lockstep()
+        deaths = p.gc.registry.get_sample_value("blobfeed_worker_deaths_total",
+                                                {"source": SRC, "backend": "processes"})
+    assert sorted(f.name.split("-")[0] for f in tmp_path.iterdir()) == ["10", "10", "8"]
+    assert deaths == 3
+    assert_stream(got, reference(n, bs, 1, shuffle=False), "three deaths, two at unit 5, one at unit 4")
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. set_num_workers while it runs
 # ---------------------------------------------------------------------------------------------

@@ -257,3 +257,26 @@ def test_a_unit_that_cannot_be_sent_while_the_stream_takes_one_fails_the_source(
     assert gc.stop(timeout=10)
     assert len(outcome) == 1 and isinstance(outcome[0], blobfeed.FetcherError), outcome
     assert "could not send read unit 1" in str(outcome[0]) and "cannot pack unit 1" in str(outcome[0])
+
+
+def test_a_death_counts_a_try_against_the_unit_being_read_alone() -> None:
+    d = dispenser()
+    readers = [Holder(d) for _ in range(4)]
+    # three processes die holding units 0 and 1; the first while reading
+    # 0, the others while reading 1: unit 0 has one try, unit 1 two
+    for k, reading in enumerate((0, 1, 1)):
+        d.attach(0, k + 1, 2, readers[k].send, readers[k].failed)
+        assert readers[k].units() == [0, 1]
+        assert d.retire(k + 1, reading) == []
+    assert d._tries == {0: 1, 1: 2}
+    # a process that had taken no unit yet (-1) costs no try; one whose
+    # reading is not said is counted against the oldest unit it held
+    d.attach(0, 10, 2, readers[3].send, readers[3].failed)
+    assert d.retire(10, -1) == []
+    last = Holder(d)
+    d.attach(0, 11, 2, last.send, last.failed)
+    assert d.retire(11) == []
+    assert d._tries == {0: 2, 1: 2}
+    final = Holder(d)
+    d.attach(0, 12, 2, final.send, final.failed)
+    assert d.retire(12, 1) == [(1, 3)], "the third death reading unit 1 fails the source"

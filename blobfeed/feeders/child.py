@@ -278,7 +278,7 @@ def _work(
         # a random-access source's units come down a pipe; what is pending
         # goes out before waiting for the next one (the parent hands out
         # more once it has them)
-        fetch_fun.units = PipeUnits(units_fd, flush)
+        fetch_fun.units = PipeUnits(units_fd, flush, area.set_reading)
         unit_slots = UnitSlots(area.mm, area.offset, slot_bytes, take_slot, free.append, flush, SHM_MIN_BYTES)
         fetch_fun.into = unit_slots
     events = worker_events(

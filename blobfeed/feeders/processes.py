@@ -476,7 +476,7 @@ class _Worker:
             # too) are read again by a new process.  Before its start only a
             # kill (an exit code is a start-up failing, as the next one would)
             intake = self.plan.intake
-            poison = self.units.retire(self.holder)
+            poison = self.units.retire(self.holder, self.area.reading())
             if poison:
                 unit, tries = poison[0]
                 intake.died(

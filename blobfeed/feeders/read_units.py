@@ -510,23 +510,34 @@ class UnitDispenser:
         with self._mutex:
             return holder in self._retired
 
-    def retire(self, holder: int) -> list[tuple[int, int]]:
+    def retire(self, holder: int, reading: int | None = None) -> list[tuple[int, int]]:
         """A worker process died: the units it held are read again, by the
         process that replaces it (the same worker id), or by whoever asks
         first when that worker id is stopped (or, see :meth:`release`, not
-        replaced).  Returns those of them whose readers died
-        :data:`MAX_TRIES` times, ``(unit, tries)`` (the source must fail)."""
+        replaced).
+
+        A try is counted against the unit it was reading alone: ``reading``
+        as its process said (no unit it still holds: none), or when None
+        the oldest it held.  The others waited behind it (or were read, and
+        their results died with it): a death says nothing of them, and with
+        several units ahead an innocent one would reach :data:`MAX_TRIES`.
+        Returns ``[(unit, tries)]`` when that unit's readers died
+        :data:`MAX_TRIES` times (the source must fail), else ``[]``."""
         with self._mutex:
             self._retired.add(holder)
             wid = self._wid_of.pop(holder, None)
             redo = self._redo if wid is None or wid in self._stopped else self._redo_of.setdefault(wid, [])
+            held = self._held.pop(holder, [])
+            if reading is None and held:
+                reading = held[0]
             poison = []
-            for u in self._held.pop(holder, []):
-                tries = self._tries[u] = self._tries.get(u, 0) + 1
+            for u in held:
                 self._owner.pop(u, None)
                 heapq.heappush(redo, u)
-                if tries >= MAX_TRIES:
-                    poison.append((u, tries))
+                if u == reading:
+                    tries = self._tries[u] = self._tries.get(u, 0) + 1
+                    if tries >= MAX_TRIES:
+                        poison.append((u, tries))
             pushed = self._changed()
         self._after(pushed)
         return poison
@@ -559,9 +570,13 @@ class PipeUnits:
     (the worker process's own end: the parent never reads it), so a unit
     already there costs one read, not a poll and a read."""
 
-    def __init__(self, fd: int, before_wait: Callable[[], None] | None = None) -> None:
+    def __init__(self, fd: int, before_wait: Callable[[], None] | None = None,
+                 reading: Callable[[int], None] | None = None) -> None:
         self.fd = fd
         self.before_wait = before_wait
+        #: told each unit taken, before it is read (the parent learns from
+        #: it which unit a process that died was reading: see retire)
+        self.reading = reading
         os.set_blocking(fd, False)
 
     def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
@@ -584,4 +599,8 @@ class PipeUnits:
                 return None
             data += part
         unit, lo, hi = UNIT_RECORD.unpack(data)
-        return None if unit < 0 else ReadUnit(unit, lo, hi)
+        if unit < 0:
+            return None
+        if self.reading is not None:
+            self.reading(unit)
+        return ReadUnit(unit, lo, hi)

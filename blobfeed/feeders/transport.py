@@ -35,7 +35,8 @@ __all__ = [
 #: [32:40] the size of the batches the worker may assemble itself, 0: none,
 #: [40:48] how many of its slots batches handed out view (both parent to
 #: worker, see worker_batches), [48:56] the worker waits for that count to
-#: grow (worker to parent: a batch handed out then writes it a wake-up)
+#: grow (worker to parent: a batch handed out then writes it a wake-up),
+#: [56:64] 1 + the read unit it took last, 0: none (worker to parent)
 HEADER_BYTES = 64
 #: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module)
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
@@ -210,6 +211,14 @@ class SlotArea:
         """True once the worker returns by itself (after its last message):
         an exit with code 0 without it is a death (``os._exit(0)``)."""
         return _HINT.unpack_from(self.mm, 16)[0] != 0
+
+    def set_reading(self, unit: int) -> None:
+        _HINT.pack_into(self.mm, 56, unit + 1)
+
+    def reading(self) -> int:
+        """The read unit the worker took last (-1: none yet): the one it was
+        reading if it died holding it."""
+        return _HINT.unpack_from(self.mm, 56)[0] - 1
 
     def set_started(self) -> None:
         _HINT.pack_into(self.mm, 24, 1)
