@@ -1383,10 +1383,10 @@ def _live(pid: int) -> bool:
 #: at most UNITS_AHEAD units and delivers them in order, so to take its
 #: (2 x UNITS_AHEAD)th it delivered its first UNITS_AHEAD, which include
 #: every unit it read again for the process it replaced.  Each kill thus
-#: hits units read 0 times before (a unit's readers die at most once:
-#: MAX_TRIES is never reached) and a process that delivered (a worker id
-#: never dies 4 times in a row without delivering): the run passes by
-#: design, however slow the machine
+#: counts a try against a unit read 0 times before (a unit's readers die at
+#: most once: MAX_TRIES is never reached) and hits a process that delivered
+#: (a worker id never dies 4 times in a row without delivering): the run
+#: passes by design, however slow the machine
 KILL_AFTER_READS = 2 * _Worker.UNITS_AHEAD
 
 
