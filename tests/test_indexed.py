@@ -628,12 +628,15 @@ class KillsAt(Items):
 
 def test_a_death_counts_a_try_only_against_the_unit_its_process_was_reading(tmp_path: Any) -> None:
     # One worker, units of two, unshuffled: read unit 4 is indexes 8 and 9,
-    # unit 5 is 10 and 11, and a process holds two units.  The first process
-    # dies reading unit 4 (holding 5, unread); the next two read unit 4 and
-    # die reading unit 5 (holding 4's result, not yet sent).  Unit 4 was
-    # read to its end twice: its tries are one, not three, and the fourth
-    # process reads the rest.  (A death counted a try against every unit
-    # its process held: unit 4 reached three and failed the source.)
+    # unit 5 is 10 and 11, and a process holds several units at once.  The
+    # first process dies reading unit 4 (holding 5 too, unread); each of the
+    # next two reads unit 4 and dies reading unit 5, before the parent took
+    # unit 4's result from it (the stream, with one net in lockstep, reads a
+    # worker's results as it needs them), so it dies holding unit 4 too.
+    # Unit 4 was read to its end twice: its tries are one, not three, and
+    # the fourth process reads the rest.  (A death counted a try against
+    # every unit its process held: unit 4 reached three and failed the
+    # source, named in the error.)
     n, bs = 20, 2
     with Pipeline(KillsAt(n, {8: 1, 10: 2}, str(tmp_path)), 1, 1, bs=bs, epochs=1, shuffle=False,
                   read_size=2, backend="processes") as p:
