@@ -630,9 +630,9 @@ def test_a_death_counts_a_try_only_against_the_unit_its_process_was_reading(tmp_
     # One worker, units of two, unshuffled: read unit 4 is indexes 8 and 9,
     # unit 5 is 10 and 11, and a process holds several units at once.  The
     # first process dies reading unit 4 (holding 5 too, unread); each of the
-    # next two reads unit 4 and dies reading unit 5, before the parent took
-    # unit 4's result from it (the stream, with one net in lockstep, reads a
-    # worker's results as it needs them), so it dies holding unit 4 too.
+    # next two reads unit 4 and dies reading unit 5 before sending unit 4's
+    # result (a worker sends what it holds when its units pipe is empty, and
+    # unit 5 was there), so it dies holding unit 4 too.
     # Unit 4 was read to its end twice: its tries are one, not three, and
     # the fourth process reads the rest.  (A death counted a try against
     # every unit its process held: unit 4 reached three and failed the
@@ -1441,8 +1441,8 @@ def test_a_worker_process_sigkilled_every_half_second_loses_and_repeats_nothing(
     killer = EveryHalfSecond(marks, seed, limit=6)
     try:
         # 128 units of 2, about 2 s of reads whatever the worker count: a kill
-        # every 0.5 s from the first process's fourth unit on, each replacement
-        # killable after four units of its own (was 192 units, 3 s)
+        # every 0.5 s once the first process began KILL_AFTER_READS units, each
+        # replacement killable after as many of its own (was 192 units, 3 s)
         with Pipeline(ReadLog(n, marks, delay=0.015 * workers), nets, workers, bs=bs, epochs=epochs, seed=seed,
                       read_size=2, backend="processes") as p:
             p.start()

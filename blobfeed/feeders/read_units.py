@@ -158,7 +158,7 @@ class UnitDispenser:
         #: ... and those of worker ids that are stopped or not replaced, for
         #: any worker
         self._redo: list[int] = []
-        #: unit -> how many readers of it died
+        #: unit -> how many processes died while reading it (see retire)
         self._tries: dict[int, int] = {}
         #: workers told to take no more units (set_num_workers)
         self._stopped: set[int] = set()
