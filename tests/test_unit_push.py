@@ -280,3 +280,24 @@ def test_a_death_counts_a_try_against_the_unit_being_read_alone() -> None:
     final = Holder(d)
     d.attach(0, 12, 2, final.send, final.failed)
     assert d.retire(12, 1) == [(1, 3)], "the third death reading unit 1 fails the source"
+
+
+def test_a_worker_process_says_it_reads_no_unit_while_it_waits_for_one() -> None:
+    # A process killed while it waits for its next unit (the OOM killer, a
+    # user) was reading none: its last unit, read and sent, must not be
+    # charged a try, so its header says none while it waits.
+    import os
+
+    from blobfeed.feeders.read_units import PipeUnits
+
+    r, w = os.pipe()
+    try:
+        said: list[int] = []
+        units = PipeUnits(r, before_wait=lambda: os.write(w, UNIT_RECORD.pack(5, 10, 12)), reading=said.append)
+        os.write(w, UNIT_RECORD.pack(3, 6, 8))
+        assert units.take(0) == (3, 6, 8)
+        assert units.take(0) == (5, 10, 12)  # the pipe was empty: before_wait, then the wait
+        assert said == [3, -1, 5]
+    finally:
+        os.close(r)
+        os.close(w)

@@ -574,8 +574,9 @@ class PipeUnits:
                  reading: Callable[[int], None] | None = None) -> None:
         self.fd = fd
         self.before_wait = before_wait
-        #: told each unit taken, before it is read (the parent learns from
-        #: it which unit a process that died was reading: see retire)
+        #: told each unit taken, before it is read, and -1 once what it read
+        #: is sent and it waits for more (the parent learns from it which
+        #: unit a process that died was reading: see retire)
         self.reading = reading
         os.set_blocking(fd, False)
 
@@ -592,6 +593,10 @@ class PipeUnits:
                 if not told and self.before_wait is not None:
                     told = True
                     self.before_wait()
+                    if self.reading is not None:
+                        # what it read is sent: waiting, it reads none (a
+                        # kill now is no try against its last unit)
+                        self.reading(-1)
                     continue  # (what it sent may have freed a unit meanwhile)
                 select.select([self.fd], [], [])
                 continue

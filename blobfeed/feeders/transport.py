@@ -36,7 +36,7 @@ __all__ = [
 #: [40:48] how many of its slots batches handed out view (both parent to
 #: worker, see worker_batches), [48:56] the worker waits for that count to
 #: grow (worker to parent: a batch handed out then writes it a wake-up),
-#: [56:64] 1 + the read unit it took last, 0: none (worker to parent)
+#: [56:64] 1 + the read unit it reads, 0: none (worker to parent)
 HEADER_BYTES = 64
 #: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module)
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
@@ -216,8 +216,8 @@ class SlotArea:
         _HINT.pack_into(self.mm, 56, unit + 1)
 
     def reading(self) -> int:
-        """The read unit the worker took last (-1: none yet): the one it was
-        reading if it died holding it."""
+        """The read unit the worker reads (-1: none, before its first and
+        while it waits for the next): the one to blame if it died."""
         return _HINT.unpack_from(self.mm, 56)[0] - 1
 
     def set_started(self) -> None:
