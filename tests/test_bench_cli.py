@@ -834,6 +834,55 @@ def test_the_usage_probe_reads_what_a_busy_process_and_its_child_spent() -> None
         measure.UsageProbe({"none": []}).stop()
 
 
+def test_the_meter_reads_what_it_and_its_worker_processes_spent_in_the_window() -> None:
+    """W7's per-batch costs (issue 26): a meter with ``cpu=True`` reads its
+    own process and the processes below it at the window's two ends; what
+    a child spun inside the window is the children's, not the parent's."""
+    child = subprocess.Popen([sys.executable, "-c", BUSY, "child", "0.3"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        m = measure.Meter(0.35, warmup=0.0, pss=False, cpu=True)
+        one = [np.zeros(4)]
+        m.begin()
+        assert m.tick(one) and m.tick(one)  # the first batch, then the window opens (warm-up 0)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        spun = float(child.stdout.readline())  # its spin ended inside the window
+        while m.tick(one):
+            pass
+        r = m.result()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+        child.stdout.close()
+    tick = 2 / measure.CLK_TCK  # /proc truncates utime and stime to a clock tick each
+    children_s = r["children_cpu_us_per_batch"] * m.batches / 1e6
+    parent_s = r["parent_cpu_us_per_batch"] * m.batches / 1e6
+    assert children_s > spun - tick, (r, spun)
+    assert parent_s < spun / 2, (r, spun)  # the parent waited on the child's line: its spin is not ours
+    assert r["children_ctx_per_batch"] >= 0 and r["parent_ctx_per_batch"] >= 0
+    assert "parent_cpu_us_per_batch" not in measure.Meter(0.1, pss=False).result()  # only when asked
+
+
+def test_the_table_shows_what_each_w7_runners_processes_spent_a_batch() -> None:
+    results = {**_passing_results(),
+               "W7/blobfeed": _result(parent_cpu_us_per_batch=120.0, parent_ctx_per_batch=3.5,
+                                      children_cpu_us_per_batch=500.0, children_ctx_per_batch=2.0),
+               "W7/hand2": _result(parent_cpu_us_per_batch=25.0, parent_ctx_per_batch=1.0,
+                                   children_cpu_us_per_batch=430.0, children_ctx_per_batch=1.0)}
+    lines = report.format_report(_report(results)).splitlines()
+    top = lines.index(next(line for line in lines if line.startswith("per batch taken")))
+    costs = {tuple(re.split(r" {2,}", line.strip())[:2]): re.split(r" {2,}", line.strip())[2:]
+             for line in lines[top + 1: lines.index("", top)]}
+    assert costs == {
+        ("W7/blobfeed", "this process"): ["3.5", "120.0"], ("W7/blobfeed", "worker processes"): ["2.0", "500.0"],
+        ("W7/blobfeed", "all"): ["5.5", "620.0"],
+        ("W7/hand2", "this process"): ["1.0", "25.0"], ("W7/hand2", "worker processes"): ["1.0", "430.0"],
+        ("W7/hand2", "all"): ["2.0", "455.0"],
+    }
+    assert any(line.startswith("per batch (W1i, W2i, W7, work2, hand2):") for line in lines)
+
+
 # --------------------------------------------------------------------------- real runs
 def _check_real_run(proc: subprocess.CompletedProcess[str], workload: str, runner_: str = "blobfeed") -> str:
     out = proc.stdout

@@ -56,7 +56,7 @@ def run_indexed(wl: Workload, seconds: float, shuffle: bool | None = None, worke
     kwargs: dict[str, Any] = {} if wl.backend == "threads" else {"backend": wl.backend}
     blobfeed.init_data_input_workers(net, list(wl.blobs), source, wl.batch, num_worker_threads=workers, coordinator=gc,
                                      epochs=None, **kwargs)
-    m = Meter(seconds)
+    m = Meter(seconds, cpu=True)
     wait_key = ("blobfeed_dequeue_wait_seconds_sum", {"source": "train", "net": "bench"})
     seen: list[np.ndarray] = []
     wait0 = 0.0

@@ -377,6 +377,11 @@ class PssSampler:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
 
+    @property
+    def pid(self) -> int:
+        """The sampler's process id (-1 once stopped)."""
+        return self._proc.pid if self._proc is not None else -1
+
     def go(self) -> None:
         """Begin the readings (the window opened)."""
         if self._proc is not None:
@@ -468,8 +473,15 @@ class Meter:
     t_window: float = 0.0
     t_end: float = 0.0
     pss_mb: float = 0.0
+    #: read the CPU time and context switches of this process and of the
+    #: processes below it (the worker processes) at the window's two ends:
+    #: the result's ``parent_cpu_us_per_batch``, ``parent_ctx_per_batch``,
+    #: ``children_cpu_us_per_batch`` and ``children_ctx_per_batch``
+    cpu: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     _sampler: PssSampler | None = None
+    _probe: UsageProbe | None = None
+    _usage: dict[str, Usage] | None = None
 
     def begin(self) -> None:
         self.t_start = time.perf_counter()
@@ -482,6 +494,8 @@ class Meter:
             self.t_window = now + self.warmup
             if self.pss:
                 self._sampler = PssSampler()  # its start-up falls in the warm-up
+            if self.cpu:
+                self._probe = self._usage_probe()  # its scan of /proc too
             return True
         if now < self.t_window:
             return True
@@ -489,14 +503,33 @@ class Meter:
             self.t_window = now  # the window starts at the first batch after warm-up
             if self._sampler is not None:
                 self._sampler.go()
+            if self._probe is not None:
+                self._probe.start()
         self.batches += 1
         self.samples += len(arrays[0])
         self.nbytes += sum(a.nbytes for a in arrays)
         self.t_end = now
         going = now - self.t_window < self.seconds
         if not going:
+            self._read_cpu()
             self._stop_sampler()
         return going
+
+    def _usage_probe(self) -> UsageProbe:
+        """A probe of this process (every thread) and of the processes below
+        it (the worker processes), the PSS sampler's apart: it measures, it
+        is not measured.  Made at the first batch: processes started after
+        it are not in it."""
+        me = os.getpid()
+        prune = {self._sampler.pid} if self._sampler is not None else set()
+        below = [pid for pid in _children().get(me, []) if pid not in prune]
+        return UsageProbe({"parent": [me], "children": below}, exclude=prune)
+
+    def _read_cpu(self) -> None:
+        """The window's end: what this process and the processes below it spent since its start."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            self._usage = probe.stop()
 
     def _stop_sampler(self) -> None:
         if self._sampler is not None:
@@ -514,6 +547,10 @@ class Meter:
         }
         if self.pss:
             out["pss_mb"] = self.pss_mb
+        if self._usage is not None and self.batches:
+            for who, usage in self._usage.items():
+                out[f"{who}_cpu_us_per_batch"] = usage.cpu_s / self.batches * 1e6
+                out[f"{who}_ctx_per_batch"] = usage.switches / self.batches
         out.update(self.extra)
         out.update(extra)
         return out

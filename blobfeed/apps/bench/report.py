@@ -610,6 +610,11 @@ def legend(report: dict[str, Any]) -> list[str]:
                      "intake: a worker process's chunks into the dealer; fetchers: worker threads), and its worker "
                      "processes (the service's CPU time none of its threads spent; their switches are in the "
                      "service's total)")
+    if any(PROCESS_COST_KEYS[0][1] in r for r in results.values()):
+        lines.append("per batch (W1i, W2i, W7, work2, hand2): read from /proc at the window's two ends, over the "
+                     "batches taken in it, as above; this process: the runner's, every thread (the training loop; "
+                     "blobfeed's enqueuer and slot returner); worker processes: every process below it that ran "
+                     "when the window opened, but the PSS sampler")
     return lines
 
 
@@ -617,6 +622,14 @@ def legend(report: dict[str, Any]) -> list[str]:
 COST_KEYS = [
     ("service", "service_cpu_us_per_batch", "service_ctx_per_batch"),
     ("consumer", "consumer_cpu_us_per_batch", "consumer_ctx_per_batch"),
+]
+
+
+#: the per-batch costs of a runner's own processes (W1i, W2i, W7, and
+#: W7's work2 and hand2): (who, CPU key, switches key)
+PROCESS_COST_KEYS = [
+    ("this process", "parent_cpu_us_per_batch", "parent_ctx_per_batch"),
+    ("worker processes", "children_cpu_us_per_batch", "children_ctx_per_batch"),
 ]
 
 
@@ -635,6 +648,12 @@ def cost_lines(results: dict[str, dict[str, Any]]) -> list[str]:
                 steps = sorted(((k[len(STEP_CPU):], v) for k, v in r.items() if k.startswith(STEP_CPU)),
                                key=lambda kv: -kv[1])
                 rows += [(key, f"  {role}", r.get(STEP_CTX + role), cpu_us) for role, cpu_us in steps if cpu_us >= 0.05]
+        if PROCESS_COST_KEYS[0][1] in r:
+            spent = [(who, r.get(ctx), r[cpu]) for who, cpu, ctx in PROCESS_COST_KEYS if cpu in r]
+            rows += [(key, who, switched, cpu_us) for who, switched, cpu_us in spent]
+            switches = [switched for _, switched, _ in spent]
+            rows.append((key, "all", None if None in switches else float(sum(s for s in switches if s is not None)),
+                         sum(cpu_us for _, _, cpu_us in spent)))
         total = service_path_cpu_us(r)
         if total is not None:
             switches = [r.get(ctx) for _, _, ctx in COST_KEYS]

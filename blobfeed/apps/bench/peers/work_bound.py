@@ -85,7 +85,7 @@ def run_work2(wl: Workload, seconds: float) -> dict[str, Any]:
     for p in procs:
         p.start()
     try:
-        m = Meter(seconds)
+        m = Meter(seconds, cpu=True)
         m.begin()
         seen = 0
         going = True
@@ -197,7 +197,7 @@ def run_hand2(wl: Workload, seconds: float) -> dict[str, Any]:
     for fd in by_fd:
         poller.register(fd, select.POLLIN)
     try:
-        m = Meter(seconds)
+        m = Meter(seconds, cpu=True)
         m.begin()
         going = True
         while going:
