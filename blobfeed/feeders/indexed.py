@@ -18,6 +18,7 @@ the batch size only, whatever the workers and nets.
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import logging
 import operator
@@ -231,7 +232,7 @@ class UnitReader:
             raise StopIteration
         idx = self.indexes(r)
         samples = self._read(idx)
-        if isinstance(samples, Mapping):  # the unit already stacked
+        if _is_mapping(samples):  # the unit already stacked
             return Stamped(self._stacked(idx, samples), r.unit)
         return Stamped(self._stack(r.unit, idx, samples), r.unit)
 
@@ -247,7 +248,7 @@ class UnitReader:
                 raise IndexedReadError(
                     f"source {self.source!r}: dataset.__getitems__({_short(idx)}) raised {safe_repr(exc)}"
                 ) from exc
-            if isinstance(samples, Mapping):
+            if _is_mapping(samples):
                 return samples
             try:
                 count = len(samples)
@@ -502,3 +503,10 @@ def blob_arrays(where: str, names: Sequence[str], value: Any, batched: bool = Fa
 
 def _short(idx: Sequence[int]) -> str:
     return str(list(idx)) if len(idx) <= 8 else f"[{', '.join(map(str, idx[:8]))}, ... ({len(idx)} indexes)]"
+
+
+def _is_mapping(value: Any) -> bool:
+    """``isinstance(value, Mapping)``, a list (what ``__getitems__`` returns
+    most) answered at once: typing's ``Mapping`` checks in Python, twice a
+    read unit in the worker."""
+    return type(value) is not list and isinstance(value, collections.abc.Mapping)
