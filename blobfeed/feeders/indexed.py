@@ -22,7 +22,7 @@ import collections.abc
 import itertools
 import logging
 import operator
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -233,8 +233,8 @@ class UnitReader:
         idx = self.indexes(r)
         samples = self._read(idx)
         if _is_mapping(samples):  # the unit already stacked
-            return Stamped(self._stacked(idx, samples), r.unit)
-        return Stamped(self._stack(r.unit, idx, samples), r.unit)
+            return Stamped(self._stacked(idx, cast("Mapping[str, Any]", samples)), r.unit)
+        return Stamped(self._stack(r.unit, idx, cast("Sequence[Any]", samples)), r.unit)
 
     def _read(self, idx: list[int]) -> Sequence[Any] | Mapping[str, Any]:
         """The unit's samples, or a dict blob name -> the unit stacked
