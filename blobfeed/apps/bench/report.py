@@ -614,7 +614,7 @@ def legend(report: dict[str, Any]) -> list[str]:
         lines.append("per batch (W1i, W2i, W7, work2, hand2): read from /proc at the window's two ends, over the "
                      "batches taken in it, as above; this process: the runner's, every thread (the training loop; "
                      "blobfeed's enqueuer and slot returner); worker processes: every process below it that ran "
-                     "when the window opened, but the PSS sampler")
+                     "at the first batch, but the PSS sampler")
     return lines
 
 
