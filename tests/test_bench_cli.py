@@ -8,6 +8,7 @@ No assertion is about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -1213,6 +1214,32 @@ def test_a_ratio_past_the_physical_bound_is_a_failed_measurement(capsys: pytest.
     assert not re.search(r"^W4 batches/s vs one core's ideal.* ok", text, re.M)
 
 
+def test_a_semaphore_a_live_process_made_is_not_taken_for_a_killed_measurements() -> None:
+    """The sweep after a killed measurement unlinks the semaphores nobody
+    maps.  A process that makes one maps it under the temporary name
+    ``sem_open`` made it as (``/dev/shm/sem.XXXXXX (deleted)``), not its
+    own: by name the sweep took it for an orphan and unlinked it, and the
+    processes spawned to share it failed (the other test process's work2,
+    "exited with code 1": FileNotFoundError in SemLock._rebuild)."""
+    import multiprocessing
+
+    before = runner._semaphores()
+    lock = multiprocessing.get_context("spawn").Lock()  # (spawn: the name stays until the lock dies)
+    live = "sem" + lock._semlock.name.replace("/", ".")
+    orphan = f"sem.mp-orphan-{os.getpid()}"
+    with open(os.path.join(runner.SHM, orphan), "wb") as f:
+        f.write(b"\0" * 32)  # what a killed process leaves: a name nobody maps
+    try:
+        assert {live, orphan} <= runner._semaphores() - before
+        runner._unlink_orphan_semaphores(before, group=2**22 + 1)  # no process is in that group
+        assert os.path.exists(os.path.join(runner.SHM, live)), "a live process's semaphore was unlinked"
+        assert not os.path.exists(os.path.join(runner.SHM, orphan)), "the orphan was left"
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(runner.SHM, orphan))
+        del lock
+
+
 @pytest.mark.timeout(120)
 def test_a_hung_measurement_is_killed_with_every_process_it_started() -> None:
     """The child and the Pool's workers it forked: none is left behind, nor
@@ -1222,7 +1249,17 @@ def test_a_hung_measurement_is_killed_with_every_process_it_started() -> None:
     t0 = time.monotonic()
     with pytest.raises(runner.MeasurementFailed, match=r"^timed out after 4 s \(killed\)$"):
         runner._child("W1p", "pool", 60.0, timeout=4.0)
-    assert not runner._semaphores() - semaphores
+    # New ones that some process maps are the other test process's
+    # (multiprocessing's semaphores live as long as their objects): only one
+    # nobody maps any more was left behind.
+    mapped = runner._mapped_shm_files()
+    left = []
+    for name in runner._semaphores() - semaphores:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(os.path.join(runner.SHM, name))
+            if (st.st_dev, st.st_ino) not in mapped:
+                left.append(name)
+    assert not left, left
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("blobfeed-bench-") and not os.path.exists(
         "/proc/" + n.split("-")[2])], "a killed measurement's tally was left behind"
     assert time.monotonic() - t0 < 60

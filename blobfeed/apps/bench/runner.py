@@ -297,19 +297,37 @@ def _unlink_orphan_semaphores(before: set[str], group: int) -> None:
     new = _semaphores() - before
     if not new:
         return
-    mapped: set[str] = set()
+    mapped = _mapped_shm_files()
+    for name in new:
+        path = os.path.join(SHM, name)
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) not in mapped:
+                os.unlink(path)
+
+
+def _mapped_shm_files() -> set[tuple[int, int]]:
+    """(device, inode) of every file under /dev/shm some process maps.
+
+    By inode, not by name: the process that makes a named semaphore maps it
+    under the temporary name ``sem_open`` created it as
+    (``/dev/shm/sem.XXXXXX (deleted)``) before linking it to its own, so by
+    name a live semaphore of any other program looked unmapped."""
+    mapped: set[tuple[int, int]] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-                mapped.update(name for line in f if SHM + "/sem.mp-" in line
-                              for name in [line.rsplit("/", 1)[-1].split()[0]])
-        except OSError:
+                for line in f:
+                    if SHM + "/" not in line:
+                        continue
+                    fields = line.split()  # address, perms, offset, dev (major:minor, hex), inode, path
+                    major, minor = fields[3].split(":")
+                    mapped.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+        except (OSError, ValueError, IndexError):
             continue
-    for name in new - mapped:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(SHM, name))
+    return mapped
 
 
 def _group_alive(group: int) -> bool:
