@@ -1221,11 +1221,14 @@ def test_a_semaphore_a_live_process_made_is_not_taken_for_a_killed_measurements(
     own: by name the sweep took it for an orphan and unlinked it, and the
     processes spawned to share it failed (the other test process's work2,
     "exited with code 1": FileNotFoundError in SemLock._rebuild)."""
-    import multiprocessing
+    import _multiprocessing
 
     before = runner._semaphores()
-    lock = multiprocessing.get_context("spawn").Lock()  # (spawn: the name stays until the lock dies)
-    live = "sem" + lock._semlock.name.replace("/", ".")
+    # made as multiprocessing makes one for a spawned child (its name kept),
+    # named here: an imported library (joblib's loky) may rename theirs
+    name = f"/mp-live-{os.getpid()}"
+    lock = _multiprocessing.SemLock(1, 1, 1, name, False)  # kind 1: a semaphore; not unlinked at once
+    live = "sem." + name[1:]
     orphan = f"sem.mp-orphan-{os.getpid()}"
     with open(os.path.join(runner.SHM, orphan), "wb") as f:
         f.write(b"\0" * 32)  # what a killed process leaves: a name nobody maps
@@ -1235,8 +1238,9 @@ def test_a_semaphore_a_live_process_made_is_not_taken_for_a_killed_measurements(
         assert os.path.exists(os.path.join(runner.SHM, live)), "a live process's semaphore was unlinked"
         assert not os.path.exists(os.path.join(runner.SHM, orphan)), "the orphan was left"
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(runner.SHM, orphan))
+        for leftover in (live, orphan):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(runner.SHM, leftover))
         del lock
 
 
