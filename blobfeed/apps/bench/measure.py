@@ -323,8 +323,11 @@ class UsageProbe:
     made: make it before the window, once the processes have started.
     """
 
-    def __init__(self, groups: dict[str, list[int]], exclude: Collection[int] = ()) -> None:
-        children = _children()
+    def __init__(self, groups: dict[str, list[int]], exclude: Collection[int] = (),
+                 children: dict[int, list[int]] | None = None) -> None:
+        # ``children``: a scan the caller chose its roots from, so that a
+        # process born after it is in no group rather than in the wrong one
+        children = _children() if children is None else children
         roots = {pid for pids in groups.values() for pid in pids}
         self.groups: dict[str, list[int]] = {}
         for name, pids in groups.items():
@@ -482,6 +485,7 @@ class Meter:
     _sampler: PssSampler | None = None
     _probe: UsageProbe | None = None
     _usage: dict[str, Usage] | None = None
+    _usage_batches: int = 0
 
     def begin(self) -> None:
         self.t_start = time.perf_counter()
@@ -522,14 +526,19 @@ class Meter:
         it are not in it."""
         me = os.getpid()
         prune = {self._sampler.pid} if self._sampler is not None else set()
-        below = [pid for pid in _children().get(me, []) if pid not in prune]
-        return UsageProbe({"parent": [me], "children": below}, exclude=prune)
+        scan = _children()
+        below = [pid for pid in scan.get(me, []) if pid not in prune]
+        groups = {"parent": [me], "children": below} if below else {"parent": [me]}  # (threads: no row of 0)
+        return UsageProbe(groups, exclude=prune, children=scan)
 
     def _read_cpu(self) -> None:
-        """The window's end: what this process and the processes below it spent since its start."""
+        """The window's end: what this process and the processes below it
+        spent since its start, over the batches counted so far (a runner
+        may tick on after the window closed: those are not in the reading)."""
         probe, self._probe = self._probe, None
         if probe is not None:
             self._usage = probe.stop()
+            self._usage_batches = self.batches
 
     def _stop_sampler(self) -> None:
         if self._sampler is not None:
@@ -547,10 +556,10 @@ class Meter:
         }
         if self.pss:
             out["pss_mb"] = self.pss_mb
-        if self._usage is not None and self.batches:
+        if self._usage is not None and self._usage_batches:
             for who, usage in self._usage.items():
-                out[f"{who}_cpu_us_per_batch"] = usage.cpu_s / self.batches * 1e6
-                out[f"{who}_ctx_per_batch"] = usage.switches / self.batches
+                out[f"{who}_cpu_us_per_batch"] = usage.cpu_s / self._usage_batches * 1e6
+                out[f"{who}_ctx_per_batch"] = usage.switches / self._usage_batches
         out.update(self.extra)
         out.update(extra)
         return out

@@ -613,8 +613,8 @@ def legend(report: dict[str, Any]) -> list[str]:
     if any(PROCESS_COST_KEYS[0][1] in r for r in results.values()):
         lines.append("per batch (W1i, W2i, W7, work2, hand2): read from /proc at the window's two ends, over the "
                      "batches taken in it, as above; this process: the runner's, every thread (the training loop; "
-                     "blobfeed's enqueuer and slot returner); worker processes: every process below it that ran "
-                     "at the first batch, but the PSS sampler")
+                     "blobfeed's enqueuer and slot returner; on threads, the fetchers too); worker processes: every "
+                     "process below it that ran at the first batch, but the PSS sampler (no row where there is none)")
     return lines
 
 
@@ -636,7 +636,9 @@ PROCESS_COST_KEYS = [
 def cost_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     """The table of hand-off costs per batch: for each measurement that
     read them, the service's and a consumer's context switches and CPU
-    microseconds per batch, and their sum; empty when none did."""
+    microseconds per batch, and their sum; for W1i, W2i, W7 and W7's work2
+    and hand2, the runner's own process and its worker processes, and their
+    sum; empty when none did."""
     rows: list[tuple[str, str, float | None, float]] = []
     for key, r in results.items():
         if "failed" in r:

@@ -319,14 +319,14 @@ def _mapped_shm_files() -> set[tuple[int, int]]:
             continue
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if SHM + "/" not in line:
-                        continue
-                    fields = line.split()  # address, perms, offset, dev (major:minor, hex), inode, path
-                    major, minor = fields[3].split(":")
-                    mapped.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
-        except (OSError, ValueError, IndexError):
+                lines = [line for line in f if SHM + "/" in line]
+        except OSError:
             continue
+        for line in lines:
+            fields = line.split()  # address, perms, offset, dev (major:minor, hex), inode, path
+            with contextlib.suppress(ValueError, IndexError):  # one odd line: the others still count
+                major, minor = fields[3].split(":")
+                mapped.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
     return mapped
 
 
