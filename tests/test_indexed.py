@@ -32,9 +32,13 @@ import pytest
 
 import blobfeed
 from blobfeed import EndOfEpoch, EndOfInput, FetcherError, Net, RandomAccessSource, init_data_input_workers
-from blobfeed.feeders.processes import _Worker
+from blobfeed import ProcessBackend
 
 from .helpers import wait_until
+
+#: read units a worker process with ``ProcessBackend(slots=8)`` holds at
+#: most before it delivers one: half its slots
+AHEAD_OF_8 = 4
 
 SRC = "train"
 BLOBS = ["ids", "x"]
@@ -874,11 +878,11 @@ def test_a_dead_workers_units_are_read_again_though_the_other_lanes_are_full(tmp
 
     mark = str(tmp_path / "pid")
     n = 40
-    # worker 0 takes UNITS_AHEAD units (0, 2, ...) and hangs at unit 0; worker
+    # worker 0 takes AHEAD_OF_8 units (0, 2, ...) and hangs at unit 0; worker
     # 1 the others of the window, and the one past them once it delivered
-    window = 2 * _Worker.UNITS_AHEAD + 1
+    window = 2 * AHEAD_OF_8 + 1
     with Pipeline(HangAtZero(n, mark), 1, 2, bs=2, epochs=1, shuffle=False, read_size=2, window=window,
-                  backend="processes", **kw) as p:
+                  backend=ProcessBackend(slots=8), **kw) as p:
         p.start()
         wait_until(lambda: os.path.exists(mark), timeout=WAIT, what="worker 0 reads index 0")
         dealer = p.gc._sources[SRC].dealer
@@ -1382,15 +1386,15 @@ def _live(pid: int) -> bool:
         return False
 
 
-#: a process is killed only once it began this many units: a process holds
-#: at most UNITS_AHEAD units and delivers them in order, so to take its
-#: (2 x UNITS_AHEAD)th it delivered its first UNITS_AHEAD, which include
+#: a process is killed only once it began this many units: a process with 8
+#: slots holds at most AHEAD_OF_8 units and delivers them in order, so to take its
+#: (2 x AHEAD_OF_8)th it delivered its first AHEAD_OF_8, which include
 #: every unit it read again for the process it replaced.  Each kill thus
 #: counts a try against a unit read 0 times before (a unit's readers die at
 #: most once: MAX_TRIES is never reached) and hits a process that delivered
 #: (a worker id never dies 4 times in a row without delivering): the run
 #: passes by design, however slow the machine
-KILL_AFTER_READS = 2 * _Worker.UNITS_AHEAD
+KILL_AFTER_READS = 2 * AHEAD_OF_8
 
 
 class EveryHalfSecond(threading.Thread):
@@ -1444,7 +1448,7 @@ def test_a_worker_process_sigkilled_every_half_second_loses_and_repeats_nothing(
         # every 0.5 s once the first process began KILL_AFTER_READS units, each
         # replacement killable after as many of its own (was 192 units, 3 s)
         with Pipeline(ReadLog(n, marks, delay=0.015 * workers), nets, workers, bs=bs, epochs=epochs, seed=seed,
-                      read_size=2, backend="processes") as p:
+                      read_size=2, backend=ProcessBackend(slots=8)) as p:
             p.start()
             killer.start()
             got = p.lockstep()

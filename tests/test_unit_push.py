@@ -49,7 +49,7 @@ class Holder:
 
 def dispenser(n: int = 64, read_size: int = 4, epochs: int | None = 1, window: int = 8) -> UnitDispenser:
     d = UnitDispenser("src", n, read_size, epochs)
-    d.window = window
+    d.set_window(window)
     return d
 
 
@@ -180,13 +180,16 @@ def test_a_send_that_raises_detaches_the_holder_and_is_reported_outside_the_lock
 
 
 class Arrays:
-    """A small map-style dataset: sample i is (i * ones(4), i)."""
+    """A small map-style dataset: sample i is (i * ones(width), i)."""
+
+    def __init__(self, width: int = 4) -> None:
+        self.width = width
 
     def __len__(self) -> int:
         return 96
 
     def __getitem__(self, i: int) -> tuple:
-        return np.full(4, i, np.float32), np.int64(i)
+        return np.full(self.width, i, np.float32), np.int64(i)
 
 
 def test_worker_processes_are_fed_with_no_thread_per_process() -> None:
@@ -301,3 +304,109 @@ def test_a_worker_process_says_it_reads_no_unit_while_it_waits_for_one() -> None
     finally:
         os.close(r)
         os.close(w)
+
+
+# ---------------------------------------------------------------------------------------------
+# How far ahead a worker process reads: half its slots, as the units' bytes allow
+# ---------------------------------------------------------------------------------------------
+def test_a_holder_is_sent_four_units_ahead_until_a_unit_s_bytes_are_known_then_as_they_allow() -> None:
+    from blobfeed.feeders.read_units import AHEAD_BYTES, MIN_AHEAD, UNIT_BYTES
+
+    d = UnitDispenser("src", 10_000, 4, 1)
+    h = Holder(d)
+    d.attach(0, 101, 12, h.send, h.failed)
+    assert h.units() == list(range(MIN_AHEAD)), "before the first unit was seen: MIN_AHEAD"
+    # a unit of 4 samples of 1 MiB: AHEAD_BYTES hold 16 of them, the holder's own bound 12
+    d.sized(2**20)
+    assert h.units() == list(range(12))
+    d.detach(101)
+
+    big = UnitDispenser("src", 10_000, 4, 1)
+    g = Holder(big)
+    big.attach(0, 102, 12, g.send, g.failed)
+    big.sized(AHEAD_BYTES // 4 // 6)  # six units hold AHEAD_BYTES
+    assert g.units() == list(range(6))
+    assert big.delivered(102, 0)
+    assert g.units() == list(range(7)), "one more per delivery, never more than six held"
+    # never fewer than MIN_AHEAD, however big a unit
+    huge = UnitDispenser("src", 10_000, 4, 1)
+    k = Holder(huge)
+    huge.attach(0, 103, 12, k.send, k.failed)
+    huge.sized(AHEAD_BYTES)
+    assert k.units() == list(range(MIN_AHEAD))
+    # nor more for units too small to go to the parent one by one (a
+    # process bundles them: a death would lose every one it held)
+    tiny = UnitDispenser("src", 10_000, 4, 1)
+    t = Holder(tiny)
+    tiny.attach(0, 104, 12, t.send, t.failed)
+    tiny.sized(UNIT_BYTES // 4 - 1)
+    assert t.units() == list(range(MIN_AHEAD))
+
+
+def test_the_fitted_window_holds_twice_what_the_worker_processes_are_sent_ahead() -> None:
+    d = UnitDispenser("src", 10_000, 4, 1)
+    d.set_window(workers=2)
+    assert d.window == 8, "4 per worker, at least 8"
+    a, b = Holder(d), Holder(d)
+    d.attach(0, 1, 12, a.send, a.failed)
+    d.attach(1, 2, 12, b.send, b.failed)
+    assert d.window == 2 * 4 * 2, "twice the four ahead, for each of two worker processes"
+    d.sized(2**20)  # twelve ahead each, now
+    assert d.window == 2 * 12 * 2
+    assert len(a.units()) == len(b.units()) == 12
+    d.set_window(workers=5)  # set_num_workers: 4 x 5 is less
+    assert d.window == 48
+    # a window the user set is kept as it is
+    fixed = UnitDispenser("src", 10_000, 4, 1)
+    fixed.set_window(6)
+    c = Holder(fixed)
+    fixed.attach(0, 3, 12, c.send, c.failed)
+    fixed.sized(2**20)
+    fixed.set_window(workers=4)
+    assert fixed.window == 6
+    assert c.units() == list(range(6))
+
+
+def test_a_random_access_source_s_worker_processes_get_24_slots_where_memory_allows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from blobfeed.feeders.backends import LaunchPlan
+
+    def plan(units: object, workers: int = 2) -> LaunchPlan:
+        return LaunchPlan("src", lambda w, b: None, None, [object()] * workers, lambda: 4, lambda: None, units=units)
+
+    backend = blobfeed.ProcessBackend()
+    slot = backend.slot_bytes
+    monkeypatch.setattr(processes, "mem_available", lambda: None)
+    assert backend.slots_for(plan(None)) == 8, "a fetch_fun source's workers: 8"
+    assert backend.slots_for(plan(object())) == 24
+    assert blobfeed.ProcessBackend(slots=5).slots_for(plan(object())) == 5, "the user's count"
+    # at most half the available memory is reserved, never fewer than 8
+    monkeypatch.setattr(processes, "mem_available", lambda: 2 * 2 * 16 * slot)
+    assert backend.slots_for(plan(object())) == 16
+    monkeypatch.setattr(processes, "mem_available", lambda: 2 * 2 * 3 * slot)
+    assert backend.slots_for(plan(object())) == 8
+    assert backend.slots_to_lend(1) == 8
+    assert repr(backend).startswith("ProcessBackend(slots=None,")
+
+
+def test_worker_processes_of_a_random_access_source_read_twelve_units_ahead_by_default() -> None:
+    net = Net(None, name="ahead")
+    gc = blobfeed.GlobalCoordinator()
+    # units of 2 samples of 64 KiB: each goes to the parent as it is read
+    init_data_input_workers(net, ["x", "i"], RandomAccessSource(Arrays(16384), read_size=2), 2,
+                            num_worker_threads=2, coordinator=gc, backend="processes", epochs=1)
+    gc.start()
+    try:
+        got = [net.run(timeout=30)["i"].tolist() for _ in range(3)]
+        units = gc._sources["train"].dealer.units
+        ahead = sorted(e.ahead for e in units._pushed.values())
+        fitted = (units.ahead_limit >= 12, units.window)
+        groups = [c._group for c in gc._coordinators if c._group is not None]
+        slots = [(g.slots, [wk.area.slots for wk in g.workers]) for g in groups]  # type: ignore[attr-defined]
+    finally:
+        assert gc.stop()
+    assert sum(got, []) == list(range(6))
+    assert ahead == [12, 12], "half of 24 slots each"
+    assert fitted == (True, 48), "twice twelve ahead for each of two worker processes"
+    assert slots == [(24, [24, 24])]

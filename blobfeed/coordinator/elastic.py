@@ -107,8 +107,7 @@ def set_num_workers(gc: Any, name: str, num_workers: int) -> None:
                 more = groups[0].add_workers(ids, num_workers)
             elif num_workers < len(active):
                 units.stop_workers(active[num_workers:])
-            if getattr(source.dealer, "window", None) is None:
-                units.window = max(8, 4 * num_workers)  # the default window follows the worker count
+            units.set_window(workers=num_workers)  # a fitted window follows the worker count
         else:
             mine = sorted((wid, c) for c in groups for wid in c.active_workers())
             was = len(mine)

@@ -42,8 +42,8 @@ from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPl
 from .child import child_main
 from .chunks import GrantPin
 from .read_units import HOLDERS, UNIT_RECORD, ReadUnit
-from .starting import MAIN_REENTRY_EXIT, _exit_if_importing_main, _main_module, _payload, _payload_fd
-from .starting import describe_exit, exit_fd, preload_forkserver, process_context, serialize_polls
+from .starting import _exit_if_importing_main, _main_module, _payload, _payload_fd, describe_exit, early_exit
+from .starting import exit_fd, preload_forkserver, process_context, serialize_polls
 from .messages import Arrays, LayoutCache, Note, Raised, Result
 from .pulling import ENDED, Puller
 from .rebatch import BufferPool
@@ -59,6 +59,8 @@ logger = logging.getLogger("blobfeed.feeders.processes")
 
 #: seconds stop() lets a child end by itself before it is killed
 STOP_GRACE_S = 0.25
+#: slots per worker by default, and for a random-access source's (see ProcessBackend)
+SLOTS, UNIT_SLOTS = 8, 24
 
 
 class ProcessBackend:
@@ -67,7 +69,10 @@ class ProcessBackend:
     Args:
         slots: shared-memory slots per worker: how many large chunks a worker
             can have in flight (in the internal queue, being re-batched, or
-            viewed by batches).
+            viewed by batches).  None: 8; for a random-access or sharded
+            source 24 (a worker process reads up to half its slots ahead of
+            the stream), fewer where the machine's available memory would
+            hold less than twice their reserve, never under 8.
         slot_bytes: the size of one slot; a larger chunk is pickled through
             the pipe instead (logged once per worker).
         start_method: ``"forkserver"`` (default) or ``"spawn"``; never
@@ -84,10 +89,11 @@ class ProcessBackend:
     elastic = True
     name = "processes"
 
-    def __init__(self, *, slots: int = 8, slot_bytes: int = 16 * 1024 * 1024, start_method: str = "forkserver") -> None:
+    def __init__(self, *, slots: int | None = None, slot_bytes: int = 16 * 1024 * 1024,
+                 start_method: str = "forkserver") -> None:
         from ..arguments import check_index
 
-        self.slots = check_index("slots", slots, minimum=2)
+        self.slots = None if slots is None else check_index("slots", slots, minimum=2)
         self.slot_bytes = check_index("slot_bytes", slot_bytes, minimum=4096)
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
@@ -98,10 +104,22 @@ class ProcessBackend:
         each worker's to be lent at once as views of its slots (held by a
         consumer that reads them there); past what a worker lends, a batch
         is copied out of its slot."""
-        n = self.slots
+        n = self.slots or SLOTS
         while lendable(n) < batches and n < 64:
             n += 1
         return n
+
+    def slots_for(self, plan: LaunchPlan) -> int:
+        """The slots each worker of ``plan`` gets (see ``slots``)."""
+        if self.slots is not None:
+            return self.slots
+        if plan.units is None:
+            return SLOTS
+        # the reserve counts every slot in full; the pages used are those
+        # the units ahead fill (read_units.AHEAD_BYTES): half of what is free
+        free = mem_available()
+        fits = UNIT_SLOTS if free is None else free // 2 // max(1, len(plan.workers) * self.slot_bytes)
+        return max(SLOTS, min(UNIT_SLOTS, fits))
 
     def check(self, fetch_fun: FetchFun, worker_init_fun: WorkerInitFun | None) -> None:
         _exit_if_importing_main()
@@ -109,17 +127,18 @@ class ProcessBackend:
 
     def launch(self, plan: LaunchPlan) -> WorkerGroup:
         _exit_if_importing_main()
-        need = len(plan.workers) * self.slots * self.slot_bytes
+        slots = self.slots_for(plan)
+        need = len(plan.workers) * slots * self.slot_bytes
         free = mem_available()
         if free is not None and need > free:
             raise BlobfeedError(
                 f"source {plan.source!r}: process workers need {need / 2**20:.0f} MiB of shared "
-                f"memory ({len(plan.workers)} workers x {self.slots} slots x "
+                f"memory ({len(plan.workers)} workers x {slots} slots x "
                 f"{self.slot_bytes / 2**20:.1f} MiB) and {free / 2**20:.0f} MiB are available "
                 "(the machine's, within this process's cgroup limit); pass "
                 "backend=ProcessBackend(slots=..., slot_bytes=...) with less"
             )
-        return _ProcessGroup(self, plan, _payload(plan.fetch_fun, plan.worker_init_fun))
+        return _ProcessGroup(self, plan, _payload(plan.fetch_fun, plan.worker_init_fun), slots)
 
     def __repr__(self) -> str:
         return f"ProcessBackend(slots={self.slots}, slot_bytes={self.slot_bytes}, start_method={self.start_method!r})"
@@ -133,14 +152,14 @@ class _Worker:
         self.group = group
         self.name = f"blobfeed-fetch-{group.source}-{w.worker_id}"
         backend = group.backend
-        self.area, self._area_fd = SlotArea.create(self.name, backend.slots, backend.slot_bytes)
+        self.area, self._area_fd = SlotArea.create(self.name, group.slots, backend.slot_bytes)
         area_fd = self._area_fd
         #: the area as a region other processes may map, once the child mapped it (see _share)
         self._region: SharedRegion | None = None
         self._shared = False
         free_r, free_w = os.pipe()
         os.set_blocking(free_w, False)
-        self.ring = _SlotRing(backend.slots, free_w, self.area.set_viewed)
+        self.ring = _SlotRing(group.slots, free_w, self.area.set_viewed)
         #: where chunks copied out of their slots go (see _slot_result): the receiver's alone
         self._copies = BufferPool(size_classes=True)
         self._lock = threading.Lock()
@@ -173,7 +192,7 @@ class _Worker:
             name=self.name,
             args=(
                 w.worker_id, info.index, info.num_workers, info.source, info.seed,
-                FdHandle(payload_fd), w.intake.on_error, FdHandle(area_fd), backend.slots,
+                FdHandle(payload_fd), w.intake.on_error, FdHandle(area_fd), group.slots,
                 backend.slot_bytes, FdHandle(free_r), FdHandle(out_w), backend.start_method == "forkserver",
                 group.plan.epochs, group.plan.first_epoch,
                 FdHandle(units_r) if units_r >= 0 else None,
@@ -219,21 +238,19 @@ class _Worker:
             daemon=True,
         )
 
-    #: read units a worker process holds at most (being read, or waiting in its pipe): with
-    #: 4, not 2, it waits less for the parent's next unit (W7: +2.5 % batches/s)
-    UNITS_AHEAD = 4
-
     def attach_units(self) -> None:
-        """The dispenser pushes the child its units down its pipe
-        (:data:`UNITS_AHEAD` undelivered at most) from the threads that free
-        them (a thread per process cost 2-5 context switches a unit)."""
+        """The dispenser pushes the child its units down its pipe (undelivered,
+        at most half its slots, and as its units' bytes allow: see
+        read_units.AHEAD_BYTES) from the threads that free them (a thread
+        per process cost 2-5 context switches a unit)."""
         if self.units is not None:
-            self.units.attach(self.plan.worker_id, self.holder, self.UNITS_AHEAD, self._send_unit, self._unit_failed)
+            ahead = max(2, self.group.slots // 2)
+            self.units.attach(self.plan.worker_id, self.holder, ahead, self._send_unit, self._unit_failed)
 
     def _send_unit(self, r: ReadUnit | None) -> None:
         """A unit down the child's pipe; None: close it (the dispenser calls
         this under its lock, so it never blocks: the pipe is non-blocking
-        and holds far more than :data:`UNITS_AHEAD` records)."""
+        and holds far more records than a worker's slots)."""
         fd = self.units_w
         if fd < 0:
             return
@@ -492,28 +509,7 @@ class _Worker:
             self.plan.intake.died(f"worker process pid {self.pid} {describe_exit(code)}",
                                   when="" if started else " while starting")
             return
-        # Ended with a code before blobfeed's code ran in it: in
-        # multiprocessing's start-up, which imports the main module.
-        main = self.group.main_module
-        if main is None:
-            self.plan.intake.died(
-                f"worker process pid {self.pid} {describe_exit(code)} before blobfeed's worker code ran "
-                "(its traceback is on stderr)", when=" while starting",
-            )
-            return
-        if code == MAIN_REENTRY_EXIT:
-            detail = (
-                "guard the pipeline with if __name__ == '__main__': (the module started blobfeed "
-                f"workers again in worker process pid {self.pid}, which imports it as every "
-                "spawn or forkserver process does)"
-            )
-        else:
-            detail = (
-                f"worker process pid {self.pid} {describe_exit(code)} before blobfeed's worker code "
-                "ran (its traceback is on stderr); code the module runs at import runs in every "
-                "worker process: guard the pipeline with if __name__ == '__main__':"
-            )
-        self.plan.intake.died(detail, when=f" while importing the main module {main!r}")
+        self.plan.intake.died(*early_exit(self.pid, code, self.group.main_module))
 
     # -- the process ------------------------------------------------------------
     def poll(self) -> int | None:
@@ -591,9 +587,11 @@ class _ProcessGroup:
     helper threads: a receiver per worker, one watcher of the children's
     sentinels, and one returner that gives slots back to the workers."""
 
-    def __init__(self, backend: ProcessBackend, plan: LaunchPlan, payload: bytes) -> None:
+    def __init__(self, backend: ProcessBackend, plan: LaunchPlan, payload: bytes, slots: int) -> None:
         self.backend = backend
         self.plan = plan
+        #: each worker's slots (ProcessBackend.slots_for)
+        self.slots = slots
         payload_fd = _payload_fd(payload)
         self.source = plan.source
         self.ctx = process_context(backend.start_method)

@@ -37,6 +37,16 @@ UNIT_BYTES = 64 * 1024
 #: call, and a dataset whose reads are slow per index (I/O) must still spread
 #: over the workers
 MAX_UNIT_BATCHES = 16
+#: a worker process is pushed at most this many units it has not delivered
+#: (and at most half its slots) before the first unit's bytes are known ...
+MIN_AHEAD = 4
+#: ... and after, for units of at least UNIT_BYTES (each goes to the parent
+#: as soon as it is read), as many as hold about this many bytes (about 10 ms of
+#: reading at a few GB/s): a unit read in a millisecond must not leave the
+#: process idle for the milliseconds the parent's threads may wait for a
+#: core they share with the workers (W7, 4 MiB units: 4 ahead left the two
+#: cores 8-10 % idle, 12 about 2 %)
+AHEAD_BYTES = 64 * 2**20
 
 
 class ReadUnit(NamedTuple):
@@ -108,6 +118,14 @@ class UnitDispenser:
         self.read_size = read_size
         self.epochs = epochs
         self.unit_end = unit_end
+        #: the window the user set (RandomAccessSource(window=...)); None: fitted (see _fit_window)
+        self.fixed_window: int | None = None
+        #: the workers the stream reads with (the default window follows them)
+        self.workers = 1
+        #: units a worker process may hold undelivered (see AHEAD_BYTES), at most its own bound
+        self.ahead_limit = MIN_AHEAD
+        #: a unit's bytes once the first one was seen (see sized)
+        self.unit_bytes: int | None = None
         self.window = 8
         #: the dispenser's lock, entered directly (a Condition's ``with`` is
         #: two Python calls: the hot paths run twice a unit) ...
@@ -176,16 +194,50 @@ class UnitDispenser:
         self._after(pushed)
 
     def sized(self, sample_bytes: int) -> None:
-        """``auto``: a sample takes ``sample_bytes``; the units after the
-        first are sized from it (once)."""
+        """A sample takes ``sample_bytes`` (told once, by the stream's first
+        unit): with ``auto`` the units after the first are sized from it,
+        and the units a worker process is pushed ahead are fitted to their
+        bytes (:data:`AHEAD_BYTES`)."""
         with self._mutex:
-            if self._sized:
+            if self.unit_bytes is not None:
                 return
-            self._sized = True
-            per_batch = max(1, sample_bytes * self.base)
-            self.read_size = self.base * min(MAX_UNIT_BATCHES, max(1, -(-UNIT_BYTES // per_batch)))
+            if not self._sized:
+                self._sized = True
+                per_batch = max(1, sample_bytes * self.base)
+                self.read_size = self.base * min(MAX_UNIT_BATCHES, max(1, -(-UNIT_BYTES // per_batch)))
+            self.unit_bytes = max(1, sample_bytes * self.read_size)
+            # a unit under UNIT_BYTES may wait in its process to go out with
+            # the next ones (child.SHM_MIN_BYTES): a death would lose them all
+            # and count as a process that delivered nothing (MAX_REPLACEMENTS)
+            if self.unit_bytes >= UNIT_BYTES:
+                self.ahead_limit = max(MIN_AHEAD, AHEAD_BYTES // self.unit_bytes)
+            self._fit_window()
             pushed = self._changed()
         self._after(pushed)
+
+    def set_window(self, window: int | None = None, workers: int | None = None) -> None:
+        """The window the user set (None: fitted), or the worker count a
+        fitted window follows (see :meth:`_fit_window`)."""
+        with self._mutex:
+            if window is not None:
+                self.fixed_window = window
+            if workers is not None:
+                self.workers = workers
+            self._fit_window()
+            pushed = self._changed()
+        self._after(pushed)
+
+    def _fit_window(self) -> None:
+        """The window (under the lock): the user's, else 4 per worker, at
+        least 8, and room for twice the units the worker processes pushed
+        may hold ahead (those it holds, and as many delivered and waiting
+        for the stream), so that the window never idles them sooner."""
+        if self.fixed_window is not None:
+            self.window = self.fixed_window
+            return
+        pushed = len({e.worker_id for e in self._pushed.values()})
+        ahead = min((e.ahead for e in self._pushed.values()), default=0)
+        self.window = max(8, 4 * self.workers, 2 * min(ahead, self.ahead_limit) * pushed)
 
     def _fresh_waits(self) -> bool:
         """The next unit of the stream may not be handed out yet: it is past
@@ -355,6 +407,7 @@ class UnitDispenser:
             if holder not in self._retired:
                 self._wid_of[holder] = worker_id
             self._pushed[holder] = _Pushee(worker_id, ahead, send, failed)
+            self._fit_window()
             pushed = self._changed()
         self._after(pushed)
 
@@ -385,6 +438,7 @@ class UnitDispenser:
         if not self._pushed:
             return _NOTHING_PUSHED
         fresh_only = settled and not self._redo and not self._stopped and not any(self._redo_of.values())
+        limit = self.ahead_limit
         failures: list[_Failure] = []
         again_any = False
         while not (fresh_only and self._fresh_waits()):
@@ -393,14 +447,15 @@ class UnitDispenser:
             pick: tuple[int, _Pushee, list[int]] | None = None
             for holder, entry in list(self._pushed.items()):
                 held = self._held.setdefault(holder, [])
+                ahead = entry.ahead if entry.ahead < limit else limit
                 if fresh_only:
-                    if len(held) >= entry.ahead:
+                    if len(held) >= ahead:
                         continue
                 elif self._ended(entry.worker_id, holder):
                     del self._pushed[holder]
                     self._push_end(entry)
                     continue
-                elif self._waits(entry.worker_id, held, entry.ahead):
+                elif self._waits(entry.worker_id, held, ahead):
                     continue
                 if pick is None or len(held) < len(pick[2]):
                     pick = (holder, entry, held)

@@ -17,7 +17,7 @@ from .backends import FetchFun, WorkerInitFun
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
 
-__all__ = ["MAIN_REENTRY_EXIT", "describe_exit", "exit_fd", "preload_forkserver", "process_context", "serialize_polls"]
+__all__ = ["MAIN_REENTRY_EXIT", "describe_exit", "early_exit", "exit_fd", "preload_forkserver", "process_context", "serialize_polls"]
 
 logger = logging.getLogger("blobfeed.feeders.processes")
 
@@ -191,3 +191,25 @@ def describe_exit(code: int | None) -> str:
     if code == 0:
         return "exited (code 0) without finishing: os._exit() or sys.exit() inside fetch_fun?"
     return f"exited with code {code}"
+
+
+def early_exit(pid: int, code: int, main: str | None) -> tuple[str, str]:
+    """What a worker process that ended with ``code`` before blobfeed's code
+    ran in it died of, and when: in multiprocessing's start-up, which
+    imports the main module (``main``; None: it has none to import)."""
+    if main is None:
+        return (f"worker process pid {pid} {describe_exit(code)} before blobfeed's worker code ran "
+                "(its traceback is on stderr)", " while starting")
+    if code == MAIN_REENTRY_EXIT:
+        detail = (
+            "guard the pipeline with if __name__ == '__main__': (the module started blobfeed "
+            f"workers again in worker process pid {pid}, which imports it as every "
+            "spawn or forkserver process does)"
+        )
+    else:
+        detail = (
+            f"worker process pid {pid} {describe_exit(code)} before blobfeed's worker code "
+            "ran (its traceback is on stderr); code the module runs at import runs in every "
+            "worker process: guard the pipeline with if __name__ == '__main__':"
+        )
+    return detail, f" while importing the main module {main!r}"

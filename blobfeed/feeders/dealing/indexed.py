@@ -149,7 +149,7 @@ class IndexedDealer(LaneDealer):
         #: the dispenser's window (None: by the worker count, at start)
         self.window = window
         if window is not None:
-            dispenser.window = window
+            dispenser.set_window(window)
         dispenser.on_redo_taken = self._wake_workers
         self._unit_turns = UnitTurns(dispenser)
         if reader is not None:
@@ -294,8 +294,7 @@ class IndexedDealer(LaneDealer):
         return (batches, self.units.start_of(self._unit_turns.next) + self._offset)
 
     def start(self) -> None:
-        if self.window is None:
-            self.units.window = max(8, 4 * len(self._turns.order))
+        self.units.set_window(workers=len(self._turns.order))
         super().start()
 
     def close(self, reason: BaseException | None, *, in_order: bool = False) -> int:
