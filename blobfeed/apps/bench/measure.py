@@ -351,7 +351,7 @@ class UsageProbe:
 
 
 class PssSampler:
-    """The largest total PSS of a process tree, read about once a second by
+    """The largest total PSS of a process tree, read every few seconds by
     a process of its own (this file run as a script: the standard library
     only, no numpy, no blobfeed).
 
@@ -365,12 +365,21 @@ class PssSampler:
     W4 reported 3.57 x one core's ideal.  From another process the reading
     takes nothing from the measured one, and the window is its wall time.
 
+    A reading walks the page tables of every process it reads, holding each
+    one's memory map lock: a W7 worker process (a 2 GB file and its slots
+    mapped) cost 31-33 ms of CPU a reading, so once a second two of them
+    took about 3 % of a 2-core machine from a runner that uses both cores,
+    and nothing from one that leaves a core idle (torch's loader in one
+    process).  So the readings come every ``interval`` (5 s) from an
+    interval after the window opened, and at its end: a window of a few
+    seconds is read once, after it closed.
+
     ``go()`` starts the readings (the window opens), ``stop()`` takes one
     more and returns the largest, MiB.  The sampler leaves its own PSS out,
     and exits when its stdin closes (this process gone) or the root is gone.
     """
 
-    def __init__(self, root: int | None = None, interval: float = 1.0) -> None:
+    def __init__(self, root: int | None = None, interval: float = 5.0) -> None:
         import subprocess
 
         self.root = os.getpid() if root is None else root
@@ -440,7 +449,9 @@ def _sampler_main(root: int, interval: float) -> None:
         if ready:
             line = sys.stdin.readline()
             if line.strip() == "go":
-                going, next_at = True, time.monotonic()
+                # the first reading an interval into the window, not at its
+                # start: each costs the processes it reads (see PssSampler)
+                going, next_at = True, time.monotonic() + interval
                 continue
             if line.strip() == "stop":
                 peak = max(peak, reading())
@@ -457,7 +468,7 @@ class Meter:
     """Counts batches in a timed window after a warm-up.
 
     With ``pss`` (the default), the total PSS of this process and its
-    descendants is read about once a second inside the window, and at its
+    descendants is read every few seconds inside the window, and at its
     end, by a :class:`PssSampler` (a process of its own, started at the
     first batch, during the warm-up), and its maximum is reported: for
     every runner, so the report's PSS column is never blank.  Nothing is
