@@ -369,3 +369,86 @@ def test_a_layout_cache_reads_what_read_arrays_reads_as_the_layout_changes() -> 
         for g, w, a in zip(got, want, arrays):
             assert g.dtype == w.dtype == a.dtype and g.shape == w.shape == a.shape and np.array_equal(g, a)
             assert g.base is root or g.size == 0
+
+
+def test_a_result_of_the_last_layout_is_read_with_it_and_a_first_one_without_a_layout_is_refused() -> None:
+    """A worker process sends a slot result's layout once while it stays the
+    same (``meta=None`` after it): the parent's cache reads it with the
+    last layout it was given, and refuses one that has none before it."""
+    from blobfeed.feeders.messages import Arrays, LayoutCache, packed_nbytes, read_arrays, write_arrays
+
+    buf = bytearray(1 << 16)
+    cache = LayoutCache()
+    with pytest.raises(ValueError, match="none came before"):
+        cache.nbytes_of(Arrays(0, None, True))
+    first = write_arrays([np.arange(12, dtype=np.float32).reshape(4, 3), np.arange(4)], buf, 0, 0, True)
+    cache.nbytes_of(first)
+    again = write_arrays([np.full((4, 3), 7, np.float32), np.arange(4, 8)], buf, 0, 1, True)
+    assert again.meta == first.meta
+    short = again._replace(meta=None)
+    root = np.frombuffer(buf, np.uint8, count=packed_nbytes(again))
+    assert cache.nbytes_of(short) == packed_nbytes(again)
+    got = cache.read(root, short)
+    assert [a.tolist() for a in got] == [a.tolist() for a in read_arrays(root, again)]
+    with pytest.raises(ValueError, match="LayoutCache"):
+        read_arrays(root, short)
+
+
+def test_worker_processes_send_a_slot_result_s_layout_once_while_it_stays_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the parent receives from a worker process whose results keep
+    one layout, then change it (an epoch's shorter last unit, then the next
+    epoch's first): the layout with the first result and with the first
+    after each change, None (the last one's) with the others; the batches
+    are whole and right all the same."""
+    import pickle
+
+    from blobfeed.feeders import processes
+    from blobfeed.feeders.messages import Arrays, Result
+
+    seen: list[object] = []
+    handle = processes._Worker._handle
+
+    def spy(self: object, data: bytearray) -> object:
+        for ev in pickle.loads(data):
+            if type(ev) is Result and type(ev.raw) is Arrays:
+                seen.append(None if ev.raw.meta is None else [shape for _, shape, _ in ev.raw.meta])
+        return handle(self, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(processes._Worker, "_handle", spy)
+    net = Net(None, name="layouts")
+    gc = blobfeed.GlobalCoordinator()
+    # 46 samples of 32 KiB in units of 4: eleven units of 4, then one of 2
+    init_data_input_workers(net, ["x", "i"], RandomAccessSource(Wide(46), read_size=4), 4,
+                            num_worker_threads=1, coordinator=gc, epochs=2, backend="processes")
+    gc.start()
+    got = []
+    try:
+        while True:
+            try:
+                out = net.run(timeout=WAIT)
+            except blobfeed.EndOfEpoch:
+                continue
+            except blobfeed.EndOfInput:
+                break
+            assert out["x"].shape == (len(out["i"]), 8192) and (out["x"][:, 0] == out["i"]).all()
+            got.extend(out["i"].tolist())
+    finally:
+        assert gc.stop(timeout=10.0)
+    assert got == list(range(46)) * 2
+    epoch = [[(4, 8192), (4,)]] + [None] * 10 + [[(2, 8192), (2,)]]
+    assert seen == epoch * 2, seen
+
+
+class Wide:
+    """Samples of 32 KiB (8192 float32s) and their index."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.int64]:
+        return np.full(8192, i, np.float32), np.int64(i)

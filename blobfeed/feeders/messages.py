@@ -94,10 +94,12 @@ class Note(NamedTuple):
 class Arrays(NamedTuple):
     """A result's arrays in a shared buffer: ``(dtype, shape, offset)`` of
     each (the dtype itself: its ``.str`` loses a structured dtype's fields);
-    ``where``: which buffer (a slot's index; 0 in a Ray bundle)."""
+    ``where``: which buffer (a slot's index; 0 in a Ray bundle).  A worker
+    process sends ``meta=None`` for "the layout of my last result in a
+    slot" (see :class:`LayoutCache`)."""
 
     where: int
-    meta: list[tuple[np.dtype, tuple[int, ...], int]]
+    meta: list[tuple[np.dtype, tuple[int, ...], int]] | None
     as_tuple: bool
 
 
@@ -159,7 +161,7 @@ def read_arrays(root: np.ndarray | None, packed: Arrays) -> list[np.ndarray] | t
     ``root`` (numpy collapses view chains), so ``root`` lives exactly as long
     as some view of it does."""
     arrays = []
-    for dt, shape, off in packed.meta:
+    for dt, shape, off in _meta_of(packed):
         n = math.prod(shape) * np.dtype(dt).itemsize
         flat = root[off:off + n] if root is not None and n else np.empty(0, np.uint8)
         arrays.append(flat.view(dt).reshape(shape))
@@ -169,7 +171,13 @@ def read_arrays(root: np.ndarray | None, packed: Arrays) -> list[np.ndarray] | t
 def packed_nbytes(packed: Arrays) -> int:
     """Bytes of the buffer the arrays of ``packed`` span."""
     # math.prod, not np.prod: a fifth of the parent's interpreter time per chunk went to np.prod's dispatch
-    return max((off + math.prod(shape) * np.dtype(dt).itemsize for dt, shape, off in packed.meta), default=0)
+    return max((off + math.prod(shape) * np.dtype(dt).itemsize for dt, shape, off in _meta_of(packed)), default=0)
+
+
+def _meta_of(packed: Arrays) -> list[tuple[np.dtype, tuple[int, ...], int]]:
+    if packed.meta is None:
+        raise ValueError("a result sent as 'the last layout' is read through its worker's LayoutCache only")
+    return packed.meta
 
 
 class LayoutCache:
@@ -188,8 +196,18 @@ class LayoutCache:
         self.nbytes = 0
 
     def nbytes_of(self, packed: Arrays) -> int:
-        """:func:`packed_nbytes` of ``packed``, which :meth:`read` reads next."""
+        """:func:`packed_nbytes` of ``packed``, which :meth:`read` reads next;
+        a ``meta`` of None is the last layout seen (every result of the
+        worker must be given here, in order, those dropped too).
+
+        Raises:
+            ValueError: ``meta`` is None and no layout came before.
+        """
         meta = packed.meta
+        if meta is None:
+            if self._meta is None:
+                raise ValueError("a result in a slot said its layout was the last one's, and none came before")
+            return self.nbytes
         if meta != self._meta:
             self._spans = [(dt, shape, off, math.prod(shape) * np.dtype(dt).itemsize) for dt, shape, off in meta]
             self.nbytes = max((off + n for _, _, off, n in self._spans), default=0)

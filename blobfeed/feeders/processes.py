@@ -451,6 +451,7 @@ class _Worker:
                 if not units.delivered(self.holder, unit) and kind is Result:
                     # read by a process that died meanwhile: another reads it again
                     if type(event.raw) is Arrays:
+                        self._layouts.nbytes_of(event.raw)  # (the next may say "the same layout")
                         self.ring.release(event.raw.where)
                     continue
                 if kind is Result:
