@@ -1342,32 +1342,57 @@ def test_a_slow_pss_reading_is_not_taken_out_of_the_window(monkeypatch: pytest.M
     assert m.result()["pss_mb"] > 1.0  # read by the sampler process, not the patched function
 
 
-def test_the_pss_sampler_reads_nothing_until_an_interval_into_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("reading_cpu_s,readings_in_window", [(0.0, True), (0.02, False)])
+def test_the_pss_sampler_spends_at_most_a_share_of_a_core_on_its_readings(
+    monkeypatch: pytest.MonkeyPatch, reading_cpu_s: float, readings_in_window: bool,
+) -> None:
     """A reading walks the page tables of the processes it reads (31-33 ms
-    of CPU for a W7 worker process): the window's first reading comes an
-    interval after it opened, not at once, and the last at the stop."""
-    reads: list[str] = []
+    of CPU for a W7 worker process): after one as it starts, the sampler
+    reads every interval or a hundred times as long as a reading took,
+    whichever is longer, the first that long after the window opened, and
+    once more at the stop.  Cheap readings come every interval (0.05 s
+    here); readings of 20 ms come 2 s apart, so none falls in the 0.4 s
+    the test waits."""
+    reads: list[float] = []
+    first, some = threading.Event(), threading.Event()
+
+    def fake_pss_kb(pid: int) -> int:
+        t0 = time.process_time()
+        while time.process_time() - t0 < reading_cpu_s:
+            pass
+        reads.append(time.monotonic())
+        first.set()
+        if len(reads) >= 3:
+            some.set()
+        return 2048
+
     monkeypatch.setattr(measure, "_descendants", lambda root: [root])
-    monkeypatch.setattr(measure, "_pss_kb", lambda pid: reads.append("read") or 2048)
+    monkeypatch.setattr(measure, "_pss_kb", fake_pss_kb)
     r, w = os.pipe()
     stdin = os.fdopen(r, "r")
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdin", stdin)
     monkeypatch.setattr(sys, "stdout", out)
     # (the root: another process, as the sampler leaves its own PSS out)
-    sampler = threading.Thread(target=measure._sampler_main, args=(os.getppid(), 0.5), daemon=True)
+    sampler = threading.Thread(target=measure._sampler_main, args=(os.getppid(), 0.05), daemon=True)
     sampler.start()
     try:
+        assert first.wait(10)  # the reading as it starts
+        assert len(reads) == 1
         os.write(w, b"go\n")
-        time.sleep(0.2)  # within the first interval: what a reading at go would do has been done
-        assert reads == [], "a reading as the window opened"
+        went = time.monotonic()
+        if readings_in_window:
+            assert some.wait(10), reads
+            assert reads[1] - went >= 0.04, "the window's first reading an interval after it opened"
+        else:
+            assert not some.wait(0.4) and len(reads) == 1, reads
         os.write(w, b"stop\n")
         sampler.join(10)
         assert not sampler.is_alive()
     finally:
         os.close(w)
         stdin.close()
-    assert reads == ["read"] and out.getvalue().strip() == "2.000"
+    assert out.getvalue().strip() == "2.000"
 
 
 def test_the_pss_sampler_reads_a_tree_and_leaves_nothing_behind() -> None:

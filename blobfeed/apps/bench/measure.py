@@ -350,8 +350,12 @@ class UsageProbe:
         return {name: usage_between(self._start, end, members) for name, members in self.groups.items()}
 
 
+#: the share of one core the PSS sampler's readings may take (see PssSampler)
+PSS_SHARE = 0.01
+
+
 class PssSampler:
-    """The largest total PSS of a process tree, read every few seconds by
+    """The largest total PSS of a process tree, read about once a second by
     a process of its own (this file run as a script: the standard library
     only, no numpy, no blobfeed).
 
@@ -365,21 +369,24 @@ class PssSampler:
     W4 reported 3.57 x one core's ideal.  From another process the reading
     takes nothing from the measured one, and the window is its wall time.
 
-    A reading walks the page tables of every process it reads, holding each
-    one's memory map lock: a W7 worker process (a 2 GB file and its slots
-    mapped) cost 31-33 ms of CPU a reading, so once a second two of them
-    took about 3 % of a 2-core machine from a runner that uses both cores,
-    and nothing from one that leaves a core idle (torch's loader in one
-    process).  So the readings come every ``interval`` (5 s) from an
-    interval after the window opened, and at its end: a window of a few
-    seconds is read once, after it closed.
+    A reading walks the page tables of every process it reads: a W7 worker
+    process (a 2 GB file and its slots mapped) cost 31-33 ms of CPU a
+    reading, so once a second two of them took about 3 % of a 2-core
+    machine from a runner that uses both cores, and nothing from one that
+    leaves a core idle (torch's loader in one process).  So the sampler
+    spends at most about 1 % of a core (:data:`PSS_SHARE`): it reads once
+    as it starts (in the warm-up), and then every ``interval`` (1 s) or a
+    hundred times as long as its last reading took, whichever is longer,
+    from that long after the window opened, and at its end.  A W7 window of
+    a few seconds is read once, after it closed; the pipelines of S1, whose
+    readings take milliseconds, once a second.
 
     ``go()`` starts the readings (the window opens), ``stop()`` takes one
     more and returns the largest, MiB.  The sampler leaves its own PSS out,
     and exits when its stdin closes (this process gone) or the root is gone.
     """
 
-    def __init__(self, root: int | None = None, interval: float = 5.0) -> None:
+    def __init__(self, root: int | None = None, interval: float = 1.0) -> None:
         import subprocess
 
         self.root = os.getpid() if root is None else root
@@ -438,10 +445,20 @@ def _sampler_main(root: int, interval: float) -> None:
 
     me = os.getpid()
 
-    def reading() -> float:
-        return sum(_pss_kb(pid) for pid in _descendants(root) if pid != me) / 1024
+    cost = 0.0
 
-    peak, going = 0.0, False
+    def reading() -> float:
+        nonlocal cost
+        t0 = time.process_time()
+        mib = sum(_pss_kb(pid) for pid in _descendants(root) if pid != me) / 1024
+        cost = time.process_time() - t0
+        return mib
+
+    def gap() -> float:
+        # each reading costs the processes it reads as much again (see PssSampler)
+        return max(interval, cost / PSS_SHARE)
+
+    peak, going = reading(), False  # (in the warm-up: it also tells what a reading costs)
     next_at = 0.0
     while True:
         wait = max(0.0, next_at - time.monotonic()) if going else None
@@ -449,9 +466,8 @@ def _sampler_main(root: int, interval: float) -> None:
         if ready:
             line = sys.stdin.readline()
             if line.strip() == "go":
-                # the first reading an interval into the window, not at its
-                # start: each costs the processes it reads (see PssSampler)
-                going, next_at = True, time.monotonic() + interval
+                # the first reading a gap into the window, not at its start
+                going, next_at = True, time.monotonic() + gap()
                 continue
             if line.strip() == "stop":
                 peak = max(peak, reading())
@@ -460,7 +476,7 @@ def _sampler_main(root: int, interval: float) -> None:
         if not os.path.exists(f"/proc/{root}"):
             return
         peak = max(peak, reading())
-        next_at = time.monotonic() + interval
+        next_at = time.monotonic() + gap()
 
 
 @dataclass
