@@ -378,8 +378,9 @@ class PssSampler:
     as it starts (in the warm-up), and then every ``interval`` (1 s) or a
     hundred times as long as its last reading took, whichever is longer,
     from that long after the window opened, and at its end.  A W7 window of
-    a few seconds is read once, after it closed; the pipelines of S1, whose
-    readings take milliseconds, once a second.
+    3 s is read once in it, a second in (the reading in the warm-up, before
+    the workers touched much, was cheap), then not again; the pipelines of
+    S1, whose readings take milliseconds, once a second.
 
     ``go()`` starts the readings (the window opens), ``stop()`` takes one
     more and returns the largest, MiB.  The sampler leaves its own PSS out,
@@ -484,8 +485,8 @@ class Meter:
     """Counts batches in a timed window after a warm-up.
 
     With ``pss`` (the default), the total PSS of this process and its
-    descendants is read every few seconds inside the window, and at its
-    end, by a :class:`PssSampler` (a process of its own, started at the
+    descendants is read about once a second inside the window (less often
+    where a reading is costly), and at its end, by a :class:`PssSampler` (a process of its own, started at the
     first batch, during the warm-up), and its maximum is reported: for
     every runner, so the report's PSS column is never blank.  Nothing is
     taken out of the window: it is the wall time from its first batch to
