@@ -350,7 +350,7 @@ def test_the_fitted_window_holds_twice_what_the_worker_processes_are_sent_ahead(
     a, b = Holder(d), Holder(d)
     d.attach(0, 1, 12, a.send, a.failed)
     d.attach(1, 2, 12, b.send, b.failed)
-    assert d.window == 2 * 4 * 2, "twice the four ahead, for each of two worker processes"
+    assert d.window == 8, "four ahead: the default, 4 per worker"
     d.sized(2**20)  # twelve ahead each, now
     assert d.window == 2 * 12 * 2
     assert len(a.units()) == len(b.units()) == 12
@@ -410,3 +410,38 @@ def test_worker_processes_of_a_random_access_source_read_twelve_units_ahead_by_d
     assert ahead == [12, 12], "half of 24 slots each"
     assert fitted == (True, 48), "twice twelve ahead for each of two worker processes"
     assert slots == [(24, [24, 24])]
+
+
+def test_sizing_the_units_never_calls_back_the_dealer_it_runs_under() -> None:
+    """``sized`` runs under the dealer's lock (the stream's first unit is
+    checked there): a unit to read again it lets out goes without
+    ``on_redo_taken`` (which takes that lock: a self-deadlock), and the
+    caller is told, to wake the workers itself."""
+    d = UnitDispenser("src", 100_000, 1000, 1)
+    a, b = Holder(d), Holder(d)
+    d.attach(0, 1, 12, a.send, a.failed)
+    d.attach(1, 2, 12, b.send, b.failed)
+    assert len(a.units()) == len(b.units()) == 4
+    called: list[str] = []
+    d.on_redo_taken = lambda: called.append("redo")
+    d.stop_workers([1])
+    assert d.retire(2) == []  # worker 1's process dies: its units are anyone's
+    del called[:]
+    assert d.sized(100) is True, "a unit to read again went out"  # (units of 100 kB: twelve ahead)
+    assert called == [], "on_redo_taken from inside sized()"
+    assert len(a.units()) == 12
+
+
+def test_the_fitted_window_of_units_four_ahead_is_the_default_of_4_per_worker() -> None:
+    """Units too big (or too small) to send more than four ahead leave the
+    window at 4 per worker: twice four per worker process would hold
+    twice the memory for nothing."""
+    from blobfeed.feeders.read_units import AHEAD_BYTES
+
+    d = UnitDispenser("src", 10_000, 4, 1)
+    d.set_window(workers=4)
+    holders = [Holder(d) for _ in range(4)]
+    for w, h in enumerate(holders):
+        d.attach(w, 10 + w, 12, h.send, h.failed)
+    d.sized(AHEAD_BYTES // 4)  # a unit of AHEAD_BYTES: four ahead
+    assert d.window == 16

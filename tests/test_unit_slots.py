@@ -451,3 +451,27 @@ class Wide:
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.int64]:
         return np.full(8192, i, np.float32), np.int64(i)
+
+
+def test_a_result_with_a_state_of_its_own_always_carries_its_layout() -> None:
+    """A stateful fetcher's state may not unpickle in the parent, which
+    then skips the message (``on_error="skip"``) and never sees its layout:
+    such a result carries its layout and is not the last one sent, so a
+    result after it without a layout is read with one the parent holds."""
+    from blobfeed.feeders.messages import Arrays, LayoutCache, Result, without_layout, write_arrays
+
+    buf = bytearray(1 << 16)
+    small = write_arrays([np.zeros((2, 3), np.float32)], buf, 0, 0, True)
+    big = write_arrays([np.zeros((4, 3), np.float32)], buf, 0, 1, True)
+    sent: list[object] = [None]
+    first = without_layout(Result(0.1, small, 7), sent)  # a read unit's number: judged
+    again = without_layout(Result(0.1, small, 8), sent)
+    stateful = without_layout(Result(0.1, big, {"cursor": 3}), sent)
+    after = without_layout(Result(0.1, small, None), sent)
+    assert first.raw.meta == small.meta and again.raw.meta is None
+    assert stateful.raw.meta == big.meta and sent[0] == small.meta, "the stateful one is no judge"
+    assert after.raw.meta is None
+    cache = LayoutCache()  # the parent, which lost the stateful message
+    for r in (first, again, after):
+        assert cache.nbytes_of(r.raw) == 2 * 3 * 4
+    assert isinstance(after.raw, Arrays)

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from ..worker_info import WorkerInfo
-from .messages import Arrays, Note, Raised, Result, arrays_nbytes, plain_arrays, unsendable, write_arrays
+from .messages import Arrays, Note, Raised, Result, arrays_nbytes, plain_arrays, unsendable, without_layout
+from .messages import write_arrays
 from .transport import SLOT_INDEX, WAKE, FdHandle, SlotArea, pack_exception, send_message
 from .unit_slots import UnitSlots
 from .worker_batches import BatchFiller
@@ -175,19 +176,13 @@ def _work(
     # also after one that a reader turned into a fallback (unit_slots)
     ended = False
 
-    #: the layout of the last result sent in a slot: the next one of the
-    #: same layout says so with ``meta=None`` (pickling the dtypes cost
-    #: 10-15 µs a message with the caches cold from the unit's copies)
+    #: the layout of the last result sent in a slot (see messages.without_layout)
     sent_meta: list[Any] = [None]
 
     def send(events: list[Any]) -> None:
         for i, ev in enumerate(events):
             if type(ev) is Result and type(ev.raw) is Arrays:
-                raw = ev.raw
-                if raw.meta == sent_meta[0]:
-                    events[i] = Result(ev.seconds, Arrays(raw.where, None, raw.as_tuple), ev.state, ev.calls)
-                else:
-                    sent_meta[0] = raw.meta
+                events[i] = without_layout(ev, sent_meta)
         send_message(out, dumps(events))
 
     def take_slot(inside: int = slots) -> int:

@@ -193,14 +193,18 @@ class UnitDispenser:
             pushed = self._changed()
         self._after(pushed)
 
-    def sized(self, sample_bytes: int) -> None:
+    def sized(self, sample_bytes: int) -> bool:
         """A sample takes ``sample_bytes`` (told once, by the stream's first
         unit): with ``auto`` the units after the first are sized from it,
         and the units a worker process is pushed ahead are fitted to their
-        bytes (:data:`AHEAD_BYTES`)."""
+        bytes (:data:`AHEAD_BYTES`).
+
+        Called under the dealer's lock: ``on_redo_taken`` (which takes it)
+        is not called.  Returns whether a unit to read again went out: the
+        caller wakes the workers waiting for room itself."""
         with self._mutex:
             if self.unit_bytes is not None:
-                return
+                return False
             if not self._sized:
                 self._sized = True
                 per_batch = max(1, sample_bytes * self.base)
@@ -212,8 +216,9 @@ class UnitDispenser:
             if self.unit_bytes >= UNIT_BYTES:
                 self.ahead_limit = max(MIN_AHEAD, AHEAD_BYTES // self.unit_bytes)
             self._fit_window()
-            pushed = self._changed()
-        self._after(pushed)
+            failures, again = self._changed()
+        self._after((failures, False))
+        return again
 
     def set_window(self, window: int | None = None, workers: int | None = None) -> None:
         """The window the user set (None: fitted), or the worker count a
@@ -229,15 +234,19 @@ class UnitDispenser:
 
     def _fit_window(self) -> None:
         """The window (under the lock): the user's, else 4 per worker, at
-        least 8, and room for twice the units the worker processes pushed
-        may hold ahead (those it holds, and as many delivered and waiting
-        for the stream), so that the window never idles them sooner."""
+        least 8, and where the worker processes pushed are sent more than
+        :data:`MIN_AHEAD` units ahead, room for twice that many each (those
+        each holds, and as many delivered and waiting for the stream)."""
         if self.fixed_window is not None:
             self.window = self.fixed_window
             return
-        pushed = len({e.worker_id for e in self._pushed.values()})
-        ahead = min((e.ahead for e in self._pushed.values()), default=0)
-        self.window = max(8, 4 * self.workers, 2 * min(ahead, self.ahead_limit) * pushed)
+        window = max(8, 4 * self.workers)
+        ahead = min(min((e.ahead for e in self._pushed.values()), default=0), self.ahead_limit)
+        if ahead > MIN_AHEAD:
+            # (units of MIN_AHEAD are what 4 per worker was sized for: no
+            # more memory in the lanes where nothing more is read ahead)
+            window = max(window, 2 * ahead * len({e.worker_id for e in self._pushed.values()}))
+        self.window = window
 
     def _fresh_waits(self) -> bool:
         """The next unit of the stream may not be handed out yet: it is past
@@ -486,8 +495,8 @@ class UnitDispenser:
     def _after(self, pushed: _Pushed) -> None:
         """What :meth:`_changed` left to do outside the lock: the callbacks.
         (``on_redo_taken`` takes the dealer's lock: a unit read again is
-        never pushed by ``consumed`` or ``sized``, which run under it, as
-        they free no holder's room.)"""
+        never pushed by ``consumed``, which runs under it, as it frees no
+        holder's room; ``sized``, which may, calls it not.)"""
         failures, again = pushed
         for failed, r, exc in failures:
             failed(r, exc)

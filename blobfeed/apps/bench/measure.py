@@ -485,8 +485,9 @@ class Meter:
     """Counts batches in a timed window after a warm-up.
 
     With ``pss`` (the default), the total PSS of this process and its
-    descendants is read about once a second inside the window (less often
-    where a reading is costly), and at its end, by a :class:`PssSampler` (a process of its own, started at the
+    descendants is read once in the warm-up, about once a second inside
+    the window (less often where a reading is costly), and at its end, by
+    a :class:`PssSampler` (a process of its own, started at the
     first batch, during the warm-up), and its maximum is reported: for
     every runner, so the report's PSS column is never blank.  Nothing is
     taken out of the window: it is the wall time from its first batch to

@@ -277,7 +277,8 @@ class IndexedDealer(LaneDealer):
             self._layout = ([(a.dtype, a.shape[:ax] + a.shape[ax + 1:]) for a, ax in zip(chunk.arrays, self.axes)],
                             reader.first_index(r))
             # read_size=None: the later units are sized by the bytes of a sample
-            self.units.sized(sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n))
+            if self.units.sized(sum(a.nbytes for a in chunk.arrays) // max(1, chunk.n)):
+                self._room.notify_all()  # (under our lock: see UnitDispenser.sized)
             return None
         layout, first = self._layout
         # the unit's sample ids are listed only when it does not fit (a
