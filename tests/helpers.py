@@ -55,12 +55,17 @@ class ChunkPlan:
         return [ids, feat]
 
 
-def drain(net: blobfeed.Net, timeout: float = WAIT) -> list[dict[str, np.ndarray]]:
-    """Run ``net`` until EndOfInput; returns every batch (copied)."""
+def drain(net: blobfeed.Net, timeout: float = WAIT, *, epochs: bool = False) -> list[dict[str, np.ndarray]]:
+    """Run ``net`` until EndOfInput (with ``epochs``, past each epoch's
+    end: to the end of the data); returns every batch (copied)."""
     out = []
     while True:
         try:
             blobs = net.run(timeout=timeout)
+        except blobfeed.EndOfEpoch:
+            if epochs:
+                continue
+            return out
         except EndOfInput:
             return out
         out.append({k: np.array(v, copy=True) for k, v in blobs.items()})

@@ -1379,8 +1379,8 @@ def test_the_pss_sampler_spends_at_most_a_share_of_a_core_on_its_readings(
     try:
         assert first.wait(10)  # the reading as it starts
         assert len(reads) == 1
+        went = time.monotonic()  # (before the "go": the sampler's own clock starts after it)
         os.write(w, b"go\n")
-        went = time.monotonic()
         if readings_in_window:
             assert some.wait(10), reads
             assert reads[1] - went >= 0.04, "the window's first reading an interval after it opened"

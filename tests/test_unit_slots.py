@@ -16,6 +16,7 @@ from blobfeed.feeders.indexed import UnitReader
 from blobfeed.feeders.messages import read_arrays
 from blobfeed.feeders.unit_slots import UnitSlots
 
+from .helpers import drain
 from .test_indexed import SEED, reference
 
 SLOT = 4096
@@ -157,17 +158,6 @@ def wide(n: int, bad: int = -1) -> Rows:
     return Rows(n, bad, width=2048)
 
 
-def _outputs(net: Net) -> Any:
-    """``net.run()``'s outputs to the end of the data, the epochs' ends skipped."""
-    while True:
-        try:
-            yield net.run(timeout=WAIT)
-        except blobfeed.EndOfEpoch:
-            continue
-        except blobfeed.EndOfInput:
-            return
-
-
 def _run(dataset: Any, workers: int) -> list[tuple[int, ...]]:
     gc = blobfeed.GlobalCoordinator()
     net = Net(name="n")
@@ -176,7 +166,7 @@ def _run(dataset: Any, workers: int) -> list[tuple[int, ...]]:
     got: list[tuple[int, ...]] = []
     gc.start()
     try:
-        for out in _outputs(net):
+        for out in drain(net, epochs=True):
             ids = out["ids"]
             np.testing.assert_array_equal(out["x"], np.repeat(ids.astype(np.float32)[:, None], 2048, axis=1))
             got.append(tuple(int(i) for i in ids))
@@ -430,7 +420,7 @@ def test_worker_processes_send_a_slot_result_s_layout_once_while_it_stays_the_sa
     gc.start()
     got = []
     try:
-        for out in _outputs(net):
+        for out in drain(net, epochs=True):
             assert out["x"].shape == (len(out["i"]), 8192) and (out["x"][:, 0] == out["i"]).all()
             got.extend(out["i"].tolist())
     finally:
