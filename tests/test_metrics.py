@@ -212,6 +212,13 @@ def test_lagging_behind_warning_is_rate_limited(gc: blobfeed.GlobalCoordinator, 
     init_data_input_workers(net, ["ids", "feat"], plan, 4, num_worker_threads=1, coordinator=gc)
     with caplog.at_level("WARNING", logger="blobfeed"):
         gc.start()
+        # The enqueuer checks when it assembles a batch; the net's thread, which
+        # assembles one itself when it finds none (a loaded machine, the
+        # enqueuer not yet scheduled), does not.  So the enqueuer fills the
+        # device queue first: at its fourth batch at most one of the five
+        # chunks is left in the internal queue.
+        wait_until(lambda: sample(gc, "blobfeed_device_queue_depth", source="train", net="n") == 4,
+                   "the enqueuer filled the device queue")
         drain(net)
     lagging = [r for r in caplog.records if "data loading lagging behind" in r.getMessage()]
     assert lagging and "source 'train'" in lagging[0].getMessage()
