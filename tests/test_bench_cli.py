@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blobfeed.apps.bench import autobench, cli, measure, report, runner, service, workloads
+from blobfeed.apps.bench import autobench, cli, direct, measure, report, runner, service, workloads
 from blobfeed.apps.bench.peers import base, ray_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -537,7 +537,8 @@ def test_the_service_workloads_are_opt_in_and_named_like_the_others() -> None:
     assert cli.parse_workloads("s1,ATTACH") == ["S1", "attach"]
     assert cli.build_parser().parse_args(["--workload", "S1"]).workloads == "S1"  # argparse takes the prefix
     assert runner._plan(service_wls, {"PIL"}) == [
-        ("S1", "service"), ("S1", "pipes"), ("S1", "copy"), ("S1", "copy2"), ("S2", "service"), ("S2", "pipes"),
+        ("S1", "service"), ("S1", "pipes"), ("S1", "direct"), ("S1", "copy"), ("S1", "copy2"), ("S2", "service"),
+        ("S2", "pipes"),
         ("S2", "bare"), ("attach", "service"),
     ]
     with_ray = runner._plan(service_wls, {"PIL", "ray", "ray.data"})
@@ -1007,6 +1008,8 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     assert float(cells["S1/copy"]["GB/s"]) > 0 and float(cells["S1/copy2"]["GB/s"]) > 0
     # the transport alone: its consumers took batches, and it counts no samples
     assert float(cells["S2/bare"]["batches/s"]) > 0 and cells["S2/bare"]["lost"] == "-", cells["S2/bare"]
+    # S1's shortest path: its consumers took batches, and it counts no samples
+    assert float(cells["S1/direct"]["batches/s"]) > 0 and cells["S1/direct"]["lost"] == "-", cells["S1/direct"]
     assert cells["attach/service"]["batches/s"] == "-" and float(cells["attach/service"]["first ms"]) > 0
     # the hand-offs: every process's CPU and context switches in the window, per batch
     top = lines.index(next(line for line in lines if line.startswith("per batch taken")))
@@ -1027,7 +1030,7 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
         assert shown and max(shown) > 0, (k, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
              for line in rows if not line[KEY:].startswith("  ")}
-    assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service", "S2/bare")
+    assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service", "S2/bare", "S1/direct")
                           for who in ("service", "consumer", "service + consumer")} | {
         ("S1/pipes", "consumer"), ("S2/pipes", "consumer")}, costs
     for (key, who), (ctx, cpu) in costs.items():
@@ -1926,6 +1929,41 @@ def test_a_bare_consumer_that_dies_at_its_start_is_an_error_with_its_stderr(monk
     with pytest.raises(RuntimeError, match=r"(?s)exited with 3.*no such thing"):
         service.run_bare(workloads.WORKLOADS["S2"], 1.0)
     assert time.monotonic() - t0 < 10.0
+
+
+def test_the_direct_runner_deals_every_batch_to_a_consumer_and_leaves_nothing_behind() -> None:
+    """S1's ``direct`` runner for real, briefly: its consumers took whole
+    batches from both workers (each counted in the window), and its worker
+    and consumer processes and their files are gone after it."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    started: list[subprocess.Popen[bytes]] = []
+    real_start = service._Consumers.start
+
+    def start(self: Any, *args: str) -> None:
+        real_start(self, *args)
+        started.append(self.procs[-1][0])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(service._Consumers, "start", start)
+        out = direct.run_direct(workloads.WORKLOADS["S1"], 0.3)
+    assert out["batches_per_s"] > 0 and out["delivered"] > 0, out
+    assert out["delivered"] % workloads.WORKLOADS["S1"].batch == 0, out  # whole batches only
+    assert out["service_cpu_us_per_batch"] > 0 and out["consumer_cpu_us_per_batch"] > 0, out
+    assert len(started) == direct.SERVICE_WORKERS + workloads.WORKLOADS["S1"].consumers
+    assert all(p.poll() is not None for p in started), [p.pid for p in started]
+    if os.path.isdir("/dev/shm"):
+        assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("blobfeed-direct-")}
+
+
+def test_a_direct_process_that_dies_at_its_start_is_an_error_with_its_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker or consumer process of the ``direct`` runner that exits at
+    its start: the runner says so at once, with its exit code and stderr,
+    and leaves no process behind."""
+    monkeypatch.setattr(direct, "DIRECT_MAIN", "import sys; sys.stderr.write('no such thing\\n'); sys.exit(3)")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 3.*no such thing"):
+        direct.run_direct(workloads.WORKLOADS["S1"], 1.0)
+    assert time.monotonic() - t0 < 30.0
 
 
 def test_w7_runners_run_with_glibc_keeping_freed_memory_unless_the_caller_says(

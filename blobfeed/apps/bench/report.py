@@ -542,6 +542,10 @@ RUNNER_LEGEND = {
             "process in the measuring process, one record of the batch's bytes (made in advance: no fetching, no "
             "re-batching, no ledger) per batch over a Unix socket, each acknowledged, 16 in flight: what the "
             "transport alone costs in one Python process",
+    "direct": "S1's work on its shortest path, with nothing of blobfeed: 2 worker processes fill whole batches in "
+              "shared memory and send each one's slot straight to a consumer process (one record each way, no "
+              "process or thread in between, no checks, no ledger): what the machine allows for S1 (its "
+              "'service' row is the 2 workers)",
     "ray": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
     "ray1": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
     "ray2": "blobfeed's fetchers as Ray actors: 2 simulated nodes of 2 actors",

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from . import autobench, library, peers, service
+from . import autobench, direct, library, peers, service
 from .library import W5_SLICE_S
 from .measure import Meter, sweep_tallies
 from .peers.ray_data import RAYDATA_NEEDS
@@ -24,7 +24,7 @@ from .workloads import (PROCESS_PEERS, SERVICE_CONSUMERS, WORKLOADS, W4Fetch, Wo
 
 #: every runner by name: blobfeed's, then the peers'
 RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {
-    **library.RUNNERS, **service.RUNNERS, **peers.RUNNERS, **autobench.RUNNERS,
+    **library.RUNNERS, **service.RUNNERS, **direct.RUNNERS, **peers.RUNNERS, **autobench.RUNNERS,
 }
 #: the optional package each runner needs; the others need only the standard library
 RUNNER_NEEDS: dict[str, str] = {**library.NEEDS, **service.NEEDS, **peers.NEEDS}
@@ -134,7 +134,7 @@ SERVICE_CONSUMER_S = 0.5
 #: attach: the service's start, the cycle that ends past the window (a
 #: consumer process's start, about 0.5 s) and the drain of the rest
 ATTACH_EXTRA_S = 2.9
-#: bare: 4 consumer processes (the bench's modules, no pipeline)
+#: bare, direct: 4 consumer processes (the bench's modules, no pipeline)
 #: (their start, until each has had a batch), and their end
 BARE_EXTRA_S = 1.2
 #: raysplit: a local cluster, 4 actors, until each has had a block, and
@@ -211,7 +211,7 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
         one += RAYSPLIT_EXTRA_S
     elif r == "service" and wl.consumers == 1:  # attach: no warm-up, cycles for the window
         one += ATTACH_EXTRA_S - WARMUP_S
-    elif r == "bare":
+    elif r in ("bare", "direct"):
         one += BARE_EXTRA_S
     elif r in ("service", "pipes"):
         one += SERVICE_EXTRA_S[(r, wl.backend if r == "service" else wl.pipes_backend)]

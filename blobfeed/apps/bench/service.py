@@ -212,12 +212,15 @@ def consumer_main(argv: list[str]) -> int:
 class _Consumers:
     """Consumer processes started by this one; their output in temporary files."""
 
-    def __init__(self) -> None:
+    def __init__(self, main: str | None = None) -> None:
+        #: the processes' ``__main__`` (None: :data:`CONSUMER_MAIN`)
+        self.main = main
         self.procs: list[tuple[subprocess.Popen[bytes], IO[bytes], IO[bytes]]] = []
 
     def start(self, *args: str) -> None:
         out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-        self.procs.append((subprocess.Popen(consumer_command(*args), stdout=out, stderr=err), out, err))
+        command = consumer_command(*args) if self.main is None else [sys.executable, "-c", self.main, *args]
+        self.procs.append((subprocess.Popen(command, stdout=out, stderr=err), out, err))
 
     @staticmethod
     def _stderr(err: IO[bytes]) -> str:
@@ -308,9 +311,16 @@ def per_batch_costs(usage: dict[str, Usage], batches: int) -> dict[str, float]:
 
 
 def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: float, t_start: float,
-                   service: bool) -> dict[str, Any]:
-    groups = {f"consumer{k}": [proc.pid] for k, (proc, _, _) in enumerate(consumers.procs)}
-    if service:  # this process runs the service: its threads, and its workers below it (the consumers apart)
+                   service: bool, service_pids: list[int] | None = None, consumers_from: int = 0) -> dict[str, Any]:
+    """The window's figures.  ``service``: this process runs the service
+    (its threads, and its workers below it); ``service_pids``: the service
+    group is these processes instead (``direct``'s workers), the consumers
+    being ``consumers.procs`` from ``consumers_from`` on."""
+    procs = consumers.procs[consumers_from:]
+    groups = {f"consumer{k}": [proc.pid] for k, (proc, _, _) in enumerate(procs)}
+    if service_pids is not None:
+        groups[SERVICE_GROUP] = list(service_pids)
+    elif service:  # this process runs the service: its threads, and its workers below it (the consumers apart)
         groups[SERVICE_GROUP] = [os.getpid()]
     w = watch_consumers(counts, wl.consumers, seconds, t_start, consumers.check, usage=groups,
                         thread_roles=thread_role if service else None)

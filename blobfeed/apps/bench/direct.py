@@ -1,0 +1,237 @@
+"""S1's ``direct`` runner: the shortest path a batch of S1 could take in
+Python, with nothing of blobfeed in it.
+
+Two worker processes each run W2's fetcher and copy its chunks, piece by
+piece, into whole batches in slots of a shared-memory file of their own (as
+blobfeed's worker processes assemble whole batches).  Each batch's slot goes
+straight to a consumer process, dealt in turn, as one small record on a Unix
+``SOCK_SEQPACKET`` socket; the consumer maps both workers' files read-only,
+views the batch where it lies, counts it, and sends the slot back on the
+same socket.  No process in between, no thread hand-off, no ledger, no
+checks, no order: what the machine allows for S1's work when the batch's way
+from a worker to a consumer costs one record each way.  The floor beside
+which the service's (and the pipelines') per-batch costs read.
+
+The measuring process only times the window (the consumers count in a
+:class:`~.measure.Tally`, as the service's do) and reads the tree's PSS;
+the per-batch table's ``service`` row is the two worker processes (the
+fetching, the copy, the records), its ``consumer`` row the consumers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import select
+import socket
+import struct
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .measure import Tally
+from .service import CONSUMER_TIMEOUT_S, SERVICE_WORKERS, _Consumers, _window_result
+from .workloads import WORKLOADS, Workload
+
+__all__ = ["RUNNERS", "child_main", "run_direct"]
+
+#: slots of a worker's file (a worker process of blobfeed has 8 for a fetcher's batches)
+DIRECT_SLOTS = 8
+#: a record: (slot, batch number), the same each way
+RECORD = struct.Struct("<qq")
+#: slots are laid out as blobfeed's: each array at a multiple of this
+_ALIGN = 64
+#: seconds between a blocked worker's looks at the measuring process's stop flag
+_STOP_POLL_S = 0.1
+
+#: The ``__main__`` of a worker or consumer process of this runner (the
+#: current directory off ``sys.path`` first, as ``service.CONSUMER_MAIN``).
+DIRECT_MAIN = (
+    "import sys\n"
+    "if sys.path and sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    "from blobfeed.apps.bench.direct import child_main\n"
+    "sys.exit(child_main(sys.argv[1:]))\n"
+)
+
+
+def _layout(wl: Workload) -> tuple[list[tuple[np.dtype, tuple[int, ...], int]], int]:
+    """Each blob's (dtype, per-sample shape, offset in a slot), and a slot's bytes."""
+    chunk = wl.fetcher(None).chunk(0)
+    layout, off = [], 0
+    for a in chunk:
+        layout.append((a.dtype, a.shape[1:], off))
+        off += -(-(a.nbytes // len(a) * wl.batch) // _ALIGN) * _ALIGN
+    return layout, off
+
+
+def _area(where: str, worker: int) -> str:
+    return os.path.join(where, f"area{worker}")
+
+
+def _address(where: str, worker: int) -> str:
+    return os.path.join(where, f"worker{worker}")
+
+
+def _worker(wl: Workload, index: int, where: str, counts: Tally) -> dict[str, Any]:
+    """Fill whole batches and deal them in turn to the consumers, until the
+    measuring process's stop flag, or a consumer goes away."""
+    layout, slot_bytes = _layout(wl)
+    fetch = wl.fetcher(None)
+    with open(_area(where, index), "r+b") as f:
+        area = mmap.mmap(f.fileno(), DIRECT_SLOTS * slot_bytes)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.settimeout(CONSUMER_TIMEOUT_S)
+    listener.bind(_address(where, index))
+    listener.listen(wl.consumers)
+    conns: list[socket.socket | None] = [None] * wl.consumers
+    free = list(range(DIRECT_SLOTS))
+    batches = 0
+    try:
+        for _ in range(wl.consumers):
+            sock, _ = listener.accept()
+            sock.settimeout(CONSUMER_TIMEOUT_S)
+            conns[RECORD.unpack(sock.recv(RECORD.size))[0]] = sock
+        socks = [s for s in conns if s is not None]
+        left: list[np.ndarray] | None = None
+        while not counts.stopping:
+            ready = select.select(socks, [], [], 0 if free else _STOP_POLL_S)[0]
+            for sock in ready:
+                try:
+                    data = sock.recv(RECORD.size)
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    return {"batches": batches}  # a consumer went away: the run is over
+                free.append(RECORD.unpack(data)[0])
+            if not free:
+                continue
+            slot = free.pop()
+            base = slot * slot_bytes
+            dst = [np.ndarray((wl.batch, *shape), dt, buffer=area, offset=base + off) for dt, shape, off in layout]
+            have = 0
+            while have < wl.batch:
+                if left is None:
+                    left = fetch.chunk(index)
+                n = len(left[0])
+                take = min(n, wl.batch - have)
+                for d, a in zip(dst, left):
+                    np.copyto(d[have:have + take], a[:take], casting="no")
+                have += take
+                left = None if take == n else [a[take:] for a in left]
+            del dst
+            conns[batches % wl.consumers].send(RECORD.pack(slot, batches))  # type: ignore[union-attr]
+            batches += 1
+        return {"batches": batches}
+    finally:
+        for conn in conns:
+            if conn is not None:
+                conn.close()
+        listener.close()
+
+
+def _consumer(wl: Workload, index: int, where: str, counts: Tally) -> dict[str, Any]:
+    """Take every batch the workers deal here, counting each, until both are done."""
+    layout, slot_bytes = _layout(wl)
+    socks: list[socket.socket] = []
+    areas: dict[int, mmap.mmap] = {}
+    deadline = time.monotonic() + CONSUMER_TIMEOUT_S
+    for w in range(SERVICE_WORKERS):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        while True:  # the worker may not listen yet
+            try:
+                sock.connect(_address(where, w))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {w} did not listen within {CONSUMER_TIMEOUT_S:g} s") from None
+                time.sleep(0.01)
+        sock.send(RECORD.pack(index, 0))
+        with open(_area(where, w), "rb") as f:
+            areas[sock.fileno()] = mmap.mmap(f.fileno(), DIRECT_SLOTS * slot_bytes, prot=mmap.PROT_READ)
+        socks.append(sock)
+    samples = batches = 0
+    try:
+        while socks:
+            ready = select.select(socks, [], [], CONSUMER_TIMEOUT_S)[0]
+            if not ready:
+                raise RuntimeError(f"no batch within {CONSUMER_TIMEOUT_S:g} s")
+            for sock in ready:
+                try:
+                    data = sock.recv(RECORD.size)
+                except ConnectionResetError:  # the worker stopped with acknowledgements unread
+                    data = b""
+                if not data:
+                    socks.remove(sock)
+                    sock.close()
+                    continue
+                slot, g = RECORD.unpack(data)
+                area, base = areas[sock.fileno()], slot * slot_bytes
+                arrays = [np.ndarray((wl.batch, *shape), dt, buffer=area, offset=base + off)
+                          for dt, shape, off in layout]
+                samples += len(arrays[0])
+                del arrays
+                try:
+                    sock.send(RECORD.pack(slot, g))
+                except OSError:
+                    pass  # the worker stopped: its end comes next
+                batches += 1
+                counts.add(index, 1)
+    finally:
+        for sock in socks:
+            sock.close()
+    return {"delivered": samples, "batches": batches}
+
+
+def child_main(argv: list[str]) -> int:
+    """A worker or consumer process of this runner (see :data:`DIRECT_MAIN`):
+    runs, then prints one JSON line of what it did."""
+    p = argparse.ArgumentParser(prog="blobfeed bench direct")
+    p.add_argument("role", choices=("worker", "consumer"))
+    p.add_argument("workload", choices=sorted(WORKLOADS))
+    p.add_argument("index", type=int)
+    p.add_argument("counts", help="the path of the measurement's counting Tally")
+    p.add_argument("where", help="the folder of the workers' files and sockets")
+    a = p.parse_args(argv)
+    counts = Tally.attach(a.counts)
+    run = _worker if a.role == "worker" else _consumer
+    print(json.dumps(run(WORKLOADS[a.workload], a.index, a.where, counts)), flush=True)
+    return 0
+
+
+def run_direct(wl: Workload, seconds: float) -> dict[str, Any]:
+    """S1's work on its shortest path (see the module): batches/s of the
+    consumers, the tree's PSS, and per batch the CPU and context switches
+    of the workers (the ``service`` row) and of the consumers."""
+    _, slot_bytes = _layout(wl)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    procs = _Consumers(main=DIRECT_MAIN)
+    counts = Tally()
+    try:
+        with tempfile.TemporaryDirectory(prefix="blobfeed-direct-", dir=shm) as where:
+            for w in range(SERVICE_WORKERS):
+                with open(_area(where, w), "wb") as f:
+                    f.truncate(DIRECT_SLOTS * slot_bytes)
+            t_start = time.perf_counter()
+            for w in range(SERVICE_WORKERS):
+                procs.start("worker", wl.id, str(w), counts.path, where)
+            for k in range(wl.consumers):
+                procs.start("consumer", wl.id, str(k), counts.path, where)
+            workers = [proc.pid for proc, _, _ in procs.procs[:SERVICE_WORKERS]]
+            out = _window_result(wl, counts, procs, seconds, t_start, service=False, service_pids=workers,
+                                 consumers_from=SERVICE_WORKERS)
+            counts.finish()  # the workers stop; each consumer ends when both have
+            done = procs.results()
+        out.update(delivered=sum(r.get("delivered", 0) for r in done))
+        return out
+    finally:
+        procs.kill()
+        counts.close()
+
+
+#: this module's runners (see ``runner.RUNNERS``)
+RUNNERS: dict[str, Callable[[Workload, float], dict[str, Any]]] = {"direct": run_direct}
