@@ -1604,7 +1604,7 @@ def test_a_worker_area_is_not_shared_where_new_writable_mappings_cannot_be_seale
         with pytest.raises(PermissionError):
             mmap.mmap(fd, region.size)
     finally:
-        area.mm.close()
+        area.close()
         os.close(fd)
 
 

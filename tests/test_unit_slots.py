@@ -262,7 +262,7 @@ class Child:
         self.receiver.join(WAIT)
         for fd in (self.free_r, self.units_r, self.out_r, self.sentinel_r, self.sentinel_w):
             os.close(fd)
-        self.area.mm.close()
+        self.area.close()
         assert not self.worker.is_alive() and not self.receiver.is_alive()
 
 

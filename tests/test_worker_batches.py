@@ -161,4 +161,4 @@ def test_a_batch_handed_out_wakes_a_worker_waiting_on_the_viewed_count_and_only_
     finally:
         ring.close()
         os.close(free_r)
-        area.mm.close()
+        area.close()

@@ -577,10 +577,7 @@ class _Worker:
             REGIONS.remove(region)  # before its descriptor closes: see RegionIndex.dup_fd
         os.close(self._area_fd)
         area, self.area = self.area, None  # type: ignore[assignment]
-        try:
-            area.mm.close()
-        except BufferError:
-            pass  # viewed: unmapped (and its descriptor closed) with the last view
+        area.close()  # (viewed: unmapped with the last view)
 
 
 class _ProcessGroup:

@@ -36,11 +36,11 @@ __all__ = [
 #: [40:48] how many of its slots batches handed out view (both parent to
 #: worker, see worker_batches), [48:56] the worker waits for that count to
 #: grow (worker to parent: a batch handed out then writes it a wake-up),
-#: [56:64] 1 + the read unit it reads, 0: none (worker to parent)
+#: [56:64] 1 + the read unit it reads, 0: none (worker to parent).  Each an
+#: 8-byte integer in the machine's byte order, written and read whole (see SlotArea)
 HEADER_BYTES = 64
 #: Linux 5.1's F_SEAL_FUTURE_WRITE (not in Python's fcntl module)
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
-_HINT = struct.Struct("<q")
 #: one free slot index on the free pipe; -1 tells the worker to stop, and
 #: WAKE wakes it to look at the viewed count again
 SLOT_INDEX = struct.Struct("<i")
@@ -136,6 +136,12 @@ class SlotArea:
         self.slot_bytes = slot_bytes
         self.size = HEADER_BYTES + slots * slot_bytes
         self.mm = mmap.mmap(fd, self.size)
+        # The header as 8-byte words, written and read one aligned word at
+        # a time: the other process reads a field while this one writes
+        # it.  ``struct.pack_into`` clears the field's bytes before it
+        # writes them, so a worker read 0 for a value that never changed
+        # (a fetcher's batch size; a batch it was filling sent early).
+        self._words = memoryview(self.mm)[:HEADER_BYTES].cast("q")
 
     @classmethod
     def create(cls, name: str, slots: int, slot_bytes: int) -> tuple["SlotArea", int]:
@@ -171,62 +177,71 @@ class SlotArea:
     def offset(self, slot: int) -> int:
         return HEADER_BYTES + slot * self.slot_bytes
 
+    def close(self) -> None:
+        """Unmap the area, unless arrays still view it (it is unmapped
+        with the last of them)."""
+        self._words.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
     def set_hint(self, value: int) -> None:
-        _HINT.pack_into(self.mm, 0, value)
+        self._words[0] = value
 
     def hint(self) -> int:
-        return _HINT.unpack_from(self.mm, 0)[0]
+        return self._words[0]
 
     def set_whole(self, size: int) -> None:
-        _HINT.pack_into(self.mm, 32, size)
+        self._words[4] = size
 
     def whole(self) -> int:
         """The size of the batches the worker may assemble itself (0: it may not)."""
-        return _HINT.unpack_from(self.mm, 32)[0]
+        return self._words[4]
 
     def set_viewed(self, slots: int) -> bool:
         """Publish the viewed count; whether the worker waits for it (see
         :meth:`set_waiting`)."""
-        _HINT.pack_into(self.mm, 40, slots)
-        return _HINT.unpack_from(self.mm, 48)[0] != 0
+        self._words[5] = slots
+        return self._words[6] != 0
 
     def viewed(self) -> int:
         """How many of the worker's slots batches handed out view now."""
-        return _HINT.unpack_from(self.mm, 40)[0]
+        return self._words[5]
 
     def set_waiting(self, waiting: bool) -> None:
         """The worker waits (or no longer) for the viewed count to grow."""
-        _HINT.pack_into(self.mm, 48, int(waiting))
+        self._words[6] = int(waiting)
 
     def set_stop(self) -> None:
-        _HINT.pack_into(self.mm, 8, 1)
+        self._words[1] = 1
 
     def stopping(self) -> bool:
-        return _HINT.unpack_from(self.mm, 8)[0] != 0
+        return self._words[1] != 0
 
     def set_ending(self) -> None:
-        _HINT.pack_into(self.mm, 16, 1)
+        self._words[2] = 1
 
     def ending(self) -> bool:
         """True once the worker returns by itself (after its last message):
         an exit with code 0 without it is a death (``os._exit(0)``)."""
-        return _HINT.unpack_from(self.mm, 16)[0] != 0
+        return self._words[2] != 0
 
     def set_reading(self, unit: int) -> None:
-        _HINT.pack_into(self.mm, 56, unit + 1)
+        self._words[7] = unit + 1
 
     def reading(self) -> int:
         """The read unit the worker reads (-1: none, before its first and
         while it waits for the next): the one to blame if it died."""
-        return _HINT.unpack_from(self.mm, 56)[0] - 1
+        return self._words[7] - 1
 
     def set_started(self) -> None:
-        _HINT.pack_into(self.mm, 24, 1)
+        self._words[3] = 1
 
     def started(self) -> bool:
         """True once the worker's own code runs: a death before it happened
         in the process's start-up (importing the main module, say)."""
-        return _HINT.unpack_from(self.mm, 24)[0] != 0
+        return self._words[3] != 0
 
 
 def mem_available(
