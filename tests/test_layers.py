@@ -87,7 +87,7 @@ LAYERS: dict[str, int] = {
     "blobfeed.apps.bench.measure": 14.1, "blobfeed.apps.bench.workloads": 14.2,
     "blobfeed.apps.bench.autobench": 14.25,
     "blobfeed.apps.bench.report": 14.3, "blobfeed.apps.bench.library": 14.3, "blobfeed.apps.bench.peers.base": 14.3,
-    "blobfeed.apps.bench.service": 14.3,
+    "blobfeed.apps.bench.service": 14.3, "blobfeed.apps.bench.direct": 14.35,
     **{f"blobfeed.apps.bench.peers.{peer}": 14.4 for peer in (
         "caffe2", "copy_bound", "grain_dataset", "model_alone", "mp_pool", "ray_data", "torch_dataloader", "work_bound")},
     "blobfeed.apps.bench.peers": 14.5, "blobfeed.apps.bench.runner": 14.6, "blobfeed.apps.bench.cli": 14.7,
