@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -46,11 +47,13 @@ def test_a_header_field_rewritten_with_its_own_value_never_reads_otherwise_in_th
         proc.start()
         try:
             assert here.poll(30) and here.recv() == "ready"
-            while not here.poll():
+            deadline = time.monotonic() + 30
+            while not here.poll() and proc.is_alive() and time.monotonic() < deadline:
                 for _ in range(1000):
                     area.set_hint(64)
                     area.set_whole(64)
                     area.set_viewed(700)
+            assert here.poll(5), f"the reader sent nothing (exit code {proc.exitcode})"
             seen = here.recv()
         finally:
             proc.join(30)

@@ -141,6 +141,7 @@ class SlotArea:
         # it.  ``struct.pack_into`` clears the field's bytes before it
         # writes them, so a worker read 0 for a value that never changed
         # (a fetcher's batch size; a batch it was filling sent early).
+        # Word i is bytes [8i:8i+8] of the layout above HEADER_BYTES.
         self._words = memoryview(self.mm)[:HEADER_BYTES].cast("q")
 
     @classmethod

@@ -45,8 +45,6 @@ DIRECT_SLOTS = 8
 RECORD = struct.Struct("<qq")
 #: slots are laid out as blobfeed's: each array at a multiple of this
 _ALIGN = 64
-#: seconds between a blocked worker's looks at the measuring process's stop flag
-_STOP_POLL_S = 0.1
 
 #: The ``__main__`` of a worker or consumer process of this runner (the
 #: current directory off ``sys.path`` first, as ``service.CONSUMER_MAIN``).
@@ -99,7 +97,9 @@ def _worker(wl: Workload, index: int, where: str, counts: Tally) -> dict[str, An
         socks = [s for s in conns if s is not None]
         left: list[np.ndarray] | None = None
         while not counts.stopping:
-            ready = select.select(socks, [], [], 0 if free else _STOP_POLL_S)[0]
+            # without a free slot, wait for an acknowledgement (the consumers
+            # answer each batch at once) or a consumer's end, which says stop
+            ready = select.select(socks, [], [], 0 if free else None)[0]
             for sock in ready:
                 try:
                     data = sock.recv(RECORD.size)
@@ -109,7 +109,7 @@ def _worker(wl: Workload, index: int, where: str, counts: Tally) -> dict[str, An
                     return {"batches": batches}  # a consumer went away: the run is over
                 free.append(RECORD.unpack(data)[0])
             if not free:
-                continue
+                continue  # (acknowledgements only: the stop flag is looked at again)
             slot = free.pop()
             base = slot * slot_bytes
             dst = [np.ndarray((wl.batch, *shape), dt, buffer=area, offset=base + off) for dt, shape, off in layout]
