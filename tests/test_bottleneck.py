@@ -99,12 +99,15 @@ def run_pipeline(
 
 
 def _python_loop(w: int, b: int) -> list[np.ndarray]:
-    """A W4-like fetcher: pure Python, holding the GIL (several ms a call:
-    at 1 ms, on a quiet machine, the workers' own hand-over of each chunk,
-    which waits for the GIL too, took enough of their time outside
-    fetch_fun that the verdict read 'copy')."""
+    """A W4-like fetcher: pure Python, holding the GIL, about 10 ms a call
+    (two interpreter switch intervals).  The workers' own hand-over of each
+    chunk waits for the GIL too, up to a switch interval (5 ms) while the
+    other worker holds it: at 1 ms a call on a quiet machine, and at 1.7 ms
+    (60 000 rounds) in a fresh-clone CI run beside the other test process,
+    that wait took enough of their time outside fetch_fun that the verdict
+    read 'copy'."""
     x = 0
-    for i in range(60_000):
+    for i in range(350_000):
         x += i * i
     return [np.full((32, 1), x % 7, np.float32)]
 
