@@ -53,6 +53,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.feeders.transport": 6,
     "blobfeed.feeders.child": 7, "blobfeed.feeders.starting": 7, "blobfeed.feeders.slot_ring": 7,
     "blobfeed.feeders.processes": 8, "blobfeed.feeders.ray_backend": 8, "blobfeed.feeders.ray_pins": 7,
+    # a Ray fetch actor's calls, put back in the order the driver made them (read units only)
+    "blobfeed.feeders.ray_calls": 7,
     "blobfeed.feeders": 9,
     # the /metrics endpoint (its HTTP server), re-exported by blobfeed.metrics
     "blobfeed.endpoint": 9.9,

@@ -71,7 +71,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -84,7 +83,8 @@ from ..worker_info import WorkerInfo
 from .backends import FetchFun, LaunchPlan, WorkerGroup, WorkerInitFun, WorkerPlan, thread_main
 from .chunks import GrantPin
 from .indexed import UnitReader
-from .read_units import HOLDERS, ReadUnit
+from .read_units import HOLDERS
+from .ray_calls import GivenUnits, Newest
 from .ray_pins import _PinTracker
 from .messages import (
     Arrays, EpochDone, Exhausted, Raised, Result, arrays_nbytes, plain_arrays, read_arrays, sendable, write_arrays,
@@ -260,7 +260,9 @@ def _bundle(events: list[Any]) -> tuple[list[Any], np.ndarray | None]:
 
 class _FetchActor:
     """One worker on the cluster.  Threaded (``max_concurrency`` 2): ``run``
-    streams results while ``set_hint`` and ``stop`` come in beside it."""
+    streams results while ``set_hint``, ``give_units`` and ``stop`` come in
+    beside it.  Ray runs those in any order, so the first two are numbered
+    by the driver (:mod:`.ray_calls`)."""
 
     def __init__(
         self, payload: list[Any], worker_id: int, index: int, num_workers: int, source: str, seed: int,
@@ -269,7 +271,7 @@ class _FetchActor:
         self.worker_id = worker_id
         self.info = WorkerInfo(worker_id, index, num_workers, source, seed, np.random.default_rng(seed))
         self.on_error = on_error
-        self.hint = 1
+        self.hint: Newest[int] = Newest(1)
         self.stopping = False
         self.load_error: BaseException | None = None
         self.fetch_fun: Any = None
@@ -291,8 +293,8 @@ class _FetchActor:
             return
         if isinstance(self.fetch_fun, UnitReader):
             # a random-access source: the driver gives this actor its read units
-            self.units: queue.SimpleQueue[ReadUnit | None] = queue.SimpleQueue()
-            self.fetch_fun.units = _QueueUnits(self)
+            self.units = GivenUnits(f"source {source!r}, worker {worker_id}", lambda: self.stopping, POLL_S)
+            self.fetch_fun.units = self.units
             return
         # restarts need the fetcher's state with each result (or the count
         # of its calls, which Replayed replays): wrap a plain fetch_fun
@@ -309,26 +311,30 @@ class _FetchActor:
             "host": socket.gethostname(), "pid": os.getpid(), "actor_id": ctx.get_actor_id(),
         }
 
-    def set_hint(self, batch_size: int) -> None:
-        self.hint = batch_size
+    def set_hint(self, seq: int, batch_size: int) -> None:
+        """The batch-size hint, as the driver's call ``seq`` (an older call that
+        overtook a newer one changes nothing)."""
+        self.hint.set(seq, batch_size)
 
-    def give_units(self, units: list[tuple[int, int, int] | None]) -> None:
-        """Read units for a random-access source's fetch_fun (None: no more)."""
-        for u in units:
-            self.units.put(None if u is None else ReadUnit(*u))
+    def give_units(self, holder: int, seq: int, units: list[tuple[int, int, int] | None]) -> None:
+        """Read units for a random-access source's fetch_fun (None: no more),
+        as call ``seq`` of the driver's ``holder``: read in the order of the
+        calls, whatever order they run in."""
+        self.units.give(holder, seq, units)
 
     def stop(self) -> None:
         self.stopping = True
 
     def run(
-        self, hint: int, epoch: int, epochs: int | None, resume: tuple[int, Any] | None,
+        self, hint: tuple[int, int], epoch: int, epochs: int | None, resume: tuple[int, Any] | None,
         bundle_bytes: int, bundle_delay_s: float,
     ) -> Any:
         """Call ``fetch_fun`` epoch after epoch; yield bundles (see :func:`_pack`).
 
+        ``hint``: ``(seq, batch size)``, as :meth:`set_hint` takes it.
         ``resume``: ``(calls, state)`` after a restart: restore the fetcher's
         state, or replay that many calls of this epoch."""
-        self.hint = hint
+        self.hint.set(*hint)
         wid = self.worker_id
         if self.load_error is not None:
             yield _bundle([_packed(Raised(0.0, self.load_error, True))])
@@ -344,7 +350,7 @@ class _FetchActor:
         nbytes = 0
         oldest = 0.0
         events = worker_events(
-            fetch, self.worker_init_fun, wid, self.info, lambda: self.hint, lambda: self.stopping, epochs, epoch,
+            fetch, self.worker_init_fun, wid, self.info, lambda: self.hint.value, lambda: self.stopping, epochs, epoch,
         )
         try:
             # stopped: the loop ends, and the driver discards what would follow
@@ -379,22 +385,6 @@ class _FetchActor:
                 yield _bundle(items)
         finally:
             events.close()
-
-
-class _QueueUnits:
-    """An actor's read units (a random-access source), given by the driver
-    (``give_units``); a stop of the actor ends the wait."""
-
-    def __init__(self, actor: _FetchActor) -> None:
-        self.actor = actor
-
-    def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
-        while not self.actor.stopping:
-            try:
-                return self.actor.units.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-        return None
 
 
 _actor_class: Any = None
@@ -437,6 +427,8 @@ class _Worker:
         #: the fetcher's state after the last result delivered, if it has one
         self.last_state: Any = None
         self._hint_sent = -1
+        #: the number of the last hint call (the actor keeps the newest: :mod:`.ray_calls`)
+        self._hint_seq = -1
         self.killed = False
         self.thread = threading.Thread(
             target=thread_main, args=(self.name, self._receive, group.plan.on_thread_exit),
@@ -464,14 +456,18 @@ class _Worker:
     def _feed_units(self) -> None:
         units, holder, actor = self.units, self.holder, self.actor
         wid = self.plan.worker_id
+        # the calls are numbered: the actor reads the units in this order
+        # (the end last), whatever order Ray runs the calls in
+        seq = 0
         try:
             while True:
                 r = units.take(wid, self.UNITS_AHEAD, holder)
                 if r is None:
                     if not units.closed and not units.retired(holder):
-                        actor.give_units.remote([None])  # the data ended
+                        actor.give_units.remote(holder, seq, [None])  # the data ended
                     return
-                actor.give_units.remote([(r.unit, r.lo, r.hi)])
+                actor.give_units.remote(holder, seq, [(r.unit, r.lo, r.hi)])
+                seq += 1
         except Exception as err:  # the actor is gone: its receiver says why
             logger.debug("%s: give_units: %r", self.name, err)
 
@@ -629,9 +625,10 @@ class _Worker:
         delay = 0.0 if self.units is not None else backend.bundle_delay_s
         hint = self.group.plan.batch_size_hint()
         self._hint_sent = hint
+        self._hint_seq += 1
         gen = self.actor.run.options(
             num_returns="streaming", _generator_backpressure_num_objects=backend.max_in_flight,
-        ).remote(hint, self.epoch, self.group.epochs, resume, backend.bundle_bytes, delay)
+        ).remote((self._hint_seq, hint), self.epoch, self.group.epochs, resume, backend.bundle_bytes, delay)
         try:
             while True:
                 if self._halted():
@@ -666,7 +663,8 @@ class _Worker:
         hint = self.group.plan.batch_size_hint()
         if hint != self._hint_sent:
             self._hint_sent = hint
-            self.actor.set_hint.remote(hint)
+            self._hint_seq += 1
+            self.actor.set_hint.remote(self._hint_seq, hint)
 
     def _handle(self, bundle: tuple[list[Any], np.ndarray | None]) -> bool | None:
         """Hand one bundle to the intake.  True: go on; False: stop; None: done."""
