@@ -49,6 +49,86 @@ def test_a_batch_the_net_lets_go_of_wakes_no_other_thread_of_the_consumer() -> N
     assert woke < runs // 6, f"the outbox thread woke {woke} times in {runs} runs"
 
 
+def test_a_batch_that_comes_wakes_no_thread_of_the_consumer_on_a_unix_socket() -> None:
+    """run() reads the socket itself when it waits for a batch: a receiver
+    thread woke for each record and handed its batches over (two threads
+    and a queue per record).  The reading thread now reads only while run()
+    does not wait (every IDLE_READ_S it looks whether run() waited)."""
+    import time
+
+    from blobfeed.service.consumer import IDLE_READ_S
+
+    with _serve(3000, slots=3) as server:  # 3 slots: a record every batch or two
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=30) as att:
+            reading = att._threads[0]
+            assert reading.name.startswith("blobfeed-attach-recv")
+            for _ in range(3):
+                net.run(timeout=30)
+            before = _switches(reading)
+            t0 = time.monotonic()
+            runs = 300
+            for _ in range(runs):
+                net.run(timeout=30)
+            woke = _switches(reading) - before
+            seconds = time.monotonic() - t0
+    # its own look every IDLE_READ_S, and a few hand-overs; not one per record
+    bound = int(seconds / IDLE_READ_S) + 10
+    assert woke <= bound, f"the reading thread woke {woke} times in {runs} runs ({seconds:.2f} s; bound {bound})"
+
+
+def test_a_stop_from_another_thread_ends_a_run_that_waits_on_the_socket() -> None:
+    """run() waiting on the socket for a batch that does not come: stop()
+    from another thread wakes it, and it raises EndOfInput (as it did when
+    it waited on the receiver's queue), within a bounded time."""
+    import queue
+    import time
+
+    import pytest
+
+    from tests.helpers import wait_until
+
+    server = FeedServer()
+    started = threading.Event()
+    release = threading.Event()
+
+    def stuck(worker_id: int, batch_size: int) -> Any:
+        started.set()
+        release.wait(30)  # no batch until the test lets go (bounded)
+        raise StopIteration
+
+    server.serve_source("train", ["id", "x"], stuck, 8, 1)
+    server.start()
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=60)
+        outcome: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+        def consume() -> None:
+            try:
+                net.run(timeout=60)
+                outcome.put(None)
+            except BaseException as exc:  # the outcome is the assertion
+                outcome.put(exc)
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        assert started.wait(30), "the fetcher never ran"
+        # run() is inside its wait on the socket once it counted one
+        wait_until(lambda: att._pulled >= 1, "run() waiting on the socket", 30)
+        t0 = time.monotonic()
+        assert att.stop(timeout=10)
+        err = outcome.get(timeout=10)
+        assert time.monotonic() - t0 < 5
+        t.join(10)
+        assert not t.is_alive()
+        with pytest.raises(blobfeed.EndOfInput):
+            raise err if err is not None else AssertionError("run() returned a batch after stop()")
+    finally:
+        release.set()
+        server.stop()
+
+
 def test_slots_the_net_let_go_of_come_back_before_it_waits() -> None:
     """The slots kept for the next acknowledgement come back before the
     net waits when the service may be short of them: a user keeping its
