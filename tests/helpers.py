@@ -111,6 +111,28 @@ def sample(gc: blobfeed.GlobalCoordinator, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
+def open_fds() -> dict[str, str]:
+    """This process's open descriptors: number -> what it is (a number
+    reused for something else reads as another descriptor)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # (the listing's own, closed since)
+    return out
+
+
+def fds_opened_since(before: dict[str, str]) -> list[tuple[str, str]]:
+    """Descriptors open now that were not open at ``before`` (:func:`open_fds`).
+
+    What was open before and is closed now does not count: a library an
+    earlier test used (a Ray cluster's driver, say) closes its own event
+    descriptors when it will, and a count would take that for a leak's
+    absence or hide a leak behind it."""
+    return sorted(set(open_fds().items()) - set(before.items()))
+
+
 def wait_until(pred: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
     """Bounded wait for a state that only metrics or queue sizes show.
 

@@ -29,6 +29,7 @@ import pytest
 
 from blobfeed.apps.bench import autobench, cli, direct, measure, report, runner, service, workloads
 from blobfeed.apps.bench.peers import base, ray_data
+from tests.helpers import fds_opened_since, open_fds
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = cli.DEFAULT_WORKLOADS.split(",")
@@ -1720,13 +1721,13 @@ def test_w7s_work_alone_reads_on_two_processes_and_leaves_none(small_w7: workloa
     from blobfeed.apps.bench import peers
 
     peers.RUNNERS[name](small_w7, 0.2)  # what a first run starts for good (multiprocessing's resource tracker)
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = open_fds()
     got = peers.RUNNERS[name](small_w7, 0.2)
     assert got["batches_per_s"] > 0 and got["workers"] == 2 and "samples_lost" not in got
     # 64 records of 64 KiB, their sizes and indexes per batch: the meter counted W7's batches
     assert got["gb_per_s"] == pytest.approx(got["batches_per_s"] * 64 * (65536 + 16) / 1e9, rel=1e-6)
     assert not multiprocessing.active_children()
-    assert len(os.listdir("/proc/self/fd")) == fds  # its pipes, queue and shared memory closed
+    assert not fds_opened_since(fds)  # its pipes, queue and shared memory closed
 
 
 class _OneOutOfPlace(workloads.IndexedArrays):

@@ -15,7 +15,7 @@ import pytest
 
 from blobfeed.service import FeedServer
 from blobfeed.service.wire import PROTOCOL
-from tests.helpers import wait_until
+from tests.helpers import fds_opened_since, open_fds, wait_until
 
 from . import feeds
 from .test_service import _records
@@ -47,7 +47,7 @@ def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
     what: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="blobfeed.service")
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_fds()
     mine: list[Any] = []
     if what == "a pipe":
         r, w = os.pipe()
@@ -87,7 +87,7 @@ def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
             m.close() if isinstance(m, socket.socket) else os.close(m)
     assert any(expected in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
     # what the hello carried was closed: nothing of it is left behind
-    wait_until(lambda: len(os.listdir("/proc/self/fd")) == before, "every descriptor closed", 10)
+    wait_until(lambda: not fds_opened_since(before), "every descriptor closed", 10)
 
 
 def _attached(server: FeedServer, count: int) -> tuple[socket.socket, socket.socket, list[list[Any]]]:
