@@ -119,11 +119,6 @@ class BatchReader:
         self.before_wait: Callable[[], None] | None = None
         #: the consumer's thread waits in :meth:`dequeue` for a batch now
         self.waiting = False
-        #: an inlet's caller that its reader's thread feeds: called there,
-        #: with the seconds it may take, when :meth:`dequeue` must wait for
-        #: the next item (the queue is empty); it puts what comes and returns
-        #: the seconds still to wait on the queue (0: none)
-        self.pull: Callable[[float], float] | None = None
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -438,12 +433,6 @@ class BatchReader:
             DequeueTimeout: none came in time.
         """
         feed = self._feed
-        pull = self.pull
-        if pull is not None:
-            ok, batch = feed.device_queue.get_nowait()
-            if ok:
-                return batch  # type: ignore[return-value]
-            return feed.device_queue.get(pull(timeout))
         if feed.prefetch:
             return feed.device_queue.get(timeout)
         feed.pump(timeout)

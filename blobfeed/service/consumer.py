@@ -15,7 +15,6 @@ import collections
 import logging
 import os
 import queue
-import select
 import socket
 import threading
 import time
@@ -38,9 +37,6 @@ _ANY_REQUEST = 1 << 62
 
 #: the environment variable :func:`attach_source` reads the address from
 ADDRESS_ENV = "BLOBFEED_SERVICE"
-#: seconds run() may go without waiting for a batch before the idle reader
-#: reads the socket for it (see Attachment._idle_read)
-IDLE_READ_S = 0.05
 
 
 class Attachment(Attached):
@@ -136,30 +132,8 @@ class Attachment(Attached):
         )
         self.reader = self.inlet.reader
         self.reader.before_wait = self._before_wait
-        #: the socket's records are still to be read (False after the
-        #: connection's end, a broken protocol, or the inlet's stop)
-        self._reading = True
-        #: the stream's end came; what is read after it can only be the service's stop or a state reply
-        self._after_end = False
-        #: who reads the socket now: run() waiting for a batch, or the idle reader
-        self._rx_lock = threading.Lock()
-        #: waits run() began on the socket (only the net's thread counts them)
-        self._pulled = 0
-        #: On a Unix socket run() reads the records itself when it waits for
-        #: a batch (:meth:`_pull`): no thread is woken per record, and none
-        #: hands the batch over.  A thread reads only while run() does not
-        #: (:meth:`_idle_read`).  Over TCP a receiver thread reads: its
-        #: channel buffers what it reads, which a wait on the socket misses.
-        self._pulls = self._carrier.shared_memory
-        self._wake_r = self._wake_w = -1
-        if self._pulls:
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
-            self.reader.pull = self._pull
-        reading = self._idle_read if self._pulls else self._receive
         self._threads = [
-            threading.Thread(target=reading, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
+            threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
             threading.Thread(target=self._outbox, name=f"blobfeed-attach-out-{source_name}", daemon=True),
         ]
         for t in self._threads:
@@ -263,185 +237,84 @@ class Attachment(Attached):
             else:
                 self._channel.send(record)
 
-    # -- reading the socket ------------------------------------------------------------
+    # -- threads -----------------------------------------------------------------------
     def _receive(self) -> None:
-        """The receiver thread (TCP): reads every record as it comes."""
-        while self._reading:
-            self._read_one()
-
-    def _pull(self, timeout: float) -> float:
-        """run() waits for a batch (the reader's ``pull``, in the net's
-        thread, its queue empty): read the socket here until something
-        comes for it, within ``timeout``.  Returns the seconds still to wait
-        on the queue: 0, or when the idle reader did not hand the socket
-        over in time, what is left (it queues what comes)."""
-        if self._closed:
-            return 0.0  # stop() detached: the reader raises EndOfInput
-        self._pulled += 1
-        end = time.monotonic() + timeout
-        lock = self._rx_lock
-        if not lock.acquire(blocking=False):
-            self._wake()  # the idle reader has the socket: it hands it over
-            if not lock.acquire(timeout=timeout):
-                return max(0.0, end - time.monotonic())
+        inlet, mapping = self.inlet, self._mapping
         try:
-            sock, wake = self._channel.sock.fileno(), self._wake_r
-            while self._reading and not self._closed:
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                ready = select.select([sock, wake], [], [], left)[0]
-                if wake in ready:
-                    self._drain_wake()
-                if sock in ready and self._read_one(socket.MSG_DONTWAIT):
-                    break
-        finally:
-            lock.release()
-        return 0.0
-
-    def _idle_read(self) -> None:
-        """The idle reader (Unix socket): reads the socket while run() does
-        not wait for a batch (a long step, a net that no longer calls it),
-        so that the service's stop, its state replies and its end are heard
-        at once, as a receiver thread would.  It hands the socket back as
-        soon as run() waits (:meth:`_pull` wakes it)."""
-        sock, wake = self._channel.sock.fileno(), self._wake_r
-        while self._reading and not self._closed:
-            seen = self._pulled
-            if self._stopped.wait(IDLE_READ_S):
-                return
-            if self._pulled != seen or not self._rx_lock.acquire(timeout=IDLE_READ_S):
-                continue  # run() waited meanwhile, or waits now: it reads
-            try:
-                while self._reading and not self._closed and self._pulled == seen:
-                    ready = select.select([sock, wake], [], [], IDLE_READ_S)[0]
-                    if wake in ready:
-                        self._drain_wake()
-                        break
-                    if sock in ready:
-                        self._read_one(socket.MSG_DONTWAIT)
-            finally:
-                self._rx_lock.release()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"w")
-        except (BlockingIOError, OSError):
-            pass  # full: a wake-up is pending already (or stop() closed it: nobody waits)
-
-    def _drain_wake(self) -> None:
-        try:
-            os.read(self._wake_r, 64)
-        except (BlockingIOError, OSError):
-            pass
-
-    def _read_one(self, flags: int = 0) -> bool:
-        """Read one record and act on it (``flags``: ``MSG_DONTWAIT`` after
-        a wait said one is there).  True when run() has something new: an
-        item queued, the stream's end, an error; or when reading ended."""
-        try:
-            # (a flag only on a Unix socket: over TCP the receiver thread waits in recv)
-            got = self._channel.recv(flags) if flags else self._channel.recv()  # type: ignore[call-arg]
-        except BlockingIOError:
-            return False
+            self._receive_records(inlet, mapping)
         except (WireError, ServiceError, OSError) as err:
-            self._failed(err)
-            return True
-        try:
-            if self._after_end:
-                self._read_after_end(got)
-                return True
-            return self._read_record(got)
-        except (WireError, ServiceError, OSError) as err:
-            self._failed(err)
+            if not self._closed:
+                error = _bare(err if isinstance(err, ServiceError) else _named(err, self._service))
+                self._went_away(f"{error}: this batch is not handed out (its acknowledgement cannot be counted)")
+                self.inlet.fail(error)
         except Exception as exc:
             logger.error("receiver of %s failed: %r", self._service, exc)
             self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
-            self._end_reading()
-        return True
-
-    def _failed(self, err: BaseException) -> None:
-        """The socket failed or the service broke the protocol: run() raises
-        (a batch queued is not handed out: its acknowledgement cannot count)."""
-        if self._after_end:
-            self._settle_after_end(f"failed ({err})")
-            return
-        if not self._closed:
-            error = _bare(err if isinstance(err, ServiceError) else _named(err, self._service))
-            self._went_away(f"{error}: this batch is not handed out (its acknowledgement cannot be counted)")
-            self.inlet.fail(error)
-        self._end_reading()
-
-    def _end_reading(self) -> None:
-        """No record is read any more: a state request waiting for its reply gets the service's end."""
-        if self._reading:
-            self._reading = False
+        finally:
             self._state_replies.put((_ANY_REQUEST, {"t": "state_is", "state": None,
                                                     "error": f"{self._service} is gone"}))
 
-    def _read_record(self, got: tuple[dict[str, Any], list[int]] | None) -> bool:
-        """Act on one record of the stream.  True when run() has something new."""
-        inlet, mapping = self.inlet, self._mapping
-        if got is None:
-            raise ServiceError(f"{self._service} closed the connection (it stopped or died)")
-        record, fds = got
-        try:
-            record = check(record, ("batches", "batch", "epoch_end", "end", "state_is", "arena", "retire",
-                                    "slots"), self._service)
-            if record["t"] == "slots":
-                if mapping is not None:
-                    raise WireError(f"{self._service} offered slots a second time")
-                self._mapping = self._carrier.consumer_slots(
-                    self._channel, record, fds, self._most_slots, self._check, self._on_free
-                )
-                return False
-            if record["t"] == "arena":
-                if not self._carrier.shared_memory or not isinstance(mapping, ConsumerMapping):
-                    raise WireError(f"{self._service} sent an arena over TCP or before its slots")
-                mapping.add_arena(fds, record["id"], record["offset"], record["slots"], record["slot_bytes"],
-                                  self._service)
-                return False
-            if record["t"] == "retire":
-                if not isinstance(mapping, ConsumerMapping):
-                    raise WireError(f"{self._service} retired an arena over TCP or before its slots")
-                mapping.retire(record["id"], self._service)
-                return False
-            if fds:
-                raise WireError(f"{self._service} sent descriptors with a {record['t']!r} record")
-        finally:
-            for fd in fds:
-                os.close(fd)
-        kind = record["t"]
-        if kind in ("batches", "batch") and mapping is None:
-            raise WireError(f"{self._service} sent a batch before it offered slots")
-        if kind == "batches":
-            views = mapping.views  # type: ignore[union-attr]
-            batches = []
-            for entry in batch_items(record, self._service):
-                g, slot, n, meta = entry[:4]
-                batches.append((views(slot, n, meta, self._service, *entry[4:]), n, g))
-            if not inlet.put_many(batches):
-                self._end_reading()
-            del batches  # (its views must die with the net's hold of them: their slots are freed then)
-        elif kind == "batch":
-            n = record["n"]
-            arrays = mapping.views(record["slot"], n, record["arrays"], self._service)  # type: ignore[union-attr]
-            if not inlet.put(arrays, n, record["g"]):
-                self._end_reading()
-        elif kind == "epoch_end":
-            if min(record["epoch"], record["dropped"], record["g"]) < 0:
-                raise WireError(f"{self._service} sent an 'epoch_end' record with a negative number: "
-                                f"epoch {record['epoch']}, dropped {record['dropped']}, g {record['g']}")
-            if not inlet.end_epoch(record["epoch"], record["dropped"], record["g"]):
-                self._end_reading()
-        elif kind == "state_is":
-            self._state_reply(record)
-            return False
-        elif self._ended(record):  # end
-            self._after_end = True  # reading on: see _read_after_end
-        else:
-            self._end_reading()
-        return True
+    def _receive_records(self, inlet: Inlet, mapping: ConsumerMapping | StreamBuffers | None) -> None:
+        while True:
+            got = self._channel.recv()
+            if got is None:
+                raise ServiceError(f"{self._service} closed the connection (it stopped or died)")
+            record, fds = got
+            try:
+                record = check(record, ("batches", "batch", "epoch_end", "end", "state_is", "arena", "retire",
+                                        "slots"), self._service)
+                if record["t"] == "slots":
+                    if mapping is not None:
+                        raise WireError(f"{self._service} offered slots a second time")
+                    mapping = self._mapping = self._carrier.consumer_slots(
+                        self._channel, record, fds, self._most_slots, self._check, self._on_free
+                    )
+                    continue
+                if record["t"] == "arena":
+                    if not self._carrier.shared_memory or not isinstance(mapping, ConsumerMapping):
+                        raise WireError(f"{self._service} sent an arena over TCP or before its slots")
+                    mapping.add_arena(fds, record["id"], record["offset"], record["slots"], record["slot_bytes"],
+                                      self._service)
+                    continue
+                if record["t"] == "retire":
+                    if not isinstance(mapping, ConsumerMapping):
+                        raise WireError(f"{self._service} retired an arena over TCP or before its slots")
+                    mapping.retire(record["id"], self._service)
+                    continue
+                if fds:
+                    raise WireError(f"{self._service} sent descriptors with a {record['t']!r} record")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            kind = record["t"]
+            if kind in ("batches", "batch") and mapping is None:
+                raise WireError(f"{self._service} sent a batch before it offered slots")
+            if kind == "batches":
+                views = mapping.views  # type: ignore[union-attr]
+                batches = []
+                for entry in batch_items(record, self._service):
+                    g, slot, n, meta = entry[:4]
+                    batches.append((views(slot, n, meta, self._service, *entry[4:]), n, g))
+                if not inlet.put_many(batches):
+                    return
+                del batches  # (its views must die with the net's hold of them: their slots are freed then)
+            elif kind == "batch":
+                n = record["n"]
+                arrays = mapping.views(record["slot"], n, record["arrays"], self._service)  # type: ignore[union-attr]
+                if not inlet.put(arrays, n, record["g"]):
+                    return
+            elif kind == "epoch_end":
+                if min(record["epoch"], record["dropped"], record["g"]) < 0:
+                    raise WireError(f"{self._service} sent an 'epoch_end' record with a negative number: "
+                                    f"epoch {record['epoch']}, dropped {record['dropped']}, g {record['g']}")
+                if not inlet.end_epoch(record["epoch"], record["dropped"], record["g"]):
+                    return
+            elif kind == "state_is":
+                self._state_reply(record)
+            else:  # end
+                if self._ended(record):
+                    self._after_the_end()
+                return
 
     def _ended(self, record: dict[str, Any]) -> bool:
         """The service's ``end``; True when it is the stream's (the data's
@@ -462,31 +335,29 @@ class Attachment(Attached):
         self.inlet.fail(ServiceError(f"{self._service}: {text}"))
         return False
 
-    def _read_after_end(self, got: tuple[dict[str, Any], list[int]] | None) -> None:
-        """A record after the stream's end: batches before it may still wait
-        here unacknowledged.  Should the service stop or go away while some
-        do, they are not handed out (their acknowledgements could not be
-        counted, and a resumed service deals them again)."""
-        if got is None:
-            self._settle_after_end("closed the connection")
-            return
-        record, fds = got
-        for fd in fds:
-            os.close(fd)
+    def _after_the_end(self) -> None:
+        """The stream's end came, but batches before it may still wait here
+        unacknowledged.  Reads on: should the service stop or go away while
+        some do, they are not handed out (their acknowledgements could not
+        be counted, and a resumed service deals them again)."""
         try:
-            record = check(record, ("end", "state_is"), self._service)
-        except WireError as err:
-            self._settle_after_end(f"failed ({err})")
-            return
-        if record["t"] == "state_is":
-            self._state_reply(record)
-            return
-        self._heard_stop()
-        self._settle_after_end(f"stopped ({record['error']})")
-
-    def _settle_after_end(self, why: str) -> None:
-        """The connection ended after the stream's end (``why``): what was not returned is not handed out."""
-        self._end_reading()
+            while True:
+                got = self._channel.recv()
+                if got is None:
+                    why = "closed the connection"
+                    break
+                record, fds = got
+                for fd in fds:
+                    os.close(fd)
+                record = check(record, ("end", "state_is"), self._service)
+                if record["t"] == "state_is":
+                    self._state_reply(record)
+                    continue
+                self._heard_stop()
+                why = f"stopped ({record['error']})"
+                break
+        except (WireError, OSError) as err:
+            why = f"failed ({err})"
         left = self.inlet.unreturned()
         if left and not self._closed:
             text = (f"{self._service} {why} before this consumer acknowledged the {left} items it still had: "
@@ -494,7 +365,6 @@ class Attachment(Attached):
             self._went_away(text)
             self.inlet.fail(ServiceError(text))
 
-    # -- threads -----------------------------------------------------------------------
     def _on_free(self, ref: Any) -> None:
         """The last view of a batch died (``ref``'s callback, in whatever
         thread dropped it, at any bytecode: no lock, no I/O).
@@ -633,29 +503,16 @@ class Attachment(Attached):
         if self._closed:
             return True
         self._closed = True  # first: the service's answer to bye is to close
-        deadline = time.monotonic() + timeout
         try:
             self._send_waited({"t": "bye"})
         except OSError:
             pass
         self.inlet.stop()
-        self._stopped.set()
-        if self._pulls:
-            # whoever waits on the socket leaves first: a socket closed under
-            # a wait is not a wake-up, and its number may be reused at once
-            self._wake()
-            got = self._rx_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
-            self._close_sockets()
-            if got:
-                self._rx_lock.release()
-        else:
-            self._close_sockets()
+        self._close_sockets()
         self._out.put(None)
+        deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        if self._pulls and not any(t.is_alive() for t in self._threads):
-            os.close(self._wake_r)
-            os.close(self._wake_w)
         # The coordinator retires the inlet and keeps the source's
         # counts (they outlive it), not the source: with it, its error and
         # its reader's last batch would keep the slots mapped for the life

@@ -49,38 +49,9 @@ def test_a_batch_the_net_lets_go_of_wakes_no_other_thread_of_the_consumer() -> N
     assert woke < runs // 6, f"the outbox thread woke {woke} times in {runs} runs"
 
 
-def test_a_batch_that_comes_wakes_no_thread_of_the_consumer_on_a_unix_socket() -> None:
-    """run() reads the socket itself when it waits for a batch: a receiver
-    thread woke for each record and handed its batches over (two threads
-    and a queue per record).  The reading thread now reads only while run()
-    does not wait (every IDLE_READ_S it looks whether run() waited)."""
-    import time
-
-    from blobfeed.service.consumer import IDLE_READ_S
-
-    with _serve(3000, slots=3) as server:  # 3 slots: a record every batch or two
-        net = blobfeed.Net(None)
-        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=30) as att:
-            reading = att._threads[0]
-            assert reading.name.startswith("blobfeed-attach-recv")
-            for _ in range(3):
-                net.run(timeout=30)
-            before = _switches(reading)
-            t0 = time.monotonic()
-            runs = 300
-            for _ in range(runs):
-                net.run(timeout=30)
-            woke = _switches(reading) - before
-            seconds = time.monotonic() - t0
-    # its own look every IDLE_READ_S, and a few hand-overs; not one per record
-    bound = int(seconds / IDLE_READ_S) + 10
-    assert woke <= bound, f"the reading thread woke {woke} times in {runs} runs ({seconds:.2f} s; bound {bound})"
-
-
-def test_a_stop_from_another_thread_ends_a_run_that_waits_on_the_socket() -> None:
-    """run() waiting on the socket for a batch that does not come: stop()
-    from another thread wakes it, and it raises EndOfInput (as it did when
-    it waited on the receiver's queue), within a bounded time."""
+def test_a_stop_from_another_thread_ends_a_run_that_waits_for_a_batch() -> None:
+    """run() waiting for a batch that does not come: the attachment's
+    stop() from another thread ends it with EndOfInput, within a bounded time."""
     import queue
     import time
 
@@ -114,8 +85,7 @@ def test_a_stop_from_another_thread_ends_a_run_that_waits_on_the_socket() -> Non
         t = threading.Thread(target=consume, daemon=True)
         t.start()
         assert started.wait(30), "the fetcher never ran"
-        # run() is inside its wait on the socket once it counted one
-        wait_until(lambda: att._pulled >= 1, "run() waiting on the socket", 30)
+        wait_until(lambda: att.reader.waiting, "run() waiting for a batch", 30)
         t0 = time.monotonic()
         assert att.stop(timeout=10)
         err = outcome.get(timeout=10)
