@@ -90,6 +90,7 @@ def test_given_units_are_taken_in_the_order_given_the_end_last() -> None:
     units = GivenUnits("source 's', worker 0", stop.is_set, 0.01)
     units.give(3, 1, [None])  # the end, run before the call with the last unit
     units.give(3, 0, [(5, 15, 18)])
+    units.start(3)
     assert units.take(0) == ReadUnit(5, 15, 18)
     assert units.take(0) is None
 
@@ -97,8 +98,28 @@ def test_given_units_are_taken_in_the_order_given_the_end_last() -> None:
 def test_a_stop_ends_the_wait_for_a_unit() -> None:
     stop = threading.Event()
     units = GivenUnits("source 's', worker 0", stop.is_set, 0.01)
+    units.start(3)
     units.give(3, 1, [(1, 3, 6)])  # call 0 never comes
     stop.set()
+    assert units.take(0) is None
+
+
+def test_a_replaced_holder_s_late_calls_do_not_reach_the_new_stream() -> None:
+    """The actor restarted (the driver's holder 3 became 5): a call of
+    holder 3's feeder that comes late, its end or a unit it had taken
+    before the restart, is not read by the new stream (its units are read
+    again as holder 5's; its end would end the stream before them)."""
+    stop = threading.Event()
+    units = GivenUnits("source 's', worker 0", stop.is_set, 0.01)
+    units.give(3, 0, [(0, 0, 3)])
+    units.start(3)
+    assert units.take(0) == ReadUnit(0, 0, 3)
+    units.give(5, 0, [(1, 3, 6)])  # the new holder's first call, before its stream starts
+    units.start(5)
+    units.give(3, 1, [None])  # the old feeder's end, late
+    units.give(3, 2, [(2, 6, 9)])
+    units.give(5, 1, [None])
+    assert units.take(0) == ReadUnit(1, 3, 6)
     assert units.take(0) is None
 
 
@@ -126,7 +147,7 @@ def test_a_fetch_actor_reads_its_last_unit_when_the_end_overtook_it(ray_cluster:
     actor.give_units(9, 1, [(1, 3, 6)])
     actor.give_units(9, 0, [(0, 0, 3)])
     events = []
-    for items, _buf in actor.run((0, 3), 0, 1, None, 1, 0.0):
+    for items, _buf in actor.run((0, 3), 9, 0, 1, None, 1, 0.0):
         events.extend(items)
     results = [e for e in events if type(e) is Result]
     assert [e.state for e in results] == [0, 1]

@@ -326,15 +326,18 @@ class _FetchActor:
         self.stopping = True
 
     def run(
-        self, hint: tuple[int, int], epoch: int, epochs: int | None, resume: tuple[int, Any] | None,
-        bundle_bytes: int, bundle_delay_s: float,
+        self, hint: tuple[int, int], holder: int | None, epoch: int, epochs: int | None,
+        resume: tuple[int, Any] | None, bundle_bytes: int, bundle_delay_s: float,
     ) -> Any:
         """Call ``fetch_fun`` epoch after epoch; yield bundles (see :func:`_pack`).
 
         ``hint``: ``(seq, batch size)``, as :meth:`set_hint` takes it.
-        ``resume``: ``(calls, state)`` after a restart: restore the fetcher's
-        state, or replay that many calls of this epoch."""
+        ``holder``: a random-access source's: the driver's holder whose units
+        this stream reads.  ``resume``: ``(calls, state)`` after a restart:
+        restore the fetcher's state, or replay that many calls of this epoch."""
         self.hint.set(*hint)
+        if holder is not None and self.load_error is None:
+            self.units.start(holder)
         wid = self.worker_id
         if self.load_error is not None:
             yield _bundle([_packed(Raised(0.0, self.load_error, True))])
@@ -628,7 +631,8 @@ class _Worker:
         self._hint_seq += 1
         gen = self.actor.run.options(
             num_returns="streaming", _generator_backpressure_num_objects=backend.max_in_flight,
-        ).remote((self._hint_seq, hint), self.epoch, self.group.epochs, resume, backend.bundle_bytes, delay)
+        ).remote((self._hint_seq, hint), None if self.units is None else self.holder, self.epoch, self.group.epochs,
+                 resume, backend.bundle_bytes, delay)
         try:
             while True:
                 if self._halted():

@@ -104,6 +104,13 @@ class GivenUnits:
     the order they were given, the end (None) last.  A stop of the actor
     ends the wait.
 
+    Each stream the driver starts on the actor reads for one holder (the
+    driver's name for that incarnation of the worker, a number that only
+    grows): :meth:`start` says which.  Calls of an earlier holder that come
+    late (its feeder thread raced the restart) are dropped: the units it
+    held are read again by the new one, and its end must not end the new
+    stream before them.
+
     Args:
         what: how an error names the actor (``"source 'x', worker 2"``).
         stopping: True once the actor is told to stop.
@@ -113,22 +120,41 @@ class GivenUnits:
     def __init__(self, what: str, stopping: Callable[[], bool], poll_s: float) -> None:
         self._stopping = stopping
         self._poll_s = poll_s
-        self._queue: queue.SimpleQueue[ReadUnit | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        #: holder -> its units, in order (None: its end)
+        self._queues: dict[int, queue.SimpleQueue[ReadUnit | None]] = {}
+        #: the holder the current stream reads for (calls of lower ones are dropped)
+        self._current = -1
+        self._reading: queue.SimpleQueue[ReadUnit | None] = queue.SimpleQueue()
         self._order = InOrder(self._put, f"{what}: read units")
 
-    def give(self, holder: int, seq: int, units: Sequence[tuple[int, int, int] | None]) -> None:
-        """Call ``seq`` of the driver's ``holder`` (an incarnation of this actor's worker)."""
-        self._order.put(holder, seq, units)
+    def start(self, holder: int) -> None:
+        """A stream of the driver's ``holder`` begins: the reader takes its units from now on."""
+        with self._lock:
+            self._current = max(self._current, holder)
+            for old in [h for h in self._queues if h < self._current]:
+                del self._queues[old]
+            self._reading = self._queues.setdefault(self._current, queue.SimpleQueue())
 
-    def _put(self, units: Sequence[tuple[int, int, int] | None]) -> None:
+    def give(self, holder: int, seq: int, units: Sequence[tuple[int, int, int] | None]) -> None:
+        """Call ``seq`` of the driver's ``holder``."""
+        self._order.put(holder, seq, (holder, units))
+
+    def _put(self, item: tuple[int, Sequence[tuple[int, int, int] | None]]) -> None:
+        holder, units = item
+        with self._lock:
+            if holder < self._current:
+                return  # a replaced holder's late call (see the class)
+            q = self._queues.setdefault(holder, queue.SimpleQueue())
         for u in units:
-            self._queue.put(None if u is None else ReadUnit(*u))
+            q.put(None if u is None else ReadUnit(*u))
 
     def take(self, worker_id: int, ahead: int | None = None) -> ReadUnit | None:
         """The next unit; None: no more (the data ended, or the actor stops)."""
+        q = self._reading
         while not self._stopping():
             try:
-                return self._queue.get(timeout=self._poll_s)
+                return q.get(timeout=self._poll_s)
             except queue.Empty:
                 continue
         return None
