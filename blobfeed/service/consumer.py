@@ -387,10 +387,10 @@ class Attachment(Attached):
         ``reader.waiting`` set): the slots kept back go to the service now
         when it may be short of slots for this consumer (half of them or
         more lent out, as this end counts them); else with the next
-        acknowledgement.  (Not later: with process workers a consumer's
-        slots are its batches' worker slots, which the workers wait for.
-        Sent only once all of them but one were out, S1 ran 3 % slower,
-        in each of 8 interleaved runs.)"""
+        acknowledgement.  (Sent only once all of them but one were out, one
+        record a batch fewer on S1, it measured the same: with process
+        workers a consumer's slots are its batches' worker slots, which the
+        workers wait for, so the earlier bound stays.)"""
         mapping = self._mapping
         if not self._kept or mapping is None or self._closed:
             return
