@@ -100,7 +100,9 @@ def _peer_results() -> dict[str, dict[str, Any]]:
         "S1/service": _result(batches_per_s=130.0, gb_per_s=1.3, pss_mb=300.0, first_batch_ms=900.0,
                               **_costs(service=(2000.0, 70.0), consumer=(300.0, 3.0))),
         "S1/pipes": _result(batches_per_s=100.0, gb_per_s=1.0, pss_mb=600.0, first_batch_ms=2000.0,
-                            **_costs(consumer=(2100.0, 12.0))),
+                            **_costs(consumer=(2100.0, 12.0)),
+                            **service.pipeline_steps({"consumer0": measure.Usage(0.06, 800),
+                                                      "consumer0 workers": measure.Usage(0.15, 400)}, 100)),
         "S1/copy": _result(batches_per_s=200.0, gb_per_s=2.0),
         "S1/raysplit": _result(batches_per_s=20.0, pss_mb=2400.0),
         "S2/service": _result(batches_per_s=600.0, pss_mb=200.0, **_costs(service=(100.0, 2.5), consumer=(60.0, 1.5))),
@@ -601,6 +603,8 @@ def test_the_table_shows_the_costs_per_batch_and_each_services_backend() -> None
         ("S1/service", "service"): ["70.0", "2000.0"], ("S1/service", "consumer"): ["3.0", "300.0"],
         ("S1/service", "service + consumer"): ["73.0", "2300.0"],
         ("S1/pipes", "consumer"): ["12.0", "2100.0"],
+        # a pipeline's steps, under its consumer row: the worker processes first (the costlier)
+        ("S1/pipes", "worker processes"): ["4.0", "1500.0"], ("S1/pipes", "net's process"): ["8.0", "600.0"],
         ("S2/service", "service"): ["2.5", "100.0"], ("S2/service", "consumer"): ["1.5", "60.0"],
         ("S2/service", "service + consumer"): ["4.0", "160.0"],
         ("S2/pipes", "consumer"): ["0.5", "140.0"],
@@ -626,6 +630,25 @@ def test_per_batch_costs_are_the_windows_usage_over_its_batches() -> None:
     assert service.per_batch_costs({"consumer0": measure.Usage(0.1, 5)}, 10) == pytest.approx(
         {"consumer_cpu_us_per_batch": 10_000.0, "consumer_ctx_per_batch": 0.5})  # pipes: no service
     assert service.per_batch_costs(usage, 0) == {}
+
+
+def test_a_pipelines_cost_is_split_between_its_worker_processes_and_its_nets_process() -> None:
+    """pipes' per-batch CPU, split where it goes: S1's 1.2x is read beside
+    what the pipelines' workers (the same copy as the service's) and their
+    nets' processes spend."""
+    usage = {"consumer0": measure.Usage(0.1, 100), "consumer0 workers": measure.Usage(0.5, 40),
+             "consumer1": measure.Usage(0.3, 300), "consumer1 workers": measure.Usage(0.7, 60)}
+    steps = service.pipeline_steps(usage, 1000)
+    assert steps == pytest.approx({
+        measure.STEP_CPU + "worker processes": 1200.0, measure.STEP_CTX + "worker processes": 0.1,
+        measure.STEP_CPU + "net's process": 400.0, measure.STEP_CTX + "net's process": 0.4})
+    # the consumer row is still the whole of each pipeline: both steps
+    costs = service.per_batch_costs(usage, 1000)
+    assert costs["consumer_cpu_us_per_batch"] == pytest.approx(1600.0)
+    assert costs["consumer_ctx_per_batch"] == pytest.approx(0.5)
+    # the service's runners have no workers group: no such steps
+    assert service.pipeline_steps({"service": measure.Usage(0.5, 10), "consumer0": measure.Usage(0.1, 5)}, 10) == {}
+    assert service.pipeline_steps(usage, 0) == {}
 
 
 def test_the_usage_is_read_at_the_windows_two_ends_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -815,14 +838,18 @@ def test_the_usage_probe_reads_what_a_busy_process_and_its_child_spent() -> None
         child = int(proc.stdout.readline())  # both started, waiting
         whole = measure.UsageProbe({"tree": [proc.pid]})
         split = measure.UsageProbe({"parent": [proc.pid], "child": [child]})
+        # the child named as what is below the parent, unknown to the caller
+        below = measure.UsageProbe({"parent": [proc.pid]}, below={"below": [proc.pid]})
         assert sorted(whole.groups["tree"]) == sorted([proc.pid, child])
         assert split.groups == {"parent": [proc.pid], "child": [child]}  # another group's root is not the parent's
+        assert below.groups == {"parent": [proc.pid], "below": [child]}
         whole.start()
         split.start()
+        below.start()
         proc.stdin.write("go\n")
         proc.stdin.flush()
         mine, theirs = map(float, proc.stdout.readline().split())  # what each spun, by its own clock
-        tree, parts = whole.stop(), split.stop()
+        tree, parts, under = whole.stop(), split.stop(), below.stop()
         # each reading truncates utime and stime to a clock tick each: two ticks a process
         tick = 2 / measure.CLK_TCK
         assert tree["tree"].cpu_s > mine + theirs - 2 * tick, (tree, mine, theirs)
@@ -830,6 +857,7 @@ def test_the_usage_probe_reads_what_a_busy_process_and_its_child_spent() -> None
         assert parts["parent"].cpu_s < mine + theirs - 2 * tick  # the child's time is the child's alone
         assert tree["tree"].switches >= 50 and parts["parent"].switches >= 50, (tree, parts)  # the sleeper's
         assert tree["tree"].switches == pytest.approx(parts["parent"].switches + parts["child"].switches, abs=2)
+        assert under["below"].cpu_s > theirs - tick and under["parent"].cpu_s < mine + theirs - 2 * tick, under
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
@@ -1022,7 +1050,7 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     # CPU time is read in clock ticks (10 ms a thread): in a tiny window only
     # the busiest step is sure to show; a step under 0.05 us a batch is left out
     assert {role for k, role in steps} <= {"sender", "receiver", "intake", "fetchers", "slot returner",
-                                           "worker processes", "other threads"}, steps
+                                           "worker processes", "other threads", "net's process"}, steps
     # which step is the busiest depends on the machine (S1's sender read 0
     # in a fresh clone's CI, where its worker processes led): each service
     # row shows at least one step, and a step shown has cost something

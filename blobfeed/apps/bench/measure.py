@@ -319,15 +319,21 @@ class UsageProbe:
     ``groups`` maps a name to the processes at the root of the group: each
     group is its roots and everything below them, except the other groups'
     roots (and what is below those) and ``exclude`` (and what is below).
-    The groups are resolved once, by one scan of /proc, when the probe is
-    made: make it before the window, once the processes have started.
+    ``below`` maps a name to processes whose children (not themselves) are
+    that group's roots: a consumer's worker processes apart from the
+    consumer, which need not have started when the caller names the
+    consumer.  The groups are resolved once, by one scan of /proc, when the
+    probe is made: make it before the window, once the processes have started.
     """
 
     def __init__(self, groups: dict[str, list[int]], exclude: Collection[int] = (),
-                 children: dict[int, list[int]] | None = None) -> None:
+                 children: dict[int, list[int]] | None = None, below: dict[str, list[int]] | None = None) -> None:
         # ``children``: a scan the caller chose its roots from, so that a
         # process born after it is in no group rather than in the wrong one
         children = _children() if children is None else children
+        if below:
+            groups = {**groups, **{name: [c for p in pids for c in children.get(p, ())]
+                                   for name, pids in below.items()}}
         roots = {pid for pids in groups.values() for pid in pids}
         self.groups: dict[str, list[int]] = {}
         for name, pids in groups.items():
@@ -625,6 +631,7 @@ def watch_consumers(
     pss: bool = True,
     usage: dict[str, list[int]] | None = None,
     thread_roles: Callable[[int], str] | None = None,
+    usage_below: dict[str, list[int]] | None = None,
 ) -> ConsumerWindow:
     """Batches/s of consumers in other processes, measured from outside.
 
@@ -642,6 +649,8 @@ def watch_consumers(
     ``usage``: groups of processes (a name and the pids at the group's
     root, see :class:`UsageProbe`) whose CPU time and context switches are
     read at the window's start and end; the PSS sampler is in none of them.
+    ``usage_below``: more groups, each rooted at the children of its
+    processes (``UsageProbe``'s ``below``), resolved in the warm-up.
     ``thread_roles``: names the role of each of this process's threads (by
     thread id); what each role's threads spent is read at the same two moments.
 
@@ -651,7 +660,7 @@ def watch_consumers(
     sampler = PssSampler() if pss else None
     try:
         return _watch(counts, consumers, seconds, t_start, check, warmup, start_timeout, poll_s, sampler, usage,
-                      thread_roles)
+                      thread_roles, usage_below)
     finally:
         if sampler is not None:
             sampler.close()  # a consumer died, or the start timed out
@@ -660,7 +669,8 @@ def watch_consumers(
 def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check: Callable[[], None], warmup: float,
            start_timeout: float, poll_s: float, sampler: PssSampler | None,
            usage: dict[str, list[int]] | None = None,
-           thread_roles: Callable[[int], str] | None = None) -> ConsumerWindow:
+           thread_roles: Callable[[int], str] | None = None,
+           usage_below: dict[str, list[int]] | None = None) -> ConsumerWindow:
     first: list[float | None] = [None] * consumers
     deadline = time.perf_counter() + start_timeout
     while True:
@@ -679,7 +689,8 @@ def _watch(counts: Tally, consumers: int, seconds: float, t_start: float, check:
     # the groups, resolved in the warm-up (every process has started by now)
     probe = None
     if usage is not None:
-        probe = UsageProbe(usage, exclude=[sampler._proc.pid] if sampler is not None and sampler._proc else [])
+        probe = UsageProbe(usage, exclude=[sampler._proc.pid] if sampler is not None and sampler._proc else [],
+                           below=usage_below)
     while time.perf_counter() < t_all + warmup:
         check()
         time.sleep(poll_s)

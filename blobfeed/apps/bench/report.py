@@ -613,7 +613,9 @@ def legend(report: dict[str, Any]) -> list[str]:
                      "re-batching, the copy into the shared batch memory, sending; receiver: acknowledgements; "
                      "intake: a worker process's chunks into the dealer; fetchers: worker threads), and its worker "
                      "processes (the service's CPU time none of its threads spent; their switches are in the "
-                     "service's total)")
+                     "service's total); pipes' steps (indented): a pipeline's worker processes (the forkserver's "
+                     "children: fetching, the copy into their slots) and its net's process (intake, re-batching, "
+                     "run()), which sum to its consumer row")
     if any(PROCESS_COST_KEYS[0][1] in r for r in results.values()):
         lines.append("per batch (W1i, W2i, W7, work2, hand2): read from /proc at the window's two ends, over the "
                      "batches taken in it, as above; this process: the runner's, every thread (the training loop; "
@@ -647,10 +649,12 @@ def cost_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     for key, r in results.items():
         if "failed" in r:
             continue
+        # the steps are the service's where there is one, else the consumer's (pipes: a pipeline's)
+        steps_of = "service" if COST_KEYS[0][1] in r else "consumer"
         for who, cpu, ctx in COST_KEYS:
             if cpu in r:
                 rows.append((key, who, r.get(ctx), r[cpu]))
-            if who == "service":
+            if who == steps_of:
                 steps = sorted(((k[len(STEP_CPU):], v) for k, v in r.items() if k.startswith(STEP_CPU)),
                                key=lambda kv: -kv[1])
                 rows += [(key, f"  {role}", r.get(STEP_CTX + role), cpu_us) for role, cpu_us in steps if cpu_us >= 0.05]

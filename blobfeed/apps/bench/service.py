@@ -322,8 +322,12 @@ def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: 
         groups[SERVICE_GROUP] = list(service_pids)
     elif service:  # this process runs the service: its threads, and its workers below it (the consumers apart)
         groups[SERVICE_GROUP] = [os.getpid()]
+    # a pipeline's worker processes apart from its net's process (the
+    # consumer): where a pipeline's CPU a batch goes, beside the service's steps
+    below = None if service or service_pids is not None else {
+        f"consumer{k}{WORKERS_SUFFIX}": [proc.pid] for k, (proc, _, _) in enumerate(procs)}
     w = watch_consumers(counts, wl.consumers, seconds, t_start, consumers.check, usage=groups,
-                        thread_roles=thread_role if service else None)
+                        thread_roles=thread_role if service else None, usage_below=below)
     total = sum(w.batches)
     fair = min(w.batches) / (total / len(w.batches)) if total else 0.0
     return {
@@ -334,7 +338,29 @@ def _window_result(wl: Workload, counts: Tally, consumers: _Consumers, seconds: 
         "consumer_min_share": fair,  # the slowest consumer's batches over the mean
         **per_batch_costs(w.usage, total),
         **service_steps(w.usage, w.threads, total),
+        **pipeline_steps(w.usage, total),
     }
+
+
+#: the group of a consumer's worker processes is the consumer's name and this
+WORKERS_SUFFIX = " workers"
+
+
+def pipeline_steps(usage: dict[str, Usage], batches: int) -> dict[str, float]:
+    """``pipes``' steps: over every batch, the CPU microseconds (and context
+    switches) of the pipelines' worker processes, and of the rest of the
+    consumer processes (each pipeline's net's process: its intake, its
+    re-batching, ``run()``); empty without a workers group.  Their sum is
+    the consumer's row."""
+    workers = [u for name, u in usage.items() if name.startswith("consumer") and name.endswith(WORKERS_SUFFIX)]
+    nets = [u for name, u in usage.items() if name.startswith("consumer") and not name.endswith(WORKERS_SUFFIX)]
+    if not batches or not workers:
+        return {}
+    out = {}
+    for role, group in (("worker processes", workers), ("net's process", nets)):
+        out[STEP_CPU + role] = sum(u.cpu_s for u in group) / batches * 1e6
+        out[STEP_CTX + role] = sum(u.switches for u in group) / batches
+    return out
 
 
 def service_steps(usage: dict[str, Usage], threads: dict[str, Usage], batches: int) -> dict[str, float]:
