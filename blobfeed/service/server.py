@@ -651,6 +651,17 @@ class FeedServer:
         for name in sorted(set(self.sources) - set(state["sources"])):
             logger.info("service: source %r is not resumable (not deterministic=True): it starts afresh", name)
         for name, s in state["sources"].items():
+            if s.get("acked_after") and self.sources[name].shared is None:
+                # a first-come service's: batches acknowledged past the
+                # position, skipped when dealt again; a source dealt by
+                # index has no way to skip them, and would deal them twice
+                where = field_name(field_name("state['sources']", name), "acked_after")
+                raise ValueError(
+                    f"resume: {path!r}: {where} lists "
+                    f"{len(s['acked_after'])} batches acknowledged past the saved position, which only a source "
+                    f"served first come can skip; this service deals {name!r} by index (num_consumers=): resume it "
+                    "first come (without num_consumers), or from a state saved by index"
+                )
             try:
                 self.coordinator.load_state_dict(name, s["inner"])
             except (ValueError, TypeError) as err:

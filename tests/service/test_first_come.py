@@ -217,6 +217,39 @@ def test_a_service_resumed_twice_deals_no_batch_again(tmp_path: Path) -> None:
     del net_a, net_b, net_c
 
 
+def test_a_first_come_state_with_batches_acknowledged_past_its_position_is_refused_by_index(tmp_path: Path) -> None:
+    """A first-come state lists the batches consumers acknowledged past its
+    position (``acked_after``); a service that deals the source by index
+    cannot skip them, and once dealt them again (a batch twice).  Refused,
+    naming the field, before anything starts."""
+    state = tmp_path / "state.json"
+    first = FeedServer(state_file=state)
+    first.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, deterministic=True, slots=4)
+    first.start()
+    net_a, a = attach(first)  # holds its batches: never runs
+    b = None
+    try:
+        counts = first.sources["train"].counts
+        wait_for(lambda: counts.delivered[str(a.consumer)] >= 3, 30, "batches in A's slots")
+        net_b, b = attach(first)
+        for _ in range(3):
+            net_b.run(timeout=30)
+        wait_for(lambda: sum(counts.acknowledged.values()) == 3, 30, "B's acknowledgements")
+    finally:
+        first.stop()
+        for att in (a, b):
+            if att is not None:
+                att.stop()
+    assert json.loads(state.read_text())["sources"]["train"]["acked_after"]
+    by_index = FeedServer(state_file=state, resume=True)
+    by_index.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, deterministic=True, num_consumers=1)
+    try:
+        with pytest.raises(ValueError, match=r"acked_after.*first come.*by index"):
+            by_index.start()
+    finally:
+        by_index.stop()
+
+
 def test_a_consumer_holding_the_end_returns_no_batch_the_saved_state_does_not_count(tmp_path: Path) -> None:
     """SIGTERM while a consumer already holds the rest of its stream and the
     end: it was not told the service stops, kept returning batches through
