@@ -96,6 +96,64 @@ def test_an_endless_one_net_state_whose_position_is_epochs_past_its_net_is_refus
         assert gc.stop(timeout=WAIT)
 
 
+def _wire_epochs(gc: blobfeed.GlobalCoordinator, epochs: int, nets: int = 2) -> list[blobfeed.Net]:
+    """``nets`` nets of one source of ``epochs`` epochs (the fetcher of test_coordinator_state)."""
+    from .test_coordinator_state import make_fetch
+
+    out = [blobfeed.Net(name=f"n{j}") for j in range(nets)]
+    fetch = make_fetch()
+    for net in out:
+        blobfeed.init_data_input_workers(net, ["ids"], fetch, 4, num_worker_threads=2, input_source_name=FETCH_SRC,
+                                         coordinator=gc, seed=11, deterministic=True, epochs=epochs, timeout=WAIT)
+    return out
+
+
+def _saved_epochs(epochs: int) -> dict[str, Any]:
+    """The state of two nets of an ``epochs``-epoch source, before either ran."""
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        _wire_epochs(gc, epochs)
+        return json.loads(json.dumps(gc.state_dict(FETCH_SRC)))
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+def _refused_epochs(state: dict[str, Any], epochs: int, pattern: str) -> None:
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        _wire_epochs(gc, epochs)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=pattern):
+            gc.load_state_dict(FETCH_SRC, state)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+def test_several_nets_of_finite_epochs_said_told_of_no_end_far_into_the_run_are_refused() -> None:
+    """Two nets, ``epochs`` finite but large: a position millions of epochs
+    on, with nets told of no epoch end, had load_state_dict queue an
+    EpochEnd per epoch between them for each net (memory in proportion to
+    a number the state chose: 700 MB for 3 million).  Refused, as for one
+    net and for endless sources."""
+    epochs = 10**9
+    state = _saved_epochs(epochs)
+    state["position"]["epoch"] = 3_000_000
+    for entry in state["nets"]:
+        entry[2] = 0
+    _refused_epochs(state, epochs, r"state\['nets'\]\[0\]\[2\]: .*epoch")
+
+
+def test_a_net_at_the_position_said_told_of_later_epoch_ends_is_refused() -> None:
+    """The net whose next batch is the position's cannot have been told the
+    end of an epoch the position has not reached: such a state loaded, and
+    that net never raised EndOfEpoch for those epochs (a wrong stream)."""
+    state = _saved_epochs(3)
+    assert state["position"]["batches"] == state["nets"][0][1] == 0
+    state["nets"][0][2] = 2
+    _refused_epochs(state, 3, r"state\['nets'\]\[0\]\[2\]: .*at most 0")
+
+
 def test_skip_and_returned_together_stay_under_the_bound_a_resaved_state_must_meet(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

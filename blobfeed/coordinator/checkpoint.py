@@ -148,11 +148,12 @@ def _leads(check: Any, next_batches: Sequence[int], batches: int) -> list[int]:
     return leads
 
 
-def _told_near(check: Any, j: int, told: int, epoch: int) -> None:
+def _told_near(check: Any, j: int, told: int, epoch: int, ahead_ok: bool = False) -> None:
     """Net ``j`` was told of the end of epochs up to ``told``: within
     MAX_UNTOLD_EPOCHS of the position's ``epoch`` (each epoch end between
-    them is a piece the net is handed on load)."""
-    if told + MAX_UNTOLD_EPOCHS < epoch or told > epoch + MAX_UNTOLD_EPOCHS:
+    them is a piece the net is handed on load; ``ahead_ok``: any number
+    past it)."""
+    if told + MAX_UNTOLD_EPOCHS < epoch or (told > epoch + MAX_UNTOLD_EPOCHS and not ahead_ok):
         check.fail(["nets", j, 2], f"expected an epoch within {MAX_UNTOLD_EPOCHS} of the position's "
                    f"epoch {epoch} (the epoch ends this net was told of), got {told}")
 
@@ -389,12 +390,18 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
             # and a shuffled source's position stays at its start.
             if k == 1 and not source.dealing.shuffle_buffer:
                 told = check.integer(entry[2], ["nets", j, 2], 0, epoch + 1)
-                # each epoch between told and the position is a piece the net is handed on load
-                _told_near(check, j, told, epoch)
-            elif epochs is not None:
-                check.integer(entry[2], ["nets", j, 2], 0, epochs)
             else:
-                _told_near(check, j, check.integer(entry[2], ["nets", j, 2], 0), epoch)
+                told = check.integer(entry[2], ["nets", j, 2], 0, epochs)
+                if nxt == batches and told > epoch:
+                    # its next batch is the position's: it passed no epoch
+                    # end the position has not (it would never be told of those)
+                    check.fail(["nets", j, 2], f"expected at most {epoch} (net {j}'s next batch is the "
+                               f"position's, in epoch {epoch}: it cannot have been told of a later epoch's "
+                               f"end), got {told}")
+            # each epoch between told and the position is a piece the net is
+            # handed on load (with finite epochs a net may be told of many
+            # more than the position passed: a shuffled source's stays at its start)
+            _told_near(check, j, told, epoch, ahead_ok=epochs is not None and k > 1)
         next_batches.append(nxt)
     low = min(next_batches)
     _leads(check, next_batches, low)
