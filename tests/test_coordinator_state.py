@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -548,3 +549,57 @@ def test_an_endless_state_far_from_its_nets_told_epochs_is_refused() -> None:
             gc.load_state_dict(SRC, state)
     finally:
         assert gc.stop(timeout=WAIT)
+
+
+def test_a_state_whose_worker_made_more_calls_than_its_data_holds_fails_the_resume() -> None:
+    """A plain fetcher is replayed on resume: the calls the state says a
+    worker made are made again.  One that ends (StopIteration) before them
+    was taken for the data's end: the rest of that worker's data was lost
+    without an error.  Now the resumed run fails, naming the worker and
+    the counts."""
+    state = saved(take=1)
+    state["position"]["calls"][0] = 99  # the fetcher ends after 6
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        (net,) = wire(gc)
+        gc.load_state_dict(SRC, state)
+        gc.start()
+        with pytest.raises(blobfeed.FetcherError, match=r"worker 0.*99 calls.*ended after 6"):
+            for _ in range(100):
+                net.run(timeout=WAIT)
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+def test_a_resume_replaying_a_huge_number_of_calls_stops_when_asked() -> None:
+    """A state that says a worker made 10**12 calls of an endless plain
+    fetcher: the replay makes them again, and stop() could not end it (the
+    threads spun on, and stop() returned False)."""
+
+    def endless(worker_id: int, batch_size: int) -> list[np.ndarray]:
+        return [np.arange(3, dtype=np.int64)]
+
+    def wired(gc: blobfeed.GlobalCoordinator) -> Net:
+        net = Net(name="n0")
+        init_data_input_workers(net, ["ids"], endless, 4, num_worker_threads=2, input_source_name=SRC,
+                                coordinator=gc, seed=11, deterministic=True, epochs=None, timeout=WAIT)
+        return net
+
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        net = wired(gc)
+        gc.start()
+        net.run(timeout=WAIT)
+        state = json.loads(json.dumps(gc.state_dict(SRC)))
+    finally:
+        assert gc.stop(timeout=WAIT)
+    state["position"]["calls"] = [10**12, 10**12]
+    gc = blobfeed.GlobalCoordinator()
+    net = wired(gc)
+    gc.load_state_dict(SRC, state)
+    gc.start()
+    with pytest.raises(blobfeed.DequeueTimeout):
+        net.run(timeout=0.5)
+    t0 = time.monotonic()
+    assert gc.stop(timeout=WAIT)
+    assert time.monotonic() - t0 < 3.0

@@ -13,9 +13,31 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Protocol, TypeGuard
 
+from ..errors import FetcherError
 from .chunks import Stamped, StoppedWithState
 
-__all__ = ["Replayed", "is_stateful"]
+__all__ = ["REPLAYING", "ReplayMismatch", "Replayed", "is_stateful"]
+
+#: calls replayed per call of the wrapper: between them the worker's loop
+#: looks for a stop (a state may say a worker made billions of calls)
+REPLAY_STEP = 256
+
+
+class _Replaying:
+    """What :class:`Replayed` returns while it replays: no data, no call of
+    the worker's counted; the worker's loop calls it again (see worker_loop)."""
+
+    def __repr__(self) -> str:
+        return "REPLAYING"
+
+
+REPLAYING = _Replaying()
+
+
+class ReplayMismatch(FetcherError):
+    """A replayed ``fetch_fun`` ended (StopIteration) before the calls the
+    saved state says it made: the data or the fetcher changed since the
+    state was saved, or the state is damaged.  Fatal, whatever ``on_error``."""
 
 
 class _Stateful(Protocol):
@@ -50,6 +72,8 @@ class Replayed:
         self.stateful = self._stateful_fun is not None
         self.start = dict(start)
         self._own: dict[int, _Stateful] = {}
+        #: per worker id being replayed: the calls replayed so far
+        self._replayed: dict[int, int] = {}
 
     def __call__(self, worker_id: int, batch_size: int) -> Any:
         begin = self.start.pop(worker_id, None)
@@ -63,14 +87,8 @@ class Replayed:
             calls, state = begin
             if own is not None and state is not None:
                 own.load_state_dict(state)
-            else:
-                for _ in range(calls):
-                    try:
-                        fetch(worker_id, batch_size)
-                    except StopIteration:
-                        raise
-                    except Exception:  # skipped the first time too (on_error="skip")
-                        pass
+            elif calls:
+                return self._replay(fetch, worker_id, batch_size, calls, state)
         try:
             raw = fetch(worker_id, batch_size)
         except StopIteration:
@@ -81,3 +99,30 @@ class Replayed:
         if own is not None:
             return Stamped(raw, own.state_dict())
         return raw
+
+    def _replay(self, fetch: Callable[[int, int], Any], worker_id: int, batch_size: int, calls: int,
+                state: Any) -> Any:
+        """Make up to :data:`REPLAY_STEP` of the ``calls`` still to replay,
+        discarding their results; :data:`REPLAYING` while some are left."""
+        done = self._replayed.get(worker_id, 0)
+        step = min(calls, REPLAY_STEP)
+        for _ in range(step):
+            try:
+                fetch(worker_id, batch_size)
+            except StopIteration:
+                self._replayed.pop(worker_id, None)
+                raise ReplayMismatch(
+                    f"worker {worker_id}: the saved state says its fetch_fun had made {done + calls} calls "
+                    f"before the saved position; made again, it ended after {done} (StopIteration): the data "
+                    "or the fetcher changed since the state was saved, or the state is damaged"
+                ) from None
+            except Exception:  # skipped the first time too (on_error="skip")
+                pass
+            done += 1
+            calls -= 1
+        if calls:
+            self.start[worker_id] = (calls, state)
+            self._replayed[worker_id] = done
+        else:
+            self._replayed.pop(worker_id, None)
+        return REPLAYING

@@ -25,6 +25,7 @@ from ..worker_info import WorkerInfo, for_epoch, is_last_epoch, set_worker_info
 from .chunks import Pin, Stamped, StoppedWithState
 from .indexed import UnitReader
 from .messages import EpochDone, Exhausted, Raised, Result
+from .replay import REPLAYING, ReplayMismatch
 
 if TYPE_CHECKING:
     from .source import WorkerIntake
@@ -104,6 +105,9 @@ def worker_events(
                     seconds = perf() - t0
                     after = stop.state if type(stop) is StoppedWithState else None
                     break
+                except ReplayMismatch as exc:
+                    yield Raised(perf() - t0, exc, True)  # the resume cannot go on, whatever on_error says
+                    return
                 except BaseException as exc:
                     yield Raised(perf() - t0, exc)
                     # skipped (on_error="skip"), or the loop is closed: a
@@ -112,6 +116,8 @@ def worker_events(
                     _back_off(empty_run, halted)
                     continue
                 seconds = perf() - t0
+                if raw is REPLAYING:
+                    continue  # a resume replays the calls before its position (halted() looked at between)
                 if type(raw) is Stamped:  # a stateful fetch_fun's state travels with its result
                     yield Result(seconds, raw.raw, raw.state)
                     raw = raw.raw
