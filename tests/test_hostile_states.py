@@ -184,3 +184,35 @@ def test_a_random_access_state_s_source_name_is_checked_and_another_one_logged(
     with Pipeline(Items(20), 2, 2, bs=2, epochs=1, read_size=2) as p, caplog.at_level("WARNING", "blobfeed"):
         p.gc.load_state_dict(SRC, state)
     assert "loading a state saved by source 'eval'" in caplog.text
+
+
+@pytest.mark.parametrize("field", ["nets", "blobs", "position"])
+def test_a_refusal_quotes_a_bounded_part_of_what_the_state_said(field: str) -> None:
+    """A refused state's message quotes what it said, cut short: a list of a
+    million entries made a message of 13 million characters, and a value
+    nested 100 000 deep a RecursionError instead of the ValueError naming
+    the field."""
+    state = saved(nets=1, take=1)
+    state[field] = [["n", 0, 0]] * 1_000_000
+    with pytest.raises(ValueError) as info:
+        refused_quietly(state)
+    assert len(str(info.value)) < 2000, len(str(info.value))
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    state[field] = deep
+    with pytest.raises(ValueError, match={"nets": "nets", "blobs": "blob layout", "position": "position"}[field]) as info:
+        refused_quietly(state)
+    assert len(str(info.value)) < 2000, len(str(info.value))
+
+
+def refused_quietly(state: dict[str, Any]) -> None:
+    """Load ``state`` into a fresh pipeline (one net); what it raises."""
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        from .test_coordinator_state import wire
+
+        wire(gc)
+        gc.load_state_dict(FETCH_SRC, state)
+    finally:
+        assert gc.stop(timeout=WAIT)

@@ -5,6 +5,7 @@ loaded (a state is user input: a file on disk)."""
 from __future__ import annotations
 
 import logging
+import reprlib
 from typing import Any, NoReturn, Sequence
 
 from ..feeders import READABLE_VERSIONS, InputSource
@@ -84,6 +85,23 @@ def random_access_layout(source: InputSource) -> dict[str, Any]:
 logger = logging.getLogger("blobfeed.coordinator")
 
 
+#: how much of a value a refused state said its message quotes
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxtuple = 3, 6, 6, 6
+_QUOTE.maxstring, _QUOTE.maxlong, _QUOTE.maxother = 60, 40, 60
+#: lists nested deeper than this are no layout a state records (compared no further)
+_MAX_DEPTH = 16
+
+
+def _shown(value: Any) -> str:
+    """``value`` (from an untrusted state) for a message: cut short, however
+    long or deeply nested it is."""
+    try:
+        return _QUOTE.repr(value)
+    except Exception:  # (a RecursionError in a user object's __repr__)
+        return f"<a {type(value).__name__}>"
+
+
 def _source_name(check: Any, name: str, state: dict[str, Any]) -> None:
     """The state's ``source``, when it has one: a str; another name than the
     source's is only logged (a renamed source resumes; its layout fields
@@ -92,7 +110,7 @@ def _source_name(check: Any, name: str, state: dict[str, Any]) -> None:
         return
     saved = state["source"]
     if not isinstance(saved, str):
-        check.fail(["source"], f"expected the source's name (a str), got {saved!r}")
+        check.fail(["source"], f"expected the source's name (a str), got {_shown(saved)}")
     if saved != name:
         logger.warning("source %r: loading a state saved by source %r", name, saved)
 
@@ -122,9 +140,9 @@ def _net_entry(check: Any, j: int, entry: Any, k: int, sizes: tuple[int, ...]) -
     """Net ``j``'s entry of ``k``: [name, next batch(, epoch)] of one of
     ``sizes``; its next batch, one of net ``j``'s (dealt in turn)."""
     if not isinstance(entry, list) or len(entry) not in sizes:
-        check.fail(["nets", j], f"expected [net name, next batch, epoch], got {entry!r}")
+        check.fail(["nets", j], f"expected [net name, next batch, epoch], got {_shown(entry)}")
     if not isinstance(entry[0], str):
-        check.fail(["nets", j, 0], f"expected the net's name (a str), got {entry[0]!r}")
+        check.fail(["nets", j, 0], f"expected the net's name (a str), got {_shown(entry[0])}")
     nxt: int = check.integer(entry[1], ["nets", j, 1], j)
     if (nxt - j) % k:
         check.fail(["nets", j, 1], f"expected a batch of net {j} (one of {j}, {j + k}, {j + 2 * k}, ...: "
@@ -170,7 +188,7 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
         else:
             cause = "a state of a fetch_fun source cannot resume a random-access one"
         raise ValueError(
-            f"source {name!r}: state has version {version!r}; a random-access source reads version "
+            f"source {name!r}: state has version {_shown(version)}; a random-access source reads version "
             f"{INDEXED_STATE_VERSION} ({cause})"
         )
     _source_name(check, name, state)
@@ -178,19 +196,19 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
     kind = wired["kind"]
     if state.get("kind") != kind:
         check.fail(["kind"], f"expected {kind!r} (this pipeline reads a "
-                   f"{'sharded' if kind == 'sharded' else 'random-access'} source), got {state.get('kind')!r}")
+                   f"{'sharded' if kind == 'sharded' else 'random-access'} source), got {_shown(state.get('kind'))}")
     for key in (_SHARDED_LAYOUT if kind == "sharded" else ()) + _RA_LAYOUT:
         saved = check.get(state, [key])
         if not _same(saved, wired[key]):
             hint = " (pass the saved seed to RandomAccessSource(seed=...) or seed=)" if key == "seed" else ""
             if key == "shard_sizes":
                 hint = " (the same number of shards and samples, other sizes)"
-            check.fail([key], f"saved {saved!r}, this pipeline has {wired[key]!r}: another stream{hint}")
+            check.fail([key], f"saved {_shown(saved)}, this pipeline has {wired[key]!r}: another stream{hint}")
     n = wired["length"]
     epochs = source.epochs
     position = check.get(state, ["position"])
     if not isinstance(position, dict):
-        check.fail(["position"], f"expected a dict, got {position!r}")
+        check.fail(["position"], f"expected a dict, got {_shown(position)}")
     batches = check.integer(check.get(position, ["position", "batches"]), ["position", "batches"], 0)
     # a global position (epoch * length + offset) travels to a worker
     # process as a signed 64-bit int: an endless source's epochs are bounded
@@ -209,7 +227,7 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
         counts[key] = 0
         for i, entry in enumerate(entries):
             if not isinstance(entry, list) or len(entry) != 3:
-                check.fail([key, i], f"expected [epoch, offset, count], got {entry!r}")
+                check.fail([key, i], f"expected [epoch, offset, count], got {_shown(entry)}")
             e = check.integer(entry[0], [key, i, 0], epoch, None if epochs is None else epochs)
             if (e + 1) * n >= MAX_POSITION:
                 check.fail([key, i, 0], f"epoch {e} of {n} samples ends past sample 2**62, "
@@ -224,7 +242,7 @@ def check_random_access_state(name: str, state: dict[str, Any], source: InputSou
                          f"entries together, got {len(state['skip']) + len(state['returned'])}")
     nets = check.get(state, ["nets"])
     if not isinstance(nets, list) or not nets or len(nets) > 1 << 16:
-        check.fail(["nets"], f"expected a list of [net name, next batch, epoch], got {nets!r}")
+        check.fail(["nets"], f"expected a list of [net name, next batch, epoch], got {_shown(nets)}")
     k = len(nets)
     next_batches = []
     for j, entry in enumerate(nets):
@@ -266,11 +284,14 @@ def _path(keys: Sequence[str | int]) -> str:
     return "state" + "".join(f"[{k!r}]" for k in keys)
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
     """Equal, and of the same types throughout: ``True == 1`` and
-    ``2.0 == 2`` in Python, but a state that says ``True`` workers is damaged."""
+    ``2.0 == 2`` in Python, but a state that says ``True`` workers is damaged.
+    Lists nested past :data:`_MAX_DEPTH` are no layout's: not the same."""
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        if depth >= _MAX_DEPTH:
+            return False
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 
@@ -293,12 +314,12 @@ class _Checker:
         ok = isinstance(value, int) and not isinstance(value, bool)
         if not ok or value < lo or (hi is not None and value >= hi):
             span = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
-            self.fail(keys, f"expected an int {span}, got {value!r}")
+            self.fail(keys, f"expected an int {span}, got {_shown(value)}")
         return int(value)
 
     def sequence(self, value: Any, keys: Sequence[str | int], length: int, what: str) -> list[Any]:
         if not isinstance(value, list) or len(value) != length:
-            got = f"a list of {len(value)}" if isinstance(value, list) else repr(value)
+            got = f"a list of {len(value)}" if isinstance(value, list) else _shown(value)
             self.fail(keys, f"expected a list of {length} ({what}), got {got}")
         return list(value)
 
@@ -322,7 +343,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
         return
     if state.get("kind") in ("random_access", "sharded"):
         raise ValueError(
-            f"source {name!r}: the state is a {str(state.get('kind')).replace('_', '-')} source's (version {state.get('version')!r}); "
+            f"source {name!r}: the state is a {str(state.get('kind')).replace('_', '-')} source's (version {_shown(state.get('version'))}); "
             "this source is read through a fetch_fun"
         )
     check = _Checker(name)
@@ -331,7 +352,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     version = state["version"]
     if type(version) is not int or version not in READABLE_VERSIONS:
         raise ValueError(
-            f"source {name!r}: state has version {version!r}; this blobfeed reads "
+            f"source {name!r}: state has version {_shown(version)}; this blobfeed reads "
             f"versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     _source_name(check, name, state)
@@ -341,7 +362,7 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
     if not isinstance(nets, list) or len(nets) != k:
         raise ValueError(
             f"source {name!r}: the state was saved for {len(nets) if isinstance(nets, list) else '?'} "
-            f"nets {nets!r}; this pipeline feeds {k}: {[f.net_name for f in feeds]}"
+            f"nets {_shown(nets)}; this pipeline feeds {k}: {[f.net_name for f in feeds]}"
         )
     wired = layout(source, seeds)
     for key, what in _LAYOUT:
@@ -358,14 +379,14 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
         if not _same(state[key], wired[key]):
             hint = " (pass seed= with the saved value)" if key == "seed" else ""
             raise ValueError(
-                f"source {name!r}: the state was saved with {what} {state[key]!r}; "
+                f"source {name!r}: the state was saved with {what} {_shown(state[key])}; "
                 f"this pipeline has {wired[key]!r}{hint}"
             )
     epochs = source.epochs
     n = wired["num_workers"]
     position = state["position"]
     if not isinstance(position, dict):
-        check.fail(["position"], f"expected a dict, got {position!r}")
+        check.fail(["position"], f"expected a dict, got {_shown(position)}")
     for key in _POSITION + (("epoch",) if version >= 2 else ()):
         check.get(position, ["position", key])
     batches = check.integer(position["batches"], ["position", "batches"], 0)
