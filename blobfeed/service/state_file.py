@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Any
 
-__all__ = ["MAX_ACKED_AFTER", "MAX_STATE_FILE_BYTES", "STATE_VERSION", "field_name", "read_state", "savable"]
+__all__ = ["MAX_ACKED_AFTER", "MAX_STATE_FILE_BYTES", "MAX_STATE_VALUES", "STATE_VERSION", "field_name", "read_state", "savable"]
 
 logger = logging.getLogger("blobfeed.service")
 
@@ -27,6 +27,14 @@ STATE_VERSION = 1
 #: 50 MB), its nets (at most 2**16, about 3 MB) and ``acked_after`` (at most
 #: MAX_ACKED_AFTER, 15 bytes each: 16 MB)
 MAX_STATE_FILE_BYTES = 256 << 20
+#: the most JSON values a state file may hold, counted before it is parsed
+#: (its commas, brackets and braces: at least its values less one).  Parsed,
+#: a value costs up to about 70 bytes (an empty object), so this bounds a
+#: resume's memory where the file's size alone does not (a list of ``{}``
+#: costs 25 times its bytes).  The largest state blobfeed writes holds about
+#: 5.5 million: 2**20 ranges of 4 values, 2**16 nets of 4, 2**20 in
+#: ``acked_after``; a fetcher's own states come on top (keep them small).
+MAX_STATE_VALUES = 8 << 20
 #: the most batches a source's ``acked_after`` lists (acknowledged past its
 #: saved position), as checkpoint.MAX_SKIP_ENTRIES bounds a source's ranges
 MAX_ACKED_AFTER = 1 << 20
@@ -52,7 +60,20 @@ def savable(state: dict[str, Any], path: str) -> str | None:
             "a resume reads (MAX_STATE_FILE_BYTES, %d)", path, len(text), MAX_STATE_FILE_BYTES,
         )
         return None
+    values = _values(text)
+    if values > MAX_STATE_VALUES:
+        logger.warning(
+            "service: state not saved to %s (the last one saved stays): it holds about %d JSON values, more "
+            "than a resume reads (MAX_STATE_VALUES, %d)", path, values, MAX_STATE_VALUES,
+        )
+        return None
     return text
+
+
+def _values(text: str) -> int:
+    """About how many JSON values ``text`` holds (no fewer, less one): its
+    commas, brackets and braces, counted without parsing it."""
+    return text.count(",") + text.count("[") + text.count("{")
 
 
 def read_state(path: str) -> dict[str, Any]:
@@ -65,6 +86,10 @@ def read_state(path: str) -> dict[str, Any]:
             wrong kind, value or name (the message names it).
     """
     text = _read_state_file(path)
+    values = _values(text)
+    if values > MAX_STATE_VALUES:
+        raise ValueError(f"resume: {path!r} holds about {values} JSON values, more than a state may hold "
+                         f"(MAX_STATE_VALUES, {MAX_STATE_VALUES}): refused before it is parsed")
     try:
         state = json.loads(text)
     except RecursionError:

@@ -320,3 +320,35 @@ def test_two_saves_at_once_both_write_a_whole_state(tmp_path: Path, monkeypatch:
         monkeypatch.setattr(os, "fsync", fsync)
         assert server.stop()
     assert not [p for p in os.listdir(tmp_path) if p != "state.json"]
+
+
+def test_a_file_of_many_small_values_is_refused_before_it_is_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A state file under the size cap cost about 25 times its size once
+    parsed (a list of `{}`: 3 bytes each, 72 parsed): at the cap, several
+    GB.  The JSON values a file holds are counted before it is parsed
+    (MAX_STATE_VALUES), and a state past it is neither read nor saved."""
+    path = tmp_path / "state.json"
+    monkeypatch.setattr(server_module, "MAX_STATE_VALUES", 10_000)
+    text = '{"version": 1, "sources": {}, "junk": [' + ",".join(["{}"] * 20_000) + "]}"
+    path.write_text(text)
+    counted = text.count(",") + text.count("[") + text.count("{")
+    parsed = []
+    real_loads = server_module.json.loads
+    monkeypatch.setattr(server_module.json, "loads", lambda text: parsed.append(1) or real_loads(text))
+    message = refused(path)
+    assert not parsed, "parsed before it was refused"
+    assert "MAX_STATE_VALUES" in message and "10000" in message and str(counted) in message, message
+    monkeypatch.setattr(server_module.json, "loads", real_loads)
+    server = _serving_deterministic(tmp_path / "saved.json")
+    try:
+        assert server.save_state()
+        good = (tmp_path / "saved.json").read_bytes()
+        monkeypatch.setattr(server_module, "MAX_STATE_VALUES", 3)
+        with caplog.at_level("WARNING", logger="blobfeed.service"):
+            assert not server.save_state()
+        assert (tmp_path / "saved.json").read_bytes() == good
+        assert "MAX_STATE_VALUES" in caplog.text, caplog.text
+    finally:
+        assert server.stop()
