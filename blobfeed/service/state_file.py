@@ -32,9 +32,10 @@ MAX_STATE_FILE_BYTES = 256 << 20
 #: a value costs up to about 70 bytes (an empty object), so this bounds a
 #: resume's memory where the file's size alone does not (a list of ``{}``
 #: costs 25 times its bytes).  The largest state blobfeed writes holds about
-#: 5.5 million: 2**20 ranges of 4 values, 2**16 nets of 4, 2**20 in
-#: ``acked_after``; a fetcher's own states come on top (keep them small).
-MAX_STATE_VALUES = 8 << 20
+#: 5.5 million (2**20 ranges of 4 values, 2**16 nets of 4, 2**20 in
+#: ``acked_after``), with room for twice the ranges; a fetcher's own states
+#: come on top (keep them small).
+MAX_STATE_VALUES = 12 << 20
 #: the most batches a source's ``acked_after`` lists (acknowledged past its
 #: saved position), as checkpoint.MAX_SKIP_ENTRIES bounds a source's ranges
 MAX_ACKED_AFTER = 1 << 20
