@@ -603,3 +603,22 @@ def test_a_resume_replaying_a_huge_number_of_calls_stops_when_asked() -> None:
     t0 = time.monotonic()
     assert gc.stop(timeout=WAIT)
     assert time.monotonic() - t0 < 3.0
+
+
+def test_a_net_said_past_the_end_of_the_data_fails_the_resume() -> None:
+    """A shuffled source resumes from its start and drops the batches each
+    net had.  A state that says its net had more batches than the data
+    holds had the resumed run drop everything and end, with no batch and
+    no error.  Now the end is an error naming the net and both counts."""
+    state = saved(take=1, shuffle_buffer=8)
+    state["nets"][0][1] = 10**6
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        (net,) = wire(gc, shuffle_buffer=8)
+        gc.load_state_dict(SRC, state)
+        gc.start()
+        with pytest.raises(blobfeed.FetcherError, match=r"net 0: .*1000000.*ended after \d+ batches"):
+            for _ in range(100):
+                net.run(timeout=WAIT)
+    finally:
+        assert gc.stop(timeout=WAIT)
