@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..arguments import check_index, check_timeout
 from ..coordinator import GlobalCoordinator, resolve_backend
 from ..errors import BlobfeedError
+from ..log_throttle import LogThrottle
 from ..reader import init_reader
 from .admission import RefusalLog
 from .connection import Connection, Refused
@@ -97,6 +98,9 @@ def serve_source(
     current_server().serve_source(name, input_blob_names, fetch_fun, batch_size, num_worker_threads, **kwargs)
 
 
+#: seconds between tries to accept after accept() failed (out of descriptors, say)
+ACCEPT_RETRY_S = 0.05
+
 class FeedServer:
     """Serves sources to consumers on a Unix socket, or over TCP if asked.
 
@@ -169,6 +173,9 @@ class FeedServer:
         self._save_failed = False
         #: consumers refused, logged a few at a time
         self._refusals = RefusalLog()
+        #: accept() failing (out of descriptors, say): logged a few times a window, retried
+        self._accept_errors = LogThrottle(
+            logger, 3, 10.0, "service: %d more failures to accept a connection (retried each time); the last: %s")
         #: the Unix socket path it listens at (not its own private directory's), and holds
         self._path: SocketPath | None = None
         #: the thread the first stop() runs in
@@ -440,9 +447,17 @@ class FeedServer:
                 continue
             try:
                 conn_sock, origin = sock.accept()
-            except OSError:
+            except OSError as err:
                 handshakes.release()
-                return  # closed by stop()
+                if self._stop_requested() or self._stopping.is_set() or sock.fileno() < 0:
+                    return  # closed by stop()
+                # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS,
+                # ENOMEM; peers holding connections can cause it), or a peer
+                # gone before it was taken: passing, and the service goes on
+                self._accept_errors.event("service: accepting a connection at %s failed (%s); retried in %g s",
+                                          self.address, str(err), ACCEPT_RETRY_S)
+                self._stopping.wait(ACCEPT_RETRY_S)
+                continue
             tcp_peer = None
             if self._tcp:
                 tcp_peer = format_tcp(origin[0], origin[1])[len("tcp://"):]
@@ -513,6 +528,7 @@ class FeedServer:
         source's acknowledged batches at the last throughput line."""
         last_log = self._last_log
         self._refusals.flush_due()
+        self._accept_errors.flush_due()
         for s in self.sources.values():
             s.check_grace()
             s.arena.reap()  # batches consumers that exited had kept
@@ -787,6 +803,7 @@ class FeedServer:
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         self._refusals.flush()
+        self._accept_errors.flush()
         logger.info("service: stopped (%s)", why)
         return clean
 

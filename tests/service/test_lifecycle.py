@@ -494,3 +494,38 @@ def test_serve_source_refuses_more_slots_than_a_consumer_accepts() -> None:
         server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=2000)
     server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=MAX_SLOTS)
     assert server.stop()
+
+
+def test_a_failed_accept_is_retried_and_the_service_goes_on_taking_consumers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """accept() failing once (EMFILE: the process ran out of descriptors,
+    say to peers that connected and said nothing) ended the accept loop for
+    good, silently: no consumer could attach again.  It is logged and
+    retried; only the stop ends the loop."""
+    import errno
+    import socket
+
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2)
+    failures = [3]
+    real_accept = socket.socket.accept
+
+    def accept(sock: socket.socket) -> tuple[socket.socket, object]:
+        if sock is server._sock and failures[0] > 0:
+            failures[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_accept(sock)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    with caplog.at_level("WARNING", logger="blobfeed.service"):
+        server.start()
+    try:
+        with caplog.at_level("WARNING", logger="blobfeed.service"):
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=20):
+                assert len(net.run(timeout=20)["id"]) == 8
+        assert failures == [0]
+        assert "accept" in caplog.text and "Too many open files" in caplog.text, caplog.text
+    finally:
+        assert server.stop()
