@@ -16,7 +16,7 @@ from ..log_throttle import LogThrottle
 from .served import IndexOutlet, ServedSource, SharedOutlet
 from .wire import PROTOCOL, shown
 
-__all__ = ["Refused", "RefusalLog", "admit"]
+__all__ = ["ClosureLog", "Refused", "RefusalLog", "admit"]
 
 logger = logging.getLogger("blobfeed.service")
 
@@ -104,3 +104,17 @@ class RefusalLog(LogThrottle):
     def refused(self, peer: str, why: str) -> None:
         """Log (or count) one refusal: ``peer`` and ``why`` (bounded text)."""
         self.event("service: %s refused: %s", peer, why)
+
+
+class ClosureLog(LogThrottle):
+    """A service's log of the connections it closed after their handshake
+    (a consumer that broke the protocol) and of the batches consumers left
+    unacknowledged: as :class:`RefusalLog`, since a peer that says a good
+    hello and then garbage can make as many as it likes."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            logger, REFUSALS_LOGGED, REFUSAL_WINDOW_S,
+            f"service: %d more connections closed for breaking the protocol, or left holding batches (the most "
+            f"logged one by one: {REFUSALS_LOGGED} per {REFUSAL_WINDOW_S:.0f} s); the last: %s",
+        )

@@ -35,7 +35,7 @@ import numpy as np
 from ..reader import REGIONS, EpochEnd, SharedRegion
 from .ackstream import AckStream
 from .arena import consumer_pidfd
-from .admission import RefusalLog, Refused, admit
+from .admission import ClosureLog, RefusalLog, Refused, admit
 from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
 from .slots import MAX_REGIONS, SlotArea, StreamSlots, batch_nbytes
@@ -77,12 +77,15 @@ class Connection:
         service: str,
         tcp_peer: str | None = None,
         refusals: RefusalLog | None = None,
+        closures: ClosureLog | None = None,
     ) -> None:
         self.number = number
         #: acknowledgements of nothing in a row (see _count_idle_ack)
         self._idle_acks = 0
         #: where its refusal (or a handshake it did not finish) is logged: the service's, shared
         self._refusals = refusals if refusals is not None else RefusalLog()
+        #: where its close for breaking the protocol is logged (the service's, shared)
+        self.closures = closures if closures is not None else ClosureLog()
         self.tcp_peer = tcp_peer
         #: how its batches travel
         self.carrier = UNIX if tcp_peer is None else TCP
@@ -186,7 +189,7 @@ class Connection:
             # the text, not the error: a kept log record (a memory handler,
             # pytest's caplog) would keep its traceback's frames, and with them
             # this connection's slots, alive
-            logger.warning("service: %s; connection closed", str(err))
+            self.closures.event("service: %s; connection closed", str(err))
         except OSError as err:
             if not self.closed.is_set():
                 logger.info("service: %s: %s", self.peer, str(err))
@@ -197,7 +200,7 @@ class Connection:
                 # what the consumer acknowledged before it broke the protocol, left or failed counts
                 self._take_merged()
             except WireError as err:
-                logger.warning("service: %s; connection closed", str(err))
+                self.closures.event("service: %s; connection closed", str(err))
             except Exception:
                 logger.exception("service: %s failed", self.peer)
             self._leave()

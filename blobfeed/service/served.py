@@ -512,19 +512,23 @@ class ServedSource:
 
     def release(self, conn: Any, outlet: IndexOutlet | SharedOutlet, unacked: list[Item]) -> None:
         """``conn`` left; ``unacked``: what it had not acknowledged, in order."""
+        # (a peer can leave holding batches as often as it attaches: the
+        # connection's log of closes, throttled, tells it)
+        log = getattr(conn, "closures", None)
+        warn = logger.warning if log is None else log.event
         with self._lock:
             self.connected -= 1
             if isinstance(outlet, SharedOutlet):
                 outlet.left(conn, unacked)
                 if unacked:
-                    logger.warning(
+                    warn(
                         "source %r: consumer %s left with %d batches unacknowledged: dealt to the others",
                         self.name, conn.label, sum(1 for i in unacked if i.s >= 0),
                     )
             else:
                 outlet.left(unacked)
                 if unacked and self.error is None and not self.stopped:
-                    logger.warning(
+                    warn(
                         "source %r: consumer %d left with %d items unacknowledged: kept for its "
                         "return (within %.3g s)", self.name, outlet.index, len(unacked), self.terms.grace_period,
                     )

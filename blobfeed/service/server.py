@@ -26,7 +26,7 @@ from ..coordinator import GlobalCoordinator, resolve_backend
 from ..errors import BlobfeedError
 from ..log_throttle import LogThrottle
 from ..reader import init_reader
-from .admission import RefusalLog
+from .admission import ClosureLog, RefusalLog
 from .connection import Connection, Refused
 from .served import ARENA_CONSUMERS, DEFAULT_MAX_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
 from .socket_path import SocketPath, bind_in_own_directory
@@ -173,6 +173,7 @@ class FeedServer:
         self._save_failed = False
         #: consumers refused, logged a few at a time
         self._refusals = RefusalLog()
+        self._closures = ClosureLog()
         #: accept() failing (out of descriptors, say): logged a few times a window, retried
         self._accept_errors = LogThrottle(
             logger, 3, 10.0, "service: %d more failures to accept a connection (retried each time); the last: %s")
@@ -469,7 +470,7 @@ class FeedServer:
                     continue
             conn = Connection(
                 conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer,
-                refusals=self._refusals,
+                refusals=self._refusals, closures=self._closures,
             )
             conn.on_handshake_done = handshakes.release
             with self._lock:
@@ -528,6 +529,7 @@ class FeedServer:
         source's acknowledged batches at the last throughput line."""
         last_log = self._last_log
         self._refusals.flush_due()
+        self._closures.flush_due()
         self._accept_errors.flush_due()
         for s in self.sources.values():
             s.check_grace()
@@ -803,6 +805,7 @@ class FeedServer:
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         self._refusals.flush()
+        self._closures.flush()
         self._accept_errors.flush()
         logger.info("service: stopped (%s)", why)
         return clean

@@ -180,3 +180,39 @@ def test_the_service_tells_what_its_refusal_log_held_back_without_a_stop(monkeyp
                    "the held-back refusals told while the service runs", timeout=10)
     finally:
         server.stop()
+
+
+def test_peers_that_say_hello_then_break_the_protocol_are_logged_a_few_at_a_time(
+    server: FeedServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Refusals were throttled, but a peer that said a valid hello and then
+    sent garbage was logged in full each time (2 000 of them: 7 389
+    warnings): the connection's close and the batches it left are throttled
+    as refusals are, and the rest counted in one line at the stop."""
+    caplog.set_level(logging.WARNING, logger="blobfeed")
+    n = 40
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        try:
+            s.connect(str(server.address))
+            s.send(json.dumps(_hello()).encode())
+            s.send(b"garbage")
+            while s.recv(1 << 17):
+                pass
+        except OSError:
+            pass
+        finally:
+            s.close()
+    wait_until(lambda: server.sources["train"].connected == 0, "the peers' connections closed", 20)
+    server.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    import re
+
+    one_by_one = [w for w in warnings if w.endswith("connection closed") or w.endswith("dealt to the others")]
+    assert 0 < len(one_by_one) <= 12, len(one_by_one)  # 10 a window (and a window may turn)
+    counted = sum(int(m.group(1)) for w in warnings for m in [re.match(r"service: (\d+) more connections closed", w)]
+                  if m)
+    # every peer's close is logged or counted (each may have left a batch too)
+    assert len([w for w in one_by_one if w.endswith("connection closed")]) + counted >= n, warnings[-3:]
+    assert len(warnings) <= 15, (len(warnings), warnings[:3])
