@@ -318,7 +318,7 @@ class Connection:
             return False
         self.source, self.outlet = source, outlet
         self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
-        self.peer = f"consumer {self.label} of source {source.name!r} (pid {hello['pid']})"
+        self.peer = f"consumer {self.label} of source {source.name!r} ({self._pid_text(hello['pid'])})"
         if self.tcp_peer is not None:
             self.peer += f" from {self.tcp_peer}"
         self.channel.peer = self.peer
@@ -338,6 +338,19 @@ class Connection:
         sender.start()
         self.sender = sender
         return True
+
+    def _pid_text(self, said: int) -> str:
+        """Who the consumer is, for messages: on the Unix socket the process
+        the kernel says it is (what its hello said beside it, if that
+        differs: a peer may name any process); over TCP what it said."""
+        if self.tcp_peer is not None:
+            return f"pid {said}, as it says"
+        try:
+            pid = struct.unpack("3i", self.channel.sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        except OSError:
+            return f"pid {said}, as it says"
+        return f"pid {pid}" if pid == said else f"pid {pid}; its hello said {said}"
 
     def _welcome(self) -> None:
         """Welcome the consumer: its index, and the most slots it will be offered."""

@@ -153,8 +153,10 @@ class Channel:
         if not data and not fds:
             return None
         try:
+            if got_flags & socket.MSG_CTRUNC:
+                raise WireError(f"{self.peer} sent a record with too many descriptors (at most {MAX_FDS})")
             if got_flags & _TRUNCATED or len(data) > MAX_RECORD:
-                raise WireError(f"{self.peer} sent a record over {MAX_RECORD} bytes (or too many descriptors)")
+                raise WireError(f"{self.peer} sent a record over {MAX_RECORD} bytes")
             record = decode_record(data, self.peer)
         except WireError:
             for fd in fds:

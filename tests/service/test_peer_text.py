@@ -216,3 +216,44 @@ def test_peers_that_say_hello_then_break_the_protocol_are_logged_a_few_at_a_time
     # every peer's close is logged or counted (each may have left a batch too)
     assert len([w for w in one_by_one if w.endswith("connection closed")]) + counted >= n, warnings[-3:]
     assert len(warnings) <= 15, (len(warnings), warnings[:3])
+
+
+def test_a_unix_peer_is_named_by_its_real_pid_not_the_one_its_hello_says(
+    server: FeedServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The log named a consumer by the pid its hello said: a peer could make
+    it blame any process (an honest rank).  On the Unix socket the kernel
+    says who it is (SO_PEERCRED); what the hello said is kept beside it."""
+    caplog.set_level(logging.INFO, logger="blobfeed")
+    answer = _answer(str(server.address), _hello(pid=4_000_000))
+    assert answer is not None and answer["t"] == "welcome", answer
+    wait_until(lambda: any("attached" in r.getMessage() for r in caplog.records), "the attach's log line", 10)
+    attached = next(r.getMessage() for r in caplog.records if "attached" in r.getMessage())
+    assert f"pid {os.getpid()}" in attached and "4000000" in attached, attached
+
+
+def test_a_hello_with_too_many_descriptors_is_refused_saying_so(server: FeedServer,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A small hello carrying 5 descriptors was refused as "a record over
+    65536 bytes (or too many descriptors)": the kernel's flags say which."""
+    import array
+
+    caplog.set_level(logging.INFO, logger="blobfeed")
+    r, w = os.pipe()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    try:
+        s.connect(str(server.address))
+        fds = array.array("i", [r] * 5)
+        s.sendmsg([json.dumps(_hello()).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+        while s.recv(1 << 17):
+            pass
+    except OSError:
+        pass
+    finally:
+        s.close()
+        os.close(r)
+        os.close(w)
+    wait_until(lambda: any("descriptors" in r.getMessage() for r in caplog.records), "the refusal's log line", 10)
+    line = next(r.getMessage() for r in caplog.records if "descriptors" in r.getMessage())
+    assert "too many descriptors" in line and "65536" not in line, line
