@@ -64,6 +64,13 @@ SHARE_MIN = 4
 ARENA_PER_NET = 2
 
 
+#: first come: batches dealt past the oldest one not acknowledged, at most.
+#: Everything acknowledged past it is kept (the position cannot pass it, and
+#: a resume must not deal those again): a consumer that holds a batch while
+#: the others go on would make that grow with the stream.  Past it, the
+#: dealing waits for that batch (about 50 MiB of bookkeeping at the bound).
+MAX_AHEAD = 1 << 18
+
 def default_slots(slot_bytes: int | None) -> int:
     """Slots per consumer for batches of ``slot_bytes`` (None: not known yet)."""
     if not slot_bytes:
@@ -249,6 +256,8 @@ class SharedOutlet:
         self._items: dict[int, Any] = {}
         #: the feed's data ended (a consumer was handed the end)
         self.finished = False
+        #: the position the dealing last waited at for MAX_AHEAD (see _stalled)
+        self._stalled_at = -1
 
     def join(self, conn: Any) -> None:
         with self._cond:
@@ -338,9 +347,26 @@ class SharedOutlet:
         return any(e <= epoch for _, e in self._out.values())
 
     def _may_take(self, conn: Any) -> bool:
+        if self._s - self.prefix >= MAX_AHEAD:
+            self._stalled()
+            return False
         return (
             not self._taking and self._end is None and self._epoch_of.get(conn) == self._epoch
             and self._held[conn] < self.share()
+        )
+
+    def _stalled(self) -> None:
+        """(Under the lock.)  The dealing is MAX_AHEAD past the oldest batch
+        not acknowledged, and waits for it: said once for each such batch."""
+        if self._stalled_at == self.prefix:
+            return
+        self._stalled_at = self.prefix
+        holder = self._out.get(self.prefix, (None, 0))[0]
+        who = f"consumer {holder.label}" if holder is not None else "no consumer (it waits to be dealt again)"
+        logger.warning(
+            "source %r: %s holds batch %d unacknowledged while the others took %d batches past it: the "
+            "dealing waits for it (at most MAX_AHEAD, %d, are kept acknowledged past the position)",
+            self.source.name, who, self.prefix, self._s - self.prefix - 1, MAX_AHEAD,
         )
 
     def _taken(self, conn: Any, batch: Any) -> Item | None:

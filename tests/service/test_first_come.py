@@ -427,6 +427,41 @@ def test_the_first_come_rules_step_by_step() -> None:
     assert sum(out.source.counts.redealt.values()) == 3
 
 
+def test_first_come_deals_a_bounded_way_past_a_batch_a_consumer_holds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A consumer that holds one batch unacknowledged while another goes on:
+    everything acknowledged past it must be kept (the position cannot pass
+    it), and it grew by one entry a batch without bound (a peer that took 4
+    batches and went quiet: 47 000 entries in 26 s, growing).  Past
+    MAX_AHEAD batches the dealing waits for that batch (a warning names its
+    holder), and goes on once it is back."""
+    from blobfeed.feeders.chunks import Batch
+    from blobfeed.service import served
+    from blobfeed.service.served import Item
+
+    monkeypatch.setattr(served, "MAX_AHEAD", 20)
+    out = _outlet([Batch((), 1) for _ in range(100)])
+    quiet, busy = (type("Conn", (), {"label": n})() for n in ("quiet", "busy"))
+    out.join(quiet)
+    out.join(busy)
+    held = out.next(quiet, 0.0)
+    assert isinstance(held, Item)
+    taken = 0
+    with caplog.at_level("WARNING", logger="blobfeed.service"):
+        for _ in range(100):
+            item = out.next(busy, 0.0)
+            if item is None:
+                break
+            out.acked(item)
+            taken += 1
+    assert taken == 19, taken  # 20 dealt past the position: the held one and 19
+    assert len(out._acked) <= 20 and len(out._items) <= 21
+    assert "quiet" in caplog.text and "holds" in caplog.text, caplog.text
+    out.acked(held)  # back: the position moves, and the dealing goes on
+    assert isinstance(out.next(busy, 0.0), Item)
+
+
 def test_first_come_a_consumer_holds_at_most_its_share() -> None:
     """64 slots among at least 4 consumers: 16 each; with 8 attached, 8 each."""
     from blobfeed.feeders.chunks import Batch
