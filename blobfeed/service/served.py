@@ -116,6 +116,11 @@ class SourceTerms(NamedTuple):
     max_consumers: int | None = None
 
 
+#: the consumer label of the counts of first-come consumers that left
+#: (but the last KEEP_LEFT of them, which keep their own)
+LEFT = "left"
+KEEP_LEFT = 64
+
 class _Counts:
     """Per consumer label: batches delivered / acknowledged / re-dealt,
     seconds waited (by the service, for a batch the consumer had room for;
@@ -128,6 +133,31 @@ class _Counts:
         self.waited: collections.defaultdict[str, float] = collections.defaultdict(float)
         #: the consumers' own waits: what each connection's reported total grew by, summed per label
         self.run_waited: collections.defaultdict[str, float] = collections.defaultdict(float)
+        #: a retire and a scrape's copy, one at a time (a scrape between the
+        #: two steps of a retire would see a total that goes back)
+        self.lock = threading.Lock()
+        #: labels of consumers that left, kept as they are, oldest first (see retire)
+        self._gone: collections.deque[str] = collections.deque()
+
+    def retire(self, label: str) -> None:
+        """The consumer ``label`` left for good (first come: labels are
+        connections, one per attach).  The last :data:`KEEP_LEFT` that left
+        keep their series; older ones' counts go into the label
+        :data:`LEFT`, so that the series do not grow with the attaches."""
+        with self.lock:
+            self._gone.append(label)
+            while len(self._gone) > KEEP_LEFT:
+                old = self._gone.popleft()
+                for counts in (self.delivered, self.acknowledged, self.redealt, self.waited, self.run_waited):
+                    value = counts.pop(old, 0)
+                    if value:
+                        counts[LEFT] += value  # type: ignore[operator]
+
+    def snapshot(self) -> list[list[tuple[str, float]]]:
+        """Each count's (label, value) pairs, in the order of ``__init__``, copied at one moment."""
+        with self.lock:
+            return [list(c.items()) for c in (self.delivered, self.acknowledged, self.redealt, self.waited,
+                                              self.run_waited)]
 
 
 def _dequeue(source: "ServedSource", reader: "BatchReader", timeout: float) -> Any:
@@ -546,6 +576,7 @@ class ServedSource:
             self.connected -= 1
             if isinstance(outlet, SharedOutlet):
                 outlet.left(conn, unacked)
+                self.counts.retire(conn.label)
                 if unacked:
                     warn(
                         "source %r: consumer %s left with %d batches unacknowledged: dealt to the others",

@@ -853,13 +853,13 @@ class _ServiceCollector:
         )
         for name, s in list(self._server.sources.items()):
             consumers.add_metric([name], s.connected)
-            c = s.counts
-            for k, counter in (("delivered", c.delivered), ("acknowledged", c.acknowledged), ("redealt", c.redealt)):
-                for label, v in list(counter.items()):
+            delivered, acknowledged, redealt, waits, run_waits = s.counts.snapshot()
+            for k, pairs in (("delivered", delivered), ("acknowledged", acknowledged), ("redealt", redealt)):
+                for label, v in pairs:
                     fams[k].add_metric([name, label], v)
-            for label, secs in list(c.waited.items()):
+            for label, secs in waits:
                 waited.add_metric([name, label], secs)
-            for label, secs in list(c.run_waited.items()):
+            for label, secs in run_waits:
                 run_waited.add_metric([name, label], secs)
         yield consumers
         yield from fams.values()
