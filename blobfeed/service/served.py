@@ -148,10 +148,10 @@ class _Counts:
             self._gone.append(label)
             while len(self._gone) > KEEP_LEFT:
                 old = self._gone.popleft()
-                for counts in (self.delivered, self.acknowledged, self.redealt, self.waited, self.run_waited):
-                    value = counts.pop(old, 0)
-                    if value:
-                        counts[LEFT] += value  # type: ignore[operator]
+                for ints in (self.delivered, self.acknowledged, self.redealt):
+                    ints[LEFT] += ints.pop(old, 0)
+                for secs in (self.waited, self.run_waited):
+                    secs[LEFT] += secs.pop(old, 0.0)
 
     def snapshot(self) -> list[list[tuple[str, float]]]:
         """Each count's (label, value) pairs, in the order of ``__init__``, copied at one moment."""
