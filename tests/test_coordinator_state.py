@@ -559,12 +559,18 @@ def test_a_state_whose_worker_made_more_calls_than_its_data_holds_fails_the_resu
     the counts."""
     state = saved(take=1)
     state["position"]["calls"][0] = 99  # the fetcher ends after 6
+    _resumed_run_fails(state, r"worker 0.*99 calls.*ended after 6")
+
+
+def _resumed_run_fails(state: dict[str, Any], pattern: str, **kw: Any) -> None:
+    """Load ``state`` into a fresh pipeline wired with ``kw`` and run it:
+    a FetcherError matching ``pattern`` within a hundred batches."""
     gc = blobfeed.GlobalCoordinator()
     try:
-        (net,) = wire(gc)
+        (net,) = wire(gc, **kw)
         gc.load_state_dict(SRC, state)
         gc.start()
-        with pytest.raises(blobfeed.FetcherError, match=r"worker 0.*99 calls.*ended after 6"):
+        with pytest.raises(blobfeed.FetcherError, match=pattern):
             for _ in range(100):
                 net.run(timeout=WAIT)
     finally:
@@ -612,13 +618,4 @@ def test_a_net_said_past_the_end_of_the_data_fails_the_resume() -> None:
     no error.  Now the end is an error naming the net and both counts."""
     state = saved(take=1, shuffle_buffer=8)
     state["nets"][0][1] = 10**6
-    gc = blobfeed.GlobalCoordinator()
-    try:
-        (net,) = wire(gc, shuffle_buffer=8)
-        gc.load_state_dict(SRC, state)
-        gc.start()
-        with pytest.raises(blobfeed.FetcherError, match=r"net 0: .*1000000.*ended after \d+ batches"):
-            for _ in range(100):
-                net.run(timeout=WAIT)
-    finally:
-        assert gc.stop(timeout=WAIT)
+    _resumed_run_fails(state, r"net 0: .*1000000.*ended after \d+ batches", shuffle_buffer=8)

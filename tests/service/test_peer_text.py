@@ -192,18 +192,7 @@ def test_peers_that_say_hello_then_break_the_protocol_are_logged_a_few_at_a_time
     caplog.set_level(logging.WARNING, logger="blobfeed")
     n = 40
     for _ in range(n):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.settimeout(10)
-        try:
-            s.connect(str(server.address))
-            s.send(json.dumps(_hello()).encode())
-            s.send(b"garbage")
-            while s.recv(1 << 17):
-                pass
-        except OSError:
-            pass
-        finally:
-            s.close()
+        _say(str(server.address), [(json.dumps(_hello()).encode(), []), (b"garbage", [])])
     wait_until(lambda: server.sources["train"].connected == 0, "the peers' connections closed", 20)
     server.stop()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -236,24 +225,33 @@ def test_a_hello_with_too_many_descriptors_is_refused_saying_so(server: FeedServ
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """A small hello carrying 5 descriptors was refused as "a record over
     65536 bytes (or too many descriptors)": the kernel's flags say which."""
-    import array
-
     caplog.set_level(logging.INFO, logger="blobfeed")
     r, w = os.pipe()
+    try:
+        _say(str(server.address), [(json.dumps(_hello()).encode(), [r] * 5)])
+    finally:
+        os.close(r)
+        os.close(w)
+    wait_until(lambda: any("descriptors" in r.getMessage() for r in caplog.records), "the refusal's log line", 10)
+    line = next(r.getMessage() for r in caplog.records if "descriptors" in r.getMessage())
+    assert "too many descriptors" in line and "65536" not in line, line
+
+
+def _say(address: str, records: list[tuple[bytes, list[int]]]) -> None:
+    """Connect, send ``records`` (each with its descriptors), and read what
+    comes back until the service closes the connection."""
+    import array
+
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(10)
     try:
-        s.connect(str(server.address))
-        fds = array.array("i", [r] * 5)
-        s.sendmsg([json.dumps(_hello()).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+        s.connect(address)
+        for data, fds in records:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+            s.sendmsg([data], ancillary)
         while s.recv(1 << 17):
             pass
     except OSError:
         pass
     finally:
         s.close()
-        os.close(r)
-        os.close(w)
-    wait_until(lambda: any("descriptors" in r.getMessage() for r in caplog.records), "the refusal's log line", 10)
-    line = next(r.getMessage() for r in caplog.records if "descriptors" in r.getMessage())
-    assert "too many descriptors" in line and "65536" not in line, line
