@@ -564,7 +564,8 @@ def test_a_state_whose_worker_made_more_calls_than_its_data_holds_fails_the_resu
 
 def _resumed_run_fails(state: dict[str, Any], pattern: str, **kw: Any) -> None:
     """Load ``state`` into a fresh pipeline wired with ``kw`` and run it:
-    a FetcherError matching ``pattern`` within a hundred batches."""
+    a FetcherError matching ``pattern`` within a hundred batches, and the
+    source failed with it (not only the net that met it)."""
     gc = blobfeed.GlobalCoordinator()
     try:
         (net,) = wire(gc, **kw)
@@ -573,6 +574,7 @@ def _resumed_run_fails(state: dict[str, Any], pattern: str, **kw: Any) -> None:
         with pytest.raises(blobfeed.FetcherError, match=pattern):
             for _ in range(100):
                 net.run(timeout=WAIT)
+        assert re.search(pattern, str(gc._known.sources[SRC].error)), gc._known.sources[SRC].error
     finally:
         assert gc.stop(timeout=WAIT)
 

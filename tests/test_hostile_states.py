@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 import blobfeed
@@ -214,5 +215,56 @@ def refused_quietly(state: dict[str, Any]) -> None:
 
         wire(gc)
         gc.load_state_dict(FETCH_SRC, state)
+    finally:
+        assert gc.stop(timeout=WAIT)
+
+
+@pytest.mark.parametrize("epochs", [10, None])
+def test_a_shuffled_net_told_of_many_epoch_ends_resumes(monkeypatch: pytest.MonkeyPatch, epochs: int | None) -> None:
+    """A shuffled source's position stays at its start while its nets are
+    told of epoch ends: a state saved past MAX_UNTOLD_EPOCHS epochs was
+    refused (the bound on how far a net's told epochs lie past the
+    position), though such a net costs nothing to load.  Only epochs
+    before the position are bounded."""
+    monkeypatch.setattr(checkpoint, "MAX_UNTOLD_EPOCHS", 2)
+
+    def fetch_of() -> Any:
+        calls: dict[int, int] = {}
+
+        def f(worker_id: int, batch_size: int) -> list[Any]:
+            k = calls.setdefault(worker_id, 0)
+            if k == 2:
+                calls[worker_id] = 0
+                raise StopIteration
+            calls[worker_id] = k + 1
+            return [(worker_id * 1000 + 3 * k + np.arange(3)).astype(np.int64)]
+
+        return f
+
+    def wired(gc: blobfeed.GlobalCoordinator) -> blobfeed.Net:
+        net = blobfeed.Net(name="n0")
+        blobfeed.init_data_input_workers(net, ["ids"], fetch_of(), 4, num_worker_threads=2, input_source_name="s",
+                                         coordinator=gc, seed=11, deterministic=True, shuffle_buffer=8,
+                                         epochs=epochs, timeout=WAIT)
+        return net
+
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        net = wired(gc)
+        gc.start()
+        ends = 0
+        while ends < 4:
+            try:
+                net.run(timeout=WAIT)
+            except blobfeed.EndOfEpoch:
+                ends += 1
+        state = json.loads(json.dumps(gc.state_dict("s")))
+    finally:
+        assert gc.stop(timeout=WAIT)
+    assert state["position"]["epoch"] == 0 and state["nets"][0][2] == 4
+    gc = blobfeed.GlobalCoordinator()
+    try:
+        wired(gc)
+        gc.load_state_dict("s", state)
     finally:
         assert gc.stop(timeout=WAIT)

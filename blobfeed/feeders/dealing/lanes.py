@@ -565,11 +565,11 @@ class LaneDealer:
                     # a resumed state said this net had batches the data does
                     # not hold (a net's next batch is at most a round past the
                     # data's last: its own in the round that never came)
-                    exc = FetcherError(
+                    exc = error = FetcherError(
                         f"source {self.source!r}, net {box.index}: the resumed state says this net had "
                         f"returned the batches before {box.skip_until}, but the data ended after {self._batch} "
                         "batches: the data changed since the state was saved, or the state is damaged"
-                    )
+                    )  # the source's error (its health, the other nets), not only this net's
                 else:
                     exc = EndOfInput(f"source {self.source!r}: every worker finished")
             notes = self._notes
