@@ -116,9 +116,8 @@ class SourceTerms(NamedTuple):
     max_consumers: int | None = None
 
 
-#: the consumer label of the counts of first-come consumers that left
-#: (but the last KEEP_LEFT of them, which keep their own)
-LEFT = "left"
+#: first come: the consumers that left whose series a scrape still shows
+#: (the last ones to leave; older ones' are dropped)
 KEEP_LEFT = 64
 
 class _Counts:
@@ -138,20 +137,28 @@ class _Counts:
         self.lock = threading.Lock()
         #: labels of consumers that left, kept as they are, oldest first (see retire)
         self._gone: collections.deque[str] = collections.deque()
+        #: the acknowledgements of the consumers whose series were dropped
+        self._retired_acknowledged = 0
 
     def retire(self, label: str) -> None:
         """The consumer ``label`` left for good (first come: labels are
         connections, one per attach).  The last :data:`KEEP_LEFT` that left
-        keep their series; older ones' counts go into the label
-        :data:`LEFT`, so that the series do not grow with the attaches."""
+        keep their series; older ones' are dropped, so that the series do not
+        grow with the attaches.  (Summed into one series instead, each fold
+        would be a jump that ``rate()`` reads as batches; a series that
+        goes away is what Prometheus expects of a label that went away.)"""
         with self.lock:
             self._gone.append(label)
             while len(self._gone) > KEEP_LEFT:
                 old = self._gone.popleft()
-                for ints in (self.delivered, self.acknowledged, self.redealt):
-                    ints[LEFT] += ints.pop(old, 0)
-                for secs in (self.waited, self.run_waited):
-                    secs[LEFT] += secs.pop(old, 0.0)
+                self._retired_acknowledged += self.acknowledged.pop(old, 0)
+                for counts in (self.delivered, self.redealt, self.waited, self.run_waited):
+                    counts.pop(old, None)
+
+    def total_acknowledged(self) -> int:
+        """Batches acknowledged by every consumer, those whose series were dropped too."""
+        with self.lock:
+            return sum(self.acknowledged.values()) + self._retired_acknowledged
 
     def snapshot(self) -> list[list[tuple[str, float]]]:
         """Each count's (label, value) pairs, in the order of ``__init__``, copied at one moment."""

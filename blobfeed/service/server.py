@@ -540,7 +540,7 @@ class FeedServer:
         now = time.monotonic()
         if now - last_log >= self._log_interval:
             for name, s in self.sources.items():
-                total = sum(s.counts.acknowledged.values())
+                total = s.counts.total_acknowledged()
                 logger.info(
                     "service: source %r: %.1f batches/s over the last %.0f s, %d consumers attached",
                     name, (total - delivered[name]) / (now - last_log), now - last_log, s.connected,
