@@ -559,7 +559,7 @@ def test_a_state_whose_worker_made_more_calls_than_its_data_holds_fails_the_resu
     the counts."""
     state = saved(take=1)
     state["position"]["calls"][0] = 99  # the fetcher ends after 6
-    _resumed_run_fails(state, r"worker 0.*99 calls.*ended after 6")
+    _resumed_run_fails(state, r"worker 0: resuming the worker at the saved position failed.*99 calls.*ended after 6")
 
 
 def _resumed_run_fails(state: dict[str, Any], pattern: str, **kw: Any) -> None:

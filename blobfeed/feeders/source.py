@@ -16,6 +16,7 @@ from ..errors import BlobfeedWarning, ChunkError, EndOfInput, FetcherError
 from ..stats import FetchStats, MetricsHub
 from .chunks import Chunk, ChunkValidator, ModelInput, Pin, Stamped, guess_samples
 from .dealing import Dealer, DealingOptions, Reader, make_dealer
+from .replay import ReplayMismatch
 
 
 class FeedEnd(Protocol):
@@ -564,7 +565,8 @@ class WorkerIntake:
         self.stats.errors["exception"] += 1
         if self.halted:
             return False
-        what = "starting the worker failed" if fatal else "fetch_fun raised"
+        what = ("resuming the worker at the saved position failed" if isinstance(exc, ReplayMismatch)
+                else "starting the worker failed" if fatal else "fetch_fun raised")
         err = FetcherError(f"{self._where}: {what}: {exc!r}")
         err.__cause__ = exc
         if remote_tb is not None:

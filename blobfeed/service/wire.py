@@ -154,7 +154,9 @@ class Channel:
             return None
         try:
             if got_flags & socket.MSG_CTRUNC:
-                raise WireError(f"{self.peer} sent a record with too many descriptors (at most {MAX_FDS})")
+                # (the kernel says so too when this process is out of descriptors)
+                raise WireError(f"{self.peer} sent a record whose descriptors could not all be taken: more than "
+                                f"{MAX_FDS}, or this process is out of descriptors")
             if got_flags & _TRUNCATED or len(data) > MAX_RECORD:
                 raise WireError(f"{self.peer} sent a record over {MAX_RECORD} bytes")
             record = decode_record(data, self.peer)
