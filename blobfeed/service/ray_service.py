@@ -102,7 +102,7 @@ class _RayConsumer:
         self.cid = secrets.token_hex(8)
         self.label = str(number)
         #: where its leaving with batches unacknowledged is logged (the service's, throttled)
-        self.closures = server._closures
+        self.closures = server.closure_log
         self.peer = f"Ray consumer {number}"
         #: said bye, its lease expired, or the service closed it
         self.closed = threading.Event()

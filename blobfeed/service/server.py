@@ -173,7 +173,9 @@ class FeedServer:
         self._save_failed = False
         #: consumers refused, logged a few at a time
         self._refusals = RefusalLog()
-        self._closures = ClosureLog()
+        #: connections closed for breaking the protocol, consumers leaving
+        #: with batches: logged a few a window (its connections, socket or Ray, share it)
+        self.closure_log = ClosureLog()
         #: accept() failing (out of descriptors, say): logged a few times a window, retried
         self._accept_errors = LogThrottle(
             logger, 3, 10.0, "service: %d more failures to accept a connection (retried each time); the last: %s")
@@ -470,7 +472,7 @@ class FeedServer:
                     continue
             conn = Connection(
                 conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer,
-                refusals=self._refusals, closures=self._closures,
+                refusals=self._refusals, closures=self.closure_log,
             )
             conn.on_handshake_done = handshakes.release
             with self._lock:
@@ -529,7 +531,7 @@ class FeedServer:
         source's acknowledged batches at the last throughput line."""
         last_log = self._last_log
         self._refusals.flush_due()
-        self._closures.flush_due()
+        self.closure_log.flush_due()
         self._accept_errors.flush_due()
         for s in self.sources.values():
             s.check_grace()
@@ -805,7 +807,7 @@ class FeedServer:
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         self._refusals.flush()
-        self._closures.flush()
+        self.closure_log.flush()
         self._accept_errors.flush()
         logger.info("service: stopped (%s)", why)
         return clean

@@ -208,6 +208,7 @@ def test_on_ray_the_largest_total_stands_whatever_order_the_calls_run_in() -> No
 
     class _Server:
         sources: dict[str, object] = {}
+        closure_log = None
 
     conn = ray_service._RayConsumer(_Server(), 0)  # type: ignore[arg-type]
     counts = types.SimpleNamespace(acknowledged=collections.Counter(), run_waited=collections.Counter())
