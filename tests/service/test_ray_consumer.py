@@ -29,6 +29,7 @@ class _Source:
 
 class _Server:
     sources: dict[str, object] = {}
+    closure_log = None
 
     def _forget(self, conn: object) -> None:
         pass
