@@ -166,13 +166,13 @@ def _leads(check: Any, next_batches: Sequence[int], batches: int) -> list[int]:
     return leads
 
 
-def _told_near(check: Any, j: int, told: int, epoch: int, ahead_ok: bool = False) -> None:
-    """Net ``j`` was told of the end of epochs up to ``told``: within
-    MAX_UNTOLD_EPOCHS of the position's ``epoch`` (each epoch end between
-    them is a piece the net is handed on load; ``ahead_ok``: any number
-    past it)."""
-    if told + MAX_UNTOLD_EPOCHS < epoch or (told > epoch + MAX_UNTOLD_EPOCHS and not ahead_ok):
-        check.fail(["nets", j, 2], f"expected an epoch within {MAX_UNTOLD_EPOCHS} of the position's "
+def _told_near(check: Any, j: int, told: int, epoch: int) -> None:
+    """Net ``j`` was told of the end of epochs up to ``told``: at most
+    MAX_UNTOLD_EPOCHS before the position's ``epoch`` (each epoch end between
+    them is a piece the net is handed on load; one told of ends past the
+    position costs nothing)."""
+    if told + MAX_UNTOLD_EPOCHS < epoch:
+        check.fail(["nets", j, 2], f"expected an epoch within {MAX_UNTOLD_EPOCHS} before the position's "
                    f"epoch {epoch} (the epoch ends this net was told of), got {told}")
 
 
@@ -419,11 +419,9 @@ def check_state(name: str, state: Any, source: InputSource, seeds: Sequence[int]
                     check.fail(["nets", j, 2], f"expected at most {epoch} (net {j}'s next batch is the "
                                f"position's, in epoch {epoch}: it cannot have been told of a later epoch's "
                                f"end), got {told}")
-            # each epoch between told and the position is a piece the net is
-            # handed on load; past the position a net costs nothing to load,
-            # and several nets (or a shuffled source's, whose position stays
-            # at its start) may be told of many more ends than it passed
-            _told_near(check, j, told, epoch, ahead_ok=k > 1 or bool(source.dealing.shuffle_buffer))
+            # several nets (or a shuffled source's, whose position stays at
+            # its start) may be told of many more ends than the position passed
+            _told_near(check, j, told, epoch)
         next_batches.append(nxt)
     low = min(next_batches)
     _leads(check, next_batches, low)

@@ -346,11 +346,15 @@ class Connection:
         if self.tcp_peer is not None:
             return f"pid {said}, as it says"
         try:
-            pid = struct.unpack("3i", self.channel.sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+            pid = self._kernel_pid()
         except OSError:
             return f"pid {said}, as it says"
         return f"pid {pid}" if pid == said else f"pid {pid}; its hello said {said}"
+
+    def _kernel_pid(self) -> int:
+        """The consumer's process, as the kernel says (Unix socket: SO_PEERCRED)."""
+        return struct.unpack("3i", self.channel.sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
 
     def _welcome(self) -> None:
         """Welcome the consumer: its index, and the most slots it will be offered."""
@@ -660,8 +664,7 @@ class Connection:
         that process is gone (see :meth:`.SourceArena.park`)."""
         try:
             if not self._peer_pid:
-                pid = struct.unpack("3i", self.channel.sock.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+                pid = self._kernel_pid()
                 self._peer_pid, self._pidfd = pid, consumer_pidfd(pid)
             self.channel.send({"t": "arena", "id": region.id, "offset": region.offset, "slots": region.slots,
                                "slot_bytes": region.slot_bytes}, fds=[fd])

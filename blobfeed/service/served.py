@@ -71,6 +71,7 @@ ARENA_PER_NET = 2
 #: dealing waits for that batch (about 50 MiB of bookkeeping at the bound).
 MAX_AHEAD = 1 << 18
 
+
 def default_slots(slot_bytes: int | None) -> int:
     """Slots per consumer for batches of ``slot_bytes`` (None: not known yet)."""
     if not slot_bytes:
@@ -119,6 +120,7 @@ class SourceTerms(NamedTuple):
 #: first come: the consumers that left whose series a scrape still shows
 #: (the last ones to leave; older ones' are dropped)
 KEEP_LEFT = 64
+
 
 class _Counts:
     """Per consumer label: batches delivered / acknowledged / re-dealt,
@@ -577,8 +579,7 @@ class ServedSource:
         """``conn`` left; ``unacked``: what it had not acknowledged, in order."""
         # (a peer can leave holding batches as often as it attaches: the
         # connection's log of closes, throttled, tells it)
-        log = getattr(conn, "closures", None)
-        warn = logger.warning if log is None else log.event
+        warn = logger.warning if conn.closures is None else conn.closures.event
         with self._lock:
             self.connected -= 1
             if isinstance(outlet, SharedOutlet):

@@ -101,6 +101,7 @@ def serve_source(
 #: seconds between tries to accept after accept() failed (out of descriptors, say)
 ACCEPT_RETRY_S = 0.05
 
+
 class FeedServer:
     """Serves sources to consumers on a Unix socket, or over TCP if asked.
 
@@ -452,7 +453,7 @@ class FeedServer:
                 conn_sock, origin = sock.accept()
             except OSError as err:
                 handshakes.release()
-                if self._stop_requested() or self._stopping.is_set() or sock.fileno() < 0:
+                if self._stop_requested() or sock.fileno() < 0:
                     return  # closed by stop()
                 # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS,
                 # ENOMEM; peers holding connections can cause it), or a peer

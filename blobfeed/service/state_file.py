@@ -13,7 +13,10 @@ import os
 import stat
 from typing import Any
 
-__all__ = ["MAX_ACKED_AFTER", "MAX_STATE_FILE_BYTES", "MAX_STATE_VALUES", "STATE_VERSION", "field_name", "read_state", "savable"]
+__all__ = [
+    "MAX_ACKED_AFTER", "MAX_STATE_FILE_BYTES", "MAX_STATE_VALUES", "STATE_VERSION", "field_name", "read_state",
+    "savable",
+]
 
 logger = logging.getLogger("blobfeed.service")
 
