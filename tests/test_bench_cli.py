@@ -1063,7 +1063,12 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
                           for who in ("service", "consumer", "service + consumer")} | {
         ("S1/pipes", "consumer"), ("S2/pipes", "consumer")}, costs
     for (key, who), (ctx, cpu) in costs.items():
-        assert cpu > 0, (key, who, ctx, cpu)  # every batch costs CPU somewhere
+        # every batch costs CPU somewhere; CPU is read in clock ticks (10 ms
+        # a process), so a served consumer that spends a few tens of us a
+        # batch may read 0 in a tiny window (S1's direct consumers did, on a
+        # loaded machine): its row with the service's is never 0
+        cheap = who == "consumer" and not key.endswith("/pipes")
+        assert cpu >= 0 if cheap else cpu > 0, (key, who, ctx, cpu)
         # the service's threads wait for acks and for batches; a consumer
         # (served, or a pipeline of its own) may take a tiny window's batches
         # with under 0.05 switches a batch, printed 0.0 (its hot path waits on
