@@ -126,6 +126,15 @@ def test_the_serve_metrics_port_is_checked_as_a_port(capsys: pytest.CaptureFixtu
         assert said in capsys.readouterr().err
 
 
+def test_the_serve_help_says_what_the_flags_do_as_the_docs_do() -> None:
+    """--help left /readyz out of --metrics-port, and said the state is
+    saved on SIGTERM/SIGINT only (SIGHUP, and every source's end, stop and
+    save it too)."""
+    text = " ".join(serve._parser().format_help().split())
+    assert "/metrics, /healthz and /readyz" in text, text
+    assert "at every stop (SIGTERM, SIGINT, SIGHUP, or every source ended)" in text, text
+
+
 # --------------------------------------------------------------------------- a taken metrics port
 def _listener() -> tuple[socket.socket, int]:
     s = socket.socket()

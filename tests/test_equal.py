@@ -592,3 +592,20 @@ def test_equal_with_a_shuffle_buffer_and_drop_last_keeps_the_counts_equal() -> N
     # 14 samples an epoch: 3 whole batches and 2 samples; the partial one
     # dropped (drop_last), then the incomplete round (equal)
     assert counts == [[1, 1], [1, 1]] and sizes == [{4}, {4}], (counts, sizes)
+
+
+@pytest.mark.parametrize("kw, named", [({"equal": True}, "equal"), ({"epochs": 2}, "epochs")])
+def test_reset_data_input_refused_names_what_fixes_the_batch_size(kw: dict, named: str) -> None:
+    """reset_data_input on an equal source was refused as re-batched for
+    "deterministic, shuffle_buffer or epochs", which named none of the
+    user's arguments."""
+    gc = blobfeed.GlobalCoordinator()
+    net = blobfeed.Net(None, name="n0")
+    blobfeed.init_data_input_workers(net, ["x"], lambda w, b: [np.zeros(4, np.float32)], 4,
+                                     input_source_name="train", coordinator=gc, **kw)
+    try:
+        with pytest.raises(ValueError, match=rf"batch size is fixed") as err:
+            gc.reset_data_input("train", net, 8)
+        assert named in str(err.value), err.value
+    finally:
+        assert gc.stop(timeout=5.0)

@@ -43,11 +43,12 @@ def _parser() -> argparse.ArgumentParser:
                         "real address is printed at start. TCP has no authentication: a non-loopback HOST "
                         "lets anyone who can reach the port read the data (a warning is logged)")
     p.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
-                   help="serve /metrics and /healthz on 127.0.0.1:PORT (0: any free port)")
+                   help="serve /metrics, /healthz and /readyz on 127.0.0.1:PORT (0: any free port)")
     p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                    help="the address for --metrics-port (default loopback)")
     p.add_argument("--state-file", default=None, metavar="PATH",
-                   help="save the position here on SIGTERM/SIGINT and every --save-every seconds")
+                   help="save the position here at every stop (SIGTERM, SIGINT, SIGHUP, or every source ended) "
+                        "and every --save-every seconds")
     p.add_argument("--save-every", type=positive_float, default=60.0, metavar="S", help="seconds between saves (60)")
     p.add_argument("--resume", action="store_true", help="continue from --state-file")
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")

@@ -738,8 +738,8 @@ class GlobalCoordinator:
         source = found[0].source
         if source.dealer.batch_size is not None:
             raise ValueError(
-                f"source {name!r} is re-batched once for all its nets (deterministic, shuffle_buffer "
-                "or epochs): its batch size is fixed"
+                f"source {name!r} is re-batched once for all its nets (deterministic=True, shuffle_buffer, "
+                "epochs other than 1 or equal=True): its batch size is fixed"
             )
         for c in found:
             c.set_batch_size(batch_size)

@@ -661,6 +661,11 @@ class ServedSource:
         return self._resumable
 
     def state_dict(self) -> dict[str, Any]:
+        if not self._resumable:
+            raise ValueError(
+                f"source {self.name!r} is not deterministic: a served source has a position to save and "
+                "resume only with serve_source(..., deterministic=True)"
+            )
         if self.shared is None:
             inner = self.coordinator.state_dict(self.name)
             return {"service_version": 1, "source": self.name, "inner": inner}

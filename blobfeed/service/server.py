@@ -365,10 +365,10 @@ class FeedServer:
                 waited for its path's last service to let go.
             OSError: the socket or the metrics port cannot be bound.
         """
+        if self._stopped:
+            raise ValueError("the server was stopped: a FeedServer serves once, make another")
         if self._started:
             raise ValueError("the server started already")
-        if self._stopped:
-            raise ValueError("the server was stopped before it started: a FeedServer serves once, make another")
         if not self.sources:
             raise ValueError("no source to serve: call serve_source() first")
         if self._resume_state is not None:
@@ -391,7 +391,7 @@ class FeedServer:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``metrics_port``
         now, before anything is wired or started (``start()`` does it
         otherwise), so that a taken port fails before the workers start.
-        Until ``start()``, both probes answer 503 ``starting``.  Idempotent.
+        Until ``start()``, ``/healthz`` answers 200 and ``/readyz`` 503, both ``starting``.  Idempotent.
 
         Returns:
             The metrics URL, or None without a ``metrics_port``.
@@ -562,7 +562,8 @@ class FeedServer:
     def health(self) -> tuple[bool, str]:
         """``/healthz`` (liveness): (healthy, what the service is doing).
 
-        ``(True, "ok")`` while serving; ``(True, "done: ...")`` once every
+        ``(True, "ok")`` while serving; ``(True, "starting")`` before
+        :meth:`start` (alive, not ready); ``(True, "done: ...")`` once every
         source ended (a clean finish is not a failure: nothing to restart);
         False once stopping, or a source failed (a consumer index that did
         not come back, or a fetcher error), naming it and why.
@@ -570,7 +571,9 @@ class FeedServer:
         if self._stop_requested():
             return False, "stopping"
         if not self._started:
-            return False, "starting"
+            # alive, not ready: the wiring (the user's function) may take
+            # long, and a liveness probe that failed would restart it
+            return True, "starting"
         failed = [(n, s.failure) for n, s in self.sources.items() if s.failure is not None]
         if failed:
             return False, "; ".join(f"source {n!r} failed: {err}" for n, err in failed)

@@ -529,3 +529,46 @@ def test_a_failed_accept_is_retried_and_the_service_goes_on_taking_consumers(
         assert "accept" in caplog.text and "Too many open files" in caplog.text, caplog.text
     finally:
         assert server.stop()
+
+
+def test_a_server_that_is_starting_is_alive_but_not_ready() -> None:
+    """Before start() (blobfeed serve binds the metrics port, then runs the
+    user's wiring, which may take long), /healthz said 503 ``starting``: a
+    Kubernetes liveness probe restarted a service that was only slow to wire.
+    Alive, not ready."""
+    server = FeedServer(metrics_port=0)
+    try:
+        server.serve_metrics()
+        assert server.health() == (True, "starting")
+        assert server.ready() == (False, "starting")
+        base = server.metrics_url.rsplit("/", 1)[0]
+        assert get(f"{base}/healthz") == (200, "starting\n")
+        assert get(f"{base}/readyz") == (503, "starting\n")
+    finally:
+        assert server.stop()
+
+
+def test_start_after_a_stop_says_a_server_serves_once() -> None:
+    """start() after start() and stop() said "the server started already",
+    which reads as if it were still serving."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    server.start()
+    assert server.stop()
+    with pytest.raises(ValueError, match="stopped: a FeedServer serves once, make another"):
+        server.start()
+
+
+def test_the_state_of_a_source_served_without_deterministic_names_serve_source() -> None:
+    """The refusal told a service user to call init_data_input_workers(...,
+    deterministic=True), which is not how a served source is wired."""
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    with server.start():
+        with pytest.raises(ValueError, match=r"serve_source\(\.\.\., deterministic=True\)") as err:
+            server.state_dict("train")
+        assert "init_data_input_workers" not in str(err.value)
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address) as attachment:
+            with pytest.raises(ValueError, match=r"serve_source\(\.\.\., deterministic=True\)"):
+                attachment.state_dict()

@@ -1,0 +1,2 @@
+open('/tmp/review_docs/cli/imported.flag','w').write('x')
+def wire(): pass
