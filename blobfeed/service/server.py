@@ -366,7 +366,8 @@ class FeedServer:
             OSError: the socket or the metrics port cannot be bound.
         """
         if self._stopped:
-            raise ValueError("the server was stopped: a FeedServer serves once, make another")
+            when = "" if self._started else " before it started"
+            raise ValueError(f"the server was stopped{when}: a FeedServer serves once, make another")
         if self._started:
             raise ValueError("the server started already")
         if not self.sources:
