@@ -19,6 +19,8 @@ import blobfeed
 from blobfeed import DequeueTimeout, EndOfInput, Net
 from blobfeed.reader import Batch, BatchReader, EpochEnd, SourceInfo, init_reader
 
+from .helpers import sample
+
 WAIT = 10.0
 
 
@@ -444,3 +446,23 @@ def test_batches_a_reader_holds_unreturned_count_as_buffered(prefetch: bool) -> 
         a = accounts(gc, "held")
         assert balanced(a) and a["delivered"] == 8 and a["buffered"] == 4, a
         assert gc.stop(WAIT)
+
+
+def test_a_reader_without_prefetch_stopped_mid_batch_counts_what_its_re_batcher_held() -> None:
+    """Nothing pumps a reader without prefetch after a stop: the samples
+    its re-batcher held were counted nowhere (fetched != delivered +
+    dropped), and its buffers lived on with the feed (a served source's
+    arena stayed mapped after the service's stop)."""
+    gc = blobfeed.GlobalCoordinator()
+    reader = init_reader(["id", "x"], Counting(50, 3), 4, 1, "mid", coordinator=gc, prefetch=False, seed=1)
+    gc.start()
+    for _ in range(2):  # 8 samples of 3-sample chunks: one taken in part, its rest held
+        batch = reader.read(timeout=WAIT)
+        reader.returned(batch)
+    assert gc.stop(WAIT)
+    fetched = sample(gc, "blobfeed_fetched_samples_total", source="mid")
+    delivered = sample(gc, "blobfeed_delivered_samples_total", source="mid", net="reader")
+    dropped = sample(gc, "blobfeed_dropped_samples_total", source="mid", reason="stopped")
+    assert delivered == 8, delivered
+    assert fetched == delivered + dropped and fetched > 8, (fetched, delivered, dropped)
+    assert sample(gc, "blobfeed_buffered_samples", source="mid") == 0

@@ -566,6 +566,7 @@ class DataInputCoordinator(WorkerCoordinator):
 
 def _retire_feed(hub: MetricsHub, name: str, feed: Feed, source: InputSource) -> None:
     """Fold a feed's counts into its source's totals and let the source go."""
+    feed.let_go()  # (counted before the fold)
     hub.retire(name, [feed.stats], net=feed.net_name)
     feed.release_net()
     # A consumer may still call run() on the stopped net; what it records

@@ -250,6 +250,18 @@ class Feed:
         )
         self.source.checks_version += 1
 
+    def let_go(self) -> None:
+        """The source stopped for good: what the re-batcher still holds (and a
+        batch staged for the device queue) is counted as lost and let go.
+
+        An enqueuer thread does this itself when it sees the stop; a feed
+        without one (``prefetch=False``) is pumped by its reader's thread,
+        which may never call again after a stop, and would keep a big
+        batch's buffer (a served source's arena) for as long as the feed
+        lives.  Idempotent."""
+        with self._lock:
+            self._lose_all()
+
     def release_net(self) -> None:
         """Drop the references to the net once the enqueuer has ended, so a
         discarded Net (and its onnxruntime session) is freed at once rather

@@ -189,11 +189,15 @@ class SourceArena:
             REGIONS.remove(self.region)  # before its descriptor closes
         if fd >= 0:
             os.close(fd)
-        if self._mm is not None:
+        mm, self._mm = self._mm, None
+        if mm is not None:
             try:
-                self._mm.close()
+                mm.close()
             except BufferError:
-                pass  # batches still view it: unmapped when the last one dies
+                # Batches still view it.  Each view keeps the mmap object alive
+                # (their root's base), so without our reference it is unmapped,
+                # and its own descriptor closed, when the last one dies.
+                pass
 
 
 def consumer_pidfd(pid: int) -> int:

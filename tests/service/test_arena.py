@@ -412,3 +412,24 @@ def test_a_consumer_refuses_shared_memory_that_can_shrink() -> None:
         m.close()
     finally:
         os.close(fd)
+
+
+def test_a_stopped_server_kept_by_its_caller_lets_go_of_its_arena() -> None:
+    """stop() closed the arena's descriptor, but its mapping (and the
+    mapping's own descriptor) stayed while the server object lived, since
+    batches still viewed it at the stop: a notebook that kept each stopped
+    server grew by the arena's memory and a descriptor per run."""
+    kept = []
+    for _ in range(2):
+        server = big_served(epochs=None)
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address):
+            for _ in range(6):
+                take(net)
+        del net
+        assert server.stop()
+        kept.append(server)
+        del server
+        wait_for(lambda: not _mappings("blobfeed-train-batches")
+                 and not any("blobfeed-train-batches" in what for what in open_descriptors().values()),
+                 10, "the arena unmapped and its descriptors closed")
