@@ -117,6 +117,11 @@ class BatchReader:
         #: wait for a batch (none is ready), with :attr:`waiting` set already:
         #: a remote consumer's attachment frees the slots it kept back then
         self.before_wait: Callable[[], None] | None = None
+        #: called in the consumer's thread with each batch :meth:`dequeue`
+        #: hands out; returns the batch to hand out instead (a remote
+        #: consumer's attachment copies one out of shared memory when the
+        #: batches its user keeps would hold every slot)
+        self.hand_out: Callable[[Batch], Batch] | None = None
         #: the consumer's thread waits in :meth:`dequeue` for a batch now
         self.waiting = False
 
@@ -353,6 +358,13 @@ class BatchReader:
 
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the consumer's thread)."""
+        item = self._dequeue(timeout)
+        hook = self.hand_out
+        if hook is not None and type(item) is Batch:
+            return hook(item)
+        return item
+
+    def _dequeue(self, timeout: float | None) -> Batch:
         feed = self._feed
         if feed._forked_from is not None:
             raise BlobfeedError(

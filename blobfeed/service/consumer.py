@@ -18,12 +18,15 @@ import queue
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Sequence
+
+import numpy as np
 
 from ..arguments import check_index, check_timeout
 from ..errors import FetcherError, ServiceError
 from ..net import Net
-from ..reader import Inlet
+from ..reader import Batch, Inlet
 from .remote import Attached, open_inlet
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import RAY, carrier_for
@@ -132,6 +135,12 @@ class Attachment(Attached):
         )
         self.reader = self.inlet.reader
         self.reader.before_wait = self._before_wait
+        #: the slots' roots of the batches run() handed out as views (weak:
+        #: alive while the user, or the net, keeps any view of one)
+        self._handed: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
+        #: batches handed out as copies because the kept ones held the slots
+        self.copied = 0
+        self.reader.hand_out = self._hand_out
         self._threads = [
             threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
             threading.Thread(target=self._outbox, name=f"blobfeed-attach-out-{source_name}", daemon=True),
@@ -303,6 +312,7 @@ class Attachment(Attached):
                 arrays = mapping.views(record["slot"], n, record["arrays"], self._service)  # type: ignore[union-attr]
                 if not inlet.put(arrays, n, record["g"]):
                     return
+                del arrays  # (as batches: this frame waits for the next record)
             elif kind == "epoch_end":
                 if min(record["epoch"], record["dropped"], record["g"]) < 0:
                     raise WireError(f"{self._service} sent an 'epoch_end' record with a negative number: "
@@ -381,6 +391,43 @@ class Attachment(Attached):
             self._kept.append(ref)
         else:
             self._out.put(ref)
+
+    def _hand_out(self, batch: Batch) -> Batch:
+        """What ``run()`` hands out for ``batch`` (the net's thread): the
+        batch itself, a view of one of the service's slots; or, when the
+        batches handed out before whose views are still alive hold all the
+        slots but one, a copy of it, so its slot goes back to the service
+        at once.  A local source's worker slots are rationed the same way:
+        batches a user keeps never stall the stream."""
+        mapping = self._mapping
+        arrays = batch.arrays
+        root = arrays[0] if arrays else None
+        while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
+            root = root.base
+        if mapping is None or not isinstance(root, np.ndarray) or root.base is None:
+            return batch  # not a view of the service's memory (copied already, or on a device)
+        handed = self._handed
+        while handed and handed[0]() is None:
+            handed.popleft()  # (they die in order as a rule: O(1) a batch)
+        if len(handed) >= mapping.slots - 1:
+            handed = self._handed = collections.deque([ref for ref in handed if ref() is not None])
+        if len(handed) < mapping.slots - 1:
+            handed.append(weakref.ref(root))
+            return batch
+        live = handed
+        self.copied += 1
+        if self.copied == 1:
+            logger.info(
+                "%s: the user keeps %d batches run() returned, as many as leaves one of the %d slots free: "
+                "batches are copied out of the shared memory from now on while that lasts, so the "
+                "service's slots keep circulating", self._service, len(live), mapping.slots,
+            )
+        copies = []
+        for a in arrays:
+            c = np.array(a)
+            c.flags.writeable = False  # as the views were: read-only unless Net(writable=True)
+            copies.append(c)
+        return Batch(tuple(copies), batch.n)
 
     def _before_wait(self) -> None:
         """The net's ``run()`` is about to wait for a batch (its thread,

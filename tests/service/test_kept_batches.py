@@ -1,0 +1,74 @@
+"""A consumer that keeps the batches its run() returns: the service's slots
+keep circulating (batches past what the slots allow are copied out of the
+shared memory), as a local source's worker slots do.  Every wait bounded."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+
+import blobfeed
+from blobfeed.service import FeedServer
+
+from . import feeds
+
+SLOTS = 3
+
+
+def _bs(fetch: Any) -> int:
+    """BigFetch's batches of 32 are 2 MiB: assembled in the source's arena."""
+    return 32 if isinstance(fetch, feeds.BigFetch) else 8
+
+
+def _server(fetch: Any, listen: str | None, backend: str = "threads") -> FeedServer:
+    server = FeedServer(listen)
+    server.serve_source("train", ["id", "x"], fetch, _bs(fetch), 2, slots=SLOTS, epochs=None, backend=backend)
+    return server.start()
+
+
+@pytest.mark.parametrize("listen, fetch, backend", [
+    (None, feeds.Fetch(200), "threads"),            # the consumer's own slots
+    (None, feeds.BigFetch(200), "threads"),         # big batches: references into the source's arena
+    (None, feeds.BigFetch(200), "processes"),       # whole batches in the worker processes' slots
+    ("tcp://127.0.0.1:0", feeds.Fetch(200), "threads"),
+], ids=["unix", "unix-arena", "unix-worker-slots", "tcp"])
+def test_a_consumer_that_keeps_every_batch_goes_on_getting_batches(listen: str | None, fetch: Any, backend: str,
+                                                                    caplog: Any) -> None:
+    """It got SLOTS batches, then none: each kept batch held its slot, the
+    service had none left to send into, and run() raised DequeueTimeout
+    after its whole timeout (600 s by default) without saying why."""
+    caplog.set_level(logging.INFO, logger="blobfeed.service")
+    with _server(fetch, listen, backend) as server:
+        net = blobfeed.Net(None)
+        kept: list[dict[str, np.ndarray]] = []
+        with blobfeed.attach_source(net, ["id", "x"], _bs(fetch), "train", server.address, timeout=10):
+            for _ in range(6 * SLOTS):
+                kept.append(net.run(timeout=10))
+            if isinstance(fetch, feeds.BigFetch) and backend == "threads":  # the case is what it says
+                assert server.sources["train"].arena.region is not None
+        ids = [int(i) for out in kept for i in out["id"]]
+        assert len(ids) == len(set(ids)) == 6 * SLOTS * _bs(fetch), "a batch came twice, or changed under a kept view"
+        # what is kept still reads as it was sent, and stays read-only
+        for out in kept:
+            np.testing.assert_array_equal(out["x"][:, 0], out["id"].astype(np.float32))
+            assert not out["id"].flags.writeable and not out["x"].flags.writeable
+        assert any("copied out of the shared memory" in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+
+
+def test_a_consumer_that_keeps_only_the_last_batch_gets_views_without_copies(caplog: Any) -> None:
+    """``out = net.run()`` keeps one batch (the last) while run() waits for
+    the next: the batches stay views of the slots, none is copied."""
+    caplog.set_level(logging.INFO, logger="blobfeed.service")
+    with _server(feeds.BigFetch(200), None) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 32, "train", server.address, timeout=10):
+            out = None
+            for _ in range(6 * SLOTS):
+                out = net.run(timeout=10)
+                assert out["x"].base is not None  # a view, not a copy of its own
+            del out
+    assert not any("copied out of the shared memory" in r.getMessage() for r in caplog.records)
