@@ -542,6 +542,11 @@ class Connection:
         source, outlet, area, ledger = self.source, self.outlet, self.area, self.ledger
         assert source is not None and outlet is not None and ledger is not None
         pending: Item | End | None = None  # taken from the outlet, not sent yet
+        # The item taken for this consumer until its ledger records it: should
+        # anything fail in between (a descriptor that could not be had, the
+        # consumer gone while the record before it went out), it is handed
+        # back as unacknowledged (finally, below), never lost.
+        in_hand: Item | None = None
         counts = source.counts
         delivered = counts.delivered
         sender = self.carrier.sender(self.channel, ledger)
@@ -574,21 +579,19 @@ class Connection:
                     delivered[self.label] += sender.flush()
                     self._end(item)
                     return
+                in_hand = item
                 if type(item.batch) is EpochEnd:
                     delivered[self.label] += sender.flush()
                     g = ledger.number()
                     ledger.record(g, item)
+                    in_hand = None
                     ledger.sent(g)  # before: the acknowledgement may come before send() returns
                     self.channel.send(
                         {"t": "epoch_end", "g": g, "epoch": item.batch.epoch, "dropped": item.batch.dropped}
                     )
                     continue
                 if area is None:
-                    try:
-                        area = self._offer_slots(item.batch, sender)  # before its first batch, sized by it
-                    except BaseException:
-                        self._unsent(item)  # the consumer is gone: dealt again, not lost
-                        raise
+                    area = self._offer_slots(item.batch, sender)  # before its first batch, sized by it
                 slot = area.take_nowait()
                 if slot is None:
                     delivered[self.label] += sender.flush()  # what the consumer frees depends on what it has
@@ -605,8 +608,7 @@ class Connection:
                     finally:
                         self._starved = False
                     if slot is None:
-                        self._unsent(item)
-                        return
+                        return  # (stopping, or the consumer gone: in_hand goes back)
                 # held and unacknowledged from now, before it is written:
                 # a "free" of it that arrives during the write is early
                 # (kept until the acknowledgement), never a reuse
@@ -624,6 +626,7 @@ class Connection:
                 if located is None:
                     item, meta, text = sender.write(area, slot, item)
                     ledger.record(g, item, slot, meta)
+                    in_hand = None
                 else:
                     # the consumer reads it where it lies; its slot only
                     # stands for it (the flow control), and the batch's
@@ -636,6 +639,7 @@ class Connection:
                     # recorded first: should the consumer be gone, the
                     # batch is unacknowledged (dealt again), not lost
                     ledger.record(g, item, slot, meta)
+                    in_hand = None
                     if region_fd >= 0:
                         self._send_region(region, region_fd)
                 sent = sender.send_batch(g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes)
@@ -656,6 +660,9 @@ class Connection:
         except Exception:
             logger.exception("service: sender of %s failed", self.peer)
             self.close()
+        finally:
+            if in_hand is not None:
+                self._unsent(in_hand)  # taken for the consumer, never recorded: dealt again
 
     def _send_region(self, region: SharedRegion, fd: int) -> None:
         """Hand the consumer a shared region (before the first batch in it;

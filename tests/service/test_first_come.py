@@ -689,3 +689,45 @@ def test_max_consumers_is_checked_where_it_is_given() -> None:
     server.serve_source("c", ["id", "x"], feeds.Fetch(), BATCH, 1)
     assert server.sources["c"].terms.max_consumers == DEFAULT_MAX_CONSUMERS
     assert server.stop()
+
+
+@pytest.mark.parametrize("num_consumers", [None, 1], ids=["first-come", "by-index"])
+def test_a_batch_taken_for_a_consumer_whose_send_failed_is_dealt_again(
+    monkeypatch: pytest.MonkeyPatch, num_consumers: int | None
+) -> None:
+    """A failure between taking a batch for a consumer and recording it in
+    its ledger (a descriptor that could not be had, a consumer gone while
+    the record of the batches before it went out) lost the batch: never
+    acknowledged nor handed back, first come waited for it at the data's
+    end for ever, and by index it was simply missing."""
+    from blobfeed.reader import REGIONS
+
+    real, failed = REGIONS.locate, threading.Event()
+
+    def locate_once_failing(arrays: Any) -> Any:
+        if not failed.is_set():
+            failed.set()
+            raise OSError(24, "Too many open files (the test's)")
+        return real(arrays)
+
+    monkeypatch.setattr(REGIONS, "locate", locate_once_failing)
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), BATCH, 2, deterministic=True,
+                        num_consumers=num_consumers, grace_period=30)
+    with server.start():
+        index = {} if num_consumers is None else {"consumer_index": 0, "num_consumers": 1}
+        first = blobfeed.Net(None, name="first")
+        with pytest.raises((blobfeed.ServiceError, blobfeed.DequeueTimeout)):
+            with blobfeed.attach_source(first, ["id", "x"], BATCH, "train", server.address, timeout=5, **index):
+                assert failed.wait(10)
+                while True:  # the service closed this connection when its sender failed
+                    first.run(timeout=5)
+        net = blobfeed.Net(None, name="second")
+        ids: list[int] = []
+        with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address, timeout=10, **index):
+            while True:
+                try:
+                    ids.extend(net.run(timeout=10)["id"].tolist())
+                except blobfeed.EndOfInput:
+                    break
+    assert sorted(ids) == feeds.all_ids(2)
