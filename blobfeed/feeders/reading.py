@@ -358,10 +358,18 @@ class BatchReader:
 
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the consumer's thread)."""
-        item = self._dequeue(timeout)
+        held = self.take_held()  # (run() of a net without a model looks here only)
+        item = held if held is not None else self._dequeue(timeout)
         hook = self.hand_out
         if hook is not None and type(item) is Batch:
-            return hook(item)
+            try:
+                return hook(item)
+            except BaseException:
+                # (a MemoryError, a Ctrl-C during a copy): handed out first
+                # next time, never lost (it is queued in the dealer's count)
+                self.lent += item.n  # (hold() gives back what was lent)
+                self.hold(item)
+                raise
         return item
 
     def _dequeue(self, timeout: float | None) -> Batch:

@@ -72,3 +72,45 @@ def test_a_consumer_that_keeps_only_the_last_batch_gets_views_without_copies(cap
                 assert out["x"].base is not None  # a view, not a copy of its own
             del out
     assert not any("copied out of the shared memory" in r.getMessage() for r in caplog.records)
+
+
+def test_a_copy_that_fails_loses_no_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run() failing while it copied a batch out (a MemoryError, a Ctrl-C
+    during a big copy) lost that batch: off the queue, never handed out,
+    yet counted as queued, so every acknowledgement after it was one batch
+    off and the service ran out of slots.  Now the next run() hands it out."""
+    from blobfeed.service import consumer as consumer_module
+
+    calls = []
+
+    class FailingOnce:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(np, name)
+
+        def array(self, a: Any, *args: Any, **kw: Any) -> np.ndarray:
+            calls.append(1)
+            if len(calls) == 1:
+                raise MemoryError("the test's")
+            return np.array(a, *args, **kw)
+
+    monkeypatch.setattr(consumer_module, "np", FailingOnce())
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=SLOTS)
+    ids: list[int] = []
+    kept: list[dict[str, np.ndarray]] = []
+    with server.start():
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=10):
+            failed = 0
+            while True:
+                try:
+                    out = net.run(timeout=10)
+                except MemoryError:
+                    failed += 1
+                    continue
+                except blobfeed.EndOfInput:
+                    break
+                ids.extend(out["id"].tolist())
+                kept.append(out)
+    assert failed == 1 and calls, (failed, len(calls))
+    assert sorted(ids) == feeds.all_ids(2)
