@@ -106,15 +106,39 @@ class RefusalLog(LogThrottle):
         self.event("service: %s refused: %s", peer, why)
 
 
-class ClosureLog(LogThrottle):
+class ClosureLog:
     """A service's log of the connections it closed after their handshake
-    (a consumer that broke the protocol) and of the batches consumers left
-    unacknowledged: as :class:`RefusalLog`, since a peer that says a good
-    hello and then garbage can make as many as it likes."""
+    (a consumer that broke the protocol) and of the consumers that left
+    holding batches: as :class:`RefusalLog`, since a peer that says a good
+    hello and then garbage, or leaves at once holding batches, can make as
+    many as it likes.  Each kind has a budget of its own, so that a flood of
+    one (every killed consumer leaves holding batches) never hides the
+    other."""
 
     def __init__(self) -> None:
-        super().__init__(
+        share = f"(the most logged one by one: {REFUSALS_LOGGED} per {REFUSAL_WINDOW_S:.0f} s); the last: %s"
+        self._closed = LogThrottle(
             logger, REFUSALS_LOGGED, REFUSAL_WINDOW_S,
-            f"service: %d more connections closed for breaking the protocol, or left holding batches (the most "
-            f"logged one by one: {REFUSALS_LOGGED} per {REFUSAL_WINDOW_S:.0f} s); the last: %s",
+            f"service: %d more connections closed for breaking the protocol {share}",
         )
+        self._left = LogThrottle(
+            logger, REFUSALS_LOGGED, REFUSAL_WINDOW_S, f"service: %d more consumers left holding batches {share}",
+        )
+
+    def event(self, msg: str, *args: Any) -> None:
+        """A connection closed for breaking the protocol: ``msg % args``."""
+        self._closed.event(msg, *args)
+
+    def departure(self, msg: str, *args: Any) -> None:
+        """A consumer left holding batches: ``msg % args``."""
+        self._left.event(msg, *args)
+
+    def flush_due(self) -> None:
+        """Tell what each kind held back once its window is over."""
+        self._closed.flush_due()
+        self._left.flush_due()
+
+    def flush(self) -> None:
+        """Tell what is held back now (the service stops)."""
+        self._closed.flush()
+        self._left.flush()

@@ -579,7 +579,7 @@ class ServedSource:
         """``conn`` left; ``unacked``: what it had not acknowledged, in order."""
         # (a peer can leave holding batches as often as it attaches: the
         # connection's log of closes, throttled, tells it)
-        warn = logger.warning if conn.closures is None else conn.closures.event
+        warn = logger.warning if conn.closures is None else conn.closures.departure
         with self._lock:
             self.connected -= 1
             if isinstance(outlet, SharedOutlet):
