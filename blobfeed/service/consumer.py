@@ -411,6 +411,8 @@ class Attachment(Attached):
             handed.popleft()  # (they die in order as a rule: O(1) a batch)
         if len(handed) >= mapping.slots - 1:
             handed = self._handed = collections.deque([ref for ref in handed if ref() is not None])
+            if any(ref() is root for ref in handed):
+                return batch  # handed out before (given back, and out again): counted once
         if len(handed) < mapping.slots - 1:
             handed.append(weakref.ref(root))
             return batch

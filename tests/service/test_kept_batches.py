@@ -114,3 +114,20 @@ def test_a_copy_that_fails_loses_no_batch(monkeypatch: pytest.MonkeyPatch) -> No
                 kept.append(out)
     assert failed == 1 and calls, (failed, len(calls))
     assert sorted(ids) == feeds.all_ids(2)
+
+
+def test_a_batch_handed_out_again_is_not_counted_twice() -> None:
+    """A batch given back (a net fed by several sources holds the one it
+    took when another source times out) goes through the hand-out again:
+    it was counted as a second kept batch, and with the slots nearly all
+    kept it was copied for nothing."""
+    with _server(feeds.Fetch(200), None) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=10) as attachment:
+            first = net.run(timeout=10)  # kept: one of the SLOTS
+            reader = attachment.reader
+            again = reader.dequeue(10.0)  # a second one, as run() takes it
+            assert attachment.copied == 0
+            back = reader.hand_out(again)  # handed out again, as a held batch is
+            assert back is again and attachment.copied == 0
+            del first, again, back
