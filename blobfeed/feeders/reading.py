@@ -258,11 +258,39 @@ class BatchReader:
         src.hub.count_dropped(src.name, feed._lost_reason, batch.n)
 
     def take_held(self) -> Batch | None:
+        """The batch given back with :meth:`hold`, handed out (through
+        :attr:`hand_out`) and no longer held; None when there is none."""
         if self._held is None:
             return None  # (set only by the consumer's own thread: hold(), so no race with it here)
         with self._feed._lock:
             held, self._held = self._held, None
-            return held
+        return None if held is None else self._handing(held)
+
+    def _handing(self, item: Batch) -> Batch:
+        """``item`` as the consumer gets it: through :attr:`hand_out`, if
+        set.  Should that fail (a MemoryError, a Ctrl-C during a copy), the
+        batch is given back, to be handed out first next time: never lost
+        (the dealer counts it as queued)."""
+        hook = self.hand_out
+        if hook is None or type(item) is not Batch:
+            return item
+        try:
+            return hook(item)
+        except BaseException:
+            self._give_back(item)
+            raise
+
+    def _give_back(self, batch: Batch) -> None:
+        """A batch taken and not handed out: next in line again (counted as
+        dropped once the source stopped).  One call: what it sets, lent
+        included, is set together."""
+        feed = self._feed
+        with feed._lock:
+            if not feed._aborted:
+                self._held = batch
+                return
+        src = self.source
+        src.hub.count_dropped(src.name, feed._lost_reason, batch.n)
 
     def delivered(self, batch: Batch | EpochEnd) -> None:
         """Count ``batch`` as handed to the user (the consumer's thread).
@@ -359,18 +387,9 @@ class BatchReader:
     def dequeue(self, timeout: float | None) -> Batch:
         """Take the next batch for ``Net.run`` (called in the consumer's thread)."""
         held = self.take_held()  # (run() of a net without a model looks here only)
-        item = held if held is not None else self._dequeue(timeout)
-        hook = self.hand_out
-        if hook is not None and type(item) is Batch:
-            try:
-                return hook(item)
-            except BaseException:
-                # (a MemoryError, a Ctrl-C during a copy): handed out first
-                # next time, never lost (it is queued in the dealer's count)
-                self.lent += item.n  # (hold() gives back what was lent)
-                self.hold(item)
-                raise
-        return item
+        if held is not None:
+            return held
+        return self._handing(self._dequeue(timeout))
 
     def _dequeue(self, timeout: float | None) -> Batch:
         feed = self._feed

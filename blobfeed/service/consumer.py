@@ -409,6 +409,8 @@ class Attachment(Attached):
         handed = self._handed
         while handed and handed[0]() is None:
             handed.popleft()  # (they die in order as a rule: O(1) a batch)
+        if handed and handed[-1]() is root:
+            return batch  # handed out just before and given back (a net's other source failed): counted once
         if len(handed) >= mapping.slots - 1:
             handed = self._handed = collections.deque([ref for ref in handed if ref() is not None])
             if any(ref() is root for ref in handed):

@@ -131,3 +131,54 @@ def test_a_batch_handed_out_again_is_not_counted_twice() -> None:
             back = reader.hand_out(again)  # handed out again, as a held batch is
             assert back is again and attachment.copied == 0
             del first, again, back
+
+
+def test_a_batch_whose_copy_failed_in_a_net_of_two_sources_is_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A net fed by two served sources takes a held batch itself: the batch
+    whose copy failed went out as an unchecked view on the next run(), and
+    with every other slot kept the stream stalled."""
+    from blobfeed.service import consumer as consumer_module
+
+    calls = []
+
+    class FailingOnce:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(np, name)
+
+        def array(self, a: Any, *args: Any, **kw: Any) -> np.ndarray:
+            calls.append(1)
+            if len(calls) == 1:
+                raise MemoryError("the test's")
+            return np.array(a, *args, **kw)
+
+    monkeypatch.setattr(consumer_module, "np", FailingOnce())
+    server = FeedServer()
+    server.serve_source("a", ["id", "x"], feeds.Fetch(200), 8, 2, slots=SLOTS, epochs=None)
+    server.serve_source("b", ["id2", "x2"], feeds.Fetch(200), 8, 2, slots=SLOTS, epochs=None)
+    kept, failed = [], 0
+    with server.start():
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "a", server.address, timeout=10), \
+                blobfeed.attach_source(net, ["id2", "x2"], 8, "b", server.address, timeout=10):
+            while len(kept) < 4 * SLOTS:
+                try:
+                    kept.append(net.run(timeout=10))
+                except MemoryError:
+                    failed += 1
+    assert failed == 1
+    ids = [int(i) for out in kept for i in out["id"]]
+    assert len(ids) == len(set(ids)) == 4 * SLOTS * 8
+
+
+def test_a_batch_handed_out_again_with_slots_to_spare_is_counted_once() -> None:
+    """Below the bound a batch handed out again was counted a second time,
+    so the next batch was copied although a slot was free for it."""
+    with _server(feeds.Fetch(200), None) as server:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=10) as attachment:
+            reader = attachment.reader
+            kept = reader.dequeue(10.0)  # one kept: one slot of SLOTS
+            assert reader.hand_out(kept) is kept  # handed out again, as a held batch is
+            following = reader.dequeue(10.0)
+            assert attachment.copied == 0 and following.arrays[1].base is not None
+            del kept, following
