@@ -189,3 +189,46 @@ def test_state_dict_still_answers_after_a_requested_stop(
     gc.request_stop()
     assert wait_retired(retired, "d")
     assert gc.state_dict("d") == before
+
+
+class _LateGroup:
+    """Workers a resize (the autotuner's set_num_workers) started and
+    appended to the source's groups just after stop() had joined them."""
+
+    def __init__(self) -> None:
+        self.running = True
+
+    def alive(self) -> list[str]:
+        return ["blobfeed-worker-train-late"] if self.running else []
+
+    def request_stop(self) -> None:
+        pass
+
+    def join(self, deadline: float | None) -> list[str]:
+        self.running = False
+        return []
+
+
+def test_workers_a_resize_started_while_stop_joined_are_joined_too() -> None:
+    """A resize that had passed its checks before the stop appended its
+    workers after the stop's join: the stop found them alive, returned
+    False and logged "started while stopping; stop() again" (a CI run of
+    the autotune test hit it), although they end as soon as they are
+    joined."""
+    gc = blobfeed.GlobalCoordinator()
+    net = Net(None, name="n")
+    init_data_input_workers(net, ["x"], lambda w, b: [np.zeros(4, np.float32)], 4, coordinator=gc)
+    gc.start()
+    net.run(timeout=WAIT)
+    (c,) = [c for c in gc._coordinators if c.name == "train"]
+    real_join, late = c._join, _LateGroup()
+
+    def join_then_a_late_group(deadline: float | None) -> list[str]:
+        names = real_join(deadline)
+        if late.running and late not in c._more_groups:
+            c._more_groups.append(late)
+        return names
+
+    c._join = join_then_a_late_group  # type: ignore[method-assign]
+    assert gc.stop(timeout=WAIT)
+    assert not late.running

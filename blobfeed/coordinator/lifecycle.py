@@ -618,6 +618,14 @@ class GlobalCoordinator:
         stuck_coordinators = []
         for c in victims:
             names = c._join(deadline)
+            # A resize (set_num_workers, the autotuner's) that passed its
+            # checks before the stop may add workers after that join; they
+            # stop at once (they see the stop), so join them too.  Each pass
+            # joins what was added before it, and none is added once halted.
+            for _ in range(3):
+                if names or not c._alive():
+                    break
+                names = c._join(deadline)
             stuck += names
             if names:
                 stuck_coordinators.append(c)
