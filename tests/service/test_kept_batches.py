@@ -29,6 +29,28 @@ def _server(fetch: Any, listen: str | None, backend: str = "threads") -> FeedSer
     return server.start()
 
 
+def fail_the_first_copy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The attachment's first copy of a batch raises MemoryError (as a
+    Ctrl-C or a full memory during a big copy would); the list counts the
+    copies tried."""
+    from blobfeed.service import consumer as consumer_module
+
+    calls: list[int] = []
+
+    class FailingOnce:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(np, name)
+
+        def array(self, a: Any, *args: Any, **kw: Any) -> np.ndarray:
+            calls.append(1)
+            if len(calls) == 1:
+                raise MemoryError("the test's")
+            return np.array(a, *args, **kw)
+
+    monkeypatch.setattr(consumer_module, "np", FailingOnce())
+    return calls
+
+
 @pytest.mark.parametrize("listen, fetch, backend", [
     (None, feeds.Fetch(200), "threads"),            # the consumer's own slots
     (None, feeds.BigFetch(200), "threads"),         # big batches: references into the source's arena
@@ -79,21 +101,7 @@ def test_a_copy_that_fails_loses_no_batch(monkeypatch: pytest.MonkeyPatch) -> No
     during a big copy) lost that batch: off the queue, never handed out,
     yet counted as queued, so every acknowledgement after it was one batch
     off and the service ran out of slots.  Now the next run() hands it out."""
-    from blobfeed.service import consumer as consumer_module
-
-    calls = []
-
-    class FailingOnce:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(np, name)
-
-        def array(self, a: Any, *args: Any, **kw: Any) -> np.ndarray:
-            calls.append(1)
-            if len(calls) == 1:
-                raise MemoryError("the test's")
-            return np.array(a, *args, **kw)
-
-    monkeypatch.setattr(consumer_module, "np", FailingOnce())
+    calls = fail_the_first_copy(monkeypatch)
     server = FeedServer()
     server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, slots=SLOTS)
     ids: list[int] = []
@@ -137,21 +145,7 @@ def test_a_batch_whose_copy_failed_in_a_net_of_two_sources_is_checked_again(monk
     """A net fed by two served sources takes a held batch itself: the batch
     whose copy failed went out as an unchecked view on the next run(), and
     with every other slot kept the stream stalled."""
-    from blobfeed.service import consumer as consumer_module
-
-    calls = []
-
-    class FailingOnce:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(np, name)
-
-        def array(self, a: Any, *args: Any, **kw: Any) -> np.ndarray:
-            calls.append(1)
-            if len(calls) == 1:
-                raise MemoryError("the test's")
-            return np.array(a, *args, **kw)
-
-    monkeypatch.setattr(consumer_module, "np", FailingOnce())
+    fail_the_first_copy(monkeypatch)
     server = FeedServer()
     server.serve_source("a", ["id", "x"], feeds.Fetch(200), 8, 2, slots=SLOTS, epochs=None)
     server.serve_source("b", ["id2", "x2"], feeds.Fetch(200), 8, 2, slots=SLOTS, epochs=None)
