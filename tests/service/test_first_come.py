@@ -722,6 +722,8 @@ def test_a_batch_taken_for_a_consumer_whose_send_failed_is_dealt_again(
                 assert failed.wait(10)
                 while True:  # the service closed this connection when its sender failed
                     first.run(timeout=5)
+        # by index, the index is free once the service has seen the first consumer leave
+        wait_for(lambda: server.sources["train"].connected == 0, 10, "the first consumer's end seen")
         net = blobfeed.Net(None, name="second")
         ids: list[int] = []
         with blobfeed.attach_source(net, ["id", "x"], BATCH, "train", server.address, timeout=10, **index):
