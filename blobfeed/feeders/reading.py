@@ -247,15 +247,10 @@ class BatchReader:
         failed, or a stop cancelled its model): the next read hands it out
         first.  After the source stopped it is counted as dropped instead: a
         stopped source hands nothing out."""
-        feed = self._feed
-        with feed._lock:
+        with self._feed._lock:
             self._in_model = None
             self.lent = max(0, self.lent - batch.n)
-            if not feed._aborted:
-                self._held = batch
-                return
-        src = self.source
-        src.hub.count_dropped(src.name, feed._lost_reason, batch.n)
+        self._give_back(batch)
 
     def take_held(self) -> Batch | None:
         """The batch given back with :meth:`hold`, handed out (through

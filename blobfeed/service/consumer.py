@@ -418,13 +418,12 @@ class Attachment(Attached):
         if len(handed) < mapping.slots - 1:
             handed.append(weakref.ref(root))
             return batch
-        live = handed
         self.copied += 1
         if self.copied == 1:
             logger.info(
                 "%s: the user keeps %d batches run() returned, as many as leaves one of the %d slots free: "
                 "batches are copied out of the shared memory from now on while that lasts, so the "
-                "service's slots keep circulating", self._service, len(live), mapping.slots,
+                "service's slots keep circulating", self._service, len(handed), mapping.slots,
             )
         copies = []
         for a in arrays:
