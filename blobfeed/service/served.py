@@ -585,10 +585,12 @@ class ServedSource:
             if isinstance(outlet, SharedOutlet):
                 outlet.left(conn, unacked)
                 self.counts.retire(conn.label)
-                if unacked:
+                # (an epoch's end it was told and had not read is no batch: nothing is dealt again)
+                held = sum(1 for i in unacked if i.s >= 0)
+                if held:
                     warn(
                         "source %r: consumer %s left with %d batches unacknowledged: dealt to the others",
-                        self.name, conn.label, sum(1 for i in unacked if i.s >= 0),
+                        self.name, conn.label, held,
                     )
             else:
                 outlet.left(unacked)

@@ -733,3 +733,50 @@ def test_a_batch_taken_for_a_consumer_whose_send_failed_is_dealt_again(
                 except blobfeed.EndOfInput:
                     break
     assert sorted(ids) == feeds.all_ids(2)
+
+
+
+class _SecondEpochWaits(feeds.Fetch):
+    """One worker's epochs; the second waits for ``go``.  (Kept on the
+    class: the service pickles a stateful fetcher, which an Event is not.)"""
+
+    go = threading.Event()
+    ended = 0
+
+    def __call__(self, worker_id: int, batch_size: int) -> list[Any]:
+        if type(self).ended:
+            type(self).go.wait(30)
+        try:
+            return super().__call__(worker_id, batch_size)
+        except StopIteration:
+            type(self).ended += 1
+            raise
+
+
+def test_a_consumer_that_leaves_holding_only_an_epoch_s_end_is_not_said_to_hold_batches(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The epoch's end a consumer was told and did not read yet is an item
+    it leaves unacknowledged, not a batch: no "left with 0 batches" warning
+    (it would alarm, and spend the departures' budget of log lines)."""
+    _SecondEpochWaits.go, _SecondEpochWaits.ended = threading.Event(), 0
+    fetch = _SecondEpochWaits()
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], fetch, BATCH, 1, epochs=2)
+    server.start()
+    net, att = attach(server)
+    try:
+        with caplog.at_level("INFO", logger="blobfeed.service"):
+            for _ in range(n_batches(len(feeds.all_ids(1)))):
+                net.run(timeout=30)
+            # every batch of the epoch returned: its end comes next, unread
+            wait_for(lambda: att.inlet.unreturned() >= 1, 30, "the epoch's end at the consumer")
+            assert att.inlet.unreturned() == 1  # (the next epoch waits for go)
+            att.stop()
+            wait_for(lambda: server.sources["train"].connected == 0, 30, "the service to see it leave")
+    finally:
+        fetch.go.set()
+        att.stop()
+        server.stop()
+    assert "left (1 unacknowledged)" in caplog.text, caplog.text  # its departure was logged (at INFO)
+    assert "batches unacknowledged" not in caplog.text, caplog.text
