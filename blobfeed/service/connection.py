@@ -55,6 +55,11 @@ HANDSHAKE_S = 5.0
 #: socket): how late an acknowledgement may be counted while the sender has
 #: free slots for that consumer (it never waits for slots meanwhile)
 ACK_NAP_S = 0.002
+#: seconds a consumer's connection may stay open, saying nothing, after it
+#: closed its acknowledgement stream: blobfeed's consumer closes the stream
+#: after its connection (a stop) or with it (its process's end), so one that
+#: keeps the connection could never acknowledge its batches again
+ACKS_GONE_S = 1.0
 #: acknowledgements of nothing (no item, no slot freed) a consumer may send in a row
 MAX_IDLE_ACKS = 64
 
@@ -216,8 +221,19 @@ class Connection:
         poller.register(channel.sock, select.POLLIN)
         poller.register(acks.fileno(), select.POLLIN)
         main = channel.sock.fileno()
+        gone_at = None  # when the stream was found closed
         while True:
-            ready = poller.poll()
+            if acks.open:
+                ready = poller.poll()
+            else:
+                if gone_at is None:
+                    gone_at = time.monotonic()
+                left = gone_at + ACKS_GONE_S - time.monotonic()
+                ready = poller.poll(max(0, int(left * 1000))) if left > 0 else []
+                if not ready:
+                    # it holds its batches and can never acknowledge them: they go to the others
+                    raise WireError(f"{self.peer} closed its acknowledgement stream but kept its connection "
+                                    f"open ({ACKS_GONE_S:.3g} s): it could acknowledge nothing more")
             self._take_acks(acks, poller)
             # the socket only when it has something (a system call, and the
             # interpreter lock handed over, saved per burst)

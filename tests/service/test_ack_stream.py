@@ -90,12 +90,14 @@ def test_a_hello_whose_descriptor_is_not_one_stream_socket_is_refused_naming_it(
     wait_until(lambda: not fds_opened_since(before), "every descriptor closed", 10)
 
 
-def _attached(server: FeedServer, count: int) -> tuple[socket.socket, socket.socket, list[list[Any]]]:
-    """A hand-made consumer of index 0 with an acknowledgement stream, and
-    the first ``count`` batch entries it was sent."""
+def _attached(
+    server: FeedServer, count: int, index: int | None = 0,
+) -> tuple[socket.socket, socket.socket, list[list[Any]]]:
+    """A hand-made consumer of ``index`` (None: first come) with an
+    acknowledgement stream, and the first ``count`` batch entries it was sent."""
     acks, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with theirs:
-        s = _hello(server.address, [theirs.fileno()])
+        s = _hello(server.address, [theirs.fileno()], index)
     records = _records(s)
     held: list[list[Any]] = []
     while len(held) < count:
@@ -324,3 +326,27 @@ def test_a_run_that_races_the_consumer_s_stop_hands_out_no_batch_it_cannot_ackno
             att.stop()
     finally:
         server.stop()
+
+
+def test_a_consumer_that_closes_only_its_acknowledgement_stream_is_disconnected_after_what_it_acknowledged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """blobfeed's consumer closes its stream after its connection, or with
+    it: one that keeps the connection open could never acknowledge the
+    batches it holds, which would stall the others at the data's end."""
+    caplog.set_level(logging.WARNING, logger="blobfeed.service")
+    server = _serve(slots=16)  # first come: what it held goes to the others
+    try:
+        s, acks, held = _attached(server, 4, index=None)
+        source = server.sources["train"]
+        acks.sendall(_ack(held[0][0], [held[0][1]]))
+        acks.close()
+        wait_until(lambda: source.connected == 0, "the consumer disconnected", 10)
+        assert sum(source.counts.acknowledged.values()) == 1
+        s.close()
+    finally:
+        server.stop()
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("closed its acknowledgement stream but kept its connection open" in m and "connection closed" in m
+               for m in warned), warned
+    assert any("batches unacknowledged: dealt to the others" in m for m in warned), warned  # what it held
