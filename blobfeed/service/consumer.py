@@ -38,6 +38,9 @@ logger = logging.getLogger("blobfeed.service")
 #: the number of the reply that answers any state request (the service went away)
 _ANY_REQUEST = 1 << 62
 
+#: seconds stop() waits for the service to close the connection after the bye
+BYE_WAIT_S = 1.0
+
 #: the environment variable :func:`attach_source` reads the address from
 ADDRESS_ENV = "BLOBFEED_SERVICE"
 
@@ -130,23 +133,35 @@ class Attachment(Attached):
         self._check = BatchCheck(batch_size, len(names))
         self.consumer = welcome["consumer"]
         self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
-        self.inlet = open_inlet(
-            net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, coordinator
-        )
-        self.reader = self.inlet.reader
-        self.reader.before_wait = self._before_wait
         #: the slots' roots of the batches run() handed out as views (weak:
         #: alive while the user, or the net, keeps any view of one)
         self._handed: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
         #: batches handed out as copies because the kept ones held the slots
         self.copied = 0
-        self.reader.hand_out = self._hand_out
-        self._threads = [
-            threading.Thread(target=self._receive, name=f"blobfeed-attach-recv-{source_name}", daemon=True),
-            threading.Thread(target=self._outbox, name=f"blobfeed-attach-out-{source_name}", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        #: stop() told the outbox thread to end (see stop)
+        self._outbox_told = False
+        # Past the welcome the service counts this consumer as attached: an
+        # exception from here on (a Ctrl-C at any bytecode) must detach it,
+        # or the connection stays open, its index taken, for the process's life.
+        try:
+            self.inlet = open_inlet(
+                net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, coordinator
+            )
+        except BaseException:
+            self._close_sockets()
+            raise
+        try:
+            self.reader = self.inlet.reader
+            self.reader.before_wait = self._before_wait
+            self.reader.hand_out = self._hand_out
+            for target, role in ((self._receive, "recv"), (self._outbox, "out")):
+                t = threading.Thread(target=target, name=f"blobfeed-attach-{role}-{source_name}", daemon=True)
+                self._threads.append(t)  # before it starts: one interrupted in start() is joined too
+                t.start()
+        except BaseException:
+            self.stop(1.0)
+            raise
         logger.info("attached to %s", self._service)
 
     def _send(self, record: dict[str, Any]) -> None:
@@ -547,31 +562,55 @@ class Attachment(Attached):
             raise ValueError(reply["error"])
         return reply["state"]
 
-    def stop(self, timeout: float = 10.0) -> bool:
-        """Detach: the service takes back what was not acknowledged.  Idempotent.
-        Returns True when this attachment's threads ended."""
-        if self._closed:
-            return True
-        self._closed = True  # first: the service's answer to bye is to close
-        try:
-            self._send_waited({"t": "bye"})
-        except OSError:
-            pass
-        self.inlet.stop()
-        self._close_sockets()
-        self._out.put(None)
+    def _await_close(self, timeout: float) -> None:
+        """After the bye: what the service still sends, dropped, until it
+        closes the connection (its answer to the bye), within ``timeout``.
+        Once it closed, it lets go of this consumer before it admits the
+        next consumer of its index: stop() then attach_source() of the same
+        index is not refused as attached already."""
+        receiver = self._threads[0] if self._threads else None
         deadline = time.monotonic() + timeout
+        if receiver is not None and receiver.ident is not None:
+            receiver.join(timeout)  # it reads to the close itself, unless the stopped inlet ended it first
+        sock = self._channel.sock
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                if not sock.recv(1 << 16):  # (descriptors a record carried are not taken: the kernel drops them)
+                    return
+        except OSError:  # (the timeout too)
+            pass
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Detach: the service takes back what was not acknowledged.
+        Idempotent: a stop that was interrupted (a Ctrl-C) is finished by
+        the next call.  Returns True when this attachment's threads ended."""
+        deadline = time.monotonic() + timeout
+        if not self._closed:
+            self._closed = True  # first: the service's answer to bye is to close
+            try:
+                self._send_waited({"t": "bye"})
+            except OSError:
+                pass
+        # each step below may run again (an interrupted stop's next call)
+        self.inlet.stop()
+        self._await_close(min(BYE_WAIT_S, max(0.0, deadline - time.monotonic())))
+        self._close_sockets()
+        if not self._outbox_told:
+            self._out.put(None)
+            self._outbox_told = True
         for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            if t.ident is not None:  # (one interrupted before it started is not)
+                t.join(max(0.0, deadline - time.monotonic()))
         # The coordinator retires the inlet and keeps the source's
         # counts (they outlive it), not the source: with it, its error and
         # its reader's last batch would keep the slots mapped for the life
         # of the process; nor may the inlet keep this attachment and its
         # mapping (the batches still in use keep the mapping themselves)
         ended = self.inlet.close(max(0.0, deadline - time.monotonic()))
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            mapping.close()
         return ended and not any(t.is_alive() for t in self._threads)
 
 

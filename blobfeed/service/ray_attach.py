@@ -222,16 +222,27 @@ class RayAttachment(Attached):
         #: set when the attachment stops (ends the heartbeat)
         self._wake = threading.Event()
         self._ack_call = self._actor.ack.options(concurrency_group="ack")
-        self.inlet = open_inlet(
-            net, names, batch_size, source_name, self._slots, timeout, self._ack, coordinator
-        )
-        self.reader = self.inlet.reader
-        self._threads = [
-            threading.Thread(target=self._receive, name=f"blobfeed-attach-ray-recv-{source_name}", daemon=True),
-            threading.Thread(target=self._heartbeat, name=f"blobfeed-attach-ray-ack-{source_name}", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        # Past the welcome the service counts this consumer as attached: an
+        # exception from here on (a Ctrl-C at any bytecode) detaches it at
+        # once, not when its lease runs out.
+        try:
+            self.inlet = open_inlet(
+                net, names, batch_size, source_name, self._slots, timeout, self._ack, coordinator
+            )
+        except BaseException:
+            self._closed = True
+            self._bye(1.0, 0.0)
+            raise
+        try:
+            self.reader = self.inlet.reader
+            for target, role in ((self._receive, "recv"), (self._heartbeat, "ack")):
+                t = threading.Thread(target=target, name=f"blobfeed-attach-ray-{role}-{source_name}", daemon=True)
+                self._threads.append(t)  # before it starts: one interrupted in start() is joined too
+                t.start()
+        except BaseException:
+            self.stop(1.0)
+            raise
         logger.info("attached to %s", self._service)
 
     # -- calls on the service actor ----------------------------------------------------
@@ -389,24 +400,30 @@ class RayAttachment(Attached):
             raise ServiceError(f"{self._service} sent a state that is not a dict")
         return reply["state"]
 
-    def stop(self, timeout: float = 10.0) -> bool:
-        """Detach: the service takes back what was not acknowledged.  Idempotent.
-        Returns True when this attachment's threads ended."""
-        if self._closed:
-            return True
-        upto = self._acked
-        self._closed = True
-        self._wake.set()
-        deadline = time.monotonic() + timeout
-        ray = _ray()
+    def _bye(self, timeout: float, waited: float) -> None:
+        """Tell the service this consumer leaves (what it acknowledged so far
+        counts; its run() waited ``waited`` s in all), waiting up to
+        ``timeout`` for it to take that in: the index is free for the next
+        consumer once this returns."""
         try:
-            # waited for (bounded): the index is free for the next consumer once stop() returns
-            ref = self._actor.bye.options(concurrency_group="control").remote(self._cid, upto, self._waited())
-            ray.wait([ref], timeout=min(timeout, 5.0))
+            ref = self._actor.bye.options(concurrency_group="control").remote(self._cid, self._acked, waited)
+            _ray().wait([ref], timeout=timeout)
         except Exception as err:  # the service is gone: nothing to take back
             logger.debug("%s: bye: %r", self._service, err)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Detach: the service takes back what was not acknowledged.
+        Idempotent: a stop that was interrupted (a Ctrl-C) is finished by
+        the next call.  Returns True when this attachment's threads ended."""
+        deadline = time.monotonic() + timeout
+        if not self._closed:
+            self._closed = True
+            self._wake.set()
+            self._bye(min(timeout, 5.0), self._waited())
+        # each step below may run again (an interrupted stop's next call)
         self.inlet.stop()
         for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            if t.ident is not None:  # (one interrupted before it started is not)
+                t.join(max(0.0, deadline - time.monotonic()))
         ended = self.inlet.close(max(0.0, deadline - time.monotonic()))
         return ended and not any(t.is_alive() for t in self._threads)

@@ -76,8 +76,8 @@ def open_inlet(
     )
     try:
         net.add_reader(inlet.reader)
-    except BaseException:
+        inlet.start()
+    except BaseException:  # (a Ctrl-C too: the coordinator would keep the inlet, and the caller with it)
         inlet.close(1.0)
         raise
-    inlet.start()
     return inlet

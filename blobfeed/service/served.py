@@ -54,6 +54,9 @@ SLOTS_MAX = 64
 SLOTS_UNKNOWN = 4
 #: consumers a first-come source's arena is sized for (their number is not known)
 ARENA_CONSUMERS = 4
+#: seconds an attach of an index waits for the consumer leaving it to be
+#: let go of (its connection's sender ends within this: see Connection._leave)
+LEAVING_S = 10.0
 #: first come, a consumer holds at most its share of its slots unacknowledged:
 #: the slots divided among ARENA_CONSUMERS consumers (more if more are
 #: attached), but never fewer than this (what a few slots hold anyway)
@@ -509,6 +512,8 @@ class ServedSource:
         self.error: BaseException | None = None
         self.stopped = False
         self._lock = threading.Lock()
+        #: notified when a consumer is released (see claim)
+        self._released = threading.Condition(self._lock)
         self.feeds = feeds
         #: the batch layout, known from the first batch (sizes the slots)
         self.slot_bytes: int | None = None
@@ -564,6 +569,14 @@ class ServedSource:
                 outlet = free[0]
             else:
                 outlet = self.outlets[index]
+                # A consumer that is leaving (its connection closed: after
+                # its bye, its attachment's stop() returned) frees its index
+                # once the service took back what it held: a process that
+                # detached and attaches the index again waits for that, it
+                # is not refused.  One still attached is refused at once.
+                holder = outlet.holder
+                if holder is not None and holder.closed.is_set():
+                    self._released.wait_for(lambda: outlet.holder is not holder, LEAVING_S)
                 if outlet.holder is not None:
                     raise ValueError(
                         f"source {self.name!r}: consumer index {index} is attached already "
@@ -582,6 +595,7 @@ class ServedSource:
         warn = logger.warning if conn.closures is None else conn.closures.departure
         with self._lock:
             self.connected -= 1
+            self._released.notify_all()
             if isinstance(outlet, SharedOutlet):
                 outlet.left(conn, unacked)
                 self.counts.retire(conn.label)

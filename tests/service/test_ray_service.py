@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Any
@@ -35,6 +36,7 @@ else:
 
 import blobfeed
 from blobfeed.ray import RayBackend, RayService, serve_on_ray
+from blobfeed.reader import Inlet
 
 from . import feeds
 from .test_service import local_streams
@@ -313,3 +315,43 @@ def test_bad_attach_arguments_are_a_value_error_and_an_unknown_name_a_service_er
                 blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", service.address, consumer_index=0)
     with pytest.raises(blobfeed.ServiceError, match="no Ray actor named 'nothing-here'"):
         blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", "ray://nothing-here")
+
+
+def test_an_interrupted_attach_frees_its_index_at_once_and_an_interrupted_stop_is_finished_by_the_next(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C inside attach_source() after the welcome: the service had
+    counted the consumer, whose index stayed taken until its lease ran out
+    (a retry at once was refused).  Inside stop(): the next stop() finishes."""
+    args: dict[str, Any] = dict(consumer_index=0, num_consumers=1, timeout=WAIT, connect_timeout=10)
+    # a long lease: the index must be free because the consumer said bye, not because its lease ran out
+    with serve_on_ray(
+        "interrupted", functools.partial(wire, 2, deterministic=True, num_consumers=1),
+        actor_options={"num_cpus": CPU, "resources": NODE["a"]}, lease=60.0, start_timeout=WAIT,
+    ) as service:
+        start = Inlet.start
+
+        def started(self: Inlet) -> None:
+            start(self)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Inlet, "start", started)
+        with pytest.raises(KeyboardInterrupt):
+            blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", service.address, **args)
+        monkeypatch.undo()
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, **args)  # not refused
+        net.run(timeout=WAIT)
+        last = att._threads[-1]
+        join = last.join
+
+        def joined(timeout: float | None = None) -> None:
+            join(timeout)
+            monkeypatch.setattr(last, "join", join)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(last, "join", joined)
+        with pytest.raises(KeyboardInterrupt):
+            att.stop()
+        assert att.stop()
+        assert not [t for t in threading.enumerate() if t.name.startswith("blobfeed-attach-ray")]

@@ -1,0 +1,147 @@
+"""A Ctrl-C (``KeyboardInterrupt``) that lands inside ``attach_source()``
+or ``Attachment.stop()``: nothing may stay behind, and the index is free
+for the next attach.
+
+The interrupt is raised at a chosen step (a patched call raises it), the
+same exception a real SIGINT raises in the main thread at that bytecode.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import pytest
+
+import blobfeed
+from blobfeed.reader import Inlet
+from blobfeed.service import FeedServer
+from blobfeed.service import consumer as consumer_module
+from tests.helpers import fds_opened_since, open_fds, wait_until
+
+from . import feeds
+
+
+@pytest.fixture
+def server() -> Iterator[FeedServer]:
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None, deterministic=True,
+                        num_consumers=1, grace_period=60)
+    server.start()
+    try:
+        yield server
+    finally:
+        assert server.stop()
+
+
+def _attach(server: FeedServer) -> tuple[blobfeed.Net, Any]:
+    net = blobfeed.Net(None)
+    return net, blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0,
+                                       num_consumers=1, timeout=10)
+
+
+def _attach_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("blobfeed-attach-")]
+
+
+def _warm(server: FeedServer) -> None:
+    """One whole attach and detach first: what a first attach opens for
+    good (the metrics hub, imports) is not taken for a leak."""
+    net, att = _attach(server)
+    net.run(timeout=10)
+    assert att.stop()
+
+
+def _nothing_left(server: FeedServer, before: dict[str, str]) -> None:
+    """The service saw the consumer leave, no thread of the attachment
+    runs, no descriptor it opened is open, and index 0 attaches again."""
+    wait_until(lambda: server.sources["train"].connected == 0, "the service to see the consumer leave", 10)
+    wait_until(lambda: not _attach_threads(), "the attachment's threads to end", 10)
+    wait_until(lambda: not fds_opened_since(before), f"the descriptors to close: {fds_opened_since(before)}", 10)
+    net, att = _attach(server)
+    assert net.run(timeout=10)["id"].size
+    assert att.stop()
+
+
+@pytest.mark.parametrize("where", ["bye", "sockets closed", "threads joined", "inlet closed"])
+def test_a_stop_interrupted_is_finished_by_the_next_stop(
+    server: FeedServer, monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    _warm(server)
+    before = open_fds()
+    net, att = _attach(server)
+    net.run(timeout=10)
+    if where == "bye":
+        send = att._send_waited
+
+        def send_waited(record: dict[str, Any]) -> None:
+            if record["t"] == "bye":
+                raise KeyboardInterrupt
+            send(record)
+
+        monkeypatch.setattr(att, "_send_waited", send_waited)
+    elif where == "sockets closed":
+        close = att._close_sockets
+
+        def close_sockets() -> None:
+            close()
+            monkeypatch.setattr(att, "_close_sockets", close)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(att, "_close_sockets", close_sockets)
+    elif where == "threads joined":
+        outbox = att._threads[-1]
+        join = outbox.join
+
+        def joined(timeout: float | None = None) -> None:
+            join(timeout)
+            monkeypatch.setattr(outbox, "join", join)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(outbox, "join", joined)
+    else:
+        close_inlet = att.inlet.close
+
+        def inlet_close(timeout: float = 10.0) -> bool:
+            monkeypatch.setattr(att.inlet, "close", close_inlet)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(att.inlet, "close", inlet_close)
+    with pytest.raises(KeyboardInterrupt):
+        att.stop()
+    assert att.stop()  # the user's cleanup: it finishes the detach
+    del net
+    _nothing_left(server, before)
+
+
+@pytest.mark.parametrize("where", ["the inlet starting", "the receiver started"])
+def test_an_attach_interrupted_after_the_welcome_leaves_nothing(
+    server: FeedServer, monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    """``attach_source`` raised, so its caller has no attachment to stop:
+    what it had made is undone before the interrupt goes on."""
+    _warm(server)
+    before = open_fds()
+    if where == "the inlet starting":
+        start = Inlet.start
+
+        def started(self: Inlet) -> None:
+            start(self)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Inlet, "start", started)
+    else:
+        class Thread(threading.Thread):
+            def start(self) -> None:
+                super().start()
+                if self.name.startswith("blobfeed-attach-recv"):
+                    raise KeyboardInterrupt
+
+        monkeypatch.setattr(consumer_module.threading, "Thread", Thread)
+    net = blobfeed.Net(None)
+    with pytest.raises(KeyboardInterrupt):
+        blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0, num_consumers=1,
+                               timeout=10)
+    monkeypatch.undo()
+    del net
+    _nothing_left(server, before)
