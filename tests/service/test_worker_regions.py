@@ -166,8 +166,11 @@ def test_a_slow_first_come_consumer_does_not_hold_the_others_batches_in_worker_m
                         w = int(out["id"][0]) // 100_000
                         in_place += any(lo <= addr < hi for lo, hi, _ in _worker_maps(w, "r-"))
                     del out
-            # (a few may be copied when slots run short for a moment: not most)
-            assert in_place >= 30, f"{in_place} of 40 batches read in the worker's memory"
+            # (some may be copied when slots run short for a moment, more on
+            # a loaded machine: 30 of 40 was missed once with three other
+            # test runs at once; before the fix every one past the lending
+            # bound was copied: none of these 40)
+            assert in_place >= 20, f"{in_place} of 40 batches read in the worker's memory"
         finally:
             s.close()
             for fd in fds:
