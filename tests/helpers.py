@@ -171,3 +171,17 @@ def local_ray_cluster(nodes: Sequence[dict[str, Any]], **init: Any) -> Iterator[
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old_path
+
+
+def interrupt_after(monkeypatch: Any, owner: Any, name: str) -> None:
+    """``owner.name`` raises ``KeyboardInterrupt`` (what a Ctrl-C raises in
+    the main thread) right after its first call did its work; later calls
+    are the original's."""
+    original = getattr(owner, name)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, original)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupted)

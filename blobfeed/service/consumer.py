@@ -138,7 +138,7 @@ class Attachment(Attached):
         self._handed: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
         #: batches handed out as copies because the kept ones held the slots
         self.copied = 0
-        self._threads: list[threading.Thread] = []
+        self._threads = []
         #: stop() told the outbox thread to end (see stop)
         self._outbox_told = False
         # Past the welcome the service counts this consumer as attached: an
@@ -151,17 +151,11 @@ class Attachment(Attached):
         except BaseException:
             self._close_sockets()
             raise
-        try:
-            self.reader = self.inlet.reader
-            self.reader.before_wait = self._before_wait
-            self.reader.hand_out = self._hand_out
-            for target, role in ((self._receive, "recv"), (self._outbox, "out")):
-                t = threading.Thread(target=target, name=f"blobfeed-attach-{role}-{source_name}", daemon=True)
-                self._threads.append(t)  # before it starts: one interrupted in start() is joined too
-                t.start()
-        except BaseException:
-            self.stop(1.0)
-            raise
+        self._open(
+            [(self._receive, f"blobfeed-attach-recv-{source_name}"),
+             (self._outbox, f"blobfeed-attach-out-{source_name}")],
+            before_wait=self._before_wait, hand_out=self._hand_out,
+        )
         logger.info("attached to %s", self._service)
 
     def _send(self, record: dict[str, Any]) -> None:

@@ -222,7 +222,7 @@ class RayAttachment(Attached):
         #: set when the attachment stops (ends the heartbeat)
         self._wake = threading.Event()
         self._ack_call = self._actor.ack.options(concurrency_group="ack")
-        self._threads: list[threading.Thread] = []
+        self._threads = []
         # Past the welcome the service counts this consumer as attached: an
         # exception from here on (a Ctrl-C at any bytecode) detaches it at
         # once, not when its lease runs out.
@@ -234,15 +234,8 @@ class RayAttachment(Attached):
             self._closed = True
             self._bye(1.0, 0.0)
             raise
-        try:
-            self.reader = self.inlet.reader
-            for target, role in ((self._receive, "recv"), (self._heartbeat, "ack")):
-                t = threading.Thread(target=target, name=f"blobfeed-attach-ray-{role}-{source_name}", daemon=True)
-                self._threads.append(t)  # before it starts: one interrupted in start() is joined too
-                t.start()
-        except BaseException:
-            self.stop(1.0)
-            raise
+        self._open([(self._receive, f"blobfeed-attach-ray-recv-{source_name}"),
+                    (self._heartbeat, f"blobfeed-attach-ray-ack-{source_name}")])
         logger.info("attached to %s", self._service)
 
     # -- calls on the service actor ----------------------------------------------------

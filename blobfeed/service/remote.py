@@ -11,7 +11,8 @@ straight on the queue ``run()`` reads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from ..coordinator import global_coordinator
 from ..reader import BatchReader, Inlet
@@ -35,6 +36,8 @@ class Attached:
     #: set by the transport once its inlet is open (see open_inlet)
     inlet: Inlet
     reader: BatchReader
+    #: the transport's threads, once started (see _open)
+    _threads: list[threading.Thread]
 
     def __init__(self, net: "Net", names: list[str], source_name: str, address: str) -> None:
         net.check_reader(source_name, names)
@@ -48,6 +51,24 @@ class Attached:
         with every acknowledgement and the ``bye``: it shows per consumer
         which one is starved.  Never decreases (a sum of waits)."""
         return self.reader.waited()
+
+    def _open(self, threads: Sequence[tuple[Callable[[], None], str]], **hooks: Any) -> None:
+        """(The transport's constructor, once its inlet is open and the
+        service counts this consumer.)  The net's reader, with ``hooks``
+        set on it, and the transport's threads ``(target, name)``, started.
+        Anything raised here (a Ctrl-C at any bytecode) stops what was
+        attached before it goes on: the caller has no attachment to stop."""
+        try:
+            self.reader = self.inlet.reader
+            for name, hook in hooks.items():
+                setattr(self.reader, name, hook)
+            for target, thread_name in threads:
+                t = threading.Thread(target=target, name=thread_name, daemon=True)
+                self._threads.append(t)  # before it starts: one interrupted in start() is joined too
+                t.start()
+        except BaseException:
+            self.stop(1.0)
+            raise
 
     def stop(self, timeout: float = 10.0) -> bool:
         raise NotImplementedError

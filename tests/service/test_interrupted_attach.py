@@ -16,8 +16,7 @@ import pytest
 import blobfeed
 from blobfeed.reader import Inlet
 from blobfeed.service import FeedServer
-from blobfeed.service import consumer as consumer_module
-from tests.helpers import fds_opened_since, open_fds, wait_until
+from tests.helpers import fds_opened_since, interrupt_after, open_fds, wait_until
 
 from . import feeds
 
@@ -76,37 +75,16 @@ def test_a_stop_interrupted_is_finished_by_the_next_stop(
 
         def send_waited(record: dict[str, Any]) -> None:
             if record["t"] == "bye":
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt  # before it is sent
             send(record)
 
         monkeypatch.setattr(att, "_send_waited", send_waited)
     elif where == "sockets closed":
-        close = att._close_sockets
-
-        def close_sockets() -> None:
-            close()
-            monkeypatch.setattr(att, "_close_sockets", close)
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(att, "_close_sockets", close_sockets)
+        interrupt_after(monkeypatch, att, "_close_sockets")
     elif where == "threads joined":
-        outbox = att._threads[-1]
-        join = outbox.join
-
-        def joined(timeout: float | None = None) -> None:
-            join(timeout)
-            monkeypatch.setattr(outbox, "join", join)
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(outbox, "join", joined)
+        interrupt_after(monkeypatch, att._threads[-1], "join")
     else:
-        close_inlet = att.inlet.close
-
-        def inlet_close(timeout: float = 10.0) -> bool:
-            monkeypatch.setattr(att.inlet, "close", close_inlet)
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(att.inlet, "close", inlet_close)
+        interrupt_after(monkeypatch, att.inlet, "close")
     with pytest.raises(KeyboardInterrupt):
         att.stop()
     assert att.stop()  # the user's cleanup: it finishes the detach
@@ -123,13 +101,7 @@ def test_an_attach_interrupted_after_the_welcome_leaves_nothing(
     _warm(server)
     before = open_fds()
     if where == "the inlet starting":
-        start = Inlet.start
-
-        def started(self: Inlet) -> None:
-            start(self)
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(Inlet, "start", started)
+        interrupt_after(monkeypatch, Inlet, "start")
     else:
         class Thread(threading.Thread):
             def start(self) -> None:
@@ -137,7 +109,7 @@ def test_an_attach_interrupted_after_the_welcome_leaves_nothing(
                 if self.name.startswith("blobfeed-attach-recv"):
                     raise KeyboardInterrupt
 
-        monkeypatch.setattr(consumer_module.threading, "Thread", Thread)
+        monkeypatch.setattr(threading, "Thread", Thread)
     net = blobfeed.Net(None)
     with pytest.raises(KeyboardInterrupt):
         blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0, num_consumers=1,

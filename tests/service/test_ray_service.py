@@ -38,6 +38,8 @@ import blobfeed
 from blobfeed.ray import RayBackend, RayService, serve_on_ray
 from blobfeed.reader import Inlet
 
+from tests.helpers import interrupt_after
+
 from . import feeds
 from .test_service import local_streams
 
@@ -329,28 +331,14 @@ def test_an_interrupted_attach_frees_its_index_at_once_and_an_interrupted_stop_i
         "interrupted", functools.partial(wire, 2, deterministic=True, num_consumers=1),
         actor_options={"num_cpus": CPU, "resources": NODE["a"]}, lease=60.0, start_timeout=WAIT,
     ) as service:
-        start = Inlet.start
-
-        def started(self: Inlet) -> None:
-            start(self)
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(Inlet, "start", started)
+        interrupt_after(monkeypatch, Inlet, "start")
         with pytest.raises(KeyboardInterrupt):
             blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", service.address, **args)
         monkeypatch.undo()
         net = blobfeed.Net(None)
         att = blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, **args)  # not refused
         net.run(timeout=WAIT)
-        last = att._threads[-1]
-        join = last.join
-
-        def joined(timeout: float | None = None) -> None:
-            join(timeout)
-            monkeypatch.setattr(last, "join", join)
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(last, "join", joined)
+        interrupt_after(monkeypatch, att._threads[-1], "join")
         with pytest.raises(KeyboardInterrupt):
             att.stop()
         assert att.stop()
