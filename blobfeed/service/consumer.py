@@ -127,24 +127,24 @@ class Attachment(Attached):
         except BaseException:
             self._close_sockets()
             raise
-        #: the slots, once the service offered them (a "slots" record, before the first batch)
-        self._mapping: ConsumerMapping | StreamBuffers | None = None
-        self._most_slots = welcome["slots"]
-        self._check = BatchCheck(batch_size, len(names))
-        self.consumer = welcome["consumer"]
-        self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
-        #: the slots' roots of the batches run() handed out as views (weak:
-        #: alive while the user, or the net, keeps any view of one)
-        self._handed: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
-        #: batches handed out as copies because the kept ones held the slots
-        self.copied = 0
-        self._threads = []
-        #: stop() told the outbox thread to end (see stop)
-        self._outbox_told = False
         # Past the welcome the service counts this consumer as attached: an
         # exception from here on (a Ctrl-C at any bytecode) must detach it,
         # or the connection stays open, its index taken, for the process's life.
         try:
+            #: the slots, once the service offered them (a "slots" record, before the first batch)
+            self._mapping: ConsumerMapping | StreamBuffers | None = None
+            self._most_slots = welcome["slots"]
+            self._check = BatchCheck(batch_size, len(names))
+            self.consumer = welcome["consumer"]
+            self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
+            #: the slots' roots of the batches run() handed out as views (weak:
+            #: alive while the user, or the net, keeps any view of one)
+            self._handed: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
+            #: batches handed out as copies because the kept ones held the slots
+            self.copied = 0
+            self._threads = []
+            #: stop() told the outbox thread to end (see stop)
+            self._outbox_told = False
             self.inlet = open_inlet(
                 net, names, batch_size, source_name, welcome["slots"], timeout, self._ack, coordinator
             )

@@ -201,13 +201,38 @@ class RayAttachment(Attached):
             "t": "hello", "protocol": PROTOCOL, "source": source_name, "blobs": names, "batch_size": batch_size,
             "index": index, "num": num, "pid": os.getpid(),
         }
+        self._connect_timeout = connect_timeout
         self._deadline = time.monotonic() + connect_timeout
+        ref = None
         try:
-            welcome = self._call(self._actor.hello.options(concurrency_group="control").remote(hello))
-        except ServiceError as err:
-            raise ServiceError(f"cannot attach to source {source_name!r}: {err}") from err.__cause__
+            ref = self._actor.hello.options(concurrency_group="control").remote(hello)
+            welcome = self._call(ref)
+        except BaseException as err:  # a Ctrl-C while it waited for the answer (where an attach spends its time),
+            if ref is not None:       # or none within connect_timeout: one that comes late is told bye
+                self._bye_for(ref)
+            if isinstance(err, ServiceError):
+                raise ServiceError(f"cannot attach to source {source_name!r}: {err}") from err.__cause__
+            raise
         finally:
             self._deadline = None
+        # Past the welcome the service counts this consumer as attached: an
+        # exception from here on (a Ctrl-C at any bytecode) detaches it at
+        # once, not when its lease runs out.
+        try:
+            self._attached(welcome, names, batch_size, source_name, address, timeout, net, coordinator)
+        except BaseException:
+            self._bye_for(ref)
+            raise
+        self._open([(self._receive, f"blobfeed-attach-ray-recv-{source_name}"),
+                    (self._heartbeat, f"blobfeed-attach-ray-ack-{source_name}")])
+        logger.info("attached to %s", self._service)
+
+    def _attached(
+        self, welcome: Any, names: list[str], batch_size: int, source_name: str, address: str, timeout: float,
+        net: Net, coordinator: Any,
+    ) -> None:
+        """(The constructor, once the service answered.)  The welcome
+        checked, and the net's inlet open."""
         welcome = self._check_welcome(welcome)
         self._cid: str = welcome["cid"]
         self._slots: int = welcome["slots"]
@@ -223,20 +248,21 @@ class RayAttachment(Attached):
         self._wake = threading.Event()
         self._ack_call = self._actor.ack.options(concurrency_group="ack")
         self._threads = []
-        # Past the welcome the service counts this consumer as attached: an
-        # exception from here on (a Ctrl-C at any bytecode) detaches it at
-        # once, not when its lease runs out.
+        self.inlet = open_inlet(net, names, batch_size, source_name, self._slots, timeout, self._ack, coordinator)
+
+    def _bye_for(self, ref: Any) -> None:
+        """``attach_source()`` failed once it had asked the service to attach
+        this consumer (``ref``: the answer): the service may count it, its
+        index taken until its lease ran out.  The answer, read within 1 s,
+        names it: it is told bye."""
+        self._closed = True
         try:
-            self.inlet = open_inlet(
-                net, names, batch_size, source_name, self._slots, timeout, self._ack, coordinator
-            )
-        except BaseException:
-            self._closed = True
+            welcome = _ray().get(ref, timeout=1.0)
+        except Exception:
+            return  # no answer: nothing was attached, or the service is gone
+        if type(welcome) is dict and type(welcome.get("cid")) is str:
+            self._cid, self._acked = welcome["cid"], -1
             self._bye(1.0, 0.0)
-            raise
-        self._open([(self._receive, f"blobfeed-attach-ray-recv-{source_name}"),
-                    (self._heartbeat, f"blobfeed-attach-ray-ack-{source_name}")])
-        logger.info("attached to %s", self._service)
 
     # -- calls on the service actor ----------------------------------------------------
     def _call(self, ref: Any, timeout: float | None = None) -> Any:
@@ -259,7 +285,8 @@ class RayAttachment(Attached):
             if self._closed:
                 return None
             if deadline is not None and time.monotonic() > deadline:
-                raise ServiceError(f"{self._service} did not answer within {timeout or 'connect_timeout'} s")
+                raise ServiceError(f"{self._service} did not answer within "
+                                   f"{timeout if timeout is not None else self._connect_timeout:g} s")
 
     def _check_welcome(self, welcome: Any) -> dict[str, Any]:
         where = self._service

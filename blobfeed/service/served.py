@@ -55,8 +55,8 @@ SLOTS_UNKNOWN = 4
 #: consumers a first-come source's arena is sized for (their number is not known)
 ARENA_CONSUMERS = 4
 #: seconds an attach of an index waits for the consumer leaving it to be
-#: let go of (its connection's sender ends within this: see Connection._leave)
-LEAVING_S = 10.0
+#: let go of (past Connection._leave's 10 s bound on its sender's end)
+LEAVING_S = 15.0
 #: first come, a consumer holds at most its share of its slots unacknowledged:
 #: the slots divided among ARENA_CONSUMERS consumers (more if more are
 #: attached), but never fewer than this (what a few slots hold anyway)
@@ -562,6 +562,12 @@ class ServedSource:
                 return self.shared
             if index is None:
                 free = [o for o in self.outlets if o.holder is None]
+                if not free and self._leaving():
+                    # (as below: an index whose consumer is leaving is free in a moment)
+                    self._released.wait_for(
+                        lambda: any(o.holder is None for o in self.outlets) or not self._leaving(), LEAVING_S
+                    )
+                    free = [o for o in self.outlets if o.holder is None]
                 if not free:
                     raise ValueError(
                         f"source {self.name!r}: all {len(self.outlets)} consumer indexes are attached"
@@ -587,6 +593,11 @@ class ServedSource:
             outlet.attached_once = True
             self.connected += 1
             return outlet
+
+    def _leaving(self) -> bool:
+        """(Under the lock.)  Is an index's consumer leaving (its connection
+        closed, not yet let go of)?"""
+        return any(o.holder is not None and o.holder.closed.is_set() for o in self.outlets)
 
     def release(self, conn: Any, outlet: IndexOutlet | SharedOutlet, unacked: list[Item]) -> None:
         """``conn`` left; ``unacked``: what it had not acknowledged, in order."""

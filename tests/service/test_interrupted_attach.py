@@ -9,6 +9,7 @@ same exception a real SIGINT raises in the main thread at that bytecode.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -16,6 +17,8 @@ import pytest
 import blobfeed
 from blobfeed.reader import Inlet
 from blobfeed.service import FeedServer
+from blobfeed.service import consumer as consumer_module
+from blobfeed.service import served as served_module
 from tests.helpers import fds_opened_since, interrupt_after, open_fds, wait_until
 
 from . import feeds
@@ -92,7 +95,7 @@ def test_a_stop_interrupted_is_finished_by_the_next_stop(
     _nothing_left(server, before)
 
 
-@pytest.mark.parametrize("where", ["the inlet starting", "the receiver started"])
+@pytest.mark.parametrize("where", ["the welcome read", "the inlet starting", "the receiver started"])
 def test_an_attach_interrupted_after_the_welcome_leaves_nothing(
     server: FeedServer, monkeypatch: pytest.MonkeyPatch, where: str,
 ) -> None:
@@ -100,7 +103,9 @@ def test_an_attach_interrupted_after_the_welcome_leaves_nothing(
     what it had made is undone before the interrupt goes on."""
     _warm(server)
     before = open_fds()
-    if where == "the inlet starting":
+    if where == "the welcome read":
+        interrupt_after(monkeypatch, consumer_module, "BatchCheck")  # the first step after the welcome
+    elif where == "the inlet starting":
         interrupt_after(monkeypatch, Inlet, "start")
     else:
         class Thread(threading.Thread):
@@ -111,9 +116,44 @@ def test_an_attach_interrupted_after_the_welcome_leaves_nothing(
 
         monkeypatch.setattr(threading, "Thread", Thread)
     net = blobfeed.Net(None)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as info:
         blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0, num_consumers=1,
                                timeout=10)
     monkeypatch.undo()
     del net
+    # the traceback kept, as a REPL or a notebook keeps the last one: it
+    # holds the attachment's frames, so collecting it would not close the sockets
     _nothing_left(server, before)
+    assert info.tb is not None
+
+
+@pytest.mark.parametrize("address", [None, "tcp://127.0.0.1:0"])
+@pytest.mark.parametrize("index", [0, None])
+def test_an_index_detached_is_attached_again_at_once_while_the_service_still_lets_go_of_it(
+    monkeypatch: pytest.MonkeyPatch, address: str | None, index: int | None,
+) -> None:
+    """stop() returns once the service closed the connection; letting go of
+    the consumer (its unacknowledged batches taken back) comes just after.
+    An attach of the same index meanwhile (the same process, at once) waits
+    for that; it was refused as attached already (or, with the lowest free
+    index asked for, as all attached)."""
+    release = served_module.ServedSource.release
+
+    def slow_release(self: Any, *args: Any) -> None:
+        time.sleep(0.3)  # (the service's own pace, made slow: what the attach must wait for)
+        release(self, *args)
+
+    monkeypatch.setattr(served_module.ServedSource, "release", slow_release)
+    server = FeedServer(address)
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None, deterministic=True,
+                        num_consumers=1, grace_period=60)
+    server.start()
+    try:
+        for _ in range(3):
+            net = blobfeed.Net(None)
+            with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=index,
+                                        num_consumers=1, timeout=10) as att:
+                net.run(timeout=10)
+            assert att.consumer == 0
+    finally:
+        assert server.stop()

@@ -37,6 +37,7 @@ else:
 import blobfeed
 from blobfeed.ray import RayBackend, RayService, serve_on_ray
 from blobfeed.reader import Inlet
+from blobfeed.service.ray_attach import RayAttachment
 
 from tests.helpers import interrupt_after
 
@@ -324,17 +325,29 @@ def test_an_interrupted_attach_frees_its_index_at_once_and_an_interrupted_stop_i
 ) -> None:
     """A Ctrl-C inside attach_source() after the welcome: the service had
     counted the consumer, whose index stayed taken until its lease ran out
-    (a retry at once was refused).  Inside stop(): the next stop() finishes."""
+    (a retry at once was refused).  Inside stop(): the next stop() finishes.
+    The lease is long: each attach after an interrupted one finds the index
+    free because the consumer said bye, not because its lease ran out."""
     args: dict[str, Any] = dict(consumer_index=0, num_consumers=1, timeout=WAIT, connect_timeout=10)
-    # a long lease: the index must be free because the consumer said bye, not because its lease ran out
     with serve_on_ray(
         "interrupted", functools.partial(wire, 2, deterministic=True, num_consumers=1),
         actor_options={"num_cpus": CPU, "resources": NODE["a"]}, lease=60.0, start_timeout=WAIT,
     ) as service:
-        interrupt_after(monkeypatch, Inlet, "start")
-        with pytest.raises(KeyboardInterrupt):
-            blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", service.address, **args)
-        monkeypatch.undo()
+        for where in ("waiting for the welcome", "the inlet starting"):
+            if where == "the inlet starting":
+                interrupt_after(monkeypatch, Inlet, "start")
+            else:
+                call = RayAttachment._call
+
+                def answered(self: RayAttachment, ref: Any, timeout: float | None = None) -> Any:
+                    ray.wait([ref], timeout=WAIT)  # the welcome came; the Ctrl-C lands before it is read
+                    monkeypatch.setattr(RayAttachment, "_call", call)
+                    raise KeyboardInterrupt
+
+                monkeypatch.setattr(RayAttachment, "_call", answered)
+            with pytest.raises(KeyboardInterrupt):
+                blobfeed.attach_source(blobfeed.Net(None), ["id", "x"], 8, "train", service.address, **args)
+            monkeypatch.undo()
         net = blobfeed.Net(None)
         att = blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, **args)  # not refused
         net.run(timeout=WAIT)
