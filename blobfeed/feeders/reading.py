@@ -124,6 +124,9 @@ class BatchReader:
         self.hand_out: Callable[[Batch], Batch] | None = None
         #: the consumer's thread waits in :meth:`dequeue` for a batch now
         self.waiting = False
+        #: (``time.perf_counter()``) when the wait of the last dequeue would
+        #: end: what sending its acknowledgement may take (see Attachment._ack)
+        self.asked_until = 0.0
 
     # -- what it reads -------------------------------------------------------------
     @property
@@ -397,6 +400,7 @@ class BatchReader:
         limit = feed.timeout if timeout is None else timeout
         cs = self.consume_stats
         t0 = time.perf_counter()
+        self.asked_until = t0 + limit
         if cs.last_end:
             # the consumer's own time since its last wait (the stall ratio's other half)
             cs.busy += t0 - cs.last_end

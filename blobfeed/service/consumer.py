@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ..reader import Batch, Inlet
 from .remote import Attached, open_inlet
 from .slots import ConsumerMapping, StreamBuffers
 from .transport import RAY, carrier_for
-from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_items, check
+from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_items, check, send_parts
 
 __all__ = ["Attachment", "attach_source"]
 
@@ -39,7 +39,11 @@ logger = logging.getLogger("blobfeed.service")
 _ANY_REQUEST = 1 << 62
 
 #: seconds stop() waits for the service to close the connection after the bye
+#: (and what the bye itself, and the one the receiver sends, may wait for room)
 BYE_WAIT_S = 1.0
+#: seconds an acknowledgement may wait for room in the socket at least, past
+#: run()'s own timeout: a service that does not read fails run() then
+ACK_SEND_S = 1.0
 
 #: the environment variable :func:`attach_source` reads the address from
 ADDRESS_ENV = "BLOBFEED_SERVICE"
@@ -73,6 +77,10 @@ class Attachment(Attached):
         except OSError as err:
             raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
         self._send_lock = threading.Lock()
+        #: run()'s timeout when it is given none: what a send of the outbox thread may wait
+        self._timeout = timeout
+        #: why the sockets were shut, a send having missed its deadline (see _stalled)
+        self._stall: str | None = None
         self._closed = False
         #: the service said it stops (set under the send lock): run() returns no more batches
         self._stop_heard = False
@@ -113,7 +121,7 @@ class Attachment(Attached):
                 with theirs:
                     self._channel.send(hello, fds=[theirs.fileno()])
             else:
-                self._send(hello)
+                self._send(hello, connect_timeout)
             welcome = self._welcome(connect_timeout)
             self._channel.sock.settimeout(None)
         except WireError as err:
@@ -158,13 +166,72 @@ class Attachment(Attached):
         )
         logger.info("attached to %s", self._service)
 
-    def _send(self, record: dict[str, Any]) -> None:
-        with self._send_lock:
-            self._channel.send(record)
+    def _send(self, record: dict[str, Any], within: float) -> None:
+        """Send ``record`` within ``within`` s (see :meth:`_lock_by`)."""
+        deadline = time.monotonic() + within
+        self._lock_by(lambda: deadline)
+        try:
+            self._channel.send(record, deadline=deadline)
+        except TimeoutError as err:
+            self._stalled(err)
+            raise
+        finally:
+            self._send_lock.release()
+
+    def _lock_by(self, deadline: Callable[[], float]) -> None:
+        """Take the send lock by ``deadline()`` (``time.monotonic()``, asked
+        only if the lock is not free at once).  Every send waits for room in
+        the socket until a deadline: a service that stops reading must not
+        hang run(), state_dict() or stop().
+
+        Raises:
+            TimeoutError: another send held it until then.
+        """
+        lock = self._send_lock
+        if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline() - time.monotonic())):
+            raise TimeoutError(f"{self._service} took nothing this consumer sent for a while: it does not read")
+
+    def _ack_deadline(self) -> float:
+        """What sending an acknowledgement (or slots freed) from run() may
+        wait for: as long as run() was given to wait, and ACK_SEND_S at least."""
+        return time.monotonic() + max(ACK_SEND_S, self.reader.asked_until - time.perf_counter())
+
+    def _line_out(self, line: bytes, deadline: Callable[[], float]) -> None:
+        """(Under the send lock.)  ``line`` on the acknowledgement stream: at
+        once as a rule (one system call), else waiting for room until
+        ``deadline()``."""
+        acks = self._acks
+        assert acks is not None
+        try:
+            sent = acks.send(line, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(line):
+            send_parts(acks, [memoryview(line)[sent:]], deadline(), self._service)
+
+    def _stalled(self, err: TimeoutError) -> None:
+        """(Under the send lock.)  A send missed its deadline: the service
+        does not read.  Part of a record may have gone (a stream's), so
+        nothing may follow it: the service counts as gone (run() raises), and
+        both sockets are shut, which ends the receiver (it fails the inlet
+        with this reason) and any wait for room."""
+        if self._gone is None:
+            self._stall = f"{self._service} does not read what this consumer sends ({err})"
+            self._gone = f"{self._stall}: this batch is not handed out (its acknowledgement cannot be counted)"
+        for sock in (self._channel.sock, self._acks):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _close_sockets(self) -> None:
         self._channel.close()
         if self._acks is not None:
+            try:
+                self._acks.shutdown(socket.SHUT_RDWR)  # (wakes a send waiting for room in another thread)
+            except OSError:
+                pass
             self._acks.close()
 
     def _welcome(self, timeout: float) -> dict[str, Any]:
@@ -199,7 +266,11 @@ class Attachment(Attached):
         self._net_thread = threading.get_ident()
         try:
             slots = self._freed_slots()
-            with self._send_lock:
+            # waits (for the lock, for room) as long as run() was given, and
+            # ACK_SEND_S at least: run(timeout) raises within it
+            if not self._send_lock.acquire(False):
+                self._lock_by(self._ack_deadline)
+            try:
                 if self._closed:
                     # stop() detached (its bye went first): an acknowledgement
                     # now would come after it, uncounted, and the batch be dealt again
@@ -214,10 +285,23 @@ class Attachment(Attached):
                         f"{self._service} stopped: this batch is not handed out (a resumed service deals it again)"
                     )
                 # the wait read under the lock: the totals go out in the order they were read
-                if self._acks is not None:
-                    self._acks.sendall(_ack_line(g, slots, self._waited()))
+                acks = self._acks
+                if acks is not None:
+                    line = _ack_line(g, slots, self._waited())
+                    try:
+                        sent = acks.send(line, socket.MSG_DONTWAIT)  # (the rule: room at once)
+                    except BlockingIOError:
+                        sent = 0
+                    if sent < len(line):
+                        send_parts(acks, [memoryview(line)[sent:]], self._ack_deadline(), self._service)
                 else:
-                    self._channel.send({"t": "ack", "g": g, "slots": slots, "waited": self._waited()})
+                    self._channel.send({"t": "ack", "g": g, "slots": slots, "waited": self._waited()},
+                                       deadline=self._ack_deadline())
+            except TimeoutError as err:
+                self._stalled(err)
+                raise
+            finally:
+                self._send_lock.release()
         except OSError as err:
             raise ServiceError(
                 f"{self._service} cannot be told this batch was returned ({err}): it is not handed out "
@@ -228,32 +312,52 @@ class Attachment(Attached):
         """The service stops: from now on run() returns no batch, and the
         service is told so (``bye``) after every acknowledgement sent
         before, so that the state it saves counts each of them."""
-        with self._send_lock:
+        deadline = time.monotonic() + BYE_WAIT_S
+        try:
+            self._lock_by(lambda: deadline)
+        except TimeoutError:
+            self._stop_heard = True  # (a send waits for room: the service stops, it reads no more)
+            return
+        try:
             if self._stop_heard:
                 return
             self._stop_heard = True
             try:
-                self._channel.send({"t": "bye", "waited": self._waited()})
+                self._channel.send({"t": "bye", "waited": self._waited()}, deadline=deadline)
             except OSError:
-                pass  # gone already: it saves what it read
+                pass  # gone already (or not reading): it saves what it read
+        finally:
+            self._send_lock.release()
 
     def _went_away(self, why: str) -> None:
         """The service is gone: no acknowledgement counts from now on, so
         run() raises ``why`` instead of returning a batch already queued."""
-        with self._send_lock:
+        # (without the lock if a send holds it, waiting for room: it fails too)
+        locked = self._send_lock.acquire(timeout=BYE_WAIT_S)
+        try:
             if self._gone is None:
                 self._gone = why
+        finally:
+            if locked:
+                self._send_lock.release()
 
-    def _send_waited(self, record: dict[str, Any]) -> None:
-        """Send ``record`` with the wait so far (an ``ack``, the ``bye``):
-        read under the send lock, so that the service never sees it shrink
-        (the net's thread and the outbox thread both send acks)."""
-        with self._send_lock:
+    def _send_waited(self, record: dict[str, Any], deadline: Callable[[], float]) -> None:
+        """Send ``record`` with the wait so far (an ``ack``, the ``bye``),
+        by ``deadline()`` (see :meth:`_lock_by`): read under the send lock,
+        so that the service never sees it shrink (the net's thread and the
+        outbox thread both send acks)."""
+        self._lock_by(deadline)
+        try:
             record["waited"] = self._waited()
             if record["t"] == "ack" and self._acks is not None:
-                self._acks.sendall(_ack_line(record["g"], record["slots"], record["waited"]))
+                self._line_out(_ack_line(record["g"], record["slots"], record["waited"]), deadline)
             else:
-                self._channel.send(record)
+                self._channel.send(record, deadline=deadline())
+        except TimeoutError as err:
+            self._stalled(err)
+            raise
+        finally:
+            self._send_lock.release()
 
     # -- threads -----------------------------------------------------------------------
     def _receive(self) -> None:
@@ -262,6 +366,8 @@ class Attachment(Attached):
             self._receive_records(inlet, mapping)
         except (WireError, ServiceError, OSError) as err:
             if not self._closed:
+                if self._stall is not None:  # it shut the sockets: say why, not that they closed
+                    err = ServiceError(self._stall)
                 error = _bare(err if isinstance(err, ServiceError) else _named(err, self._service))
                 self._went_away(f"{error}: this batch is not handed out (its acknowledgement cannot be counted)")
                 self.inlet.fail(error)
@@ -458,7 +564,7 @@ class Attachment(Attached):
         slots = self._freed_slots()
         if slots:
             try:
-                self._send_waited({"t": "ack", "g": -1, "slots": slots})
+                self._send_waited({"t": "ack", "g": -1, "slots": slots}, self._ack_deadline)
             except OSError:
                 pass  # the receiver reports the service's end
 
@@ -511,7 +617,7 @@ class Attachment(Attached):
             if not slots or self._closed:
                 continue
             try:
-                self._send_waited({"t": "ack", "g": -1, "slots": slots})
+                self._send_waited({"t": "ack", "g": -1, "slots": slots}, lambda: time.monotonic() + self._timeout)
             except OSError:
                 pass  # the receiver reports the service's end
 
@@ -537,11 +643,11 @@ class Attachment(Attached):
         with self._state_lock:
             self._state_asked += 1
             mine = self._state_asked
+        deadline = time.monotonic() + timeout
         try:
-            self._send({"t": "state"})
+            self._send({"t": "state"}, timeout)
         except OSError as err:
             raise ServiceError(f"{self._service} is gone: {err}") from err
-        deadline = time.monotonic() + timeout
         while True:
             try:
                 number, reply = self._state_replies.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -583,9 +689,10 @@ class Attachment(Attached):
         if not self._closed:
             self._closed = True  # first: the service's answer to bye is to close
             try:
-                self._send_waited({"t": "bye"})
+                bye_by = min(deadline, time.monotonic() + BYE_WAIT_S)
+                self._send_waited({"t": "bye"}, lambda: bye_by)
             except OSError:
-                pass
+                pass  # (gone, or not reading: the close below ends the connection)
         # each step below may run again (an interrupted stop's next call)
         self.inlet.stop()
         self._await_close(min(BYE_WAIT_S, max(0.0, deadline - time.monotonic())))

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .wire import MAX_RECORD, WireError, decode_record, wire_align
+from .wire import MAX_RECORD, WireError, decode_record, send_parts, wire_align
 
 __all__ = ["PREFIX", "StreamChannel", "connect_tcp", "format_tcp", "is_loopback", "listen_tcp", "parse_tcp"]
 
@@ -46,8 +46,6 @@ logger = logging.getLogger("blobfeed.service")
 #: magic, record bytes, payload bytes
 PREFIX = struct.Struct("!4sIQ")
 MAGIC = b"BFD1"
-#: buffers one sendmsg call gathers (Linux's IOV_MAX is 1024)
-_IOV = 512
 #: seconds without traffic before the kernel probes a silent peer, between probes, probes
 _KEEPALIVE = (10, 5, 3)
 
@@ -193,6 +191,7 @@ class StreamChannel:
     # -- out -----------------------------------------------------------------------------
     def send(
         self, record: dict[str, Any], fds: Sequence[int] = (), payload: Sequence[np.ndarray] = (), wait: bool = True,
+        deadline: float | None = None,
     ) -> None:
         """Send ``record``, then ``payload``'s arrays each at a ``wire.ALIGN``
         aligned offset (the slot layout; padding is zeros).
@@ -202,7 +201,9 @@ class StreamChannel:
         ``BlockingIOError`` if the socket's
         buffer is full (a peer that does not read); nothing was sent then.
         Only part of it fitting raises ``ConnectionError``: the frame is
-        cut, the connection must be closed.
+        cut, the connection must be closed.  ``deadline``
+        (``time.monotonic()``): wait for room until then, then raise
+        ``TimeoutError`` (part of the frame may be out: close the connection).
 
         Raises:
             WireError: descriptors (TCP cannot carry them), or a record over MAX_RECORD.
@@ -238,8 +239,16 @@ class StreamChannel:
             finally:
                 self._send_lock.release()
             return
-        with self._send_lock:
-            _send_buffers(self.sock, [head, *parts])
+        if deadline is None:
+            with self._send_lock:
+                send_parts(self.sock, [head, *parts], None, self.peer)
+            return
+        if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"the connection to {self.peer} is busy sending (it does not read?)")
+        try:
+            send_parts(self.sock, [head, *parts], deadline, self.peer)
+        finally:
+            self._send_lock.release()
 
     # -- in ------------------------------------------------------------------------------
     def recv(self) -> tuple[dict[str, Any], list[int]] | None:
@@ -360,18 +369,3 @@ class StreamChannel:
             pass
         self._in.close()
         self.sock.close()
-
-
-def _send_buffers(sock: socket.socket, parts: list[memoryview]) -> None:
-    """``sendall`` of several buffers with as few system calls as the kernel takes."""
-    i = 0
-    while i < len(parts):
-        sent = sock.sendmsg(parts[i:i + _IOV])
-        while sent:
-            n = parts[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                parts[i] = parts[i][sent:]
-                sent = 0

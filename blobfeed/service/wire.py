@@ -21,7 +21,9 @@ import array
 import json
 import os
 import re
+import select
 import socket
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,7 +31,7 @@ import numpy as np
 __all__ = [
     "ACK_FORM", "ALIGN", "MAX_ITEMS", "MAX_RECORD", "MAX_SLOTS", "PROTOCOL", "BatchCheck", "Channel", "WireError", "batch_items", "check",
     "check_slot_offer", "decode_record", "dtype_from_wire", "dtype_to_wire", "freed_slots", "seconds",
-    "wire_align",
+    "send_parts", "wire_align",
 ]
 
 #: the version a consumer and a service must share (7: on a Unix socket
@@ -76,6 +78,60 @@ _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 
 
+#: buffers one sendmsg call gathers (Linux's IOV_MAX is 1024)
+_IOV = 512
+
+
+def _when_room(send: Any, sock: socket.socket, deadline: float, peer: str) -> Any:
+    """``send()`` (one that raises ``BlockingIOError`` while ``sock``'s
+    buffer is full), tried again as room comes, until ``deadline``.
+
+    Raises:
+        TimeoutError: no room by ``deadline``: the peer does not read.
+    """
+    poller = None
+    while True:
+        try:
+            return send()
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{peer} took nothing sent to it for a while: it does not read")
+        if poller is None:
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+        poller.poll(int(left * 1000) + 1)
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview], deadline: float | None, peer: str) -> None:
+    """``parts`` whole on the stream ``sock``, with as few system calls as
+    the kernel takes, waiting for room in its buffer for ever (``deadline``
+    None) or until ``deadline`` (``time.monotonic()``).
+
+    Raises:
+        TimeoutError: ``deadline`` came first (the peer does not read);
+            part may have gone, so the stream is cut: close it.
+        OSError: the socket failed.
+    """
+    flags = 0 if deadline is None else socket.MSG_DONTWAIT
+    i = 0
+    while i < len(parts):
+        chunk = parts[i:i + _IOV]
+        if deadline is None:
+            sent = sock.sendmsg(chunk)
+        else:
+            sent = _when_room(lambda: sock.sendmsg(chunk, (), flags), sock, deadline, peer)
+        while sent:
+            n = parts[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                parts[i] = parts[i][sent:]
+                sent = 0
+
+
 def wire_align(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN` (an array's bytes in a slot or frame)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -117,13 +173,20 @@ class Channel:
         #: who is at the other end, for messages
         self.peer = peer
 
-    def send(self, record: dict[str, Any], fds: Sequence[int] = (), wait: bool = True) -> None:
+    def send(
+        self, record: dict[str, Any], fds: Sequence[int] = (), wait: bool = True, deadline: float | None = None,
+    ) -> None:
         """Send one record (and ``fds``).  ``wait=False``: raise
         ``BlockingIOError`` rather than wait for room in the socket's buffer
-        (a peer that does not read)."""
+        (a peer that does not read).  ``deadline`` (``time.monotonic()``):
+        wait for room until then, then raise ``TimeoutError`` (nothing was
+        sent: a record goes whole or not at all)."""
         data = json.dumps(record, separators=(",", ":")).encode()
         if len(data) > MAX_RECORD:
             raise WireError(f"record of {len(data)} bytes to {self.peer} is over {MAX_RECORD}")
+        if deadline is not None and not fds:
+            _when_room(lambda: self.sock.send(data, socket.MSG_DONTWAIT), self.sock, deadline, self.peer)
+            return
         flags = 0 if wait else socket.MSG_DONTWAIT
         if fds:
             self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], flags)

@@ -76,10 +76,10 @@ def test_a_stop_interrupted_is_finished_by_the_next_stop(
     if where == "bye":
         send = att._send_waited
 
-        def send_waited(record: dict[str, Any]) -> None:
+        def send_waited(record: dict[str, Any], deadline: Any) -> None:
             if record["t"] == "bye":
                 raise KeyboardInterrupt  # before it is sent
-            send(record)
+            send(record, deadline)
 
         monkeypatch.setattr(att, "_send_waited", send_waited)
     elif where == "sockets closed":

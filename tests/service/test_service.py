@@ -383,7 +383,7 @@ def test_a_stranger_sending_garbage_is_refused_and_the_service_keeps_serving(cap
         # a valid hello, then an acknowledgement of something never sent
         net = blobfeed.Net(None)
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address) as att:
-            att._send_waited({"t": "ack", "g": 12345, "slots": []})  # where its acknowledgements go
+            att._send_waited({"t": "ack", "g": 12345, "slots": []}, lambda: time.monotonic() + 10.0)  # where its acknowledgements go
             with pytest.raises(blobfeed.ServiceError):
                 for _ in range(10_000):
                     net.run(timeout=10)

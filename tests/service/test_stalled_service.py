@@ -1,0 +1,114 @@
+"""A service that stops reading what its consumer sends: the consumer's
+``run(timeout)``, ``state_dict(timeout)`` and ``stop(timeout)`` keep their
+timeouts.  Every send of the consumer waits for room in its socket until a
+deadline; before, one waited for ever once the socket's buffer was full, and
+``stop()`` then waited for ever for the lock that send held.
+
+The consumer runs in a thread of its own, joined with a bound: on the old
+code it hung, and the test fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import blobfeed
+
+from .test_service import ID8, X8, FakeUnixService, batches_record
+
+#: batches the fake sends: more acknowledgements than a Unix stream's buffer
+#: holds unread (about 280 of them)
+SENT = 1024
+
+
+def _flood() -> list[bytes]:
+    return [batches_record(*[[g, g % 3, 8, [ID8, X8]] for g in range(k, k + 64)]) for k in range(0, SENT, 64)]
+
+
+def _bounded(body: Callable[[], Any], within: float) -> Any:
+    """``body()`` in a thread: what it returned or raised, which must come within ``within`` s."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = body()
+        except BaseException as err:  # (what the test asserts on)
+            out["error"] = err
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(within)
+    assert not t.is_alive(), f"still waiting after {within} s"
+    return out
+
+
+def test_run_and_stop_keep_their_timeouts_when_the_service_reads_no_acknowledgement(tmp_path: Path) -> None:
+    service = FakeUnixService(tmp_path / "fake.sock", _flood())
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, timeout=10)
+
+        def run_until_it_fails() -> int:
+            for i in range(SENT):
+                try:
+                    out = net.run(timeout=1.0)
+                except blobfeed.ServiceError as err:
+                    assert "does not read" in str(err), err
+                    return i
+                del out
+            raise AssertionError("every batch was acknowledged: nothing filled the buffer")
+
+        got = _bounded(run_until_it_fails, 30)
+        assert "error" not in got, got
+        assert 0 < got["value"] < SENT
+        # and so does every later run(), at once: the stream may be cut mid-record
+        later = _bounded(lambda: net.run(timeout=1.0), 5)
+        assert isinstance(later.get("error"), blobfeed.ServiceError), later
+        t0 = time.monotonic()
+        stopped = _bounded(lambda: att.stop(timeout=3.0), 10)
+        assert "error" not in stopped, stopped
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        service.close()
+
+
+class _NotReading(FakeUnixService):
+    """Reads the consumer's first record on the connection, then nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.release = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def heard(self, conn: Any, data: bytes) -> None:
+        self.release.wait(30)
+
+    def close(self) -> None:
+        self.release.set()
+        super().close()
+
+
+def test_state_dict_keeps_its_timeout_when_the_service_reads_no_request(tmp_path: Path) -> None:
+    service = _NotReading(tmp_path / "fake.sock", [])
+    try:
+        net = blobfeed.Net(None)
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, timeout=10)
+
+        def ask_until_it_fails() -> str:
+            for _ in range(SENT):
+                try:
+                    att.state_dict(timeout=0.001)
+                except blobfeed.ServiceError as err:
+                    if "did not answer" in str(err):
+                        continue  # (sent, and not answered: the buffer fills)
+                    return str(err)
+            raise AssertionError("every request was sent: nothing filled the buffer")
+
+        got = _bounded(ask_until_it_fails, 30)
+        assert "does not read" in got.get("value", ""), got
+        stopped = _bounded(lambda: att.stop(timeout=3.0), 10)
+        assert "error" not in stopped, stopped
+    finally:
+        service.close()
