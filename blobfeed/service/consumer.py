@@ -401,6 +401,8 @@ class Attachment(Attached):
                                       self._service)
                     continue
                 if record["t"] == "retire":
+                    if fds:
+                        raise WireError(f"{self._service} sent descriptors with a 'retire' record")
                     if not isinstance(mapping, ConsumerMapping):
                         raise WireError(f"{self._service} retired an arena over TCP or before its slots")
                     mapping.retire(record["id"], self._service)

@@ -306,6 +306,11 @@ class ConsumerMapping:
         self._on_free = on_free
         #: the shared regions the service handed over, by id: (mapping, slots, slot_bytes, header)
         self._regions: dict[int, tuple[mmap.mmap, int, int, int]] = {}
+        #: regions retired while batches still viewed them: (weakref of the
+        #: mapping, its bytes); they count against the bounds until the last
+        #: view died (the mapping with it)
+        self._retired: list[tuple[weakref.ref[mmap.mmap], int]] = []
+        #: bytes of the regions mapped, retired ones still viewed included
         self._region_bytes = 0
         #: id(weakref) -> (weakref, slot): the refs must live to fire
         self.outstanding: dict[int, tuple[Any, int]] = {}
@@ -326,8 +331,12 @@ class ConsumerMapping:
             raise WireError(f"{peer} sent an arena with {len(fds)} descriptors, not 1")
         if region in self._regions:
             raise WireError(f"{peer} sent arena {region} a second time")
-        if len(self._regions) >= MAX_REGIONS:
-            raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once")
+        if self._retired:
+            kept = [(ref, n) for ref, n in self._retired if ref() is not None]
+            self._region_bytes -= sum(n for _, n in self._retired) - sum(n for _, n in kept)
+            self._retired = kept
+        if len(self._regions) + len(self._retired) >= MAX_REGIONS:
+            raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once (retired ones a batch still views count)")
         if not (
             0 < slots <= MAX_ARENA_SLOTS and 64 <= slot_bytes and 0 <= offset <= MAX_REGION_HEADER
             and offset % 64 == 0 and self._region_bytes + offset + slots * slot_bytes <= MAX_ARENA_BYTES
@@ -347,12 +356,15 @@ class ConsumerMapping:
         entry = self._regions.pop(region, None)
         if entry is None:
             raise WireError(f"{peer} retired arena {region}, which it never sent")
-        self._region_bytes -= entry[3] + entry[1] * entry[2]
+        size = entry[3] + entry[1] * entry[2]
         self._last.pop(region, None)
         try:
             entry[0].close()
         except BufferError:
-            pass  # viewed: unmapped with the last view
+            # viewed: unmapped with the last view, and counted until then
+            self._retired.append((weakref.ref(entry[0]), size))
+        else:
+            self._region_bytes -= size
 
     def _region_root(self, region: int, region_slot: int, peer: str) -> tuple[np.ndarray, int]:
         """A fresh array over a region's slot, and the slot's size."""
@@ -446,7 +458,10 @@ class ConsumerMapping:
             raise WireError(f"{where}: must be [dtype, shape, offset]")
         dt = dtype_from_wire(m[0], where)
         shape = m[1]
-        if len(shape) > 32 or not all(type(d) is int and d >= 0 for d in shape) or not shape or shape[0] != n:
+        if (
+            len(shape) > 32 or not all(type(d) is int and d >= 0 for d in shape) or not shape or shape[0] != n
+            or 0 in shape and not _shape_fits(shape, dt.itemsize, size)
+        ):
             raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
         nbytes = dt.itemsize * int(np.prod(shape, dtype=object))
         off = m[2]
@@ -473,6 +488,16 @@ class ConsumerMapping:
         """The slot whose views died (``ref`` from the ``on_free`` queue)."""
         entry = self.outstanding.pop(id(ref), None)
         return None if entry is None else entry[1]
+
+
+def _shape_fits(shape: Sequence[int], itemsize: int, size: int) -> bool:
+    """Would an array of ``shape`` fit ``size`` bytes if its empty
+    dimensions were not?  (An empty one takes 0 bytes whatever its other
+    dimensions, 2**62 say, which numpy cannot make.)"""
+    fits = itemsize
+    for d in shape:
+        fits *= d or 1
+    return fits <= size
 
 
 class StreamBuffers:
@@ -542,6 +567,7 @@ class StreamBuffers:
             if (
                 not shape or len(shape) > 32 or shape[0] != n
                 or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+                or 0 in shape and not _shape_fits(shape, dt.itemsize, self.slot_bytes)
             ):
                 raise WireError(f"{where}: bad shape {shape!r} for {n} samples")
             if m[2] != off:

@@ -7,6 +7,7 @@ bounded.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 import json
@@ -954,9 +955,10 @@ def test_consumers_whose_first_batch_equal_drops_get_the_next_ones(listen: str |
 class FakeUnixService:
     """A Unix-socket 'service' that welcomes one consumer, offers it slots
     (a sealed memfd of ``slots`` x ``slot_bytes``), then sends ``records``
-    and stays until the consumer leaves."""
+    (each a record, or a record and the descriptors sent with it) and stays
+    until the consumer leaves."""
 
-    def __init__(self, path: Path, records: list[bytes], slots: int = 3, slot_bytes: int = 1024) -> None:
+    def __init__(self, path: Path, records: list[Any], slots: int = 3, slot_bytes: int = 1024) -> None:
         from blobfeed.service.slots import sealed_memfd
 
         self.address = str(path)
@@ -984,7 +986,10 @@ class FakeUnixService:
             conn.sendmsg([json.dumps({"t": "slots", "slots": self.slots, "slot_bytes": self.slot_bytes}).encode()],
                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, self.fd.to_bytes(4, sys.byteorder))])
             for r in self.records:
-                conn.send(r)
+                if isinstance(r, tuple):  # (a record, descriptors sent with it)
+                    conn.sendmsg([r[0]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", r[1]))])
+                else:
+                    conn.send(r)
             try:
                 while (data := conn.recv(1 << 16)):
                     self.heard(conn, data)
@@ -1033,6 +1038,9 @@ ID8, X8 = ["<i8", [8], 0], ["<f4", [8, 3], 64]
     ([batches_record([0, 0, 8, [ID8, X8, ["<f4", [8], 192]]])], "a batch of 3 arrays; the consumer attached with 2"),
     ([batches_record([0, 0, 9, [["<i8", [9], 0], ["<f4", [9, 3], 128]]])],
      "a batch of 9 samples; this consumer attached with batch_size=8"),
+    # empty, so 0 bytes, but no array numpy can make: numpy's bare ValueError came out, unnamed
+    ([batches_record([0, 0, 8, [ID8, ["<f4", [8, 0, 10**30], 64]]])],
+     f"array 1: bad shape [8, 0, {10**30}] for 8 samples"),
     ([batches_record([0, 0, 8, [ID8, X8]], [1, 1, 8, [ID8, ["<f4", [8, 4], 64]]])],
      "the first batch had [(<i8, ()), (<f4, (3,))]"),
 ])
@@ -1044,6 +1052,18 @@ def test_a_unix_consumer_checks_a_batch_s_blobs_rows_and_layout_as_tcp_does(
     carrier now makes the one check (blobfeed.service.wire.BatchCheck)."""
     err = fake_service_error(tmp_path, records, re.escape(expected), runs=3)
     assert str(tmp_path / "fake.sock") in str(err)
+
+
+def test_descriptors_with_a_retire_record_are_a_service_error(tmp_path: Path) -> None:
+    """Every record but the slots and an arena must come without
+    descriptors; a retire took them silently (and closed them)."""
+    r, w = os.pipe()
+    try:
+        fake_service_error(tmp_path, [(json.dumps({"t": "retire", "id": 5}).encode(), [r])],
+                           "sent descriptors with a 'retire' record")
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_unix_slots_offered_over_the_consumer_s_limits_are_a_service_error(tmp_path: Path) -> None:

@@ -380,6 +380,9 @@ IDS = np.arange(8, dtype=np.int64)
     ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0], ["<f4", [8, 3], 128]]})],
      "array 1: at offset 128; packed after the arrays before it, it starts at 64"),
     ([batch_frame(IDS, record={"n": 7})], "array 0: bad shape [8] for 7 samples"),
+    # empty, so 0 bytes, but no array numpy can make: numpy's bare ValueError came out, unnamed
+    ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0], ["<f4", [8, 0, 2**39, 2**39], 64]]})],
+     "array 1: bad shape [8, 0, 549755813888, 549755813888] for 8 samples"),
     ([batch_frame(np.arange(9, dtype=np.int64))], "a batch of 9 samples; this consumer attached with batch_size=8"),
     ([batch_frame(IDS, slot=3)], "batch in slot 3, of 3"),
     ([batch_frame(IDS, record={"arrays": [["<i8", [8], 0]]})], "a batch of 1 arrays; the consumer attached with 2 blobs"),

@@ -255,6 +255,38 @@ def test_the_consumer_bounds_and_checks_the_regions_it_maps() -> None:
         mm.close()
 
 
+def test_regions_retired_while_batches_view_them_count_against_the_bounds_until_those_die(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A service that retires each arena while a batch (queued, or kept by
+    the user) still views it, and sends the next: each stays mapped, and
+    they escaped the bounds (1001 mappings and descriptors, or 100 TiB of
+    address space, in a review).  Now they count until their last view
+    dies, and then no more."""
+    from blobfeed.service import slots
+
+    monkeypatch.setattr(slots, "MAX_REGIONS", 4)
+    m = ConsumerMapping(*_slots(), on_free=lambda ref: None)
+    fd, mm = sealed_memfd("region-test", 4096)
+    try:
+        held = []
+        for i in range(4):
+            m.add_arena([fd], i % 2, 0, 1, 4096, "svc")  # (ids reused, as in the review)
+            held.append(m.views(0, 1, [["<i8", [1], 0]], "svc", 0, i % 2))
+            m.retire(i % 2, "svc")
+        with pytest.raises(WireError, match="more than 4 arenas"):
+            m.add_arena([fd], 9, 0, 1, 4096, "svc")
+        del held[:2]  # the batches of two of them died: they are let go of
+        m.add_arena([fd], 9, 0, 1, 4096, "svc")
+        m.add_arena([fd], 10, 0, 1, 4096, "svc")
+        with pytest.raises(WireError, match="more than 4 arenas"):
+            m.add_arena([fd], 11, 0, 1, 4096, "svc")
+    finally:
+        os.close(fd)
+        m.close()
+        mm.close()
+
+
 def _slots() -> tuple[int, int, int]:
     fd, mm = sealed_memfd("slots-test", 2 * 4096)
     mm.close()
