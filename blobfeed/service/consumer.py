@@ -41,9 +41,13 @@ _ANY_REQUEST = 1 << 62
 #: seconds stop() waits for the service to close the connection after the bye
 #: (and what the bye itself, and the one the receiver sends, may wait for room)
 BYE_WAIT_S = 1.0
-#: seconds an acknowledgement may wait for room in the socket at least, past
-#: run()'s own timeout: a service that does not read fails run() then
-ACK_SEND_S = 1.0
+#: seconds an acknowledgement may wait for room in the socket at least
+#: (run()'s timeout if longer): a service that reads nothing for so long
+#: fails run(), for good.  Only a consumer with some 280 acknowledgements
+#: unread (more slots than the default's 64) can fill the socket, so a
+#: pause of the service's (a collection, a busy host) shorter than this
+#: costs nothing
+ACK_SEND_S = 10.0
 
 #: the environment variable :func:`attach_source` reads the address from
 ADDRESS_ENV = "BLOBFEED_SERVICE"
@@ -185,11 +189,14 @@ class Attachment(Attached):
         hang run(), state_dict() or stop().
 
         Raises:
-            TimeoutError: another send held it until then.
+            TimeoutError: another send held it until then, waiting for room:
+                the service does not read (see :meth:`_stalled`).
         """
         lock = self._send_lock
         if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline() - time.monotonic())):
-            raise TimeoutError(f"{self._service} took nothing this consumer sent for a while: it does not read")
+            err = TimeoutError(f"{self._service} took nothing this consumer sent for a while: it does not read")
+            self._stalled(err)  # (without the lock: what it sets and shuts is safe so, and frees the holder)
+            raise err
 
     def _ack_deadline(self) -> float:
         """What sending an acknowledgement (or slots freed) from run() may
@@ -210,7 +217,7 @@ class Attachment(Attached):
             send_parts(acks, [memoryview(line)[sent:]], deadline(), self._service)
 
     def _stalled(self, err: TimeoutError) -> None:
-        """(Under the send lock.)  A send missed its deadline: the service
+        """A send missed its deadline (or the send lock did): the service
         does not read.  Part of a record may have gone (a stream's), so
         nothing may follow it: the service counts as gone (run() raises), and
         both sockets are shut, which ends the receiver (it fails the inlet

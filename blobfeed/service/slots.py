@@ -307,10 +307,11 @@ class ConsumerMapping:
         #: the shared regions the service handed over, by id: (mapping, slots, slot_bytes, header)
         self._regions: dict[int, tuple[mmap.mmap, int, int, int]] = {}
         #: regions retired while batches still viewed them: (weakref of the
-        #: mapping, its bytes); they count against the bounds until the last
-        #: view died (the mapping with it)
+        #: mapping, its bytes); bounded as the live ones are, apart from them
+        #: (the service counts only its live regions), until the last view
+        #: died (the mapping with it)
         self._retired: list[tuple[weakref.ref[mmap.mmap], int]] = []
-        #: bytes of the regions mapped, retired ones still viewed included
+        #: bytes of the regions mapped (live ones)
         self._region_bytes = 0
         #: id(weakref) -> (weakref, slot): the refs must live to fire
         self.outstanding: dict[int, tuple[Any, int]] = {}
@@ -332,11 +333,12 @@ class ConsumerMapping:
         if region in self._regions:
             raise WireError(f"{peer} sent arena {region} a second time")
         if self._retired:
-            kept = [(ref, n) for ref, n in self._retired if ref() is not None]
-            self._region_bytes -= sum(n for _, n in self._retired) - sum(n for _, n in kept)
-            self._retired = kept
-        if len(self._regions) + len(self._retired) >= MAX_REGIONS:
-            raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once (retired ones a batch still views count)")
+            self._retired = [(ref, n) for ref, n in self._retired if ref() is not None]
+            if len(self._retired) >= MAX_REGIONS or sum(n for _, n in self._retired) > MAX_ARENA_BYTES:
+                raise WireError(f"{peer} retired {len(self._retired)} arenas that batches still view, the most a "
+                                f"consumer keeps mapped is {MAX_REGIONS} (and {MAX_ARENA_BYTES >> 40} TiB)")
+        if len(self._regions) >= MAX_REGIONS:
+            raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once")
         if not (
             0 < slots <= MAX_ARENA_SLOTS and 64 <= slot_bytes and 0 <= offset <= MAX_REGION_HEADER
             and offset % 64 == 0 and self._region_bytes + offset + slots * slot_bytes <= MAX_ARENA_BYTES
@@ -357,14 +359,13 @@ class ConsumerMapping:
         if entry is None:
             raise WireError(f"{peer} retired arena {region}, which it never sent")
         size = entry[3] + entry[1] * entry[2]
+        self._region_bytes -= size
         self._last.pop(region, None)
         try:
             entry[0].close()
         except BufferError:
             # viewed: unmapped with the last view, and counted until then
             self._retired.append((weakref.ref(entry[0]), size))
-        else:
-            self._region_bytes -= size
 
     def _region_root(self, region: int, region_slot: int, peer: str) -> tuple[np.ndarray, int]:
         """A fresh array over a region's slot, and the slot's size."""

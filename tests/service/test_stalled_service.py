@@ -15,7 +15,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+
 import blobfeed
+from blobfeed.service import consumer
 
 from .test_service import ID8, X8, FakeUnixService, batches_record
 
@@ -45,7 +48,10 @@ def _bounded(body: Callable[[], Any], within: float) -> Any:
     return out
 
 
-def test_run_and_stop_keep_their_timeouts_when_the_service_reads_no_acknowledgement(tmp_path: Path) -> None:
+def test_run_and_stop_keep_their_timeouts_when_the_service_reads_no_acknowledgement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(consumer, "ACK_SEND_S", 1.0)  # (10 s: the test would wait that long)
     service = FakeUnixService(tmp_path / "fake.sock", _flood())
     try:
         net = blobfeed.Net(None)
@@ -110,5 +116,40 @@ def test_state_dict_keeps_its_timeout_when_the_service_reads_no_request(tmp_path
         assert "does not read" in got.get("value", ""), got
         stopped = _bounded(lambda: att.stop(timeout=3.0), 10)
         assert "error" not in stopped, stopped
+    finally:
+        service.close()
+
+
+def test_an_acknowledgement_that_cannot_have_the_send_lock_in_time_ends_the_attachment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another send (the outbox thread's, waiting for room) held the lock
+    past run()'s deadline: run() raised, and the next run() returned the
+    next batch, whose cumulative acknowledgement counted the one never
+    returned.  Now the first failure ends the attachment."""
+    monkeypatch.setattr(consumer, "ACK_SEND_S", 0.2)
+    service = FakeUnixService(tmp_path / "fake.sock", _flood()[:1])
+    try:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, timeout=10) as att:
+            net.run(timeout=5)
+            held, release = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                with att._send_lock:  # (as a send waiting for room holds it)
+                    held.set()
+                    release.wait(10)
+
+            holder = threading.Thread(target=hold, daemon=True)
+            holder.start()
+            assert held.wait(10)
+            try:
+                first = _bounded(lambda: net.run(timeout=0.2), 10)
+            finally:
+                release.set()
+                holder.join(10)
+            assert isinstance(first.get("error"), blobfeed.ServiceError), first
+            after = _bounded(lambda: net.run(timeout=2), 10)
+            assert isinstance(after.get("error"), blobfeed.ServiceError), after  # no batch past the lost one
     finally:
         service.close()
