@@ -171,9 +171,12 @@ class Attachment(Attached):
         logger.info("attached to %s", self._service)
 
     def _send(self, record: dict[str, Any], within: float) -> None:
-        """Send ``record`` within ``within`` s (see :meth:`_lock_by`)."""
+        """Send ``record`` within ``within`` s (see :meth:`_lock_by`).  The
+        send lock not had in time fails this call only (the send that holds
+        it has its own deadline); the send itself timing out ends the
+        attachment (:meth:`_stalled`)."""
         deadline = time.monotonic() + within
-        self._lock_by(lambda: deadline)
+        self._lock_by(lambda: deadline, stall=False)
         try:
             self._channel.send(record, deadline=deadline)
         except TimeoutError as err:
@@ -182,7 +185,7 @@ class Attachment(Attached):
         finally:
             self._send_lock.release()
 
-    def _lock_by(self, deadline: Callable[[], float]) -> None:
+    def _lock_by(self, deadline: Callable[[], float], stall: bool = True) -> None:
         """Take the send lock by ``deadline()`` (``time.monotonic()``, asked
         only if the lock is not free at once).  Every send waits for room in
         the socket until a deadline: a service that stops reading must not
@@ -190,12 +193,15 @@ class Attachment(Attached):
 
         Raises:
             TimeoutError: another send held it until then, waiting for room:
-                the service does not read (see :meth:`_stalled`).
+                with ``stall``, the service counts as not reading (see
+                :meth:`_stalled`): an acknowledgement that cannot go ends
+                the attachment, or a later one would count its batch.
         """
         lock = self._send_lock
         if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline() - time.monotonic())):
             err = TimeoutError(f"{self._service} took nothing this consumer sent for a while: it does not read")
-            self._stalled(err)  # (without the lock: what it sets and shuts is safe so, and frees the holder)
+            if stall:
+                self._stalled(err)  # (without the lock: what it sets and shuts is safe so, and frees the holder)
             raise err
 
     def _ack_deadline(self) -> float:
@@ -626,7 +632,8 @@ class Attachment(Attached):
             if not slots or self._closed:
                 continue
             try:
-                self._send_waited({"t": "ack", "g": -1, "slots": slots}, lambda: time.monotonic() + self._timeout)
+                self._send_waited({"t": "ack", "g": -1, "slots": slots},
+                                  lambda: time.monotonic() + max(self._timeout, ACK_SEND_S))
             except OSError:
                 pass  # the receiver reports the service's end
 
@@ -649,14 +656,30 @@ class Attachment(Attached):
             ValueError: the service's source is not resumable.
             ServiceError: the service is gone or did not answer in ``timeout``.
         """
-        with self._state_lock:
-            self._state_asked += 1
-            mine = self._state_asked
         deadline = time.monotonic() + timeout
         try:
-            self._send({"t": "state"}, timeout)
+            self._lock_by(lambda: deadline, stall=False)
+        except TimeoutError:  # (another send holds the socket, with its own deadline)
+            raise ServiceError(f"{self._service} took no state request within {timeout} s") from None
+        try:
+            # numbered under the send lock: requests go out in the order of
+            # their numbers, and one that did not go has none
+            with self._state_lock:
+                self._state_asked += 1
+                mine = self._state_asked
+            try:
+                self._channel.send({"t": "state"}, deadline=deadline)
+            except BaseException:
+                with self._state_lock:
+                    self._state_asked -= 1
+                raise
+        except TimeoutError as err:
+            self._stalled(err)  # (over TCP part of it may have gone)
+            raise ServiceError(f"{self._service} is gone: {err}") from err
         except OSError as err:
             raise ServiceError(f"{self._service} is gone: {err}") from err
+        finally:
+            self._send_lock.release()
         while True:
             try:
                 number, reply = self._state_replies.get(timeout=max(0.0, deadline - time.monotonic()))

@@ -335,8 +335,9 @@ class ConsumerMapping:
         if self._retired:
             self._retired = [(ref, n) for ref, n in self._retired if ref() is not None]
             if len(self._retired) >= MAX_REGIONS or sum(n for _, n in self._retired) > MAX_ARENA_BYTES:
-                raise WireError(f"{peer} retired {len(self._retired)} arenas that batches still view, the most a "
-                                f"consumer keeps mapped is {MAX_REGIONS} (and {MAX_ARENA_BYTES >> 40} TiB)")
+                raise WireError(f"{peer} retired {len(self._retired)} arenas that batches still view: a consumer "
+                                f"keeps at most {MAX_REGIONS} such (and {MAX_ARENA_BYTES >> 40} TiB of them) mapped, "
+                                "besides the live ones")
         if len(self._regions) >= MAX_REGIONS:
             raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once")
         if not (

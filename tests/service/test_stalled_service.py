@@ -153,3 +153,43 @@ def test_an_acknowledgement_that_cannot_have_the_send_lock_in_time_ends_the_atta
             assert isinstance(after.get("error"), blobfeed.ServiceError), after  # no batch past the lost one
     finally:
         service.close()
+
+
+def test_a_state_request_that_waits_for_the_send_lock_past_its_timeout_fails_alone() -> None:
+    """Only an acknowledgement that cannot go ends the attachment: a
+    state_dict() whose short timeout passed while another send held the
+    socket (a moment, on a busy host) fails, and run() goes on.  The first
+    version ended the attachment (a review's loop of state_dict(0.01) beside
+    run() did within 0.2 s)."""
+    from blobfeed.service import FeedServer
+
+    from . import feeds
+
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None)
+    server.start()
+    try:
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=10) as att:
+            net.run(timeout=10)
+            held, release = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                with att._send_lock:
+                    held.set()
+                    release.wait(10)
+
+            holder = threading.Thread(target=hold, daemon=True)
+            holder.start()
+            assert held.wait(10)
+            try:
+                asked = _bounded(lambda: att.state_dict(timeout=0.05), 10)
+            finally:
+                release.set()
+                holder.join(10)
+            assert "took no state request within 0.05 s" in str(asked.get("error")), asked
+            assert net.run(timeout=10)["id"].size  # the attachment goes on
+            with pytest.raises(ValueError, match="not resumable|deterministic"):
+                att.state_dict(timeout=10)  # and answers (this source's state is refused, by the service)
+    finally:
+        assert server.stop()
