@@ -663,16 +663,11 @@ class Attachment(Attached):
             raise ServiceError(f"{self._service} took no state request within {timeout} s") from None
         try:
             # numbered under the send lock: requests go out in the order of
-            # their numbers, and one that did not go has none
+            # their numbers (a send that fails ends the attachment: see below)
             with self._state_lock:
                 self._state_asked += 1
                 mine = self._state_asked
-            try:
-                self._channel.send({"t": "state"}, deadline=deadline)
-            except BaseException:
-                with self._state_lock:
-                    self._state_asked -= 1
-                raise
+            self._channel.send({"t": "state"}, deadline=deadline)
         except TimeoutError as err:
             self._stalled(err)  # (over TCP part of it may have gone)
             raise ServiceError(f"{self._service} is gone: {err}") from err

@@ -332,12 +332,6 @@ class ConsumerMapping:
             raise WireError(f"{peer} sent an arena with {len(fds)} descriptors, not 1")
         if region in self._regions:
             raise WireError(f"{peer} sent arena {region} a second time")
-        if self._retired:
-            self._retired = [(ref, n) for ref, n in self._retired if ref() is not None]
-            if len(self._retired) >= MAX_REGIONS or sum(n for _, n in self._retired) > MAX_ARENA_BYTES:
-                raise WireError(f"{peer} retired {len(self._retired)} arenas that batches still view: a consumer "
-                                f"keeps at most {MAX_REGIONS} such (and {MAX_ARENA_BYTES >> 40} TiB of them) mapped, "
-                                "besides the live ones")
         if len(self._regions) >= MAX_REGIONS:
             raise WireError(f"{peer} sent more than {MAX_REGIONS} arenas at once")
         if not (
@@ -366,7 +360,12 @@ class ConsumerMapping:
             entry[0].close()
         except BufferError:
             # viewed: unmapped with the last view, and counted until then
-            self._retired.append((weakref.ref(entry[0]), size))
+            retired = self._retired = [(ref, n) for ref, n in self._retired if ref() is not None]
+            retired.append((weakref.ref(entry[0]), size))
+            if len(retired) > MAX_REGIONS or sum(n for _, n in retired) > MAX_ARENA_BYTES:
+                raise WireError(f"{peer} retired more than {MAX_REGIONS} arenas (or {MAX_ARENA_BYTES >> 40} TiB) "
+                                "that batches still view: a consumer keeps that many mapped at most, besides the "
+                                "live ones")
 
     def _region_root(self, region: int, region_slot: int, peer: str) -> tuple[np.ndarray, int]:
         """A fresh array over a region's slot, and the slot's size."""
