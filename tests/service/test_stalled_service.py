@@ -48,6 +48,26 @@ def _bounded(body: Callable[[], Any], within: float) -> Any:
     return out
 
 
+def _while_another_send_holds_the_socket(att: Any, body: Callable[[], Any]) -> Any:
+    """:func:`_bounded` ``body()`` while a thread holds the attachment's
+    send lock, as a send waiting for room in the socket holds it."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with att._send_lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    try:
+        return _bounded(body, 10)
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def test_run_and_stop_keep_their_timeouts_when_the_service_reads_no_acknowledgement(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -133,21 +153,7 @@ def test_an_acknowledgement_that_cannot_have_the_send_lock_in_time_ends_the_atta
         net = blobfeed.Net(None)
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", service.address, timeout=10) as att:
             net.run(timeout=5)
-            held, release = threading.Event(), threading.Event()
-
-            def hold() -> None:
-                with att._send_lock:  # (as a send waiting for room holds it)
-                    held.set()
-                    release.wait(10)
-
-            holder = threading.Thread(target=hold, daemon=True)
-            holder.start()
-            assert held.wait(10)
-            try:
-                first = _bounded(lambda: net.run(timeout=0.2), 10)
-            finally:
-                release.set()
-                holder.join(10)
+            first = _while_another_send_holds_the_socket(att, lambda: net.run(timeout=0.2))
             assert isinstance(first.get("error"), blobfeed.ServiceError), first
             after = _bounded(lambda: net.run(timeout=2), 10)
             assert isinstance(after.get("error"), blobfeed.ServiceError), after  # no batch past the lost one
@@ -172,21 +178,7 @@ def test_a_state_request_that_waits_for_the_send_lock_past_its_timeout_fails_alo
         net = blobfeed.Net(None)
         with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, timeout=10) as att:
             net.run(timeout=10)
-            held, release = threading.Event(), threading.Event()
-
-            def hold() -> None:
-                with att._send_lock:
-                    held.set()
-                    release.wait(10)
-
-            holder = threading.Thread(target=hold, daemon=True)
-            holder.start()
-            assert held.wait(10)
-            try:
-                asked = _bounded(lambda: att.state_dict(timeout=0.05), 10)
-            finally:
-                release.set()
-                holder.join(10)
+            asked = _while_another_send_holds_the_socket(att, lambda: att.state_dict(timeout=0.05))
             assert "took no state request within 0.05 s" in str(asked.get("error")), asked
             assert net.run(timeout=10)["id"].size  # the attachment goes on
             with pytest.raises(ValueError, match="not resumable|deterministic"):
