@@ -502,18 +502,19 @@ class Connection:
                 self._idle_acks = 0
             self._take_ack(record["g"], slots, record["waited"])
         elif kind == "state":
+            asked = record["id"]  # (an int, checked: the consumer matches it to its call)
             try:
                 state = self._state(self.source.name if self.source is not None else None)
-                reply = {"t": "state_is", "state": state, "error": None}
+                reply = {"t": "state_is", "id": asked, "state": state, "error": None}
             except (ValueError, RuntimeError) as err:
-                reply = {"t": "state_is", "state": None, "error": str(err)}
+                reply = {"t": "state_is", "id": asked, "state": None, "error": str(err)}
             try:
                 self.channel.send(reply)
             except WireError as err:
                 # too big for a record (first come: what is acknowledged past
                 # the position, fetcher states): the consumer only asked; the
                 # service's own state has no such bound
-                self.channel.send({"t": "state_is", "state": None, "error": (
+                self.channel.send({"t": "state_is", "id": asked, "state": None, "error": (
                     f"{err}: take the state from the service (FeedServer.state_dict(), "
                     "RayService.state_dict() or --state-file)")})
         elif kind == "bye":

@@ -35,8 +35,6 @@ from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_i
 __all__ = ["Attachment", "attach_source"]
 
 logger = logging.getLogger("blobfeed.service")
-#: the number of the reply that answers any state request (the service went away)
-_ANY_REQUEST = 1 << 62
 
 #: seconds stop() waits for the service to close the connection after the bye
 #: (and what the bye itself, and the one the receiver sends, may wait for room)
@@ -93,12 +91,17 @@ class Attachment(Attached):
         #: send would still succeed (TCP accepts a write after the peer closed)
         self._gone: str | None = None
         self._stopped = threading.Event()
-        #: (the number of the request it answers, the reply): the service
-        #: answers a connection's requests in order, so reply k is request k's
-        self._state_replies: queue.SimpleQueue[tuple[int, dict[str, Any]]] = queue.SimpleQueue()
-        #: state requests sent, and replies heard (under _state_lock): a reply
-        #: nobody asked for is a lie of the service's, refused (it could make
-        #: state_dict() return it, and a flood of them would pile up here)
+        #: each state request carries its number and its answer names it, so
+        #: a request interrupted before it went leaves a gap rather than every
+        #: later answer one call behind; the calls waiting, by number (under
+        #: _state_lock): a late answer to a call that gave up is dropped
+        self._state_waiting: dict[int, queue.SimpleQueue[dict[str, Any]]] = {}
+        #: the answer every call gets once the service is gone
+        self._state_gone: dict[str, Any] | None = None
+        #: the last request numbered, and the last one answered (under
+        #: _state_lock): an answer to no request asked, or out of order, is a
+        #: lie of the service's, refused (it could make state_dict() return
+        #: it, and a flood of them would pile up here)
         self._state_asked = 0
         self._state_heard = 0
         self._state_lock = threading.Lock()
@@ -391,8 +394,10 @@ class Attachment(Attached):
             logger.error("receiver of %s failed: %r", self._service, exc)
             self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
         finally:
-            self._state_replies.put((_ANY_REQUEST, {"t": "state_is", "state": None,
-                                                    "error": f"{self._service} is gone"}))
+            with self._state_lock:
+                self._state_gone = {"t": "state_is", "state": None, "error": f"{self._service} is gone"}
+                for box in self._state_waiting.values():
+                    box.put(self._state_gone)
 
     def _receive_records(self, inlet: Inlet, mapping: ConsumerMapping | StreamBuffers | None) -> None:
         while True:
@@ -642,14 +647,18 @@ class Attachment(Attached):
 
     # -- the user's side ---------------------------------------------------------------
     def _state_reply(self, record: dict[str, Any]) -> None:
-        """A ``state_is`` record: the answer to the oldest request not
-        answered yet; refused when none is outstanding."""
+        """A ``state_is`` record: the answer to the request it names, which
+        must be one asked and later than the last one answered (the service
+        answers in order); refused otherwise."""
+        number = record["id"]
         with self._state_lock:
-            if self._state_heard >= self._state_asked:
-                raise WireError(f"{self._service} sent a 'state_is' record nobody asked for")
-            self._state_heard += 1
-            number = self._state_heard
-        self._state_replies.put((number, record))
+            if not self._state_heard < number <= self._state_asked:
+                raise WireError(f"{self._service} sent a 'state_is' record nobody asked for (request {number}; "
+                                f"asked {self._state_heard + 1} to {self._state_asked})")
+            self._state_heard = number
+            box = self._state_waiting.get(number)  # (none: a call that gave up waiting)
+        if box is not None:
+            box.put(record)
 
     def state_dict(self, timeout: float = 10.0) -> dict[str, Any]:
         """The service's state (every source's position, as of what its
@@ -664,30 +673,35 @@ class Attachment(Attached):
             self._lock_by(lambda: deadline, stall=False)
         except TimeoutError:  # (another send holds the socket, with its own deadline)
             raise ServiceError(f"{self._service} took no state request within {timeout} s") from None
+        box: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        mine = 0
         try:
-            # numbered under the send lock: requests go out in the order of
-            # their numbers (a send that fails ends the attachment: see below)
-            with self._state_lock:
-                self._state_asked += 1
-                mine = self._state_asked
-            self._channel.send({"t": "state"}, deadline=deadline)
-        except TimeoutError as err:
-            self._stalled(err)  # (over TCP part of it may have gone)
-            raise ServiceError(f"{self._service} is gone: {err}") from err
-        except OSError as err:
-            raise ServiceError(f"{self._service} is gone: {err}") from err
-        finally:
-            self._send_lock.release()
-        while True:
             try:
-                number, reply = self._state_replies.get(timeout=max(0.0, deadline - time.monotonic()))
+                # numbered under the send lock: requests go out in the order
+                # of their numbers (a send that fails ends the attachment: see below)
+                with self._state_lock:
+                    self._state_asked += 1
+                    mine = self._state_asked
+                    self._state_waiting[mine] = box
+                    if self._state_gone is not None:
+                        box.put(self._state_gone)
+                self._channel.send({"t": "state", "id": mine}, deadline=deadline)
+            except TimeoutError as err:
+                self._stalled(err)  # (over TCP part of it may have gone)
+                raise ServiceError(f"{self._service} is gone: {err}") from err
+            except OSError as err:
+                raise ServiceError(f"{self._service} is gone: {err}") from err
+            finally:
+                self._send_lock.release()
+            try:
+                reply = box.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise ServiceError(f"{self._service} did not answer for its state within {timeout} s") from None
-            if number >= mine:
-                break
-            # the late answer to an earlier call that gave up waiting: not this one's
-        if number == _ANY_REQUEST:
-            self._state_replies.put((number, reply))  # the service is gone: for every later call too
+        finally:
+            with self._state_lock:
+                self._state_waiting.pop(mine, None)
+        if reply is self._state_gone:
+            raise ServiceError(reply["error"])
         if reply["error"] is not None:
             raise ValueError(reply["error"])
         return reply["state"]

@@ -34,7 +34,9 @@ __all__ = [
     "send_parts", "wire_align",
 ]
 
-#: the version a consumer and a service must share (7: on a Unix socket
+#: the version a consumer and a service must share (8: a ``state``
+#: request carries the consumer's number for it, which its ``state_is``
+#: names; 7: on a Unix socket
 #: the ``hello`` may carry a stream socket on which the consumer writes its
 #: ``ack`` records, a JSON line each (see .ackstream); 6: a batch may lie in
 #: any of several shared regions (a worker process's slots, the source's
@@ -46,7 +48,7 @@ __all__ = [
 #: lie in the source's arena, handed over once in an ``arena`` record; 2:
 #: ``batches`` carry several batches, ``ack`` is cumulative and frees
 #: slots; 1 had one record per batch, per acknowledgement and per freed slot)
-PROTOCOL = 7
+PROTOCOL = 8
 #: the alignment of each array of a batch in a slot (shared memory) and in
 #: a TCP frame's payload: array i starts at the end of array i-1 rounded up
 #: to a multiple of this, the first at 0.  Part of protocol :data:`PROTOCOL`:
@@ -357,7 +359,9 @@ _FIELDS: dict[str, dict[str, Any]] = {
     # slots are free; run() has waited this many seconds in all for this
     # attachment's batches (never less than in the consumer's last record)
     "ack": {"g": int, "slots": list, "waited": _SECONDS},
-    "state": {},
+    # the state, asked for; id: the consumer's number for this request (1, 2, ...: a
+    # request interrupted before it went leaves its number out), which the answer names
+    "state": {"id": int},
     # it leaves; run()'s wait in all, as in "ack" (its last wait, for the end, came after the last ack)
     "bye": {"waited": _SECONDS},
     # service -> consumer
@@ -379,7 +383,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "retire": {"id": int},
     "epoch_end": {"g": int, "epoch": int, "dropped": int},
     "end": {"error": (str, type(None)), "kind": str},
-    "state_is": {"state": (dict, type(None)), "error": (str, type(None))},
+    "state_is": {"id": int, "state": (dict, type(None)), "error": (str, type(None))},
 }
 
 

@@ -292,7 +292,7 @@ def test_a_consumer_that_makes_its_stream_blocking_does_not_stall_the_receiver(
         data = first + line * (n - 1)
         assert len(data) == 65536
         acks.sendall(data)
-        s.send(json.dumps({"t": "state"}).encode())
+        s.send(json.dumps({"t": "state", "id": 1}).encode())
         while True:
             record = next(records)  # (the socket's 10 s timeout bounds the wait)
             if record["t"] == "state_is":

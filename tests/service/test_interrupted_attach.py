@@ -157,3 +157,43 @@ def test_an_index_detached_is_attached_again_at_once_while_the_service_still_let
             assert att.consumer == 0
     finally:
         assert server.stop()
+
+
+def _interrupt_state_request(monkeypatch: pytest.MonkeyPatch, att: Any, *, after_it_went: bool) -> None:
+    """The attachment's next ``state`` request is interrupted by a Ctrl-C,
+    before its record went or right after; later sends are the channel's own."""
+    channel = att._channel
+    real = channel.send
+
+    def send(record: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if record.get("t") != "state":
+            return real(record, *args, **kwargs)
+        monkeypatch.setattr(channel, "send", real)
+        if after_it_went:
+            real(record, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(channel, "send", send)
+
+
+@pytest.mark.parametrize("after_it_went", [False, True], ids=["before-it-went", "after-it-went"])
+def test_a_state_request_interrupted_leaves_the_next_ones_answered(
+    server: FeedServer, monkeypatch: pytest.MonkeyPatch, after_it_went: bool
+) -> None:
+    """A Ctrl-C in ``state_dict()`` around its request's send: the next
+    calls get their own answers, and the attachment goes on.  Before, a
+    request interrupted before it went still took its number: the service's
+    answers were matched to the calls one behind from then on, and every
+    later ``state_dict()`` waited out its timeout."""
+    net, att = _attach(server)
+    try:
+        net.run(timeout=10)
+        _interrupt_state_request(monkeypatch, att, after_it_went=after_it_went)
+        with pytest.raises(KeyboardInterrupt):
+            att.state_dict(timeout=10)
+        for _ in range(3):
+            state = att.state_dict(timeout=5)
+            assert "train" in state["sources"], state
+            net.run(timeout=10)
+    finally:
+        assert att.stop()

@@ -695,7 +695,8 @@ def test_a_batch_layout_checked_once_is_still_checked_against_each_record() -> N
 
 
 def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
-    """Protocol 7 changed the records (on a Unix socket the hello may carry a
+    """Protocol 8 changed the records (a state request carries its number,
+    which the answer names; 7: on a Unix socket the hello may carry a
     stream for the consumer's acknowledgements; 6: a batch may lie in any of several
     shared regions, each named by an id; 5: the slots are offered before the
     first batch, sized by it; 4: acks carry the consumer's wait; 3: batches
@@ -703,17 +704,17 @@ def test_a_consumer_of_another_protocol_is_refused_naming_both() -> None:
     the freed slots): a peer of an older protocol is told so, not fed."""
     from blobfeed.service.wire import PROTOCOL
 
-    assert PROTOCOL == 7
+    assert PROTOCOL == 8
     with served(2) as server:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(10)
         s.connect(server.address)
-        s.send(json.dumps({"t": "hello", "protocol": 6, "source": "train", "blobs": ["id", "x"],
+        s.send(json.dumps({"t": "hello", "protocol": 7, "source": "train", "blobs": ["id", "x"],
                            "batch_size": 8, "index": None, "num": None, "pid": os.getpid()}).encode())
         reply = json.loads(s.recv(1 << 16))
         s.close()
     assert reply["t"] == "refused"
-    assert "protocol 6 (this service speaks 7): upgrade blobfeed on one side" in reply["error"]
+    assert "protocol 7 (this service speaks 8): upgrade blobfeed on one side" in reply["error"]
 
 
 def hand_hello(address: str, index: int | None = None, batch_size: int = 8) -> tuple[socket.socket, list[int]]:

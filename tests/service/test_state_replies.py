@@ -18,12 +18,12 @@ import blobfeed
 from .test_service import FakeUnixService, fake_service_error
 
 
-def _state_is(state: dict) -> bytes:
-    return json.dumps({"t": "state_is", "state": state, "error": None}).encode()
+def _state_is(state: dict, asked: int) -> bytes:
+    return json.dumps({"t": "state_is", "id": asked, "state": state, "error": None}).encode()
 
 
 def test_a_state_is_nobody_asked_for_fails_the_attachment(tmp_path: Path) -> None:
-    fake_service_error(tmp_path, [_state_is({"forged": True})], "'state_is' record nobody asked for")
+    fake_service_error(tmp_path, [_state_is({"forged": True}, 1)], "'state_is' record nobody asked for")
 
 
 class SlowFirstAnswer(FakeUnixService):
@@ -36,12 +36,13 @@ class SlowFirstAnswer(FakeUnixService):
         super().__init__(path, [])
 
     def heard(self, conn: socket.socket, data: bytes) -> None:
-        if json.loads(data).get("t") != "state":
+        record = json.loads(data)
+        if record.get("t") != "state":
             return
         self.asked += 1
         if self.asked == 1:
             assert self.late.wait(10)
-        conn.send(_state_is({"answer": self.asked}))
+        conn.send(_state_is({"answer": self.asked}, record["id"]))
 
 
 def test_the_late_answer_to_a_call_that_gave_up_is_not_the_next_call_s(tmp_path: Path) -> None:
@@ -67,3 +68,63 @@ def test_an_impossible_epoch_end_or_dtype_is_a_service_error_naming_it(
 ) -> None:
     err = fake_service_error(tmp_path, [json.dumps(record).encode()], match)
     assert "the receiver failed" not in str(err)
+
+
+class SameNumberAlways(FakeUnixService):
+    """Answers every 'state' request as if it were the first one asked."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, [])
+
+    def heard(self, conn: socket.socket, data: bytes) -> None:
+        if json.loads(data).get("t") == "state":
+            conn.send(_state_is({"answer": 1}, 1))
+
+
+def test_an_answer_naming_a_request_answered_already_fails_the_attachment(tmp_path: Path) -> None:
+    fake = SameNumberAlways(tmp_path / "fake.sock")
+    net = blobfeed.Net(None)
+    try:
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", fake.address, timeout=10) as att:
+            assert att.state_dict(timeout=10) == {"answer": 1}
+            with pytest.raises(blobfeed.ServiceError, match="is gone"):
+                att.state_dict(timeout=10)
+            with pytest.raises(blobfeed.ServiceError, match=r"nobody asked for \(request 1; asked 2 to 2\)"):
+                net.run(timeout=10)
+    finally:
+        fake.close()
+
+
+def test_state_dict_from_two_threads_at_once_gets_each_call_its_own_answer() -> None:
+    """Each call waits for the answer naming its own request: before, the
+    calls shared one queue of answers, and a call that took the other's
+    answer (a later one) left its own to be dropped as late, and the other
+    call waited out its timeout."""
+    from blobfeed.service import FeedServer
+
+    from . import feeds
+
+    server = FeedServer()
+    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None, deterministic=True,
+                        num_consumers=1)
+    with server.start():
+        net = blobfeed.Net(None)
+        with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0,
+                                    num_consumers=1, timeout=10) as att:
+            net.run(timeout=10)
+            failed: list[BaseException] = []
+
+            def ask() -> None:
+                try:
+                    for _ in range(40):
+                        assert "train" in att.state_dict(timeout=5)["sources"]
+                except BaseException as err:  # (what the test asserts on)
+                    failed.append(err)
+
+            threads = [threading.Thread(target=ask) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not any(t.is_alive() for t in threads)
+            assert not failed, failed
