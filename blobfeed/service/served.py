@@ -1,16 +1,17 @@
 """One source served to consumers in other processes.
 
 The source is wired as it would be in one process, by
-``init_data_input_workers`` on a coordinator of the service's own, into
-nets that only dequeue: one per consumer index when the source is dealt by
-index (``num_consumers=n``: with ``deterministic=True`` the dealer gives
-batch *i* to net *i mod n*, otherwise each net takes chunks as they come,
-exactly as for *n* nets in one process), else one net whose batches go to
-whichever consumer is ready first.  A consumer connection takes its
+``init_reader`` on a coordinator of the service's own, and read through
+the library's reader seam (``blobfeed.reader``): one reader without
+prefetch per consumer index when the source is dealt by index
+(``num_consumers=n``: with ``deterministic=True`` the dealer gives batch
+*i* to reader *i mod n*, otherwise each reader takes chunks as they come,
+exactly as *n* nets in one process would), else one reader whose batches go
+to whichever consumer is ready first.  A consumer connection takes its
 batches from its *outlet* (:class:`IndexOutlet`, :class:`SharedOutlet`) and
 acknowledges each one when its ``run()`` returned it; only then is the
-inner net told it returned the batch, so the source's position (its
-``state_dict``) is always as of what consumers acknowledged.
+reader told it was returned (``BatchReader.returned``), so the source's
+position (its ``state_dict``) is always as of what consumers acknowledged.
 
 What a consumer that leaves had not acknowledged is never lost: dealt by
 index, it is kept for the next consumer of that index (which must come
@@ -91,7 +92,7 @@ class End(NamedTuple):
 class Item(NamedTuple):
     """A batch or an epoch's end on its way to a consumer.
 
-    ``s``: its place in the inner net's stream (what acknowledging it
+    ``s``: its place in its reader's stream (what acknowledging it
     moves past); ``batch``: a :class:`Batch` or an :class:`EpochEnd`.
     """
 
@@ -200,7 +201,7 @@ def _dequeue(source: "ServedSource", reader: "BatchReader", timeout: float) -> A
 
 
 class IndexOutlet:
-    """The batches of one consumer index: its inner net's feed, and what an
+    """The batches of one consumer index: its reader, and what an
     earlier consumer of that index left unacknowledged (sent again first)."""
 
     def __init__(self, source: "ServedSource", index: int, feed: "BatchReader") -> None:
@@ -237,7 +238,7 @@ class IndexOutlet:
         return item
 
     def acked(self, item: Item) -> None:
-        """A consumer's ``run()`` returned ``item``: the inner net moves past it."""
+        """A consumer's ``run()`` returned ``item``: the reader's position moves past it."""
         self.feed.returned(item.batch)
 
     def left(self, unacked: list[Item]) -> None:
@@ -248,7 +249,7 @@ class IndexOutlet:
 
 
 class SharedOutlet:
-    """First come, first served: one inner net, whose batches go to whichever
+    """First come, first served: one reader, whose batches go to whichever
     consumer is ready; what a leaving consumer had not acknowledged goes to
     the others first.  Epoch ends go to every connected consumer.
 
@@ -531,7 +532,7 @@ class ServedSource:
 
     def _arena_slots(self, slot_bytes: int) -> int:
         """How many batches of ``slot_bytes`` the arena holds: what every
-        consumer's slots lend out, and what each inner net holds besides."""
+        consumer's slots lend out, and what each reader holds besides."""
         per_consumer = self.terms.slots or default_slots(slot_bytes)
         consumers = self.terms.num_consumers or ARENA_CONSUMERS
         return consumers * per_consumer + len(self.feeds) * ARENA_PER_NET + 2
