@@ -72,6 +72,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.service.socket_path": 11.12,
     "blobfeed.service.slots": 11.2,
     "blobfeed.service.arena": 11.22,
+    # what a connection lends its consumer of the shared memory its batches lie in
+    "blobfeed.service.lending": 11.24,
     "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,
     "blobfeed.service.ledger": 11.32, "blobfeed.service.admission": 11.35,
     "blobfeed.service.connection": 11.4, "blobfeed.service.server": 11.5, "blobfeed.service.consumer": 11.5,

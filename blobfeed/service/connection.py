@@ -25,22 +25,20 @@ import logging
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from ..reader import REGIONS, EpochEnd, SharedRegion
+from ..reader import EpochEnd
 from .ackstream import AckStream
-from .arena import consumer_pidfd
 from .admission import ClosureLog, RefusalLog, Refused, admit
 from .ledger import Ledger
 from .served import POLL_S, SLOTS_MAX, End, Item, IndexOutlet, ServedSource, SharedOutlet
-from .slots import MAX_REGIONS, SlotArea, StreamSlots, batch_nbytes
+from .slots import SlotArea, StreamSlots, batch_nbytes
 from .tcp import StreamChannel
-from .transport import TCP, UNIX, BatchSender
+from .transport import UNIX, BatchSender, Carrier
 from .wire import MAX_ITEMS, Channel, CheckedRecord, WireError, check, freed_slots, wire_align
 
 __all__ = ["Connection", "HANDSHAKE_S", "Refused"]
@@ -67,10 +65,11 @@ MAX_IDLE_ACKS = 64
 class Connection:
     """One consumer connected to the service.
 
-    ``tcp_peer``: the consumer's ``HOST:PORT`` when it came over TCP (the
-    connection then speaks :class:`.StreamChannel`'s frames).  Its carrier
-    (:mod:`.transport`) is chosen once, here: the channel, and the sender
-    its batches go through, are that carrier's.
+    ``carrier``: how its batches travel (:mod:`.transport`), the service's,
+    chosen once from its address: the channel, the sender its batches go
+    through and what it lends the consumer (:mod:`.lending`) are that
+    carrier's.  ``origin``: where the consumer came from, if the carrier
+    says (TCP: its ``HOST:PORT``), for messages.
     """
 
     def __init__(
@@ -80,7 +79,8 @@ class Connection:
         sources: Callable[[str], ServedSource],
         state: Callable[[str | None], dict[str, Any]],
         service: str,
-        tcp_peer: str | None = None,
+        carrier: Carrier = UNIX,
+        origin: str | None = None,
         refusals: RefusalLog | None = None,
         closures: ClosureLog | None = None,
     ) -> None:
@@ -91,12 +91,14 @@ class Connection:
         self._refusals = refusals if refusals is not None else RefusalLog()
         #: where its close for breaking the protocol is logged (the service's, shared)
         self.closures = closures if closures is not None else ClosureLog()
-        self.tcp_peer = tcp_peer
+        self.origin = origin
         #: how its batches travel
-        self.carrier = UNIX if tcp_peer is None else TCP
-        self.channel: Channel | StreamChannel = self.carrier.channel(
-            sock, f"connection {number}" if tcp_peer is None else f"connection {number} from {tcp_peer}"
+        self.carrier = carrier
+        self.channel: Channel | StreamChannel = carrier.channel(
+            sock, f"connection {number}" if origin is None else f"connection {number} from {origin}"
         )
+        #: the shared memory lent to the consumer (Unix socket), what each of its slots stands for
+        self.lending = carrier.lending(self.channel, self._kernel_pid)
         self.peer = self.channel.peer
         self.label = str(number)
         self._sources = sources
@@ -122,17 +124,6 @@ class Connection:
         self._stop_told = False
         self._sender_done = False
         self._tell_lock = threading.Lock()
-        #: per slot of the consumer's, the batch in shared memory (a worker's
-        #: slot, the source's arena) it stands for, until the consumer says
-        #: its views died: (its number, its arrays, which keep that memory's slot taken)
-        self._lent: dict[int, Any] = {}
-        #: the consumer's process, once it was sent a shared region (see _send_region)
-        self._peer_pid = 0
-        self._pidfd = -1
-        #: the shared regions the consumer was handed and not told to retire, by id
-        self._regions_sent: set[int] = set()
-        #: REGIONS.version when they were last checked against it
-        self._regions_version = REGIONS.version
         #: the seconds the consumer's run() has waited in all, as it last said (ack, bye)
         self._run_waited = 0.0
         #: the sender waits for the consumer to free slots: the receiver reads
@@ -164,7 +155,7 @@ class Connection:
             # the sender waits for slots), so a consumer that acknowledges
             # every batch wakes it a few hundred times a second, not once a
             # batch.  Over TCP a frame may come in pieces: one record a read.
-            burst = isinstance(self.channel, Channel)
+            burst = self.carrier.reads_in_bursts
             wait = 0  # recv's flags: block for the first record of a burst
             # Until the consumer's end or its bye, even once the service closed
             # the connection (a stop): what it sent before is still read, so
@@ -250,11 +241,11 @@ class Connection:
     def _next_record(self, flags: int, kinds: tuple[str, ...]) -> dict[str, Any] | None:
         """The consumer's next record, checked to be one of ``kinds``; None at
         its end.  ``flags``: ``socket.MSG_DONTWAIT`` raises
-        ``BlockingIOError`` when none is there (a Unix socket's channel)."""
+        ``BlockingIOError`` when none is there (only where records are read in bursts: a Unix socket)."""
         channel = self.channel
         while True:
             try:
-                got = channel.recv(flags) if flags and isinstance(channel, Channel) else channel.recv()
+                got = channel.recv(flags)
             except ConnectionResetError:
                 # A consumer that died with records unread (batches sent to
                 # it) resets the socket, and Linux reports the reset before
@@ -335,8 +326,8 @@ class Connection:
         self.source, self.outlet = source, outlet
         self.label = outlet.label if isinstance(outlet, IndexOutlet) else str(self.number)
         self.peer = f"consumer {self.label} of source {source.name!r} ({self._pid_text(hello['pid'])})"
-        if self.tcp_peer is not None:
-            self.peer += f" from {self.tcp_peer}"
+        if self.origin is not None:
+            self.peer += f" from {self.origin}"
         self.channel.peer = self.peer
         if self._acks is not None:
             self._acks.peer = self.peer
@@ -359,18 +350,20 @@ class Connection:
         """Who the consumer is, for messages: on the Unix socket the process
         the kernel says it is (what its hello said beside it, if that
         differs: a peer may name any process); over TCP what it said."""
-        if self.tcp_peer is not None:
-            return f"pid {said}, as it says"
         try:
-            pid = self._kernel_pid()
+            pid = self.carrier.peer_pid(self.channel.sock)
         except OSError:
+            pid = None
+        if pid is None:
             return f"pid {said}, as it says"
         return f"pid {pid}" if pid == said else f"pid {pid}; its hello said {said}"
 
     def _kernel_pid(self) -> int:
-        """The consumer's process, as the kernel says (Unix socket: SO_PEERCRED)."""
-        return struct.unpack("3i", self.channel.sock.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        """The consumer's process, as the kernel says (a carrier that knows it: Unix socket)."""
+        pid = self.carrier.peer_pid(self.channel.sock)
+        if pid is None:
+            raise OSError(f"the {self.carrier.name} carrier cannot tell its peer's process")
+        return pid
 
     def _welcome(self) -> None:
         """Welcome the consumer: its index, and the most slots it will be offered."""
@@ -481,10 +474,7 @@ class Connection:
             if self.area is None:
                 raise WireError(f"{self.peer} freed slot {slots[0]}, which it does not hold (it was offered none)")
             freed = ledger.free(slots)  # checks them first: a refused free lets go of nothing
-            lent = self._lent
-            if lent:
-                for slot in slots:
-                    lent.pop(slot, None)
+            self.lending.freed(slots)
             back = back + freed if back else freed
         if back:
             assert self.area is not None
@@ -568,14 +558,14 @@ class Connection:
         delivered = counts.delivered
         sender = self.carrier.sender(self.channel, ledger)
         # a batch that lies in shared memory (a worker process's slot, the
-        # source's arena) goes as a reference to it (Unix socket only)
-        shared = sender.shared_memory
+        # source's arena) goes as a reference to it, where the carrier lends it
+        lending = self.lending
         try:
             while not self.closed.is_set() and not self._ended and self._stopping is None:
-                if shared and REGIONS.version != self._regions_version:
+                if lending.moved():
                     # regions went (a worker replaced): what was sent of them goes first
                     delivered[self.label] += sender.flush()
-                    self._retire_regions()
+                    lending.retire_gone()
                 if pending is None:
                     if sender.pending():
                         # batches kept for one record: sent once no other is ready at once
@@ -631,34 +621,20 @@ class Connection:
                 # (kept until the acknowledgement), never a reuse
                 ledger.hold(slot)
                 g = ledger.number()
-                located = REGIONS.locate(item.batch.arrays) if shared else None
-                region_fd = -1
-                if located is not None and located[0].id not in self._regions_sent:
-                    # as many regions as the consumer maps at once, past that copied
-                    got_fd = REGIONS.dup_fd(located[0]) if len(self._regions_sent) < MAX_REGIONS else None
-                    if got_fd is None:
-                        located = None  # the region went meanwhile: copied as any batch
-                    else:
-                        region_fd = got_fd
-                if located is None:
+                loan = lending.loan(item.batch.arrays)
+                if loan is None:
                     item, meta, text = sender.write(area, slot, item)
                     ledger.record(g, item, slot, meta)
                     in_hand = None
                 else:
                     # the consumer reads it where it lies; its slot only
-                    # stands for it (the flow control), and the batch's
-                    # arrays, kept until that slot is free, keep the
-                    # region's slot taken
-                    region, r_slot, text = located
+                    # stands for it (the flow control).  Recorded first:
+                    # should the consumer be gone, the batch is
+                    # unacknowledged (dealt again), not lost
                     meta = None
-                    self._lent[slot] = (g, item.batch.arrays)
-                    text = f"{text},{r_slot},{region.id}"  # the entry's region slot and region
-                    # recorded first: should the consumer be gone, the
-                    # batch is unacknowledged (dealt again), not lost
                     ledger.record(g, item, slot, meta)
                     in_hand = None
-                    if region_fd >= 0:
-                        self._send_region(region, region_fd)
+                    text = lending.lend(loan, g, slot, item.batch.arrays)
                 sent = sender.send_batch(g, slot, item.batch.n, meta, text, item.batch.arrays, area.slot_bytes)
                 if sent:  # (most batches wait for the record that takes several)
                     delivered[self.label] += sent
@@ -680,31 +656,6 @@ class Connection:
         finally:
             if in_hand is not None:
                 self._unsent(in_hand)  # taken for the consumer, never recorded: dealt again
-
-    def _send_region(self, region: SharedRegion, fd: int) -> None:
-        """Hand the consumer a shared region (before the first batch in it;
-        ``fd`` is a duplicate of its descriptor, closed here), and keep a
-        handle on its process: slots it leaves holding stay taken until
-        that process is gone (see :meth:`.SourceArena.park`)."""
-        try:
-            if not self._peer_pid:
-                pid = self._kernel_pid()
-                self._peer_pid, self._pidfd = pid, consumer_pidfd(pid)
-            self.channel.send({"t": "arena", "id": region.id, "offset": region.offset, "slots": region.slots,
-                               "slot_bytes": region.slot_bytes}, fds=[fd])
-            self._regions_sent.add(region.id)
-        finally:
-            os.close(fd)
-
-    def _retire_regions(self) -> None:
-        """Tell the consumer to let go of the regions it was handed that are
-        gone from the index (their owner closed them); batches of them it
-        still views keep their mapping until they die."""
-        self._regions_version = REGIONS.version  # before: a removal after it is seen next time
-        live = REGIONS.live(list(self._regions_sent))
-        for gone in self._regions_sent - live:
-            self._regions_sent.discard(gone)
-            self.channel.send({"t": "retire", "id": gone})
 
     def _unsent(self, item: Item) -> None:
         """An item taken for the consumer that never reached it: it counts as unacknowledged."""
@@ -791,21 +742,10 @@ class Connection:
                 # area mapped until dealt again
                 return item._replace(batch=item.batch._replace(arrays=_copied(area.read(slot, meta))))  # type: ignore[union-attr]
 
-            unacked = ledger.hand_back(keep if isinstance(area, SlotArea) else None)
+            unacked = ledger.hand_back(keep if area is not None and area.holds_bytes else None)
             source.release(self, outlet, unacked)
             logger.info("service: %s left (%d unacknowledged)", self.peer, len(unacked))
-        # Batches its run() returned and it did not free yet: the user may
-        # still hold them (a net keeps its last batch), so their arena slots
-        # wait for the consumer's process to end.  The others (sent, never
-        # returned) are dealt again with the arena's bytes; their slots come
-        # back with the batch.
-        held = [arrays for g, arrays in self._lent.values() if g not in not_returned]
-        self._lent = {}
-        pidfd, self._pidfd = self._pidfd, -1
-        if held and source is not None:
-            source.arena.park(self._peer_pid, pidfd, held)
-        elif pidfd >= 0:
-            os.close(pidfd)
+        self.lending.leave(not_returned, source.arena.park if source is not None else None)
         if area is not None:
             area.unmap()  # unless what it left unacknowledged still views it
         if self._acks is not None:

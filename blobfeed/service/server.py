@@ -30,8 +30,8 @@ from .admission import ClosureLog, RefusalLog
 from .connection import Connection, Refused
 from .served import ARENA_CONSUMERS, DEFAULT_MAX_CONSUMERS, SLOTS_MIN, ServedSource, SourceTerms
 from .socket_path import SocketPath, bind_in_own_directory
-from .tcp import accepted, format_tcp, listen_tcp, parse_tcp
-from .transport import TCP, carrier_for
+from .tcp import listen_tcp, parse_tcp
+from .transport import RAY, TCP, UNIX, carrier_for
 from .state_file import STATE_VERSION, field_name, read_state, savable
 from .wire import MAX_SLOTS, shown
 
@@ -158,8 +158,12 @@ class FeedServer:
         #: where consumers attach: the socket's path, or ``tcp://HOST:PORT`` with the real port
         self.address: str | None = None
         #: how batches travel to its consumers, chosen once from the address (Unix socket or TCP)
-        self._tcp = self._listen is not None and carrier_for(self._listen) is TCP
-        if self._listen is not None and self._tcp:
+        self._carrier = UNIX if self._listen is None else carrier_for(self._listen)
+        if self._carrier is RAY:
+            raise ValueError(f"listen={self._listen!r}: a FeedServer listens on a Unix socket's path or on "
+                             "tcp://HOST:PORT; a ray:// address is a Ray service's (blobfeed.ray.serve_on_ray)")
+        if self._carrier is TCP:
+            assert self._listen is not None
             parse_tcp(self._listen)  # a malformed address fails here, not at start()
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -421,7 +425,7 @@ class FeedServer:
         return t
 
     def _bind(self) -> None:
-        if self._tcp:
+        if self._carrier is TCP:
             assert self._listen is not None
             self._sock, self.address = listen_tcp(self._listen)
             return
@@ -463,18 +467,15 @@ class FeedServer:
                                           self.address, str(err), ACCEPT_RETRY_S)
                 self._stopping.wait(ACCEPT_RETRY_S)
                 continue
-            tcp_peer = None
-            if self._tcp:
-                tcp_peer = format_tcp(origin[0], origin[1])[len("tcp://"):]
-                try:
-                    accepted(conn_sock)
-                except OSError:
-                    conn_sock.close()  # it went away at once
-                    handshakes.release()
-                    continue
+            try:
+                where = self._carrier.accepted(conn_sock, origin)
+            except OSError:
+                conn_sock.close()  # it went away at once
+                handshakes.release()
+                continue
             conn = Connection(
-                conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address), tcp_peer,
-                refusals=self._refusals, closures=self.closure_log,
+                conn_sock, next(self._numbers), self.source_for, self.state_dict, str(self.address),
+                self._carrier, where, refusals=self._refusals, closures=self.closure_log,
             )
             conn.on_handshake_done = handshakes.release
             with self._lock:

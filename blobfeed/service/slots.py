@@ -94,6 +94,10 @@ def batch_nbytes(arrays: Sequence[np.ndarray]) -> int:
 class _Ring:
     """Which of a connection's slots are free (the service's side).  Thread-safe."""
 
+    #: a batch written to a slot lies in the slot's memory (else its own
+    #: arrays are what is sent, and the slot is bookkeeping only)
+    holds_bytes = False
+
     def __init__(self, slots: int, slot_bytes: int) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
@@ -196,6 +200,8 @@ def layout(arrays: Sequence[np.ndarray]) -> tuple[list[list[Any]], int]:
 
 class SlotArea(_Ring):
     """The service's end of one connection's slots (shared memory).  Thread-safe."""
+
+    holds_bytes = True
 
     def __init__(self, name: str, slots: int, slot_bytes: int) -> None:
         super().__init__(slots, slot_bytes)

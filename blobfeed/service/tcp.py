@@ -251,18 +251,23 @@ class StreamChannel:
             self._send_lock.release()
 
     # -- in ------------------------------------------------------------------------------
-    def recv(self) -> tuple[dict[str, Any], list[int]] | None:
+    def recv(self, flags: int = 0) -> tuple[dict[str, Any], list[int]] | None:
         """The next record (and no descriptors: ``[]``); None at EOF between frames.
 
         Its payload, if any (``unread`` bytes), must be read with
-        :meth:`recv_payload_into` before the next ``recv``.
+        :meth:`recv_payload_into` before the next ``recv``.  ``flags`` must
+        be 0: a frame may come in pieces, so a read never stops half-way
+        for want of bytes (the carrier does not read in bursts).
 
         Raises:
+            ValueError: ``flags`` other than 0.
             WireError: a frame that is not ours, too long, announcing more
                 payload than allowed or after a kind that carries none, not
                 JSON, not an object with a string ``t``, or cut short.
             OSError: the socket failed (``socket.timeout`` included).
         """
+        if flags:
+            raise ValueError(f"a TCP channel reads whole frames only (flags {flags})")
         if self._in.closed:
             raise ConnectionError(f"the connection to {self.peer} is closed")
         if self.unread:

@@ -21,13 +21,15 @@ carrier it has.
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .lending import Lending, NoLending
 from .slots import ConsumerMapping, SlotArea, StreamBuffers, StreamSlots
-from .tcp import StreamChannel, connect_tcp
+from .tcp import StreamChannel, accepted, connect_tcp, format_tcp
 from .wire import MAX_RECORD, BatchCheck, Channel, WireError, check_slot_offer
 
 __all__ = [
@@ -55,6 +57,9 @@ class Carrier:
     #: batches go through memory both ends map (the slots' descriptor is
     #: passed, and the source's arena may be)
     shared_memory = False
+    #: the service reads a consumer's records in bursts, without blocking
+    #: past the first (``recv(socket.MSG_DONTWAIT)``; a TCP frame may come in pieces)
+    reads_in_bursts = False
 
     def connect(self, address: str, timeout: float, peer: str) -> Channel | StreamChannel:
         """A channel to the service at ``address`` (its socket's timeout: ``timeout``).
@@ -72,6 +77,29 @@ class Carrier:
     def sender(self, channel: Any, ledger: Any) -> "BatchSender":
         """What a connection's sender thread hands its batches to."""
         raise NotImplementedError(f"the {self.name} carrier has no sender")
+
+    def accepted(self, sock: socket.socket, origin: Any) -> str | None:
+        """Ready a connection the service accepted (``origin``: what
+        ``accept()`` said of the peer): where it came from, for messages,
+        if the carrier says.
+
+        Raises:
+            OSError: the peer went away at once.
+        """
+        return None
+
+    def peer_pid(self, sock: socket.socket) -> int | None:
+        """The peer's process as the kernel says, if the carrier can tell.
+
+        Raises:
+            OSError: the kernel could not say.
+        """
+        return None
+
+    def lending(self, channel: Any, peer_pid: Callable[[], int]) -> NoLending:
+        """What a connection lends its consumer of the memory its batches
+        lie in (:mod:`.lending`; ``peer_pid``: the consumer's process)."""
+        return NoLending()
 
     def consumer_slots(
         self, channel: Any, offer: dict[str, Any], fds: list[int], most: int, check: BatchCheck,
@@ -106,6 +134,7 @@ BACKLOG_RETRY_S = 0.05
 class _Unix(Carrier):
     name = "unix"
     shared_memory = True
+    reads_in_bursts = True
 
     def connect(self, address: str, timeout: float, peer: str) -> Channel:
         """Connect within ``timeout`` s.  A Unix socket whose listen backlog
@@ -135,6 +164,13 @@ class _Unix(Carrier):
     def sender(self, channel: Any, ledger: Any) -> "SlotSender":
         return SlotSender(channel, ledger)
 
+    def peer_pid(self, sock: socket.socket) -> int:
+        return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       struct.calcsize("3i")))[0])
+
+    def lending(self, channel: Any, peer_pid: Callable[[], int]) -> Lending:
+        return Lending(channel, peer_pid)
+
     def _consumer_slots(
         self, channel: Any, offer: dict[str, Any], fds: list[int], check: BatchCheck, on_free: Callable[[Any], None],
     ) -> ConsumerMapping:
@@ -155,6 +191,10 @@ class _Tcp(Carrier):
 
     def sender(self, channel: Any, ledger: Any) -> "StreamSender":
         return StreamSender(channel, ledger)
+
+    def accepted(self, sock: socket.socket, origin: Any) -> str:
+        accepted(sock)
+        return format_tcp(origin[0], origin[1])[len("tcp://"):]
 
     def _consumer_slots(
         self, channel: Any, offer: dict[str, Any], fds: list[int], check: BatchCheck, on_free: Callable[[Any], None],

@@ -392,3 +392,10 @@ def test_a_server_stopped_before_it_started_does_not_start(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="stopped before it started"):
         server.start()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_ray_address_is_refused_by_a_feed_server_naming_where_it_belongs() -> None:
+    """A ``ray://`` address names a Ray service: FeedServer refuses it at
+    once rather than binding a Unix socket at a path called ``ray:/...``."""
+    with pytest.raises(ValueError, match=r"listen='ray://feeds/train': .*blobfeed\.ray\.serve_on_ray"):
+        FeedServer(listen="ray://feeds/train")

@@ -126,11 +126,11 @@ def test_a_consumer_is_never_handed_more_regions_than_it_maps(monkeypatch: pytes
     """Found by review: with more worker processes than a consumer maps
     regions (MAX_REGIONS), every consumer failed; past the bound batches
     are copied into its slots instead."""
-    from blobfeed.service import connection, slots
+    from blobfeed.service import lending, slots
 
     # 2 workers are one too many
     monkeypatch.setattr(slots, "MAX_REGIONS", 1)  # the consumer's bound
-    monkeypatch.setattr(connection, "MAX_REGIONS", 1)  # the service's
+    monkeypatch.setattr(lending, "MAX_REGIONS", 1)  # the service's
     with whole_served(calls=3) as server:
         net = blobfeed.Net(None)
         got = []
