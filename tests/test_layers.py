@@ -231,6 +231,33 @@ def test_the_service_uses_public_names_and_the_reader_seam_only(path: Path) -> N
         if mod not in SERVICE and mod in SERVICE_MAY and n.startswith("_")
     )
     assert not private, f"{me} imports private names of the core: {private}"
+    unlisted = sorted(
+        f"{mod}.{n}" for mod, n in _imported_names(path, me)
+        if mod not in SERVICE and mod in SERVICE_MAY and n not in _exported(mod) and (mod, n) not in SERVICE_SHARED
+    )
+    assert not unlisted, (
+        f"{me} imports names the core does not export (not in their module's __all__): {unlisted}"
+    )
+
+
+def _exported(module: str) -> set[str]:
+    """A module's ``__all__``, read from its source (or its package's ``__init__.py``)."""
+    base = PKG.parent / Path(*module.split("."))
+    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+#: names the service takes from the core that its modules do not export,
+#: each a helper every layer shares, with why
+SERVICE_SHARED: dict[tuple[str, str], str] = {
+    ("blobfeed.queues", "drained"): "what a weakref callback queue holds, taken without waiting (the arena's too)",
+    ("blobfeed.errors", "release_frames"): "an error kept by a caller must not keep its frames' locals alive",
+    ("blobfeed.coordinator", "resolve_backend"): "backend='processes' made into the object whose slots "
+                                                 "the service sizes for what its consumers hold",
+}
 
 
 def test_the_service_debts_are_still_owed() -> None:
