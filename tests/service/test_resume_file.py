@@ -289,7 +289,9 @@ def test_two_saves_at_once_both_write_a_whole_state(tmp_path: Path, monkeypatch:
     renamed away under it and raised."""
     path = tmp_path / "state.json"
     server = _serving_deterministic(path)
-    inside = threading.Barrier(2, timeout=10)
+    # both saves at once meet here within milliseconds; one at a time (the
+    # fix) the first waits this long alone, then both go on
+    inside = threading.Barrier(2, timeout=2)
     fsync = os.fsync
 
     def slow_fsync(fd: int) -> None:

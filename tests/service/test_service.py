@@ -993,6 +993,8 @@ class FakeUnixService:
                     conn.send(r)
             try:
                 while (data := conn.recv(1 << 16)):
+                    if b'"bye"' in data and json.loads(data).get("t") == "bye":
+                        break  # as a service answers a bye: it closes (the consumer's stop() waits for that)
                     self.heard(conn, data)
             except OSError:
                 pass

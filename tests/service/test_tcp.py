@@ -345,8 +345,9 @@ class FakeService:
             conn.settimeout(0.1)
             while not self.done.is_set():
                 try:
-                    if not conn.recv(1 << 16):
-                        return
+                    data = conn.recv(1 << 16)
+                    if not data or b'"bye"' in data:
+                        return  # as a service answers a bye: it closes (the consumer's stop() waits for that)
                 except TimeoutError:
                     continue
                 except OSError:
