@@ -78,7 +78,10 @@ class Attachment(Attached):
             self._channel = self._carrier.connect(address, connect_timeout, self._service)
         except OSError as err:
             raise ServiceError(f"cannot attach to source {source_name!r}: no {self._service} ({err})") from err
-        self._send_lock = threading.Lock()
+        #: one send on the sockets at a time (an RLock only so that a Ctrl-C
+        #: landing right after its acquire can be told apart, as
+        #: threading.Condition tells it: never taken twice, see _lock_by)
+        self._send_lock = threading.RLock()
         #: run()'s timeout when it is given none: what a send of the outbox thread may wait
         self._timeout = timeout
         #: why the sockets were shut, a send having missed its deadline (see _stalled)
@@ -201,11 +204,27 @@ class Attachment(Attached):
                 the attachment, or a later one would count its batch.
         """
         lock = self._send_lock
-        if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline() - time.monotonic())):
-            err = TimeoutError(f"{self._service} took nothing this consumer sent for a while: it does not read")
+        if lock._is_owned():
+            # this thread holds it in a frame below (a signal handler's call
+            # in the middle of a send): it cannot be had before that frame
+            # goes on, and taking it again would put a record inside another
+            err = TimeoutError(f"{self._service}: a send of this thread is under way (a call from a signal "
+                               "handler during another): nothing more can be sent before it is done")
             if stall:
-                self._stalled(err)  # (without the lock: what it sets and shuts is safe so, and frees the holder)
+                self._stalled(err)
             raise err
+        try:
+            if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline() - time.monotonic())):
+                err = TimeoutError(f"{self._service} took nothing this consumer sent for a while: it does not read")
+                if stall:
+                    self._stalled(err)  # (without the lock: what it sets and shuts is safe so, and frees the holder)
+                raise err
+        except BaseException:
+            # a Ctrl-C right after the acquire, before this returned: the
+            # caller's finally would never release it (not held before: see above)
+            if lock._is_owned():
+                lock.release()
+            raise
 
     def _ack_deadline(self) -> float:
         """What sending an acknowledgement (or slots freed) from run() may
@@ -284,9 +303,12 @@ class Attachment(Attached):
             slots = self._freed_slots()
             # waits (for the lock, for room) as long as run() was given, and
             # ACK_SEND_S at least: run(timeout) raises within it
-            if not self._send_lock.acquire(False):  # (_lock_by's first step, inline: see below)
-                self._lock_by(self._ack_deadline)
+            lock = self._send_lock
+            if lock._is_owned():
+                self._lock_by(self._ack_deadline)  # (raises: a call inside another send)
             try:
+                if not lock.acquire(False):  # (_lock_by's first step, inline: once a batch)
+                    self._lock_by(self._ack_deadline)
                 if self._closed:
                     # stop() detached (its bye went first): an acknowledgement
                     # now would come after it, uncounted, and the batch be dealt again
@@ -320,7 +342,8 @@ class Attachment(Attached):
                 self._stalled(err)
                 raise
             finally:
-                self._send_lock.release()
+                if lock._is_owned():  # (not had: _lock_by raised; not held before: see above)
+                    lock.release()
         except OSError as err:
             raise ServiceError(
                 f"{self._service} cannot be told this batch was returned ({err}): it is not handed out "
@@ -381,6 +404,7 @@ class Attachment(Attached):
     # -- threads -----------------------------------------------------------------------
     def _receive(self) -> None:
         inlet, mapping = self.inlet, self._mapping
+        gone = f"{self._service} is gone"  # what state_dict() says from now on
         try:
             self._receive_records(inlet, mapping)
         except (WireError, ServiceError, OSError) as err:
@@ -388,14 +412,16 @@ class Attachment(Attached):
                 if self._stall is not None:  # it shut the sockets: say why, not that they closed
                     err = ServiceError(self._stall)
                 error = _bare(err if isinstance(err, ServiceError) else _named(err, self._service))
+                gone = str(error)  # (it names the service)
                 self._went_away(f"{error}: this batch is not handed out (its acknowledgement cannot be counted)")
                 self.inlet.fail(error)
         except Exception as exc:
             logger.error("receiver of %s failed: %r", self._service, exc)
+            gone = f"{self._service}: the receiver failed: {exc!r}"
             self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
         finally:
             with self._state_lock:
-                self._state_gone = {"t": "state_is", "state": None, "error": f"{self._service} is gone"}
+                self._state_gone = {"t": "state_is", "state": None, "error": gone}
                 for box in self._state_waiting.values():
                     box.put(self._state_gone)
 
@@ -652,9 +678,12 @@ class Attachment(Attached):
         answers in order); refused otherwise."""
         number = record["id"]
         with self._state_lock:
-            if not self._state_heard < number <= self._state_asked:
+            if number > self._state_asked:
                 raise WireError(f"{self._service} sent a 'state_is' record nobody asked for (request {number}; "
-                                f"asked {self._state_heard + 1} to {self._state_asked})")
+                                f"{self._state_asked} asked)")
+            if number <= self._state_heard:
+                raise WireError(f"{self._service} sent a 'state_is' record out of order (request {number}; requests "
+                                f"up to {self._state_heard} were answered, the service answers in order)")
             self._state_heard = number
             box = self._state_waiting.get(number)  # (none: a call that gave up waiting)
         if box is not None:
@@ -669,12 +698,12 @@ class Attachment(Attached):
             ServiceError: the service is gone or did not answer in ``timeout``.
         """
         deadline = time.monotonic() + timeout
+        box: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        mine = 0
         try:
             self._lock_by(lambda: deadline, stall=False)
         except TimeoutError:  # (another send holds the socket, with its own deadline)
             raise ServiceError(f"{self._service} took no state request within {timeout} s") from None
-        box: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        mine = 0
         try:
             try:
                 # numbered under the send lock: requests go out in the order
@@ -698,8 +727,9 @@ class Attachment(Attached):
             except queue.Empty:
                 raise ServiceError(f"{self._service} did not answer for its state within {timeout} s") from None
         finally:
-            with self._state_lock:
-                self._state_waiting.pop(mine, None)
+            # without the lock (one dict operation): a signal handler's call
+            # landing here would wait for ever on a lock its own thread holds
+            self._state_waiting.pop(mine, None)
         if reply is self._state_gone:
             raise ServiceError(reply["error"])
         if reply["error"] is not None:

@@ -253,9 +253,6 @@ class BatchSender:
     connection's sender) uses it.
     """
 
-    #: the source's arena, if batches may lie in it (the Unix socket's)
-    shared_memory = False
-
     def __init__(self, channel: Any, ledger: Any) -> None:
         self.channel = channel
         self.ledger = ledger
@@ -294,8 +291,6 @@ class SlotSender(BatchSender):
     :data:`FLUSH_BYTES` / a record's worth are waiting): a record, a
     syscall and a wake-up per burst rather than per batch, and never a wait
     with a batch unsent."""
-
-    shared_memory = True
 
     def __init__(self, channel: Any, ledger: Any) -> None:
         super().__init__(channel, ledger)

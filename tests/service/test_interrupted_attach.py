@@ -197,3 +197,82 @@ def test_a_state_request_interrupted_leaves_the_next_ones_answered(
             net.run(timeout=10)
     finally:
         assert att.stop()
+
+
+class _InterruptedAfterAcquire:
+    """An attachment's send lock whose next acquire() in the test's thread
+    takes the lock and is then interrupted, as a Ctrl-C landing when the
+    call returns (before its caller's ``try``) is."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+        self._thread = threading.get_ident()
+        self.armed = True
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        got = self._lock.acquire(*args, **kwargs)
+        if got and self.armed and threading.get_ident() == self._thread:
+            self.armed = False
+            raise KeyboardInterrupt
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()
+
+
+@pytest.mark.parametrize("where", ["state_dict", "run"])
+def test_a_ctrl_c_right_after_the_send_lock_was_taken_leaves_it_free(
+    server: FeedServer, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The send lock taken, then a Ctrl-C before the call that took it
+    returned: before, nothing released it, and every later send waited out
+    its time (the next state_dict() failed, run() waited 10 s and ended the
+    attachment as if the service no longer read)."""
+    net, att = _attach(server)
+    try:
+        net.run(timeout=10)
+        lock = _InterruptedAfterAcquire(att._send_lock)
+        monkeypatch.setattr(att, "_send_lock", lock)
+        with pytest.raises(KeyboardInterrupt):
+            if where == "state_dict":
+                att.state_dict(timeout=5)
+            else:
+                net.run(timeout=10)
+        assert not lock.armed
+        t0 = time.monotonic()
+        assert "train" in att.state_dict(timeout=3)["sources"]
+        net.run(timeout=3)
+        assert time.monotonic() - t0 < 3
+    finally:
+        assert att.stop()
+
+
+def test_a_state_dict_called_inside_another_s_last_step_returns(server: FeedServer) -> None:
+    """A signal handler's state_dict() landing in the last step of another
+    (its cleanup): before, that step held the state lock, which the
+    handler's call then waited for in the same thread, for ever."""
+    net, att = _attach(server)
+    try:
+        net.run(timeout=10)
+        nested: list[Any] = []
+
+        class Waiting(dict):
+            def pop(self, *args: Any) -> Any:
+                out = super().pop(*args)
+                if not nested:
+                    nested.append(None)  # (once: the nested call's own last step passes here too)
+                    nested[0] = att.state_dict(timeout=5)  # as a handler's call landing here would
+                return out
+
+        att._state_waiting = Waiting()
+        done: list[Any] = []
+        t = threading.Thread(target=lambda: done.append(att.state_dict(timeout=5)), daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "state_dict() hung"
+        assert "train" in done[0]["sources"] and "train" in nested[0]["sources"]
+    finally:
+        assert att.stop()
