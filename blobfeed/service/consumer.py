@@ -204,7 +204,7 @@ class Attachment(Attached):
                 the attachment, or a later one would count its batch.
         """
         lock = self._send_lock
-        if lock._is_owned():
+        if _held_here(lock):
             # this thread holds it in a frame below (a signal handler's call
             # in the middle of a send): it cannot be had before that frame
             # goes on, and taking it again would put a record inside another
@@ -222,7 +222,7 @@ class Attachment(Attached):
         except BaseException:
             # a Ctrl-C right after the acquire, before this returned: the
             # caller's finally would never release it (not held before: see above)
-            if lock._is_owned():
+            if _held_here(lock):
                 lock.release()
             raise
 
@@ -304,7 +304,7 @@ class Attachment(Attached):
             # waits (for the lock, for room) as long as run() was given, and
             # ACK_SEND_S at least: run(timeout) raises within it
             lock = self._send_lock
-            if lock._is_owned():
+            if _held_here(lock):
                 self._lock_by(self._ack_deadline)  # (raises: a call inside another send)
             try:
                 if not lock.acquire(False):  # (_lock_by's first step, inline: once a batch)
@@ -342,7 +342,7 @@ class Attachment(Attached):
                 self._stalled(err)
                 raise
             finally:
-                if lock._is_owned():  # (not had: _lock_by raised; not held before: see above)
+                if _held_here(lock):  # (not had: _lock_by raised; not held before: see above)
                     lock.release()
         except OSError as err:
             raise ServiceError(
@@ -900,3 +900,10 @@ def attach_source(
         net, names, batch_size, input_source_name, address, consumer_index, num_consumers,
         timeout, connect_timeout, coordinator,
     )
+
+
+def _held_here(lock: Any) -> bool:
+    """Does this thread hold ``lock`` (an RLock)?  What threading.Condition
+    asks (``RLock._is_owned``, untyped): the only way to tell a lock taken by
+    a call that a Ctrl-C cut short from one another frame holds."""
+    return bool(lock._is_owned())
