@@ -76,6 +76,8 @@ LAYERS: dict[str, int] = {
     "blobfeed.service.lending": 11.24,
     "blobfeed.service.transport": 11.25, "blobfeed.service.served": 11.3,
     "blobfeed.service.ledger": 11.32, "blobfeed.service.admission": 11.35,
+    # a consumer's state requests and their answers, by number
+    "blobfeed.service.state_requests": 11.33,
     "blobfeed.service.connection": 11.4, "blobfeed.service.server": 11.5, "blobfeed.service.consumer": 11.5,
     # the consumer end's dealer (every transport's), the consumer end over Ray (consumer.py
     # dispatches ray:// addresses down to it) and the service as a Ray actor (a FeedServer)
@@ -287,6 +289,7 @@ SERVICE_PRIVATE_OK = {
     ("blobfeed.service.ray_service", "_held_elsewhere"),  # FeedServer's, from its Ray actor
     ("blobfeed.service.ray_service", "_get"),             # its own RayService handle's
     ("blobfeed.service.ray_service", "_actor_id"),        # Ray's ActorHandle
+    ("blobfeed.service.consumer", "_is_owned"),           # threading.RLock's, as threading.Condition asks it
 }
 
 

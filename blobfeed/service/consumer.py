@@ -29,6 +29,7 @@ from ..net import Net
 from ..reader import Batch, Inlet
 from .remote import Attached, open_inlet
 from .slots import ConsumerMapping, StreamBuffers
+from .state_requests import StateRequests
 from .transport import RAY, carrier_for
 from .wire import MAX_ITEMS, MAX_SLOTS, PROTOCOL, BatchCheck, WireError, batch_items, check, send_parts
 
@@ -94,20 +95,8 @@ class Attachment(Attached):
         #: send would still succeed (TCP accepts a write after the peer closed)
         self._gone: str | None = None
         self._stopped = threading.Event()
-        #: each state request carries its number and its answer names it, so
-        #: a request interrupted before it went leaves a gap rather than every
-        #: later answer one call behind; the calls waiting, by number (under
-        #: _state_lock): a late answer to a call that gave up is dropped
-        self._state_waiting: dict[int, queue.SimpleQueue[dict[str, Any]]] = {}
-        #: the answer every call gets once the service is gone
-        self._state_gone: dict[str, Any] | None = None
-        #: the last request numbered, and the last one answered (under
-        #: _state_lock): an answer to no request asked, or out of order, is a
-        #: lie of the service's, refused (it could make state_dict() return
-        #: it, and a flood of them would pile up here)
-        self._state_asked = 0
-        self._state_heard = 0
-        self._state_lock = threading.Lock()
+        #: state_dict()'s requests and the service's answers
+        self._states = StateRequests(self._service)
         #: weakrefs of batches whose views all died (put by their callbacks:
         #: C code), None to end the outbox thread
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -155,6 +144,7 @@ class Attachment(Attached):
             self._check = BatchCheck(batch_size, len(names))
             self.consumer = welcome["consumer"]
             self._service = f"service at {address} (source {source_name!r}, consumer {self.consumer})"
+            self._states.service = self._service
             #: the slots' roots of the batches run() handed out as views (weak:
             #: alive while the user, or the net, keeps any view of one)
             self._handed: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
@@ -420,10 +410,7 @@ class Attachment(Attached):
             gone = f"{self._service}: the receiver failed: {exc!r}"
             self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
         finally:
-            with self._state_lock:
-                self._state_gone = {"t": "state_is", "state": None, "error": gone}
-                for box in self._state_waiting.values():
-                    box.put(self._state_gone)
+            self._states.gone(gone)
 
     def _receive_records(self, inlet: Inlet, mapping: ConsumerMapping | StreamBuffers | None) -> None:
         while True:
@@ -484,7 +471,7 @@ class Attachment(Attached):
                 if not inlet.end_epoch(record["epoch"], record["dropped"], record["g"]):
                     return
             elif kind == "state_is":
-                self._state_reply(record)
+                self._states.answered(record)
             else:  # end
                 if self._ended(record):
                     self._after_the_end()
@@ -525,7 +512,7 @@ class Attachment(Attached):
                     os.close(fd)
                 record = check(record, ("end", "state_is"), self._service)
                 if record["t"] == "state_is":
-                    self._state_reply(record)
+                    self._states.answered(record)
                     continue
                 self._heard_stop()
                 why = f"stopped ({record['error']})"
@@ -672,23 +659,6 @@ class Attachment(Attached):
                 pass  # the receiver reports the service's end
 
     # -- the user's side ---------------------------------------------------------------
-    def _state_reply(self, record: dict[str, Any]) -> None:
-        """A ``state_is`` record: the answer to the request it names, which
-        must be one asked and later than the last one answered (the service
-        answers in order); refused otherwise."""
-        number = record["id"]
-        with self._state_lock:
-            if number > self._state_asked:
-                raise WireError(f"{self._service} sent a 'state_is' record nobody asked for (request {number}; "
-                                f"{self._state_asked} asked)")
-            if number <= self._state_heard:
-                raise WireError(f"{self._service} sent a 'state_is' record out of order (request {number}; requests "
-                                f"up to {self._state_heard} were answered, the service answers in order)")
-            self._state_heard = number
-            box = self._state_waiting.get(number)  # (none: a call that gave up waiting)
-        if box is not None:
-            box.put(record)
-
     def state_dict(self, timeout: float = 10.0) -> dict[str, Any]:
         """The service's state (every source's position, as of what its
         consumers acknowledged), asked of the service.
@@ -698,7 +668,7 @@ class Attachment(Attached):
             ServiceError: the service is gone or did not answer in ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        box: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        box: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()  # (made before the lock is taken)
         mine = 0
         try:
             self._lock_by(lambda: deadline, stall=False)
@@ -706,14 +676,8 @@ class Attachment(Attached):
             raise ServiceError(f"{self._service} took no state request within {timeout} s") from None
         try:
             try:
-                # numbered under the send lock: requests go out in the order
-                # of their numbers (a send that fails ends the attachment: see below)
-                with self._state_lock:
-                    self._state_asked += 1
-                    mine = self._state_asked
-                    self._state_waiting[mine] = box
-                    if self._state_gone is not None:
-                        box.put(self._state_gone)
+                # numbered under the send lock (a send that fails ends the attachment: see below)
+                mine = self._states.ask(box)
                 self._channel.send({"t": "state", "id": mine}, deadline=deadline)
             except TimeoutError as err:
                 self._stalled(err)  # (over TCP part of it may have gone)
@@ -727,10 +691,8 @@ class Attachment(Attached):
             except queue.Empty:
                 raise ServiceError(f"{self._service} did not answer for its state within {timeout} s") from None
         finally:
-            # without the lock (one dict operation): a signal handler's call
-            # landing here would wait for ever on a lock its own thread holds
-            self._state_waiting.pop(mine, None)
-        if reply is self._state_gone:
+            self._states.forget(mine)
+        if self._states.is_gone(reply):
             raise ServiceError(reply["error"])
         if reply["error"] is not None:
             raise ValueError(reply["error"])

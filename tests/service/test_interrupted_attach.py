@@ -267,7 +267,7 @@ def test_a_state_dict_called_inside_another_s_last_step_returns(server: FeedServ
                     nested[0] = att.state_dict(timeout=5)  # as a handler's call landing here would
                 return out
 
-        att._state_waiting = Waiting()
+        att._states._waiting = Waiting()
         done: list[Any] = []
         t = threading.Thread(target=lambda: done.append(att.state_dict(timeout=5)), daemon=True)
         t.start()
