@@ -1039,6 +1039,8 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
     assert float(cells["S2/bare"]["batches/s"]) > 0 and cells["S2/bare"]["lost"] == "-", cells["S2/bare"]
     # S1's shortest path: its consumers took batches, and it counts no samples
     assert float(cells["S1/direct"]["batches/s"]) > 0 and cells["S1/direct"]["lost"] == "-", cells["S1/direct"]
+    # and with the least bookkeeping the service's guarantees need
+    assert float(cells["S1/ledger"]["batches/s"]) > 0 and cells["S1/ledger"]["lost"] == "-", cells["S1/ledger"]
     assert cells["attach/service"]["batches/s"] == "-" and float(cells["attach/service"]["first ms"]) > 0
     # the hand-offs: every process's CPU and context switches in the window, per batch
     top = lines.index(next(line for line in lines if line.startswith("per batch taken")))
@@ -2019,3 +2021,19 @@ def test_w7_runners_run_with_glibc_keeping_freed_memory_unless_the_caller_says(
     assert runner._child("W7", "torchmap0", 0.05) == {"MALLOC_MMAP_THRESHOLD_": want["MALLOC_MMAP_THRESHOLD_"],
                                                      "MALLOC_TRIM_THRESHOLD_": "123"}
     assert runner._child("W1", "blobfeed", 0.05) == {"MALLOC_TRIM_THRESHOLD_": "123"}
+
+
+def test_the_ledger_runner_accounts_for_every_batch_and_leaves_nothing_behind() -> None:
+    """S1's ``ledger`` runner for real, briefly: every batch a worker sent
+    was acknowledged to the ledger or is one of the two each consumer
+    holds at its end, none acknowledged unannounced; its processes and
+    files are gone after it."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    wl = workloads.WORKLOADS["S1"]
+    out = direct.run_ledger(wl, 0.3)
+    assert out["batches_per_s"] > 0 and out["delivered"] > 0, out
+    assert out["delivered"] == wl.batch * (out["acknowledged"] + out["in_flight"]), out
+    assert out["in_flight"] == wl.consumers * direct.LEDGER_HOLD and out["unknown"] == 0, out
+    assert out["service_cpu_us_per_batch"] > 0, out  # the workers' copies, and the ledger's process
+    if os.path.isdir("/dev/shm"):
+        assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("blobfeed-direct-")}

@@ -546,6 +546,11 @@ RUNNER_LEGEND = {
               "shared memory and send each one's slot straight to a consumer process (one record each way, no "
               "process or thread in between, no checks, no ledger): what the machine allows for S1 (its "
               "'service' row is the 2 workers)",
+    "ledger": "direct's path with the least the service's guarantees add to it: batch g to consumer g mod 4 (by "
+              "index), a ledger (a thread of the measuring process) told of each batch before it goes and of "
+              "its acknowledgement, consumers holding 2 batches (run()'s and one queued) before they acknowledge "
+              "one and give its slot straight back to its worker: what a service off the batch's way could reach "
+              "(its 'service' row: the 2 workers and the ledger's process)",
     "ray": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
     "ray1": "blobfeed's fetchers as Ray actors: 1 simulated node of 2 actors",
     "ray2": "blobfeed's fetchers as Ray actors: 2 simulated nodes of 2 actors",

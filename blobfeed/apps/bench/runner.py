@@ -134,7 +134,7 @@ SERVICE_CONSUMER_S = 0.5
 #: attach: the service's start, the cycle that ends past the window (a
 #: consumer process's start, about 0.5 s) and the drain of the rest
 ATTACH_EXTRA_S = 2.9
-#: bare, direct: 4 consumer processes (the bench's modules, no pipeline)
+#: bare, direct, ledger: 4 consumer processes (the bench's modules, no pipeline)
 #: (their start, until each has had a batch), and their end
 BARE_EXTRA_S = 1.2
 #: raysplit: a local cluster, 4 actors, until each has had a block, and
@@ -211,7 +211,7 @@ def measurement_seconds(w: str, r: str, seconds: float) -> float:
         one += RAYSPLIT_EXTRA_S
     elif r == "service" and wl.consumers == 1:  # attach: no warm-up, cycles for the window
         one += ATTACH_EXTRA_S - WARMUP_S
-    elif r in ("bare", "direct"):
+    elif r in ("bare", "direct", "ledger"):
         one += BARE_EXTRA_S
     elif r in ("service", "pipes"):
         one += SERVICE_EXTRA_S[(r, wl.backend if r == "service" else wl.pipes_backend)]

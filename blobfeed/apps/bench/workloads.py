@@ -693,7 +693,8 @@ WORKLOADS = {
     "R2": Workload("R2", 64, ("data", "label"), W2Fetch, ("blobfeed", "ray"), "W2 through Ray beside threads",
                    needs=("ray",)),
     # the feeding service (blobfeed.service): consumer processes of one service
-    "S1": Workload("S1", 64, ("data", "label"), W2Fetch, ("service", "pipes", "direct", "copy", "copy2", "raysplit"),
+    "S1": Workload("S1", 64, ("data", "label"), W2Fetch,
+                   ("service", "pipes", "direct", "ledger", "copy", "copy2", "raysplit"),
                    "W2 from one service to 4 consumer processes", backend="processes", consumers=SERVICE_CONSUMERS,
                    pipes_backend="processes", backend_why=S1_BACKEND_WHY),
     "S2": Workload("S2", 32, ("data", "label"), W1Fetch, ("service", "pipes", "bare", "raysplit"),
