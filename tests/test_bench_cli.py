@@ -540,7 +540,8 @@ def test_the_service_workloads_are_opt_in_and_named_like_the_others() -> None:
     assert cli.parse_workloads("s1,ATTACH") == ["S1", "attach"]
     assert cli.build_parser().parse_args(["--workload", "S1"]).workloads == "S1"  # argparse takes the prefix
     assert runner._plan(service_wls, {"PIL"}) == [
-        ("S1", "service"), ("S1", "pipes"), ("S1", "direct"), ("S1", "copy"), ("S1", "copy2"), ("S2", "service"),
+        ("S1", "service"), ("S1", "pipes"), ("S1", "direct"), ("S1", "ledger"), ("S1", "copy"), ("S1", "copy2"),
+        ("S2", "service"),
         ("S2", "pipes"),
         ("S2", "bare"), ("attach", "service"),
     ]
@@ -1061,7 +1062,8 @@ def test_a_tiny_real_run_of_the_service_workloads_reports_every_row() -> None:
         assert shown and max(shown) > 0, (k, steps)
     costs = {tuple(re.split(r" {2,}", line.strip())[:2]): [float(x) for x in re.split(r" {2,}", line.strip())[2:]]
              for line in rows if not line[KEY:].startswith("  ")}
-    assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service", "S2/bare", "S1/direct")
+    assert set(costs) == {(k, who) for k in ("S1/service", "S2/service", "S8/service", "S2/bare", "S1/direct",
+                                             "S1/ledger")
                           for who in ("service", "consumer", "service + consumer")} | {
         ("S1/pipes", "consumer"), ("S2/pipes", "consumer")}, costs
     for (key, who), (ctx, cpu) in costs.items():
