@@ -2026,12 +2026,14 @@ def test_w7_runners_run_with_glibc_keeping_freed_memory_unless_the_caller_says(
 
 
 def test_the_ledger_runner_accounts_for_every_batch_and_leaves_nothing_behind() -> None:
-    """S1's ``ledger`` runner for real, briefly: every batch a worker sent
-    was acknowledged to the ledger or is one of the two each consumer
-    holds at its end, none acknowledged unannounced; its processes and
-    files are gone after it."""
+    """The ``ledger`` runner for real, briefly, with S8's eight consumers
+    (S1's four run in the tiny real run): every batch a worker sent was
+    acknowledged to the ledger or is one of the two each consumer holds at
+    its end, none acknowledged unannounced; its processes and files are
+    gone after it.  (A worker had as many slots as its four consumers held,
+    and the run hung, found by review.)"""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    wl = workloads.WORKLOADS["S1"]
+    wl = workloads.WORKLOADS["S8"]
     out = direct.run_ledger(wl, 0.3)
     assert out["batches_per_s"] > 0 and out["delivered"] > 0, out
     assert out["delivered"] == wl.batch * (out["acknowledged"] + out["in_flight"]), out

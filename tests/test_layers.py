@@ -290,6 +290,7 @@ SERVICE_PRIVATE_OK = {
     ("blobfeed.service.ray_service", "_get"),             # its own RayService handle's
     ("blobfeed.service.ray_service", "_actor_id"),        # Ray's ActorHandle
     ("blobfeed.service.consumer", "_is_owned"),           # threading.RLock's, as threading.Condition asks it
+    ("blobfeed.service.tcp", "_is_owned"),                # threading.RLock's, as threading.Condition asks it
 }
 
 

@@ -211,9 +211,12 @@ class Attachment(Attached):
                 raise err
         except BaseException:
             # a Ctrl-C right after the acquire, before this returned: the
-            # caller's finally would never release it (not held before: see above)
-            if _held_here(lock):
+            # caller's finally would never release it (not held before: see
+            # above).  One C call (a check first would be one more place for it)
+            try:
                 lock.release()
+            except RuntimeError:  # (not had)
+                pass
             raise
 
     def _ack_deadline(self) -> float:
@@ -332,8 +335,12 @@ class Attachment(Attached):
                 self._stalled(err)
                 raise
             finally:
-                if _held_here(lock):  # (not had: _lock_by raised; not held before: see above)
+                # (not held before: see above; one C call, no check first: a
+                # Ctrl-C lands when a call returns, and could between the two)
+                try:
                     lock.release()
+                except RuntimeError:  # (not had: _lock_by raised)
+                    pass
         except OSError as err:
             raise ServiceError(
                 f"{self._service} cannot be told this batch was returned ({err}): it is not handed out "
@@ -669,7 +676,6 @@ class Attachment(Attached):
         """
         deadline = time.monotonic() + timeout
         box: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()  # (made before the lock is taken)
-        mine = 0
         try:
             self._lock_by(lambda: deadline, stall=False)
         except TimeoutError:  # (another send holds the socket, with its own deadline)
@@ -677,8 +683,7 @@ class Attachment(Attached):
         try:
             try:
                 # numbered under the send lock (a send that fails ends the attachment: see below)
-                mine = self._states.ask(box)
-                self._channel.send({"t": "state", "id": mine}, deadline=deadline)
+                self._channel.send({"t": "state", "id": self._states.ask(box)}, deadline=deadline)
             except TimeoutError as err:
                 self._stalled(err)  # (over TCP part of it may have gone)
                 raise ServiceError(f"{self._service} is gone: {err}") from err
@@ -691,7 +696,7 @@ class Attachment(Attached):
             except queue.Empty:
                 raise ServiceError(f"{self._service} did not answer for its state within {timeout} s") from None
         finally:
-            self._states.forget(mine)
+            self._states.forget(box)
         if self._states.is_gone(reply):
             raise ServiceError(reply["error"])
         if reply["error"] is not None:
@@ -865,7 +870,7 @@ def attach_source(
 
 
 def _held_here(lock: Any) -> bool:
-    """Does this thread hold ``lock`` (an RLock)?  What threading.Condition
-    asks (``RLock._is_owned``, untyped): the only way to tell a lock taken by
-    a call that a Ctrl-C cut short from one another frame holds."""
+    """Does this thread hold ``lock`` (an RLock) already, a send of its own
+    under way in a frame below (a signal handler's call inside it)?  What
+    threading.Condition asks (``RLock._is_owned``, untyped)."""
     return bool(lock._is_owned())

@@ -50,11 +50,15 @@ class StateRequests:
                 box.put(self._gone)
         return number
 
-    def forget(self, number: int) -> None:
-        """The call that asked ``number`` waits no more.  Without the lock
-        (one dict operation): a signal handler's call landing here would
-        wait for ever on a lock its own thread holds."""
-        self._waiting.pop(number, None)
+    def forget(self, box: Box[dict[str, Any]]) -> None:
+        """The call whose answer goes to ``box`` waits no more (by its box:
+        a call interrupted as :meth:`ask` returned never learnt its number).
+        Without the lock: a signal handler's call landing here would wait
+        for ever on a lock its own thread holds (and :meth:`gone` reads a
+        copy of the table)."""
+        for number, waiting in list(self._waiting.items()):
+            if waiting is box:
+                self._waiting.pop(number, None)
 
     def answered(self, record: dict[str, Any]) -> None:
         """(The receiver's thread.)  A ``state_is`` record, checked (its
@@ -80,7 +84,7 @@ class StateRequests:
         """(The receiver's end.)  No answer comes from now on: ``why``."""
         with self._lock:
             self._gone = {"t": "state_is", "state": None, "error": why}
-            for box in self._waiting.values():
+            for box in list(self._waiting.values()):  # (forget() takes no lock)
                 box.put(self._gone)
 
     def is_gone(self, reply: dict[str, Any]) -> bool:

@@ -180,7 +180,10 @@ class StreamChannel:
         self.peer = peer
         self.max_payload = max_payload
         self.payload_kinds = frozenset(payload_kinds)
-        self._send_lock = threading.Lock()
+        #: one frame out at a time (an RLock only so that a send of this
+        #: thread under way, a signal handler's send inside it, is refused:
+        #: its frame would land inside the other's; never taken twice)
+        self._send_lock = threading.RLock()
         # buffered: a small record costs one system call, not three
         self._in: io.BufferedReader = sock.makefile(  # type: ignore[assignment]
             "rb", buffering=MAX_RECORD + PREFIX.size
@@ -226,29 +229,33 @@ class StreamChannel:
                 parts.append(memoryview(bytes(wire_align(size) - size)))
                 size = wire_align(size)
         head = memoryview(PREFIX.pack(MAGIC, len(data), size) + data)
-        if not wait:
-            # not a moment's wait: stop() tells every consumer in turn, and a
-            # wait per consumer whose sender is stuck adds up (0.5 s each
-            # was 16 s for 30); the sender tells it after its frame instead
-            if not self._send_lock.acquire(blocking=False):
-                raise TimeoutError(f"the connection to {self.peer} is busy sending (it does not read?)")
-            try:
+        lock = self._send_lock
+        # (RLock._is_owned, untyped: what threading.Condition asks)
+        if lock._is_owned():  # type: ignore[attr-defined]
+            raise TimeoutError(f"the connection to {self.peer} is sending in this thread already (a signal "
+                               "handler's send inside another): a frame cannot go inside a frame")
+        # The lock is taken inside the try, and released by one C call with
+        # no check first: a Ctrl-C lands when a call returns (the acquire's
+        # too), and must not leave it taken.
+        try:
+            if not wait:
+                # not a moment's wait: stop() tells every consumer in turn, and a
+                # wait per consumer whose sender is stuck adds up (0.5 s each
+                # was 16 s for 30); the sender tells it after its frame instead
+                if not lock.acquire(blocking=False):
+                    raise TimeoutError(f"the connection to {self.peer} is busy sending (it does not read?)")
                 frame = head.tobytes() + b"".join(p.tobytes() for p in parts)
                 if self.sock.send(frame, socket.MSG_DONTWAIT) != len(frame):
                     raise ConnectionError(f"{self.peer} does not read: a record was cut short")
-            finally:
-                self._send_lock.release()
-            return
-        if deadline is None:
-            with self._send_lock:
-                send_parts(self.sock, [head, *parts], None, self.peer)
-            return
-        if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"the connection to {self.peer} is busy sending (it does not read?)")
-        try:
+                return
+            if not lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"the connection to {self.peer} is busy sending (it does not read?)")
             send_parts(self.sock, [head, *parts], deadline, self.peer)
         finally:
-            self._send_lock.release()
+            try:
+                lock.release()
+            except RuntimeError:  # (not had)
+                pass
 
     # -- in ------------------------------------------------------------------------------
     def recv(self, flags: int = 0) -> tuple[dict[str, Any], list[int]] | None:

@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,3 +129,29 @@ def test_state_dict_from_two_threads_at_once_gets_each_call_its_own_answer() -> 
                 t.join(30)
             assert not any(t.is_alive() for t in threads)
             assert not failed, failed
+
+
+def test_calls_that_stop_waiting_while_the_service_s_end_is_told_all_hear_it() -> None:
+    """A caller woken by the service's end forgets its request at once, in
+    its own thread, while the receiver still tells the others: the telling
+    went over the table being changed, and raised (found by review: 49 of
+    50 trials, and the callers not told waited out their timeouts)."""
+    import queue
+
+    from blobfeed.service.state_requests import StateRequests
+
+    requests = StateRequests("service at x")
+
+    class Leaving(queue.SimpleQueue):  # type: ignore[type-arg]
+        def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+            super().put(item, block, timeout)
+            requests.forget(self)  # as the woken caller does, at once
+
+    boxes = [Leaving(), queue.SimpleQueue(), Leaving(), queue.SimpleQueue()]
+    for box in boxes:
+        requests.ask(box)
+    requests.gone("service at x is gone: it broke the protocol")
+    assert [box.get_nowait()["error"] for box in boxes] == ["service at x is gone: it broke the protocol"] * 4
+    for box in boxes:  # a call forgets its request by its box (it may not have learnt its number)
+        requests.forget(box)
+    assert not requests._waiting

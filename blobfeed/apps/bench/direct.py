@@ -19,9 +19,11 @@ fetching, the copy, the records), its ``consumer`` row the consumers.
 
 The ``ledger`` runner is the same path with the least a service that keeps
 its guarantees must add to it: batch *g* (numbered across the workers in
-turn) goes to consumer *g* mod *n* (dealing by index); each worker tells a
-ledger (a thread of the measuring process, its ``service`` row with the
-workers) what it sends where before it sends it; each consumer holds
+turn, as a lane dealer numbers them) goes to consumer *g* mod *n* (dealing
+by index: with 2 workers and 4 consumers each consumer hears from one
+worker, as with the service's ``deterministic=True``); each worker tells a
+ledger (a thread of the measuring process, whose whole CPU is in the
+``service`` row with the workers') what it sends where before it sends it; each consumer holds
 :data:`LEDGER_HOLD` batches (the one its ``run()`` returned and one queued),
 then acknowledges the oldest to the ledger and gives its slot straight back
 to its worker.  What a redesign that takes the service's threads off a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import mmap
 import os
@@ -86,6 +89,16 @@ def _layout(wl: Workload) -> tuple[list[tuple[np.dtype, tuple[int, ...], int]], 
     return layout, off
 
 
+def _slots(wl: Workload, ledger: bool) -> int:
+    """Slots of a worker's file: ``ledger``'s consumers hold LEDGER_HOLD
+    batches each, and with dealing by index a worker deals to its share of
+    them only (batch g from worker g mod 2 to consumer g mod n), so it has
+    that many more than they hold."""
+    if not ledger:
+        return DIRECT_SLOTS
+    return max(DIRECT_SLOTS, LEDGER_HOLD * -(-wl.consumers // SERVICE_WORKERS) + 4)
+
+
 def _area(where: str, worker: int) -> str:
     return os.path.join(where, f"area{worker}")
 
@@ -120,14 +133,14 @@ def _worker(wl: Workload, index: int, where: str, counts: Tally, ledger: bool = 
     layout, slot_bytes = _layout(wl)
     fetch = wl.fetcher(None)
     with open(_area(where, index), "r+b") as f:
-        area = mmap.mmap(f.fileno(), DIRECT_SLOTS * slot_bytes)
+        area = mmap.mmap(f.fileno(), _slots(wl, ledger) * slot_bytes)
     book = _connect(_ledger_address(where)) if ledger else None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.settimeout(CONSUMER_TIMEOUT_S)
     listener.bind(_address(where, index))
     listener.listen(wl.consumers)
     conns: list[socket.socket | None] = [None] * wl.consumers
-    free = list(range(DIRECT_SLOTS))
+    free = list(range(_slots(wl, ledger)))
     batches = 0
     try:
         for _ in range(wl.consumers):
@@ -167,7 +180,7 @@ def _worker(wl: Workload, index: int, where: str, counts: Tally, ledger: bool = 
             if book is None:
                 conns[batches % wl.consumers].send(RECORD.pack(slot, batches))  # type: ignore[union-attr]
             else:
-                g = batches * SERVICE_WORKERS + index  # the workers' batches in turn
+                g = batches * SERVICE_WORKERS + index  # the workers' batches in turn (as a lane dealer's)
                 book.send(SENT.pack(g, g % wl.consumers, index, slot))  # the ledger knows before it goes
                 conns[g % wl.consumers].send(RECORD.pack(slot, g))  # type: ignore[union-attr]
             batches += 1
@@ -195,9 +208,10 @@ def _consumer(wl: Workload, index: int, where: str, counts: Tally, ledger: bool 
         sock = _connect(_address(where, w))  # (the worker may not listen yet)
         sock.send(RECORD.pack(index, 0))
         with open(_area(where, w), "rb") as f:
-            areas[sock.fileno()] = mmap.mmap(f.fileno(), DIRECT_SLOTS * slot_bytes, prot=mmap.PROT_READ)
+            areas[sock.fileno()] = mmap.mmap(f.fileno(), _slots(wl, ledger) * slot_bytes, prot=mmap.PROT_READ)
         socks.append(sock)
     samples = batches = 0
+    reset: set[socket.socket] = set()
     try:
         while socks:
             ready = select.select(socks, [], [], CONSUMER_TIMEOUT_S)[0]
@@ -206,7 +220,12 @@ def _consumer(wl: Workload, index: int, where: str, counts: Tally, ledger: bool 
             for sock in ready:
                 try:
                     data = sock.recv(RECORD.size)
-                except ConnectionResetError:  # the worker stopped with acknowledgements unread
+                except ConnectionResetError:
+                    # the worker stopped with acknowledgements unread: Linux
+                    # says so before the batches it sent last, which follow
+                    if sock not in reset:
+                        reset.add(sock)
+                        continue
                     data = b""
                 if not data:
                     socks.remove(sock)
@@ -291,9 +310,15 @@ class _Ledger:
                 sock.close()
 
     def close(self) -> None:
-        """Once the workers and consumers ended: the ledger has read all they sent."""
+        """Once the workers and consumers ended: the ledger has read all they sent.
+
+        Raises:
+            RuntimeError: it did not end (a peer's socket still open).
+        """
         self._stop = True
         self._thread.join(CONSUMER_TIMEOUT_S)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the ledger did not end within {CONSUMER_TIMEOUT_S:g} s")
 
     @property
     def early(self) -> int:
@@ -335,7 +360,7 @@ def run_direct(wl: Workload, seconds: float, ledger: bool = False) -> dict[str, 
                 book = _Ledger(_ledger_address(where))
             for w in range(SERVICE_WORKERS):
                 with open(_area(where, w), "wb") as f:
-                    f.truncate(DIRECT_SLOTS * slot_bytes)
+                    f.truncate(_slots(wl, ledger) * slot_bytes)
             t_start = time.perf_counter()
             for w in range(SERVICE_WORKERS):
                 procs.start("worker", wl.id, str(w), counts.path, where, *flag)
@@ -356,7 +381,8 @@ def run_direct(wl: Workload, seconds: float, ledger: bool = False) -> dict[str, 
         procs.kill()
         counts.close()
         if book is not None:
-            book.close()
+            with contextlib.suppress(RuntimeError):  # (the run failed already: that error is the one to see)
+                book.close()
 
 
 def run_ledger(wl: Workload, seconds: float) -> dict[str, Any]:
