@@ -426,7 +426,7 @@ class BatchReader:
             deadline = t0 + limit
             hook = self.before_wait
             if hook is not None:
-                self.waiting = True  # before the hook: see Attachment._on_free
+                self.waiting = True  # before the hook: see Attachment._outbox
                 try:
                     hook()
                     return self._wait_until(deadline, limit, t0)

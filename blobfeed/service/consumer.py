@@ -37,6 +37,9 @@ __all__ = ["Attachment", "attach_source"]
 
 logger = logging.getLogger("blobfeed.service")
 
+#: seconds between the outbox thread's looks at the batches that died while
+#: the net waits: how late such a slot may go back to the service
+OUTBOX_POLL_S = 0.05
 #: seconds stop() waits for the service to close the connection after the bye
 #: (and what the bye itself, and the one the receiver sends, may wait for room)
 BYE_WAIT_S = 1.0
@@ -97,14 +100,15 @@ class Attachment(Attached):
         self._stopped = threading.Event()
         #: state_dict()'s requests and the service's answers
         self._states = StateRequests(self._service)
-        #: weakrefs of batches whose views all died (put by their callbacks:
-        #: C code), None to end the outbox thread
+        #: None to end the outbox thread
         self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        #: weakrefs of batches whose views died in the net's own thread while
-        #: it was not waiting for a batch: they go with its next
-        #: acknowledgement (or before its next wait), without waking the
-        #: outbox thread (see _on_free)
-        self._kept: collections.deque[Any] = collections.deque()
+        #: weakrefs of batches whose views all died, appended by their
+        #: callback (``deque.append``: C code, in whatever thread dropped the
+        #: last view, where a Ctrl-C lands at any Python bytecode and would
+        #: be swallowed with the slot).  They go with the net's next
+        #: acknowledgement, or before its next wait; while it waits, the
+        #: outbox thread takes them (see _outbox)
+        self._died: collections.deque[Any] = collections.deque()
         #: the thread that runs the net (it acknowledges), once known
         self._net_thread: int | None = None
         #: where the acknowledgements go on a Unix socket: a stream of their
@@ -432,7 +436,7 @@ class Attachment(Attached):
                     if mapping is not None:
                         raise WireError(f"{self._service} offered slots a second time")
                     mapping = self._mapping = self._carrier.consumer_slots(
-                        self._channel, record, fds, self._most_slots, self._check, self._on_free
+                        self._channel, record, fds, self._most_slots, self._check, self._died.append
                     )
                     continue
                 if record["t"] == "arena":
@@ -533,23 +537,6 @@ class Attachment(Attached):
             self._went_away(text)
             self.inlet.fail(ServiceError(text))
 
-    def _on_free(self, ref: Any) -> None:
-        """The last view of a batch died (``ref``'s callback, in whatever
-        thread dropped it, at any bytecode: no lock, no I/O).
-
-        Died in the net's own thread while it is not waiting for a batch
-        (the common case: ``run()`` replaced the workspace's last batch),
-        the slot is kept for that thread's next acknowledgement, or freed
-        before its next wait (:meth:`_before_wait`): no wake-up of the
-        outbox thread per batch.  Anywhere else (another thread, or the net
-        waits) the outbox thread frees it at once.  Race-free under the
-        interpreter lock: the net's thread sets ``reader.waiting`` before
-        it looks at what was kept, and this reads it after keeping."""
-        if threading.get_ident() == self._net_thread and not self.reader.waiting:
-            self._kept.append(ref)
-        else:
-            self._out.put(ref)
-
     def _hand_out(self, batch: Batch) -> Batch:
         """What ``run()`` hands out for ``batch`` (the net's thread): the
         batch itself, a view of one of the service's slots; or, when the
@@ -600,7 +587,7 @@ class Attachment(Attached):
         workers a consumer's slots are its batches' worker slots, which the
         workers wait for, so the earlier bound stays.)"""
         mapping = self._mapping
-        if not self._kept or mapping is None or self._closed:
+        if not self._died or mapping is None or self._closed:
             return
         if 2 * len(mapping.outstanding) < mapping.slots:
             return  # the service has half of them or more free: nothing waits on these
@@ -617,47 +604,36 @@ class Attachment(Attached):
         if mapping is None:
             return []  # no slots, so no batch
         slots: list[int] = []
-        kept = self._kept
-        if kept:
+        died = self._died
+        if died:
             freed = mapping.freed
-            while kept and len(slots) < MAX_ITEMS:
+            while died and len(slots) < MAX_ITEMS:
                 try:
-                    ref = kept.popleft()
+                    ref = died.popleft()  # (the net's thread or the outbox thread: each ref to one of them)
                 except IndexError:
                     break
                 slot = freed(ref)
                 if slot is not None:
                     slots.append(slot)
-        out = self._out
-        if out.empty():
-            return slots  # (the usual case: no exception raised, no more calls, per acknowledgement)
-        get, empty = out.get_nowait, out.empty
-        while len(slots) < MAX_ITEMS and not empty():
-            try:
-                ref = get()
-            except queue.Empty:
-                break  # the outbox thread took it meanwhile
-            if ref is None:
-                self._out.put(None)  # for the outbox thread: it ends
-                break
-            slot = mapping.freed(ref)
-            if slot is not None:
-                slots.append(slot)
         return slots
 
     def _outbox(self) -> None:
-        """Free the slots whose batches died (those an acknowledgement did not take along)."""
+        """Free the slots whose batches died while the net's run() waits (a
+        batch the user kept, dropped in another thread): the net's thread
+        cannot take them along meanwhile, and the service may wait for them.
+        Looked at every OUTBOX_POLL_S: what dies in the dropping thread is
+        only appended there (see ``_died``), nothing wakes this one."""
         get = self._out.get
         while True:
-            ref = get()
-            if ref is None:
-                return
-            mapping = self._mapping  # made at the "slots" record, before any batch (and so any ref)
-            if mapping is None:
-                continue  # stop() let go of it
-            slot = mapping.freed(ref)
-            slots = ([] if slot is None else [slot]) + self._freed_slots()
-            if not slots or self._closed:
+            try:
+                if get(timeout=OUTBOX_POLL_S) is None:
+                    return
+            except queue.Empty:
+                pass
+            if not self._died or not self.reader.waiting or self._closed:
+                continue  # (the net's thread takes them along with its next acknowledgement)
+            slots = self._freed_slots()
+            if not slots:
                 continue
             try:
                 self._send_waited({"t": "ack", "g": -1, "slots": slots},
