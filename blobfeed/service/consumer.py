@@ -37,9 +37,11 @@ __all__ = ["Attachment", "attach_source"]
 
 logger = logging.getLogger("blobfeed.service")
 
-#: seconds between the outbox thread's looks at the batches that died while
-#: the net waits: how late such a slot may go back to the service
-OUTBOX_POLL_S = 0.05
+#: seconds between the outbox thread's looks at the batches that died and
+#: that the net's thread did not take along: a slot dropped while run()
+#: waits goes back within one, one dropped while the user's loop is
+#: elsewhere within two
+OUTBOX_POLL_S = 0.02
 #: seconds stop() waits for the service to close the connection after the bye
 #: (and what the bye itself, and the one the receiver sends, may wait for room)
 BYE_WAIT_S = 1.0
@@ -618,20 +620,32 @@ class Attachment(Attached):
         return slots
 
     def _outbox(self) -> None:
-        """Free the slots whose batches died while the net's run() waits (a
-        batch the user kept, dropped in another thread): the net's thread
-        cannot take them along meanwhile, and the service may wait for them.
-        Looked at every OUTBOX_POLL_S: what dies in the dropping thread is
-        only appended there (see ``_died``), nothing wakes this one."""
+        """Free the slots whose batches died that the net's thread does not
+        take along soon: while its run() waits, or when the oldest of them
+        waited a whole look (the user's loop is elsewhere: it sleeps, or
+        another thread dropped batches it kept), so that the service can
+        fill them meanwhile.  Looked at every OUTBOX_POLL_S: what dies in the
+        dropping thread is only appended there (see ``_died``), nothing
+        wakes this one; a net that takes batches as they come takes them
+        along first."""
         get = self._out.get
+        died = self._died
+        oldest = None  # the oldest that died, as the last look found it
         while True:
             try:
                 if get(timeout=OUTBOX_POLL_S) is None:
                     return
             except queue.Empty:
                 pass
-            if not self._died or not self.reader.waiting or self._closed:
-                continue  # (the net's thread takes them along with its next acknowledgement)
+            try:
+                head = died[0]
+            except IndexError:
+                oldest = None
+                continue
+            if self._closed or (head is not oldest and not self.reader.waiting):
+                oldest = head  # (the net's thread takes it along with its next acknowledgement, or the next look)
+                continue
+            oldest = None
             slots = self._freed_slots()
             if not slots:
                 continue

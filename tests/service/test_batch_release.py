@@ -9,6 +9,7 @@ some 85 000 landed there in a stress run)."""
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any, Iterator
 
 import pytest
@@ -52,3 +53,26 @@ def test_dropping_a_served_batch_runs_no_python_code_in_the_dropping_thread(serv
         assert not calls, f"Python code ran where the batch was dropped: {calls}"
         for _ in range(20):  # and its slot went back (three slots, all of them needed)
             net.run(timeout=5)
+
+
+def test_batches_kept_and_dropped_elsewhere_go_back_while_the_user_s_loop_is_not_in_run(
+    server: FeedServer,
+) -> None:
+    """Two batches the user kept, dropped in another thread while its loop
+    is elsewhere (it sleeps, not in ``run()``): their slots go back to the
+    service, which fills them, without a ``run()``.  (The first form of the
+    release above kept them until the next ``run()``: the service could not
+    prefetch meanwhile, and with several consumers on one dealer starved
+    the others; found by review.)"""
+    from tests.helpers import wait_until
+
+    net = blobfeed.Net(None)
+    with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0,
+                                num_consumers=1, timeout=10) as att:
+        kept = [net.run(timeout=10) for _ in range(2)]  # views: two of the three slots
+        net.run(timeout=10)  # a third (a copy: the hand-out keeps one slot circulating)
+        dropper = threading.Thread(target=kept.clear)
+        dropper.start()
+        dropper.join(10)
+        # the service fills every slot again: three batches wait for run()
+        wait_until(lambda: att.inlet.reader.ready() >= 3, "the dropped batches' slots to go back and be filled", 5)
