@@ -185,3 +185,23 @@ def interrupt_after(monkeypatch: Any, owner: Any, name: str) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(owner, name, interrupted)
+
+
+def python_calls_during(body: Callable[[], Any]) -> list[str]:
+    """The Python functions called in this thread while ``body()`` runs
+    (``file:function``), C code not counted: what a finalizer or weak
+    reference callback would run where a Ctrl-C can land."""
+    import sys
+
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        body()
+    finally:
+        sys.setprofile(None)
+    return [c for c in calls if not c.endswith(":python_calls_during")]

@@ -53,7 +53,7 @@ from blobfeed import (
 from blobfeed.feeders import processes
 from blobfeed.feeders.child import SHM_MIN_BYTES
 
-from .helpers import WAIT, drain, sample, wait_until
+from .helpers import WAIT, drain, python_calls_during, sample, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = "train"
@@ -1142,24 +1142,14 @@ def test_dropping_a_batch_runs_no_python_code_in_the_dropping_thread(gc: blobfee
     init_data_input_workers(net, ["ids", "feat"], Endless(SHM_ROWS), SHM_ROWS, num_worker_threads=1,
                             backend=ProcessBackend(slots=4, slot_bytes=64 * 1024), coordinator=gc)
     gc.start()
-    calls: list[str] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
-
     for _ in range(20):
-        kept = net.run(timeout=WAIT)  # a whole chunk: the only views of its slot
-        net.run(timeout=WAIT)  # the net's workspace lets go of `kept`
-        if views_shared_memory(kept["feat"]):
+        kept = [net.run(timeout=WAIT)]  # a whole chunk: the only views of its slot
+        net.run(timeout=WAIT)  # the net's workspace lets go of it
+        if views_shared_memory(kept[0]["feat"]):
             break
     else:
         raise AssertionError("no batch was a view of shared memory")
-    sys.setprofile(profile)
-    try:
-        del kept
-    finally:
-        sys.setprofile(None)
+    calls = python_calls_during(kept.clear)
     assert not calls, f"Python code ran where the batch was dropped: {calls}"
     for _ in range(20):  # and the slot did go back (four slots, all of them needed)
         net.run(timeout=2.0)

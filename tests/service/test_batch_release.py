@@ -8,48 +8,32 @@ some 85 000 landed there in a stress run)."""
 
 from __future__ import annotations
 
-import sys
 import threading
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
 import blobfeed
 from blobfeed.service import FeedServer
+from tests.helpers import python_calls_during, wait_until
 
-from . import feeds
+from .test_interrupted_attach import serving_one_consumer
 
 
 @pytest.fixture
 def server() -> Iterator[FeedServer]:
-    server = FeedServer()
-    server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None, deterministic=True,
-                        num_consumers=1, slots=3)
-    server.start()
-    try:
+    with serving_one_consumer(slots=3) as server:
         yield server
-    finally:
-        assert server.stop()
 
 
 def test_dropping_a_served_batch_runs_no_python_code_in_the_dropping_thread(server: FeedServer) -> None:
     net = blobfeed.Net(None)
     with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0,
                                 num_consumers=1, timeout=10):
-        calls: list[str] = []
-
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "call":
-                calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
-
-        kept = net.run(timeout=10)
-        net.run(timeout=10)  # the net's workspace lets go of `kept`: the test's are its last views
-        assert kept["x"].base is not None  # a view of the service's memory
-        sys.setprofile(profile)
-        try:
-            del kept
-        finally:
-            sys.setprofile(None)
+        kept = [net.run(timeout=10)]
+        net.run(timeout=10)  # the net's workspace lets go of it: the test's are its last views
+        assert kept[0]["x"].base is not None  # a view of the service's memory
+        calls = python_calls_during(kept.clear)
         assert not calls, f"Python code ran where the batch was dropped: {calls}"
         for _ in range(20):  # and its slot went back (three slots, all of them needed)
             net.run(timeout=5)
@@ -64,8 +48,6 @@ def test_batches_kept_and_dropped_elsewhere_go_back_while_the_user_s_loop_is_not
     release above kept them until the next ``run()``: the service could not
     prefetch meanwhile, and with several consumers on one dealer starved
     the others; found by review.)"""
-    from tests.helpers import wait_until
-
     net = blobfeed.Net(None)
     with blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0,
                                 num_consumers=1, timeout=10) as att:

@@ -8,6 +8,7 @@ same exception a real SIGINT raises in the main thread at that bytecode.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Iterator
@@ -24,16 +25,25 @@ from tests.helpers import fds_opened_since, interrupt_after, open_fds, wait_unti
 from . import feeds
 
 
-@pytest.fixture
-def server() -> Iterator[FeedServer]:
+@contextlib.contextmanager
+def serving_one_consumer(**terms: Any) -> Iterator[FeedServer]:
+    """A running service of one endless deterministic source ``train``
+    (blobs id and x, batches of 8, 2 workers) for one consumer; ``terms``:
+    more of ``serve_source``'s."""
     server = FeedServer()
     server.serve_source("train", ["id", "x"], feeds.Fetch(), 8, 2, epochs=None, deterministic=True,
-                        num_consumers=1, grace_period=60)
+                        num_consumers=1, **terms)
     server.start()
     try:
         yield server
     finally:
         assert server.stop()
+
+
+@pytest.fixture
+def server() -> Iterator[FeedServer]:
+    with serving_one_consumer(grace_period=60) as server:
+        yield server
 
 
 def _attach(server: FeedServer) -> tuple[blobfeed.Net, Any]:
