@@ -108,8 +108,9 @@ class Attachment(Attached):
         #: callback (``deque.append``: C code, in whatever thread dropped the
         #: last view, where a Ctrl-C lands at any Python bytecode and would
         #: be swallowed with the slot).  They go with the net's next
-        #: acknowledgement, or before its next wait; while it waits, the
-        #: outbox thread takes them (see _outbox)
+        #: acknowledgement, or before its next wait; those it leaves (it
+        #: waits, or the user's loop is elsewhere) the outbox thread takes
+        #: (see _outbox)
         self._died: collections.deque[Any] = collections.deque()
         #: the thread that runs the net (it acknowledges), once known
         self._net_thread: int | None = None
@@ -424,6 +425,7 @@ class Attachment(Attached):
             self.inlet.fail(_bare(ServiceError(f"{self._service}: the receiver failed: {exc!r}"), exc))
         finally:
             self._states.gone(gone)
+            self._out.put(None)  # the outbox thread ends: nothing can be sent from now on
 
     def _receive_records(self, inlet: Inlet, mapping: ConsumerMapping | StreamBuffers | None) -> None:
         while True:
@@ -637,9 +639,12 @@ class Attachment(Attached):
                     return
             except queue.Empty:
                 pass
+            if not died:
+                oldest = None
+                continue
             try:
                 head = died[0]
-            except IndexError:
+            except IndexError:  # (the net's thread took it meanwhile)
                 oldest = None
                 continue
             if self._closed or (head is not oldest and not self.reader.waiting):

@@ -58,3 +58,22 @@ def test_batches_kept_and_dropped_elsewhere_go_back_while_the_user_s_loop_is_not
         dropper.join(10)
         # the service fills every slot again: three batches wait for run()
         wait_until(lambda: att.inlet.reader.ready() >= 3, "the dropped batches' slots to go back and be filled", 5)
+
+
+def test_an_attachment_whose_service_went_away_leaves_no_outbox_thread_without_a_stop() -> None:
+    """The service stops and the user never calls ``stop()``: the outbox
+    thread, which looks for released batches every 0.02 s, ends with the
+    connection (it held the attachment and its mapped memory, and woke 50
+    times a second, for the life of the process; found by review)."""
+    net = blobfeed.Net(None)
+    with serving_one_consumer(slots=3) as server:
+        att = blobfeed.attach_source(net, ["id", "x"], 8, "train", server.address, consumer_index=0,
+                                     num_consumers=1, timeout=10)
+        net.run(timeout=10)
+        outbox = [t for t in threading.enumerate() if t.name.startswith("blobfeed-attach-out-")]
+        assert len(outbox) == 1
+    outbox[0].join(10)
+    assert not outbox[0].is_alive(), "the outbox thread outlived its connection"
+    with pytest.raises(blobfeed.ServiceError):
+        net.run(timeout=5)
+    assert att.stop()  # (and stop() afterwards still returns)
