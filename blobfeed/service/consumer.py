@@ -628,8 +628,9 @@ class Attachment(Attached):
         another thread dropped batches it kept), so that the service can
         fill them meanwhile.  Looked at every OUTBOX_POLL_S: what dies in the
         dropping thread is only appended there (see ``_died``), nothing
-        wakes this one; a net that takes batches as they come takes them
-        along first."""
+        wakes this one: a callback that woke it would do so once a batch,
+        where the net's acknowledgements take nearly all of them along
+        anyway; a net that takes batches as they come takes them first."""
         get = self._out.get
         died = self._died
         oldest = None  # the oldest that died, as the last look found it

@@ -182,7 +182,8 @@ class Channel:
         ``BlockingIOError`` rather than wait for room in the socket's buffer
         (a peer that does not read).  ``deadline`` (``time.monotonic()``):
         wait for room until then, then raise ``TimeoutError`` (nothing was
-        sent: a record goes whole or not at all)."""
+        sent: a record goes whole or not at all); a record with ``fds``
+        (the service's, never under a deadline) waits as ``wait`` says."""
         data = json.dumps(record, separators=(",", ":")).encode()
         if len(data) > MAX_RECORD:
             raise WireError(f"record of {len(data)} bytes to {self.peer} is over {MAX_RECORD}")
